@@ -1,0 +1,174 @@
+"""The one RoPE kernel family.
+
+Every variant is the same program with different compile-time flags:
+
+    rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1)
+    partial rotary    HALF < head size / 2, tail copied when COPY_TAIL
+    angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
+                      otherwise per-token cos/sin rows addressed by their own strides
+    M-RoPE            MROPE: 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
+    inverse           INVERSE: rotate by -angle (the backward pass)
+
+Grid: axis 0 walks tokens (up to 2^31 - 1 of them), axis 1 walks head blocks of q then of k,
+so q and k are rotated by one launch.
+
+Addressing rule (the reason this file exists): every offset that scales a program id, a head index
+or a position by a stride is computed in int64. Tokens, heads and positions are widened with
+`.to(tl.int64)` *before* any multiplication, so no product can wrap at 2^31 whatever the tensor
+size. Only in-block column offsets (`tl.arange` up to the head size) stay int32.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _section_of(i, SEC_T, SEC_H, SEC_W, MROPE: tl.constexpr):
+    """M-RoPE: which position row (0 temporal, 1 height, 2 width) drives frequency i."""
+    if MROPE == 1:
+        # chunked: [0, t) temporal, [t, t+h) height, [t+h, t+h+w) width
+        sec = (i >= SEC_T).to(tl.int32) + (i >= SEC_T + SEC_H).to(tl.int32)
+    else:
+        # interleaved (Qwen3-VL): frequencies 1, 4, 7, ... < 3h use height, 2, 5, 8, ... < 3w width
+        sec = tl.where((i % 3 == 1) & (i < 3 * SEC_H), 1, tl.where((i % 3 == 2) & (i < 3 * SEC_W), 2, 0))
+    return sec
+
+
+@triton.jit
+def _load_angles(
+    cos_ptr, sin_ptr, pos_ptr, b, s, max_pos,
+    sp_sec, sp_b, sp_s,
+    cs_sec, cs_b, cs_s, cs_col,
+    SEC_T, SEC_H, SEC_W,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr, MROPE: tl.constexpr,
+):
+    """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range)."""
+    i = tl.arange(0, HALF_PAD)
+    fmask = i < HALF
+    col = i.to(tl.int64) * cs_col
+    if HAS_POS:
+        pos_tok = pos_ptr + b * sp_b + s * sp_s          # b, s are int64
+        if MROPE == 0:
+            # a vector of the one position: scalar-and-vector masks trip the interpreter
+            p = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+        else:
+            sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
+            p0 = tl.load(pos_tok).to(tl.int64)
+            p1 = tl.load(pos_tok + sp_sec).to(tl.int64)
+            p2 = tl.load(pos_tok + 2 * sp_sec).to(tl.int64)
+            p = tl.where(sec == 0, p0, tl.where(sec == 1, p1, p2))
+        # A bad position must never address memory: the load is masked off and yields NaN.
+        valid = (p >= 0) & (p < max_pos)
+        row = p * cs_s
+        m = fmask & valid
+        c = tl.load(cos_ptr + row + col, mask=m, other=float("nan")).to(tl.float32)
+        sn = tl.load(sin_ptr + row + col, mask=m, other=float("nan")).to(tl.float32)
+    else:
+        row = b * cs_b + s * cs_s
+        if MROPE != 0:
+            sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
+            row = row + sec.to(tl.int64) * cs_sec
+        c = tl.load(cos_ptr + row + col, mask=fmask, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + row + col, mask=fmask, other=0.0).to(tl.float32)
+    return c, sn
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, o_ptr, x_tok, o_tok, sx_h, so_h, n_heads, head0, tail_len,
+    c, sn, o_scale_ptr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    SCALED: tl.constexpr,
+):
+    """Rotate heads [head0, head0 + BLOCK_H) of one token; x_tok / o_tok are int64 token offsets.
+
+    SCALED: outputs are divided by the float32 scalar at o_scale_ptr before the cast (fp8 caches).
+    """
+    h = head0 + tl.arange(0, BLOCK_H)
+    h64 = h.to(tl.int64)
+    x_row = x_ptr + x_tok + h64[:, None] * sx_h             # (BLOCK_H, 1) pointers
+    o_row = o_ptr + o_tok + h64[:, None] * so_h
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+
+    if IN_INTERLEAVED:
+        # pairs (2i, 2i+1): one contiguous (BLOCK_H, HALF, 2) load, split into even and odd lanes
+        pair = tl.arange(0, 2)[None, None, :]
+        x = tl.load(x_row[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
+        x1, x2 = tl.split(x)
+    else:
+        x1 = tl.load(x_row + i, mask=m).to(tl.float32)
+        x2 = tl.load(x_row + HALF + i, mask=m).to(tl.float32)
+
+    cb = c[None, :]
+    sb = sn[None, :]
+    if INVERSE:
+        sb = -sb
+    o1 = x1 * cb - x2 * sb
+    o2 = x2 * cb + x1 * sb
+    if SCALED:
+        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
+        o1 = o1 * inv
+        o2 = o2 * inv
+
+    out_ty = o_ptr.dtype.element_ty
+    if OUT_INTERLEAVED:
+        pair = tl.arange(0, 2)[None, None, :]
+        o = tl.join(o1, o2).to(out_ty)
+        tl.store(o_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
+    else:
+        tl.store(o_row + i, o1.to(out_ty), mask=m)
+        tl.store(o_row + HALF + i, o2.to(out_ty), mask=m)
+
+    if TAIL_PAD > 0:
+        # partial rotary, out of place: the dims past rotary_dim are copied unchanged
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (j < tail_len)
+        t = tl.load(x_row + 2 * HALF + j, mask=mt)
+        if SCALED:
+            t = t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32)
+        tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
+
+
+@triton.jit
+def rope_kernel(
+    # pointers
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
+    # sizes
+    S, n_q_heads, n_k_heads, q_tail, k_tail, max_pos, n_q_blocks,
+    # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
+    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h,
+    sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
+    sp_sec, sp_b, sp_s,
+    cs_sec, cs_b, cs_s, cs_col,
+    SEC_T, SEC_H, SEC_W,
+    # meta
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TAIL_PAD: tl.constexpr,
+    HAS_K: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
+    b = t // S
+    s = t - b * S
+
+    c, sn = _load_angles(
+        cos_ptr, sin_ptr, pos_ptr, b, s, max_pos,
+        sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
+        SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
+    )
+    if blk < n_q_blocks:
+        _rotate_heads(
+            q_ptr, qo_ptr, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h,
+            n_q_heads, blk * BLOCK_HQ, q_tail, c, sn, cos_ptr,
+            HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False,
+        )
+    elif HAS_K:
+        _rotate_heads(
+            k_ptr, ko_ptr, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h,
+            n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, cos_ptr,
+            HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False,
+        )

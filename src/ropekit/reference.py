@@ -1,0 +1,159 @@
+"""Pure-PyTorch RoPE: the CPU path and the test oracle.
+
+Written for clarity, not speed. Every function computes in float32 (float64 when given float64
+inputs, which is how tests use it as an oracle) and returns tensors in the input dtype.
+
+Conventions shared with the kernels:
+- a cos/sin table row holds `rotary_dim // 2` frequencies; the cache is `[cos | sin]` per row;
+- half-split rotation pairs dims (i, i + half); interleaved pairs (2i, 2i + 1);
+- a position outside `[0, max_position)` makes that token's rotated dims NaN (the tail is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def mrope_sections_of_frequencies(half: int, mrope_section: Sequence[int], interleaved: bool) -> torch.Tensor:
+    """For each of `half` frequencies, the index (0 t, 1 h, 2 w) of the position row that drives it."""
+    t, h, w = (int(v) for v in mrope_section)
+    i = torch.arange(half)
+    if not interleaved:
+        return (i >= t).long() + (i >= t + h).long()
+    sec = torch.zeros(half, dtype=torch.long)
+    sec[(i % 3 == 1) & (i < 3 * h)] = 1
+    sec[(i % 3 == 2) & (i < 3 * w)] = 2
+    return sec
+
+
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    out_interleaved: Optional[bool] = None,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """Rotate the first `2 * cos.shape[-1]` dims of every head of x.
+
+    x: (*T, H, D). cos, sin: broadcastable to (*T, half). Returns a new tensor in x's dtype.
+    `out_interleaved` (default: `interleaved`) picks the layout the rotated pairs are written in;
+    `inverse` rotates by the negative angle (the backward of the forward rotation).
+    """
+    if out_interleaved is None:
+        out_interleaved = interleaved
+    ct = compute_dtype(x)
+    half = cos.shape[-1]
+    rot = 2 * half
+    xr = x[..., :rot].to(ct)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+    c = cos.to(ct).unsqueeze(-2)
+    s = sin.to(ct).unsqueeze(-2)
+    if inverse:
+        s = -s
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    if out_interleaved:
+        o = torch.stack((o1, o2), dim=-1).flatten(-2)
+    else:
+        o = torch.cat((o1, o2), dim=-1)
+    return torch.cat((o.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+def angles_from_table(
+    cos_sin_cache: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    token_shape: Sequence[int],
+    *,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+):
+    """cos, sin of shape (*token_shape, rotary_dim // 2) gathered from a [cos | sin] table."""
+    rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
+    half = rot // 2
+    max_pos = cos_sin_cache.shape[0]
+    table = cos_sin_cache
+    if positions is None:
+        positions = torch.arange(token_shape[-1], device=table.device).expand(*token_shape)
+    positions = positions.long()
+    valid = (positions >= 0) & (positions < max_pos)
+    rows = table[positions.clamp(0, max_pos - 1)]                     # (..., rot)
+    cos, sin = rows[..., :half], rows[..., half:rot]
+    nan = torch.tensor(float("nan"), dtype=table.dtype, device=table.device)
+    cos = torch.where(valid.unsqueeze(-1), cos, nan)
+    sin = torch.where(valid.unsqueeze(-1), sin, nan)
+    if positions.dim() == len(token_shape) + 1:                       # M-RoPE: (3, *T)
+        sec = mrope_sections_of_frequencies(half, mrope_section, mrope_interleaved).to(table.device)
+        pick = sec.view(1, *([1] * len(token_shape)), half).expand(1, *cos.shape[1:])
+        cos = cos.gather(0, pick).squeeze(0)
+        sin = sin.gather(0, pick).squeeze(0)
+    elif mrope_section is not None and positions.dim() != len(token_shape):
+        raise ValueError("positions: expected (3, *T) for M-RoPE")
+    return cos, sin
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    inplace: bool = False,
+):
+    """Same contract as `ropekit.apply_rope` (no validation: the public op validates)."""
+    token_shape = q.shape[:-2]
+    cos, sin = angles_from_table(
+        cos_sin_cache, positions, token_shape, rotary_dim=rotary_dim,
+        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+    )
+    q_out = rotate(q, cos, sin, interleaved=interleaved)
+    k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved)
+    if inplace:
+        q.copy_(q_out)
+        if k is not None:
+            k.copy_(k_out)
+        return q, k
+    return q_out, k_out
+
+
+def apply_rope_and_store(
+    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+    *, interleaved=False, rotary_dim=None, k_scale=None, v_scale=None,
+):
+    """Oracle for the fused store: rotate q in place, rotate k, write k and v rows at their slots.
+
+    k_cache / v_cache: (num_blocks, block_size, Hk, D) or (num_slots, Hk, D). Slots < 0 are skipped.
+    fp8 caches store value / scale.
+    """
+    q_rot, k_rot = apply_rope(q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim)
+    q.copy_(q_rot)
+    slots = slot_mapping.long()
+    slots = slots[slots >= 0]
+    keep = slot_mapping.long() >= 0
+    for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v, v_scale)):
+        vals = rows[keep].float()
+        if scale is not None:
+            vals = vals / float(scale)
+        vals = vals.to(cache.dtype)
+        if cache.dim() == 4:                       # paged: (num_blocks, block_size, Hk, D)
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = vals
+        else:                                      # flat: (num_slots, Hk, D)
+            cache[slots] = vals
+    return q
+
