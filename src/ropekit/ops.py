@@ -24,6 +24,11 @@ from . import reference, validate
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 
 
+# Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
+# must fail a test, which memory that happens to be zero would hide).
+empty_like = torch.empty_like
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -33,7 +38,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int):
+def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int):
     """Compile-time tile sizes for a problem shape; cached so decode pays for it once."""
     half_pad = _next_pow2(half)
     rows = max(1, block_elems // (2 * half_pad))          # heads per program, ~block_elems elements
@@ -41,13 +46,16 @@ def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int):
     block_hk = min(_next_pow2(max(n_k, 1)), _next_pow2(rows))
     tail_pad = _next_pow2(tail) if tail > 0 else 0
     elems = max(block_hq, block_hk) * 2 * half_pad
-    num_warps = 4 if elems <= 4096 else 8
+    num_warps = warps or (4 if elems <= 4096 else 8)
     n_q_blocks = -(-n_q // block_hq)
     n_k_blocks = -(-n_k // block_hk) if n_k else 0
     return half_pad, block_hq, block_hk, tail_pad, num_warps, n_q_blocks, n_k_blocks
 
 
+# Tile size in elements per program, and a warps override: knobs for the tuning sweep
+# (benchmarks/tune_core.py); the defaults are what that sweep picked on an H200.
 _BLOCK_ELEMS = int(os.environ.get("ROPEKIT_BLOCK_ELEMS", "4096"))
+_NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
 
 
 def _token_strides(x: torch.Tensor, n_tok: int):
@@ -68,7 +76,7 @@ def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope
     n_k, d_k = (k.shape[-2], k.shape[-1]) if has_k else (0, rot)
     copy_tail = q_out.data_ptr() != q.data_ptr() and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
-    half_pad, bhq, bhk, tail_pad, num_warps, nqb, nkb = _meta(half, n_q, n_k, tail, _BLOCK_ELEMS)
+    half_pad, bhq, bhk, tail_pad, num_warps, nqb, nkb = _meta(half, n_q, n_k, tail, _BLOCK_ELEMS, _NUM_WARPS)
 
     has_pos = positions is not None
     mode = 0 if mrope is None else mrope[0]
@@ -147,8 +155,8 @@ def _rotate_op(
     cos: torch.Tensor, sin: torch.Tensor,
     interleaved: bool, out_interleaved: bool, mrope: Optional[List[int]], inverse: bool,
 ) -> List[torch.Tensor]:
-    q_out = torch.empty_like(q)
-    k_out = None if k is None else torch.empty_like(k)
+    q_out = empty_like(q)
+    k_out = None if k is None else empty_like(k)
     _run(q, k, q_out, k_out, positions, cos, sin, interleaved, out_interleaved, mrope, inverse)
     return [q_out] if k is None else [q_out, k_out]
 
@@ -212,8 +220,8 @@ def _rotate(q, k, positions, cos, sin, in_il, out_il, mrope, inplace):
     if _needs_dispatcher(q, k):
         outs = _rotate_op(q, k, positions, cos, sin, in_il, out_il, mrope, False)
         return outs[0], (outs[1] if k is not None else None)
-    q_out = torch.empty_like(q)
-    k_out = None if k is None else torch.empty_like(k)
+    q_out = empty_like(q)
+    k_out = None if k is None else empty_like(k)
     _run(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, False)
     return q_out, k_out
 

@@ -1,0 +1,142 @@
+"""Tile-size sweep and core numbers for apply_rope on one GPU (the tuning log's source).
+
+    PYTHONPATH=src python3 benchmarks/tune_core.py [--out DIR]
+
+For each workload of shared/WORKLOADS.md that apply_rope serves (W1, W2, W4, W5, W6) and each
+(block elements, warps) setting: median time (triton.testing.do_bench) and percent of the copy
+bandwidth measured in the same run. W3 (decode) is timed under CUDA-graph replay, and its host
+time per eager call with a wall clock. Prints a table; writes JSON when --out is given.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+
+import ropekit
+from ropekit import ops
+
+
+def copy_bandwidth(nbytes=2 * 2**30):
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median") * 1e-3
+    return 2 * nbytes / t
+
+
+def cache(max_pos, rot):
+    inv = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
+    return torch.cat((f.cos(), f.sin()), -1).float().cuda()
+
+
+def nbytes(*ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def workloads():
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    W = {}
+    B, S = 4, 4096
+    q = torch.randn(B, 32, S, 128, **bf).transpose(1, 2)
+    k = torch.randn(B, 8, S, 128, **bf).transpose(1, 2)
+    c = cache(S, 128)
+    W["W1 train_8b"] = (lambda q=q, k=k, c=c: ropekit.apply_rope(q, k, None, c), 2 * nbytes(q, k))
+    T = 32768
+    q = torch.randn(T, 64, 128, **bf)
+    k = torch.randn(T, 8, 128, **bf)
+    c = cache(T, 128)
+    p = torch.arange(T, device="cuda")
+    W["W2 prefill_70b"] = (lambda q=q, k=k, c=c, p=p: ropekit.apply_rope(q, k, p, c), 2 * nbytes(q, k))
+    T = 16384
+    q = torch.randn(T, 28, 128, **bf)
+    k = torch.randn(T, 4, 128, **bf)
+    c = cache(65536, 128)
+    p = torch.randint(0, 65536, (3, T), device="cuda")
+    W["W4 mrope"] = (lambda q=q, k=k, c=c, p=p: ropekit.apply_rope(q, k, p, c, mrope_section=[16, 24, 24]),
+                     2 * nbytes(q, k))
+    q = torch.randn(T, 40, 128, **bf)
+    k = torch.randn(T, 8, 128, **bf)
+    p = torch.randint(0, 65536, (T,), device="cuda")
+    W["W5 llama4"] = (lambda q=q, k=k, c=c, p=p: ropekit.apply_rope(q, k, p, c, interleaved=True), 2 * nbytes(q, k))
+    qf = torch.randn(T, 128, 192, **bf)
+    k = torch.randn(T, 1, 64, **bf)
+    c64 = cache(65536, 64)
+    W["W6 mla"] = (lambda q=qf[..., 128:], k=k, c=c64, p=p: ropekit.apply_rope(q, k, p, c, interleaved=True,
+                                                                               inplace=True),
+                   2 * (T * 128 * 64 * 2 + nbytes(k)))
+    return W
+
+
+def decode():
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(64, 32, 128, **bf)
+    k = torch.randn(64, 8, 128, **bf)
+    c = cache(65536, 128)
+    p = torch.randint(0, 65536, (64,), device="cuda")
+    fn = lambda: ropekit.apply_rope(q, k, p, c, inplace=True)  # noqa: E731
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    reps = 100
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t = triton.testing.do_bench(lambda: g.replay(), warmup=20, rep=200, return_mode="median") * 1e-3 / reps
+    return t, host
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--blocks", default="1024,2048,4096,8192")
+    ap.add_argument("--warps", default="0,2,4,8")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
+          f"torch {torch.__version__} triton {triton.__version__}")
+    W = workloads()
+    rows = []
+    for be in [int(x) for x in args.blocks.split(",")]:
+        for nw in [int(x) for x in args.warps.split(",")]:
+            ops._BLOCK_ELEMS, ops._NUM_WARPS = be, nw
+            for name, (fn, b) in W.items():
+                t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+                rows.append(dict(workload=name, block_elems=be, warps=nw, us=t * 1e6, pct=100 * b / t / bw))
+    ops._BLOCK_ELEMS, ops._NUM_WARPS = 4096, 0
+    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'us':>9s} {'% copy':>7s}")
+    for r in rows:
+        print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} {r['us']:9.1f} {r['pct']:6.1f}%")
+    best = {}
+    for r in rows:
+        if r["workload"] not in best or r["us"] < best[r["workload"]]["us"]:
+            best[r["workload"]] = r
+    print("best per workload:")
+    for r in best.values():
+        print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']}  {r['us']:8.1f} us  {r['pct']:5.1f}%")
+    t, host = decode()
+    print(f"W3 decode_b64: {t * 1e6:.2f} us per call under graph replay; host {host * 1e6:.1f} us per eager call")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tune_core.json"), "w") as f:
+            json.dump(dict(copy_bw=bw, rows=rows, w3_graph_us=t * 1e6, w3_host_us=host * 1e6), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

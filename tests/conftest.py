@@ -1,0 +1,61 @@
+"""Shared test fixtures.
+
+Without CUDA, kernels run in the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 is set here
+before ropekit imports its kernels). With CUDA, `device` also yields "cuda" (tests marked gpu).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ropekit  # noqa: E402
+from ropekit import ops  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "bigmem" in item.keywords and HAS_CUDA:
+            free, _ = torch.cuda.mem_get_info()
+            if free < 20 * 2**30:
+                item.add_marker(pytest.mark.skip(reason="needs >= 20 GB of free GPU memory"))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def make_cache(max_position, rotary_dim, *, base=10000.0, dtype=torch.float32, device="cpu"):
+    """A [cos | sin] table computed in float64."""
+    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    f = torch.arange(max_position, dtype=torch.float64)[:, None] * inv
+    return torch.cat((f.cos(), f.sin()), dim=-1).to(dtype=dtype, device=device)
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Fresh outputs come back filled with NaN, so any element the kernel skips fails the test."""
+
+    def empty_like(x, *args, **kwargs):
+        return torch.empty_like(x, *args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(ops, "empty_like", empty_like)

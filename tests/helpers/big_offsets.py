@@ -1,0 +1,90 @@
+"""Run apply_rope on views whose last element sits past 2^31 elements (run in a subprocess).
+
+torch.empty does not touch its pages, so a view with a token (or head, or table-row) stride of
+2^30 over a 4 GiB buffer costs only the few rows written. A kernel that computes any of those
+offsets in int32 wraps at 2^31 and reads or writes the wrong address (seen: a segfault).
+
+    python big_offsets.py rope      ropekit on token, head and table-row strides of 2^30: prints OK
+    python big_offsets.py control   a deliberately 32-bit copy kernel on the same view: must fail
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+STRIDE = 2**30          # below 2^31, so Triton passes it as int32: the products must be widened
+H, D = 2, 64
+
+
+def big_rows(n_rows, row_shape, dtype=torch.bfloat16, offset=0):
+    """A (n_rows, *row_shape) view with row stride 2^30 over an untouched buffer, rows filled."""
+    row = 1
+    for n in row_shape:
+        row *= n
+    buf = torch.empty((n_rows - 1) * STRIDE + row + offset, dtype=dtype)
+    strides = [STRIDE]
+    acc = 1
+    for n in reversed(row_shape):
+        strides.insert(1, acc)
+        acc *= n
+    view = buf.as_strided((n_rows, *row_shape), strides, storage_offset=offset)
+    for i in range(n_rows):
+        view[i] = torch.randn(row_shape).to(dtype)
+    return view
+
+
+def rope():
+    import ropekit
+    from ropekit import reference
+
+    def check(q, k, pos, cache, **kw):
+        rq, rk = reference.apply_rope(q.double().contiguous(), k.double().contiguous(), pos, cache.double(), **kw)
+        qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
+        for out, ref in ((qo, rq), (ko, rk)):
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"out of place: relative error {err}"
+        ropekit.apply_rope(q, k, pos, cache, inplace=True, **kw)
+        for out, ref in ((q, rq), (k, rk)):
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"in place: relative error {err}"
+
+    small_cache = torch.randn(8, D).float()
+    # token stride 2^30: token 2 starts at element 2^31
+    q = big_rows(3, (H, D))
+    k = big_rows(3, (1, D))
+    check(q, k, torch.tensor([1, 5, 7]), small_cache)
+    check(q, k, torch.tensor([1, 5, 7]), small_cache, interleaved=True)
+    # two token dims (B, S) = (3, 1), batch stride 2^30
+    check(q.unsqueeze(1), k.unsqueeze(1), torch.tensor([[0], [3], [6]]), small_cache)
+    # head stride 2^30: head 2 of the only token starts at 2^31
+    qh = big_rows(3, (D,)).unsqueeze(0)           # (1, 3, D), head stride 2^30
+    check(qh, torch.randn(1, 1, D).to(torch.bfloat16), torch.tensor([4]), small_cache)
+    # table row stride 2^30: position 2 reads row 2 at element 2^31
+    cache = big_rows(3, (D,), dtype=torch.float32)
+    check(torch.randn(3, H, D).to(torch.bfloat16), torch.randn(3, 1, D).to(torch.bfloat16),
+          torch.tensor([2, 0, 2]), cache)
+    print("OK")
+
+
+def control():
+    """The bug this guards against: offsets in int32. Must crash or give wrong rows."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_rows_32bit(x_ptr, o_ptr, stride, N: tl.constexpr):
+        row = tl.program_id(0)  # int32-ok: deliberately buggy control kernel, never shipped
+        x = tl.load(x_ptr + row * stride + tl.arange(0, N))
+        tl.store(o_ptr + row * N + tl.arange(0, N), x)
+
+    x = big_rows(3, (D,))
+    out = torch.zeros(3, D, dtype=x.dtype)
+    copy_rows_32bit[(3,)](x, out, STRIDE, N=D)
+    print("OK" if torch.equal(out[2], x[2]) else "WRONG")
+
+
+if __name__ == "__main__":
+    {"rope": rope, "control": control}[sys.argv[1]]()

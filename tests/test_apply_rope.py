@@ -1,0 +1,228 @@
+"""apply_rope against the float64 reference: every variant, layout and dtype.
+
+On CPU the real Triton kernel runs in the interpreter; on CUDA (marked gpu) it runs compiled.
+Outputs are poisoned (NaN) before each run, inputs are fresh random numbers.
+"""
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import reference
+from conftest import TOL, make_cache, rel_err
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+
+def check(q, k, positions, cache, *, dtype, **kw):
+    """Run out of place and in place; compare both with the float64 reference."""
+    q0, k0 = q.clone(), None if k is None else k.clone()
+    rq, rk = reference.apply_rope(
+        q.double(), None if k is None else k.double(), positions, cache.double(),
+        **{n: v for n, v in kw.items() if n != "inplace"},
+    )
+    qo, ko = ropekit.apply_rope(q, k, positions, cache, **kw)
+    # out of place: inputs untouched, outputs right
+    assert torch.equal(q, q0) and (k is None or torch.equal(k, k0))
+    assert qo.dtype == q.dtype and qo.shape == q.shape
+    assert rel_err(qo, rq) < TOL[dtype]
+    if k is not None:
+        assert ko.dtype == k.dtype and ko.shape == k.shape
+        assert rel_err(ko, rk) < TOL[dtype]
+    else:
+        assert ko is None
+    # in place: same values written into the inputs themselves
+    qi, ki = ropekit.apply_rope(q, k, positions, cache, inplace=True, **kw)
+    assert qi is q and ki is k
+    assert rel_err(q, rq) < TOL[dtype]
+    if k is not None:
+        assert rel_err(k, rk) < TOL[dtype]
+    # the tail past rotary_dim is kept bit for bit
+    rot = cache.shape[1]
+    assert torch.equal(qo[..., rot:], q0[..., rot:])
+    assert torch.equal(q[..., rot:], q0[..., rot:])
+
+
+SHAPES = [
+    # (T, Hq, Hk, Dq, Dk, rotary_dim)
+    (5, 4, 2, 64, 64, 64),
+    (3, 28, 4, 128, 128, 128),          # heads not a power of two
+    (2, 73, 1, 80, 80, 80),             # rotary half 40: not a power of two
+    (3, 6, 3, 96, 96, 96),
+    (2, 3, 2, 256, 256, 256),
+    (4, 5, 2, 128, 128, 64),            # partial rotary: tail kept
+    (3, 4, 1, 192, 64, 64),             # MLA-like: different head sizes for q and k
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
+def test_shapes(device, shape, interleaved):
+    T, Hq, Hk, Dq, Dk, rot = shape
+    dtype = torch.bfloat16
+    q = torch.randn(T, Hq, Dq, dtype=dtype, device=device)
+    k = torch.randn(T, Hk, Dk, dtype=dtype, device=device)
+    cache = make_cache(50, rot, device=device)
+    pos = torch.randint(0, 50, (T,), device=device)
+    check(q, k, pos, cache, dtype=dtype, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64], ids=str)
+def test_dtypes(device, dtype, table_dtype, pos_dtype):
+    q = torch.randn(4, 3, 64, dtype=dtype, device=device)
+    k = torch.randn(4, 2, 64, dtype=dtype, device=device)
+    cache = make_cache(4096, 64, dtype=table_dtype, device=device)
+    pos = torch.randint(0, 4096, (4,), dtype=pos_dtype, device=device)
+    check(q, k, pos, cache, dtype=dtype)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
+def test_two_token_dims_and_default_positions(device, interleaved):
+    B, S = 2, 5
+    q = torch.randn(B, S, 4, 64, device=device)
+    k = torch.randn(B, S, 2, 64, device=device)
+    cache = make_cache(16, 64, device=device)
+    check(q, k, None, cache, dtype=torch.float32, interleaved=interleaved)
+    pos = torch.randint(0, 16, (B, S), device=device)
+    check(q, k, pos, cache, dtype=torch.float32, interleaved=interleaved)
+    # positions with their own strides: a transposed (S, B) buffer
+    pos_t = torch.randint(0, 16, (S, B), device=device).t()
+    check(q, k, pos_t, cache, dtype=torch.float32, interleaved=interleaved)
+
+
+def test_hf_layout_views(device):
+    """q/k as HF holds them: (B, H, S, D) contiguous, passed as (B, S, H, D) transposed views."""
+    B, S, Hq, Hk, D = 2, 6, 4, 2, 64
+    q = torch.randn(B, Hq, S, D, dtype=torch.bfloat16, device=device).transpose(1, 2)
+    k = torch.randn(B, Hk, S, D, dtype=torch.bfloat16, device=device).transpose(1, 2)
+    check(q, k, None, make_cache(S, D, device=device), dtype=torch.bfloat16)
+
+
+def test_fused_qkv_views(device):
+    """q and k are slices of one (T, (Hq + 2 Hk) * D) buffer: each keeps its own strides."""
+    T, Hq, Hk, D = 5, 4, 2, 64
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, dtype=torch.float16, device=device)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+    v_before = qkv[:, (Hq + Hk) * D:].clone()
+    cache = make_cache(32, D, device=device)
+    pos = torch.randint(0, 32, (T,), device=device)
+    check(q, k, pos, cache, dtype=torch.float16)
+    assert torch.equal(qkv[:, (Hq + Hk) * D:], v_before), "v part of the fused buffer was written"
+
+
+def test_mla_strided_slice(device):
+    """DeepSeek MLA: rotate q[..., 128:] of a (T, H, 192) tensor in place, k_pe its own tensor."""
+    T, H = 4, 16
+    q = torch.randn(T, H, 192, dtype=torch.bfloat16, device=device)
+    k_pe = torch.randn(T, 1, 64, dtype=torch.bfloat16, device=device)
+    cache = make_cache(64, 64, device=device)
+    pos = torch.randint(0, 64, (T,), device=device)
+    nope = q[..., :128].clone()
+    rq, rk = reference.apply_rope(q[..., 128:].double(), k_pe.double(), pos, cache.double(), interleaved=True)
+    ropekit.apply_rope(q[..., 128:], k_pe, pos, cache, interleaved=True, inplace=True)
+    assert torch.equal(q[..., :128], nope)
+    assert rel_err(q[..., 128:], rq) < TOL[torch.bfloat16]
+    assert rel_err(k_pe, rk) < TOL[torch.bfloat16]
+
+
+def test_non_contiguous_heads_and_tokens(device):
+    """Every stride free: a head-strided, token-strided view (every other head, every other token)."""
+    base_q = torch.randn(8, 6, 64, device=device)
+    base_k = torch.randn(3, 8, 4, 96, device=device)[1].transpose(0, 0)
+    q = base_q[::2, ::2]
+    k = base_k[::2, 1::2, :64]
+    cache = make_cache(40, 64, device=device)
+    pos = torch.randint(0, 40, (4,), device=device)
+    check(q, k, pos, cache, dtype=torch.float32)
+
+
+def test_k_none(device):
+    q = torch.randn(3, 5, 64, device=device)
+    check(q, None, torch.tensor([0, 7, 3], device=device), make_cache(8, 64, device=device), dtype=torch.float32)
+
+
+def test_empty_tokens(device):
+    q = torch.randn(0, 4, 64, device=device)
+    k = torch.randn(0, 2, 64, device=device)
+    qo, ko = ropekit.apply_rope(q, k, torch.zeros(0, dtype=torch.long, device=device), make_cache(8, 64, device=device))
+    assert qo.shape == q.shape and ko.shape == k.shape
+
+
+@pytest.mark.parametrize("mrope_interleaved", [False, True], ids=["chunked", "interleaved"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
+def test_mrope(device, mrope_interleaved, interleaved):
+    T, Hq, Hk, D = 6, 4, 2, 128
+    q = torch.randn(T, Hq, D, dtype=torch.bfloat16, device=device)
+    k = torch.randn(T, Hk, D, dtype=torch.bfloat16, device=device)
+    cache = make_cache(100, D, device=device)
+    pos = torch.randint(0, 100, (3, T), device=device)
+    check(q, k, pos, cache, dtype=torch.bfloat16, interleaved=interleaved,
+          mrope_section=[16, 24, 24], mrope_interleaved=mrope_interleaved)
+
+
+@pytest.mark.parametrize("mrope_interleaved", [False, True], ids=["chunked", "interleaved"])
+def test_mrope_text_tokens_equal_plain_rope(device, mrope_interleaved):
+    """Three equal position rows reduce M-RoPE to plain RoPE."""
+    B, S, D = 2, 4, 64
+    q = torch.randn(B, S, 3, D, device=device)
+    cache = make_cache(50, D, device=device)
+    p = torch.randint(0, 50, (B, S), device=device)
+    plain, _ = ropekit.apply_rope(q, None, p, cache)
+    m, _ = ropekit.apply_rope(q, None, p.expand(3, B, S), cache, mrope_section=[8, 12, 12],
+                              mrope_interleaved=mrope_interleaved)
+    torch.testing.assert_close(m, plain, rtol=0, atol=0)
+
+
+def test_mrope_sections_select_rows(device):
+    """Each frequency follows the position row its section names (against a hand-built table)."""
+    D, half = 32, 16
+    q = torch.randn(1, 1, D, device=device, dtype=torch.float64).float()
+    cache = make_cache(64, D, device=device)
+    pos = torch.tensor([[3], [17], [41]], device=device)
+    cases = (
+        # chunked (4, 6, 6): [0, 4) t, [4, 10) h, [10, 16) w
+        (False, [4, 6, 6], [0] * 4 + [1] * 6 + [2] * 6),
+        # interleaved (8, 4, 4) as Qwen3-VL: i % 3 == 1 and i < 12 -> h, i % 3 == 2 and i < 12 -> w
+        (True, [8, 4, 4], [0, 1, 2] * 4 + [0, 0, 0, 0]),
+    )
+    for interleaved_layout, section, sec in cases:
+        rows = torch.tensor([pos[s, 0].item() for s in sec], device=device)
+        cos = cache[rows, torch.arange(half, device=device)]
+        sin = cache[rows, half + torch.arange(half, device=device)]
+        ref = reference.rotate(q.double(), cos.double()[None], sin.double()[None])
+        out, _ = ropekit.apply_rope(q, None, pos, cache, mrope_section=section,
+                                    mrope_interleaved=interleaved_layout)
+        assert rel_err(out, ref) < 1e-6
+
+
+def test_out_of_range_positions_give_nan_not_a_read(device):
+    T, H, D = 4, 3, 128
+    q = torch.randn(T, H, D, device=device)
+    cache = make_cache(16, 64, device=device)
+    pos = torch.tensor([0, 16, -1, 5], device=device)
+    out, _ = ropekit.apply_rope(q, None, pos, cache)
+    assert torch.isnan(out[1, :, :64]).all() and torch.isnan(out[2, :, :64]).all()
+    assert not torch.isnan(out[[0, 3]]).any()
+    assert torch.equal(out[..., 64:], q[..., 64:]), "the tail is kept even for a bad position"
+    ref, _ = reference.apply_rope(q[[0, 3]].double(), None, pos[[0, 3]], cache.double())
+    assert rel_err(out[[0, 3]], ref) < 1e-6
+
+
+def test_strict_mode_names_first_bad_position(device, monkeypatch):
+    q = torch.randn(2, 3, 4, 64, device=device)
+    q0 = q.clone()
+    cache = make_cache(10, 64, device=device)
+    pos = torch.tensor([[1, 2, 3], [4, 12, -1]], device=device)
+    with ropekit.strict():
+        with pytest.raises(ValueError, match=r"positions\[1, 1\] = 12"):
+            ropekit.apply_rope(q, None, pos, cache, inplace=True)
+    assert torch.equal(q, q0), "strict mode wrote before raising"
+    monkeypatch.setenv("ROPEKIT_STRICT", "1")
+    with pytest.raises(ValueError, match="positions"):
+        ropekit.apply_rope(q, None, pos, cache)
+    with ropekit.strict(False):
+        out, _ = ropekit.apply_rope(q, None, pos, cache)
+        assert torch.isnan(out[1, 1]).any()
