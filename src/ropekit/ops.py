@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -56,6 +56,7 @@ def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int
 # (benchmarks/tune_core.py); the defaults are what that sweep picked on an H200.
 _BLOCK_ELEMS = int(os.environ.get("ROPEKIT_BLOCK_ELEMS", "4096"))
 _NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
+_TOKENS = int(os.environ.get("ROPEKIT_TOKENS", "1"))
 
 
 def _token_strides(x: torch.Tensor, n_tok: int):
@@ -63,13 +64,63 @@ def _token_strides(x: torch.Tensor, n_tok: int):
     return (x.stride(0), x.stride(1)) if n_tok == 2 else (0, x.stride(0))
 
 
-def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):
-    from .kernels.rope import rope_kernel
+class Angles(NamedTuple):
+    """Where the kernel reads cos and sin.
 
+    Table mode (positions given): row p of cos is at cos + p * row_stride, sin at sin + sin_off +
+    p * row_stride. Per-token mode (positions None): rows addressed by the token's own (sec, b, s)
+    indices through strides, any of them 0 for broadcast.
+    """
+    positions: Optional[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sin_off: int
+    strides: tuple          # (sec, b, s, col); in table mode s is the row stride, sec and b unused
+    half: int
+    max_pos: int
+
+
+def angles_from_views(positions, cos, sin, n_tok, mrope) -> Angles:
+    """From cos/sin views: (max_position, half) tables, or (*T, half) / (3, *T, half) per token."""
+    if positions is not None:
+        strides = (0, 0, cos.stride(0), cos.stride(-1))
+        return Angles(positions, cos, sin, 0, strides, cos.shape[-1], cos.shape[0])
+    sec = cos.stride(0) if mrope else 0
+    strides = (sec, *_token_strides(cos[0] if mrope else cos, n_tok), cos.stride(-1))
+    return Angles(None, cos, sin, 0, strides, cos.shape[-1], 0)
+
+
+def angles_from_cache(cache, positions, half, n_tok) -> Angles:
+    """From a [cos | sin] table, without making views (decode pays for every view)."""
+    row, col = cache.stride(0), cache.stride(1)
+    if positions is None:   # arange over the last token dim: row s, broadcast over b
+        return Angles(None, cache, cache, half * col, (0, 0, row, col), half, 0)
+    return Angles(positions, cache, cache, half * col, (0, 0, row, col), half, cache.shape[0])
+
+
+class Launch(NamedTuple):
+    """Everything about a rope_kernel launch except the tensors: built once per call signature."""
+    grid: tuple
+    args: tuple             # the runtime ints, in kernel order after the pointers
+    meta: dict              # constexprs and num_warps
+    pack_bytes: int         # alignment the packed-pairs path needs of the interleaved tensors (0: none)
+
+
+def _pair_pack(x, n_tok):
+    """Bits of one (2i, 2i+1) pair if x's rows keep pairs aligned (element size 2 or 4), else 0."""
+    e = x.element_size()
+    if e not in (2, 4):
+        return 0
+    if any(st % 2 for st in x.stride()[:-1]):
+        return 0
+    return 16 * e
+
+
+def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, inverse) -> Launch:
     n_tok = q.dim() - 2
     S = q.shape[n_tok - 1]
-    B = q.shape[0] if n_tok == 2 else 1
-    half = cos.shape[-1]
+    n_tokens = q.shape[:n_tok].numel()
+    half = angles.half
     rot = 2 * half
     has_k = k is not None
     n_q, d_q = q.shape[-2], q.shape[-1]
@@ -77,41 +128,57 @@ def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope
     copy_tail = q_out.data_ptr() != q.data_ptr() and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
     half_pad, bhq, bhk, tail_pad, num_warps, nqb, nkb = _meta(half, n_q, n_k, tail, _BLOCK_ELEMS, _NUM_WARPS)
+    tokens = _TOKENS
 
-    has_pos = positions is not None
+    # packed pairs: every interleaved-side tensor must keep pairs word-aligned, with one element size
+    packs = set()
+    for x, il in ((q, in_il), (k, in_il), (q_out, out_il), (k_out, out_il)):
+        if x is not None and il:
+            packs.add(_pair_pack(x, n_tok))
+    pack = packs.pop() if len(packs) == 1 else 0
+
     mode = 0 if mrope is None else mrope[0]
     sec_t, sec_h, sec_w = (0, 0, 0) if mrope is None else mrope[1:]
-    if has_pos:
-        # table mode: cos/sin are (max_position, half) views; row stride goes in cs_s
+    positions = angles.positions
+    if positions is not None:
         sp_sec = positions.stride(0) if mode else 0
-        sp_b, sp_s = _token_strides(positions[0] if mode else positions, n_tok)
-        cs_sec, cs_b, cs_s = 0, 0, cos.stride(0)
-        max_pos = cos.shape[0]
-        pos_arg = positions
+        sp = (sp_sec, *_token_strides(positions[0] if mode else positions, n_tok))
     else:
-        # per-token mode: cos/sin are (*T, half) or (3, *T, half) views, maybe broadcast
-        sp_sec = sp_b = sp_s = 0
-        cs_sec = cos.stride(0) if mode else 0
-        cs_b, cs_s = _token_strides(cos[0] if mode else cos, n_tok)
-        max_pos = 0
-        pos_arg = cos
-    k_arg, ko_arg = (k, k_out) if has_k else (q, q_out)
+        sp = (0, 0, 0)
     sk = _token_strides(k, n_tok) + (k.stride(-2),) if has_k else (0, 0, 0)
     sko = _token_strides(k_out, n_tok) + (k_out.stride(-2),) if has_k else (0, 0, 0)
-    grid = (B * S, nqb + nkb)
-    rope_kernel[grid](
-        q, k_arg, q_out, ko_arg, pos_arg, cos, sin,
-        S, n_q, n_k, d_q - rot, d_k - rot, max_pos, nqb,
+    args = (
+        n_tokens, S, n_q, n_k, d_q - rot, d_k - rot, angles.max_pos, nqb, angles.sin_off,
         *_token_strides(q, n_tok), q.stride(-2), *sk,
         *_token_strides(q_out, n_tok), q_out.stride(-2), *sko,
-        sp_sec, sp_b, sp_s,
-        cs_sec, cs_b, cs_s, cos.stride(-1),
-        sec_t, sec_h, sec_w,
-        HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, TAIL_PAD=tail_pad,
-        HAS_K=has_k, HAS_POS=has_pos, MROPE=mode,
-        IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse,
-        num_warps=num_warps,
+        *sp, *angles.strides, sec_t, sec_h, sec_w,
     )
+    meta = dict(
+        HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, TAIL_PAD=tail_pad, TOKENS=tokens,
+        HAS_K=has_k, HAS_POS=positions is not None, MROPE=mode,
+        IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, num_warps=num_warps,
+    )
+    grid = (-(-n_tokens // tokens), nqb + nkb)
+    return Launch(grid, args, meta, pack // 8)
+
+
+def fire(launch: Launch, q, k, q_out, k_out, angles: Angles) -> None:
+    from .kernels.rope import rope_kernel
+
+    meta = launch.meta
+    if launch.pack_bytes and any(x is not None and x.data_ptr() % launch.pack_bytes
+                                 for x in (q, k, q_out, k_out)):
+        meta = dict(meta, PACK=0)        # a base pointer off the pair alignment: element path
+    rope_kernel[launch.grid](
+        q, q if k is None else k, q_out, q_out if k_out is None else k_out,
+        angles.cos if angles.positions is None else angles.positions, angles.cos, angles.sin,
+        *launch.args, **meta,
+    )
+
+
+def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):
+    angles = angles_from_views(positions, cos, sin, q.dim() - 2, mrope)
+    fire(plan_launch(q, k, q_out, k_out, angles, in_il, out_il, mrope, inverse), q, k, q_out, k_out, angles)
 
 
 def _run_reference(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):
@@ -149,12 +216,26 @@ def _run(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse)
 # torch.library registration: what torch.compile and autograd see
 
 
+def _unit_last_stride(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x itself when its last dim has stride 1 (what the kernel addresses), else a contiguous copy.
+
+    The public ops validate their inputs, but the backward gets whatever autograd produces: the
+    gradient w.r.t. k of `q @ k.transpose(-1, -2)` has a transposed layout, and the gradient of
+    `out.sum()` is an expanded tensor whose strides are all 0. Copying is what autograd requires
+    then; gradients that already have a unit last stride are used as they are (no copy).
+    """
+    if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        return x
+    return x.contiguous()
+
+
 @torch.library.custom_op("ropekit::rotate", mutates_args=())
 def _rotate_op(
     q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor],
     cos: torch.Tensor, sin: torch.Tensor,
     interleaved: bool, out_interleaved: bool, mrope: Optional[List[int]], inverse: bool,
 ) -> List[torch.Tensor]:
+    q, k = _unit_last_stride(q), _unit_last_stride(k)
     q_out = empty_like(q)
     k_out = None if k is None else empty_like(k)
     _run(q, k, q_out, k_out, positions, cos, sin, interleaved, out_interleaved, mrope, inverse)
@@ -163,6 +244,8 @@ def _rotate_op(
 
 @_rotate_op.register_fake
 def _(q, k, positions, cos, sin, interleaved, out_interleaved, mrope, inverse):
+    # the real op's output layouts: empty_like of the (possibly copied) inputs
+    q, k = _unit_last_stride(q), _unit_last_stride(k)
     return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
 
 
@@ -171,20 +254,33 @@ def _rotate_setup(ctx, inputs, output):
     ctx.save_for_backward(positions, cos, sin)
     ctx.flags = (interleaved, out_interleaved, mrope, inverse)
     ctx.has_k = k is not None
-    ctx.shapes = (q, k)
+    # metadata only: holding q and k would keep both activations alive until the backward
+    ctx.q_meta = (q.shape, q.dtype, q.device)
+    ctx.k_meta = None if k is None else (k.shape, k.dtype, k.device)
+
+
+def _zeros(meta):
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _rotate_backward(ctx, grads):
     positions, cos, sin = ctx.saved_tensors
     interleaved, out_interleaved, mrope, inverse = ctx.flags
-    q_like, k_like = ctx.shapes
-    gq = grads[0] if grads[0] is not None else torch.zeros_like(q_like)
-    gk = None
-    if ctx.has_k:
-        gk = grads[1] if grads[1] is not None else torch.zeros_like(k_like)
-    # the inverse rotation, reading the forward's output layout and writing its input layout
-    g = _rotate_op(gq, gk, positions, cos, sin, out_interleaved, interleaved, mrope, not inverse)
-    return g[0], (g[1] if ctx.has_k else None), None, None, None, None, None, None, None
+    want_q = ctx.needs_input_grad[0]
+    want_k = ctx.has_k and ctx.needs_input_grad[1]
+    gq = (grads[0] if grads[0] is not None else _zeros(ctx.q_meta)) if want_q else None
+    gk = (grads[1] if grads[1] is not None else _zeros(ctx.k_meta)) if want_k else None
+    # the inverse rotation, reading the forward's output layout and writing its input layout;
+    # only for the inputs that need a gradient (k alone is passed in q's slot)
+    first = gq if want_q else gk
+    if first is None:
+        return (None,) * 9
+    g = _rotate_op(first, gk if want_q else None, positions, cos, sin,
+                   out_interleaved, interleaved, mrope, not inverse)
+    grad_q = g[0] if want_q else None
+    grad_k = (g[1] if want_q else g[0]) if want_k else None
+    return grad_q, grad_k, None, None, None, None, None, None, None
 
 
 _rotate_op.register_autograd(_rotate_backward, setup_context=_rotate_setup)
@@ -216,6 +312,12 @@ def _rotate(q, k, positions, cos, sin, in_il, out_il, mrope, inplace):
             torch.ops.ropekit.rotate_(q, k, positions, cos, sin, in_il, mrope)
         else:
             _run(q, k, q, k, positions, cos, sin, in_il, in_il, mrope, False)
+            # the kernel writes through raw pointers, which autograd does not see: bump the version
+            # counters so a backward that saved q or k (for another op) raises instead of silently
+            # using the rotated values
+            torch.autograd.graph.increment_version(q)
+            if k is not None:
+                torch.autograd.graph.increment_version(k)
         return q, k
     if _needs_dispatcher(q, k):
         outs = _rotate_op(q, k, positions, cos, sin, in_il, out_il, mrope, False)
@@ -267,20 +369,93 @@ def apply_rope(
     out-of-bounds read); under `ropekit.strict()` it raises ValueError before anything is written.
     """
     op = "apply_rope"
-    rot, mrope = validate.rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
-                                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                                    inplace=inplace)
-    _no_grad_table(op, cos_sin_cache)
-    half = rot // 2
-    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:rot]
-    mrope_arg = None
+    key = _call_key(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section,
+                    mrope_interleaved, inplace)
+    spec = _SPECS.get(key) if key is not None else None
+    if spec is None:
+        rot, mrope = validate.rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
+                                        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                                        inplace=inplace)
+        _no_grad_table(op, cos_sin_cache)
+        mrope_arg = None
+        if mrope is not None and positions is not None:
+            mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
+        spec = _Spec(rot, mrope_arg, _extent(q), _extent(k), [None])
+        if key is not None:
+            if len(_SPECS) > 4096:
+                _SPECS.clear()
+            _SPECS[key] = spec
+    elif inplace and k is not None and _spans_meet(q, k, spec) and validate.may_overlap(q, k, q.dim() - 2):
+        # the one check that depends on addresses, not on the call's signature
+        validate.fail(op, "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
+
+    half = spec.rot // 2
+    if _use_triton(q) and not _needs_dispatcher(q, k):
+        # eager inference: no views, no dispatcher, the launch planned once per call signature
+        if q.shape[:-2].numel() == 0:
+            return (q, k) if inplace else (empty_like(q), None if k is None else empty_like(k))
+        if positions is not None and validate.is_strict():
+            validate.positions_in_range(op, positions, cos_sin_cache.shape[0])
+        q_out = q if inplace else empty_like(q)
+        k_out = k if inplace or k is None else empty_like(k)
+        angles = angles_from_cache(cos_sin_cache, positions, half, q.dim() - 2)
+        launch = spec.launch[0]
+        if launch is None:
+            launch = spec.launch[0] = plan_launch(q, k, q_out, k_out, angles, interleaved, interleaved,
+                                                  spec.mrope, False)
+        fire(launch, q, k, q_out, k_out, angles)
+        return q_out, k_out
+
+    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:spec.rot]
     if positions is None:
         # arange over the last token dim: the table's first S rows, broadcast over the batch dim
         S = q.shape[-3]
         cos, sin = cos[:S].expand(*q.shape[:-2], half), sin[:S].expand(*q.shape[:-2], half)
-    elif mrope is not None:
-        mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
-    return _rotate(q, k, positions, cos, sin, interleaved, interleaved, mrope_arg, inplace)
+    return _rotate(q, k, positions, cos, sin, interleaved, interleaved, spec.mrope, inplace)
+
+
+class _Spec(NamedTuple):
+    """What validation concluded about one call signature, and its launch plan once made."""
+    rot: int
+    mrope: Optional[list]
+    q_extent: int
+    k_extent: int
+    launch: list            # [Launch or None]
+
+
+_SPECS: dict = {}
+
+
+def _sig(x):
+    return None if x is None else (x.shape, x.stride(), x.dtype, x.device)
+
+
+def _call_key(q, k, positions, cache, *flags):
+    """A hashable signature of a call (shapes, strides, dtypes, devices, flags), or None when the
+    call must be validated afresh: arguments of the wrong type, or anything requiring grad."""
+    try:
+        if q.requires_grad or cache.requires_grad or (k is not None and k.requires_grad):
+            return None
+        mrope_section = flags[2]
+        if mrope_section is not None:
+            flags = flags[:2] + (tuple(mrope_section),) + flags[3:]
+        key = (_sig(q), _sig(k), _sig(positions), _sig(cache), *flags)
+        hash(key)
+        return key
+    except (AttributeError, TypeError):
+        return None
+
+
+def _extent(x):
+    """Bytes from x's first element to one past its last (x with non-negative strides)."""
+    if x is None or x.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
+def _spans_meet(q, k, spec) -> bool:
+    a, b = q.data_ptr(), k.data_ptr()
+    return a < b + spec.k_extent and b < a + spec.q_extent
 
 
 def rotate_with_angles(

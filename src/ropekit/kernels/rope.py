@@ -75,16 +75,46 @@ def _load_angles(
 
 
 @triton.jit
+def _load_pairs(row_ptr, i, m, ELEM: tl.constexpr, PACK: tl.constexpr):
+    """Pairs (2i, 2i+1) read as one PACK-bit word each: a contiguous, vectorized load, then split
+    with bit operations (low half = the even element on little-endian GPUs and CPUs)."""
+    if PACK == 32:
+        w = tl.load(row_ptr.to(tl.pointer_type(tl.uint32)) + i, mask=m)
+        lo = w.to(tl.uint16)
+        hi = (w >> 16).to(tl.uint16)
+    else:
+        w = tl.load(row_ptr.to(tl.pointer_type(tl.uint64)) + i, mask=m)
+        lo = w.to(tl.uint32)
+        hi = (w >> 32).to(tl.uint32)
+    return lo.to(ELEM, bitcast=True).to(tl.float32), hi.to(ELEM, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
+    """The inverse of _load_pairs: (o1[i], o2[i]) packed into one word and stored."""
+    if PACK == 32:
+        lo = o1.to(ELEM).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi = o2.to(ELEM).to(tl.uint16, bitcast=True).to(tl.uint32)
+        tl.store(row_ptr.to(tl.pointer_type(tl.uint32)) + i, lo | (hi << 16), mask=m)
+    else:
+        lo = o1.to(ELEM).to(tl.uint32, bitcast=True).to(tl.uint64)
+        hi = o2.to(ELEM).to(tl.uint32, bitcast=True).to(tl.uint64)
+        tl.store(row_ptr.to(tl.pointer_type(tl.uint64)) + i, lo | (hi << 32), mask=m)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, o_ptr, x_tok, o_tok, sx_h, so_h, n_heads, head0, tail_len,
     c, sn, o_scale_ptr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, PACK: tl.constexpr = 0,
 ):
     """Rotate heads [head0, head0 + BLOCK_H) of one token; x_tok / o_tok are int64 token offsets.
 
     SCALED: outputs are divided by the float32 scalar at o_scale_ptr before the cast (fp8 caches).
+    PACK: 0, or the bits of one (2i, 2i+1) pair (32 for 16-bit, 64 for 32-bit elements) when the
+    launcher has checked that interleaved rows are pair-aligned: pairs then move as single words.
     """
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
@@ -93,7 +123,9 @@ def _rotate_heads(
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
 
-    if IN_INTERLEAVED:
+    if IN_INTERLEAVED and PACK != 0:
+        x1, x2 = _load_pairs(x_row, i, m, x_ptr.dtype.element_ty, PACK)
+    elif IN_INTERLEAVED:
         # pairs (2i, 2i+1): one contiguous (BLOCK_H, HALF, 2) load, split into even and odd lanes
         pair = tl.arange(0, 2)[None, None, :]
         x = tl.load(x_row[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
@@ -114,7 +146,9 @@ def _rotate_heads(
         o2 = o2 * inv
 
     out_ty = o_ptr.dtype.element_ty
-    if OUT_INTERLEAVED:
+    if OUT_INTERLEAVED and PACK != 0:
+        _store_pairs(o_row, i, m, o1, o2, out_ty, PACK)
+    elif OUT_INTERLEAVED:
         pair = tl.arange(0, 2)[None, None, :]
         o = tl.join(o1, o2).to(out_ty)
         tl.store(o_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
@@ -137,7 +171,7 @@ def rope_kernel(
     # pointers
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
     # sizes
-    S, n_q_heads, n_k_heads, q_tail, k_tail, max_pos, n_q_blocks,
+    n_tokens, S, n_q_heads, n_k_heads, q_tail, k_tail, max_pos, n_q_blocks, sin_off,
     # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h,
     sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
@@ -146,29 +180,36 @@ def rope_kernel(
     SEC_T, SEC_H, SEC_W,
     # meta
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TAIL_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TAIL_PAD: tl.constexpr, TOKENS: tl.constexpr,
     HAS_K: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    PACK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
-    b = t // S
-    s = t - b * S
+    """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's).
 
-    c, sn = _load_angles(
-        cos_ptr, sin_ptr, pos_ptr, b, s, max_pos,
-        sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
-        SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
-    )
-    if blk < n_q_blocks:
-        _rotate_heads(
-            q_ptr, qo_ptr, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h,
-            n_q_heads, blk * BLOCK_HQ, q_tail, c, sn, cos_ptr,
-            HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False,
-        )
-    elif HAS_K:
-        _rotate_heads(
-            k_ptr, ko_ptr, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h,
-            n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, cos_ptr,
-            HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False,
-        )
+    sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
+    """
+    t0 = tl.program_id(0).to(tl.int64) * TOKENS
+    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
+    for j in tl.static_range(TOKENS):
+        t = t0 + j
+        if t < n_tokens:
+            b = t // S
+            s = t - b * S
+            c, sn = _load_angles(
+                cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
+                sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
+                SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
+            )
+            if blk < n_q_blocks:
+                _rotate_heads(
+                    q_ptr, qo_ptr, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h,
+                    n_q_heads, blk * BLOCK_HQ, q_tail, c, sn, cos_ptr,
+                    HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False, PACK,
+                )
+            elif HAS_K:
+                _rotate_heads(
+                    k_ptr, ko_ptr, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h,
+                    n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, cos_ptr,
+                    HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False, PACK,
+                )
