@@ -1,10 +1,12 @@
 """ropekit: rotary position embedding kernels in Triton, every variant, 64-bit safe.
 
-Public names only; see README.md and DESIGN.md for the contract.
+Public names only; see README.md for shapes, dtypes and examples.
 """
 
+from .freqs import cos_sin_cache, inv_freq
+from .modules import RotaryEmbedding
 from .ops import apply_rope, rotate_with_angles
 from .validate import strict
 
-__all__ = ["apply_rope", "rotate_with_angles", "strict"]
+__all__ = ["apply_rope", "rotate_with_angles", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
 __version__ = "0.1.0"

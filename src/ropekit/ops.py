@@ -39,22 +39,22 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int):
-    """Compile-time tile sizes for a problem shape; cached so decode pays for it once."""
+    """Compile-time tile sizes for a problem shape; cached so decode pays for it once.
+
+    One head block size serves q and k (they share the kernel's code path)."""
     half_pad = _next_pow2(half)
     rows = max(1, block_elems // (2 * half_pad))          # heads per program, ~block_elems elements
-    block_hq = min(_next_pow2(n_q), _next_pow2(rows))
-    block_hk = min(_next_pow2(max(n_k, 1)), _next_pow2(rows))
+    block_h = min(_next_pow2(max(n_q, n_k)), _next_pow2(rows))
     tail_pad = _next_pow2(tail) if tail > 0 else 0
-    elems = max(block_hq, block_hk) * 2 * half_pad
-    num_warps = warps or (4 if elems <= 4096 else 8)
-    n_q_blocks = -(-n_q // block_hq)
-    n_k_blocks = -(-n_k // block_hk) if n_k else 0
-    return half_pad, block_hq, block_hk, tail_pad, num_warps, n_q_blocks, n_k_blocks
+    num_warps = warps or 2
+    n_q_blocks = -(-n_q // block_h)
+    n_k_blocks = -(-n_k // block_h) if n_k else 0
+    return half_pad, block_h, block_h, tail_pad, num_warps, n_q_blocks, n_k_blocks
 
 
 # Tile size in elements per program, and a warps override: knobs for the tuning sweep
 # (benchmarks/tune_core.py); the defaults are what that sweep picked on an H200.
-_BLOCK_ELEMS = int(os.environ.get("ROPEKIT_BLOCK_ELEMS", "4096"))
+_BLOCK_ELEMS = int(os.environ.get("ROPEKIT_BLOCK_ELEMS", "2048"))
 _NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
 _TOKENS = int(os.environ.get("ROPEKIT_TOKENS", "1"))
 
@@ -104,6 +104,7 @@ class Launch(NamedTuple):
     args: tuple             # the runtime ints, in kernel order after the pointers
     meta: dict              # constexprs and num_warps
     pack_bytes: int         # alignment the packed-pairs path needs of the interleaved tensors (0: none)
+    compiled: dict          # (PACK, pointer alignments) -> Triton's compiled kernel, for the fast launch
 
 
 def _pair_pack(x, n_tok):
@@ -154,26 +155,67 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
         *sp, *angles.strides, sec_t, sec_h, sec_w,
     )
     meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, TAIL_PAD=tail_pad, TOKENS=tokens,
-        HAS_K=has_k, HAS_POS=positions is not None, MROPE=mode,
+        HALF=half, HALF_PAD=half_pad, BLOCK_H=bhq, TAIL_PAD=tail_pad, TOKENS=tokens,
+        HAS_POS=positions is not None, MROPE=mode,
         IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, num_warps=num_warps,
     )
     grid = (-(-n_tokens // tokens), nqb + nkb)
-    return Launch(grid, args, meta, pack // 8)
+    return Launch(grid, args, meta, pack // 8, {})
 
 
 def fire(launch: Launch, q, k, q_out, k_out, angles: Angles) -> None:
+    """Launch rope_kernel. On CUDA, a launch whose compiled kernel is known skips Triton's generic
+    launcher (binding and specializing ~40 arguments costs tens of microseconds at decode) and
+    calls the compiled kernel directly, with the same argument list Triton itself passes."""
     from .kernels.rope import rope_kernel
 
     meta = launch.meta
     if launch.pack_bytes and any(x is not None and x.data_ptr() % launch.pack_bytes
                                  for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)        # a base pointer off the pair alignment: element path
-    rope_kernel[launch.grid](
-        q, q if k is None else k, q_out, q_out if k_out is None else k_out,
-        angles.cos if angles.positions is None else angles.positions, angles.cos, angles.sin,
-        *launch.args, **meta,
-    )
+    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out,
+            angles.cos if angles.positions is None else angles.positions, angles.cos, angles.sin)
+    if not q.is_cuda:
+        rope_kernel[launch.grid](*ptrs, *launch.args, **meta)
+        return
+    # Triton specializes pointers on 16-byte alignment; everything else is fixed by the signature
+    key = (meta["PACK"], *(p.data_ptr() % 16 == 0 for p in ptrs))
+    compiled = launch.compiled.get(key)
+    if compiled is not None and _direct_launch(compiled, launch, ptrs, meta):
+        return
+    compiled = rope_kernel[launch.grid](*ptrs, *launch.args, **meta)
+    if compiled is not None and hasattr(compiled, "run"):
+        launch.compiled[key] = compiled
+
+
+_DIRECT = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1"}
+
+
+def _direct_launch(compiled, launch, ptrs, meta) -> bool:
+    if not _DIRECT["ok"]:
+        return False
+    try:
+        import triton
+        from triton import knobs
+        from .kernels.rope import rope_kernel
+
+        names = _constexpr_names(rope_kernel)
+        args = (*ptrs, *launch.args, *(meta[n] for n in names))
+        device = triton.runtime.driver.active.get_current_device()
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        grid = launch.grid
+        metadata = compiled.launch_metadata(grid, stream, *args)
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+        return True
+    except (ImportError, AttributeError, TypeError):
+        _DIRECT["ok"] = False            # a Triton whose launcher differs: use its generic path
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _constexpr_names(kernel):
+    return tuple(p.name for p in kernel.params if p.is_constexpr)
 
 
 def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):
@@ -185,10 +227,9 @@ def _run_reference(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope
     n_tok = q.dim() - 2
     token_shape = tuple(q.shape[:n_tok])
     if positions is not None:
-        table = torch.cat((cos, sin), dim=-1)
         section = None if mrope is None else mrope[1:]
-        c, s = reference.angles_from_table(table, positions, token_shape, mrope_section=section,
-                                           mrope_interleaved=mrope is not None and mrope[0] == MROPE_INTERLEAVED)
+        c, s = reference.gather_angles(cos, sin, positions, token_shape, mrope_section=section,
+                                       mrope_interleaved=mrope is not None and mrope[0] == MROPE_INTERLEAVED)
     elif mrope is not None:
         sec = reference.mrope_sections_of_frequencies(cos.shape[-1], mrope[1:], mrope[0] == MROPE_INTERLEAVED)
         pick = sec.to(cos.device).view(1, *([1] * n_tok), -1).expand(1, *cos.shape[1:])
@@ -291,6 +332,9 @@ def _rotate_inplace_op(
     q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor],
     cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, mrope: Optional[List[int]],
 ) -> None:
+    # the address check validation skips while tracing (torch.compile), made before any write
+    if k is not None and validate.may_overlap(q, k, q.dim() - 2):
+        validate.fail("apply_rope", "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
     _run(q, k, q, k, positions, cos, sin, interleaved, interleaved, mrope, False)
 
 
@@ -434,7 +478,8 @@ def _call_key(q, k, positions, cache, *flags):
     """A hashable signature of a call (shapes, strides, dtypes, devices, flags), or None when the
     call must be validated afresh: arguments of the wrong type, or anything requiring grad."""
     try:
-        if q.requires_grad or cache.requires_grad or (k is not None and k.requires_grad):
+        if q.requires_grad or cache.requires_grad or (k is not None and k.requires_grad) \
+                or torch.compiler.is_compiling():
             return None
         mrope_section = flags[2]
         if mrope_section is not None:

@@ -82,24 +82,28 @@ def angles_from_table(
     """cos, sin of shape (*token_shape, rotary_dim // 2) gathered from a [cos | sin] table."""
     rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
     half = rot // 2
-    max_pos = cos_sin_cache.shape[0]
-    table = cos_sin_cache
+    return gather_angles(cos_sin_cache[:, :half], cos_sin_cache[:, half:rot], positions, token_shape,
+                         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+
+
+def gather_angles(cos_table, sin_table, positions, token_shape, *, mrope_section=None, mrope_interleaved=False):
+    """Rows of (max_position, half) cos and sin tables at positions (*T), or (3, *T) for M-RoPE.
+
+    None means arange over the last token dim. An out-of-range position gives NaN rows."""
+    max_pos, half = cos_table.shape
     if positions is None:
-        positions = torch.arange(token_shape[-1], device=table.device).expand(*token_shape)
+        positions = torch.arange(token_shape[-1], device=cos_table.device).expand(*token_shape)
     positions = positions.long()
     valid = (positions >= 0) & (positions < max_pos)
-    rows = table[positions.clamp(0, max_pos - 1)]                     # (..., rot)
-    cos, sin = rows[..., :half], rows[..., half:rot]
-    nan = torch.tensor(float("nan"), dtype=table.dtype, device=table.device)
-    cos = torch.where(valid.unsqueeze(-1), cos, nan)
-    sin = torch.where(valid.unsqueeze(-1), sin, nan)
+    rows = positions.clamp(0, max_pos - 1)
+    nan = torch.tensor(float("nan"), dtype=cos_table.dtype, device=cos_table.device)
+    cos = torch.where(valid.unsqueeze(-1), cos_table[rows], nan)
+    sin = torch.where(valid.unsqueeze(-1), sin_table[rows], nan)
     if positions.dim() == len(token_shape) + 1:                       # M-RoPE: (3, *T)
-        sec = mrope_sections_of_frequencies(half, mrope_section, mrope_interleaved).to(table.device)
+        sec = mrope_sections_of_frequencies(half, mrope_section, mrope_interleaved).to(cos_table.device)
         pick = sec.view(1, *([1] * len(token_shape)), half).expand(1, *cos.shape[1:])
         cos = cos.gather(0, pick).squeeze(0)
         sin = sin.gather(0, pick).squeeze(0)
-    elif mrope_section is not None and positions.dim() != len(token_shape):
-        raise ValueError("positions: expected (3, *T) for M-RoPE")
     return cos, sin
 
 

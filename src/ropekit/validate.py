@@ -116,6 +116,8 @@ def qk_args(op, q, k) -> tuple:
                shape_hint=f"with the token dims of q {token_shape}")
         if tuple(k.shape[:-2]) != token_shape:
             fail(op, "k", f"token dims {token_shape} (those of q)", f"shape {tuple(k.shape)}")
+        if k.dtype != q.dtype:
+            fail(op, "k", f"the dtype of q ({_dtype_name(q.dtype)})", _dtype_name(k.dtype))
     return token_shape
 
 
@@ -180,7 +182,8 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
             if x is not None and has_internal_overlap(x):
                 fail(op, name, "a tensor without broadcast (stride 0) dims when inplace=True",
                      f"strides {tuple(x.stride())}")
-        if k is not None and may_overlap(q, k, n_tok):
+        # data pointers cannot be traced: under torch.compile the in-place op checks at run time
+        if k is not None and not torch.compiler.is_compiling() and may_overlap(q, k, n_tok):
             fail(op, "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
         if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
             fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
@@ -223,3 +226,218 @@ def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     return cos, sin, mrope
+
+
+# --- fused store ---
+# Checks of apply_rope_and_store (ropekit.store). Shapes, dtypes, devices and strides are checked
+# up front (they work on fake tensors under torch.compile); checks that need data pointers or data
+# (aliasing, and in strict mode slots / positions / scales) run just before the launch.
+
+import math  # noqa: E402  (kept in this section so the section stands alone)
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+_CACHE_HINT = "(num_blocks, block_size, H, D) or (num_slots, H, D)"
+
+
+def scale_arg(op, name, scale, device):
+    """None, a positive finite float, or a 0-d / 1-element float32 tensor on the device of q."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            fail(op, name, "a 0-d or 1-element tensor (one per-tensor scale)", f"shape {tuple(scale.shape)}")
+        if scale.dtype != torch.float32:
+            fail(op, name, "dtype float32", _dtype_name(scale.dtype))
+        if scale.device != device:
+            fail(op, name, f"a tensor on {device} (the device of q)", f"one on {scale.device}")
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{op}: {name}: expected a float, a 1-element float32 tensor or None, "
+                        f"got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        fail(op, name, "a finite scale > 0", scale)
+    return float(scale)
+
+
+def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *,
+               rotary_dim, k_scale, v_scale):
+    """Checks of apply_rope_and_store's arguments that need no data.
+
+    Returns (rotary_dim, block_size, num_slots, k_scale, v_scale), scales as given by `scale_arg`.
+    """
+    if k is None:
+        raise TypeError(f"{op}: k: expected a torch.Tensor, got NoneType")
+    rot, _ = rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim, mrope_section=None,
+                       mrope_interleaved=False, inplace=False)
+    token_shape = tuple(q.shape[:-2])
+    device = q.device
+    tensor(op, "v", v, ndims=(q.dim(),), dtypes=FLOAT_DTYPES, device=device,
+           shape_hint=f"with the token dims of q {token_shape}")
+    if tuple(v.shape[:-2]) != token_shape:
+        fail(op, "v", f"token dims {token_shape} (those of q)", f"shape {tuple(v.shape)}")
+    tensor(op, "slot_mapping", slot_mapping, ndims=(len(token_shape),), dtypes=INDEX_DTYPES, device=device,
+           shape_hint=str(token_shape), last_stride_one=False)
+    if tuple(slot_mapping.shape) != token_shape:
+        fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
+
+    for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
+        tensor(op, name, cache, ndims=(3, 4), dtypes=CACHE_DTYPES, device=device, shape_hint=_CACHE_HINT)
+        want = tuple(x.shape[-2:])
+        if tuple(cache.shape[-2:]) != want:
+            hint = ""
+            if cache.dim() == 3 and cache.shape[-1] == x.shape[-1]:
+                hint = " (a 3-D cache is flat (num_slots, H, D); pass a paged MLA cache " \
+                       "(num_blocks, block_size, D) as cache.unsqueeze(-2))"
+            fail(op, name, f"(heads, head size) {want}, those of {xname}{hint}", f"shape {tuple(cache.shape)}")
+        if has_internal_overlap(cache):
+            fail(op, name, "a tensor without broadcast (stride 0) dims (it is written)",
+                 f"strides {tuple(cache.stride())}")
+    if v_cache.dim() != k_cache.dim() or v_cache.shape[:-2] != k_cache.shape[:-2]:
+        fail(op, "v_cache", f"slot dims {tuple(k_cache.shape[:-2])}, those of k_cache (one slot_mapping "
+             "addresses both)", f"shape {tuple(v_cache.shape)}")
+    if has_internal_overlap(q):
+        fail(op, "q", "a tensor without broadcast (stride 0) dims (it is rotated in place)",
+             f"strides {tuple(q.stride())}")
+    if torch.is_grad_enabled():
+        for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.requires_grad:
+                fail(op, name, "a tensor that does not require grad (apply_rope_and_store is inference "
+                     "only: it writes q and the caches in place and is not differentiable)", "requires_grad=True")
+
+    k_scale = scale_arg(op, "k_scale", k_scale, device)
+    v_scale = scale_arg(op, "v_scale", v_scale, device)
+    if k_cache.dim() == 4:
+        block_size = k_cache.shape[1]
+        num_slots = k_cache.shape[0] * block_size
+    else:
+        block_size, num_slots = 1, k_cache.shape[0]
+    return rot, block_size, num_slots, k_scale, v_scale
+
+
+def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
+    """True if a and b share a byte; exact, except that a search over budget steps says True.
+
+    In bytes, a covers a_ptr + sum(i_d * sa_d) + e (0 <= i_d < na_d, 0 <= e < a's element size)
+    and b likewise from b_ptr. They meet iff b_ptr - a_ptr = sum(c_t * st_t) over the dims of both
+    (a's: c in [0, n - 1]; b's: c in [-(n - 1), 0]; equal strides merged into one range, which
+    makes views of one buffer with equal strides cheap). A depth-first search over those terms,
+    largest stride first, pruned by what the remaining terms can reach, decides it in a few
+    steps for real layouts: the k and v halves of one (num_blocks, 2, block_size, H, D) buffer,
+    an MLA row [latent | rope], a fused qkv buffer, HND and NHD views.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    if a1 < b0 or b1 < a0:
+        return False
+    key = (a.data_ptr(), tuple(a.shape), a.stride(), a.element_size(),
+           b.data_ptr(), tuple(b.shape), b.stride(), b.element_size(), budget)
+    verdict = _ALIAS_MEMO.get(key)
+    if verdict is None:
+        if len(_ALIAS_MEMO) >= 256:
+            _ALIAS_MEMO.clear()
+        verdict = _ALIAS_MEMO[key] = _may_alias_search(a, b, budget)
+    return verdict
+
+
+# Verdicts of the search by layout: KV caches are the same tensors call after call, so decode pays
+# for the search once (the key holds addresses, shapes, strides and element sizes: all it reads).
+_ALIAS_MEMO: dict = {}
+
+
+def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
+    ranges: dict = {}                                   # byte stride -> [lowest c, highest c]
+
+    def add(stride, lo, hi):
+        if stride < 0:
+            stride, lo, hi = -stride, -hi, -lo
+        if stride == 0 or lo == hi == 0:
+            return
+        r = ranges.setdefault(stride, [0, 0])
+        r[0] += lo
+        r[1] += hi
+
+    for x, sign in ((a, 1), (b, -1)):
+        es = x.element_size()
+        for n, st in zip(x.shape, x.stride()):
+            add(st * es, 0 if sign > 0 else -(n - 1), n - 1 if sign > 0 else 0)
+        add(1, 0 if sign > 0 else -(es - 1), es - 1 if sign > 0 else 0)     # bytes within an element
+    terms = sorted(((st, lo, hi) for st, (lo, hi) in ranges.items()), reverse=True)
+    n = len(terms)
+    reach_lo, reach_hi = [0] * (n + 1), [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        st, lo_c, hi_c = terms[i]
+        reach_lo[i] = reach_lo[i + 1] + st * lo_c
+        reach_hi[i] = reach_hi[i + 1] + st * hi_c
+    steps = [budget]
+
+    def reachable(i, target):
+        if target > reach_hi[i] or target < reach_lo[i]:
+            return False
+        if i == n:
+            return True                                 # target == 0
+        st, lo_c, hi_c = terms[i]
+        c_lo = max(lo_c, -((reach_hi[i + 1] - target) // st))    # ceil((target - reach_hi) / st)
+        c_hi = min(hi_c, (target - reach_lo[i + 1]) // st)
+        for c in range(c_lo, c_hi + 1):
+            steps[0] -= 1
+            if steps[0] < 0 or reachable(i + 1, target - c * st):
+                return True                             # out of budget: say "may overlap"
+        return False
+
+    return reachable(0, b.data_ptr() - a.data_ptr())
+
+
+def store_extents(q, k, v, k_cache, v_cache) -> tuple:
+    """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
+    `store_aliasing` takes them in); 0 for an empty tensor."""
+    return tuple((sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+                 if x.numel() else 0 for x in (q, k_cache, v_cache, k, v))
+
+
+def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> None:
+    """Nothing written (q, k_cache, v_cache) may share memory with anything else the kernel touches.
+
+    Pairs whose byte ranges miss each other (the usual case) cost two compares; the others are
+    decided by may_alias. `extents` (store_extents of these tensors) and `memo` (a dict kept per
+    call signature: verdicts by pair and byte distance) let repeated calls skip the work.
+    """
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+    if extents is None:
+        extents = store_extents(q, k, v, k_cache, v_cache)
+    ptrs = [x.data_ptr() for _, x in named]
+    for i in range(3):                                   # the written ones, against all that follow
+        for j in range(i + 1, 5):
+            a, b = ptrs[i], ptrs[j]
+            if not (a < b + extents[j] and b < a + extents[i]):
+                continue
+            key = (i, j, b - a)
+            verdict = None if memo is None else memo.get(key)
+            if verdict is None:
+                verdict = may_alias(named[i][1], named[j][1])
+                if memo is not None:
+                    if len(memo) >= 64:
+                        memo.clear()
+                    memo[key] = verdict
+            if verdict:
+                fail(op, named[j][0], f"memory disjoint from {named[i][0]} (which is written)",
+                     f"a tensor overlapping {named[i][0]}")
+
+
+def slots_in_range(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Strict mode: name the first slot past the cache (one device sync). Negative slots are padding."""
+    bad = slot_mapping >= num_slots
+    if bool(bad.any()):
+        flat = int(bad.flatten().nonzero()[0, 0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(slot_mapping.shape)))
+        fail(op, "slot_mapping", f"values < {num_slots} (num_blocks * block_size of the caches; < 0 skips "
+             "a token)", f"slot_mapping{list(index)} = {int(slot_mapping[index])}")
+
+
+def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
+    """Strict mode: a tensor scale must be finite and > 0 (one device sync)."""
+    value = float(scale.reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        fail(op, name, "a finite scale > 0", value)

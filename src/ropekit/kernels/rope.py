@@ -9,8 +9,8 @@ Every variant is the same program with different compile-time flags:
     M-RoPE            MROPE: 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
     inverse           INVERSE: rotate by -angle (the backward pass)
 
-Grid: axis 0 walks tokens (up to 2^31 - 1 of them), axis 1 walks head blocks of q then of k,
-so q and k are rotated by one launch.
+Grid: axis 0 walks tokens (TOKENS per program, up to 2^31 - 1 programs), axis 1 walks head
+blocks of q then of k, so q and k are rotated by one launch.
 
 Addressing rule (the reason this file exists): every offset that scales a program id, a head index
 or a position by a stride is computed in int64. Tokens, heads and positions are widened with
@@ -103,6 +103,78 @@ def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
+def _load_heads(
+    x_base, sx_h, n_heads, head0,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr,
+):
+    """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
+    [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    x_row = x_base + h.to(tl.int64)[:, None] * sx_h         # (BLOCK_H, 1) pointers
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+    if IN_INTERLEAVED and PACK != 0:
+        x1, x2 = _load_pairs(x_row, i, m, x_base.dtype.element_ty, PACK)
+    elif IN_INTERLEAVED:
+        # pairs (2i, 2i+1): one contiguous (BLOCK_H, HALF, 2) load, split into even and odd lanes
+        pair = tl.arange(0, 2)[None, None, :]
+        x = tl.load(x_row[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
+        x1, x2 = tl.split(x)
+    else:
+        x1 = tl.load(x_row + i, mask=m).to(tl.float32)
+        x2 = tl.load(x_row + HALF + i, mask=m).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotate_store(
+    x_base, o_base, sx_h, so_h, n_heads, head0, tail_len,
+    x1, x2, c, sn, o_scale_ptr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, SCALED: tl.constexpr, PACK: tl.constexpr,
+):
+    """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    h64 = h.to(tl.int64)
+    o_row = o_base + h64[:, None] * so_h
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+
+    cb = c[None, :]
+    sb = sn[None, :]
+    if INVERSE:
+        sb = -sb
+    o1 = x1 * cb - x2 * sb
+    o2 = x2 * cb + x1 * sb
+    if SCALED:
+        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
+        o1 = o1 * inv
+        o2 = o2 * inv
+
+    out_ty = o_base.dtype.element_ty
+    if OUT_INTERLEAVED and PACK != 0:
+        _store_pairs(o_row, i, m, o1, o2, out_ty, PACK)
+    elif OUT_INTERLEAVED:
+        pair = tl.arange(0, 2)[None, None, :]
+        o = tl.join(o1, o2).to(out_ty)
+        tl.store(o_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
+    else:
+        tl.store(o_row + i, o1.to(out_ty), mask=m)
+        tl.store(o_row + HALF + i, o2.to(out_ty), mask=m)
+
+    if TAIL_PAD > 0:
+        # partial rotary, out of place: the dims past rotary_dim are copied unchanged
+        x_row = x_base + h64[:, None] * sx_h
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (j < tail_len)
+        t = tl.load(x_row + 2 * HALF + j, mask=mt)
+        if SCALED:
+            t = t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32)
+        tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, o_ptr, x_tok, o_tok, sx_h, so_h, n_heads, head0, tail_len,
     c, sn, o_scale_ptr,
@@ -116,54 +188,11 @@ def _rotate_heads(
     PACK: 0, or the bits of one (2i, 2i+1) pair (32 for 16-bit, 64 for 32-bit elements) when the
     launcher has checked that interleaved rows are pair-aligned: pairs then move as single words.
     """
-    h = head0 + tl.arange(0, BLOCK_H)
-    h64 = h.to(tl.int64)
-    x_row = x_ptr + x_tok + h64[:, None] * sx_h             # (BLOCK_H, 1) pointers
-    o_row = o_ptr + o_tok + h64[:, None] * so_h
-    i = tl.arange(0, HALF_PAD)[None, :]
-    m = (h[:, None] < n_heads) & (i < HALF)
-
-    if IN_INTERLEAVED and PACK != 0:
-        x1, x2 = _load_pairs(x_row, i, m, x_ptr.dtype.element_ty, PACK)
-    elif IN_INTERLEAVED:
-        # pairs (2i, 2i+1): one contiguous (BLOCK_H, HALF, 2) load, split into even and odd lanes
-        pair = tl.arange(0, 2)[None, None, :]
-        x = tl.load(x_row[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
-        x1, x2 = tl.split(x)
-    else:
-        x1 = tl.load(x_row + i, mask=m).to(tl.float32)
-        x2 = tl.load(x_row + HALF + i, mask=m).to(tl.float32)
-
-    cb = c[None, :]
-    sb = sn[None, :]
-    if INVERSE:
-        sb = -sb
-    o1 = x1 * cb - x2 * sb
-    o2 = x2 * cb + x1 * sb
-    if SCALED:
-        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
-        o1 = o1 * inv
-        o2 = o2 * inv
-
-    out_ty = o_ptr.dtype.element_ty
-    if OUT_INTERLEAVED and PACK != 0:
-        _store_pairs(o_row, i, m, o1, o2, out_ty, PACK)
-    elif OUT_INTERLEAVED:
-        pair = tl.arange(0, 2)[None, None, :]
-        o = tl.join(o1, o2).to(out_ty)
-        tl.store(o_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
-    else:
-        tl.store(o_row + i, o1.to(out_ty), mask=m)
-        tl.store(o_row + HALF + i, o2.to(out_ty), mask=m)
-
-    if TAIL_PAD > 0:
-        # partial rotary, out of place: the dims past rotary_dim are copied unchanged
-        j = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (j < tail_len)
-        t = tl.load(x_row + 2 * HALF + j, mask=mt)
-        if SCALED:
-            t = t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32)
-        tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
+    x1, x2 = _load_heads(x_ptr + x_tok, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK)
+    _rotate_store(
+        x_ptr + x_tok, o_ptr + o_tok, sx_h, so_h, n_heads, head0, tail_len, x1, x2, c, sn, o_scale_ptr,
+        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, SCALED, PACK,
+    )
 
 
 @triton.jit
@@ -179,37 +208,40 @@ def rope_kernel(
     cs_sec, cs_b, cs_s, cs_col,
     SEC_T, SEC_H, SEC_W,
     # meta
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TAIL_PAD: tl.constexpr, TOKENS: tl.constexpr,
-    HAS_K: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+    TOKENS: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     PACK: tl.constexpr,
 ):
     """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's).
 
+    q and k (one dtype) take one code path: the program selects its tensor's pointers and strides
+    with scalar selects, so the head loads are issued before the dependent position -> cos/sin
+    loads instead of after a branch, and their latencies overlap.
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     """
     t0 = tl.program_id(0).to(tl.int64) * TOKENS
-    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
+    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by a constexpr block size
+    is_q = blk < n_q_blocks
+    head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
+    n_heads = tl.where(is_q, n_q_heads, n_k_heads)
+    tail = tl.where(is_q, q_tail, k_tail)
+    sx_h = tl.where(is_q, sq_h, sk_h)
+    so_h = tl.where(is_q, sqo_h, sko_h)
     for j in tl.static_range(TOKENS):
         t = t0 + j
         if t < n_tokens:
             b = t // S
             s = t - b * S
+            x_base = tl.where(is_q, q_ptr + (b * sq_b + s * sq_s), k_ptr + (b * sk_b + s * sk_s))
+            o_base = tl.where(is_q, qo_ptr + (b * sqo_b + s * sqo_s), ko_ptr + (b * sko_b + s * sko_s))
+            x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK)
             c, sn = _load_angles(
                 cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
                 sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
                 SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
             )
-            if blk < n_q_blocks:
-                _rotate_heads(
-                    q_ptr, qo_ptr, b * sq_b + s * sq_s, b * sqo_b + s * sqo_s, sq_h, sqo_h,
-                    n_q_heads, blk * BLOCK_HQ, q_tail, c, sn, cos_ptr,
-                    HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False, PACK,
-                )
-            elif HAS_K:
-                _rotate_heads(
-                    k_ptr, ko_ptr, b * sk_b + s * sk_s, b * sko_b + s * sko_s, sk_h, sko_h,
-                    n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, cos_ptr,
-                    HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, IN_INTERLEAVED, OUT_INTERLEAVED, INVERSE, False, PACK,
-                )
+            _rotate_store(
+                x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
+                HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+            )

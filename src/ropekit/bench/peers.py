@@ -1,0 +1,666 @@
+"""The implementations a workload is run with: ropekit and its peers.
+
+One small adapter per implementation. `make(workload, inputs)` does the untimed setup (builds the
+cos/sin a peer takes from the same angle table, views, flattening) and returns a `Bound`: the
+call to time, and how to turn its raw outputs into the workload's canonical outputs (see
+workloads.py) for the float64 check. A peer that lacks the op raises PeerSkip("n/a", why); an
+op not written yet gives PeerSkip("skipped", why). Peers that are not importable are listed as
+skipped with the import error, never faked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import workloads as W
+
+
+class PeerSkip(Exception):
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status = status            # "n/a" (the peer has no such op) or "skipped"
+        self.reason = reason
+
+
+@dataclass
+class Bound:
+    fn: Callable[[], Any]                              # the timed call
+    canon: Callable[[Any], Tuple[torch.Tensor, ...]]   # raw outputs -> canonical tuple (untimed)
+
+
+def _version(*dists: str) -> Optional[str]:
+    for d in dists:
+        try:
+            return importlib.metadata.version(d)
+        except Exception:
+            continue
+    return None
+
+
+def _short(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}"[:200]
+
+
+class Peer:
+    name = ""
+    label = ""
+    needs_cuda = True        # only meaningful on a GPU
+    cpu_default = False      # run by default on a machine without CUDA
+
+    def available(self, device) -> Tuple[bool, str]:
+        return True, ""
+
+    def version(self) -> Optional[str]:
+        return None
+
+    def begin(self, wl: W.Workload) -> None:
+        """Called once per workload before its make() calls."""
+
+    def make(self, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound:
+        raise NotImplementedError
+
+    def note(self, wl: W.Workload) -> str:
+        """Which function ran (after make)."""
+        return ""
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face-style helpers, shared by torch eager, torch.compile and Liger
+
+
+def hf_cos_sin(wl: W.Workload, inp, dtype, *, mrope3: bool = False):
+    """cos, sin as an HF rotary embedding returns them: halves duplicated, in the activation
+    dtype, (B, S, D) for the positions HF holds. M-RoPE: (3, B, S, D) when mrope3, else the
+    frequency sections recomposed into (B, S, D) (what transformers 5.x does in the module)."""
+    tab = inp["cache"]
+    half = tab.shape[-1] // 2
+    rows = tab[W.hf_positions(wl, inp)]
+    cos, sin = rows[..., :half], rows[..., half:]
+    if wl.mrope_section is not None and not mrope3:
+        t, h, w = wl.mrope_section
+        sec = torch.tensor([0] * t + [1] * h + [2] * w, device=tab.device)
+        pick = sec.view(1, 1, 1, half).expand(1, *cos.shape[1:])
+        cos, sin = cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def plain_hf_apply(q, k, cos, sin, unsqueeze_dim=1):
+    """The rotate_half formula of HF's apply_rotary_pos_emb, in plain torch (used when
+    transformers is not importable)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def plain_llama4_apply(xq, xk, freqs_cis):
+    """Llama 4's complex-multiply RoPE in plain torch (xq (B, S, H, D), freqs_cis (B, S, D/2))."""
+    f = freqs_cis[:, :, None, :]
+    oq = torch.view_as_real(torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2)) * f)
+    ok = torch.view_as_real(torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2)) * f)
+    return oq.flatten(3).type_as(xq), ok.flatten(3).type_as(xk)
+
+
+def mla_inplace(q_pe, k_pe, cos, sin):
+    """Interleaved (GPT-J pairs) rotation written back in place with copy_; cos/sin (T, 1, D/2).
+    HF's DeepSeek-V3 code de-interleaves and concatenates instead (another output layout)."""
+    for x in (q_pe, k_pe):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        x.copy_(torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2))
+    return q_pe, k_pe
+
+
+def make_store_unfused(apply):
+    """The unfused store: HF rope, then index_copy of k and v into the flat cache rows."""
+    def store(q_hf, k_hf, v, cos, sin, k_rows, v_rows, slots):
+        qo, ko = apply(q_hf, k_hf, cos, sin)
+        k_rows.index_copy_(0, slots, ko.transpose(1, 2).squeeze(0))
+        v_rows.index_copy_(0, slots, v)
+        return qo
+    return store
+
+
+def _half_table(inp, dtype):
+    tab = inp["cache"]
+    half = tab.shape[-1] // 2
+    return tab[:, :half].to(dtype).contiguous(), tab[:, half:].to(dtype).contiguous()
+
+
+def _grad_fn(forward, q, k, gq, gk):
+    """forward(q, k) -> (qo, ko); then autograd.grad to q, k with the given output grads."""
+    def fn():
+        qo, ko = forward(q, k)
+        dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+        return qo, ko, dq, dk
+    return fn
+
+
+# ------------------------------------------------------------------------------------------
+# ropekit and its pure-PyTorch reference
+
+
+class Ropekit(Peer):
+    name = "ropekit"
+    label = "ropekit"
+    needs_cuda = False
+    cpu_default = True
+    module = "ropekit"
+
+    def _mod(self):
+        return importlib.import_module(self.module)
+
+    def available(self, device):
+        try:
+            self._mod()
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({_short(e)})"
+
+    def version(self):
+        try:
+            return getattr(importlib.import_module("ropekit"), "__version__", None)
+        except Exception:
+            return None
+
+    def _op(self, name):
+        op = getattr(self._mod(), name, None)
+        if op is None:
+            raise PeerSkip("skipped", f"{self.module}.{name} not implemented yet")
+        return op
+
+    def make(self, wl, inp):
+        il, ms = wl.interleaved, wl.mrope_section
+        pos, cache = inp.get("positions"), inp["cache"]
+        ident = lambda o: tuple(o)  # noqa: E731
+        if wl.kind == "rope":
+            op = self._op("apply_rope")
+            q, k = inp["q"], inp["k"]
+            return Bound(lambda: op(q, k, pos, cache, interleaved=il, mrope_section=ms), ident)
+        if wl.kind == "mla":
+            op = self._op("apply_rope")
+            R = inp["k_pe"].shape[-1]
+            q_pe, k_pe = inp["q"][..., -R:], inp["k_pe"]
+            return Bound(lambda: op(q_pe, k_pe, pos, cache, interleaved=il, inplace=True),
+                         lambda o: (inp["q"], inp["k_pe"]))
+        if wl.kind == "store":
+            op = self._op("apply_rope_and_store")
+            q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
+            return Bound(lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il),
+                         lambda o: (q, kc, vc))
+        # fwdbwd
+        op = self._op("apply_rope")
+        q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
+        fwd = lambda q_, k_: op(q_, k_, pos, cache, interleaved=il)  # noqa: E731
+        return Bound(_grad_fn(fwd, q, k, inp["gq"], inp["gk"]), ident)
+
+    def note(self, wl):
+        return f"{self.module}.{'apply_rope_and_store' if wl.kind == 'store' else 'apply_rope'}"
+
+
+class Reference(Ropekit):
+    name = "reference"
+    label = "ropekit reference (PyTorch)"
+    module = "ropekit.reference"
+
+
+# ------------------------------------------------------------------------------------------
+# torch eager (the HF code) and torch.compile of it
+
+
+class TorchEager(Peer):
+    name = "torch-eager"
+    label = "torch eager (HF code)"
+    needs_cuda = False
+    cpu_default = True
+
+    def __init__(self):
+        self._fns: Dict[str, Any] = {}
+        self._notes: Dict[str, str] = {}
+
+    def version(self):
+        return torch.__version__
+
+    def fns(self, keys=("apply", "llama4", "mrope", "mla")) -> Dict[str, Any]:
+        """key -> (function, note), resolved (and imported) on first use only."""
+        for key in keys:
+            if key not in self._fns:
+                self._fns.update(self._resolve(key))
+        return self._fns
+
+    def _resolve(self, key: str) -> Dict[str, Any]:
+        """transformers' own functions where importable, else the same formulas in plain torch."""
+        tv = _version("transformers")
+        if key == "apply":
+            try:
+                from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+                return {"apply": (apply_rotary_pos_emb,
+                                  f"transformers {tv} models.llama.modeling_llama.apply_rotary_pos_emb")}
+            except Exception as e:
+                return {"apply": (plain_hf_apply, f"bench's plain-torch rotate_half formula "
+                                                  f"(transformers not importable: {_short(e)})")}
+        if key == "llama4":
+            try:
+                from transformers.models.llama4.modeling_llama4 import apply_rotary_emb
+                return {"llama4": (apply_rotary_emb,
+                                   f"transformers {tv} models.llama4.modeling_llama4.apply_rotary_emb")}
+            except Exception:
+                return {"llama4": (plain_llama4_apply, "bench's plain-torch Llama-4 complex formula")}
+        if key == "mrope":
+            try:
+                from transformers.models.qwen2_vl import modeling_qwen2_vl as q2
+                if hasattr(q2, "apply_multimodal_rotary_pos_emb"):          # transformers 4.x
+                    return {"mrope4": True, "mrope": (
+                        q2.apply_multimodal_rotary_pos_emb,
+                        f"transformers {tv} qwen2_vl.apply_multimodal_rotary_pos_emb "
+                        "(sections picked inside the timed call)")}
+                return {"mrope4": False, "mrope": (                          # 5.x: sections in the module
+                    q2.apply_rotary_pos_emb,
+                    f"transformers {tv} qwen2_vl.apply_rotary_pos_emb (5.x: sections "
+                    "recomposed by the rotary-embedding module, outside the timed call)")}
+            except Exception:
+                return {"mrope4": False,
+                        "mrope": (plain_hf_apply, "bench's plain-torch formula on recomposed cos/sin")}
+        return {"mla": (mla_inplace, "bench's plain-torch interleaved formula, in place via copy_ "
+                                     "(HF's DeepSeek-V3 code writes another layout)")}
+
+    @staticmethod
+    def _keys(wl):
+        if wl.kind == "mla":
+            return ("mla",)
+        if wl.interleaved:
+            return ("llama4",)
+        return ("mrope",) if wl.mrope_section is not None else ("apply",)
+
+    def wrap(self, wl, key, fn):
+        return fn
+
+    def make(self, wl, inp):
+        F = self.fns(self._keys(wl))
+        for key in self._keys(wl):
+            if F[key][0] is None:                   # (None, (status, reason)): not there
+                raise PeerSkip(*F[key][1])
+        dt = inp["q"].dtype
+        if wl.kind == "mla":
+            fn, note = F["mla"]
+            fn = self.wrap(wl, "mla", fn)
+            R = inp["k_pe"].shape[-1]
+            c, s = _half_table(inp, dt)
+            pos = inp["positions"]
+            cos, sin = c[pos].unsqueeze(1), s[pos].unsqueeze(1)          # (T, 1, R/2)
+            q_pe, k_pe = inp["q"][..., -R:], inp["k_pe"]
+            self._notes[wl.id] = note
+            return Bound(lambda: fn(q_pe, k_pe, cos, sin), lambda o: (inp["q"], inp["k_pe"]))
+        if wl.interleaved:                                                # W5: Llama 4
+            fn, note = F["llama4"]
+            fn = self.wrap(wl, "llama4", fn)
+            tab = inp["cache"]
+            half = tab.shape[-1] // 2
+            rows = tab[W.hf_positions(wl, inp)]                           # (1, T, D)
+            freqs = torch.complex(rows[..., :half].float(), rows[..., half:].float())
+            xq, xk = inp["q"].unsqueeze(0), inp["k"].unsqueeze(0)
+            self._notes[wl.id] = note
+            return Bound(lambda: fn(xq, xk, freqs), lambda o: (o[0].squeeze(0), o[1].squeeze(0)))
+        q_hf, k_hf = W.to_hf(wl, inp["q"]), W.to_hf(wl, inp["k"])
+        back = lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]))  # noqa: E731
+        if wl.mrope_section is not None:                                  # W4
+            fn, note = F["mrope"]
+            fn = self.wrap(wl, "mrope", fn)
+            self._notes[wl.id] = note
+            if F["mrope4"]:
+                cos, sin = hf_cos_sin(wl, inp, dt, mrope3=True)
+                sec = list(wl.mrope_section)
+                return Bound(lambda: fn(q_hf, k_hf, cos, sin, sec), back)
+            cos, sin = hf_cos_sin(wl, inp, dt)
+            return Bound(lambda: fn(q_hf, k_hf, cos, sin), back)
+        apply, note = F["apply"]
+        self._notes[wl.id] = note
+        cos, sin = hf_cos_sin(wl, inp, dt)
+        if wl.kind == "rope":
+            fn = self.wrap(wl, "apply", apply)
+            return Bound(lambda: fn(q_hf, k_hf, cos, sin), back)
+        if wl.kind == "store":
+            self._notes[wl.id] = "unfused: " + note + ", then index_copy_ of k and v into the cache"
+            fn = self.wrap(wl, "store", make_store_unfused(apply))
+            kc, vc = inp["k_cache"], inp["v_cache"]
+            k_rows, v_rows = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+            v, slots = inp["v"], inp["slots"]
+            return Bound(lambda: fn(q_hf, k_hf, v, cos, sin, k_rows, v_rows, slots),
+                         lambda o: (W.from_hf(wl, o), kc, vc))
+        # fwdbwd: autograd through the HF function
+        fn = self.wrap(wl, "apply", apply)
+        q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
+        fwd = lambda q_, k_: fn(W.to_hf(wl, q_), W.to_hf(wl, k_), cos, sin)  # noqa: E731
+        gq, gk = W.to_hf(wl, inp["gq"]), W.to_hf(wl, inp["gk"])
+        return Bound(_grad_fn(fwd, q, k, gq, gk),
+                     lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]), o[2], o[3]))
+
+    def note(self, wl):
+        return self._notes.get(wl.id, "")
+
+
+class TorchCompile(TorchEager):
+    name = "torch-compile"
+    label = "torch.compile (HF code)"
+    cpu_default = False      # inductor's C++ build is slow on a small CPU: ask for it by name
+
+    def __init__(self):
+        super().__init__()
+        self._compiled: Dict[str, Any] = {}
+
+    def begin(self, wl):
+        # A fresh dynamo state per workload: every workload compiles the same few functions at
+        # new shapes, and the per-code-object recompile limit must not send one back to eager.
+        import torch._dynamo
+        torch._dynamo.reset()
+        cfg = torch._dynamo.config
+        for attr in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, attr):
+                setattr(cfg, attr, max(64, getattr(cfg, attr)))
+        self._compiled = {}
+
+    def wrap(self, wl, key, fn):
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(fn, dynamic=False)
+        return self._compiled[key]
+
+    def note(self, wl):
+        n = super().note(wl)
+        return f"torch.compile(dynamic=False) of {n}" if n else ""
+
+
+class RopekitHF(TorchEager):
+    """ropekit.hf's drop-ins, called exactly as the HF code is called (same cos/sin inputs)."""
+    name = "ropekit-hf"
+    label = "ropekit.hf drop-in"
+    cpu_default = False
+
+    def available(self, device):
+        try:
+            importlib.import_module("ropekit.hf")
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({_short(e)})"
+
+    def version(self):
+        return None
+
+    def _resolve(self, key):
+        if key == "mla":
+            return {"mla": (None, ("n/a", "no in-place strided-slice drop-in (that is ropekit.apply_rope)"))}
+        hf = importlib.import_module("ropekit.hf")
+        name = {"apply": "apply_rotary_pos_emb", "llama4": "llama4_apply_rotary_emb",
+                "mrope": "apply_multimodal_rotary_pos_emb"}[key]
+        f = getattr(hf, name, None)
+        entry = (f, f"ropekit.hf.{name}") if f is not None else (
+            None, ("skipped", f"ropekit.hf.{name} not implemented yet"))
+        return {key: entry, "mrope4": True} if key == "mrope" else {key: entry}
+
+    def make(self, wl, inp):
+        if wl.kind == "store":
+            raise PeerSkip("n/a", "no KV-cache store in HF's code (see ropekit-unfused)")
+        return super().make(wl, inp)
+
+
+class RopekitUnfused(Ropekit):
+    """The unfused store path of W7's target: ropekit.apply_rope, then index_copy into the cache."""
+    name = "ropekit-unfused"
+    label = "ropekit apply_rope + index_copy"
+    cpu_default = False
+
+    def make(self, wl, inp):
+        if wl.kind != "store":
+            raise PeerSkip("n/a", "only for the store workloads (W7)")
+        op = self._op("apply_rope")
+        q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
+        pos, cache, il = inp.get("positions"), inp["cache"], wl.interleaved
+        k_rows, v_rows = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+
+        def fn():
+            qo, ko = op(q, k, pos, cache, interleaved=il)
+            k_rows.index_copy_(0, slots, ko)
+            v_rows.index_copy_(0, slots, v)
+            return qo
+        return Bound(fn, lambda o: (o, kc, vc))
+
+    def note(self, wl):
+        return "ropekit.apply_rope, then index_copy_ of k and v into the cache"
+
+
+# ------------------------------------------------------------------------------------------
+# Liger-Kernel
+
+
+class Liger(Peer):
+    name = "liger"
+    label = "Liger-Kernel"
+
+    def __init__(self):
+        self._notes: Dict[str, str] = {}
+
+    def available(self, device):
+        if torch.device(device).type != "cuda":
+            return False, "needs CUDA"
+        try:
+            importlib.import_module("liger_kernel.ops.rope")
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({_short(e)})"
+
+    def version(self):
+        return _version("liger-kernel", "liger_kernel")
+
+    def make(self, wl, inp):
+        dt = inp["q"].dtype
+        if wl.kind in ("mla", "store"):
+            raise PeerSkip("n/a", "no such op in Liger (needs contiguous q; no KV-cache store)"
+                           if wl.kind == "mla" else "no fused KV-cache store in Liger")
+        q_hf, k_hf = W.to_hf(wl, inp["q"]), W.to_hf(wl, inp["k"])
+        back = lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]))  # noqa: E731
+        if wl.interleaved:
+            try:
+                from liger_kernel.transformers.llama4_rope import liger_llama4_text_rotary_pos_emb as fn
+                self._notes[wl.id] = "liger_kernel.transformers.llama4_rope.liger_llama4_text_rotary_pos_emb"
+            except Exception:
+                from liger_kernel.ops.llama4_rope import LigerLlama4RopeFunction
+                fn = LigerLlama4RopeFunction.apply
+                self._notes[wl.id] = "liger_kernel.ops.llama4_rope.LigerLlama4RopeFunction"
+            tab = inp["cache"]
+            half = tab.shape[-1] // 2
+            rows = tab[W.hf_positions(wl, inp)]
+            freqs = torch.complex(rows[..., :half].float(), rows[..., half:].float())
+            xq, xk = inp["q"].unsqueeze(0), inp["k"].unsqueeze(0)
+            return Bound(lambda: fn(xq, xk, freqs), lambda o: (o[0].squeeze(0), o[1].squeeze(0)))
+        if wl.mrope_section is not None:
+            try:
+                from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb as fn
+                self._notes[wl.id] = "liger_kernel.transformers.qwen2vl_mrope.liger_multimodal_rotary_pos_emb"
+            except Exception:
+                from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction
+                fn = LigerQwen2VLMRopeFunction.apply
+                self._notes[wl.id] = "liger_kernel.ops.qwen2vl_mrope.LigerQwen2VLMRopeFunction"
+            cos, sin = hf_cos_sin(wl, inp, dt, mrope3=True)
+            sec = list(wl.mrope_section)
+            return Bound(lambda: fn(q_hf, k_hf, cos, sin, sec), back)
+        try:
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb as fn
+            self._notes[wl.id] = "liger_kernel.transformers.rope.liger_rotary_pos_emb"
+        except Exception:
+            from liger_kernel.ops.rope import LigerRopeFunction
+            fn = LigerRopeFunction.apply
+            self._notes[wl.id] = "liger_kernel.ops.rope.LigerRopeFunction"
+        cos, sin = hf_cos_sin(wl, inp, dt)
+        if wl.kind == "rope":
+            return Bound(lambda: fn(q_hf, k_hf, cos, sin), back)
+        q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
+        fwd = lambda q_, k_: fn(W.to_hf(wl, q_), W.to_hf(wl, k_), cos, sin)  # noqa: E731
+        gq, gk = W.to_hf(wl, inp["gq"]), W.to_hf(wl, inp["gk"])
+        return Bound(_grad_fn(fwd, q, k, gq, gk),
+                     lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]), o[2], o[3]))
+
+    def note(self, wl):
+        return self._notes.get(wl.id, "") + " (rotates q/k in place)" if wl.id in self._notes else ""
+
+
+# ------------------------------------------------------------------------------------------
+# FlashInfer, vLLM, flash-attn
+
+
+def _flat_positions(wl, inp):
+    if wl.layout == "bshd":
+        B, S = inp["q"].shape[:2]
+        return torch.arange(S, device=inp["q"].device).repeat(B)
+    return inp["positions"]
+
+
+class FlashInfer(Peer):
+    name = "flashinfer"
+    label = "FlashInfer"
+
+    def available(self, device):
+        if torch.device(device).type != "cuda":
+            return False, "needs CUDA"
+        try:
+            importlib.import_module("flashinfer.rope")
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({_short(e)})"
+
+    def version(self):
+        return _version("flashinfer-python", "flashinfer")
+
+    def make(self, wl, inp):
+        if wl.kind != "rope" or wl.mrope_section is not None:
+            raise PeerSkip("n/a", {"mla": "needs (nnz, H*D)-flattenable q; W6 is a strided slice",
+                                   "store": "no fused store with this cache layout",
+                                   "fwdbwd": "no autograd"}.get(wl.kind, "no M-RoPE op"))
+        from flashinfer.rope import apply_rope_with_cos_sin_cache as fn
+        q, k = inp["q"], inp["k"]
+        D = q.shape[-1]
+        n = q.shape[:-2].numel()
+        qf, kf = q.reshape(n, -1), k.reshape(n, -1)
+        pos = _flat_positions(wl, inp)
+        cache = inp["cache"].float()
+        neox = not wl.interleaved
+        return Bound(lambda: fn(pos, qf, kf, D, cache, is_neox=neox),
+                     lambda o: (o[0].view(q.shape), o[1].view(k.shape)))
+
+    def note(self, wl):
+        return "flashinfer.rope.apply_rope_with_cos_sin_cache"
+
+
+class VLLM(Peer):
+    name = "vllm"
+    label = "vLLM CUDA op"
+
+    def available(self, device):
+        if torch.device(device).type != "cuda":
+            return False, "needs CUDA"
+        try:
+            importlib.import_module("vllm._custom_ops")
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({_short(e)})"
+
+    def version(self):
+        return _version("vllm")
+
+    def make(self, wl, inp):
+        if wl.kind in ("mla", "fwdbwd") or wl.mrope_section is not None:
+            raise PeerSkip("n/a", {"mla": "needs (T, H*D) q; W6 is a strided slice",
+                                   "fwdbwd": "no autograd"}.get(wl.kind, "M-RoPE is a separate Triton path"))
+        from vllm import _custom_ops as ops
+        q, k = inp["q"], inp["k"]
+        D = q.shape[-1]
+        n = q.shape[:-2].numel()
+        qf, kf = q.view(n, -1), k.view(n, -1)
+        pos = _flat_positions(wl, inp)
+        cache = inp["cache"].to(q.dtype)           # vLLM keeps the table in the activation dtype
+        neox = not wl.interleaved
+        if wl.kind == "rope":
+            def fn():
+                ops.rotary_embedding(pos, qf, kf, D, cache, neox)
+                return q, k
+            return Bound(fn, lambda o: o)
+        v, kc, vc, slots = inp["v"], inp["k_cache"], inp["v_cache"], inp["slots"]
+        ann = inspect.signature(ops.reshape_and_cache_flash).parameters.get("k_scale")
+        float_scale = ann is not None and ann.annotation in (float, "float")
+        scale = 1.0 if float_scale else torch.ones((), dtype=torch.float32, device=q.device)
+
+        def fn():
+            ops.rotary_embedding(pos, qf, kf, D, cache, neox)
+            ops.reshape_and_cache_flash(k, v, kc, vc, slots, "auto", scale, scale)
+            return q
+        return Bound(fn, lambda o: (q, kc, vc))
+
+    def note(self, wl):
+        return ("vllm._custom_ops.rotary_embedding" +
+                (" + reshape_and_cache_flash" if wl.kind == "store" else "") + " (in place)")
+
+
+class FlashAttn(Peer):
+    name = "flash-attn"
+    label = "flash-attn Triton rotary"
+
+    def available(self, device):
+        if torch.device(device).type != "cuda":
+            return False, "needs CUDA"
+        try:
+            importlib.import_module("flash_attn.layers.rotary")
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({_short(e)})"
+
+    def version(self):
+        return _version("flash-attn", "flash_attn")
+
+    def make(self, wl, inp):
+        if wl.kind == "store" or wl.mrope_section is not None:
+            raise PeerSkip("n/a", "no KV-cache store" if wl.kind == "store" else "no M-RoPE")
+        from flash_attn.layers.rotary import apply_rotary_emb as rot
+        dt = inp["q"].dtype
+        cos, sin = _half_table(inp, dt)             # flash-attn wants cos/sin in x's dtype
+        il = wl.interleaved
+        if wl.kind == "mla":
+            R = inp["k_pe"].shape[-1]
+            xq, xk = inp["q"][..., -R:].unsqueeze(0), inp["k_pe"].unsqueeze(0)   # (1, T, H, 64)
+            return Bound(lambda: (rot(xq, cos, sin, interleaved=il, inplace=True),
+                                  rot(xk, cos, sin, interleaved=il, inplace=True)),
+                         lambda o: (inp["q"], inp["k_pe"]))
+        if wl.kind == "fwdbwd":
+            q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
+            fwd = lambda q_, k_: (rot(q_, cos, sin, interleaved=il), rot(k_, cos, sin, interleaved=il))  # noqa: E731
+            return Bound(_grad_fn(fwd, q, k, inp["gq"], inp["gk"]), lambda o: tuple(o))
+        q, k = inp["q"], inp["k"]
+        if wl.layout == "bshd":
+            return Bound(lambda: (rot(q, cos, sin, interleaved=il), rot(k, cos, sin, interleaved=il)),
+                         lambda o: tuple(o))
+        if wl.layout == "decode":                   # T sequences of one token at their positions
+            off = inp["positions"].to(torch.int32)
+            xq, xk = q.unsqueeze(1), k.unsqueeze(1)
+            return Bound(lambda: (rot(xq, cos, sin, interleaved=il, seqlen_offsets=off),
+                                  rot(xk, cos, sin, interleaved=il, seqlen_offsets=off)),
+                         lambda o: (o[0].squeeze(1), o[1].squeeze(1)))
+        xq, xk = q.unsqueeze(0), k.unsqueeze(0)     # prefill from position 0
+        return Bound(lambda: (rot(xq, cos, sin, interleaved=il), rot(xk, cos, sin, interleaved=il)),
+                     lambda o: (o[0].squeeze(0), o[1].squeeze(0)))
+
+    def note(self, wl):
+        return "flash_attn.layers.rotary.apply_rotary_emb (one call each for q and k)"
+
+
+def all_peers() -> List[Peer]:
+    return [Ropekit(), RopekitUnfused(), RopekitHF(), Reference(), TorchEager(), TorchCompile(),
+            Liger(), FlashInfer(), VLLM(), FlashAttn()]
+
+
+NAMES = [p.name for p in all_peers()]

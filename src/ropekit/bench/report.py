@@ -1,0 +1,298 @@
+"""Formats a results dict (runner.run) as a terminal table, JSON, a PNG bar chart and the
+markdown of benchmarks/RESULTS.md.
+
+Regenerate the markdown from a saved run:
+    python -m ropekit.bench.report RESULTS.json --results-md benchmarks/RESULTS.md [--png PLOT.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+STATUS_CELL = {"n/a": "n/a", "skipped": "skipped", "error": "error"}
+
+
+def _us(x: Optional[float]) -> str:
+    if x is None:
+        return "–"
+    if x < 10:
+        return f"{x:.2f} us"
+    if x < 100:
+        return f"{x:.1f} us"
+    return f"{x:.0f} us"
+
+
+def _cell(rec: dict, graph: bool) -> str:
+    st = rec["status"]
+    if st == "ok":
+        if graph:
+            return _us(rec["time_us"])
+        return f"{rec['pct_copy']:.1f}% ({_us(rec['time_us'])})"
+    if st == "wrong":
+        errs = [v for v in (rec.get("rel_err") or {}).values()]
+        worst = max((math.inf if isinstance(v, str) else v) for v in errs) if errs else math.inf
+        return "WRONG (nan)" if math.isinf(worst) else f"WRONG (err {worst:.1e})"
+    return STATUS_CELL.get(st, st)
+
+
+def _columns(res: dict) -> List[dict]:
+    """Peers that ran at least one workload, in peer order."""
+    ran = {r["peer"] for r in res["results"]}
+    return [p for p in res["peers"] if p["name"] in ran]
+
+
+def pivot(res: dict) -> Tuple[List[str], List[List[str]]]:
+    """Rows: workloads (+ a 'host per call' row where measured); columns: implementations."""
+    cols = _columns(res)
+    by = {(r["workload"], r["peer"]): r for r in res["results"]}
+    header = ["workload"] + [c["label"] for c in cols]
+    rows = []
+    for w in res["workloads"]:
+        graph = w["graph"] and not res["meta"]["cpu_mode"]
+        label = f"{w['id']} {w['name']}" + (" (graph)" if graph else "")
+        rows.append([label] + [_cell(by[(w["id"], c["name"])], graph) if (w["id"], c["name"]) in by
+                               else "–" for c in cols])
+        if w["host"] and any(by.get((w["id"], c["name"]), {}).get("host_us") is not None for c in cols):
+            rows.append([f"{w['id']} host per call"] +
+                        [_us(by[(w["id"], c["name"])].get("host_us")) if (w["id"], c["name"]) in by
+                         else "–" for c in cols])
+    return header, rows
+
+
+def _text_table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+def _md_table(header: List[str], rows: List[List[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def notes(res: dict) -> List[str]:
+    """Why peers were skipped, what n/a / wrong / error means per cell, which function ran."""
+    out = []
+    for p in res["peers"]:
+        if not p["available"]:
+            out.append(f"{p['label']}: skipped, {p['reason'] or 'not available'}")
+    grouped: Dict[Tuple[str, str, str], List[str]] = {}
+    for r in res["results"]:
+        if r["status"] != "ok":
+            grouped.setdefault((r["peer"], r["status"], r["reason"]), []).append(r["workload"])
+    label = {p["name"]: p["label"] for p in res["peers"]}
+    for (peer, st, why), wls in grouped.items():
+        out.append(f"{label.get(peer, peer)} {', '.join(wls)}: {st}: {why}")
+    seen: Dict[Tuple[str, str], List[str]] = {}
+    for r in res["results"]:
+        if r.get("note") and r["status"] in ("ok", "wrong"):
+            seen.setdefault((r["peer"], r["note"]), []).append(r["workload"])
+    for (peer, note), wls in seen.items():
+        out.append(f"{label.get(peer, peer)} {', '.join(wls)}: {note}")
+    for d in res["meta"].get("oracle_disagreements") or []:
+        out.append("WARNING oracle disagreement: " + d)
+    return out
+
+
+def _heading(res: dict) -> List[str]:
+    m, c = res["meta"], res["copy"]
+    lines = []
+    if m.get("partial"):
+        lines.append("*** PARTIAL RUN: the run stopped before every workload was measured ***")
+    if m["cpu_mode"]:
+        lines.append("*** " + (res.get("cpu_banner") or "CPU RUN: these are CPU numbers, not GPU numbers") + " ***")
+    lines.append(f"device: {m['device']}   copy bandwidth: {c['gbps']:.0f} GB/s ({c['what']})"
+                 + ("   [CPU]" if m["cpu_mode"] else ""))
+    lines.append(f"sizes: {'quick' if m['quick'] else 'full (WORKLOADS.md)'}   dtype: {m['dtype']}   "
+                 f"oracle: {m.get('oracle') or '-'}")
+    if m["cpu_mode"] and m.get("triton_interpret"):
+        lines.append("TRITON_INTERPRET=1: ropekit ran its Triton kernels in the interpreter (slow by design)")
+    return lines
+
+
+def terminal(res: dict) -> str:
+    header, rows = pivot(res)
+    unit = "CPU memcpy" if res["meta"]["cpu_mode"] else "copy bandwidth"
+    parts = _heading(res)
+    parts.append(f"cells: % of {unit} (median time per call)" + (
+        "" if res["meta"]["cpu_mode"] else "; (graph) rows: time per call under CUDA-graph replay"))
+    parts += ["", _text_table(header, rows), ""]
+    parts += ["notes:"] + ["  - " + n for n in notes(res)]
+    if res["meta"]["cpu_mode"]:
+        parts += ["", "*** CPU numbers, not GPU numbers ***"]
+    return "\n".join(parts)
+
+
+def details_rows(res: dict) -> Tuple[List[str], List[List[str]]]:
+    header = ["workload", "implementation", "status", "time", "GB/s", "% copy", "host/call",
+              "max rel err", "timing"]
+    label = {p["name"]: p["label"] for p in res["peers"]}
+    rows = []
+    for r in res["results"]:
+        errs = list((r.get("rel_err") or {}).values())
+        worst = "–"
+        if errs:
+            w = max((math.inf if isinstance(v, str) else v) for v in errs)
+            worst = "nan" if math.isinf(w) else f"{w:.1e}"
+        rows.append([r["workload"], label.get(r["peer"], r["peer"]), r["status"],
+                     _us(r["time_us"]) if r["time_us"] is not None else "–",
+                     f"{r['gbps']:.0f}" if r["gbps"] is not None else "–",
+                     f"{r['pct_copy']:.1f}%" if r["pct_copy"] is not None else "–",
+                     _us(r["host_us"]) if r["host_us"] is not None else "–",
+                     worst, r["method"] or r["reason"]])
+    return header, rows
+
+
+def write_json(res: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+def write_png(res: dict, path: str) -> Tuple[bool, str]:
+    """Grouped bars: % of copy bandwidth per workload and implementation. Needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return False, f"no PNG: matplotlib is not importable ({type(e).__name__}); pip install matplotlib"
+    cols = _columns(res)
+    wls = [w for w in res["workloads"]]
+    by = {(r["workload"], r["peer"]): r for r in res["results"]}
+    cpu = res["meta"]["cpu_mode"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(wls) + 3), 5), dpi=120)
+    n = max(1, len(cols))
+    width = 0.8 / n
+    top = 100.0
+    for j, c in enumerate(cols):
+        xs, ys = [], []
+        for i, w in enumerate(wls):
+            r = by.get((w["id"], c["name"]))
+            if r and r["status"] == "ok":
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(r["pct_copy"])
+        top = max([top] + ys)
+        bars = ax.bar(xs, ys, width, label=c["label"])
+        for b, y in zip(bars, ys):
+            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
+        for i, w in enumerate(wls):                      # mark cells that did not run
+            r = by.get((w["id"], c["name"]))
+            if r and r["status"] in ("wrong", "error"):
+                ax.text(i - 0.4 + width * (j + 0.5), 1, r["status"], rotation=90, ha="center",
+                        va="bottom", fontsize=6, color="red")
+    ax.axhline(100, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(wls)))
+    ax.set_xticklabels([w["id"] + ("*" if w["graph"] and not cpu else "") for w in wls])
+    ax.set_ylim(0, top * 1.12)
+    unit = "CPU memcpy" if cpu else "copy bandwidth"
+    ax.set_ylabel(f"% of {unit} ({res['copy']['gbps']:.0f} GB/s)")
+    title = f"RoPE, % of {unit} (higher is better): {res['meta']['device']}"
+    if cpu:
+        title = "CPU NUMBERS, not GPU: " + title
+    ax.set_title(title, fontsize=9)
+    if not cpu and any(w["graph"] for w in wls):
+        ax.text(0.0, -0.12, "* launch-bound size, timed with CUDA-graph replay", transform=ax.transAxes,
+                fontsize=7)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True, path
+
+
+def markdown(res: dict, png: Optional[str] = None) -> str:
+    """RESULTS.md: heading, command, plot, the pivot table, details, notes, versions.
+    `png` is the plot's path relative to the markdown file."""
+    m, c = res["meta"], res["copy"]
+    cpu = m["cpu_mode"]
+    out = ["# ropekit benchmark results", ""]
+    if m.get("partial"):
+        out += ["> **Partial run: it stopped before every workload was measured.**", ""]
+    if cpu:
+        out += ["> **" + (res.get("cpu_banner") or "CPU numbers, not GPU numbers") + "**", ""]
+    out += [f"Measured on **{m['device']}** on {m['date']}, bf16. Copy bandwidth measured in the same "
+            f"run: **{c['gbps']:.0f} GB/s** ({c['what']}). Sizes: "
+            f"{'quick' if m['quick'] else 'full, as in shared WORKLOADS.md'}.", "",
+            "Command:", "", "```", m.get("command") or "python -m ropekit.bench", "```", ""]
+    if png:
+        out += [f"![percent of copy bandwidth per workload and implementation]({png})", ""]
+    unit = "CPU memcpy bandwidth" if cpu else "copy bandwidth"
+    out += [f"Percent of {unit} (higher is better) and median time per call. Every "
+            "implementation's output was checked against a float64 reference before it was timed "
+            "(bf16 tolerance: relative error 1e-2); a wrong one is reported, not timed. Rows marked "
+            "(graph) are launch-bound sizes timed under CUDA-graph replay over input sets larger "
+            "than L2; 'host per call' is wall-clock time per eager call.", ""]
+    header, rows = pivot(res)
+    out += [_md_table(header, rows), ""]
+    out += ["## Workloads", "", "| id | what | sizes | minimal bytes | floor |", "|---|---|---|---|---|"]
+    for w in res["workloads"]:
+        sizes = ", ".join(f"{k}={v}" for k, v in w["sizes"].items())
+        out.append(f"| {w['id']} {w['name']} | {w['what']} | {sizes} | {w['bytes'] / 1e6:.1f} MB | "
+                   f"{_us(w['floor_us'])} |")
+    out += ["", "## Details", ""]
+    dh, dr = details_rows(res)
+    out += [_md_table(dh, dr), "", "## Notes", ""]
+    out += ["- " + n for n in notes(res)]
+    out += ["", "## Versions", ""]
+    for k in ("python", "torch", "cuda", "triton", "transformers", "git"):
+        if m.get(k):
+            out.append(f"- {k}: {m[k]}")
+    for p in res["peers"]:
+        if p["available"] and p["version"] and p["name"] not in ("reference", "torch-eager", "torch-compile"):
+            out.append(f"- {p['label']}: {p['version']}")
+    out.append("")
+    return "\n".join(out)
+
+
+def write_markdown(res: dict, path: str, png: Optional[str] = None) -> str:
+    """Write RESULTS.md at `path`; `png` (a file path) is referenced relative to it."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    rel = os.path.relpath(os.path.abspath(png), d) if png and os.path.exists(png) else None
+    with open(path, "w") as f:
+        f.write(markdown(res, rel))
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ropekit.bench.report",
+                                 description="Regenerate the table / RESULTS.md / plot from a saved JSON run.")
+    ap.add_argument("json", help="results JSON written by python -m ropekit.bench")
+    ap.add_argument("--results-md", metavar="PATH", help="write the markdown here")
+    ap.add_argument("--png", metavar="PATH",
+                    help="where the plot is to live (default: next to the markdown); the run's "
+                         "PNG (the JSON's name with .png) is copied there, or redrawn with --redraw")
+    ap.add_argument("--redraw", action="store_true", help="redraw the PNG from the JSON (needs matplotlib)")
+    a = ap.parse_args(argv)
+    with open(a.json) as f:
+        res = json.load(f)
+    print(terminal(res))
+    if not a.results_md and not a.png:
+        return 0
+    run_png = os.path.splitext(a.json)[0] + ".png"
+    png = a.png
+    if png is None and a.results_md:
+        png = os.path.join(os.path.dirname(os.path.abspath(a.results_md)), os.path.basename(run_png))
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    if a.redraw:
+        ok, msg = write_png(res, png)
+        print(msg)
+    elif os.path.exists(run_png) and os.path.abspath(run_png) != os.path.abspath(png):
+        shutil.copyfile(run_png, png)
+    if a.results_md:
+        write_markdown(res, a.results_md, png if os.path.exists(png) else None)
+        print(f"wrote {a.results_md}" + (f" (plot: {png})" if os.path.exists(png) else " (no plot)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Timing done right.
+
+GPU: CUDA events around each call with warm-up, L2 flushed before every call, median
+(triton.testing.do_bench, or the same loop written out when Triton is missing); CUDA-graph
+replay for launch-bound sizes, with the graph walking over several input sets so that their
+total size is past the L2; host time per eager call with a wall clock over many calls;
+the copy bandwidth of a large device-to-device copy measured in the same run.
+
+CPU: a wall clock around each call, median of several.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+DEFAULT_L2 = 60 * 1024 * 1024          # H200's 60 MB: used when the device does not say
+
+
+def l2_bytes(device) -> int:
+    if torch.device(device).type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2)
+
+
+def rotation_sets(bytes_per_set: int, l2: int, cap: int = 256) -> int:
+    """How many distinct input sets a graph must walk so that they don't all sit in L2 (2x L2)."""
+    if l2 <= 0 or bytes_per_set <= 0:
+        return 1
+    return max(1, min(cap, -(-2 * l2 // bytes_per_set)))
+
+
+def _do_bench_fallback(fn, warmup_ms, rep_ms):
+    """triton.testing.do_bench's method (events per call, L2 flushed before each), median."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(1, int(rep_ms / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
+
+
+def gpu_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of one call (device time between events)."""
+    try:
+        from triton.testing import do_bench
+    except Exception:                                   # pragma: no cover - triton is there on GPUs
+        return _do_bench_fallback(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds per call under CUDA-graph replay.
+
+    One graph holds one call per input set, in order; a replay's time over the number of sets is
+    the time of one call with its inputs not in L2. The calls are warmed up first (Triton JIT,
+    torch.compile, autotuning) on a side stream, as PyTorch asks before a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    try:
+        return gpu_ms(graph.replay, warmup_ms, rep_ms) / len(fns)
+    finally:
+        del graph
+
+
+def host_us(fn: Callable[[], object], device, n: int = 200, warmup: int = 20) -> float:
+    """Wall-clock microseconds per eager call, the device drained before; not waiting for the
+    device after (that is device time, reported separately)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    _sync(device)
+    return (t1 - t0) / n * 1e6
+
+
+def cpu_ms(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50,
+           warmup: int = 1, best: bool = False) -> float:
+    """Median (best=True: fastest) wall-clock milliseconds of one call on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times: List[float] = []
+    t_start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < min_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return min(times) if best else statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes: Optional[int] = None, warmup_ms: float = 25,
+                   rep_ms: float = 100) -> dict:
+    """Bytes read + written per second of a large device-to-device copy (dst.copy_(src))."""
+    dev = torch.device(device)
+    if nbytes is None:
+        nbytes = (1 << 30) if dev.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    fn = lambda: dst.copy_(src)  # noqa: E731
+    ms = gpu_ms(fn, warmup_ms, rep_ms) if dev.type == "cuda" else cpu_ms(fn, min_s=0.3, min_reps=5, best=True)
+    return {"gbps": 2 * nbytes / (ms * 1e-3) / 1e9, "ms": ms, "bytes": 2 * nbytes,
+            "what": ("device-to-device copy (torch copy_), bytes read + written" if dev.type == "cuda"
+                     else "CPU memcpy (torch copy_, fastest of several), bytes read + written")}
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

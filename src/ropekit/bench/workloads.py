@@ -1,0 +1,357 @@
+"""The benchmark workloads W1..W8 of WORKLOADS.md.
+
+Each workload says what it computes (shapes, layout, flags), makes its inputs, counts the minimal
+bytes that must move through memory (the floor), and computes the float64 outputs every
+implementation is checked against before it is timed.
+
+Inputs are a dict of *base* tensors, all contiguous, so that a fresh copy for a correctness check
+is a plain clone; the views an implementation needs (HF's (B, H, S, D) view of a (B, S, H, D)
+buffer, W6's strided 64-wide slice of a 192-wide head) are rebuilt from the bases.
+
+Canonical outputs, what every implementation's adapter hands back for checking:
+    rope   (q_out, k_out) in token layout: (B, S, H, D) or (T, H, D)
+    mla    (q, k_pe) after the in-place rotation: the whole (T, 128, 192) q, so a write outside
+           the rotated slice is caught
+    store  (q, k_cache, v_cache) after the call (q rotated in place, cache rows written)
+    fwdbwd (q_out, k_out, dq, dk) in token layout
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Workload:
+    id: str                    # "W1", "W7-T64"
+    name: str                  # "train_8b"
+    kind: str                  # "rope" | "mla" | "store" | "fwdbwd"
+    what: str                  # one line for tables
+    full: Dict[str, int]       # sizes as in WORKLOADS.md
+    quick: Dict[str, int]      # small sizes (--quick, and every CPU run)
+    layout: str = "flat"       # "bshd": two token dims, HF passes (B, H, S, D) views;
+    #                            "flat": (T, H, D) prefill; "decode": (T, H, D), one token per sequence
+    positions: str = "arange"  # "none" (None: arange over S), "arange", "random", "mrope"
+    interleaved: bool = False
+    mrope_section: Optional[Tuple[int, int, int]] = None
+    base: float = 500000.0     # rope theta used to build the table
+    graph: bool = False        # launch-bound: time with CUDA-graph replay
+    host: bool = False         # also report host (wall-clock) time per eager call
+
+    @property
+    def group(self) -> str:
+        """'W7' for 'W7-T64': --workloads W7 selects both."""
+        return self.id.split("-")[0]
+
+    def sizes(self, quick: bool) -> Dict[str, int]:
+        return dict(self.quick if quick else self.full)
+
+
+def _llama8b(**kw):
+    return dict(Hq=32, Hk=8, D=128, **kw)
+
+
+WORKLOADS: List[Workload] = [
+    Workload("W1", "train_8b", "rope",
+             "Llama-3-8B training step, HF layout (q/k are (B,H,S,D) views of (B,S,H,D))",
+             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
+             layout="bshd", positions="none"),
+    Workload("W2", "prefill_70b", "rope", "Llama-3-70B prefill, positions 0..T-1",
+             full=dict(T=32768, Hq=64, Hk=8, D=128, P=32768),
+             quick=dict(T=256, Hq=64, Hk=8, D=128, P=32768)),
+    Workload("W3", "decode_b64", "rope", "decode, 64 sequences, random positions in [0, 65536)",
+             full=_llama8b(T=64, P=65536), quick=_llama8b(T=64, P=65536),
+             layout="decode", positions="random", graph=True, host=True),
+    Workload("W4", "mrope", "rope", "Qwen2-VL-7B M-RoPE, sections (16, 24, 24), 3-D positions",
+             full=dict(T=16384, Hq=28, Hk=4, D=128, P=32768),
+             quick=dict(T=256, Hq=28, Hk=4, D=128, P=32768),
+             positions="mrope", mrope_section=(16, 24, 24), base=1000000.0),
+    Workload("W5", "llama4", "rope", "Llama-4 interleaved (complex) RoPE",
+             full=dict(T=16384, Hq=40, Hk=8, D=128, P=16384),
+             quick=dict(T=256, Hq=40, Hk=8, D=128, P=16384), interleaved=True),
+    Workload("W6", "mla", "mla",
+             "DeepSeek-V3 MLA: rotate q[..., 128:] of (T,128,192) in place, k_pe (T,1,64), interleaved",
+             full=dict(T=16384, H=128, Dq=192, R=64, P=16384),
+             quick=dict(T=256, H=128, Dq=192, R=64, P=16384), interleaved=True, base=10000.0),
+    Workload("W7", "store", "store",
+             "fused RoPE + paged KV-cache store, Llama-3-8B heads, block 16, shuffled slots",
+             full=_llama8b(T=16384, P=65536, block=16), quick=_llama8b(T=256, P=65536, block=16)),
+    Workload("W7-T64", "store_t64", "store", "W7 at T=64 (decode step), random positions",
+             full=_llama8b(T=64, P=65536, block=16), quick=_llama8b(T=64, P=65536, block=16),
+             positions="random", graph=True, host=True),
+    Workload("W8", "train_8b_fwd_bwd", "fwdbwd", "W1 through autograd, forward then backward",
+             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
+             layout="bshd", positions="none"),
+]
+
+BY_ID = {w.id: w for w in WORKLOADS}
+
+
+def select(spec: Optional[str]) -> List[Workload]:
+    """'W1,W3' -> those workloads; a group id (W7) selects its variants; names work too."""
+    if not spec or spec.strip().lower() == "all":
+        return list(WORKLOADS)
+    chosen: List[Workload] = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if not tok:
+            continue
+        hits = [w for w in WORKLOADS
+                if tok.upper() in (w.id.upper(), w.group.upper()) or tok.lower() == w.name.lower()]
+        if not hits:
+            known = ", ".join(w.id for w in WORKLOADS)
+            raise ValueError(f"--workloads: unknown workload {tok!r} (known: {known})")
+        chosen += [w for w in hits if w not in chosen]
+    return [w for w in WORKLOADS if w in chosen]      # keep the table order
+
+
+# ------------------------------------------------------------------------------------------
+# inputs
+
+
+def cos_sin_table(rotary_dim: int, max_position: int, base: float, device) -> torch.Tensor:
+    """(max_position, rotary_dim) float32 rows [cos | sin], computed in float64 then rounded."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :half]
+    return torch.cat((ang.cos(), ang.sin()), dim=-1).to(torch.float32).to(device)
+
+
+def rotary_dim(wl: Workload, s: Dict[str, int]) -> int:
+    return s["R"] if wl.kind == "mla" else s["D"]
+
+
+def make_table(wl: Workload, s: Dict[str, int], device) -> torch.Tensor:
+    return cos_sin_table(rotary_dim(wl, s), s["P"], wl.base, device)
+
+
+def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
+                seed: int) -> Dict[str, torch.Tensor]:
+    """One input set: contiguous base tensors (the table is shared between sets)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(DTYPE)
+
+    def randint(hi, *shape):
+        return torch.randint(0, hi, shape, generator=g, device=device, dtype=torch.int64)
+
+    inp: Dict[str, torch.Tensor] = {"cache": table}
+    if wl.kind == "mla":
+        T = s["T"]
+        inp["q"] = randn(T, s["H"], s["Dq"])
+        inp["k_pe"] = randn(T, 1, s["R"])
+        inp["positions"] = torch.arange(T, device=device, dtype=torch.int64)
+        return inp
+    if wl.layout == "bshd":
+        B, S = s["B"], s["S"]
+        inp["q"] = randn(B, S, s["Hq"], s["D"])
+        inp["k"] = randn(B, S, s["Hk"], s["D"])
+        if wl.kind == "fwdbwd":
+            inp["gq"] = randn(B, S, s["Hq"], s["D"])
+            inp["gk"] = randn(B, S, s["Hk"], s["D"])
+        return inp                                   # positions None: arange over S
+    T = s["T"]
+    inp["q"] = randn(T, s["Hq"], s["D"])
+    inp["k"] = randn(T, s["Hk"], s["D"])
+    if wl.positions == "arange":
+        inp["positions"] = torch.arange(T, device=device, dtype=torch.int64)
+    elif wl.positions == "random":
+        inp["positions"] = randint(s["P"], T)
+    elif wl.positions == "mrope":
+        inp["positions"] = randint(s["P"], 3, T)
+    if wl.kind == "store":
+        inp["v"] = randn(T, s["Hk"], s["D"])
+        block = s["block"]
+        n_blocks = -(-T // block) + max(2, T // block // 16)     # a few blocks stay unused
+        inp["k_cache"] = randn(n_blocks, block, s["Hk"], s["D"])
+        inp["v_cache"] = randn(n_blocks, block, s["Hk"], s["D"])
+        perm = torch.randperm(n_blocks * block, generator=g, device=device)
+        inp["slots"] = perm[:T].contiguous()
+    return inp
+
+
+def clone_inputs(inp: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A fresh copy for a check or an in-place peer; the shared table is not copied."""
+    return {k: (v if k == "cache" else v.clone()) for k, v in inp.items()}
+
+
+def hf_positions(wl: Workload, inp: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Positions as an HF model holds them: (B, S) for W1/W8, (1, T) prefill, (T, 1) decode."""
+    q = inp["q"]
+    if wl.layout == "bshd":
+        B, S = q.shape[0], q.shape[1]
+        return torch.arange(S, device=q.device).expand(B, S)
+    pos = inp["positions"]
+    if wl.layout == "decode":
+        return pos.unsqueeze(1)
+    return pos.unsqueeze(0) if pos.dim() == 1 else pos.unsqueeze(1)   # mrope: (3, 1, T)
+
+
+def to_hf(wl: Workload, x: torch.Tensor) -> torch.Tensor:
+    """Token layout -> the (B, H, S, D) view an HF attention layer passes."""
+    if wl.layout == "bshd":
+        return x.transpose(1, 2)
+    if wl.layout == "decode":
+        return x.unsqueeze(1).transpose(1, 2)        # (T, H, 1, D): T sequences of one token
+    return x.unsqueeze(0).transpose(1, 2)            # (1, H, T, D)
+
+
+def from_hf(wl: Workload, x: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_hf (a view)."""
+    x = x.transpose(1, 2)
+    if wl.layout == "bshd":
+        return x
+    return x.squeeze(1) if wl.layout == "decode" else x.squeeze(0)
+
+
+# ------------------------------------------------------------------------------------------
+# bytes
+
+
+def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
+    """Bytes that must move (WORKLOADS.md): q and k read and written once (the rotated part for
+    W6); the fused store reads q, k, v and writes q and the k and v rows; W8 is two passes."""
+    def nb(t):
+        return t.numel() * t.element_size()
+
+    if wl.kind == "mla":
+        R = inp["k_pe"].shape[-1]
+        q_pe = inp["q"][..., -R:]
+        return 2 * (nb(q_pe) + nb(inp["k_pe"]))
+    if wl.kind == "store":
+        return 2 * (nb(inp["q"]) + nb(inp["k"]) + nb(inp["v"]))
+    one = 2 * (nb(inp["q"]) + nb(inp["k"]))
+    return 2 * one if wl.kind == "fwdbwd" else one
+
+
+# ------------------------------------------------------------------------------------------
+# the float64 oracle
+
+
+def _local_rope64(x, positions, table, interleaved, mrope_section):
+    """Independent float64 RoPE (the bench's own formula), used to cross-check ropekit.reference."""
+    x = x.to(torch.float64)
+    table = table.to(torch.float64)
+    R = table.shape[-1]
+    half = R // 2
+    tok = x.shape[:-2]
+    if positions is None:
+        positions = torch.arange(tok[-1], device=x.device).expand(*tok)
+    rows = table[positions.long()]
+    cos, sin = rows[..., :half], rows[..., half:]
+    if mrope_section is not None:
+        t, h, w = mrope_section
+        sec = torch.tensor([0] * t + [1] * h + [2] * w, device=x.device)
+        pick = sec.view(1, *([1] * len(tok)), half).expand(1, *cos.shape[1:])
+        cos, sin = cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
+    c, s_ = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    xr = x[..., :R]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        o = torch.stack((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        o = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+    return torch.cat((o, x[..., R:]), dim=-1)
+
+
+@dataclass
+class Oracle:
+    """float64 RoPE: ropekit.reference.apply_rope when it takes float64, else the bench's own.
+
+    Both are computed when ropekit.reference is there; a disagreement is recorded (and printed)
+    so a bug in the oracle can't silently mark every implementation wrong or right."""
+    name: str = ""
+    disagreements: List[str] = field(default_factory=list)
+
+    def rope(self, x, positions, table, *, interleaved=False, mrope_section=None, label=""):
+        local = _local_rope64(x, positions, table, interleaved, mrope_section)
+        try:
+            from ropekit import reference
+            ref, _ = reference.apply_rope(
+                x.to(torch.float64), None, positions, table.to(torch.float64),
+                interleaved=interleaved, mrope_section=mrope_section)
+            ref = ref.to(torch.float64)
+        except Exception as e:                       # not there yet, or no float64: use ours
+            self.name = f"bench-local float64 (ropekit.reference unavailable: {type(e).__name__})"
+            return local
+        self.name = "ropekit.reference.apply_rope in float64 (cross-checked with the bench's own)"
+        err = rel_err(ref, local)
+        if not err <= 1e-9:
+            self.disagreements.append(f"{label}: ropekit.reference vs bench float64 rel err {err:.2e}")
+        return ref
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
+    o = out.detach().to(torch.float64)
+    r = ref.detach().to(torch.float64)
+    if o.shape != r.shape:
+        raise ValueError(f"shape {tuple(o.shape)} != expected {tuple(r.shape)}")
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    den = float(r.norm())
+    num = float((o - r).norm())
+    return num / den if den > 0 else num
+
+
+def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict[str, torch.Tensor]:
+    """float64 expected outputs, named as `canon` names them. Call on pristine inputs."""
+    tab = inp["cache"]
+    il, ms = wl.interleaved, wl.mrope_section
+    pos = inp.get("positions")
+    if wl.kind == "mla":
+        R = inp["k_pe"].shape[-1]
+        q = inp["q"].to(torch.float64)
+        q[..., -R:] = oracle.rope(inp["q"][..., -R:], pos, tab, interleaved=il, label=wl.id + " q_pe")
+        return {"q": q, "k_pe": oracle.rope(inp["k_pe"], pos, tab, interleaved=il, label=wl.id + " k_pe")}
+    q = oracle.rope(inp["q"], pos, tab, interleaved=il, mrope_section=ms, label=wl.id + " q")
+    k = oracle.rope(inp["k"], pos, tab, interleaved=il, mrope_section=ms, label=wl.id + " k")
+    if wl.kind == "rope":
+        return {"q": q, "k": k}
+    if wl.kind == "fwdbwd":
+        half = tab.shape[-1] // 2
+        inv = torch.cat((tab[:, :half], -tab[:, half:]), dim=-1)    # backward: rotate by -angle
+        return {"q": q, "k": k,
+                "dq": oracle.rope(inp["gq"], pos, inv, interleaved=il, label=wl.id + " dq"),
+                "dk": oracle.rope(inp["gk"], pos, inv, interleaved=il, label=wl.id + " dk")}
+    # store
+    slots, other = _slot_split(inp)
+    kc = inp["k_cache"].flatten(0, 1).to(torch.float64)
+    vc = inp["v_cache"].flatten(0, 1).to(torch.float64)
+    return {"q": q, "k_cache[slots]": k, "v_cache[slots]": inp["v"].to(torch.float64),
+            "k_cache[other]": kc[other], "v_cache[other]": vc[other]}
+
+
+def _slot_split(inp):
+    slots = inp["slots"].long()
+    n = inp["k_cache"].shape[0] * inp["k_cache"].shape[1]
+    used = torch.zeros(n, dtype=torch.bool, device=slots.device)
+    used[slots] = True
+    return slots, (~used).nonzero().squeeze(1)
+
+
+def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Name an implementation's canonical outputs the way `expected` names them."""
+    if wl.kind == "mla":
+        return {"q": outs[0], "k_pe": outs[1]}
+    if wl.kind == "rope":
+        return {"q": outs[0], "k": outs[1]}
+    if wl.kind == "fwdbwd":
+        return {"q": outs[0], "k": outs[1], "dq": outs[2], "dk": outs[3]}
+    q, kc, vc = outs
+    slots, other = _slot_split(inp)
+    kc, vc = kc.flatten(0, 1), vc.flatten(0, 1)
+    return {"q": q, "k_cache[slots]": kc[slots], "v_cache[slots]": vc[slots],
+            "k_cache[other]": kc[other], "v_cache[other]": vc[other]}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(dtype, 1e-4)

@@ -1,0 +1,298 @@
+"""RotaryEmbedding: the serving-engine module (vLLM / SGLang calling convention) over apply_rope."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .freqs import cos_sin_cache, parse_scaling
+from .ops import apply_rope
+from .validate import fail
+
+# families whose checkpoints rotate pairs (2i, 2i+1) rather than halves (i, i + rotary_dim/2);
+# configs with a `rope_interleave` field (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4, ...) say it there
+_INTERLEAVED_FAMILIES = frozenset({
+    "gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "llama4", "llama4_text",
+    "deepseek_v2", "deepseek_v3",
+})
+
+
+def _int_arg(op: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        fail(op, name, "a positive integer", repr(value))
+    return value
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with the vLLM / SGLang calling convention.
+
+        rope = RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling)
+        query, key = rope(positions, query, key)
+
+    Args:
+        head_size: D, the size of each query/key head.
+        rotary_dim: dims [0, rotary_dim) of each head are rotated, the rest kept (partial rotary);
+            even, at most head_size.
+        max_position: length of the cos/sin table. Positions must lie in [0, max_position): this
+            is a hard limit (checking it would cost a device sync per call). An out-of-range
+            position follows apply_rope's contract: NaN in that token's rotated dims, or a
+            ValueError under `ropekit.strict()`. For scaled rope types pass the extended length.
+        base: rope theta; None means rope_scaling["rope_theta"] if present, else 10000.0.
+        is_neox_style: True rotates halves (Llama, NeoX); False rotates pairs (2i, 2i+1)
+            (GPT-J, DeepSeek, Llama 4), i.e. apply_rope's interleaved=True.
+        rope_scaling: None or an HF rope_scaling / rope_parameters dict; see ropekit.inv_freq.
+        dtype: dtype of the table (default float32, recommended whatever the model dtype;
+            `module.to(dtype)` / `.half()` leave it unchanged).
+        device: where the table is built (default: the current default device). Under a meta
+            device it is built lazily, on the device of the first query.
+        inplace: True (default) rotates query and key in place and returns them; False returns
+            new tensors and leaves the inputs untouched.
+
+    LongRoPE tables longer than original_max_position_embeddings hold two segments, the short
+    factors' rows then the long factors' rows, and each call picks one for the whole batch as HF
+    does: long when any position >= original_max_position_embeddings (one reduction over the
+    positions, no device sync).
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: Optional[float] = None,
+        is_neox_style: bool = True,
+        rope_scaling: Optional[dict] = None,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        *,
+        inplace: bool = True,
+    ):
+        super().__init__()
+        op = "RotaryEmbedding"
+        self.head_size = _int_arg(op, "head_size", head_size)
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0 \
+                or rotary_dim % 2 or rotary_dim > head_size:
+            fail(op, "rotary_dim", f"an even integer in [2, head_size = {head_size}]", repr(rotary_dim))
+        self.rotary_dim = rotary_dim
+        self.max_position = _int_arg(op, "max_position", max_position)
+        self.base = base
+        self.is_neox_style = bool(is_neox_style)
+        self.inplace = bool(inplace)
+        self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
+        self.rope_type, params = parse_scaling(self.rope_scaling, op)
+        self.cache_dtype = torch.float32 if dtype is None else dtype
+
+        # LongRoPE: a short segment [0, original) before the long one when the table is longer
+        self._long_offset = 0
+        self._segments = [(max_position, params)]
+        if self.rope_type == "longrope":
+            original = params.get("original_max_position_embeddings")
+            if isinstance(original, int) and 0 < original < max_position:
+                if params.get("factor") is None:      # keep one attention factor for both segments
+                    params = dict(params, factor=max_position / original)
+                self._long_offset = original
+                self._segments = [(original, params), (max_position, params)]
+
+        device = torch.get_default_device() if device is None else torch.device(device)
+        self.register_buffer("cos_sin_cache", self._build(device), persistent=False)
+
+    # -- the table ---------------------------------------------------------------------------
+
+    def _build(self, device) -> torch.Tensor:
+        """The table on `device` (computed in float64, stored in cache_dtype); empty on meta."""
+        tables = [cos_sin_cache(self.rotary_dim, length, self.base, params, dtype=self.cache_dtype,
+                                device=device)
+                  for length, params in self._segments]
+        return tables[0] if len(tables) == 1 else torch.cat(tables, dim=0)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) / .cuda() / .half() / .to_empty(): recompute the table where it now lives,
+        # in its own dtype, instead of converting (or leaving uninitialised) the old one
+        super()._apply(fn, recurse)
+        self.cos_sin_cache = self._build(self.cos_sin_cache.device)
+        return self
+
+    def _table_for(self, query: torch.Tensor) -> torch.Tensor:
+        cache = self.cos_sin_cache
+        if cache.device != query.device:
+            # first call on a new device (or after a meta-device construction): build it there once
+            cache = self._build(query.device)
+            self.cos_sin_cache = cache
+        return cache
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _heads(self, name: str, x: torch.Tensor, n_tok: int) -> torch.Tensor:
+        """(*T, H * D) -> (*T, H, D) as a view (never a copy); (*T, H, D) passes through."""
+        op = "RotaryEmbedding.forward"
+        D = self.head_size
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == n_tok + 1:
+            if x.shape[-1] % D:
+                fail(op, name, f"a last dimension that is a multiple of head_size = {D}",
+                     f"shape {tuple(x.shape)}")
+            return x.view(*x.shape[:-1], x.shape[-1] // D, D)
+        if x.dim() == n_tok + 2:
+            if x.shape[-1] != D:
+                fail(op, name, f"a last dimension of head_size = {D}", f"shape {tuple(x.shape)}")
+            return x
+        fail(op, name, f"(*T, H * {D}) or (*T, H, {D}), *T being the {n_tok} dims of positions",
+             f"shape {tuple(x.shape)}")
+
+    def _long_or_short(self, positions: torch.Tensor) -> torch.Tensor:
+        """LongRoPE: shift every position into the long segment when any reaches the original
+        length (HF: seq_len > original), else keep the short one. Negative positions stay
+        negative (out of range -> NaN)."""
+        if positions.numel() == 0:
+            return positions
+        use_long = positions.max() >= self._long_offset
+        shift = (use_long & (positions >= 0)).to(positions.dtype) * self._long_offset
+        return positions + shift
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
+        """Rotate query (and key) by the angles of their positions.
+
+        positions: (T,) or (B, S) int32/int64. query: (*T, Hq * D) or (*T, Hq, D); key: the same
+        with Hk heads, or None. Any strides with a unit last stride (views of a fused qkv buffer
+        are fine). Returns (query, key) in their input shapes: the inputs themselves when
+        inplace (the default), new tensors otherwise; key None when key is None.
+        """
+        if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2):
+            got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
+            fail("RotaryEmbedding.forward", "positions", "a (T,) or (B, S) tensor", got)
+        n_tok = positions.dim()
+        q = self._heads("query", query, n_tok)
+        k = None if key is None else self._heads("key", key, n_tok)
+        cache = self._table_for(query)
+        if self._long_offset:
+            positions = self._long_or_short(positions)
+        q_out, k_out = apply_rope(q, k, positions, cache, interleaved=not self.is_neox_style,
+                                  rotary_dim=self.rotary_dim, inplace=self.inplace)
+        if self.inplace:
+            return query, key
+        return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
+
+    def extra_repr(self) -> str:
+        base = self.base if self.base is not None else (self.rope_scaling or {}).get("rope_theta", 10000.0)
+        s = (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+             f"base={base}, is_neox_style={self.is_neox_style}, rope_type={self.rope_type!r}")
+        if self._long_offset:
+            s += f", long_from={self._long_offset}"
+        return s + f", inplace={self.inplace}, cache_dtype={str(self.cache_dtype).replace('torch.', '')}"
+
+    # -- Hugging Face configs ----------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config,
+        *,
+        max_position: Optional[int] = None,
+        is_neox_style: Optional[bool] = None,
+        layer_type: Optional[str] = None,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        inplace: bool = True,
+    ) -> "RotaryEmbedding":
+        """Build the module an HF model config describes (a PretrainedConfig or its config.json dict).
+
+        Reads head_dim (qk_rope_head_dim for MLA models, else head_dim, else hidden_size //
+        num_attention_heads), the rotated fraction (partial_rotary_factor, rotary_pct, or GPT-J's
+        rotary_dim), rope_theta and the scaling dict (rope_parameters in transformers 5.x,
+        rope_scaling + rope_theta in 4.x), max_position_embeddings, and the pair layout
+        (rope_interleave, or the family: GPT-J, DeepSeek, Llama 4, GLM, Cohere rotate pairs).
+
+        Table length (override with max_position): max_position_embeddings, or for linear,
+        dynamic and yarn max(max_position_embeddings, original * factor), as vLLM sizes them.
+        Dynamic NTK's frequencies are those for that length. `layer_type` picks one entry of a
+        per-layer-type rope_parameters dict (e.g. "sliding_attention").
+        """
+        args = hf_rope_args(config, layer_type=layer_type)
+        if max_position is not None:
+            args["max_position"] = max_position
+        if is_neox_style is not None:
+            args["is_neox_style"] = is_neox_style
+        return cls(**args, dtype=dtype, device=device, inplace=inplace)
+
+
+# config.json spellings that HF config classes map through attribute_map (GPT-2 / GPT-J lineage)
+_DICT_ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
+
+
+def _get(config, name: str, default=None):
+    if isinstance(config, dict):
+        value = config.get(name)
+        if value is None and name in _DICT_ALIASES:
+            value = config.get(_DICT_ALIASES[name])
+    else:
+        value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
+    """RotaryEmbedding's constructor arguments for an HF config (object or config.json dict)."""
+    op = "RotaryEmbedding.from_hf_config"
+    if isinstance(config, dict):
+        if "text_config" in config and "num_attention_heads" not in config:
+            config = config["text_config"]
+    elif hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+
+    params = _get(config, "rope_parameters") or _get(config, "rope_scaling") or {}
+    if not isinstance(params, dict):
+        fail(op, "config.rope_parameters", "a dict", repr(params))
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    if nested:
+        if layer_type not in nested:
+            fail(op, "layer_type", f"one of {nested} (the config has rope parameters per layer type)",
+                 repr(layer_type))
+        params = params[layer_type]
+    params = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()}
+    base = params.pop("rope_theta", None) or _get(config, "rope_theta") or _get(config, "rotary_emb_base") \
+        or 10000.0
+    rope_type, params = parse_scaling(params or None, op)
+    params.pop("type", None)
+    params["rope_type"] = rope_type
+
+    head_size = _get(config, "qk_rope_head_dim") or _get(config, "head_dim")
+    if head_size is None:
+        hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+        if not hidden or not heads:
+            fail(op, "config", "head_dim, or hidden_size and num_attention_heads", "neither")
+        head_size = hidden // heads
+    if _get(config, "rotary_dim") is not None:                      # GPT-J / CodeGen: absolute
+        rotary_dim = int(_get(config, "rotary_dim"))
+    else:
+        fraction = params.pop("partial_rotary_factor", None) or _get(config, "partial_rotary_factor") \
+            or _get(config, "rotary_pct") or 1.0
+        rotary_dim = int(head_size * fraction)
+
+    max_pos = _get(config, "max_position_embeddings")
+    if max_pos is None:
+        fail(op, "config.max_position_embeddings", "a positive integer", "None")
+    original_key = "original_max_position_embeddings"
+    if rope_type == "dynamic":
+        params[original_key] = max_pos                 # HF measures dynamic NTK against this
+    elif rope_type in ("yarn", "longrope", "llama3"):
+        top = _get(config, original_key)               # Phi-3 keeps it next to, not in, the dict
+        params[original_key] = top if top is not None else params.get(original_key, max_pos)
+    elif rope_type == "linear":
+        params.setdefault(original_key, max_pos)
+    length = max_pos
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
+        params["factor"] = max_pos / params[original_key]
+    if rope_type in ("linear", "dynamic", "yarn"):
+        factor = params.get("factor")
+        if isinstance(factor, (int, float)) and factor > 0:
+            length = max(max_pos, int(params[original_key] * factor))
+        if rope_type == "linear":
+            params.pop(original_key)
+
+    interleave = _get(config, "rope_interleave")
+    if interleave is None:
+        interleave = _get(config, "model_type") in _INTERLEAVED_FAMILIES
+    return dict(head_size=int(head_size), rotary_dim=rotary_dim, max_position=int(length), base=base,
+                is_neox_style=not interleave, rope_scaling=params)

@@ -1,0 +1,108 @@
+"""Smoke test of the benchmark CLI (python -m ropekit.bench) in its CPU mode.
+
+Runs two workloads at the quick sizes on the CPU into tmp_path and checks what it writes: the
+JSON, the table (which must say these are CPU numbers), the markdown, and the PNG when
+matplotlib is importable (a message saying why not, otherwise).
+"""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from ropekit.bench import report, workloads
+from ropekit.bench.__main__ import main
+
+
+@pytest.fixture
+def cpu_env(monkeypatch):
+    # the pure-PyTorch CPU path, not the Triton interpreter: this is a smoke test of the CLI
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
+    out = tmp_path / "bench"
+    md = tmp_path / "RESULTS.md"
+    rc = main(["--device", "cpu", "--quick", "--workloads", "W1,W3", "--out", str(out),
+               "--results-md", str(md), "--no-progress", "--peers", "ropekit,reference,torch-eager",
+               "--rep-ms", "10"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "CPU numbers" in text and "not GPU numbers" in text
+
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["cpu_mode"] is True and res["meta"]["partial"] is False
+    assert [w["id"] for w in res["workloads"]] == ["W1", "W3"]
+    cells = {(r["workload"], r["peer"]): r for r in res["results"]}
+    # the reference and the HF code must run and pass the float64 check everywhere
+    for wl in ("W1", "W3"):
+        for peer in ("reference", "torch-eager"):
+            r = cells[(wl, peer)]
+            assert r["status"] == "ok", r
+            assert r["time_us"] > 0 and r["pct_copy"] > 0
+            assert max(r["rel_err"].values()) <= 1e-2
+        assert cells[(wl, "ropekit")]["status"] in ("ok", "skipped"), cells[(wl, "ropekit")]
+    # GPU-only peers are listed as skipped with a reason, never faked
+    peers = {p["name"]: p for p in res["peers"]}
+    assert not peers["liger"]["available"] and peers["liger"]["reason"]
+    assert res["copy"]["gbps"] > 0
+
+    assert "CPU numbers" in (out / "results.txt").read_text()
+    assert "CPU" in md.read_text() and "| W1 train_8b |" in md.read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "results.png").stat().st_size > 1000
+    else:
+        assert "no PNG" in text
+
+
+def test_wrong_output_is_reported_not_timed(cpu_env):
+    """A peer whose output is off is marked wrong and has no time."""
+    from ropekit.bench import peers as P
+    from ropekit.bench import runner
+
+    class Broken(P.TorchEager):
+        name = "broken"
+
+        def make(self, wl, inp):
+            b = super().make(wl, inp)
+            return P.Bound(lambda: tuple(t * 1.1 for t in b.fn()), b.canon)
+
+    wl = workloads.BY_ID["W1"]
+    s = wl.sizes(True)
+    table = workloads.make_table(wl, s, "cpu")
+    base = workloads.make_inputs(wl, s, table, "cpu", 0)
+    exp = workloads.expected(wl, base, workloads.Oracle())
+    cfg = runner.Config(workloads=[wl], device="cpu", progress=False)
+    rec = runner.run_one(Broken(), wl, base, exp, [], workloads.min_bytes(wl, base), 10.0, "cpu", cfg)
+    assert rec["status"] == "wrong" and rec["time_us"] is None
+    assert "WRONG" in report._cell(rec, False)
+
+
+def test_workload_selection_and_bytes():
+    assert [w.id for w in workloads.select("W7")] == ["W7", "W7-T64"]
+    assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3"]
+    with pytest.raises(ValueError):
+        workloads.select("W9")
+    # WORKLOADS.md: W1 moves q and k once each way: 2 * 4*4096*(32+8)*128 * 2 bytes
+    wl = workloads.BY_ID["W1"]
+    full = wl.sizes(False)
+    inp = {"q": torch.empty(full["B"], full["S"], full["Hq"], full["D"], dtype=torch.bfloat16, device="meta"),
+           "k": torch.empty(full["B"], full["S"], full["Hk"], full["D"], dtype=torch.bfloat16, device="meta")}
+    assert workloads.min_bytes(wl, inp) == 2 * 4 * 4096 * 40 * 128 * 2
+
+
+def test_module_entry_point_lists_workloads():
+    """`python -m ropekit.bench --list` runs as a program (what the console script calls)."""
+    import os
+    import subprocess
+    import sys
+
+    import ropekit
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "ropekit.bench", "--list"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "W7-T64" in out.stdout and "liger" in out.stdout
