@@ -9,6 +9,7 @@ from torch import nn
 
 from .freqs import cos_sin_cache, parse_scaling
 from .ops import apply_rope
+from .store import apply_rope_and_store
 from .validate import fail
 
 # families whose checkpoints rotate pairs (2i, 2i+1) rather than halves (i, i + rotary_dim/2);
@@ -174,6 +175,46 @@ class RotaryEmbedding(nn.Module):
         if self.inplace:
             return query, key
         return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
+
+    def forward_and_store(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, *, k_scale=None, v_scale=None) -> torch.Tensor:
+        """Fused serving path: rotate query in place and write rotated key and value into the KV
+        cache rows slot_mapping names, in one launch (ropekit.apply_rope_and_store).
+
+        positions: (T,) or (B, S). query: (*T, Hq * D) or (*T, Hq, D); key: (*T, Hk * D) or
+        (*T, Hk, D); value: (*T, Hv * Dv) or (*T, Hv, Dv), Dv being v_cache's head size (it may
+        differ from D: MLA's latent). k_cache / v_cache: (num_blocks, block_size, H, D) paged
+        (NHD, or HND as a permuted view; any strides) or (num_slots, H, D) flat; fp16/bf16/fp32
+        or float8_e4m3fn. slot_mapping: (*T) int32/int64, a slot < 0 skips the token (padding).
+        k_scale / v_scale: None, a float or a 1-element float32 tensor (fp8 caches store
+        value / scale). Bad positions and slots follow apply_rope_and_store's contract.
+
+        query is always rotated in place, whatever `inplace` says (the fused path writes once);
+        key and value are read only. Returns query.
+        """
+        op = "RotaryEmbedding.forward_and_store"
+        if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2):
+            got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
+            fail(op, "positions", "a (T,) or (B, S) tensor", got)
+        n_tok = positions.dim()
+        q = self._heads("query", query, n_tok)
+        k = self._heads("key", key, n_tok)
+        v = value
+        if isinstance(value, torch.Tensor) and isinstance(v_cache, torch.Tensor) \
+                and value.dim() == n_tok + 1 and v_cache.dim() >= 3:
+            dv = v_cache.shape[-1]
+            if dv == 0 or value.shape[-1] % dv:
+                fail(op, "value", f"a last dimension that is a multiple of v_cache's head size {dv}",
+                     f"shape {tuple(value.shape)}")
+            v = value.view(*value.shape[:-1], value.shape[-1] // dv, dv)
+        cache = self._table_for(query)
+        if self._long_offset:
+            positions = self._long_or_short(positions)
+        apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slot_mapping,
+                             interleaved=not self.is_neox_style, rotary_dim=self.rotary_dim,
+                             k_scale=k_scale, v_scale=v_scale)
+        return query
 
     def extra_repr(self) -> str:
         base = self.base if self.base is not None else (self.rope_scaling or {}).get("rope_theta", 10000.0)

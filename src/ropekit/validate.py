@@ -279,7 +279,8 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
     tensor(op, "slot_mapping", slot_mapping, ndims=(len(token_shape),), dtypes=INDEX_DTYPES, device=device,
            shape_hint=str(token_shape), last_stride_one=False)
     if tuple(slot_mapping.shape) != token_shape:
-        fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
+        fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)",
+             f"shape {tuple(slot_mapping.shape)}")
 
     for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
         tensor(op, name, cache, ndims=(3, 4), dtypes=CACHE_DTYPES, device=device, shape_hint=_CACHE_HINT)

@@ -1,0 +1,108 @@
+"""Fused RoPE + KV-cache store: the second entry point of the one kernel family.
+
+One launch rotates q in place, rotates k straight into its cache row and copies v into its cache
+row, so k never makes a round trip through memory. It reuses `_load_angles` and `_rotate_heads`
+from .rope: the rotation math, the angle lookup and the int64 addressing are the same code as
+`rope_kernel`; only the output address of k (a cache row picked by the token's slot) is new.
+
+Grid: axis 0 walks tokens, axis 1 walks head blocks of q, then of k, then of v.
+
+Cache addressing: a slot s names row (s // block_size, s % block_size) of a paged cache
+(num_blocks, block_size, H, D), any strides, so NHD and HND (a permuted view) are one case; a flat
+cache (num_slots, H, D) is block_size 1 with a zero in-block stride. The slot is widened to int64
+when loaded, so block * stride cannot wrap whatever the cache size (caches of tens of GB pass 2^31
+elements). Slots < 0 (padding) write nothing; slots >= num_slots write nothing either and make the
+token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.store).
+"""
+
+import triton
+import triton.language as tl
+
+from .rope import _load_angles, _rotate_heads
+
+
+@triton.jit
+def _copy_heads(
+    x_ptr, o_ptr, x_tok, o_tok, sx_h, so_h, n_heads, head0, d,
+    o_scale_ptr,
+    BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, SCALED: tl.constexpr,
+):
+    """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each); x_tok / o_tok are int64.
+
+    SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast (fp8 caches).
+    """
+    h = head0 + tl.arange(0, BLOCK_H)
+    h64 = h.to(tl.int64)
+    j = tl.arange(0, D_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (j < d)
+    # through float32 (exact for fp16/bf16/fp32): fp8 casts are only ever made from float32
+    x = tl.load(x_ptr + x_tok + h64[:, None] * sx_h + j, mask=m).to(tl.float32)
+    if SCALED:
+        x = x / tl.load(o_scale_ptr).to(tl.float32)
+    tl.store(o_ptr + o_tok + h64[:, None] * so_h + j, x.to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def rope_store_kernel(
+    # pointers; tab_ptr is the [cos | sin] table (sin at tab_ptr + sin_off)
+    q_ptr, k_ptr, v_ptr, pos_ptr, tab_ptr, slot_ptr, kc_ptr, vc_ptr, k_scale_ptr, v_scale_ptr,
+    # sizes
+    S, n_q_heads, n_k_heads, n_v_heads, k_tail, d_v, max_pos, sin_off, block_size, num_slots,
+    n_q_blocks, n_k_blocks,
+    # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
+    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+    sp_b, sp_s, cs_s, cs_col, ssl_b, ssl_s,
+    skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
+    # meta
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HV: tl.constexpr,
+    TAIL_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    PACK_Q: tl.constexpr, PACK_K: tl.constexpr,
+):
+    """Program (t, j): token t; head block j of q (rotated in place), then of k (rotated into its
+    cache row), then of v (copied into its cache row).
+
+    HAS_POS False: token (b, s) takes row s of the table (positions = arange over the last token dim).
+    PACK_Q / PACK_K: _rotate_heads' PACK for q, and for k and its cache (0: element path).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
+    b = t // S
+    s = t - b * S
+    # int64 before any arithmetic: block * stride is the offset that passes 2^31 on big caches
+    slot = tl.load(slot_ptr + b * ssl_b + s * ssl_s).to(tl.int64)
+    store = (slot >= 0) & (slot < num_slots)
+    cache_blk = slot // block_size
+    cache_off = slot - cache_blk * block_size
+
+    if blk < n_q_blocks + n_k_blocks:
+        c, sn = _load_angles(
+            tab_ptr, tab_ptr + sin_off, pos_ptr, b, s, max_pos,
+            0, sp_b, sp_s, 0, 0, cs_s, cs_col,
+            0, 0, 0, HALF, HALF_PAD, HAS_POS, 0,
+        )
+        if blk < n_q_blocks:
+            # a slot past the cache is an error nothing can be written for: flag it in q (NaN),
+            # as a bad position does. A vector compare: scalar-and-vector masks trip the interpreter.
+            bad = (tl.zeros([HALF_PAD], tl.int64) + slot) >= num_slots
+            c = tl.where(bad, float("nan"), c)
+            # in place: the tail past rotary_dim is already where it belongs (TAIL_PAD 0)
+            q_tok = b * sq_b + s * sq_s
+            _rotate_heads(
+                q_ptr, q_ptr, q_tok, q_tok, sq_h, sq_h,
+                n_q_heads, blk * BLOCK_HQ, 0, c, sn, tab_ptr,
+                HALF, HALF_PAD, BLOCK_HQ, 0, INTERLEAVED, INTERLEAVED, False, False, PACK_Q,
+            )
+        elif store:
+            _rotate_heads(
+                k_ptr, kc_ptr, b * sk_b + s * sk_s, cache_blk * skc_blk + cache_off * skc_off, sk_h, skc_h,
+                n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, k_scale_ptr,
+                HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED, INTERLEAVED, False, K_SCALED, PACK_K,
+            )
+    elif store:
+        _copy_heads(
+            v_ptr, vc_ptr, b * sv_b + s * sv_s, cache_blk * svc_blk + cache_off * svc_off, sv_h, svc_h,
+            n_v_heads, (blk - n_q_blocks - n_k_blocks) * BLOCK_HV, d_v, v_scale_ptr,
+            BLOCK_HV, DV_PAD, V_SCALED,
+        )
