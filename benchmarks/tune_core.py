@@ -108,6 +108,7 @@ def main():
     ap.add_argument("--blocks", default="1024,2048,4096,8192")
     ap.add_argument("--warps", default="0,2,4,8")
     ap.add_argument("--tokens", default="1")
+    ap.add_argument("--evict", default="evict_first", help="comma list of q/k load hints to sweep ('' = none)")
     ap.add_argument("--once", default=None, help="run one call of this workload (for ncu) and exit")
     ap.add_argument("--profile-host", action="store_true", help="cProfile the W3 eager call")
     args = ap.parse_args()
@@ -129,39 +130,45 @@ def main():
             ropekit.apply_rope(q, k, p, c, inplace=True)
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(14)
-        print(f"W3 host {host * 1e6:.1f} us per eager call (graph replay {t * 1e6:.2f} us)")
+        print(f"W3 host {host * 1e6:.1f} us per eager call (graph replay {t * 1e6:.2f} us); "
+              f"launches {ops._DIRECT['launches']}, direct path {'on' if ops._DIRECT['ok'] else 'OFF'}")
         return
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
           f"torch {torch.__version__} triton {triton.__version__}")
     W = workloads()
     rows = []
-    def measure(be, nw, tk, name):
+    def measure(be, nw, tk, name, ev=None):
         ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = be, nw, tk
+        if ev is not None:
+            ops._EVICT = ev
         ops._SPECS.clear()
         fn, b = W[name]
         t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-        return dict(workload=name, block_elems=be, warps=nw, tokens=tk, us=t * 1e6, pct=100 * b / t / bw)
+        return dict(workload=name, block_elems=be, warps=nw, tokens=tk, evict=ops._EVICT, us=t * 1e6,
+                    pct=100 * b / t / bw)
 
-    for tk in [int(x) for x in args.tokens.split(",")]:
-        for be in [int(x) for x in args.blocks.split(",")]:
-            for nw in [int(x) for x in args.warps.split(",")]:
-                for name in W:
-                    rows.append(measure(be, nw, tk, name))
-    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'tok':>3s} {'us':>9s} {'% copy':>7s}")
+    for ev in args.evict.split(","):
+        for tk in [int(x) for x in args.tokens.split(",")]:
+            for be in [int(x) for x in args.blocks.split(",")]:
+                for nw in [int(x) for x in args.warps.split(",")]:
+                    for name in W:
+                        rows.append(measure(be, nw, tk, name, ev))
+    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'tok':>3s} {'evict':>11s} {'us':>9s} {'% copy':>7s}")
     for r in rows:
-        print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} {r['tokens']:3d} {r['us']:9.1f} "
-              f"{r['pct']:6.1f}%")
+        print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} {r['tokens']:3d} {r['evict'] or '-':>11s} "
+              f"{r['us']:9.1f} {r['pct']:6.1f}%")
     best = {}
     for r in rows:
         if r["workload"] not in best or r["us"] < best[r["workload"]]["us"]:
             best[r["workload"]] = r
     print("best per workload, measured again (the spread is the noise):")
     for r in best.values():
-        again = measure(r["block_elems"], r["warps"], r["tokens"], r["workload"])
-        print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} tokens {r['tokens']}  "
+        again = measure(r["block_elems"], r["warps"], r["tokens"], r["workload"], r["evict"])
+        print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} tokens {r['tokens']} "
+              f"evict {r['evict'] or '-'}  "
               f"{r['us']:8.1f} us {r['pct']:5.1f}%   again {again['us']:8.1f} us {again['pct']:5.1f}%")
-    ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = 4096, 0, 1
+    ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS, ops._EVICT = 2048, 0, 1, "evict_first"
     ops._SPECS.clear()
     t, host = decode()
     print(f"W3 decode_b64: {t * 1e6:.2f} us per call under graph replay; host {host * 1e6:.1f} us per eager call")

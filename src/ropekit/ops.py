@@ -57,6 +57,8 @@ def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int
 _BLOCK_ELEMS = int(os.environ.get("ROPEKIT_BLOCK_ELEMS", "2048"))
 _NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
 _TOKENS = int(os.environ.get("ROPEKIT_TOKENS", "1"))
+# cache hint for the streamed q/k loads ("" or "evict_first"): the table rows are hinted evict_last
+_EVICT = os.environ.get("ROPEKIT_EVICT", "evict_first")
 
 
 def _token_strides(x: torch.Tensor, n_tok: int):
@@ -157,7 +159,8 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
     meta = dict(
         HALF=half, HALF_PAD=half_pad, BLOCK_H=bhq, TAIL_PAD=tail_pad, TOKENS=tokens,
         HAS_POS=positions is not None, MROPE=mode,
-        IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, num_warps=num_warps,
+        IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, EVICT=_EVICT,
+        num_warps=num_warps,
     )
     grid = (-(-n_tokens // tokens), nqb + nkb)
     return Launch(grid, args, meta, pack // 8, {})
@@ -184,38 +187,46 @@ def fire(launch: Launch, q, k, q_out, k_out, angles: Angles) -> None:
     if compiled is not None and _direct_launch(compiled, launch, ptrs, meta):
         return
     compiled = rope_kernel[launch.grid](*ptrs, *launch.args, **meta)
+    _DIRECT["launches"]["generic"] += 1
     if compiled is not None and hasattr(compiled, "run"):
         launch.compiled[key] = compiled
 
 
-_DIRECT = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1"}
+# Direct launches of compiled kernels (see fire); "launches" counts how each launch went.
+_DIRECT = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None,
+           "launches": {"direct": 0, "generic": 0}}
+
+
+def _direct_tools():
+    import triton
+    from triton import knobs
+
+    from .kernels.rope import rope_kernel
+
+    driver = triton.runtime.driver.active
+    names = tuple(p.name for p in rope_kernel.params if p.is_constexpr)
+    return driver.get_current_device, driver.get_current_stream, knobs.runtime, names
 
 
 def _direct_launch(compiled, launch, ptrs, meta) -> bool:
     if not _DIRECT["ok"]:
         return False
     try:
-        import triton
-        from triton import knobs
-        from .kernels.rope import rope_kernel
-
-        names = _constexpr_names(rope_kernel)
-        args = (*ptrs, *launch.args, *(meta[n] for n in names))
-        device = triton.runtime.driver.active.get_current_device()
-        stream = triton.runtime.driver.active.get_current_stream(device)
+        tools = _DIRECT["tools"]
+        if tools is None:
+            tools = _DIRECT["tools"] = _direct_tools()
+        current_device, current_stream, runtime, names = tools
+        args = (*ptrs, *launch.args, *[meta[n] for n in names])
+        stream = current_stream(current_device())
         grid = launch.grid
         metadata = compiled.launch_metadata(grid, stream, *args)
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args)
+        _DIRECT["launches"]["direct"] += 1
         return True
     except (ImportError, AttributeError, TypeError):
         _DIRECT["ok"] = False            # a Triton whose launcher differs: use its generic path
         return False
-
-
-@functools.lru_cache(maxsize=None)
-def _constexpr_names(kernel):
-    return tuple(p.name for p in kernel.params if p.is_constexpr)
 
 
 def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):

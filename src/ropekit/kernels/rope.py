@@ -35,6 +35,14 @@ def _section_of(i, SEC_T, SEC_H, SEC_W, MROPE: tl.constexpr):
 
 
 @triton.jit
+def _angle_row(cos_ptr, sin_ptr, row, col, m, other):
+    """cos and sin at one table row (float32 vectors); masked-off lanes read nothing."""
+    c = tl.load(cos_ptr + row + col, mask=m, other=other, eviction_policy="evict_last").to(tl.float32)
+    sn = tl.load(sin_ptr + row + col, mask=m, other=other, eviction_policy="evict_last").to(tl.float32)
+    return c, sn
+
+
+@triton.jit
 def _load_angles(
     cos_ptr, sin_ptr, pos_ptr, b, s, max_pos,
     sp_sec, sp_b, sp_s,
@@ -43,47 +51,51 @@ def _load_angles(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     HAS_POS: tl.constexpr, MROPE: tl.constexpr,
 ):
-    """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range)."""
+    """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
+
+    M-RoPE reads the whole row of each of the three positions (contiguous, vectorized loads) and
+    picks each frequency's section with selects: a per-frequency gather would not vectorize.
+    """
     i = tl.arange(0, HALF_PAD)
     fmask = i < HALF
     col = i.to(tl.int64) * cs_col
+    nan = float("nan")
     if HAS_POS:
         pos_tok = pos_ptr + b * sp_b + s * sp_s          # b, s are int64
-        if MROPE == 0:
-            # a vector of the one position: scalar-and-vector masks trip the interpreter
-            p = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
-        else:
-            sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
-            p0 = tl.load(pos_tok).to(tl.int64)
-            p1 = tl.load(pos_tok + sp_sec).to(tl.int64)
-            p2 = tl.load(pos_tok + 2 * sp_sec).to(tl.int64)
-            p = tl.where(sec == 0, p0, tl.where(sec == 1, p1, p2))
-        # A bad position must never address memory: the load is masked off and yields NaN.
-        valid = (p >= 0) & (p < max_pos)
-        row = p * cs_s
-        m = fmask & valid
-        c = tl.load(cos_ptr + row + col, mask=m, other=float("nan")).to(tl.float32)
-        sn = tl.load(sin_ptr + row + col, mask=m, other=float("nan")).to(tl.float32)
-    else:
-        row = b * cs_b + s * cs_s
+        # positions as vectors (all lanes one value): scalar-and-vector masks trip the interpreter.
+        # A bad position must never address memory: its loads are masked off and yield NaN.
+        p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+        c, sn = _angle_row(cos_ptr, sin_ptr, p0 * cs_s, col, fmask & (p0 >= 0) & (p0 < max_pos), nan)
         if MROPE != 0:
             sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
-            row = row + sec.to(tl.int64) * cs_sec
-        c = tl.load(cos_ptr + row + col, mask=fmask, other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + row + col, mask=fmask, other=0.0).to(tl.float32)
+            p1 = tl.load(pos_tok + sp_sec).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+            p2 = tl.load(pos_tok + 2 * sp_sec).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+            c1, s1 = _angle_row(cos_ptr, sin_ptr, p1 * cs_s, col, fmask & (p1 >= 0) & (p1 < max_pos), nan)
+            c2, s2 = _angle_row(cos_ptr, sin_ptr, p2 * cs_s, col, fmask & (p2 >= 0) & (p2 < max_pos), nan)
+            c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
+            sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
+    else:
+        row = b * cs_b + s * cs_s
+        c, sn = _angle_row(cos_ptr, sin_ptr, row, col, fmask, 0.0)
+        if MROPE != 0:
+            sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
+            c1, s1 = _angle_row(cos_ptr, sin_ptr, row + cs_sec, col, fmask, 0.0)
+            c2, s2 = _angle_row(cos_ptr, sin_ptr, row + 2 * cs_sec, col, fmask, 0.0)
+            c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
+            sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
     return c, sn
 
 
 @triton.jit
-def _load_pairs(row_ptr, i, m, ELEM: tl.constexpr, PACK: tl.constexpr):
+def _load_pairs(row_ptr, i, m, ELEM: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr = ""):
     """Pairs (2i, 2i+1) read as one PACK-bit word each: a contiguous, vectorized load, then split
     with bit operations (low half = the even element on little-endian GPUs and CPUs)."""
     if PACK == 32:
-        w = tl.load(row_ptr.to(tl.pointer_type(tl.uint32)) + i, mask=m)
+        w = tl.load(row_ptr.to(tl.pointer_type(tl.uint32)) + i, mask=m, eviction_policy=EVICT)
         lo = w.to(tl.uint16)
         hi = (w >> 16).to(tl.uint16)
     else:
-        w = tl.load(row_ptr.to(tl.pointer_type(tl.uint64)) + i, mask=m)
+        w = tl.load(row_ptr.to(tl.pointer_type(tl.uint64)) + i, mask=m, eviction_policy=EVICT)
         lo = w.to(tl.uint32)
         hi = (w >> 32).to(tl.uint32)
     return lo.to(ELEM, bitcast=True).to(tl.float32), hi.to(ELEM, bitcast=True).to(tl.float32)
@@ -106,7 +118,7 @@ def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 def _load_heads(
     x_base, sx_h, n_heads, head0,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr = "",
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
     [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
@@ -115,15 +127,15 @@ def _load_heads(
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
     if IN_INTERLEAVED and PACK != 0:
-        x1, x2 = _load_pairs(x_row, i, m, x_base.dtype.element_ty, PACK)
+        x1, x2 = _load_pairs(x_row, i, m, x_base.dtype.element_ty, PACK, EVICT)
     elif IN_INTERLEAVED:
         # pairs (2i, 2i+1): one contiguous (BLOCK_H, HALF, 2) load, split into even and odd lanes
         pair = tl.arange(0, 2)[None, None, :]
         x = tl.load(x_row[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
         x1, x2 = tl.split(x)
     else:
-        x1 = tl.load(x_row + i, mask=m).to(tl.float32)
-        x2 = tl.load(x_row + HALF + i, mask=m).to(tl.float32)
+        x1 = tl.load(x_row + i, mask=m, eviction_policy=EVICT).to(tl.float32)
+        x2 = tl.load(x_row + HALF + i, mask=m, eviction_policy=EVICT).to(tl.float32)
     return x1, x2
 
 
@@ -211,7 +223,7 @@ def rope_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     TOKENS: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    PACK: tl.constexpr,
+    PACK: tl.constexpr, EVICT: tl.constexpr,
 ):
     """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's).
 
@@ -235,7 +247,8 @@ def rope_kernel(
             s = t - b * S
             x_base = tl.where(is_q, q_ptr + (b * sq_b + s * sq_s), k_ptr + (b * sk_b + s * sk_s))
             o_base = tl.where(is_q, qo_ptr + (b * sqo_b + s * sqo_s), ko_ptr + (b * sko_b + s * sko_s))
-            x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK)
+            x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
+                                 EVICT)
             c, sn = _load_angles(
                 cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
                 sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
