@@ -46,7 +46,7 @@ def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int
     rows = max(1, block_elems // (2 * half_pad))          # heads per program, ~block_elems elements
     block_h = min(_next_pow2(max(n_q, n_k)), _next_pow2(rows))
     tail_pad = _next_pow2(tail) if tail > 0 else 0
-    num_warps = warps or 2
+    num_warps = warps or 1
     n_q_blocks = -(-n_q // block_h)
     n_k_blocks = -(-n_k // block_h) if n_k else 0
     return half_pad, block_h, block_h, tail_pad, num_warps, n_q_blocks, n_k_blocks
@@ -58,7 +58,7 @@ _BLOCK_ELEMS = int(os.environ.get("ROPEKIT_BLOCK_ELEMS", "2048"))
 _NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
 _TOKENS = int(os.environ.get("ROPEKIT_TOKENS", "1"))
 # cache hint for the streamed q/k loads ("" or "evict_first"): the table rows are hinted evict_last
-_EVICT = os.environ.get("ROPEKIT_EVICT", "evict_first")
+_EVICT = os.environ.get("ROPEKIT_EVICT", "")
 
 
 def _token_strides(x: torch.Tensor, n_tok: int):
@@ -459,6 +459,12 @@ def apply_rope(
             launch = spec.launch[0] = plan_launch(q, k, q_out, k_out, angles, interleaved, interleaved,
                                                   spec.mrope, False)
         fire(launch, q, k, q_out, k_out, angles)
+        if inplace:
+            # Triton's writes are invisible to autograd: a tensor saved for some backward must see
+            # its version change, so that backward raises instead of using rotated values
+            torch.autograd.graph.increment_version(q)
+            if k is not None:
+                torch.autograd.graph.increment_version(k)
         return q_out, k_out
 
     cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:spec.rot]

@@ -87,7 +87,7 @@ def _load_angles(
 
 
 @triton.jit
-def _load_pairs(row_ptr, i, m, ELEM: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr = ""):
+def _load_pairs(row_ptr, i, m, ELEM: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr):
     """Pairs (2i, 2i+1) read as one PACK-bit word each: a contiguous, vectorized load, then split
     with bit operations (low half = the even element on little-endian GPUs and CPUs)."""
     if PACK == 32:
@@ -118,7 +118,7 @@ def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 def _load_heads(
     x_base, sx_h, n_heads, head0,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr = "",
+    IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr,
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
     [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
@@ -192,7 +192,7 @@ def _rotate_heads(
     c, sn, o_scale_ptr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    SCALED: tl.constexpr, PACK: tl.constexpr = 0,
+    SCALED: tl.constexpr, PACK: tl.constexpr,
 ):
     """Rotate heads [head0, head0 + BLOCK_H) of one token; x_tok / o_tok are int64 token offsets.
 
@@ -200,7 +200,9 @@ def _rotate_heads(
     PACK: 0, or the bits of one (2i, 2i+1) pair (32 for 16-bit, 64 for 32-bit elements) when the
     launcher has checked that interleaved rows are pair-aligned: pairs then move as single words.
     """
-    x1, x2 = _load_heads(x_ptr + x_tok, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK)
+    # no default arguments in jit helpers: Triton 3.6 does not apply them when one jit calls another
+    x1, x2 = _load_heads(x_ptr + x_tok, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
+                         "evict_first")
     _rotate_store(
         x_ptr + x_tok, o_ptr + o_tok, sx_h, so_h, n_heads, head0, tail_len, x1, x2, c, sn, o_scale_ptr,
         HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, SCALED, PACK,
