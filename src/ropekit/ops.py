@@ -229,9 +229,20 @@ def _direct_launch(compiled, launch, ptrs, meta) -> bool:
         return False
 
 
+_LAUNCHES: dict = {}
+
+
 def _launch_triton(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):
+    """Launch from views, the plan cached per signature (training and HF calls repeat shapes)."""
     angles = angles_from_views(positions, cos, sin, q.dim() - 2, mrope)
-    fire(plan_launch(q, k, q_out, k_out, angles, in_il, out_il, mrope, inverse), q, k, q_out, k_out, angles)
+    key = (_sig(q), _sig(k), _sig(q_out), _sig(k_out), q_out.data_ptr() == q.data_ptr(), _sig(positions),
+           _sig(cos), _sig(sin), in_il, out_il, None if mrope is None else tuple(mrope), inverse)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) > 4096:
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = plan_launch(q, k, q_out, k_out, angles, in_il, out_il, mrope, inverse)
+    fire(launch, q, k, q_out, k_out, angles)
 
 
 def _run_reference(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse):
@@ -374,13 +385,50 @@ def _rotate(q, k, positions, cos, sin, in_il, out_il, mrope, inplace):
             if k is not None:
                 torch.autograd.graph.increment_version(k)
         return q, k
-    if _needs_dispatcher(q, k):
+    if torch.compiler.is_compiling():
         outs = _rotate_op(q, k, positions, cos, sin, in_il, out_il, mrope, False)
         return outs[0], (outs[1] if k is not None else None)
+    if _needs_dispatcher(q, k):
+        # eager training: a plain autograd.Function costs far less host time per call than the
+        # custom op's autograd wrapper (the same _run underneath, forward and backward)
+        return _EagerRotate.apply(q, k, positions, cos, sin, in_il, out_il, mrope, False)
     q_out = empty_like(q)
     k_out = None if k is None else empty_like(k)
     _run(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, False)
     return q_out, k_out
+
+
+class _EagerRotate(torch.autograd.Function):
+    """Eager autograd for the rotation; backward is the inverse rotation by the same kernel
+    (itself an _EagerRotate, so double backward works)."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, cos, sin, in_il, out_il, mrope, inverse):
+        q_out = empty_like(q)
+        k_out = None if k is None else empty_like(k)
+        _run(q, k, q_out, k_out, positions, cos, sin, in_il, out_il, mrope, inverse)
+        ctx.save_for_backward(positions, cos, sin)
+        ctx.flags = (in_il, out_il, mrope, inverse)
+        ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        positions, cos, sin = ctx.saved_tensors
+        in_il, out_il, mrope, inverse = ctx.flags
+        q_meta, k_meta = ctx.metas
+        want_q = ctx.needs_input_grad[0]
+        want_k = k_meta is not None and ctx.needs_input_grad[1]
+        gq = _unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
+        gk = _unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
+        first, second = (gq, gk) if want_q else (gk, None)
+        if first is None:
+            return (None,) * 9
+        d_first, d_second = _EagerRotate.apply(first, second, positions, cos, sin, out_il, in_il, mrope,
+                                               not inverse)
+        grad_q = d_first if want_q else None
+        grad_k = (d_second if want_q else d_first) if want_k else None
+        return grad_q, grad_k, None, None, None, None, None, None, None
 
 
 def _no_grad_table(op, table):
