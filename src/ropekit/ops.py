@@ -46,7 +46,7 @@ def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int
     rows = max(1, block_elems // (2 * half_pad))          # heads per program, ~block_elems elements
     block_h = min(_next_pow2(max(n_q, n_k)), _next_pow2(rows))
     tail_pad = _next_pow2(tail) if tail > 0 else 0
-    num_warps = warps or 1
+    num_warps = warps or 2
     n_q_blocks = -(-n_q // block_h)
     n_k_blocks = -(-n_k // block_h) if n_k else 0
     return half_pad, block_h, block_h, tail_pad, num_warps, n_q_blocks, n_k_blocks
