@@ -59,6 +59,8 @@ _NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
 _TOKENS = int(os.environ.get("ROPEKIT_TOKENS", "1"))
 # cache hint for the streamed q/k loads ("" or "evict_first"): the table rows are hinted evict_last
 _EVICT = os.environ.get("ROPEKIT_EVICT", "")
+# one program per token walking all head blocks (angles read once per token) instead of one per block
+_HEAD_LOOP = os.environ.get("ROPEKIT_HEAD_LOOP", "0") == "1"
 
 
 def _token_strides(x: torch.Tensor, n_tok: int):
@@ -151,7 +153,7 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
     sk = _token_strides(k, n_tok) + (k.stride(-2),) if has_k else (0, 0, 0)
     sko = _token_strides(k_out, n_tok) + (k_out.stride(-2),) if has_k else (0, 0, 0)
     args = (
-        n_tokens, S, n_q, n_k, d_q - rot, d_k - rot, angles.max_pos, nqb, angles.sin_off,
+        n_tokens, S, n_q, n_k, d_q - rot, d_k - rot, angles.max_pos, nqb, nqb + nkb, angles.sin_off,
         *_token_strides(q, n_tok), q.stride(-2), *sk,
         *_token_strides(q_out, n_tok), q_out.stride(-2), *sko,
         *sp, *angles.strides, sec_t, sec_h, sec_w,
@@ -160,9 +162,9 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
         HALF=half, HALF_PAD=half_pad, BLOCK_H=bhq, TAIL_PAD=tail_pad, TOKENS=tokens,
         HAS_POS=positions is not None, MROPE=mode,
         IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, EVICT=_EVICT,
-        num_warps=num_warps,
+        HEAD_LOOP=_HEAD_LOOP, num_warps=num_warps,
     )
-    grid = (-(-n_tokens // tokens), nqb + nkb)
+    grid = (-(-n_tokens // tokens), 1 if _HEAD_LOOP else nqb + nkb)
     return Launch(grid, args, meta, pack // 8, {})
 
 

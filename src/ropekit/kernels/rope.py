@@ -210,11 +210,25 @@ def _rotate_heads(
 
 
 @triton.jit
+def _select(blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
+            sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, BLOCK_H: tl.constexpr):
+    """Head block blk (q's blocks, then k's) of token (b, s): its input and output token pointers,
+    head strides, head count, first head and tail length. Scalar selects, no branch: q and k
+    (one dtype) take one code path."""
+    is_q = blk < n_q_blocks
+    head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
+    x_base = tl.where(is_q, q_ptr + (b * sq_b + s * sq_s), k_ptr + (b * sk_b + s * sk_s))
+    o_base = tl.where(is_q, qo_ptr + (b * sqo_b + s * sqo_s), ko_ptr + (b * sko_b + s * sko_s))
+    return (x_base, o_base, tl.where(is_q, sq_h, sk_h), tl.where(is_q, sqo_h, sko_h),
+            tl.where(is_q, n_q_heads, n_k_heads), head0, tl.where(is_q, q_tail, k_tail))
+
+
+@triton.jit
 def rope_kernel(
     # pointers
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
     # sizes
-    n_tokens, S, n_q_heads, n_k_heads, q_tail, k_tail, max_pos, n_q_blocks, sin_off,
+    n_tokens, S, n_q_heads, n_k_heads, q_tail, k_tail, max_pos, n_q_blocks, n_blocks, sin_off,
     # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h,
     sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
@@ -225,38 +239,52 @@ def rope_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     TOKENS: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    PACK: tl.constexpr, EVICT: tl.constexpr,
+    PACK: tl.constexpr, EVICT: tl.constexpr, HEAD_LOOP: tl.constexpr,
 ):
-    """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's).
+    """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's);
+    with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
+    once instead of once per block.
 
-    q and k (one dtype) take one code path: the program selects its tensor's pointers and strides
-    with scalar selects, so the head loads are issued before the dependent position -> cos/sin
-    loads instead of after a branch, and their latencies overlap.
+    Without HEAD_LOOP the head loads are issued before the dependent position -> cos/sin loads,
+    so their latencies overlap.
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     """
     t0 = tl.program_id(0).to(tl.int64) * TOKENS
-    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by a constexpr block size
-    is_q = blk < n_q_blocks
-    head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
-    n_heads = tl.where(is_q, n_q_heads, n_k_heads)
-    tail = tl.where(is_q, q_tail, k_tail)
-    sx_h = tl.where(is_q, sq_h, sk_h)
-    so_h = tl.where(is_q, sqo_h, sko_h)
     for j in tl.static_range(TOKENS):
         t = t0 + j
         if t < n_tokens:
             b = t // S
             s = t - b * S
-            x_base = tl.where(is_q, q_ptr + (b * sq_b + s * sq_s), k_ptr + (b * sk_b + s * sk_s))
-            o_base = tl.where(is_q, qo_ptr + (b * sqo_b + s * sqo_s), ko_ptr + (b * sko_b + s * sko_s))
-            x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
-                                 EVICT)
-            c, sn = _load_angles(
-                cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-                sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
-                SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
-            )
-            _rotate_store(
-                x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
-                HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
-            )
+            if HEAD_LOOP:
+                c, sn = _load_angles(
+                    cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
+                    sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
+                    SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
+                )
+                for blk in tl.range(0, n_blocks):
+                    x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
+                        blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail,
+                        k_tail, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
+                        BLOCK_H)
+                    x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
+                                         IN_INTERLEAVED, PACK, EVICT)
+                    _rotate_store(
+                        x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
+                        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+                    )
+            else:
+                blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
+                x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
+                    blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
+                    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, BLOCK_H)
+                x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED,
+                                     PACK, EVICT)
+                c, sn = _load_angles(
+                    cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
+                    sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
+                    SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
+                )
+                _rotate_store(
+                    x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
+                    HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+                )
