@@ -356,9 +356,8 @@ def _rotate_inplace_op(
     q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor],
     cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, mrope: Optional[List[int]],
 ) -> None:
-    # the address check validation skips while tracing (torch.compile), made before any write
-    if k is not None and validate.may_overlap(q, k, q.dim() - 2):
-        validate.fail("apply_rope", "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
+    # the address checks validation skips while tracing (torch.compile), made before any write
+    validate.inplace_aliasing("apply_rope", q, k, (("positions", positions), ("cos", cos), ("sin", sin)))
     _run(q, k, q, k, positions, cos, sin, interleaved, interleaved, mrope, False)
 
 
@@ -485,14 +484,16 @@ def apply_rope(
         mrope_arg = None
         if mrope is not None and positions is not None:
             mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
-        spec = _Spec(rot, mrope_arg, _extent(q), _extent(k), [None])
+        spec = _Spec(rot, mrope_arg, (_extent(q), _extent(k), _extent(positions), _extent(cos_sin_cache)),
+                     [None])
         if key is not None:
             if len(_SPECS) > 4096:
                 _SPECS.clear()
             _SPECS[key] = spec
-    elif inplace and k is not None and _spans_meet(q, k, spec) and validate.may_overlap(q, k, q.dim() - 2):
-        # the one check that depends on addresses, not on the call's signature
-        validate.fail(op, "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
+    elif inplace and _spans_meet((q, k, positions, cos_sin_cache), spec.extents):
+        # the checks that depend on addresses, not on the call's signature: exact ones only when
+        # the written tensors' byte ranges meet another argument's (cheap range test first)
+        validate.inplace_aliasing(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
 
     half = spec.rot // 2
     if _use_triton(q) and not _needs_dispatcher(q, k):
@@ -529,8 +530,7 @@ class _Spec(NamedTuple):
     """What validation concluded about one call signature, and its launch plan once made."""
     rot: int
     mrope: Optional[list]
-    q_extent: int
-    k_extent: int
+    extents: tuple          # bytes spanned by q, k, positions, cos_sin_cache
     launch: list            # [Launch or None]
 
 
@@ -565,9 +565,16 @@ def _extent(x):
     return (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
-def _spans_meet(q, k, spec) -> bool:
-    a, b = q.data_ptr(), k.data_ptr()
-    return a < b + spec.k_extent and b < a + spec.q_extent
+def _spans_meet(tensors, extents) -> bool:
+    """Does the byte range of q or k meet that of any other argument? (q, k written in place)"""
+    ptrs = [0 if x is None else x.data_ptr() for x in tensors]
+    for i in (0, 1):
+        if not extents[i]:
+            continue
+        for j in range(len(tensors)):
+            if j != i and extents[j] and ptrs[i] < ptrs[j] + extents[j] and ptrs[j] < ptrs[i] + extents[i]:
+                return True
+    return False
 
 
 def rotate_with_angles(

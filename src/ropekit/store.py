@@ -167,6 +167,9 @@ def _checks(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k
             extents=None, memo=None):
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
     validate.store_aliasing(OP, q, k, v, k_cache, v_cache, extents=extents, memo=memo)
+    validate.written_vs_read(OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
+                             (("positions", positions), ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping),
+                              ("k_scale", k_scale), ("v_scale", v_scale)))
     if validate.is_strict():
         if positions is not None:
             validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])

@@ -75,36 +75,33 @@ def _span(x: torch.Tensor):
     return start, start + (extent + 1) * x.element_size() - 1
 
 
-def may_overlap(a: torch.Tensor, b: torch.Tensor, n_token_dims: int) -> bool:
-    """True if a and b could share an element.
-
-    Exact for the layouts that matter: disjoint address ranges, or views of one buffer (fused qkv)
-    that share token strides and occupy disjoint byte ranges within each token's row.
-    """
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, a1 = _span(a)
-    b0, b1 = _span(b)
-    if a1 < b0 or b1 < a0:
-        return False
-    if n_token_dims and a.shape[:n_token_dims] == b.shape[:n_token_dims] \
-            and a.stride()[:n_token_dims] == b.stride()[:n_token_dims]:
-        row_a = a[(0,) * n_token_dims]
-        row_b = b[(0,) * n_token_dims]
-        ra0, ra1 = _span(row_a)
-        rb0, rb1 = _span(row_b)
-        row_bytes = min(abs(st) for st, n in zip(a.stride()[:n_token_dims], a.shape) if n > 1) \
-            * a.element_size() if any(n > 1 for n in a.shape[:n_token_dims]) else None
-        disjoint_rows = ra1 < rb0 or rb1 < ra0
-        fits = row_bytes is None or (max(ra1, rb1) - min(ra0, rb0) < row_bytes)
-        if disjoint_rows and fits:
-            return False
-    return True
-
-
 def has_internal_overlap(x: torch.Tensor) -> bool:
-    """A broadcast (stride-0) dimension means two elements share memory: unsafe to write."""
-    return any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride()))
+    """True if two elements of x may share memory: a broadcast (stride-0) dim, or dims that do not
+    nest (sorted by stride, each stride at least the extent of the dims inside it). With a unit
+    last stride this is exact for every layout but exotic interleavings, which it refuses."""
+    reach = 1
+    for st, n in sorted((abs(st), n) for n, st in zip(x.shape, x.stride()) if n > 1):
+        if st < reach:
+            return True
+        reach += st * (n - 1)
+    return False
+
+
+def written_vs_read(op, written, read) -> None:
+    """No written tensor may share a byte with a read-only one (positions, tables, slots, scales)."""
+    for wname, w in written:
+        if w is None:
+            continue
+        for rname, r in read:
+            if isinstance(r, torch.Tensor) and may_alias(w, r):
+                fail(op, rname, f"memory disjoint from {wname} (which is written)", f"a tensor overlapping {wname}")
+
+
+def inplace_aliasing(op, q, k, read) -> None:
+    """In-place rotation: q and k disjoint from each other and from every read-only input."""
+    if k is not None and may_alias(q, k):
+        fail(op, "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
+    written_vs_read(op, (("q", q), ("k", k)), read)
 
 
 def qk_args(op, q, k) -> tuple:
@@ -180,11 +177,11 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
     if inplace:
         for name, x in (("q", q), ("k", k)):
             if x is not None and has_internal_overlap(x):
-                fail(op, name, "a tensor without broadcast (stride 0) dims when inplace=True",
+                fail(op, name, "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
                      f"strides {tuple(x.stride())}")
         # data pointers cannot be traced: under torch.compile the in-place op checks at run time
-        if k is not None and not torch.compiler.is_compiling() and may_overlap(q, k, n_tok):
-            fail(op, "k", "memory disjoint from q when inplace=True", "a tensor overlapping q")
+        if not torch.compiler.is_compiling():
+            inplace_aliasing(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
         if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
             fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
     return rotary_dim, mrope
@@ -292,13 +289,13 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
                        "(num_blocks, block_size, D) as cache.unsqueeze(-2))"
             fail(op, name, f"(heads, head size) {want}, those of {xname}{hint}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
-            fail(op, name, "a tensor without broadcast (stride 0) dims (it is written)",
+            fail(op, name, "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
                  f"strides {tuple(cache.stride())}")
     if v_cache.dim() != k_cache.dim() or v_cache.shape[:-2] != k_cache.shape[:-2]:
         fail(op, "v_cache", f"slot dims {tuple(k_cache.shape[:-2])}, those of k_cache (one slot_mapping "
              "addresses both)", f"shape {tuple(v_cache.shape)}")
     if has_internal_overlap(q):
-        fail(op, "q", "a tensor without broadcast (stride 0) dims (it is rotated in place)",
+        fail(op, "q", "a tensor without broadcast (stride 0) or overlapping dims (it is rotated in place)",
              f"strides {tuple(q.stride())}")
     if torch.is_grad_enabled():
         for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
