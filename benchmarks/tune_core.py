@@ -118,7 +118,8 @@ def main():
     ap.add_argument("--warps", default="0,2,4,8")
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--evict", default="", help="comma list of q/k load hints to sweep ('' = none)")
-    ap.add_argument("--head-loop", default="0", help="comma list of 0/1: one program per token over all heads")
+    ap.add_argument("--head-loop", default="-1",
+                    help="comma list of -1 (the default rule), 0, 1: one program per token over all heads")
     ap.add_argument("--once", default=None, help="run one call of this workload (for ncu) and exit")
     ap.add_argument("--profile-host", action="store_true", help="cProfile the W3 eager call")
     args = ap.parse_args()
@@ -158,7 +159,7 @@ def main():
     def measure(be, nw, tk, name, ev=None, hl=None):
         ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = be, nw, tk
         if hl is not None:
-            ops._HEAD_LOOP = bool(hl)
+            ops._HEAD_LOOP = None if hl < 0 else bool(hl)
         if ev is not None:
             ops._EVICT = ev
         ops._SPECS.clear()
@@ -167,7 +168,8 @@ def main():
         fn, b = W[name]
         t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
         return dict(workload=name, block_elems=be, warps=nw, tokens=tk, evict=ops._EVICT,
-                    head_loop=int(ops._HEAD_LOOP), us=t * 1e6, pct=100 * b / t / bw)
+                    head_loop=-1 if ops._HEAD_LOOP is None else int(ops._HEAD_LOOP), us=t * 1e6,
+                    pct=100 * b / t / bw)
 
     for hl in [int(x) for x in args.head_loop.split(",")]:
         for ev in args.evict.split(","):
@@ -191,7 +193,7 @@ def main():
         print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} tokens {r['tokens']} "
               f"evict {r['evict'] or '-'} loop {r['head_loop']}  "
               f"{r['us']:8.1f} us {r['pct']:5.1f}%   again {again['us']:8.1f} us {again['pct']:5.1f}%")
-    ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS, ops._EVICT, ops._HEAD_LOOP = 2048, 0, 1, "", False
+    ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS, ops._EVICT, ops._HEAD_LOOP = 2048, 0, 1, "", None
     ops._SPECS.clear()
     t, host = decode()
     print(f"W3 decode_b64: {t * 1e6:.2f} us per call under graph replay; host {host * 1e6:.1f} us per eager call")

@@ -173,7 +173,9 @@ def test_mrope_text_tokens_equal_plain_rope(device, mrope_interleaved):
     plain, _ = ropekit.apply_rope(q, None, p, cache)
     m, _ = ropekit.apply_rope(q, None, p.expand(3, B, S), cache, mrope_section=[8, 12, 12],
                               mrope_interleaved=mrope_interleaved)
-    torch.testing.assert_close(m, plain, rtol=0, atol=0)
+    # equal up to float32 rounding: the two are different kernel specializations, and the compiler
+    # may contract a multiply-add into an FMA in one and not the other
+    torch.testing.assert_close(m, plain, rtol=1e-6, atol=1e-6)
 
 
 def test_mrope_sections_select_rows(device):

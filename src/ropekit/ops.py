@@ -38,15 +38,18 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int):
+def _meta(half: int, n_q: int, n_k: int, tail: int, block_elems: int, warps: int, head_loop: bool = False,
+          mrope: bool = False):
     """Compile-time tile sizes for a problem shape; cached so decode pays for it once.
 
-    One head block size serves q and k (they share the kernel's code path)."""
+    One head block size serves q and k (they share the kernel's code path). Warps: what the H200
+    sweeps picked (benchmarks/PERF_LOG.md, run 6): 4 for the head loop, 2 with M-RoPE's three
+    table rows or without the loop."""
     half_pad = _next_pow2(half)
     rows = max(1, block_elems // (2 * half_pad))          # heads per program, ~block_elems elements
     block_h = min(_next_pow2(max(n_q, n_k)), _next_pow2(rows))
     tail_pad = _next_pow2(tail) if tail > 0 else 0
-    num_warps = warps or 2
+    num_warps = warps or (4 if head_loop and not mrope else 2)
     n_q_blocks = -(-n_q // block_h)
     n_k_blocks = -(-n_k // block_h) if n_k else 0
     return half_pad, block_h, block_h, tail_pad, num_warps, n_q_blocks, n_k_blocks
@@ -59,8 +62,9 @@ _NUM_WARPS = int(os.environ.get("ROPEKIT_NUM_WARPS", "0"))
 _TOKENS = int(os.environ.get("ROPEKIT_TOKENS", "1"))
 # cache hint for the streamed q/k loads ("" or "evict_first"): the table rows are hinted evict_last
 _EVICT = os.environ.get("ROPEKIT_EVICT", "")
-# one program per token walking all head blocks (angles read once per token) instead of one per block
-_HEAD_LOOP = os.environ.get("ROPEKIT_HEAD_LOOP", "0") == "1"
+# one program per token walking all head blocks (angles read once per token) instead of one per
+# block: None picks it for table angles (see plan_launch); "0" / "1" force it (tuning)
+_HEAD_LOOP = {"0": False, "1": True}.get(os.environ.get("ROPEKIT_HEAD_LOOP", ""))
 
 
 def _token_strides(x: torch.Tensor, n_tok: int):
@@ -132,7 +136,14 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
     n_k, d_k = (k.shape[-2], k.shape[-1]) if has_k else (0, rot)
     copy_tail = q_out.data_ptr() != q.data_ptr() and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
-    half_pad, bhq, bhk, tail_pad, num_warps, nqb, nkb = _meta(half, n_q, n_k, tail, _BLOCK_ELEMS, _NUM_WARPS)
+    mode = 0 if mrope is None else mrope[0]
+    # Table angles: one program per token walks all head blocks, so the dependent position ->
+    # table-row loads happen once per token, not once per head block (run 6: W2 87% -> 94%).
+    # Per-token angles have no such chain: one program per head block is faster there (W1).
+    # Decode-sized calls keep one program per head block: with few tokens, parallelism matters more.
+    head_loop = _HEAD_LOOP if _HEAD_LOOP is not None else (angles.positions is not None and n_tokens >= 1024)
+    half_pad, bhq, bhk, tail_pad, num_warps, nqb, nkb = _meta(half, n_q, n_k, tail, _BLOCK_ELEMS, _NUM_WARPS,
+                                                              head_loop, mode != 0)
     tokens = _TOKENS
 
     # packed pairs: every interleaved-side tensor must keep pairs word-aligned, with one element size
@@ -142,7 +153,6 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
             packs.add(_pair_pack(x, n_tok))
     pack = packs.pop() if len(packs) == 1 else 0
 
-    mode = 0 if mrope is None else mrope[0]
     sec_t, sec_h, sec_w = (0, 0, 0) if mrope is None else mrope[1:]
     positions = angles.positions
     if positions is not None:
@@ -162,9 +172,9 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
         HALF=half, HALF_PAD=half_pad, BLOCK_H=bhq, TAIL_PAD=tail_pad, TOKENS=tokens,
         HAS_POS=positions is not None, MROPE=mode,
         IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, EVICT=_EVICT,
-        HEAD_LOOP=_HEAD_LOOP, num_warps=num_warps,
+        HEAD_LOOP=head_loop, num_warps=num_warps,
     )
-    grid = (-(-n_tokens // tokens), 1 if _HEAD_LOOP else nqb + nkb)
+    grid = (-(-n_tokens // tokens), 1 if head_loop else nqb + nkb)
     return Launch(grid, args, meta, pack // 8, {})
 
 
