@@ -228,3 +228,30 @@ def test_strict_mode_names_first_bad_position(device, monkeypatch):
     with ropekit.strict(False):
         out, _ = ropekit.apply_rope(q, None, pos, cache)
         assert torch.isnan(out[1, 1]).any()
+
+
+@pytest.mark.parametrize("head_loop", [False, True], ids=["block-programs", "token-programs"])
+@pytest.mark.parametrize("case", ["half", "pairs-partial", "mrope", "two-token-dims", "per-token"])
+def test_both_program_layouts(device, monkeypatch, head_loop, case):
+    """The kernel's two grids (a program per head block, or per token walking its head blocks)
+    give the reference's answer; the launcher picks by call size, so force each here."""
+    from ropekit import ops
+
+    monkeypatch.setattr(ops, "_HEAD_LOOP", head_loop)
+    monkeypatch.setattr(ops, "_SPECS", {})
+    monkeypatch.setattr(ops, "_LAUNCHES", {})
+    T, Hq, Hk = 5, 37, 3                    # 37 heads: several blocks, the last one partial
+    kw = {}
+    D, rot = 64, 64
+    pos = torch.randint(0, 50, (T,), device=device)
+    if case == "pairs-partial":
+        D, kw = 96, dict(interleaved=True)
+    elif case == "mrope":
+        pos, kw = torch.randint(0, 50, (3, T), device=device), dict(mrope_section=[8, 12, 12])
+    q = torch.randn(T, Hq, D, dtype=torch.bfloat16, device=device)
+    k = torch.randn(T, Hk, D, dtype=torch.bfloat16, device=device)
+    if case == "two-token-dims":
+        q, k, pos = q[:4].view(2, 2, Hq, D), k[:4].view(2, 2, Hk, D), pos[:4].view(2, 2)
+    if case == "per-token":
+        pos = None
+    check(q, k, pos, make_cache(50, rot, device=device), dtype=torch.bfloat16, **kw)
