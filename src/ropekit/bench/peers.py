@@ -440,6 +440,17 @@ class RopekitUnfused(Ropekit):
 # Liger-Kernel
 
 
+
+def _cuda_module_available(device, module):
+    """(available, reason) of a CUDA-only peer whose code lives in module."""
+    if torch.device(device).type != "cuda":
+        return False, "needs CUDA"
+    try:
+        importlib.import_module(module)
+        return True, ""
+    except Exception as e:
+        return False, f"not importable ({_short(e)})"
+
 class Liger(Peer):
     name = "liger"
     label = "Liger-Kernel"
@@ -448,13 +459,7 @@ class Liger(Peer):
         self._notes: Dict[str, str] = {}
 
     def available(self, device):
-        if torch.device(device).type != "cuda":
-            return False, "needs CUDA"
-        try:
-            importlib.import_module("liger_kernel.ops.rope")
-            return True, ""
-        except Exception as e:
-            return False, f"not importable ({_short(e)})"
+        return _cuda_module_available(device, "liger_kernel.ops.rope")
 
     def version(self):
         return _version("liger-kernel", "liger_kernel")
@@ -527,13 +532,7 @@ class FlashInfer(Peer):
     label = "FlashInfer"
 
     def available(self, device):
-        if torch.device(device).type != "cuda":
-            return False, "needs CUDA"
-        try:
-            importlib.import_module("flashinfer.rope")
-            return True, ""
-        except Exception as e:
-            return False, f"not importable ({_short(e)})"
+        return _cuda_module_available(device, "flashinfer.rope")
 
     def version(self):
         return _version("flashinfer-python", "flashinfer")
@@ -563,13 +562,7 @@ class VLLM(Peer):
     label = "vLLM CUDA op"
 
     def available(self, device):
-        if torch.device(device).type != "cuda":
-            return False, "needs CUDA"
-        try:
-            importlib.import_module("vllm._custom_ops")
-            return True, ""
-        except Exception as e:
-            return False, f"not importable ({_short(e)})"
+        return _cuda_module_available(device, "vllm._custom_ops")
 
     def version(self):
         return _version("vllm")
@@ -612,13 +605,7 @@ class FlashAttn(Peer):
     label = "flash-attn Triton rotary"
 
     def available(self, device):
-        if torch.device(device).type != "cuda":
-            return False, "needs CUDA"
-        try:
-            importlib.import_module("flash_attn.layers.rotary")
-            return True, ""
-        except Exception as e:
-            return False, f"not importable ({_short(e)})"
+        return _cuda_module_available(device, "flash_attn.layers.rotary")
 
     def version(self):
         return _version("flash-attn", "flash_attn")
