@@ -57,3 +57,25 @@ def test_bigmem_cuda_q_past_2_31_elements():
     ropekit.apply_rope(q, k, pos, cache, inplace=True)
     err = ((q[tail].double().cpu() - rq).norm() / rq.norm()).item()
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.bigmem
+@pytest.mark.parametrize("interleaved_sections", [False, True], ids=["chunked", "interleaved"])
+def test_bigmem_cuda_mrope_past_2_31_elements(interleaved_sections):
+    """M-RoPE on a q above 2^31 elements (T=262,145, H=64, D=128, bf16), (3, T) positions."""
+    import ropekit
+    from ropekit import reference
+
+    T, H, D = 262_145, 64, 128
+    section = [16, 24, 24] if not interleaved_sections else [24, 20, 20]
+    q = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    cache = ropekit.cos_sin_cache(D, 65536, device="cuda")
+    pos = torch.randint(0, 65536, (3, T), device="cuda")
+    tail = slice(T - 3, T)
+    rq, _ = reference.apply_rope(q[tail].double().cpu(), None, pos[:, tail].cpu(), cache.double().cpu(),
+                                 mrope_section=section, mrope_interleaved=interleaved_sections)
+    qo, _ = ropekit.apply_rope(q, None, pos, cache, mrope_section=section, mrope_interleaved=interleaved_sections)
+    torch.cuda.synchronize()
+    err = ((qo[tail].double().cpu() - rq).norm() / rq.norm()).item()
+    assert err < 1e-2

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import ropekit
 from ropekit import reference, strict
 from ropekit.freqs import cos_sin_cache
 from ropekit.modules import RotaryEmbedding, hf_rope_args
@@ -435,3 +436,44 @@ def test_deepseek_v3_module_matches_hf_interleaved_rotation():
     for got, want in ((got_q, hq), (got_k, hk)):
         torch.testing.assert_close(got[..., 0::2], want[..., :32], rtol=1e-5, atol=2e-5)
         torch.testing.assert_close(got[..., 1::2], want[..., 32:], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("interleaved_sections", [False, True], ids=["qwen2-vl", "qwen3-vl"])
+@pytest.mark.parametrize("flat", [False, True], ids=["heads", "flat"])
+def test_mrope_positions(interleaved_sections, flat):
+    """M-RoPE: (3, T) and (3, B, S) positions, against the float64 reference; text-only positions
+    (T,) still work and equal three identical rows."""
+    from ropekit import reference
+
+    D, Hq, Hk, T = 64, 3, 1, 5
+    section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]
+    rope = ropekit.RotaryEmbedding(D, D, 64, base=10000.0, mrope_section=section,
+                                   mrope_interleaved=interleaved_sections, inplace=False)
+    q = torch.randn(T, Hq, D)
+    k = torch.randn(T, Hk, D)
+    pos = torch.randint(0, 64, (3, T))
+    qa, ka = (q.flatten(-2), k.flatten(-2)) if flat else (q, k)
+    qo, ko = rope(pos, qa, ka)
+    rq, rk = reference.apply_rope(q.double(), k.double(), pos, rope.cos_sin_cache.double(),
+                                  mrope_section=section, mrope_interleaved=interleaved_sections)
+    torch.testing.assert_close(qo.reshape(q.shape).double(), rq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ko.reshape(k.shape).double(), rk, rtol=1e-5, atol=1e-5)
+    # (3, B, S)
+    qb = q[:4].reshape(2, 2, Hq, D)
+    qo2, _ = rope(pos[:, :4].reshape(3, 2, 2), qb.flatten(-2) if flat else qb, None)
+    rq2, _ = reference.apply_rope(qb.double(), None, pos[:, :4].reshape(3, 2, 2), rope.cos_sin_cache.double(),
+                                  mrope_section=section, mrope_interleaved=interleaved_sections)
+    torch.testing.assert_close(qo2.reshape(qb.shape).double(), rq2, rtol=1e-5, atol=1e-5)
+    # text-only tokens: plain positions equal three identical rows
+    p1 = pos[0]
+    plain, _ = rope(p1, qa, None)
+    same, _ = rope(p1.expand(3, T), qa, None)
+    torch.testing.assert_close(plain, same, rtol=1e-6, atol=1e-6)
+
+
+def test_mrope_from_scaling_dict_and_bad_sections():
+    rope = ropekit.RotaryEmbedding(128, 128, 256, base=1e6,
+                                   rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    assert rope.mrope_section == (16, 24, 24) and not rope.mrope_interleaved
+    with pytest.raises(ValueError, match="mrope_section"):
+        ropekit.RotaryEmbedding(128, 128, 256, mrope_section=[16, 24, 20])

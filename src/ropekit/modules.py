@@ -69,6 +69,8 @@ class RotaryEmbedding(nn.Module):
         device=None,
         *,
         inplace: bool = True,
+        mrope_section=None,
+        mrope_interleaved: Optional[bool] = None,
     ):
         super().__init__()
         op = "RotaryEmbedding"
@@ -83,6 +85,20 @@ class RotaryEmbedding(nn.Module):
         self.inplace = bool(inplace)
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.rope_type, params = parse_scaling(self.rope_scaling, op)
+        # M-RoPE (Qwen2-VL / 2.5-VL chunked, Qwen3-VL interleaved): given here or in the scaling dict
+        scaling = self.rope_scaling or {}
+        if mrope_section is None:
+            mrope_section = scaling.get("mrope_section")
+        if mrope_interleaved is None:
+            mrope_interleaved = bool(scaling.get("mrope_interleaved", False))
+        if mrope_section is not None:
+            if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3 \
+                    or sum(mrope_section) != rotary_dim // 2:
+                fail(op, "mrope_section", f"3 ints summing to rotary_dim // 2 = {rotary_dim // 2}",
+                     repr(mrope_section))
+            mrope_section = tuple(int(v) for v in mrope_section)
+        self.mrope_section = mrope_section
+        self.mrope_interleaved = bool(mrope_interleaved) and mrope_section is not None
         self.cache_dtype = torch.float32 if dtype is None else dtype
 
         # LongRoPE: a short segment [0, original) before the long one when the table is longer
@@ -156,22 +172,33 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
         """Rotate query (and key) by the angles of their positions.
 
-        positions: (T,) or (B, S) int32/int64. query: (*T, Hq * D) or (*T, Hq, D); key: the same
-        with Hk heads, or None. Any strides with a unit last stride (views of a fused qkv buffer
-        are fine). Returns (query, key) in their input shapes: the inputs themselves when
-        inplace (the default), new tensors otherwise; key None when key is None.
+        positions: (T,) or (B, S) int32/int64; with mrope_section also (3, T) or (3, B, S)
+        (temporal, height, width rows; text-only tokens may pass plain positions). query:
+        (*T, Hq * D) or (*T, Hq, D); key: the same with Hk heads, or None. Any strides with a unit
+        last stride (views of a fused qkv buffer are fine). Returns (query, key) in their input
+        shapes: the inputs themselves when inplace (the default), new tensors otherwise; key None
+        when key is None.
         """
-        if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2):
+        # (3, *T) M-RoPE rows: a leading 3 whose remaining dims are the token dims of query (a plain
+        # (B, S) = (3, S) batch matches query's first two dims instead; plain wins a tie)
+        mrope = self.mrope_section is not None and isinstance(positions, torch.Tensor) \
+            and isinstance(query, torch.Tensor) and positions.dim() in (2, 3) and positions.shape[0] == 3 \
+            and tuple(positions.shape[1:]) == tuple(query.shape[:positions.dim() - 1]) \
+            and tuple(positions.shape) != tuple(query.shape[:positions.dim()])
+        if not isinstance(positions, torch.Tensor) or positions.dim() - mrope not in (1, 2):
             got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
-            fail("RotaryEmbedding.forward", "positions", "a (T,) or (B, S) tensor", got)
-        n_tok = positions.dim()
+            want = "a (T,) or (B, S) tensor" + (", or (3, T) / (3, B, S) for M-RoPE" if self.mrope_section else "")
+            fail("RotaryEmbedding.forward", "positions", want, got)
+        n_tok = positions.dim() - mrope
         q = self._heads("query", query, n_tok)
         k = None if key is None else self._heads("key", key, n_tok)
         cache = self._table_for(query)
         if self._long_offset:
             positions = self._long_or_short(positions)
         q_out, k_out = apply_rope(q, k, positions, cache, interleaved=not self.is_neox_style,
-                                  rotary_dim=self.rotary_dim, inplace=self.inplace)
+                                  rotary_dim=self.rotary_dim, inplace=self.inplace,
+                                  mrope_section=self.mrope_section if mrope else None,
+                                  mrope_interleaved=self.mrope_interleaved if mrope else False)
         if self.inplace:
             return query, key
         return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
