@@ -439,8 +439,8 @@ def test_handled_without_error(case):
 
 def _gap_two_token_dims():
     """q and k views of one buffer with (B, S) token strides (22, 20): the rows of q and of k are
-    disjoint within a token, and the row window fits in the smallest token stride, which is what
-    validate.may_overlap accepts; but token (1, 0) of q and token (0, 1) of k share elements."""
+    disjoint within a token, and the row window fits in the smallest token stride (a shortcut
+    once took that as disjoint); but token (1, 0) of q and token (0, 1) of k share elements."""
     buf = torch.randn(100)
     q = buf.as_strided((2, 2, 1, 2), (22, 20, 2, 1), 0)
     k = buf.as_strided((2, 2, 1, 2), (22, 20, 2, 1), 2)

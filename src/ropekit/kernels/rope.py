@@ -200,7 +200,8 @@ def _rotate_heads(
     PACK: 0, or the bits of one (2i, 2i+1) pair (32 for 16-bit, 64 for 32-bit elements) when the
     launcher has checked that interleaved rows are pair-aligned: pairs then move as single words.
     """
-    # no default arguments in jit helpers: Triton 3.6 does not apply them when one jit calls another
+    # no default arguments in jit helpers: Triton 3.6 does not apply them when one jit calls another.
+    # The store kernel (this helper's user) was measured with the evict_first hint: kept as measured.
     x1, x2 = _load_heads(x_ptr + x_tok, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
                          "evict_first")
     _rotate_store(
