@@ -79,28 +79,26 @@ def _neg_pair_swap(x):
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def _math_half(q, k, cos, sin, ud):
-    cos, sin = cos.unsqueeze(ud), sin.unsqueeze(ud)
+def _rotate_prefix(q, k, cos, sin, swap):
+    """HF's formula on the first cos.shape[-1] dims, the rest passed through (partial rotary)."""
     r = cos.shape[-1]
 
     def one(x):
         xr, xp = x[..., :r], x[..., r:]
-        return torch.cat((xr * cos + _neg_half_swap(xr) * sin, xp), dim=-1)
+        return torch.cat((xr * cos + swap(xr) * sin, xp), dim=-1)
 
     return one(q), one(k)
+
+
+def _math_half(q, k, cos, sin, ud):
+    return _rotate_prefix(q, k, cos.unsqueeze(ud), sin.unsqueeze(ud), _neg_half_swap)
 
 
 def _math_glm(q, k, cos, sin, ud):
     cos, sin = cos.unsqueeze(ud), sin.unsqueeze(ud)
     cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
     sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    r = cos.shape[-1]
-
-    def one(x):
-        xr, xp = x[..., :r], x[..., r:]
-        return torch.cat((xr * cos + _neg_pair_swap(xr) * sin, xp), dim=-1)
-
-    return one(q), one(k)
+    return _rotate_prefix(q, k, cos, sin, _neg_pair_swap)
 
 
 def _math_olmo(q, k, cos, sin, ud):
