@@ -292,6 +292,8 @@ def test_inplace_with_requires_grad_is_refused(which, device):
     q = torch.randn(T, 2, D, device=device)
     k = torch.randn(T, 2, D, device=device)
     (q if which == "q" else k).requires_grad_()
+    with torch.no_grad():       # the same call signature allowed (and cached) without grad first
+        ropekit.apply_rope(q, k, positions, cache, inplace=True)
     q0, k0 = q.detach().clone(), k.detach().clone()
     with pytest.raises(ValueError, match="inplace"):
         ropekit.apply_rope(q, k, positions, cache, inplace=True)
@@ -329,3 +331,54 @@ def test_inplace_on_tensor_saved_for_backward_raises(device):
     assert x._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# the cached training path: one call signature under grad and no-grad, and the saved table
+
+
+def test_same_signature_with_and_without_grad(device, poison):
+    """A call signature first seen without grad (cached plan, no backward) and then under grad (and
+    back) keeps giving the reference's outputs and gradients: the cache keeps the two apart."""
+    T, D = 6, 16
+    g = torch.Generator().manual_seed(11)
+    cache = make_cache(16, D, device=device)
+    positions = torch.randint(0, 16, (T,), generator=g).to(device)
+    q = torch.randn(T, 3, D, generator=g).to(device).requires_grad_()
+    k = torch.randn(T, 1, D, generator=g).to(device).requires_grad_()
+    ref_q, ref_k = reference.apply_rope(q.detach().double(), k.detach().double(), positions, cache.double())
+    for grad in (False, True, False, True):
+        with torch.set_grad_enabled(grad):
+            qo, ko = ropekit.apply_rope(q, k, positions, cache)
+        assert qo.requires_grad == grad and ko.requires_grad == grad
+        _close(qo.detach(), ref_q, torch.float32, "q out")
+        _close(ko.detach(), ref_k, torch.float32, "k out")
+        if grad:
+            up_q, up_k = torch.randn_like(qo), torch.randn_like(ko)
+            gq, gk = torch.autograd.grad((qo, ko), (q, k), (up_q, up_k))
+            q64 = q.detach().double().requires_grad_()
+            k64 = k.detach().double().requires_grad_()
+            o64 = reference.apply_rope(q64, k64, positions, cache.double())
+            eq, ek = torch.autograd.grad(o64, (q64, k64), (up_q.double(), up_k.double()))
+            _close(gq, eq, torch.float32, "grad q")
+            _close(gk, ek, torch.float32, "grad k")
+
+
+@pytest.mark.parametrize("entry", ["apply_rope", "rotate_with_angles"])
+def test_angles_changed_before_backward_raises(entry, device):
+    """The angles are saved for the backward: changing them in place in between must raise (as
+    autograd does for any saved tensor), not silently give gradients of other angles."""
+    T, D = 4, 16
+    cache = make_cache(8, D, device=device)
+    positions = torch.arange(T, device=device)
+    q = torch.randn(T, 2, D, device=device, requires_grad=True)
+    if entry == "apply_rope":
+        out, _ = ropekit.apply_rope(q, None, positions, cache)
+        changed = cache
+    else:
+        cos, sin = cache[:T, : D // 2].clone(), cache[:T, D // 2:].clone()
+        out, _ = ropekit.rotate_with_angles(q, None, cos, sin)
+        changed = cos
+    changed.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

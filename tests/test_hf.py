@@ -63,7 +63,7 @@ def _restore_hf():
 @pytest.fixture
 def kernel_calls():
     """Counts calls that reach ropekit's op (the drop-ins' kernel path, not their fallback)."""
-    with mock.patch.object(ops, "rotate_with_angles", wraps=ops.rotate_with_angles) as spy:
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
         yield spy
 
 

@@ -204,10 +204,9 @@ def _tokens_first(x, hd):
 def _rotate_hf_layout(q, k, cos_half, sin_half, hd, *, interleaved, out_interleaved=None,
                       mrope_section=None):
     """Rotate HF-layout q/k with ropekit; cos_half/sin_half are (…, B, S, rotary_dim // 2) views."""
-    qt, kt = _tokens_first(q, hd), _tokens_first(k, hd)
-    qo, ko = ops.rotate_with_angles(qt, kt, cos_half, sin_half, interleaved=interleaved,
-                                    out_interleaved=out_interleaved, mrope_section=mrope_section)
-    return _tokens_first(qo, hd), _tokens_first(ko, hd)
+    return ops.rotate_angles(q, k, cos_half, sin_half, interleaved,
+                             interleaved if out_interleaved is None else out_interleaved,
+                             mrope_section, False, hd == 1)
 
 
 def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):

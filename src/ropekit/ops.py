@@ -376,6 +376,12 @@ def _(q, k, positions, cos, sin, interleaved, mrope):
     return None
 
 
+def _records_grad(q, k) -> bool:
+    """Will autograd record this call? (arguments that are not tensors: no; validation names them)"""
+    return torch.is_grad_enabled() and (getattr(q, "requires_grad", False) is True
+                                        or getattr(k, "requires_grad", False) is True)
+
+
 def _needs_dispatcher(q, k) -> bool:
     """Eager inference skips the dispatcher (host overhead at decode); compile and autograd need it."""
     if torch.compiler.is_compiling():
@@ -483,8 +489,10 @@ def apply_rope(
     out-of-bounds read); under `ropekit.strict()` it raises ValueError before anything is written.
     """
     op = "apply_rope"
-    key = _call_key(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section,
-                    mrope_interleaved, inplace)
+    compiling = torch.compiler.is_compiling()
+    grad = _records_grad(q, k)
+    key = None if compiling else _call_key(q, k, positions, cos_sin_cache, grad, interleaved, rotary_dim,
+                                           mrope_section, mrope_interleaved, inplace)
     spec = _SPECS.get(key) if key is not None else None
     if spec is None:
         rot, mrope = validate.rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
@@ -495,7 +503,7 @@ def apply_rope(
         if mrope is not None and positions is not None:
             mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
         spec = _Spec(rot, mrope_arg, (_extent(q), _extent(k), _extent(positions), _extent(cos_sin_cache)),
-                     [None])
+                     [None], {})
         if key is not None:
             if len(_SPECS) > 4096:
                 _SPECS.clear()
@@ -506,7 +514,12 @@ def apply_rope(
         validate.inplace_aliasing(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
 
     half = spec.rot // 2
-    if _use_triton(q) and not _needs_dispatcher(q, k):
+    if grad and not compiling and _use_triton(q) and q.shape[:-2].numel():
+        # eager training: a lean autograd.Function on the same cached plans (W8 is host-bound)
+        if positions is not None and validate.is_strict():
+            validate.positions_in_range(op, positions, cos_sin_cache.shape[0])
+        return _PlannedRotate.apply(q, k, positions, cos_sin_cache, _How(spec, interleaved, interleaved, True, False))
+    if _use_triton(q) and not grad and not compiling:
         # eager inference: no views, no dispatcher, the launch planned once per call signature
         if q.shape[:-2].numel() == 0:
             return (q, k) if inplace else (empty_like(q), None if k is None else empty_like(k))
@@ -528,20 +541,102 @@ def apply_rope(
                 torch.autograd.graph.increment_version(k)
         return q_out, k_out
 
-    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:spec.rot]
-    if positions is None:
-        # arange over the last token dim: the table's first S rows, broadcast over the batch dim
-        S = q.shape[-3]
-        cos, sin = cos[:S].expand(*q.shape[:-2], half), sin[:S].expand(*q.shape[:-2], half)
+    cos, sin = _table_views(cos_sin_cache, positions, spec.rot, q)
     return _rotate(q, k, positions, cos, sin, interleaved, interleaved, spec.mrope, inplace)
 
 
 class _Spec(NamedTuple):
-    """What validation concluded about one call signature, and its launch plan once made."""
+    """What validation concluded about one call signature, and its launch plans once made."""
     rot: int
     mrope: Optional[list]
-    extents: tuple          # bytes spanned by q, k, positions, cos_sin_cache
-    launch: list            # [Launch or None]
+    extents: tuple          # apply_rope: bytes spanned by q, k, positions, cos_sin_cache;
+                            # rotate_with_angles: the shape cos and sin are broadcast to
+    launch: list            # [Launch or None]: the forward rotation
+    backward: dict          # gradient signatures -> Launch of the inverse rotation (_PlannedRotate)
+
+
+class _How(NamedTuple):
+    """The non-tensor half of a _PlannedRotate call."""
+    spec: "_Spec"
+    in_il: bool
+    out_il: bool
+    table: bool             # (a, b) are (positions, [cos | sin] table), else per-token (cos, sin)
+    heads_first: bool       # q, k and their gradients are (B, H, S, D) views (Hugging Face's layout)
+
+
+def _angles(how: _How, a, b, x) -> Angles:
+    if how.table:
+        return angles_from_cache(b, a, how.spec.rot // 2, x.dim() - 2)
+    return angles_from_views(None, a, b, x.dim() - 2, how.spec.mrope)
+
+
+class _PlannedRotate(torch.autograd.Function):
+    """Eager autograd on Triton devices for apply_rope (a, b = positions, table) and
+    rotate_with_angles (a, b = cos, sin): the forward and the backward (the inverse rotation)
+    launch from plans cached on the call's _Spec, with no views, no per-call validation and few
+    Function arguments (each one costs host time in Function.apply). W8's step is host-bound:
+    run 6 measured 495 us per step for 165 us of kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, a, b, how):
+        spec = how.spec
+        q, k = _heads_first(q, how.heads_first), _heads_first(k, how.heads_first)
+        q_out = empty_like(q)
+        k_out = None if k is None else empty_like(k)
+        angles = _angles(how, a, b, q)
+        launch = spec.launch[0]
+        if launch is None:
+            launch = spec.launch[0] = plan_launch(q, k, q_out, k_out, angles, how.in_il, how.out_il,
+                                                  spec.mrope, False)
+        fire(launch, q, k, q_out, k_out, angles)
+        ctx.save_for_backward(a, b)          # autograd's version check covers the angles
+        ctx.how = how
+        ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
+        return _heads_first(q_out, how.heads_first), _heads_first(k_out, how.heads_first)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        a, b = ctx.saved_tensors
+        how = ctx.how
+        gq, gk = _heads_first(gq, how.heads_first), _heads_first(gk, how.heads_first)
+        spec = how.spec
+        q_meta, k_meta = ctx.metas
+        want_q = ctx.needs_input_grad[0]
+        want_k = k_meta is not None and ctx.needs_input_grad[1]
+        gq = _unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
+        gk = _unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
+        first, second = (gq, gk) if want_q else (gk, None)
+        if first is None:
+            return None, None, None, None, None
+        if torch.is_grad_enabled():
+            # create_graph=True: the backward must itself be differentiable (double backward)
+            positions, (cos, sin) = (a, _table_views(b, a, spec.rot, first)) if how.table else (None, (a, b))
+            d_first, d_second = _EagerRotate.apply(first, second, positions, cos, sin, how.out_il,
+                                                   how.in_il, spec.mrope, True)
+        else:
+            d_first = empty_like(first)
+            d_second = None if second is None else empty_like(second)
+            angles = _angles(how, a, b, first)
+            key = (want_q, _sig(first), _sig(second))
+            launch = spec.backward.get(key)
+            if launch is None:
+                launch = spec.backward[key] = plan_launch(first, second, d_first, d_second, angles,
+                                                          how.out_il, how.in_il, spec.mrope, True)
+            fire(launch, first, second, d_first, d_second, angles)
+        grad_q = d_first if want_q else None
+        grad_k = (d_second if want_q else d_first) if want_k else None
+        return _heads_first(grad_q, how.heads_first), _heads_first(grad_k, how.heads_first), None, None, None
+
+
+def _table_views(cache, positions, rot, x):
+    """cos and sin as views of a [cos | sin] table: the whole columns for positions, or (positions
+    None: arange over x's last token dim) the first S rows broadcast over the batch dim."""
+    half = rot // 2
+    cos, sin = cache[:, :half], cache[:, half:rot]
+    if positions is not None:
+        return cos, sin
+    S, shape = x.shape[-3], (*x.shape[:-2], half)
+    return cos[:S].expand(shape), sin[:S].expand(shape)
 
 
 _SPECS: dict = {}
@@ -552,15 +647,16 @@ def _sig(x):
 
 
 def _call_key(q, k, positions, cache, *flags):
-    """A hashable signature of a call (shapes, strides, dtypes, devices, flags), or None when the
-    call must be validated afresh: arguments of the wrong type, or anything requiring grad."""
+    """A hashable signature of a call (shapes, strides, dtypes, devices, flags; flags[0] says
+    whether the call records a backward), or None when the call must be validated afresh:
+    arguments of the wrong type, or angles that require grad (refused under grad mode).
+    rotate_with_angles passes cos and sin in the positions and cache slots."""
     try:
-        if q.requires_grad or cache.requires_grad or (k is not None and k.requires_grad) \
-                or torch.compiler.is_compiling():
+        if cache.requires_grad or (positions is not None and positions.requires_grad):
             return None
-        mrope_section = flags[2]
+        mrope_section = flags[3]
         if mrope_section is not None:
-            flags = flags[:2] + (tuple(mrope_section),) + flags[3:]
+            flags = flags[:3] + (tuple(mrope_section),) + flags[4:]
         key = (_sig(q), _sig(k), _sig(positions), _sig(cache), *flags)
         hash(key)
         return key
@@ -605,11 +701,44 @@ def rotate_with_angles(
     out_interleaved (default: interleaved) is the layout the rotated dims are written in
     (DeepSeek-V3's HF code reads pairs and writes halves).
     """
-    op = "rotate_with_angles"
     out_interleaved = interleaved if out_interleaved is None else out_interleaved
-    cos, sin, mrope = validate.angle_args(op, q, k, cos, sin, mrope_section=mrope_section,
-                                          mrope_interleaved=mrope_interleaved)
-    mrope_arg = None
-    if mrope is not None:
-        mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
-    return _rotate(q, k, None, cos, sin, interleaved, out_interleaved, mrope_arg, False)
+    return rotate_angles(q, k, cos, sin, interleaved, out_interleaved, mrope_section, mrope_interleaved, False)
+
+
+def _heads_first(x, yes: bool):
+    """(B, H, S, D) <-> (B, S, H, D) views: the Hugging Face layout and the kernel's."""
+    return x.transpose(1, 2) if yes and x is not None else x
+
+
+def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleaved, heads_first):
+    """rotate_with_angles, also for Hugging Face's (B, H, S, D) q and k (heads_first): under
+    autograd the layout change happens inside the Function, which saves the host time of four
+    transpose nodes in the backward graph (ropekit.hf's drop-ins)."""
+    op = "rotate_with_angles"
+    compiling = torch.compiler.is_compiling()
+    grad = _records_grad(q, k)
+    key = None if compiling else _call_key(q, k, cos, sin, grad, op, in_il, mrope_section,
+                                           mrope_interleaved, out_il, heads_first)
+    spec = _SPECS.get(key) if key is not None else None
+    if spec is None:
+        cos, sin, mrope = validate.angle_args(op, _heads_first(q, heads_first), _heads_first(k, heads_first),
+                                              cos, sin, mrope_section=mrope_section,
+                                              mrope_interleaved=mrope_interleaved)
+        mrope_arg = None
+        if mrope is not None:
+            mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
+        spec = _Spec(2 * cos.shape[-1], mrope_arg, tuple(cos.shape), [None], {})
+        if key is not None:
+            if len(_SPECS) > 4096:
+                _SPECS.clear()
+            _SPECS[key] = spec
+    else:
+        # the same broadcast views validation made (views are per call; their strides are not)
+        cos, sin = cos.broadcast_to(spec.extents), sin.broadcast_to(spec.extents)
+        if cos.stride() != sin.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+    if grad and not compiling and _use_triton(q) and q.shape[:-2].numel():
+        return _PlannedRotate.apply(q, k, cos, sin, _How(spec, in_il, out_il, False, heads_first))
+    qo, ko = _rotate(_heads_first(q, heads_first), _heads_first(k, heads_first), None, cos, sin, in_il,
+                     out_il, spec.mrope, False)
+    return _heads_first(qo, heads_first), _heads_first(ko, heads_first)
