@@ -1,38 +1,88 @@
-"""Where W8's time goes: torch.profiler over forward + backward of apply_rope (HF layout).
+"""Where W8's time goes: forward + backward through autograd (Llama-3-8B shapes, B=4, S=4096).
 
     PYTHONPATH=src python3 benchmarks/profile_w8.py
+
+Two entry points: apply_rope on (B, S, H, D) tensors with the [cos | sin] table, and the HF drop-in
+on (B, H, S, D) views of (B, S, H, D) memory with HF's (B, S, D) bf16 cos/sin. For each, per step:
+  host      wall clock of the Python per step (no synchronisation inside the loop)
+  events    CUDA events around 50 back-to-back steps, divided by 50 (GPU-bound when host < GPU)
+  do_bench  triton.testing.do_bench (events around each step, L2 flushed before it): what the
+            benchmark CLI reports; a step whose host time exceeds the GPU's work shows up here
+and the GPU time of the kernels themselves (torch.profiler).
 """
 
+import time
+
 import torch
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 import ropekit
+from ropekit import hf
 
 B, S, HQ, HK, D = 4, 4096, 32, 8, 128
 bf = dict(dtype=torch.bfloat16, device="cuda")
-q = torch.randn(B, HQ, S, D, **bf).transpose(1, 2).requires_grad_()
-k = torch.randn(B, HK, S, D, **bf).transpose(1, 2).requires_grad_()
-gq, gk = torch.randn(B, S, HQ, D, **bf), torch.randn(B, S, HK, D, **bf)
-cache = ropekit.cos_sin_cache(D, S, device="cuda")
 
 
-def step():
-    qo, ko = ropekit.apply_rope(q, k, None, cache)
-    return torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+def setups():
+    q = torch.randn(B, S, HQ, D, **bf).requires_grad_()
+    k = torch.randn(B, S, HK, D, **bf).requires_grad_()
+    gq, gk = torch.randn(B, S, HQ, D, **bf), torch.randn(B, S, HK, D, **bf)
+    cache = ropekit.cos_sin_cache(D, S, device="cuda")
+
+    def table():
+        qo, ko = ropekit.apply_rope(q, k, None, cache)
+        return torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+
+    qh = torch.randn(B, S, HQ, D, **bf).transpose(1, 2).requires_grad_()
+    kh = torch.randn(B, S, HK, D, **bf).transpose(1, 2).requires_grad_()
+    gqh, gkh = gq.transpose(1, 2), gk.transpose(1, 2)
+    freqs = cache[:S, : D // 2]
+    cos = torch.cat([freqs, freqs], -1).to(torch.bfloat16).expand(B, S, D)   # HF's (B, S, D) rows
+    sin = torch.cat([cache[:S, D // 2:]] * 2, -1).to(torch.bfloat16).expand(B, S, D)
+
+    def hf_dropin():
+        qo, ko = hf.apply_rotary_pos_emb(qh, kh, cos, sin)
+        return torch.autograd.grad((qo, ko), (qh, kh), (gqh, gkh))
+
+    return {"apply_rope (table)": table, "hf.apply_rotary_pos_emb": hf_dropin}
 
 
-for _ in range(5):
-    step()
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def measure(step):
     for _ in range(10):
         step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-start.record()
-for _ in range(20):
-    step()
-end.record()
-torch.cuda.synchronize()
-print(f"W8 fwd+bwd: {start.elapsed_time(end) / 20 * 1e3:.1f} us per step (events, back to back)")
+    n = 50
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    events = start.elapsed_time(end) / n * 1e-3
+    bench = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median") * 1e-3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    kernels = sum(e.device_time_total for e in prof.key_averages() if "rope" in e.key) / 10 * 1e-6
+    return host, events, bench, kernels
+
+
+def main():
+    floor_bytes = 2 * 2 * B * S * (HQ + HK) * D * 2          # two passes, read + write q and k
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__} triton {triton.__version__}")
+    print(f"{'W8 entry point':26s} {'host':>9s} {'events':>9s} {'do_bench':>9s} {'kernels':>9s}  (us per step)")
+    for name, step in setups().items():
+        host, events, bench, kernels = measure(step)
+        print(f"{name:26s} {host * 1e6:9.1f} {events * 1e6:9.1f} {bench * 1e6:9.1f} {kernels * 1e6:9.1f}")
+    print(f"floor bytes {floor_bytes / 1e6:.1f} MB; launches {ropekit.ops._DIRECT['launches']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -120,6 +120,8 @@ def main():
     ap.add_argument("--evict", default="", help="comma list of q/k load hints to sweep ('' = none)")
     ap.add_argument("--head-loop", default="-1",
                     help="comma list of -1 (the default rule), 0, 1: one program per token over all heads")
+    ap.add_argument("--prefetch", default="1",
+                    help="comma list of 0, 1: with the head loop, load the next block before this one's stores")
     ap.add_argument("--once", default=None, help="run one call of this workload (for ncu) and exit")
     ap.add_argument("--profile-host", action="store_true", help="cProfile the W3 eager call")
     args = ap.parse_args()
@@ -156,8 +158,10 @@ def main():
           f"torch {torch.__version__} triton {triton.__version__}")
     W = workloads()
     rows = []
-    def measure(be, nw, tk, name, ev=None, hl=None):
+    def measure(be, nw, tk, name, ev=None, hl=None, pf=None):
         ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = be, nw, tk
+        if pf is not None:
+            ops._PREFETCH = bool(pf)
         if hl is not None:
             ops._HEAD_LOOP = None if hl < 0 else bool(hl)
         if ev is not None:
@@ -168,32 +172,38 @@ def main():
         fn, b = W[name]
         t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
         return dict(workload=name, block_elems=be, warps=nw, tokens=tk, evict=ops._EVICT,
-                    head_loop=-1 if ops._HEAD_LOOP is None else int(ops._HEAD_LOOP), us=t * 1e6,
+                    head_loop=-1 if ops._HEAD_LOOP is None else int(ops._HEAD_LOOP),
+                    prefetch=int(ops._PREFETCH), us=t * 1e6,
                     pct=100 * b / t / bw)
 
-    for hl in [int(x) for x in args.head_loop.split(",")]:
-        for ev in args.evict.split(","):
-            for tk in [int(x) for x in args.tokens.split(",")]:
-                for be in [int(x) for x in args.blocks.split(",")]:
-                    for nw in [int(x) for x in args.warps.split(",")]:
-                        for name in W:
-                            rows.append(measure(be, nw, tk, name, ev, hl))
-    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'tok':>3s} {'evict':>11s} {'loop':>4s} {'us':>9s} "
-          f"{'% copy':>7s}")
-    for r in rows:
+    def show(r):
         print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} {r['tokens']:3d} {r['evict'] or '-':>11s} "
-              f"{r['head_loop']:4d} {r['us']:9.1f} {r['pct']:6.1f}%")
+              f"{r['head_loop']:4d} {r['prefetch']:3d} {r['us']:9.1f} {r['pct']:6.1f}%", flush=True)
+
+    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'tok':>3s} {'evict':>11s} {'loop':>4s} {'pf':>3s} "
+          f"{'us':>9s} {'% copy':>7s}")
+    for pf in [int(x) for x in args.prefetch.split(",")]:
+        for hl in [int(x) for x in args.head_loop.split(",")]:
+            for ev in args.evict.split(","):
+                for tk in [int(x) for x in args.tokens.split(",")]:
+                    for be in [int(x) for x in args.blocks.split(",")]:
+                        for nw in [int(x) for x in args.warps.split(",")]:
+                            for name in W:
+                                rows.append(measure(be, nw, tk, name, ev, hl, pf))
+                                show(rows[-1])
     best = {}
     for r in rows:
         if r["workload"] not in best or r["us"] < best[r["workload"]]["us"]:
             best[r["workload"]] = r
     print("best per workload, measured again (the spread is the noise):")
     for r in best.values():
-        again = measure(r["block_elems"], r["warps"], r["tokens"], r["workload"], r["evict"], r["head_loop"])
+        again = measure(r["block_elems"], r["warps"], r["tokens"], r["workload"], r["evict"], r["head_loop"],
+                        r["prefetch"])
         print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} tokens {r['tokens']} "
-              f"evict {r['evict'] or '-'} loop {r['head_loop']}  "
+              f"evict {r['evict'] or '-'} loop {r['head_loop']} prefetch {r['prefetch']}  "
               f"{r['us']:8.1f} us {r['pct']:5.1f}%   again {again['us']:8.1f} us {again['pct']:5.1f}%")
     ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS, ops._EVICT, ops._HEAD_LOOP = 2048, 0, 1, "", None
+    ops._PREFETCH = True
     ops._SPECS.clear()
     t, host = decode()
     print(f"W3 decode_b64: {t * 1e6:.2f} us per call under graph replay; host {host * 1e6:.1f} us per eager call")

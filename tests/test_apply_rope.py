@@ -230,14 +230,18 @@ def test_strict_mode_names_first_bad_position(device, monkeypatch):
         assert torch.isnan(out[1, 1]).any()
 
 
-@pytest.mark.parametrize("head_loop", [False, True], ids=["block-programs", "token-programs"])
-@pytest.mark.parametrize("case", ["half", "pairs-partial", "mrope", "two-token-dims", "per-token"])
-def test_both_program_layouts(device, monkeypatch, head_loop, case):
-    """The kernel's two grids (a program per head block, or per token walking its head blocks)
-    give the reference's answer; the launcher picks by call size, so force each here."""
+@pytest.mark.parametrize("head_loop,prefetch", [(False, False), (True, True), (True, False)],
+                         ids=["block-programs", "token-programs", "token-programs-no-prefetch"])
+@pytest.mark.parametrize("case", ["half", "pairs-partial", "mrope", "two-token-dims", "per-token",
+                                  "q-only"])
+def test_both_program_layouts(device, monkeypatch, head_loop, prefetch, case):
+    """The kernel's two grids (a program per head block, or per token walking its head blocks,
+    with or without the next block's loads issued before this block's stores) give the reference's
+    answer; the launcher picks by call size, so force each here."""
     from ropekit import ops
 
     monkeypatch.setattr(ops, "_HEAD_LOOP", head_loop)
+    monkeypatch.setattr(ops, "_PREFETCH", prefetch)
     monkeypatch.setattr(ops, "_SPECS", {})
     monkeypatch.setattr(ops, "_LAUNCHES", {})
     T, Hq, Hk = 5, 37, 3                    # 37 heads: several blocks, the last one partial
@@ -254,4 +258,6 @@ def test_both_program_layouts(device, monkeypatch, head_loop, case):
         q, k, pos = q[:4].view(2, 2, Hq, D), k[:4].view(2, 2, Hk, D), pos[:4].view(2, 2)
     if case == "per-token":
         pos = None
+    if case == "q-only":
+        k = None
     check(q, k, pos, make_cache(50, rot, device=device), dtype=torch.bfloat16, **kw)

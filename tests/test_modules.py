@@ -440,7 +440,7 @@ def test_deepseek_v3_module_matches_hf_interleaved_rotation():
 
 @pytest.mark.parametrize("interleaved_sections", [False, True], ids=["qwen2-vl", "qwen3-vl"])
 @pytest.mark.parametrize("flat", [False, True], ids=["heads", "flat"])
-def test_mrope_positions(interleaved_sections, flat):
+def test_mrope_positions(interleaved_sections, flat, device):
     """M-RoPE: (3, T) and (3, B, S) positions, against the float64 reference; text-only positions
     (T,) still work and equal three identical rows."""
     from ropekit import reference
@@ -448,10 +448,10 @@ def test_mrope_positions(interleaved_sections, flat):
     D, Hq, Hk, T = 64, 3, 1, 5
     section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]
     rope = ropekit.RotaryEmbedding(D, D, 64, base=10000.0, mrope_section=section,
-                                   mrope_interleaved=interleaved_sections, inplace=False)
-    q = torch.randn(T, Hq, D)
-    k = torch.randn(T, Hk, D)
-    pos = torch.randint(0, 64, (3, T))
+                                   mrope_interleaved=interleaved_sections, inplace=False).to(device)
+    q = torch.randn(T, Hq, D, device=device)
+    k = torch.randn(T, Hk, D, device=device)
+    pos = torch.randint(0, 64, (3, T), device=device)
     qa, ka = (q.flatten(-2), k.flatten(-2)) if flat else (q, k)
     qo, ko = rope(pos, qa, ka)
     rq, rk = reference.apply_rope(q.double(), k.double(), pos, rope.cos_sin_cache.double(),

@@ -53,34 +53,38 @@ def _load_angles(
 ):
     """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
 
-    M-RoPE reads the whole row of each of the three positions (contiguous, vectorized loads) and
-    picks each frequency's section with selects: a per-frequency gather would not vectorize.
+    M-RoPE reads, from each of the three positions' rows, only the frequencies of that row's
+    section (masked vector loads: a third of the table traffic of whole rows) and merges them with
+    selects: a per-frequency gather would not vectorize.
     """
     i = tl.arange(0, HALF_PAD)
     fmask = i < HALF
     col = i.to(tl.int64) * cs_col
     nan = float("nan")
+    if MROPE != 0:
+        sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
+        m0, m1, m2 = fmask & (sec == 0), fmask & (sec == 1), fmask & (sec == 2)
+    else:
+        m0, m1, m2 = fmask, fmask, fmask
     if HAS_POS:
         pos_tok = pos_ptr + b * sp_b + s * sp_s          # b, s are int64
         # positions as vectors (all lanes one value): scalar-and-vector masks trip the interpreter.
         # A bad position must never address memory: its loads are masked off and yield NaN.
         p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
-        c, sn = _angle_row(cos_ptr, sin_ptr, p0 * cs_s, col, fmask & (p0 >= 0) & (p0 < max_pos), nan)
+        c, sn = _angle_row(cos_ptr, sin_ptr, p0 * cs_s, col, m0 & (p0 >= 0) & (p0 < max_pos), nan)
         if MROPE != 0:
-            sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
             p1 = tl.load(pos_tok + sp_sec).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
             p2 = tl.load(pos_tok + 2 * sp_sec).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
-            c1, s1 = _angle_row(cos_ptr, sin_ptr, p1 * cs_s, col, fmask & (p1 >= 0) & (p1 < max_pos), nan)
-            c2, s2 = _angle_row(cos_ptr, sin_ptr, p2 * cs_s, col, fmask & (p2 >= 0) & (p2 < max_pos), nan)
+            c1, s1 = _angle_row(cos_ptr, sin_ptr, p1 * cs_s, col, m1 & (p1 >= 0) & (p1 < max_pos), nan)
+            c2, s2 = _angle_row(cos_ptr, sin_ptr, p2 * cs_s, col, m2 & (p2 >= 0) & (p2 < max_pos), nan)
             c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
             sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
     else:
         row = b * cs_b + s * cs_s
-        c, sn = _angle_row(cos_ptr, sin_ptr, row, col, fmask, 0.0)
+        c, sn = _angle_row(cos_ptr, sin_ptr, row, col, m0, 0.0)
         if MROPE != 0:
-            sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
-            c1, s1 = _angle_row(cos_ptr, sin_ptr, row + cs_sec, col, fmask, 0.0)
-            c2, s2 = _angle_row(cos_ptr, sin_ptr, row + 2 * cs_sec, col, fmask, 0.0)
+            c1, s1 = _angle_row(cos_ptr, sin_ptr, row + cs_sec, col, m1, 0.0)
+            c2, s2 = _angle_row(cos_ptr, sin_ptr, row + 2 * cs_sec, col, m2, 0.0)
             c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
             sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
     return c, sn
@@ -240,11 +244,12 @@ def rope_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     TOKENS: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    PACK: tl.constexpr, EVICT: tl.constexpr, HEAD_LOOP: tl.constexpr,
+    PACK: tl.constexpr, EVICT: tl.constexpr, HEAD_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
-    once instead of once per block.
+    once instead of once per block; PREFETCH then issues each block's loads before the previous
+    block's stores.
 
     Without HEAD_LOOP the head loads are issued before the dependent position -> cos/sin loads,
     so their latencies overlap.
@@ -257,22 +262,39 @@ def rope_kernel(
             b = t // S
             s = t - b * S
             if HEAD_LOOP:
+                # block 0's loads go out before the dependent position -> table-row loads
+                x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
+                    0, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail,
+                    k_tail, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
+                    BLOCK_H)
+                x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
+                                     IN_INTERLEAVED, PACK, EVICT)
                 c, sn = _load_angles(
                     cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
                     sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
                     SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
                 )
                 for blk in tl.range(0, n_blocks):
-                    x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
-                        blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail,
-                        k_tail, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
-                        BLOCK_H)
-                    x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
-                                         IN_INTERLEAVED, PACK, EVICT)
+                    # the next block (past the last one: every lane masked, nothing read)
+                    nx_base, no_base, nsx_h, nso_h, n_n_heads, n_head0, n_tail = _select(
+                        blk + 1, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads,
+                        q_tail, k_tail, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b,
+                        sko_s, sko_h, BLOCK_H)
+                    if PREFETCH:
+                        # its loads go out before this block's stores: two blocks in flight. Safe in
+                        # place too: blocks are disjoint and validation refuses partial overlaps.
+                        n1, n2 = _load_heads(nx_base, nsx_h, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
+                                             IN_INTERLEAVED, PACK, EVICT)
                     _rotate_store(
                         x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
                         HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
                     )
+                    if not PREFETCH:
+                        n1, n2 = _load_heads(nx_base, nsx_h, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
+                                             IN_INTERLEAVED, PACK, EVICT)
+                    x_base, o_base, sx_h, so_h, n_heads, head0, tail = (
+                        nx_base, no_base, nsx_h, nso_h, n_n_heads, n_head0, n_tail)
+                    x1, x2 = n1, n2
             else:
                 blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
                 x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
