@@ -13,7 +13,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/tune.txt" 2>&1
 timeout 250 python3 benchmarks/tune_core.py --out "$OUT" "$@" >> "$OUT/tune.txt" 2>&1
 echo "tune rc=$?" >> "$OUT/tune.txt"
-timeout 70 python3 benchmarks/profile_w8.py > "$OUT/w8.txt" 2>&1
+timeout 90 python3 benchmarks/profile_w8.py --cprofile > "$OUT/w8.txt" 2>&1
 echo "w8 rc=$?" >> "$OUT/w8.txt"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_apply_rope.py tests/test_autograd.py \
     tests/test_64bit.py tests/test_modules.py tests/test_hf.py tests/test_store.py tests/test_compile.py \

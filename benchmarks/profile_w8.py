@@ -11,6 +11,7 @@ on (B, H, S, D) views of (B, S, H, D) memory with HF's (B, S, D) bf16 cos/sin. F
 and the GPU time of the kernels themselves (torch.profiler).
 """
 
+import sys
 import time
 
 import torch
@@ -45,7 +46,23 @@ def setups():
         qo, ko = hf.apply_rotary_pos_emb(qh, kh, cos, sin)
         return torch.autograd.grad((qo, ko), (qh, kh), (gqh, gkh))
 
-    return {"apply_rope (table)": table, "hf.apply_rotary_pos_emb": hf_dropin}
+    class Empty(torch.autograd.Function):
+        """The autograd floor: allocates the outputs and gradients, launches nothing."""
+
+        @staticmethod
+        def forward(ctx, q_, k_):
+            return torch.empty_like(q_), torch.empty_like(k_)
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return torch.empty_like(g1), torch.empty_like(g2)
+
+    def floor():
+        qo, ko = Empty.apply(q, k)
+        return torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+
+    return {"apply_rope (table)": table, "hf.apply_rotary_pos_emb": hf_dropin,
+            "empty Function (floor)": floor}
 
 
 def measure(step):
@@ -74,6 +91,19 @@ def measure(step):
     return host, events, bench, kernels
 
 
+def host_profile(step, n=300):
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(16)
+
+
 def main():
     floor_bytes = 2 * 2 * B * S * (HQ + HK) * D * 2          # two passes, read + write q and k
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__} triton {triton.__version__}")
@@ -82,6 +112,10 @@ def main():
         host, events, bench, kernels = measure(step)
         print(f"{name:26s} {host * 1e6:9.1f} {events * 1e6:9.1f} {bench * 1e6:9.1f} {kernels * 1e6:9.1f}")
     print(f"floor bytes {floor_bytes / 1e6:.1f} MB; launches {ropekit.ops._DIRECT['launches']}")
+    if "--cprofile" in sys.argv:
+        for name, step in setups().items():
+            print(f"== cProfile: {name}")
+            host_profile(step)
 
 
 if __name__ == "__main__":

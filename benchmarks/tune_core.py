@@ -120,8 +120,12 @@ def main():
     ap.add_argument("--evict", default="", help="comma list of q/k load hints to sweep ('' = none)")
     ap.add_argument("--head-loop", default="-1",
                     help="comma list of -1 (the default rule), 0, 1: one program per token over all heads")
-    ap.add_argument("--prefetch", default="1",
-                    help="comma list of 0, 1: with the head loop, load the next block before this one's stores")
+    ap.add_argument("--prefetch", default="-1",
+                    help="comma list of -1 (the default rule), 0, 1: with the head loop, load the next block "
+                         "before this one's stores")
+    ap.add_argument("--defaults", action="store_true",
+                    help="measure the shipped defaults only (every knob untouched), with each workload's "
+                         "same-size copy beside it")
     ap.add_argument("--once", default=None, help="run one call of this workload (for ncu) and exit")
     ap.add_argument("--profile-host", action="store_true", help="cProfile the W3 eager call")
     args = ap.parse_args()
@@ -159,9 +163,11 @@ def main():
     W = workloads()
     rows = []
     def measure(be, nw, tk, name, ev=None, hl=None, pf=None):
-        ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = be, nw, tk
+        if be is not None:
+            ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = be, nw, tk
+            store._BLOCK_ELEMS = be
         if pf is not None:
-            ops._PREFETCH = bool(pf)
+            ops._PREFETCH = None if pf < 0 else bool(pf)
         if hl is not None:
             ops._HEAD_LOOP = None if hl < 0 else bool(hl)
         if ev is not None:
@@ -173,16 +179,26 @@ def main():
         t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
         return dict(workload=name, block_elems=be, warps=nw, tokens=tk, evict=ops._EVICT,
                     head_loop=-1 if ops._HEAD_LOOP is None else int(ops._HEAD_LOOP),
-                    prefetch=int(ops._PREFETCH), us=t * 1e6,
+                    prefetch=-1 if ops._PREFETCH is None else int(ops._PREFETCH), us=t * 1e6,
                     pct=100 * b / t / bw)
 
     def show(r):
         print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} {r['tokens']:3d} {r['evict'] or '-':>11s} "
               f"{r['head_loop']:4d} {r['prefetch']:3d} {r['us']:9.1f} {r['pct']:6.1f}%", flush=True)
 
+    if args.defaults:
+        # the same bytes moved by torch's contiguous copy: the ceiling at each workload's size
+        print(f"{'workload (defaults)':20s} {'us':>8s} {'% copy':>7s} {'same-size copy':>15s}")
+        for name, (fn, b) in W.items():
+            r = measure(None, None, None, name)
+            same = copy_bandwidth(b // 2 // 2 * 2)
+            r["same_size_copy_pct"] = 100 * same / bw
+            rows.append(r)
+            print(f"{name:20s} {r['us']:8.1f} {r['pct']:6.1f}% {r['same_size_copy_pct']:14.1f}%", flush=True)
+        args.prefetch = ""
     print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'tok':>3s} {'evict':>11s} {'loop':>4s} {'pf':>3s} "
           f"{'us':>9s} {'% copy':>7s}")
-    for pf in [int(x) for x in args.prefetch.split(",")]:
+    for pf in [int(x) for x in args.prefetch.split(",") if x]:
         for hl in [int(x) for x in args.head_loop.split(",")]:
             for ev in args.evict.split(","):
                 for tk in [int(x) for x in args.tokens.split(",")]:
@@ -195,15 +211,16 @@ def main():
     for r in rows:
         if r["workload"] not in best or r["us"] < best[r["workload"]]["us"]:
             best[r["workload"]] = r
-    print("best per workload, measured again (the spread is the noise):")
-    for r in best.values():
+    if not args.defaults:
+        print("best per workload, measured again (the spread is the noise):")
+    for r in ([] if args.defaults else best.values()):
         again = measure(r["block_elems"], r["warps"], r["tokens"], r["workload"], r["evict"], r["head_loop"],
                         r["prefetch"])
         print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} tokens {r['tokens']} "
               f"evict {r['evict'] or '-'} loop {r['head_loop']} prefetch {r['prefetch']}  "
               f"{r['us']:8.1f} us {r['pct']:5.1f}%   again {again['us']:8.1f} us {again['pct']:5.1f}%")
     ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS, ops._EVICT, ops._HEAD_LOOP = 2048, 0, 1, "", None
-    ops._PREFETCH = True
+    ops._PREFETCH, store._BLOCK_ELEMS = None, 1024
     ops._SPECS.clear()
     t, host = decode()
     print(f"W3 decode_b64: {t * 1e6:.2f} us per call under graph replay; host {host * 1e6:.1f} us per eager call")
