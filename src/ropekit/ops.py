@@ -187,8 +187,6 @@ def fire(launch: Launch, q, k, q_out, k_out, angles: Angles) -> None:
     """Launch rope_kernel. On CUDA, a launch whose compiled kernel is known skips Triton's generic
     launcher (binding and specializing ~40 arguments costs tens of microseconds at decode) and
     calls the compiled kernel directly, with the same argument list Triton itself passes."""
-    from .kernels.rope import rope_kernel
-
     meta = launch.meta
     if launch.pack_bytes and any(x is not None and x.data_ptr() % launch.pack_bytes
                                  for x in (q, k, q_out, k_out)):
@@ -196,17 +194,27 @@ def fire(launch: Launch, q, k, q_out, k_out, angles: Angles) -> None:
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out,
             angles.cos if angles.positions is None else angles.positions, angles.cos, angles.sin)
     if not q.is_cuda:
-        rope_kernel[launch.grid](*ptrs, *launch.args, **meta)
+        _rope_kernel()[launch.grid](*ptrs, *launch.args, **meta)
         return
     # Triton specializes pointers on 16-byte alignment; everything else is fixed by the signature
-    key = (meta["PACK"], *(p.data_ptr() % 16 == 0 for p in ptrs))
-    compiled = launch.compiled.get(key)
-    if compiled is not None and _direct_launch(compiled, launch, ptrs, meta):
+    key = (meta["PACK"], *[p.data_ptr() % 16 == 0 for p in ptrs])
+    entry = launch.compiled.get(key)
+    if entry is not None and _direct_launch(entry, launch, ptrs):
         return
-    compiled = rope_kernel[launch.grid](*ptrs, *launch.args, **meta)
+    compiled = _rope_kernel()[launch.grid](*ptrs, *launch.args, **meta)
     _DIRECT["launches"]["generic"] += 1
     if compiled is not None and hasattr(compiled, "run"):
-        launch.compiled[key] = compiled
+        # the constexpr values, in kernel order, ride along with the compiled kernel
+        names = _DIRECT["tools"][3] if _DIRECT["tools"] else tuple(
+            p.name for p in _rope_kernel().params if p.is_constexpr)
+        launch.compiled[key] = (compiled, tuple(meta[n] for n in names))
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_kernel():
+    from .kernels.rope import rope_kernel    # imported on first use: Triton loads lazily
+
+    return rope_kernel
 
 
 # Direct launches of compiled kernels (see fire); "launches" counts how each launch went.
@@ -218,27 +226,28 @@ def _direct_tools():
     import triton
     from triton import knobs
 
-    from .kernels.rope import rope_kernel
-
     driver = triton.runtime.driver.active
-    names = tuple(p.name for p in rope_kernel.params if p.is_constexpr)
+    names = tuple(p.name for p in _rope_kernel().params if p.is_constexpr)
     return driver.get_current_device, driver.get_current_stream, knobs.runtime, names
 
 
-def _direct_launch(compiled, launch, ptrs, meta) -> bool:
+def _direct_launch(entry, launch, ptrs) -> bool:
     if not _DIRECT["ok"]:
         return False
     try:
         tools = _DIRECT["tools"]
         if tools is None:
             tools = _DIRECT["tools"] = _direct_tools()
-        current_device, current_stream, runtime, names = tools
-        args = (*ptrs, *launch.args, *[meta[n] for n in names])
+        current_device, current_stream, runtime, _ = tools
+        compiled, consts = entry
+        args = (*ptrs, *launch.args, *consts)
         stream = current_stream(current_device())
         grid = launch.grid
-        metadata = compiled.launch_metadata(grid, stream, *args)
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        # launch metadata only feeds the launch hooks (profilers); skip building it without them
+        metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args)
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args)
+                     enter, leave, *args)
         _DIRECT["launches"]["direct"] += 1
         return True
     except (ImportError, AttributeError, TypeError):
