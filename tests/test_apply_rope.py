@@ -261,3 +261,27 @@ def test_both_program_layouts(device, monkeypatch, head_loop, prefetch, case):
     if case == "q-only":
         k = None
     check(q, k, pos, make_cache(50, rot, device=device), dtype=torch.bfloat16, **kw)
+
+
+@pytest.mark.parametrize("head_loop", [False, True], ids=["block-programs", "token-programs"])
+@pytest.mark.parametrize("interleaved_sections", [False, True], ids=["chunked", "interleaved"])
+def test_per_token_mrope_both_program_layouts(device, monkeypatch, head_loop, interleaved_sections):
+    """Per-token (3, T, half) M-RoPE angles (the HF multimodal drop-in's form), one program per
+    head block or per token: the same answer as the float64 reference fed the rows the positions
+    pick from the same table."""
+    from ropekit import ops
+
+    monkeypatch.setattr(ops, "_HEAD_LOOP", head_loop)
+    monkeypatch.setattr(ops, "_SPECS", {})
+    T, Hq, Hk, D = 5, 37, 3, 64
+    section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]
+    cache = make_cache(50, D, device=device)
+    pos = torch.randint(0, 50, (3, T), device=device)
+    q = torch.randn(T, Hq, D, dtype=torch.bfloat16, device=device)
+    k = torch.randn(T, Hk, D, dtype=torch.bfloat16, device=device)
+    cos, sin = cache[pos, : D // 2], cache[pos, D // 2:]                    # (3, T, half)
+    qo, ko = ropekit.rotate_with_angles(q, k, cos, sin, mrope_section=section,
+                                        mrope_interleaved=interleaved_sections)
+    rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double(), mrope_section=section,
+                                  mrope_interleaved=interleaved_sections)
+    assert rel_err(qo, rq) < TOL[torch.bfloat16] and rel_err(ko, rk) < TOL[torch.bfloat16]

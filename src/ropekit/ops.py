@@ -143,9 +143,12 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
     mode = 0 if mrope is None else mrope[0]
     # Table angles: one program per token walks all head blocks, so the dependent position ->
     # table-row loads happen once per token, not once per head block (run 6: W2 87% -> 94%).
-    # Per-token angles have no such chain: one program per head block is faster there (W1).
+    # Per-token angles have no such chain: one program per head block is faster there (W1), except
+    # with M-RoPE, whose three rows per token would be read by every head block (run 9: the HF
+    # multimodal drop-in at 43% on W4 that way).
     # Decode-sized calls keep one program per head block: with few tokens, parallelism matters more.
-    head_loop = _HEAD_LOOP if _HEAD_LOOP is not None else (angles.positions is not None and n_tokens >= 1024)
+    head_loop = _HEAD_LOOP if _HEAD_LOOP is not None else (
+        (angles.positions is not None or mode != 0) and n_tokens >= 1024)
     half_pad, bhq, bhk, tail_pad, num_warps, nqb, nkb = _meta(half, n_q, n_k, tail, _BLOCK_ELEMS, _NUM_WARPS,
                                                               head_loop, mode != 0)
     tokens = _TOKENS
