@@ -19,6 +19,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 import ropekit
+import ropekit.launch
 from ropekit import hf
 
 B, S, HQ, HK, D = 4, 4096, 32, 8, 128
@@ -111,7 +112,7 @@ def main():
     for name, step in setups().items():
         host, events, bench, kernels = measure(step)
         print(f"{name:26s} {host * 1e6:9.1f} {events * 1e6:9.1f} {bench * 1e6:9.1f} {kernels * 1e6:9.1f}")
-    print(f"floor bytes {floor_bytes / 1e6:.1f} MB; launches {ropekit.ops._DIRECT['launches']}")
+    print(f"floor bytes {floor_bytes / 1e6:.1f} MB; launches {ropekit.launch.COUNTS}")
     if "--cprofile" in sys.argv:
         for name, step in setups().items():
             print(f"== cProfile: {name}")

@@ -17,7 +17,7 @@ import torch
 import triton
 
 import ropekit
-from ropekit import ops, store
+from ropekit import launch, ops, store
 
 
 def copy_bandwidth(nbytes=2 * 2**30):
@@ -148,7 +148,7 @@ def main():
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         print(f"W3 host {host * 1e6:.1f} us per eager call (graph replay {t * 1e6:.2f} us); "
-              f"launches {ops._DIRECT['launches']}, direct path {'on' if ops._DIRECT['ok'] else 'OFF'}")
+              f"launches {launch.COUNTS}, direct path {'on' if launch._STATE['ok'] else 'OFF'}")
         return
     bw = copy_bandwidth()
     # the strided-slice ceiling for W6: torch's own copy of the same (T, 128, 64-of-192) views

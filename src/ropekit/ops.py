@@ -19,6 +19,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from . import reference, validate
+from .launch import launch as launch_kernel
 
 # mrope encoding passed through the custom op: None, or [mode, t, h, w]; mode 1 chunked, 2 interleaved
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
@@ -116,7 +117,7 @@ class Launch(NamedTuple):
     args: tuple             # the runtime ints, in kernel order after the pointers
     meta: dict              # constexprs and num_warps
     pack_bytes: int         # alignment the packed-pairs path needs of the interleaved tensors (0: none)
-    compiled: dict          # (PACK, pointer alignments) -> Triton's compiled kernel, for the fast launch
+    compiled: dict          # ropekit.launch's cache of compiled kernels for this plan
 
 
 def _pair_pack(x, n_tok):
@@ -187,30 +188,14 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
 
 
 def fire(launch: Launch, q, k, q_out, k_out, angles: Angles) -> None:
-    """Launch rope_kernel. On CUDA, a launch whose compiled kernel is known skips Triton's generic
-    launcher (binding and specializing ~40 arguments costs tens of microseconds at decode) and
-    calls the compiled kernel directly, with the same argument list Triton itself passes."""
+    """Launch rope_kernel (directly once compiled: see ropekit.launch)."""
     meta = launch.meta
     if launch.pack_bytes and any(x is not None and x.data_ptr() % launch.pack_bytes
                                  for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)        # a base pointer off the pair alignment: element path
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out,
             angles.cos if angles.positions is None else angles.positions, angles.cos, angles.sin)
-    if not q.is_cuda:
-        _rope_kernel()[launch.grid](*ptrs, *launch.args, **meta)
-        return
-    # Triton specializes pointers on 16-byte alignment; everything else is fixed by the signature
-    key = (meta["PACK"], *[p.data_ptr() % 16 == 0 for p in ptrs])
-    entry = launch.compiled.get(key)
-    if entry is not None and _direct_launch(entry, launch, ptrs):
-        return
-    compiled = _rope_kernel()[launch.grid](*ptrs, *launch.args, **meta)
-    _DIRECT["launches"]["generic"] += 1
-    if compiled is not None and hasattr(compiled, "run"):
-        # the constexpr values, in kernel order, ride along with the compiled kernel
-        names = _DIRECT["tools"][3] if _DIRECT["tools"] else tuple(
-            p.name for p in _rope_kernel().params if p.is_constexpr)
-        launch.compiled[key] = (compiled, tuple(meta[n] for n in names))
+    launch_kernel(_rope_kernel(), launch.compiled, meta["PACK"], launch.grid, ptrs, launch.args, meta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,44 +203,6 @@ def _rope_kernel():
     from .kernels.rope import rope_kernel    # imported on first use: Triton loads lazily
 
     return rope_kernel
-
-
-# Direct launches of compiled kernels (see fire); "launches" counts how each launch went.
-_DIRECT = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None,
-           "launches": {"direct": 0, "generic": 0}}
-
-
-def _direct_tools():
-    import triton
-    from triton import knobs
-
-    driver = triton.runtime.driver.active
-    names = tuple(p.name for p in _rope_kernel().params if p.is_constexpr)
-    return driver.get_current_device, driver.get_current_stream, knobs.runtime, names
-
-
-def _direct_launch(entry, launch, ptrs) -> bool:
-    if not _DIRECT["ok"]:
-        return False
-    try:
-        tools = _DIRECT["tools"]
-        if tools is None:
-            tools = _DIRECT["tools"] = _direct_tools()
-        current_device, current_stream, runtime, _ = tools
-        compiled, consts = entry
-        args = (*ptrs, *launch.args, *consts)
-        stream = current_stream(current_device())
-        grid = launch.grid
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        # launch metadata only feeds the launch hooks (profilers); skip building it without them
-        metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args)
-        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter, leave, *args)
-        _DIRECT["launches"]["direct"] += 1
-        return True
-    except (ImportError, AttributeError, TypeError):
-        _DIRECT["ok"] = False            # a Triton whose launcher differs: use its generic path
-        return False
 
 
 _LAUNCHES: dict = {}

@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import ops, reference, validate
+from .launch import launch as launch_kernel
 from .ops import _next_pow2, _token_strides, _use_triton
 
 OP = "apply_rope_and_store"
@@ -73,6 +74,7 @@ class Launch(NamedTuple):
     grid: tuple
     args: tuple             # the runtime ints, in kernel order after the pointers
     meta: dict              # constexprs and num_warps
+    compiled: dict          # ropekit.launch's cache of compiled kernels for this plan
 
 
 def _plan(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scaled, v_scaled):
@@ -106,7 +108,7 @@ def _plan(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved
         PACK_K=_pair_bits(k, k_cache) if interleaved else 0,
         num_warps=num_warps,
     )
-    return Launch((n_tokens, nqb + nkb + nvb), args, meta)
+    return Launch((n_tokens, nqb + nkb + nvb), args, meta, {})
 
 
 def _fire(launch: Launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:
@@ -118,11 +120,10 @@ def _fire(launch: Launch, q, k, v, positions, table, k_cache, v_cache, slot_mapp
         meta = dict(meta, PACK_Q=0)
     if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
         meta = dict(meta, PACK_K=0)
-    rope_store_kernel[launch.grid](
-        q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
-        table if ks is None else ks, table if vs is None else vs,   # never read when not scaled
-        *launch.args, **meta,
-    )
+    ptrs = (q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
+            table if ks is None else ks, table if vs is None else vs)   # scales: never read unless scaled
+    launch_kernel(rope_store_kernel, launch.compiled, (meta["PACK_Q"], meta["PACK_K"]), launch.grid, ptrs,
+                  launch.args, meta)
 
 
 def _fp8_scales(k_cache, v_cache, ks, vs, device):

@@ -1,0 +1,69 @@
+"""Launching ropekit's Triton kernels with little host time (decode and training steps are host-bound).
+
+Triton's generic launcher binds and specializes every argument on each call (~40 for these
+kernels), tens of microseconds per launch on the H200 host. Once the kernel for a call signature
+is compiled, `launch` calls the compiled kernel directly with the argument list Triton itself
+passes, pointers as integers: the compiled launcher then skips, per pointer, a `data_ptr()` call
+and a driver query that only exists to reject CPU tensors (the ops have validated devices).
+"""
+
+from __future__ import annotations
+
+import os
+
+# how each launch went (the benchmarks print it); "ok" turns off for a Triton whose launcher differs
+COUNTS = {"direct": 0, "generic": 0}
+_STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None}
+
+
+def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
+    """kernel[grid](*ptrs, *args, **meta), directly when possible.
+
+    compiled: the caller's cache (one per launch plan) of compiled kernels. variant: the part of
+    meta that may change from call to call under one plan (a fallback for a misaligned pointer).
+    Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
+    """
+    if not ptrs[0].is_cuda:
+        kernel[grid](*ptrs, *args, **meta)           # the interpreter, on CPU tensors
+        return
+    addrs = [p.data_ptr() for p in ptrs]
+    key = (variant, *[a % 16 == 0 for a in addrs])
+    entry = compiled.get(key)
+    if entry is not None and _direct(entry, grid, addrs, args):
+        return
+    kernel_run = kernel[grid](*ptrs, *args, **meta)
+    COUNTS["generic"] += 1
+    if kernel_run is not None and hasattr(kernel_run, "run"):
+        names = [p.name for p in kernel.params if p.is_constexpr]
+        compiled[key] = (kernel_run, tuple(meta[n] for n in names))
+
+
+def _tools():
+    import triton
+    from triton import knobs
+
+    driver = triton.runtime.driver.active
+    return driver.get_current_device, driver.get_current_stream, knobs.runtime
+
+
+def _direct(entry, grid, addrs, args) -> bool:
+    if not _STATE["ok"]:
+        return False
+    try:
+        tools = _STATE["tools"]
+        if tools is None:
+            tools = _STATE["tools"] = _tools()
+        current_device, current_stream, runtime = tools
+        kernel_run, consts = entry
+        full = (*addrs, *args, *consts)
+        stream = current_stream(current_device())
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        # launch metadata only feeds the launch hooks (profilers); Triton skips it without them too
+        metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
+        kernel_run.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                       kernel_run.function, kernel_run.packed_metadata, metadata, enter, leave, *full)
+        COUNTS["direct"] += 1
+        return True
+    except (ImportError, AttributeError, TypeError):
+        _STATE["ok"] = False               # a Triton whose launcher differs: its generic path from now on
+        return False
