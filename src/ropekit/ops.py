@@ -397,19 +397,32 @@ class _EagerRotate(torch.autograd.Function):
     def backward(ctx, gq, gk):
         positions, cos, sin = ctx.saved_tensors
         in_il, out_il, mrope, inverse = ctx.flags
-        q_meta, k_meta = ctx.metas
-        want_q = ctx.needs_input_grad[0]
-        want_k = k_meta is not None and ctx.needs_input_grad[1]
-        gq = _unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
-        gk = _unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
-        first, second = (gq, gk) if want_q else (gk, None)
+        want_q, want_k, first, second = _grad_operands(ctx, gq, gk)
         if first is None:
             return (None,) * 9
         d_first, d_second = _EagerRotate.apply(first, second, positions, cos, sin, out_il, in_il, mrope,
                                                not inverse)
-        grad_q = d_first if want_q else None
-        grad_k = (d_second if want_q else d_first) if want_k else None
-        return grad_q, grad_k, None, None, None, None, None, None, None
+        return (*_input_grads(want_q, want_k, d_first, d_second), None, None, None, None, None, None, None)
+
+
+def _grad_operands(ctx, gq, gk):
+    """(want_q, want_k, first, second): the output gradients to rotate back, those of the inputs
+    that need one only, with a unit last stride (k alone goes in q's slot); None for an unused
+    output is zeros."""
+    q_meta, k_meta = ctx.metas
+    want_q = ctx.needs_input_grad[0]
+    want_k = k_meta is not None and ctx.needs_input_grad[1]
+    gq = _unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
+    gk = _unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
+    first, second = (gq, gk) if want_q else (gk, None)
+    return want_q, want_k, first, second
+
+
+def _input_grads(want_q, want_k, d_first, d_second):
+    """The inverse of _grad_operands' packing: (grad of q, grad of k)."""
+    grad_q = d_first if want_q else None
+    grad_k = (d_second if want_q else d_first) if want_k else None
+    return grad_q, grad_k
 
 
 def _no_grad_table(op, table):
@@ -564,12 +577,7 @@ class _PlannedRotate(torch.autograd.Function):
         how = ctx.how
         gq, gk = _heads_first(gq, how.heads_first), _heads_first(gk, how.heads_first)
         spec = how.spec
-        q_meta, k_meta = ctx.metas
-        want_q = ctx.needs_input_grad[0]
-        want_k = k_meta is not None and ctx.needs_input_grad[1]
-        gq = _unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
-        gk = _unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
-        first, second = (gq, gk) if want_q else (gk, None)
+        want_q, want_k, first, second = _grad_operands(ctx, gq, gk)
         if first is None:
             return None, None, None, None, None
         if torch.is_grad_enabled():
@@ -587,8 +595,7 @@ class _PlannedRotate(torch.autograd.Function):
                 launch = spec.backward[key] = plan_launch(first, second, d_first, d_second, angles,
                                                           how.out_il, how.in_il, spec.mrope, True)
             fire(launch, first, second, d_first, d_second, angles)
-        grad_q = d_first if want_q else None
-        grad_k = (d_second if want_q else d_first) if want_k else None
+        grad_q, grad_k = _input_grads(want_q, want_k, d_first, d_second)
         return _heads_first(grad_q, how.heads_first), _heads_first(grad_k, how.heads_first), None, None, None
 
 
