@@ -382,3 +382,37 @@ def test_angles_changed_before_backward_raises(entry, device):
     changed.mul_(0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_hf_dropin_double_backward_matches_hf_math(device):
+    """The HF drop-in's backward (Hugging Face's (B, H, S, D) layout, planned through the kernel's
+    view) is itself differentiable: gradients of gradients agree with HF's own formula."""
+    from ropekit import hf
+
+    B, S, H, D = 2, 5, 3, 16
+    g = torch.Generator().manual_seed(12)
+    q0 = torch.randn(B, S, H, D, generator=g).to(device).transpose(1, 2)       # (B, H, S, D) view
+    k0 = torch.randn(B, S, 1, D, generator=g).to(device).transpose(1, 2)
+    pos = torch.arange(S, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, D, 2) / D)
+    emb = torch.cat([pos, pos], -1)
+    cos = emb.cos().float().to(device).expand(B, S, D)
+    sin = emb.sin().float().to(device).expand(B, S, D)
+
+    def hf_math(q, k, c, s):
+        def rot_half(x):
+            return torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1)
+        c, s = c.unsqueeze(1), s.unsqueeze(1)
+        return q * c + rot_half(q) * s, k * c + rot_half(k) * s
+
+    v = torch.randn(B, H, S, D, generator=g).to(device)
+    w = torch.randn(B, H, S, D, generator=g).to(device)
+    results = []
+    for fn in (hf.apply_rotary_pos_emb, hf_math):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        up = v.clone().requires_grad_()
+        qo, ko = fn(q, k, cos, sin)
+        (gq,) = torch.autograd.grad(qo, q, up, create_graph=True)
+        (gup,) = torch.autograd.grad((gq * w).sum(), up)
+        results.append((qo.detach(), gq.detach(), gup))
+    for got, want, what in zip(results[0], results[1], ("output", "grad", "grad of grad")):
+        _close(got, want, torch.float32, what)

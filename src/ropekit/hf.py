@@ -209,8 +209,27 @@ def _rotate_hf_layout(q, k, cos_half, sin_half, hd, *, interleaved, out_interlea
                              mrope_section, False, hd == 1)
 
 
+_PLANS: dict = {}
+
+
 def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
-    """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None."""
+    """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None;
+    remembered per call signature (a training step calls it once per layer, forward only)."""
+    try:
+        key = (ops._sig(q), ops._sig(k), ops._sig(cos), ops._sig(sin), unsqueeze_dim, promote_to_q, need_full,
+               torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+        return _PLANS[key]
+    except (AttributeError, TypeError):      # not tensors, or unhashable: decide afresh
+        return _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q, need_full=need_full)
+    except KeyError:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q,
+                                                need_full=need_full)
+        return plan
+
+
+def _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full):
     if not _kernel_takes(q, k, (cos, sin), promote_to_q=promote_to_q) or cos.dim() != 3:
         return None
     hd = _heads_dim(unsqueeze_dim)

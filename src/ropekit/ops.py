@@ -527,7 +527,8 @@ class _Spec(NamedTuple):
     rot: int
     mrope: Optional[list]
     extents: tuple          # apply_rope: bytes spanned by q, k, positions, cos_sin_cache;
-                            # rotate_with_angles: the shape cos and sin are broadcast to
+                            # rotate_angles: (the shape cos and sin are broadcast to, the kernel's
+                            # angle strides for cos and sin as given, or None if they are copied)
     launch: list            # [Launch or None]: the forward rotation
     backward: dict          # gradient signatures -> Launch of the inverse rotation (_PlannedRotate)
 
@@ -544,47 +545,54 @@ class _How(NamedTuple):
 def _angles(how: _How, a, b, x) -> Angles:
     if how.table:
         return angles_from_cache(b, a, how.spec.rot // 2, x.dim() - 2)
-    return angles_from_views(None, a, b, x.dim() - 2, how.spec.mrope)
+    strides = how.spec.extents[1]
+    if strides is None:                 # copies of the angles (rotate_angles): their own strides
+        return angles_from_views(None, a, b, x.dim() - 2, how.spec.mrope)
+    return Angles(None, a, b, 0, strides, how.spec.rot // 2, 0)
 
 
 class _PlannedRotate(torch.autograd.Function):
     """Eager autograd on Triton devices for apply_rope (a, b = positions, table) and
     rotate_with_angles (a, b = cos, sin): the forward and the backward (the inverse rotation)
-    launch from plans cached on the call's _Spec, with no views, no per-call validation and few
+    launch from plans cached on the call's _Spec, with no per-call validation, no views and few
     Function arguments (each one costs host time in Function.apply). W8's step is host-bound:
-    run 6 measured 495 us per step for 165 us of kernels."""
+    run 6 measured 495 us per step for 165 us of kernels.
+
+    Hugging Face's (B, H, S, D) tensors (how.heads_first) are planned through their (B, S, H, D)
+    views, once; a launch itself needs only their addresses, so calls make no views at all and
+    outputs and gradients are allocated in the layout of what they mirror."""
 
     @staticmethod
     def forward(ctx, q, k, a, b, how):
         spec = how.spec
-        q, k = _heads_first(q, how.heads_first), _heads_first(k, how.heads_first)
         q_out = empty_like(q)
         k_out = None if k is None else empty_like(k)
         angles = _angles(how, a, b, q)
         launch = spec.launch[0]
         if launch is None:
-            launch = spec.launch[0] = plan_launch(q, k, q_out, k_out, angles, how.in_il, how.out_il,
-                                                  spec.mrope, False)
+            launch = spec.launch[0] = plan_launch(*_kernel_layout(how, q, k, q_out, k_out), angles, how.in_il,
+                                                  how.out_il, spec.mrope, False)
         fire(launch, q, k, q_out, k_out, angles)
         ctx.save_for_backward(a, b)          # autograd's version check covers the angles
         ctx.how = how
         ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
-        return _heads_first(q_out, how.heads_first), _heads_first(k_out, how.heads_first)
+        return q_out, k_out
 
     @staticmethod
     def backward(ctx, gq, gk):
         a, b = ctx.saved_tensors
         how = ctx.how
-        gq, gk = _heads_first(gq, how.heads_first), _heads_first(gk, how.heads_first)
         spec = how.spec
         want_q, want_k, first, second = _grad_operands(ctx, gq, gk)
         if first is None:
             return None, None, None, None, None
         if torch.is_grad_enabled():
             # create_graph=True: the backward must itself be differentiable (double backward)
-            positions, (cos, sin) = (a, _table_views(b, a, spec.rot, first)) if how.table else (None, (a, b))
-            d_first, d_second = _EagerRotate.apply(first, second, positions, cos, sin, how.out_il,
-                                                   how.in_il, spec.mrope, True)
+            first, second = _kernel_layout(how, first, second)
+            positions, (cos, sin) = (a, _table_views(b, a, spec.rot, first)) if how.table else \
+                (None, _angle_views(spec, a, b))
+            d_first, d_second = _kernel_layout(how, *_EagerRotate.apply(
+                first, second, positions, cos, sin, how.out_il, how.in_il, spec.mrope, True))
         else:
             d_first = empty_like(first)
             d_second = None if second is None else empty_like(second)
@@ -592,11 +600,15 @@ class _PlannedRotate(torch.autograd.Function):
             key = (want_q, _sig(first), _sig(second))
             launch = spec.backward.get(key)
             if launch is None:
-                launch = spec.backward[key] = plan_launch(first, second, d_first, d_second, angles,
-                                                          how.out_il, how.in_il, spec.mrope, True)
+                launch = spec.backward[key] = plan_launch(*_kernel_layout(how, first, second, d_first, d_second),
+                                                          angles, how.out_il, how.in_il, spec.mrope, True)
             fire(launch, first, second, d_first, d_second, angles)
-        grad_q, grad_k = _input_grads(want_q, want_k, d_first, d_second)
-        return _heads_first(grad_q, how.heads_first), _heads_first(grad_k, how.heads_first), None, None, None
+        return (*_input_grads(want_q, want_k, d_first, d_second), None, None, None)
+
+
+def _kernel_layout(how: _How, *xs):
+    """xs as the kernel's (*T, H, D) views: Hugging Face's (B, H, S, D) tensors transposed."""
+    return tuple(_heads_first(x, how.heads_first) for x in xs)
 
 
 def _table_views(cache, positions, rot, x):
@@ -682,9 +694,8 @@ def _heads_first(x, yes: bool):
 
 
 def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleaved, heads_first):
-    """rotate_with_angles, also for Hugging Face's (B, H, S, D) q and k (heads_first): under
-    autograd the layout change happens inside the Function, which saves the host time of four
-    transpose nodes in the backward graph (ropekit.hf's drop-ins)."""
+    """rotate_with_angles, also for Hugging Face's (B, H, S, D) q and k (heads_first, the
+    ropekit.hf drop-ins): under autograd no view of q, k or the angles is made per call."""
     op = "rotate_with_angles"
     compiling = torch.compiler.is_compiling()
     grad = _records_grad(q, k)
@@ -692,24 +703,36 @@ def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleave
                                            mrope_interleaved, out_il, heads_first)
     spec = _SPECS.get(key) if key is not None else None
     if spec is None:
-        cos, sin, mrope = validate.angle_args(op, _heads_first(q, heads_first), _heads_first(k, heads_first),
-                                              cos, sin, mrope_section=mrope_section,
-                                              mrope_interleaved=mrope_interleaved)
+        cos_v, sin_v, mrope = validate.angle_args(op, _heads_first(q, heads_first), _heads_first(k, heads_first),
+                                                  cos, sin, mrope_section=mrope_section,
+                                                  mrope_interleaved=mrope_interleaved)
         mrope_arg = None
         if mrope is not None:
             mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
-        spec = _Spec(2 * cos.shape[-1], mrope_arg, tuple(cos.shape), [None], {})
+        # broadcast views start where their tensors do, so a launch can take cos and sin as given
+        # with these strides; unless validation had to copy them (cos and sin strides differ)
+        direct = cos_v.data_ptr() == cos.data_ptr() and sin_v.data_ptr() == sin.data_ptr()
+        strides = angles_from_views(None, cos_v, sin_v, q.dim() - 2, mrope_arg).strides if direct else None
+        spec = _Spec(2 * cos_v.shape[-1], mrope_arg, (tuple(cos_v.shape), strides), [None], {})
         if key is not None:
             if len(_SPECS) > 4096:
                 _SPECS.clear()
             _SPECS[key] = spec
-    else:
-        # the same broadcast views validation made (views are per call; their strides are not)
-        cos, sin = cos.broadcast_to(spec.extents), sin.broadcast_to(spec.extents)
-        if cos.stride() != sin.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
     if grad and not compiling and _use_triton(q) and q.shape[:-2].numel():
+        if spec.extents[1] is None:
+            cos, sin = _angle_views(spec, cos, sin)
         return _PlannedRotate.apply(q, k, cos, sin, _How(spec, in_il, out_il, False, heads_first))
+    cos, sin = _angle_views(spec, cos, sin)
     qo, ko = _rotate(_heads_first(q, heads_first), _heads_first(k, heads_first), None, cos, sin, in_il,
                      out_il, spec.mrope, False)
     return _heads_first(qo, heads_first), _heads_first(ko, heads_first)
+
+
+def _angle_views(spec, cos, sin):
+    """The views of cos and sin that validation made: broadcast to the token shape, copied when
+    their strides differ (the kernel reads both through one set of strides)."""
+    shape = spec.extents[0]
+    cos, sin = cos.broadcast_to(shape), sin.broadcast_to(shape)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
