@@ -40,6 +40,7 @@ HF's error). The fallback is HF's formula written out here, not a call into tran
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -214,19 +215,22 @@ _PLANS: dict = {}
 
 def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
     """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None;
-    remembered per call signature (a training step calls it once per layer, forward only)."""
+    remembered per call signature in eager mode (a training step asks once per layer)."""
+    decide = functools.partial(_decide_plain_plan, q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q,
+                               need_full=need_full)
+    if torch.compiler.is_compiling():
+        return decide()
     try:
         key = (ops._sig(q), ops._sig(k), ops._sig(cos), ops._sig(sin), unsqueeze_dim, promote_to_q, need_full,
                torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
-        return _PLANS[key]
+        plan = _PLANS.get(key)
     except (AttributeError, TypeError):      # not tensors, or unhashable: decide afresh
-        return _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q, need_full=need_full)
-    except KeyError:
+        return decide()
+    if plan is None:
         if len(_PLANS) > 4096:
             _PLANS.clear()
-        plan = _PLANS[key] = _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q,
-                                                need_full=need_full)
-        return plan
+        plan = _PLANS[key] = decide() or False
+    return plan or None
 
 
 def _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full):

@@ -711,7 +711,7 @@ def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleave
             mrope_arg = [MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED, *mrope]
         # broadcast views start where their tensors do, so a launch can take cos and sin as given
         # with these strides; unless validation had to copy them (cos and sin strides differ)
-        direct = cos_v.data_ptr() == cos.data_ptr() and sin_v.data_ptr() == sin.data_ptr()
+        direct = not compiling and cos_v.data_ptr() == cos.data_ptr() and sin_v.data_ptr() == sin.data_ptr()
         strides = angles_from_views(None, cos_v, sin_v, q.dim() - 2, mrope_arg).strides if direct else None
         spec = _Spec(2 * cos_v.shape[-1], mrope_arg, (tuple(cos_v.shape), strides), [None], {})
         if key is not None:
