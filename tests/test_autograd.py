@@ -11,6 +11,7 @@
 """
 
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -407,12 +408,57 @@ def test_hf_dropin_double_backward_matches_hf_math(device):
     v = torch.randn(B, H, S, D, generator=g).to(device)
     w = torch.randn(B, H, S, D, generator=g).to(device)
     results = []
-    for fn in (hf.apply_rotary_pos_emb, hf_math):
+    # the drop-in twice: the second call is a remembered one (cos and sin handed over unsliced)
+    for fn in (hf.apply_rotary_pos_emb, hf.apply_rotary_pos_emb, hf_math):
         q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
         up = v.clone().requires_grad_()
         qo, ko = fn(q, k, cos, sin)
         (gq,) = torch.autograd.grad(qo, q, up, create_graph=True)
         (gup,) = torch.autograd.grad((gq * w).sum(), up)
         results.append((qo.detach(), gq.detach(), gup))
-    for got, want, what in zip(results[0], results[1], ("output", "grad", "grad of grad")):
-        _close(got, want, torch.float32, what)
+    for call in (0, 1):
+        for got, want, what in zip(results[call], results[2], ("output", "grad", "grad of grad")):
+            _close(got, want, torch.float32, f"call {call}: {what}")
+
+
+@pytest.mark.parametrize("layout", ["heads-first", "tokens-first-partial"])
+def test_hf_dropin_remembered_training_call(device, layout):
+    """The drop-in remembers a training call's plan and hands HF's unsliced cos/sin straight to
+    the kernel the second time: outputs and gradients stay HF's, call after call."""
+    from ropekit import hf
+
+    B, S, H, D = 2, 5, 3, 16
+    R = D if layout == "heads-first" else 8                # partial rotary: a narrower table
+    ud = 1 if layout == "heads-first" else 2
+    g = torch.Generator().manual_seed(13)
+    pos = torch.arange(S, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, R, 2) / R)
+    emb = torch.cat([pos, pos], -1)
+    cos = emb.cos().float().to(device)[None]              # (1, S, R): broadcast over the batch
+    sin = emb.sin().float().to(device)[None]
+
+    def hf_math(q, k, c, s):
+        def rot_half(x):
+            return torch.cat((-x[..., R // 2:], x[..., : R // 2]), -1)
+        c, s = c.unsqueeze(ud), s.unsqueeze(ud)
+        out = []
+        for x in (q, k):
+            xr, xp = x[..., :R], x[..., R:]
+            out.append(torch.cat((xr * c + rot_half(xr) * s, xp), -1))
+        return tuple(out)
+
+    with mock.patch.object(hf, "_remembered", wraps=hf._remembered) as again:
+        for step in range(3):
+            base_q = torch.randn(B, S, H, D, generator=g).to(device)
+            base_k = torch.randn(B, S, 1, D, generator=g).to(device)
+            if ud == 1:
+                base_q, base_k = base_q.transpose(1, 2), base_k.transpose(1, 2)
+            ups = [torch.randn_like(base_q), torch.randn_like(base_k)]
+            results = []
+            for fn in (hf.apply_rotary_pos_emb, hf_math):
+                q, k = base_q.clone().requires_grad_(), base_k.clone().requires_grad_()
+                outs = fn(q, k, cos, sin, unsqueeze_dim=ud) if fn is not hf_math else fn(q, k, cos, sin)
+                grads = torch.autograd.grad(outs, (q, k), ups)
+                results.append([o.detach() for o in outs] + list(grads))
+            for got, want, what in zip(results[0], results[1], ("q out", "k out", "grad q", "grad k")):
+                _close(got, want, torch.float32, f"step {step}: {what}")
+    assert again.call_count >= 2, "the repeated training calls did not take the remembered path"

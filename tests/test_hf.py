@@ -62,9 +62,20 @@ def _restore_hf():
 
 @pytest.fixture
 def kernel_calls():
-    """Counts calls that reach ropekit's op (the drop-ins' kernel path, not their fallback)."""
-    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
-        yield spy
+    """Counts calls that reach ropekit's op (the drop-ins' kernel path, not their fallback): through
+    rotate_angles, or straight to the autograd Function for a remembered training call."""
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as first, \
+            mock.patch.object(hf, "_remembered", wraps=hf._remembered) as again:
+        yield _Calls(first, again)
+
+
+class _Calls:
+    def __init__(self, *spies):
+        self.spies = spies
+
+    @property
+    def call_count(self):
+        return sum(spy.call_count for spy in self.spies)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -251,6 +251,38 @@ def _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full
     return hd, r
 
 
+# Training calls of the drop-ins below, remembered per signature: straight to ropekit's autograd
+# Function with HF's cos/sin as given (no checks, slices or keys again; W8's step is host-bound).
+_TRAINING: dict = {}
+
+
+def _remembered(q, k, cos, sin, how):
+    return ops._PlannedRotate.apply(q, k, cos, sin, how)
+
+
+def _rotate_halves_table(q, k, cos, sin, ud, *, promote_to_q, need_full, interleaved, out_interleaved, math):
+    """The drop-ins that rotate by cos[..., :R/2] / sin[..., :R/2] of HF's (B or 1, S, R) tables:
+    HF's own math when the kernel cannot reproduce it, else ropekit."""
+    key = None
+    if not torch.compiler.is_compiling() and ops._records_grad(q, k):
+        try:
+            key = (ops._sig(q), ops._sig(k), ops._sig(cos), ops._sig(sin), ud, promote_to_q, need_full,
+                   interleaved, out_interleaved, cos.requires_grad or sin.requires_grad)
+            how = _TRAINING.get(key)
+        except (AttributeError, TypeError):
+            key = how = None
+        if how is not None:
+            return _remembered(q, k, cos, sin, how)
+    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
+    if plan is None:
+        return math(q, k, cos, sin, ud)
+    hd, r = plan
+    if key is not None and len(_TRAINING) > 4096:
+        _TRAINING.clear()
+    return ops.rotate_angles(q, k, cos[..., : r // 2], sin[..., : r // 2], interleaved, out_interleaved, None,
+                             False, hd == 1, remember=None if key is None else (_TRAINING, key))
+
+
 # ---------------------------------------------------------------------------------------------
 # the drop-ins
 
@@ -263,23 +295,15 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     Rotates dims [0, R) half-split by frequencies cos[..., :R//2], passes dims [R, D) through.
     position_ids is ignored (as in transformers 4.x; 5.x removed it). Returns (q_embed, k_embed).
     """
-    ud = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=True)
-    if plan is None:
-        return _math_half(q, k, cos, sin, ud)
-    hd, r = plan
-    return _rotate_hf_layout(q, k, cos[..., : r // 2], sin[..., : r // 2], hd, interleaved=False)
+    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=True,
+                                need_full=False, interleaved=False, out_interleaved=False, math=_math_half)
 
 
 def olmo_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """HF's OLMo / OLMo-2 / OLMo-3 `apply_rotary_pos_emb`: Llama's, outputs cast to q's / k's dtype
     (OLMo-2 passes float32 cos/sin with bf16 q/k)."""
-    ud = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=False, need_full=True)
-    if plan is None:
-        return _math_olmo(q, k, cos, sin, ud)
-    hd, r = plan
-    return _rotate_hf_layout(q, k, cos[..., : r // 2], sin[..., : r // 2], hd, interleaved=False)
+    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=False,
+                                need_full=True, interleaved=False, out_interleaved=False, math=_math_olmo)
 
 
 def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -288,12 +312,8 @@ def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     cos, sin: (B or 1, S, R) halves [f, f] (only the first half is read, as HF does). Pairs
     (2i, 2i+1) of dims [0, R) are rotated by frequency i; dims [R, D) pass through.
     """
-    ud = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=True)
-    if plan is None:
-        return _math_glm(q, k, cos, sin, ud)
-    hd, r = plan
-    return _rotate_hf_layout(q, k, cos[..., : r // 2], sin[..., : r // 2], hd, interleaved=True)
+    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=True,
+                                need_full=False, interleaved=True, out_interleaved=True, math=_math_glm)
 
 
 def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -315,13 +335,8 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
     halves [f, f]. Pairs (2i, 2i+1) of the input are rotated by frequency i and written half-split:
     out[..., i] and out[..., i + R/2].
     """
-    ud = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=True, need_full=True)
-    if plan is None:
-        return _math_deepseek(q, k, cos, sin, ud)
-    hd, r = plan
-    return _rotate_hf_layout(q, k, cos[..., : r // 2], sin[..., : r // 2], hd,
-                             interleaved=True, out_interleaved=False)
+    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=True,
+                                need_full=True, interleaved=True, out_interleaved=False, math=_math_deepseek)
 
 
 def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):

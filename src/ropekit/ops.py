@@ -589,8 +589,9 @@ class _PlannedRotate(torch.autograd.Function):
         if torch.is_grad_enabled():
             # create_graph=True: the backward must itself be differentiable (double backward)
             first, second = _kernel_layout(how, first, second)
+            half = spec.rot // 2      # cos and sin may come unsliced (ropekit.hf): the first half
             positions, (cos, sin) = (a, _table_views(b, a, spec.rot, first)) if how.table else \
-                (None, _angle_views(spec, a, b))
+                (None, _angle_views(spec, a[..., :half], b[..., :half]))
             d_first, d_second = _kernel_layout(how, *_EagerRotate.apply(
                 first, second, positions, cos, sin, how.out_il, how.in_il, spec.mrope, True))
         else:
@@ -693,9 +694,14 @@ def _heads_first(x, yes: bool):
     return x.transpose(1, 2) if yes and x is not None else x
 
 
-def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleaved, heads_first):
+def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleaved, heads_first, remember=None):
     """rotate_with_angles, also for Hugging Face's (B, H, S, D) q and k (heads_first, the
-    ropekit.hf drop-ins): under autograd no view of q, k or the angles is made per call."""
+    ropekit.hf drop-ins): under autograd no view of q, k or the angles is made per call.
+
+    remember: (dict, key): a call that goes to _PlannedRotate with cos and sin as given leaves its
+    _How there, so that the caller can make the same call again without coming here. cos and sin
+    may then be passed unsliced (the caller's cos[..., :half] starts where cos does and has its
+    strides)."""
     op = "rotate_with_angles"
     compiling = torch.compiler.is_compiling()
     grad = _records_grad(q, k)
@@ -719,9 +725,12 @@ def rotate_angles(q, k, cos, sin, in_il, out_il, mrope_section, mrope_interleave
                 _SPECS.clear()
             _SPECS[key] = spec
     if grad and not compiling and _use_triton(q) and q.shape[:-2].numel():
+        how = _How(spec, in_il, out_il, False, heads_first)
         if spec.extents[1] is None:
             cos, sin = _angle_views(spec, cos, sin)
-        return _PlannedRotate.apply(q, k, cos, sin, _How(spec, in_il, out_il, False, heads_first))
+        elif remember is not None:
+            remember[0][remember[1]] = how
+        return _PlannedRotate.apply(q, k, cos, sin, how)
     cos, sin = _angle_views(spec, cos, sin)
     qo, ko = _rotate(_heads_first(q, heads_first), _heads_first(k, heads_first), None, cos, sin, in_il,
                      out_il, spec.mrope, False)
