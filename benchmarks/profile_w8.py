@@ -12,7 +12,6 @@ and the GPU time of the kernels themselves (torch.profiler).
 """
 
 import sys
-import time
 
 import torch
 import triton
@@ -21,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 import ropekit
 import ropekit.launch
 from ropekit import hf
+from ropekit.bench.timing import host_us
 
 B, S, HQ, HK, D = 4, 4096, 32, 8, 128
 bf = dict(dtype=torch.bfloat16, device="cuda")
@@ -67,15 +67,8 @@ def setups():
 
 
 def measure(step):
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
     n = 50
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
+    host = host_us(step, "cuda", n=n, warmup=10) * 1e-6
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):

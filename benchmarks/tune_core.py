@@ -11,13 +11,13 @@ time per eager call with a wall clock. Prints a table; writes JSON when --out is
 import argparse
 import json
 import os
-import time
 
 import torch
 import triton
 
 import ropekit
 from ropekit import launch, ops, store
+from ropekit.bench.timing import host_us
 
 
 def copy_bandwidth(nbytes=2 * 2**30):
@@ -87,15 +87,7 @@ def decode():
     c = cache(65536, 128)
     p = torch.randint(0, 65536, (64,), device="cuda")
     fn = lambda: ropekit.apply_rope(q, k, p, c, inplace=True)  # noqa: E731
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
+    host = host_us(fn, "cuda", n=2000, warmup=10) * 1e-6
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         fn()
