@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import ropekit  # noqa: E402
-from ropekit import ops  # noqa: E402
+from ropekit import pipeline  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -58,4 +58,4 @@ def poison(monkeypatch):
     def empty_like(x, *args, **kwargs):
         return torch.empty_like(x, *args, **kwargs).fill_(float("nan"))
 
-    monkeypatch.setattr(ops, "empty_like", empty_like)
+    monkeypatch.setattr(pipeline, "empty_like", empty_like)

@@ -234,16 +234,15 @@ def test_strict_mode_names_first_bad_position(device, monkeypatch):
                          ids=["block-programs", "token-programs", "token-programs-no-prefetch"])
 @pytest.mark.parametrize("case", ["half", "pairs-partial", "mrope", "two-token-dims", "per-token",
                                   "q-only"])
-def test_both_program_layouts(device, monkeypatch, head_loop, prefetch, case):
+def test_both_program_layouts(device, request, head_loop, prefetch, case):
     """The kernel's two grids (a program per head block, or per token walking its head blocks,
     with or without the next block's loads issued before this block's stores) give the reference's
     answer; the launcher picks by call size, so force each here."""
-    from ropekit import ops
+    from ropekit import tuning
 
-    monkeypatch.setattr(ops, "_HEAD_LOOP", head_loop)
-    monkeypatch.setattr(ops, "_PREFETCH", prefetch)
-    monkeypatch.setattr(ops, "_SPECS", {})
-    monkeypatch.setattr(ops, "_LAUNCHES", {})
+    knobs = tuning.override(head_loop=head_loop, prefetch=prefetch)
+    knobs.__enter__()
+    request.addfinalizer(lambda: knobs.__exit__(None, None, None))
     T, Hq, Hk = 5, 37, 3                    # 37 heads: several blocks, the last one partial
     kw = {}
     D, rot = 64, 64
@@ -265,14 +264,15 @@ def test_both_program_layouts(device, monkeypatch, head_loop, prefetch, case):
 
 @pytest.mark.parametrize("head_loop", [False, True], ids=["block-programs", "token-programs"])
 @pytest.mark.parametrize("interleaved_sections", [False, True], ids=["chunked", "interleaved"])
-def test_per_token_mrope_both_program_layouts(device, monkeypatch, head_loop, interleaved_sections):
+def test_per_token_mrope_both_program_layouts(device, request, head_loop, interleaved_sections):
     """Per-token (3, T, half) M-RoPE angles (the HF multimodal drop-in's form), one program per
     head block or per token: the same answer as the float64 reference fed the rows the positions
     pick from the same table."""
-    from ropekit import ops
+    from ropekit import tuning
 
-    monkeypatch.setattr(ops, "_HEAD_LOOP", head_loop)
-    monkeypatch.setattr(ops, "_SPECS", {})
+    knobs = tuning.override(head_loop=head_loop)
+    knobs.__enter__()
+    request.addfinalizer(lambda: knobs.__exit__(None, None, None))
     T, Hq, Hk, D = 5, 37, 3, 64
     section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]
     cache = make_cache(50, D, device=device)

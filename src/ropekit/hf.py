@@ -46,7 +46,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import ops
+from . import ops, pipeline
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -202,34 +202,29 @@ def _tokens_first(x, hd):
     return x.transpose(1, 2) if hd == 1 else x
 
 
-def _rotate_hf_layout(q, k, cos_half, sin_half, hd, *, interleaved, out_interleaved=None,
-                      mrope_section=None):
-    """Rotate HF-layout q/k with ropekit; cos_half/sin_half are (…, B, S, rotary_dim // 2) views."""
-    return ops.rotate_angles(q, k, cos_half, sin_half, interleaved,
-                             interleaved if out_interleaved is None else out_interleaved,
-                             mrope_section, False, hd == 1)
-
-
-_PLANS: dict = {}
+def _rotate_hf_layout(q, k, cos, sin, hd, *, interleaved, out_interleaved=None, mrope_section=None, columns=None):
+    """Rotate HF-layout q/k with ropekit: cos/sin are (…, B, S, ·) tables of which the first
+    `columns` columns (None: all) hold the rotary_dim // 2 frequencies."""
+    return ops.rotate_angles(q, k, cos, sin, interleaved=interleaved,
+                             out_interleaved=interleaved if out_interleaved is None else out_interleaved,
+                             mrope_section=mrope_section, heads_first=hd == 1, columns=columns)
 
 
 def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
     """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None;
-    remembered per call signature in eager mode (a training step asks once per layer)."""
+    remembered per call signature in ropekit's memo in eager mode (a training step asks once per layer)."""
     decide = functools.partial(_decide_plain_plan, q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q,
                                need_full=need_full)
     if torch.compiler.is_compiling():
         return decide()
     try:
-        key = (ops._sig(q), ops._sig(k), ops._sig(cos), ops._sig(sin), unsqueeze_dim, promote_to_q, need_full,
-               torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
-        plan = _PLANS.get(key)
+        key = ("hf plan", torch.is_grad_enabled(), pipeline.tensor_key(q), pipeline.tensor_key(k),
+               pipeline.tensor_key(cos), pipeline.tensor_key(sin), unsqueeze_dim, promote_to_q, need_full)
+        plan = pipeline.lookup(key)
     except (AttributeError, TypeError):      # not tensors, or unhashable: decide afresh
         return decide()
     if plan is None:
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        plan = _PLANS[key] = decide() or False
+        plan = pipeline.remember(key, decide() or False)
     return plan or None
 
 
@@ -251,36 +246,15 @@ def _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full
     return hd, r
 
 
-# Training calls of the drop-ins below, remembered per signature: straight to ropekit's autograd
-# Function with HF's cos/sin as given (no checks, slices or keys again; W8's step is host-bound).
-_TRAINING: dict = {}
-
-
-def _remembered(q, k, cos, sin, how):
-    return ops._PlannedRotate.apply(q, k, cos, sin, how)
-
-
 def _rotate_halves_table(q, k, cos, sin, ud, *, promote_to_q, need_full, interleaved, out_interleaved, math):
     """The drop-ins that rotate by cos[..., :R/2] / sin[..., :R/2] of HF's (B or 1, S, R) tables:
-    HF's own math when the kernel cannot reproduce it, else ropekit."""
-    key = None
-    if not torch.compiler.is_compiling() and ops._records_grad(q, k):
-        try:
-            key = (ops._sig(q), ops._sig(k), ops._sig(cos), ops._sig(sin), ud, promote_to_q, need_full,
-                   interleaved, out_interleaved, cos.requires_grad or sin.requires_grad)
-            how = _TRAINING.get(key)
-        except (AttributeError, TypeError):
-            key = how = None
-        if how is not None:
-            return _remembered(q, k, cos, sin, how)
+    HF's own math when the kernel cannot reproduce it, else ropekit (the tables passed unsliced)."""
     plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
     if plan is None:
         return math(q, k, cos, sin, ud)
     hd, r = plan
-    if key is not None and len(_TRAINING) > 4096:
-        _TRAINING.clear()
-    return ops.rotate_angles(q, k, cos[..., : r // 2], sin[..., : r // 2], interleaved, out_interleaved, None,
-                             False, hd == 1, remember=None if key is None else (_TRAINING, key))
+    return _rotate_hf_layout(q, k, cos, sin, hd, interleaved=interleaved, out_interleaved=out_interleaved,
+                             columns=r // 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +341,7 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
     if sections is None:
         return _math_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim)
     half = cos.shape[-1] // 2
-    return _rotate_hf_layout(q, k, cos[..., :half], sin[..., :half], hd, interleaved=False,
-                             mrope_section=sections)
+    return _rotate_hf_layout(q, k, cos, sin, hd, interleaved=False, mrope_section=sections, columns=half)
 
 
 def llama4_apply_rotary_emb(xq, xk, freqs_cis):

@@ -135,6 +135,34 @@ def apply_rope(
     return q_out, k_out
 
 
+def store_rows(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, interleaved, rotary_dim,
+               k_scale, v_scale):
+    """The fused store's CPU path, with the kernel's semantics: float32 math, one rounding into the
+    cache dtype (no detour through k's dtype), slots past the cache skipped and flagged in q (NaN).
+    k_scale / v_scale: None or 1-element float32 tensors."""
+    n_tok = q.dim() - 2
+    block_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
+    slots = slot_mapping.long()
+    bad = slots >= k_cache.shape[0] * block_size
+    keep = (slots >= 0) & ~bad
+    rot = rotary_dim
+    cos, sin = angles_from_table(cos_sin_cache, positions, tuple(q.shape[:n_tok]), rotary_dim=rot)
+    q.copy_(rotate(q, cos, sin, interleaved=interleaved))
+    if bool(bad.any()):
+        q[..., :rot][bad] = float("nan")
+    idx = slots[keep]
+    k_rot = rotate(k.float(), cos, sin, interleaved=interleaved)
+    for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v.float(), v_scale)):
+        vals = rows[keep]
+        if scale is not None:
+            vals = vals / scale.reshape(()).float()
+        vals = vals.to(cache.dtype)
+        if cache.dim() == 4:
+            cache[idx // block_size, idx % block_size] = vals
+        else:
+            cache[idx] = vals
+
+
 def apply_rope_and_store(
     q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
     *, interleaved=False, rotary_dim=None, k_scale=None, v_scale=None,

@@ -1,179 +1,33 @@
-"""Fused RoPE + KV-cache store: validation -> strides -> one launch of `rope_store_kernel`.
+"""Fused RoPE + KV-cache store: `apply_rope_and_store`, one launch of `rope_store_kernel`.
 
     apply_rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ...)
 
 Serving engines rotate q and k, then write k and v into the KV cache: two or three launches and a
 round trip of k through memory. Here one kernel rotates q in place and writes rotated k and v
-straight into the cache rows `slot_mapping` names. CUDA tensors run the Triton kernel; CPU tensors
-run it under TRITON_INTERPRET=1, otherwise the pure-PyTorch reference, with the same semantics.
+straight into the cache rows `slot_mapping` names. The call goes through ropekit.pipeline like the
+rotation ops (signature -> memoized spec -> door -> run); CPU tensors without TRITON_INTERPRET=1
+run the pure-PyTorch reference with the same semantics.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from . import ops, reference, validate
-from .launch import launch as launch_kernel
-from .ops import _next_pow2, _token_strides, _use_triton
+from . import pipeline, validate
+from .pipeline import CUSTOM_OP, Spec, Variant, tensor_key
 
 OP = "apply_rope_and_store"
 
 Scale = Union[None, float, torch.Tensor]
+_MEMO = pipeline._MEMO
 
 
-@functools.lru_cache(maxsize=None)
-def _store_meta(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int, block_elems: int, warps: int):
-    """Compile-time tile sizes; cached so decode pays for them once.
-
-    Each program handles about block_elems elements: BLOCK_HQ / BLOCK_HK heads of the rotated
-    dims (the rule of ops._meta), BLOCK_HV heads of v.
-    """
-    half_pad = _next_pow2(half)
-    rows = max(1, block_elems // (2 * half_pad))
-    bhq = min(_next_pow2(n_q), _next_pow2(rows))
-    bhk = min(_next_pow2(n_k), _next_pow2(rows))
-    tail_pad = _next_pow2(k_tail) if k_tail > 0 else 0
-    dv_pad = _next_pow2(d_v)
-    bhv = min(_next_pow2(n_v), _next_pow2(max(1, block_elems // dv_pad)))
-    elems = max(max(bhq, bhk) * 2 * half_pad, bhv * dv_pad)
-    num_warps = warps or 2          # H200 sweep (run 6): 2 warps 83% of copy on W7, 4 warps 66%
-    nqb, nkb, nvb = -(-n_q // bhq), -(-n_k // bhk), -(-n_v // bhv)
-    return half_pad, bhq, bhk, bhv, tail_pad, dv_pad, num_warps, nqb, nkb, nvb
-
-
-def _slot_geometry(cache: torch.Tensor):
-    """(block_size, stride of a block, stride of a slot within a block, stride of a head)."""
-    if cache.dim() == 4:
-        return cache.shape[1], cache.stride(0), cache.stride(1), cache.stride(2)
-    return 1, cache.stride(0), 0, cache.stride(1)        # flat: every slot is a block of one
-
-
-def _pair_bits(*xs) -> int:
-    """_rotate_heads' PACK for tensors read or written as (2i, 2i+1) pairs: the bits of one pair
-    when every one keeps pairs word-aligned (one element size of 2 or 4 bytes, even strides), else 0.
-    Base-pointer alignment is checked per call (`_fire`)."""
-    sizes = {x.element_size() for x in xs}
-    if len(sizes) != 1 or not sizes <= {2, 4}:
-        return 0
-    if any(st % 2 for x in xs for st in x.stride()[:-1]):
-        return 0
-    return 16 * sizes.pop()
-
-
-# Tile size of the store kernel, elements per program (the tuning sweep sets it with ops' own):
-# run 8 measured W7 at 85.8% of copy with 1024, 83.1% with 2048 (2 warps both).
-_BLOCK_ELEMS = int(os.environ.get("ROPEKIT_STORE_BLOCK_ELEMS", "1024"))
-
-
-class Launch(NamedTuple):
-    """A rope_store_kernel launch minus its tensors: planned once per call signature."""
-    grid: tuple
-    args: tuple             # the runtime ints, in kernel order after the pointers
-    meta: dict              # constexprs and num_warps
-    compiled: dict          # ropekit.launch's cache of compiled kernels for this plan
-
-
-def _plan(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scaled, v_scaled):
-    n_tok = q.dim() - 2
-    S = q.shape[n_tok - 1]
-    n_tokens = q.shape[:n_tok].numel()
-    half = rot // 2
-    n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
-    d_k, d_v = k.shape[-1], v.shape[-1]
-    half_pad, bhq, bhk, bhv, tail_pad, dv_pad, num_warps, nqb, nkb, nvb = _store_meta(
-        half, n_q, n_k, d_k - rot, n_v, d_v, _BLOCK_ELEMS, getattr(ops, "_NUM_WARPS", 0))
-    row, col = table.stride(0), table.stride(1)
-    block_size, skc_blk, skc_off, skc_h = _slot_geometry(k_cache)
-    _, svc_blk, svc_off, svc_h = _slot_geometry(v_cache)
-    has_pos = positions is not None
-    args = (
-        S, n_q, n_k, n_v, d_k - rot, d_v, table.shape[0] if has_pos else 0, half * col,
-        block_size, k_cache.shape[0] * block_size, nqb, nkb,
-        *_token_strides(q, n_tok), q.stride(-2),
-        *_token_strides(k, n_tok), k.stride(-2),
-        *_token_strides(v, n_tok), v.stride(-2),
-        *(_token_strides(positions, n_tok) if has_pos else (0, 0)), row, col,
-        *_token_strides(slot_mapping, n_tok),
-        skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
-    )
-    meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HV=bhv,
-        TAIL_PAD=tail_pad, DV_PAD=dv_pad, HAS_POS=has_pos, INTERLEAVED=interleaved,
-        K_SCALED=k_scaled, V_SCALED=v_scaled,
-        PACK_Q=_pair_bits(q) if interleaved else 0,
-        PACK_K=_pair_bits(k, k_cache) if interleaved else 0,
-        num_warps=num_warps,
-    )
-    return Launch((n_tokens, nqb + nkb + nvb), args, meta, {})
-
-
-def _fire(launch: Launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:
-    from .kernels.store import rope_store_kernel
-
-    meta = launch.meta
-    # packed pairs need word-aligned base pointers too (a view may start at an odd element)
-    if meta["PACK_Q"] and q.data_ptr() % (meta["PACK_Q"] // 8):
-        meta = dict(meta, PACK_Q=0)
-    if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
-        meta = dict(meta, PACK_K=0)
-    ptrs = (q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
-            table if ks is None else ks, table if vs is None else vs)   # scales: never read unless scaled
-    launch_kernel(rope_store_kernel, launch.compiled, (meta["PACK_Q"], meta["PACK_K"]), launch.grid, ptrs,
-                  launch.args, meta)
-
-
-def _fp8_scales(k_cache, v_cache, ks, vs, device):
-    """fp8 caches always take the scaled path (scale 1.0 by default): the kernel then casts to fp8
-    from float32 only, the one conversion every backend has (bf16 -> fp8 directly is not everywhere)."""
-    if ks is None and k_cache.dtype in validate.FP8_DTYPES:
-        ks = _scale_tensor(1.0, device, unit=True)
-    if vs is None and v_cache.dtype in validate.FP8_DTYPES:
-        vs = _scale_tensor(1.0, device, unit=True)
-    return ks, vs
-
-
-def _launch_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                   interleaved, rot, k_scale, v_scale):
-    k_scale, v_scale = _fp8_scales(k_cache, v_cache, k_scale, v_scale, q.device)
-    launch = _plan(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rot,
-                   k_scale is not None, v_scale is not None)
-    _fire(launch, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def _run_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                   interleaved, rot, k_scale, v_scale):
-    """The CPU path, with the kernel's semantics: float32 math, one rounding into the cache dtype
-    (no detour through k's dtype), slots past the cache skipped and flagged in q."""
-    n_tok = q.dim() - 2
-    block_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
-    slots = slot_mapping.long()
-    bad = slots >= k_cache.shape[0] * block_size
-    keep = (slots >= 0) & ~bad
-    cos, sin = reference.angles_from_table(cos_sin_cache, positions, tuple(q.shape[:n_tok]), rotary_dim=rot)
-    q.copy_(reference.rotate(q, cos, sin, interleaved=interleaved))
-    if bool(bad.any()):
-        q[..., :rot][bad] = float("nan")
-    idx = slots[keep]
-    k_rot = reference.rotate(k.float(), cos, sin, interleaved=interleaved)
-    for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v.float(), v_scale)):
-        vals = rows[keep]
-        if scale is not None:
-            vals = vals / scale.reshape(()).float()
-        vals = vals.to(cache.dtype)
-        if cache.dim() == 4:
-            cache[idx // block_size, idx % block_size] = vals
-        else:
-            cache[idx] = vals
-
-
-def _checks(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-            extents=None, memo=None):
+def _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
-    validate.store_aliasing(OP, q, k, v, k_cache, v_cache, extents=extents, memo=memo)
+    validate.store_aliasing(OP, q, k, v, k_cache, v_cache, extents=None if spec is None else spec.extents,
+                            memo=None if spec is None else spec.alias)
     validate.written_vs_read(OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                              (("positions", positions), ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping),
                               ("k_scale", k_scale), ("v_scale", v_scale)))
@@ -187,22 +41,36 @@ def _checks(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k
                 validate.scale_value(OP, name, scale)
 
 
-def _run(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-         interleaved, rot, k_scale, v_scale):
-    """Checks, then the kernel (or the reference on CPU): the body of the custom op."""
-    _checks(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if q.shape[:-2].numel() == 0:
-        return
-    if _use_triton(q):
-        _launch_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       interleaved, rot, k_scale, v_scale)
-    else:
-        _run_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       interleaved, rot, k_scale, v_scale)
+def _fp8_scales(k_cache, v_cache, ks, vs, device):
+    """fp8 caches always take the scaled path (scale 1.0 by default): the kernel then casts to fp8
+    from float32 only, the one conversion every backend has (bf16 -> fp8 directly is not everywhere)."""
+    if ks is None and k_cache.dtype in validate.FP8_DTYPES:
+        ks = _scale_tensor(1.0, device, unit=True)
+    if vs is None and v_cache.dtype in validate.FP8_DTYPES:
+        vs = _scale_tensor(1.0, device, unit=True)
+    return ks, vs
+
+
+def _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim,
+                k_scale, v_scale) -> Spec:
+    rot, _, _, _, _ = validate.store_args(OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                          rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
+    il = bool(interleaved)
+    variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
+    door = pipeline.door_for(q, False)
+    return Spec(variant, rot, door, pipeline.triton_runs(q), extents=validate.store_extents(q, k, v, k_cache, v_cache))
+
+
+def _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs) -> None:
+    """Address checks, then the run step: the body of the eager door and of the custom op."""
+    _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
+    if spec.triton:
+        ks, vs = _fp8_scales(k_cache, v_cache, ks, vs, q.device)
+    pipeline.run_store(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library registration: what torch.compile sees
+# torch.library registration: what torch.compile (and the dispatcher, for tensor subclasses) sees
 
 
 @torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k_cache", "v_cache"))
@@ -211,8 +79,16 @@ def _rope_and_store_op(
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     interleaved: bool, rotary_dim: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
 ) -> None:
-    _run(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-         interleaved, rotary_dim, k_scale, v_scale)
+    key = ("rope_and_store op", tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(positions),
+           tensor_key(cos_sin_cache), tensor_key(k_cache), tensor_key(v_cache), tensor_key(slot_mapping),
+           interleaved, rotary_dim, tensor_key(k_scale), tensor_key(v_scale))
+    spec = _MEMO.get(key)
+    if spec is None:
+        il = bool(interleaved)
+        variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
+        spec = pipeline.remember(key, Spec(variant, rotary_dim, pipeline.DIRECT, pipeline.triton_runs(q),
+                                           extents=validate.store_extents(q, k, v, k_cache, v_cache)))
+    _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @_rope_and_store_op.register_fake
@@ -241,6 +117,12 @@ def _scale_tensor(scale: Scale, device: torch.device, unit: bool = False) -> Opt
             _SCALES.clear()
         t = _SCALES[key] = torch.full((1,), scale, dtype=torch.float32, device=device)
     return t
+
+
+def _scale_key(scale):
+    if isinstance(scale, torch.Tensor):
+        return tensor_key(scale)
+    return type(scale), scale                   # the value: validation depends on it (> 0, finite)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,80 +196,24 @@ def apply_rope_and_store(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(interleaved), rot,
             _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device))
         return q
-
-    # eager: validation and the launch plan are made once per call signature (decode host time);
-    # only the address-dependent checks run on every call
-    key = _call_key(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                    interleaved, rotary_dim, k_scale, v_scale)
-    spec = _SPECS.get(key) if key is not None else None
+    try:
+        key = (OP, torch.is_grad_enabled(), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(positions),
+               tensor_key(cos_sin_cache), tensor_key(k_cache), tensor_key(v_cache), tensor_key(slot_mapping),
+               type(interleaved), interleaved, type(rotary_dim), rotary_dim, _scale_key(k_scale), _scale_key(v_scale))
+        spec = _MEMO.get(key)
+    except (AttributeError, TypeError):          # not tensors, or unhashable: validation names them
+        key = spec = None
     if spec is None:
-        rot, _, _, _, _ = validate.store_args(
-            OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
-        spec = _Spec(rot, validate.store_extents(q, k, v, k_cache, v_cache), {}, [None])
-        if key is not None:
-            if len(_SPECS) >= 1024:
-                _SPECS.clear()
-            _SPECS[key] = spec
+        spec = pipeline.remember(key, _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                  interleaved, rotary_dim, k_scale, v_scale))
     ks, vs = _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)
-    _checks(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs,
-            extents=spec.extents, memo=spec.alias)
-    if q.shape[:-2].numel() == 0:
+    if spec.door is CUSTOM_OP:
+        torch.ops.ropekit.rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                         spec.variant.interleaved, spec.rot, ks, vs)
         return q
-    interleaved = bool(interleaved)
-    if _use_triton(q):
-        ks, vs = _fp8_scales(k_cache, v_cache, ks, vs, q.device)
-        launch = spec.launch[0]
-        if launch is None:
-            launch = spec.launch[0] = _plan(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                            interleaved, spec.rot, ks is not None, vs is not None)
-        _fire(launch, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
-    else:
-        _run_reference(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       interleaved, spec.rot, ks, vs)
+    _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
     # the kernel writes through raw pointers, which autograd does not see: bump the version counters
     # so that anything that saved q or a cache for a backward raises instead of reading new values
     for x in (q, k_cache, v_cache):
         torch.autograd.graph.increment_version(x)
     return q
-
-
-class _Spec(NamedTuple):
-    """What validation concluded about one call signature, and its launch plan once made."""
-    rot: int
-    extents: tuple          # validate.store_extents of the call's tensors
-    alias: dict             # store_aliasing's memo: verdicts by pair and byte distance
-    launch: list            # [Launch or None]
-
-
-_SPECS: dict = {}
-
-
-def _sig(x):
-    return (x.shape, x.stride(), x.dtype, x.device)
-
-
-def _scale_key(scale):
-    if scale is None:
-        return None
-    if isinstance(scale, torch.Tensor):
-        return _sig(scale)
-    return type(scale), scale                   # the value: validation depends on it (> 0, finite)
-
-
-def _call_key(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rotary_dim,
-              k_scale, v_scale):
-    """A hashable signature of a call (types, shapes, strides, dtypes, devices, flags: all that
-    validation reads), or None when the call must be validated afresh: arguments of the wrong type,
-    or anything requiring grad (which must raise)."""
-    try:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or k_cache.requires_grad or v_cache.requires_grad):
-            return None
-        key = (_sig(q), _sig(k), _sig(v), None if positions is None else _sig(positions), _sig(table),
-               _sig(k_cache), _sig(v_cache), _sig(slot_mapping), bool(interleaved),
-               type(rotary_dim), rotary_dim, _scale_key(k_scale), _scale_key(v_scale))
-        hash(key)
-        return key
-    except (AttributeError, TypeError):
-        return None

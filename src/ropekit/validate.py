@@ -187,6 +187,13 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
     return rotary_dim, mrope
 
 
+def no_grad_table(op, table):
+    """ropekit treats the angles as constants: a table that requires grad is refused under grad mode."""
+    if table.requires_grad and torch.is_grad_enabled():
+        fail(op, "cos_sin_cache", "a tensor that does not require grad (ropekit does not differentiate "
+             "through the angles)", "requires_grad=True")
+
+
 def positions_in_range(op: str, positions: torch.Tensor, max_position: int) -> None:
     """Strict mode: name the first out-of-range position (one device sync)."""
     bad = (positions < 0) | (positions >= max_position)

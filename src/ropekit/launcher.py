@@ -1,0 +1,238 @@
+"""Launch plans: from a validated call's tensors to the kernels' grid, runtime ints and constexprs.
+
+A plan is made once per call signature (pipeline.Spec keeps it); a launch then needs only the
+tensors' addresses (`fire_rotate`, `fire_store`), passed to Triton's compiled launcher directly
+(ropekit.launch). Tile sizes and warps come from ropekit.tuning's table.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import tuning
+from .launch import launch as launch_kernel
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def token_strides(x: torch.Tensor, n_tok: int):
+    """(stride of b, stride of s) of the token dims; b's stride is 0 when there is one token dim."""
+    return (x.stride(0), x.stride(1)) if n_tok == 2 else (0, x.stride(0))
+
+
+class AngleLayout(NamedTuple):
+    """Where the kernel reads cos and sin, as ints: built from the call's angle tensors.
+
+    Table and arange angles: row p of cos at cos + p * row stride, sin `sin_off` elements further.
+    Per-token angles: rows addressed by the token's own (sec, b, s) indices, any stride 0 for
+    broadcast; cos and sin are separate tensors with these strides."""
+    half: int
+    max_pos: int            # table rows (0: no positions, nothing to bound)
+    sin_off: int
+    strides: tuple          # (sec, b, s, col)
+    pos_strides: tuple      # positions' (sec, b, s) strides
+
+
+def angle_layout(variant, rot: int, a, b, token_strides_of_angles) -> AngleLayout:
+    half = rot // 2
+    if variant.angles == "tokens":
+        return AngleLayout(half, 0, 0, token_strides_of_angles, (0, 0, 0))
+    row, col = b.stride(0), b.stride(1)
+    if a is None:                                            # arange over the last token dim
+        return AngleLayout(half, 0, half * col, (0, 0, row, col), (0, 0, 0))
+    n_tok = a.dim() - (1 if variant.mrope else 0)
+    pos = a[0] if variant.mrope else a
+    sec = a.stride(0) if variant.mrope else 0
+    return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (sec, *token_strides(pos, n_tok)))
+
+
+def per_token_strides(cos: torch.Tensor, n_tok: int, mrope: bool) -> tuple:
+    """(sec, b, s, col) strides of per-token angle views (*T, half) or (3, *T, half)."""
+    sec = cos.stride(0) if mrope else 0
+    return (sec, *token_strides(cos[0] if mrope else cos, n_tok), cos.stride(-1))
+
+
+@functools.lru_cache(maxsize=256)
+def _tiles(half: int, n_q: int, n_k: int, tail: int, block_elems: int):
+    """Compile-time tile sizes for a problem shape: one head-block size serves q and k (they share
+    the kernel's code path), each program ~block_elems elements."""
+    half_pad = next_pow2(half)
+    rows = max(1, block_elems // (2 * half_pad))
+    block_h = min(next_pow2(max(n_q, n_k)), next_pow2(rows))
+    tail_pad = next_pow2(tail) if tail > 0 else 0
+    n_q_blocks = -(-n_q // block_h)
+    n_k_blocks = -(-n_k // block_h) if n_k else 0
+    return half_pad, block_h, tail_pad, n_q_blocks, n_k_blocks
+
+
+class Plan(NamedTuple):
+    """A kernel launch minus its tensors."""
+    grid: tuple
+    args: tuple             # the runtime ints, in kernel order after the pointers
+    meta: dict              # constexprs and num_warps
+    pack_bytes: int         # alignment the packed-pairs path needs of base pointers (0: none)
+    compiled: dict          # ropekit.launch's cache of compiled kernels for this plan
+
+
+def _pair_bits(*xs) -> int:
+    """PACK for tensors read or written as (2i, 2i+1) pairs: the bits of one pair when every one
+    keeps pairs word-aligned (one element size of 2 or 4 bytes, even strides), else 0. Base-pointer
+    alignment is checked per launch."""
+    xs = [x for x in xs if x is not None]
+    sizes = {x.element_size() for x in xs}
+    if len(sizes) != 1 or not sizes <= {2, 4}:
+        return 0
+    if any(st % 2 for x in xs for st in x.stride()[:-1]):
+        return 0
+    return 16 * sizes.pop()
+
+
+def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Plan]:
+    """rope_kernel's launch for (*T, H, D) tensors (None for an empty call: nothing to launch)."""
+    n_tok = q.dim() - 2
+    n_tokens = q.shape[:n_tok].numel()
+    if n_tokens == 0:
+        return None
+    S = q.shape[n_tok - 1]
+    half = angles.half
+    rot = 2 * half
+    n_q, d_q = q.shape[-2], q.shape[-1]
+    n_k, d_k = (k.shape[-2], k.shape[-1]) if k is not None else (0, rot)
+    copy_tail = q_out.data_ptr() != q.data_ptr() and max(d_q, d_k) > rot
+    tail = max(d_q, d_k) - rot if copy_tail else 0
+    mrope = variant.mrope != 0
+    head_loop = tuning.get("head_loop")
+    if head_loop is None:
+        head_loop = (variant.angles == "table" or mrope) and n_tokens >= tuning.get("head_loop_min_tokens")
+    half_pad, block_h, tail_pad, nqb, nkb = _tiles(half, n_q, n_k, tail, tuning.get("block_elems"))
+    prefetch = tuning.get("prefetch")
+    prefetch = head_loop and (not mrope if prefetch is None else prefetch)
+    pack = 0
+    if variant.interleaved or variant.out_interleaved:
+        ins = (q, k) if variant.interleaved else ()
+        outs = (q_out, k_out) if variant.out_interleaved else ()
+        pack = _pair_bits(*ins, *outs)
+    sk = (*token_strides(k, n_tok), k.stride(-2)) if k is not None else (0, 0, 0)
+    sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
+    sec_t, sec_h, sec_w = variant.sections
+    args = (
+        n_tokens, S, n_q, n_k, d_q - rot, d_k - rot, angles.max_pos, nqb, nqb + nkb, angles.sin_off,
+        *token_strides(q, n_tok), q.stride(-2), *sk,
+        *token_strides(q_out, n_tok), q_out.stride(-2), *sko,
+        *angles.pos_strides, *angles.strides, sec_t, sec_h, sec_w,
+    )
+    meta = dict(
+        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, TAIL_PAD=tail_pad,
+        HAS_POS=angles.max_pos > 0, MROPE=variant.mrope,
+        IN_INTERLEAVED=variant.interleaved, OUT_INTERLEAVED=variant.out_interleaved, INVERSE=variant.inverse,
+        PACK=pack, HEAD_LOOP=head_loop, PREFETCH=prefetch, TOKENS=1, EVICT="",
+        num_warps=tuning.warps(head_loop, mrope),
+    )
+    return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
+
+
+def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b) -> None:
+    """Launch rope_kernel; (a, b) as in pipeline.run_rotate."""
+    meta = plan.meta
+    if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
+        meta = dict(meta, PACK=0)        # a base pointer off the pair alignment: the element path
+    if meta["HAS_POS"]:
+        pos, cos, sin = a, b, b
+    elif a is None:                      # arange: the table alone
+        pos, cos, sin = b, b, b
+    else:                                # per-token angles
+        pos, cos, sin = a, a, b
+    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin)
+    launch_kernel(_kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str):
+    # imported on first use: Triton loads lazily, and CPU-only calls never need it
+    if name == "rope_kernel":
+        from .kernels.rope import rope_kernel as kernel
+    else:
+        from .kernels.store import rope_store_kernel as kernel
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused store
+
+
+def slot_geometry(cache: torch.Tensor):
+    """(block_size, stride of a block, stride of a slot within a block, stride of a head)."""
+    if cache.dim() == 4:
+        return cache.shape[1], cache.stride(0), cache.stride(1), cache.stride(2)
+    return 1, cache.stride(0), 0, cache.stride(1)        # flat: every slot is a block of one
+
+
+@functools.lru_cache(maxsize=256)
+def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int, block_elems: int):
+    """Tile sizes of rope_store_kernel: BLOCK_HQ / BLOCK_HK heads of the rotated dims (the rule of
+    _tiles), BLOCK_HV heads of v, each ~block_elems elements."""
+    half_pad = next_pow2(half)
+    rows = max(1, block_elems // (2 * half_pad))
+    bhq = min(next_pow2(n_q), next_pow2(rows))
+    bhk = min(next_pow2(n_k), next_pow2(rows))
+    tail_pad = next_pow2(k_tail) if k_tail > 0 else 0
+    dv_pad = next_pow2(d_v)
+    bhv = min(next_pow2(n_v), next_pow2(max(1, block_elems // dv_pad)))
+    nqb, nkb, nvb = -(-n_q // bhq), -(-n_k // bhk), -(-n_v // bhv)
+    return half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb
+
+
+def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, variant, rot, k_scaled, v_scaled):
+    n_tok = q.dim() - 2
+    n_tokens = q.shape[:n_tok].numel()
+    if n_tokens == 0:
+        return None
+    S = q.shape[n_tok - 1]
+    half = rot // 2
+    n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
+    d_k, d_v = k.shape[-1], v.shape[-1]
+    half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb = _store_tiles(
+        half, n_q, n_k, d_k - rot, n_v, d_v, tuning.get("store_block_elems"))
+    row, col = table.stride(0), table.stride(1)
+    block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
+    _, svc_blk, svc_off, svc_h = slot_geometry(v_cache)
+    has_pos = positions is not None
+    args = (
+        S, n_q, n_k, n_v, d_k - rot, d_v, table.shape[0] if has_pos else 0, half * col,
+        block_size, k_cache.shape[0] * block_size, nqb, nkb,
+        *token_strides(q, n_tok), q.stride(-2),
+        *token_strides(k, n_tok), k.stride(-2),
+        *token_strides(v, n_tok), v.stride(-2),
+        *(token_strides(positions, n_tok) if has_pos else (0, 0)), row, col,
+        *token_strides(slot_mapping, n_tok),
+        skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
+    )
+    il = variant.interleaved
+    meta = dict(
+        HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HV=bhv,
+        TAIL_PAD=tail_pad, DV_PAD=dv_pad, HAS_POS=has_pos, INTERLEAVED=il,
+        K_SCALED=k_scaled, V_SCALED=v_scaled,
+        PACK_Q=_pair_bits(q) if il else 0, PACK_K=_pair_bits(k, k_cache) if il else 0,
+        num_warps=tuning.warps(False, False, store=True),
+    )
+    return Plan((n_tokens, nqb + nkb + nvb), args, meta, 0, {})
+
+
+def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:
+    if plan is None:
+        return
+    meta = plan.meta
+    # packed pairs need word-aligned base pointers too (a view may start at an odd element)
+    if meta["PACK_Q"] and q.data_ptr() % (meta["PACK_Q"] // 8):
+        meta = dict(meta, PACK_Q=0)
+    if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
+        meta = dict(meta, PACK_K=0)
+    ptrs = (q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
+            table if ks is None else ks, table if vs is None else vs)   # scales: never read unless scaled
+    launch_kernel(_kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs,
+                  plan.args, meta)

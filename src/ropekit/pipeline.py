@@ -1,0 +1,285 @@
+"""One call pipeline for every op: signature -> spec -> one of three doors -> the run step.
+
+    signature  the call's tensors as (type, shape, strides, dtype, device, requires_grad) and its
+               other arguments with their types, plus grad mode: a hashable key. Types are part of
+               it, so `rotary_dim=16.0` never reuses the verdict on `rotary_dim=16`.
+    spec       what validation concluded about that signature (a `Variant`: the frozen record of
+               every flag a kernel or the reference branches on; the rotary width; which door), and
+               the launch plans once made. One bounded memo holds every spec (`remember`, `clear`).
+    doors      torch.compile -> the torch.library custom op (ops.py / store.py register them with
+               their fakes); eager with grad -> `RotateFunction`; eager without grad -> a direct
+               run. Tensor subclasses (DTensor) take the custom-op door: the dispatcher handles them.
+    run        `run_rotate` / `run_store`: the Triton launch (CUDA tensors, or CPU tensors under
+               TRITON_INTERPRET=1) or the pure-PyTorch reference on CPU. The backward of every door
+               is the same run with `Variant.backward()`: the inverse rotation.
+
+Adding a variant flag: a field of `Variant` (and its kernel constexpr in launcher.py's table), its
+check in validate.py, its branch in the kernel and in reference.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import launcher, reference
+
+# Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
+# must fail a test, which memory that happens to be zero would hide).
+empty_like = torch.empty_like
+
+MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
+DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
+
+
+class Variant(NamedTuple):
+    """The compile-time description of one rotation: every flag the kernels and the reference
+    branch on. Frozen and hashable: plans are keyed by it."""
+    interleaved: bool = False       # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
+    out_interleaved: bool = False   # layout the rotated pairs are written in (DeepSeek-V3's HF code differs)
+    mrope: int = 0                  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
+    sections: Tuple[int, ...] = (0, 0, 0)   # M-RoPE (t, h, w) frequencies per position row
+    angles: str = "table"           # "table": rows of a [cos | sin] table picked by positions;
+    #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin
+    inverse: bool = False           # rotate by -angle: the backward pass
+    heads_first: bool = False       # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
+
+    def backward(self) -> "Variant":
+        """The rotation that maps output gradients to input gradients: the inverse, reading the
+        output layout and writing the input layout."""
+        return self._replace(interleaved=self.out_interleaved, out_interleaved=self.interleaved,
+                             inverse=not self.inverse)
+
+
+class Spec:
+    """What validation concluded about one call signature, and its plans once made."""
+    __slots__ = ("variant", "rot", "door", "triton", "extents", "angle_shape", "angle_strides", "copy_angles",
+                 "plans", "alias")
+
+    def __init__(self, variant: Variant, rot: int, door: str, triton: bool, *, extents=(), angle_shape=None,
+                 angle_strides=None, copy_angles=False):
+        self.variant = variant
+        self.rot = rot                      # rotated dims
+        self.door = door
+        self.triton = triton                # the Triton kernel runs (CUDA, or the interpreter on CPU)
+        self.extents = extents              # bytes spanned by the call's tensors (cheap overlap tests)
+        self.angle_shape = angle_shape      # per-token angles: the shape cos / sin broadcast to
+        self.angle_strides = angle_strides  # per-token angles: the kernel's (sec, b, s, col) strides
+        self.copy_angles = copy_angles      # per-token angles whose strides differ: copied per call
+        self.plans: dict = {}               # launch plans by (variant, output / gradient layouts)
+        self.alias: dict = {}               # the store's aliasing verdicts by byte distance
+
+
+# ---------------------------------------------------------------------------------------------
+# the memo
+
+
+_MEMO: dict = {}
+MEMO_CAPACITY = 4096
+
+
+def lookup(key):
+    """The spec memoized under key (None if absent, or if key is None)."""
+    return None if key is None else _MEMO.get(key)
+
+
+def remember(key, spec):
+    if key is not None:
+        if len(_MEMO) >= MEMO_CAPACITY:
+            _MEMO.clear()
+        _MEMO[key] = spec
+    return spec
+
+
+def clear() -> None:
+    """Forget every spec and plan (tuning knobs changed; tests)."""
+    _MEMO.clear()
+
+
+def tensor_key(x):
+    """The part of a signature one tensor argument contributes (None stays None)."""
+    if x is None:
+        return None
+    return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+
+
+def value_key(v):
+    """A non-tensor argument with its type (16 and 16.0 differ); sequences element by element."""
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(value_key(e) for e in v))
+    return (type(v), v)
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def door_for(q, grad: bool) -> str:
+    """Eager calls: subclasses (DTensor, ...) go through the dispatcher, grad through autograd."""
+    if type(q) is not torch.Tensor:
+        return CUSTOM_OP
+    return FUNCTION if grad else DIRECT
+
+
+def records_grad(q, k) -> bool:
+    """Will autograd record this call? (arguments that are not tensors: no; validation names them)"""
+    return torch.is_grad_enabled() and (getattr(q, "requires_grad", False) is True
+                                        or getattr(k, "requires_grad", False) is True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run step
+
+
+def heads_first(x, yes: bool):
+    """(B, H, S, D) <-> (B, S, H, D) views: the Hugging Face layout and the kernel's."""
+    return x.transpose(1, 2) if yes and x is not None else x
+
+
+def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None) -> None:
+    """q -> q_out and k -> k_out (outputs may be the inputs: in place), rotated as `variant` says.
+
+    (a, b): (positions or None, [cos | sin] table) for table / arange angles, (cos, sin) for
+    per-token angles. layout_key: None when the outputs' layout follows from the spec's signature
+    (forward calls), else a key of the tensors' layouts (gradients). With variant.heads_first the
+    tensors are Hugging Face's (B, H, S, D) views; a launch needs only their addresses.
+    """
+    if spec.triton:
+        key = (variant, layout_key)
+        plan = spec.plans.get(key)
+        if plan is None:
+            hf = variant.heads_first
+            plan = spec.plans[key] = launcher.plan_rotate(
+                heads_first(q, hf), heads_first(k, hf), heads_first(q_out, hf), heads_first(k_out, hf),
+                launcher.angle_layout(variant, spec.rot, a, b, spec.angle_strides), variant)
+        if plan is not None:
+            launcher.fire_rotate(plan, q, k, q_out, k_out, a, b)
+        return
+    _reference_rotate(spec, variant, q, k, q_out, k_out, a, b)
+
+
+def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
+    hf = variant.heads_first
+    q, k, q_out, k_out = (heads_first(x, hf) for x in (q, k, q_out, k_out))
+    if q.shape[:-2].numel() == 0:
+        return
+    token_shape = tuple(q.shape[:-2])
+    half = spec.rot // 2
+    sections = variant.sections if variant.mrope else None
+    il_sections = variant.mrope == MROPE_INTERLEAVED
+    if variant.angles == "tokens":
+        c, s = angle_views(spec, a, b)
+        if variant.mrope:
+            sec = reference.mrope_sections_of_frequencies(half, sections, il_sections).to(c.device)
+            pick = sec.view(1, *([1] * len(token_shape)), -1).expand(1, *c.shape[1:])
+            c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
+    else:
+        c, s = reference.gather_angles(b[:, :half], b[:, half:spec.rot], a, token_shape, mrope_section=sections,
+                                       mrope_interleaved=il_sections)
+    for x, out in ((q, q_out), (k, k_out)):
+        if x is not None:
+            out.copy_(reference.rotate(x, c, s, interleaved=variant.interleaved,
+                                       out_interleaved=variant.out_interleaved, inverse=variant.inverse))
+
+
+def angle_views(spec: Spec, cos, sin):
+    """Per-token cos and sin as validation saw them: broadcast to the token shape (only the first
+    rot // 2 columns), copied when their strides differ (the kernel reads both through one set)."""
+    half = spec.rot // 2
+    if cos.shape[-1] != half:
+        cos, sin = cos[..., :half], sin[..., :half]
+    cos, sin = cos.broadcast_to(spec.angle_shape), sin.broadcast_to(spec.angle_shape)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+def unit_last_stride(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x itself when its last dim has stride 1 (what the kernel addresses), else a contiguous copy.
+
+    The public ops validate their inputs, but a backward gets whatever autograd produces: the
+    gradient w.r.t. k of `q @ k.transpose(-1, -2)` has a transposed layout, and the gradient of
+    `out.sum()` is an expanded tensor whose strides are all 0. Copying is what autograd requires
+    then; gradients that already have a unit last stride are used as they are (no copy).
+    """
+    if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        return x
+    return x.contiguous()
+
+
+def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """The fused store's run step: q rotated in place, rotated k and v into their cache rows."""
+    if spec.triton:
+        plan = spec.plans.get(None)
+        if plan is None:
+            plan = spec.plans[None] = launcher.plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
+                                                          spec.variant, spec.rot, k_scale is not None,
+                                                          v_scale is not None)
+        launcher.fire_store(plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        reference.store_rows(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
+                             interleaved=spec.variant.interleaved, rotary_dim=spec.rot, k_scale=k_scale,
+                             v_scale=v_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# the eager autograd door
+
+
+def _zeros(meta):
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def grad_operands(metas, needs, gq, gk):
+    """(want_q, want_k, first, second): the output gradients to rotate back, those of the inputs
+    that need one only, with a unit last stride (k alone goes in q's slot); None for an unused
+    output is zeros."""
+    q_meta, k_meta = metas
+    want_q = needs[0]
+    want_k = k_meta is not None and needs[1]
+    gq = unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
+    gk = unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
+    first, second = (gq, gk) if want_q else (gk, None)
+    return want_q, want_k, first, second
+
+
+def input_grads(want_q, want_k, d_first, d_second):
+    """The inverse of grad_operands' packing: (grad of q, grad of k)."""
+    grad_q = d_first if want_q else None
+    grad_k = (d_second if want_q else d_first) if want_k else None
+    return grad_q, grad_k
+
+
+class RotateFunction(torch.autograd.Function):
+    """The eager autograd door of every rotation: forward runs the spec's variant, backward the
+    same run step with the inverse variant (itself through this Function when a graph of the
+    backward is being built: double backward). Few arguments: each costs host time in apply."""
+
+    @staticmethod
+    def forward(ctx, q, k, a, b, spec, variant):
+        q_out = empty_like(q)
+        k_out = None if k is None else empty_like(k)
+        run_rotate(spec, variant, q, k, q_out, k_out, a, b)
+        ctx.save_for_backward(a, b)          # autograd's version check covers the angles
+        ctx.spec, ctx.variant = spec, variant
+        ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        a, b = ctx.saved_tensors
+        want_q, want_k, first, second = grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
+        if first is None:
+            return None, None, None, None, None, None
+        inverse = ctx.variant.backward()
+        if torch.is_grad_enabled():          # create_graph=True: the backward is differentiable too
+            d_first, d_second = RotateFunction.apply(first, second, a, b, ctx.spec, inverse)
+        else:
+            d_first = empty_like(first)
+            d_second = None if second is None else empty_like(second)
+            layout = (want_q, first.shape, first.stride(), None if second is None else second.stride())
+            run_rotate(ctx.spec, inverse, first, second, d_first, d_second, a, b, layout)
+        return (*input_grads(want_q, want_k, d_first, d_second), None, None, None, None)
