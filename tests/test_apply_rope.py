@@ -4,6 +4,8 @@ On CPU the real Triton kernel runs in the interpreter; on CUDA (marked gpu) it r
 Outputs are poisoned (NaN) before each run, inputs are fresh random numbers.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -213,7 +215,23 @@ def test_out_of_range_positions_give_nan_not_a_read(device):
     assert rel_err(out[[0, 3]], ref) < 1e-6
 
 
-def test_strict_mode_names_first_bad_position(device, monkeypatch):
+def test_strict_mode_from_the_environment():
+    """ROPEKIT_STRICT=1, read when ropekit is imported, turns strict mode on for the process."""
+    import subprocess
+    import sys
+
+    code = ("import torch, ropekit\n"
+            "cache = torch.zeros(10, 64)\n"
+            "try:\n"
+            "    ropekit.apply_rope(torch.zeros(2, 1, 64), None, torch.tensor([0, 12]), cache)\n"
+            "except ValueError as e:\n"
+            "    print('raised', e)\n")
+    env = dict(os.environ, ROPEKIT_STRICT="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "raised apply_rope: positions" in out.stdout, out.stdout + out.stderr
+
+
+def test_strict_mode_names_first_bad_position(device):
     q = torch.randn(2, 3, 4, 64, device=device)
     q0 = q.clone()
     cache = make_cache(10, 64, device=device)
@@ -222,9 +240,6 @@ def test_strict_mode_names_first_bad_position(device, monkeypatch):
         with pytest.raises(ValueError, match=r"positions\[1, 1\] = 12"):
             ropekit.apply_rope(q, None, pos, cache, inplace=True)
     assert torch.equal(q, q0), "strict mode wrote before raising"
-    monkeypatch.setenv("ROPEKIT_STRICT", "1")
-    with pytest.raises(ValueError, match="positions"):
-        ropekit.apply_rope(q, None, pos, cache)
     with ropekit.strict(False):
         out, _ = ropekit.apply_rope(q, None, pos, cache)
         assert torch.isnan(out[1, 1]).any()

@@ -28,9 +28,14 @@ def _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapp
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
     validate.store_aliasing(OP, q, k, v, k_cache, v_cache, extents=None if spec is None else spec.extents,
                             memo=None if spec is None else spec.alias)
+    extents = None
+    if spec is not None:
+        ext = spec.extents
+        extents = (ext[0], ext[1], ext[2], ext[5], ext[6], ext[7],
+                   0 if k_scale is None else 4, 0 if v_scale is None else 4)     # scales: one float32
     validate.written_vs_read(OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                              (("positions", positions), ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping),
-                              ("k_scale", k_scale), ("v_scale", v_scale)))
+                              ("k_scale", k_scale), ("v_scale", v_scale)), extents=extents)
     if validate.is_strict():
         if positions is not None:
             validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
@@ -58,7 +63,8 @@ def _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mappin
     il = bool(interleaved)
     variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
     door = pipeline.door_for(q, False)
-    return Spec(variant, rot, door, pipeline.triton_runs(q), extents=validate.store_extents(q, k, v, k_cache, v_cache))
+    return Spec(variant, rot, door, pipeline.triton_runs(q),
+                extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping))
 
 
 def _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs) -> None:
@@ -87,7 +93,8 @@ def _rope_and_store_op(
         il = bool(interleaved)
         variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
         spec = pipeline.remember(key, Spec(variant, rotary_dim, pipeline.DIRECT, pipeline.triton_runs(q),
-                                           extents=validate.store_extents(q, k, v, k_cache, v_cache)))
+                                           extents=validate.store_extents(q, k, v, k_cache, v_cache, positions,
+                                                                          cos_sin_cache, slot_mapping)))
     _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 

@@ -38,10 +38,13 @@ def strict(enabled: bool = True):
 
 
 def is_strict() -> bool:
+    """Strict mode on? (the `strict()` context of this thread, else ROPEKIT_STRICT as read at import)"""
     value = getattr(_state, "strict", None)
-    if value is None:
-        return os.environ.get("ROPEKIT_STRICT", "0") not in ("", "0", "false", "False")
-    return value
+    return _ENV_STRICT if value is None else value
+
+
+# the environment is read once: every call asks, and os.environ costs more than the rest of a check
+_ENV_STRICT = os.environ.get("ROPEKIT_STRICT", "0") not in ("", "0", "false", "False")
 
 
 def fail(op: str, name: str, expected: str, given) -> None:
@@ -87,8 +90,20 @@ def has_internal_overlap(x: torch.Tensor) -> bool:
     return False
 
 
-def written_vs_read(op, written, read) -> None:
-    """No written tensor may share a byte with a read-only one (positions, tables, slots, scales)."""
+def written_vs_read(op, written, read, extents=None) -> None:
+    """No written tensor may share a byte with a read-only one (positions, tables, slots, scales).
+
+    extents: None, or the byte extents of the written tensors then of the read ones (0 for None):
+    pairs whose byte ranges miss each other (the usual case) are then passed after two compares."""
+    if extents is not None:
+        tensors = [w for _, w in written] + [r for _, r in read]
+        ptrs = [0 if x is None else x.data_ptr() for x in tensors]
+        nw = len(written)
+        meet = [(i, j) for i in range(nw) for j in range(nw, len(tensors))
+                if extents[i] and extents[j] and ptrs[i] < ptrs[j] + extents[j] and ptrs[j] < ptrs[i] + extents[i]]
+        for i, j in meet:
+            written_vs_read(op, (written[i],), (read[j - nw],))
+        return
     for wname, w in written:
         if w is None:
             continue
@@ -395,11 +410,13 @@ def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
     return reachable(0, b.data_ptr() - a.data_ptr())
 
 
-def store_extents(q, k, v, k_cache, v_cache) -> tuple:
+def store_extents(q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None) -> tuple:
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
-    `store_aliasing` takes them in); 0 for an empty tensor."""
+    `store_aliasing` takes them in), then of positions, table, slot_mapping; 0 for an empty tensor
+    or None."""
     return tuple((sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
-                 if x.numel() else 0 for x in (q, k_cache, v_cache, k, v))
+                 if x is not None and x.numel() else 0
+                 for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping))
 
 
 def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> None:

@@ -1,0 +1,80 @@
+"""Host time of one eager call, step by step, beside the same-run floors (issue: host time per call).
+
+    PYTHONPATH=src python3 benchmarks/profile_host.py [--cpu-dry]
+
+On CUDA: W3's decode call (64 tokens, Llama-3-8B heads) and W7-T64's fused store, timed per eager
+call with a wall clock, next to Triton's generic launch of an empty kernel, an in-place ATen op on
+the same q, and an empty autograd.Function (forward + backward); then a cProfile of the decode
+call. --cpu-dry (no GPU needed): the same calls on CPU tensors with the kernel launch replaced by
+a no-op, which isolates ropekit's own Python from Triton's launcher.
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import ropekit
+from ropekit import launch, pipeline
+
+
+def per_call_us(fn, n=2000, repeat=5):
+    fn()
+    best = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best.append((time.perf_counter() - t) / n * 1e6)
+    best.sort()
+    return best[len(best) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu-dry", action="store_true")
+    args = ap.parse_args()
+    dev = "cpu" if args.cpu_dry else "cuda"
+    if args.cpu_dry:
+        pipeline.triton_runs = lambda x: True
+        launch.launch = lambda *a, **k: None
+        import ropekit.launcher as L
+        L.launch_kernel = lambda *a, **k: None
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    T = 64
+    q = torch.randn(T, 32, 128, **bf)
+    k = torch.randn(T, 8, 128, **bf)
+    cache = ropekit.cos_sin_cache(128, 65536, 500000.0, device=dev)
+    pos = torch.randint(0, 65536, (T,), device=dev)
+    v = torch.randn(T, 8, 128, **bf)
+    kc = torch.empty(4096, 16, 8, 128, **bf)
+    vc = torch.empty_like(kc)
+    slots = torch.randperm(4096 * 16, device=dev)[:T]
+    rows = {}
+    rows["W3 apply_rope (decode, 64 tokens)"] = per_call_us(lambda: ropekit.apply_rope(q, k, pos, cache))
+    rows["W3 apply_rope inplace"] = per_call_us(lambda: ropekit.apply_rope(q, k, pos, cache, inplace=True))
+    rows["W7-T64 apply_rope_and_store"] = per_call_us(
+        lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots))
+    rows["floor: q.add_(0)"] = per_call_us(lambda: q.add_(0))
+    if not args.cpu_dry:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def empty(x):
+            pass
+        rows["floor: Triton empty kernel[(1,)](x)"] = per_call_us(lambda: empty[(1,)](q))
+    for name, us in rows.items():
+        print(f"{name:45s} {us:8.2f} us")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(2000):
+        ropekit.apply_rope(q, k, pos, cache)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
