@@ -547,7 +547,7 @@ BAD_ROWS = [
     Row("rerotate-dst-strict", ValueError, "dst_slots: expected values < 8", lambda: rr_args(
         dst_slots=torch.tensor([1, 2, 4, 9])), strict=True),
     Row("rerotate-delta-strict", ValueError,
-        "delta: expected |values| < 16 (the rows of cos_sin_cache) where slots >= 0, got delta[1] = -16",
+        "delta: expected values in (-16, 16) (the rows of cos_sin_cache) where slots >= 0, got delta[1] = -16",
         lambda: rr_args(delta=torch.tensor([1, -16, 99, 4])), strict=True),
     Row("rerotate-dst-is-source-strict", ValueError,
         "dst_slots: expected rows that are not source rows (slots) of the same call, got dst_slots[1] = 0",
@@ -576,7 +576,7 @@ def test_bad_input(row):
 
 def test_strict_mode_int_delta_and_scale():
     args = rr_args(delta=-16)
-    with validate.strict(), pytest.raises(ValueError, match=r"delta: expected \|delta\| < 16"):
+    with validate.strict(), pytest.raises(ValueError, match=r"delta: expected an int in \(-16, 16\)"):
         rerotate_kv_cache(**args)
     args = rr_args(k_scale=torch.tensor([float("inf")]))
     with validate.strict(), pytest.raises(ValueError, match="k_scale: expected a finite scale > 0, got inf"):
@@ -585,6 +585,29 @@ def test_strict_mode_int_delta_and_scale():
     args = rr_args(delta=torch.tensor([1, -2, 999, 4]))
     with validate.strict():
         rerotate_kv_cache(**args)
+
+
+def test_handled_rows():
+    """The doc's 'handled without an error' rows for rerotate_kv_cache (default mode)."""
+    table = make_cache(16, 32)
+    # ok-rerotate-delta-out-of-range: NaN in the rotated dims, tail and other rows untouched
+    a = rr_args(cos_sin_cache=table, delta=torch.tensor([16, 1, 2, -40]))
+    before = a["k_cache"].clone()
+    rerotate_kv_cache(**a)
+    k = a["k_cache"].flatten(0, 1)
+    assert k[[0, 6], :, :32].isnan().all() and torch.equal(k[[0, 6], :, 32:], before.flatten(0, 1)[[0, 6], :, 32:])
+    assert not k[3].isnan().any()
+    a = rr_args(cos_sin_cache=table, delta=-16)
+    rerotate_kv_cache(**a)
+    assert a["k_cache"].flatten(0, 1)[[0, 3, 6], :, :32].isnan().all()
+    # ok-rerotate-slot-padding and ok-rerotate-slot-past-cache: nothing written for those rows
+    for slots, dsts in ((torch.tensor([-1, -7, 8, 99]), None), (torch.tensor([0, 3, 8, 6]), torch.tensor([-1, 8, 1, 9]))):
+        a = rr_args(slots=slots, dst_slots=dsts)
+        base = a["k_cache"]._base.clone()
+        rerotate_kv_cache(**a)
+        assert torch.equal(bits(a["k_cache"]._base), bits(base))
+    # ok-rerotate-dst-is-source: accepted without strict mode (result in those rows unspecified)
+    rerotate_kv_cache(**rr_args(dst_slots=torch.tensor([1, 0, 2, 5])))
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"

@@ -538,9 +538,9 @@ def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> Non
     if isinstance(delta, torch.Tensor):
         # no abs(): it wraps at the most negative int
         _first(op, "delta", live & ((delta >= max_position) | (delta <= -max_position)), delta,
-               f"|values| < {max_position} (the rows of cos_sin_cache) where slots >= 0")
+               f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0")
     elif bool(live.any()) and abs(delta) >= max_position:
-        fail(op, "delta", f"|delta| < {max_position} (the rows of cos_sin_cache)", delta)
+        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
     if dst_slots is not None:
         sources = slots[live]
         _first(op, "dst_slots", live & torch.isin(dst_slots, sources), dst_slots,
