@@ -718,7 +718,8 @@ def run_rerotate(r, gen, device, cfg):
     ddtype = r.choice((torch.int32, torch.int64))
     delta = torch.randint(-max_pos + 1, max_pos, (n,), generator=gen)
     if r.random() < 0.3:
-        extremes = [max_pos, -max_pos, 2 ** 31 - 1, -(2 ** 31) + 1] + ([-(2 ** 63) + 1] if ddtype == torch.int64 else [])
+        extremes = [max_pos, -max_pos, 2 ** 31 - 1, -(2 ** 31) + 1]
+        extremes += [-(2 ** 63) + 1] if ddtype == torch.int64 else []
         delta[r.randrange(n)] = r.choice(extremes)
     delta = delta.to(ddtype) if r.random() < 0.8 else int(delta[0])
     slots = slots.to(sdtype)

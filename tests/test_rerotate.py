@@ -530,7 +530,8 @@ BAD_ROWS = [
         lambda: rr_args(delta=torch.ones(4))),
     Row("rerotate-delta-shape", ValueError, "delta: expected shape (4,) (that of slots), got shape (1,)",
         lambda: rr_args(delta=torch.tensor([1]))),
-    Row("rerotate-table-dtype", ValueError, "cos_sin_cache: expected dtype in (float32, bfloat16, float16), got float64",
+    Row("rerotate-table-dtype", ValueError,
+        "cos_sin_cache: expected dtype in (float32, bfloat16, float16), got float64",
         lambda: rr_args(cos_sin_cache=make_cache(16, 64, dtype=torch.float64))),
     Row("rerotate-rotary-vs-table", ValueError, "rotary_dim: expected the width of cos_sin_cache (64",
         lambda: rr_args(rotary_dim=32)),
@@ -601,7 +602,8 @@ def test_handled_rows():
     rerotate_kv_cache(**a)
     assert a["k_cache"].flatten(0, 1)[[0, 3, 6], :, :32].isnan().all()
     # ok-rerotate-slot-padding and ok-rerotate-slot-past-cache: nothing written for those rows
-    for slots, dsts in ((torch.tensor([-1, -7, 8, 99]), None), (torch.tensor([0, 3, 8, 6]), torch.tensor([-1, 8, 1, 9]))):
+    for slots, dsts in ((torch.tensor([-1, -7, 8, 99]), None),
+                        (torch.tensor([0, 3, 8, 6]), torch.tensor([-1, 8, 1, 9]))):
         a = rr_args(slots=slots, dst_slots=dsts)
         base = a["k_cache"]._base.clone()
         rerotate_kv_cache(**a)
