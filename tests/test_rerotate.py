@@ -746,7 +746,7 @@ def test_cache_offsets_past_2_31():
 def test_gpu_w12_shape(layout, cache_dtype, mode):
     """W12's heads (8 x 128; MLA 1 x 64 of a 576-wide row), block_size 16, random rows and deltas."""
     H, D = (8, 128) if layout != "mla" else (1, 64)
-    fill = (lambda s: fp8_values(s, 0.05)) if cache_dtype == FP8 else None
+    fill = fp8_values if cache_dtype == FP8 else None
     cache = Cache(LAYOUTS[layout], 128, 16, H, D, cache_dtype, "cuda", fill=fill)
     r = random.Random(layout + str(cache_dtype) + mode)
     slots, delta, dsts = random_case(r, cache.num_slots, 512, "cuda", max_pos=4096, n_pad=7, n_bad=3,
