@@ -669,6 +669,33 @@ def test_opcheck():
 
 
 # ---------------------------------------------------------------------------------------------
+# benchmark workload W12: inputs, oracle and peers agree (CPU, quick sizes)
+
+
+@pytest.mark.parametrize("wid", ["W12", "W12-fp8", "W12-mla"])
+def test_bench_w12_peers_pass_the_check(monkeypatch, wid):
+    from ropekit.bench import peers as P
+    from ropekit.bench import runner, workloads
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)    # the CPU paths: a check, not a timing
+    wl = workloads.BY_ID[wid]
+    s = wl.sizes(True)
+    table = workloads.make_table(wl, s, "cpu")
+    base = workloads.make_inputs(wl, s, table, "cpu", 0)
+    exp = workloads.expected(wl, base, workloads.Oracle())
+    nbytes = workloads.min_bytes(wl, base)
+    row = 64 if wid == "W12-mla" else 8 * 128
+    assert nbytes == 2 * s["N"] * row * base["k_cache"].element_size() + 16 * s["N"]
+    cfg = runner.Config(workloads=[wl], device="cpu", progress=False, rep_ms=1.0)
+    for peer in (P.Ropekit(), P.Reference(), P.TorchEager()):
+        rec = runner.run_one(peer, wl, base, exp, [], nbytes, 10.0, "cpu", cfg)
+        assert rec["status"] == "ok", rec
+        assert rec["rel_err"]["k_cache[other]"] == 0.0
+    rec = runner.run_one(P.Liger(), wl, base, exp, [], nbytes, 10.0, "cpu", cfg)
+    assert rec["status"] == "n/a", rec
+
+
+# ---------------------------------------------------------------------------------------------
 # 64-bit addressing
 
 

@@ -427,7 +427,7 @@ def rerotate_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, t
 def rerotate_canon(wl: Workload, inp: Dict[str, torch.Tensor], outs) -> Dict[str, torch.Tensor]:
     cache = outs[0]
     if cache.dtype == _FP8:
-        cache = cache.to(torch.float32) * W12_K_SCALE
+        cache = cache.to(torch.float64) * W12_K_SCALE      # as `rerotate_expected` dequantizes
     moved, other = _rerotate_split(inp, cache)
     return {"k_cache[slots]": moved, "k_cache[other]": other}
 
