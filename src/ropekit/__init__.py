@@ -11,5 +11,6 @@ from .rerotate import rerotate_kv_cache
 from .store import apply_rope_and_store
 from .validate import strict
 
-__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "rerotate_kv_cache", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
+__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
+__all__ += ["rerotate_kv_cache"]
 __version__ = "0.1.0"
