@@ -23,6 +23,9 @@ What a configuration covers (drawn with random.Random(seed)):
 - apply_rope_and_store: paged NHD and HND caches, flat, joint k/v buffers, padded caches, MLA
   views of one joint row; fp16/bf16/fp32/fp8 caches, float and tensor scales; slot_mapping with
   padding (< 0) and slots past the cache; bad positions.
+- rerotate_kv_cache: the same cache layouts and dtypes, in place and into dst slots, int32/int64
+  slots (strided too), tensor and int shifts with ones past the table (extremes included), padding
+  and slots past the cache, float and tensor scales.
 - refusals: overlapping in-place q/k, overlapping caches, a cache overlapping k: must raise
   ValueError with nothing written (the address checks, on device tensors).
 
@@ -56,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: dry run, the kernels in the Triton interpreter (about a minute for 320)")
-    p.add_argument("--only", default=None, help="comma-separated kinds: rope,angles,store,refuse")
+    p.add_argument("--only", default=None, help="comma-separated kinds: rope,angles,store,refuse,rerotate")
     p.add_argument("--pool", type=int, default=32,
                    help="kernel-shaping templates for apply_rope (half as many for the other ops): what "
                         "bounds the number of compiled kernel variants (default 32)")
@@ -667,10 +670,102 @@ def run_refuse(r, gen, device, cfg):
     return 1
 
 
+# ---------------------------------------------------------------------------------------------
+# rerotate_kv_cache
+
+
+def run_rerotate(r, gen, device, cfg):
+    """rerotate_kv_cache: cache rows re-rotated by shifts, in place or into dst slots; padding, slots
+    past the cache and shifts past the table (extremes included) among them."""
+    from ropekit import rerotate_kv_cache
+
+    layout = r.choice(list(CACHES))
+    cdtype = r.choice((F16, BF16, F32, FP8))
+    if layout == "mla":
+        H, D, Dv, rot = 1, 64, 256, 64
+    else:
+        _, D, rot = r.choice(HEADS)
+        H, Dv = r.choice((1, 2, 8)), D
+    NB, BS = r.choice(((2, 4), (3, 8), (4, 16), (1, 16)))
+    num_slots = NB * BS
+    max_pos = r.choice((16, 64))
+    il, to_dst = r.random() < 0.5, r.random() < 0.5
+    bases = []
+
+    def alloc(name, shape):
+        bases.append((name, torch.full(shape, NAN, dtype=torch.float32).to(cdtype)))
+        return bases[-1][1]
+
+    k_cpu, _ = CACHES[layout](alloc, NB, BS, H, D, Dv)
+    values = randn(k_cpu.shape, F32, gen)
+    k_cpu.copy_(values.to(cdtype) if cdtype != FP8 else (values * 8).to(FP8))
+    bufs = [Buf(name, base, device) for name, base in bases]
+    kb = next(b for b in bufs if b.cpu.untyped_storage().data_ptr() == k_cpu.untyped_storage().data_ptr())
+    spec, kc = kb.view(k_cpu)
+
+    n = r.randint(1, max(1, num_slots // 2))
+    perm = torch.randperm(num_slots, generator=gen)
+    sdtype = r.choice((torch.int32, torch.int64))
+    slots = perm[:n].clone()
+    dst = perm[n:2 * n].clone() if to_dst else None
+    for x in (slots, dst):
+        if x is None:
+            continue
+        for _ in range(r.randint(0, 2)):
+            x[r.randrange(n)] = r.choice((-1, -7, -(2 ** 31)))
+        if r.random() < 0.3:
+            x[r.randrange(n)] = r.choice((num_slots, num_slots + 5, 2 ** 31 - 1))
+    ddtype = r.choice((torch.int32, torch.int64))
+    delta = torch.randint(-max_pos + 1, max_pos, (n,), generator=gen)
+    if r.random() < 0.3:
+        extremes = [max_pos, -max_pos, 2 ** 31 - 1, -(2 ** 31) + 1]
+        extremes += [-(2 ** 63) + 1] if ddtype == torch.int64 else []
+        delta[r.randrange(n)] = r.choice(extremes)
+    delta = delta.to(ddtype) if r.random() < 0.8 else int(delta[0])
+    slots = slots.to(sdtype)
+    if r.random() < 0.3:                                  # a strided slots view
+        slots = torch.stack((slots, slots), 1)[:, 0]
+    table = table_view(r, max_pos, rot, r.choice((F32, F32, BF16)))
+    scale = None
+    if cdtype == FP8 or r.random() < 0.2:
+        scale = r.choice((None, 0.5, 2.0, torch.tensor([0.25])))
+    cfg.update(layout=layout, H=H, D=D, rot=rot, cache=str(cdtype)[6:], NB=NB, BS=BS, il=int(il), n=n,
+               dst=int(to_dst), delta="int" if isinstance(delta, int) else str(ddtype)[6:],
+               scale=type(scale).__name__)
+
+    # the oracle, in float64 on CPU, over the same view of the base
+    kb.want = kb.cpu.double()
+    reference.rerotate_kv_cache(kb.want.as_strided(*spec), slots, delta, table.double(),
+                                interleaved=il, rotary_dim=rot, k_scale=None if scale is None else float(scale),
+                                dst_slots=dst)
+    src = slots.long()
+    out = src if dst is None else dst.long()
+    ok = (src >= 0) & (src < num_slots) & (out >= 0) & (out < num_slots)
+    m = kb.written.as_strided(*spec)
+    for slot in out[ok].tolist():
+        idx = (slot // BS, slot % BS) if len(spec[0]) == 4 else (slot,)
+        if dst is None:
+            m[idx][..., :rot] = True
+        else:
+            m[idx] = True
+
+    res = rerotate_kv_cache(kc, dev(slots, device), delta if isinstance(delta, int) else delta.to(device),
+                            dev(table, device), interleaved=il, rotary_dim=rot,
+                            k_scale=scale.to(device) if isinstance(scale, torch.Tensor) else scale,
+                            dst_slots=None if dst is None else dst.to(sdtype).to(device))
+    sync(device)
+    if res is not kc:
+        raise Failure("rerotate_kv_cache did not return k_cache")
+    for b in bufs:
+        b.check()
+    return 1
+
+
 POOLS = {}
 # kind: (runner, share of the configurations)
 KINDS = {"rope": (run_rope, 0.45), "angles": (run_angles, 0.18), "store": (run_store, 0.32),
          "refuse": (run_refuse, 0.05)}
+KINDS["rerotate"] = (run_rerotate, 0.15)
 
 
 def sync(device):
@@ -711,6 +806,9 @@ def install_recorders():
     from ropekit.kernels import rope as krope, store as kstore
     recs = [_Recorder("rope_kernel", krope.rope_kernel), _Recorder("rope_store_kernel", kstore.rope_store_kernel)]
     krope.rope_kernel, kstore.rope_store_kernel = recs
+    from ropekit.kernels import rerotate as krerotate
+    recs.append(_Recorder("rerotate_kernel", krerotate.rerotate_kernel))
+    krerotate.rerotate_kernel = recs[-1]
     return recs
 
 

@@ -285,6 +285,38 @@ class RotaryEmbedding(nn.Module):
             args["is_neox_style"] = is_neox_style
         return cls(**args, dtype=dtype, device=device, inplace=inplace)
 
+    # -- re-rotation of cached keys ------------------------------------------------------------
+
+    def rerotate_kv_cache(self, k_cache: torch.Tensor, slots: torch.Tensor, delta, *, k_scale=None,
+                          dst_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Move cached keys by a position shift with this module's table, layout and rotary_dim
+        (ropekit.rerotate_kv_cache): the key stored at position p ends as if stored at p + delta.
+
+        k_cache: (num_blocks, block_size, H, head_size) paged (NHD, or HND as a permuted view; any
+        strides) or (num_slots, H, head_size) flat; fp16/bf16/fp32 or float8_e4m3fn (MLA: the rope
+        part of the joint cache, e.g. `cache[..., 512:]`). slots: (N,) int32/int64, < 0 is padding.
+        delta: (N,) int32/int64 or an int, may be negative; |delta| < max_position. k_scale: the
+        cache holds value / k_scale. dst_slots: (N,) rows to write into, sources untouched (they
+        must not be source rows). Returns k_cache, written in place.
+
+        LongRoPE modules (two table segments) are refused: the rows to use depend on which segment
+        rotated the cached keys, which the module does not know.
+        """
+        from .rerotate import rerotate_kv_cache
+
+        op = "RotaryEmbedding.rerotate_kv_cache"
+        if not isinstance(k_cache, torch.Tensor):
+            raise TypeError(f"{op}: k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+        if k_cache.dim() in (3, 4) and k_cache.shape[-1] != self.head_size:
+            fail(op, "k_cache", f"a head size of head_size = {self.head_size}", f"shape {tuple(k_cache.shape)}")
+        if self._long_offset:
+            fail(op, "self", "a module with one table segment (LongRoPE's short and long segments make the "
+                 "rows of a shift ambiguous: call ropekit.rerotate_kv_cache with the segment's table)",
+                 f"rope_type {self.rope_type!r}")
+        cache = self._table_for(k_cache)
+        return rerotate_kv_cache(k_cache, slots, delta, cache, interleaved=not self.is_neox_style,
+                                 rotary_dim=self.rotary_dim, k_scale=k_scale, dst_slots=dst_slots)
+
 
 # config.json spellings that HF config classes map through attribute_map (GPT-2 / GPT-J lineage)
 _DICT_ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}

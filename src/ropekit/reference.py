@@ -189,3 +189,52 @@ def apply_rope_and_store(
             cache[slots] = vals
     return q
 
+
+
+def rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved=False, rotary_dim=None, k_scale=None,
+                      dst_slots=None):
+    """Oracle and CPU path of `ropekit.rerotate_kv_cache`: re-rotate cache rows by a position shift.
+
+    k_cache: (num_blocks, block_size, H, D) or (num_slots, H, D), written in place (float64 caches
+    compute in float64, others in float32). slots (N,): rows to re-rotate; delta (N,) or an int. The
+    row at slots[i] (stored for position p) is rotated by the angle of delta[i] (inverse rotation by
+    |delta[i]| when negative), so it holds the key for p + delta[i], and written to dst_slots[i] (or
+    back to slots[i]). Rows with a negative slot or dst slot, or one >= num_slots, are skipped; a
+    |delta| outside the table makes the row's rotated dims NaN. k_scale: the cache holds value /
+    k_scale. With dst_slots the dims past rotary_dim are copied unchanged. Returns k_cache.
+    """
+    rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
+    half = rot // 2
+    n = slots.shape[0]
+    block_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
+    num_slots = k_cache.shape[0] * block_size
+    src = slots.long().to(k_cache.device)
+    dst = src if dst_slots is None else dst_slots.long().to(k_cache.device)
+    if isinstance(delta, torch.Tensor):
+        d = delta.long().to(k_cache.device)
+    else:
+        d = torch.full((n,), int(delta), dtype=torch.long, device=k_cache.device)
+    keep = (src >= 0) & (src < num_slots) & (dst >= 0) & (dst < num_slots)
+    src, dst, d = src[keep], dst[keep], d[keep]
+
+    def rows(idx):
+        return (idx // block_size, idx % block_size) if k_cache.dim() == 4 else (idx,)
+
+    ct = compute_dtype(k_cache)
+    x = k_cache[rows(src)]                                  # a gathered copy: (n, H, D)
+    tail = x[..., rot:].clone()
+    x = x[..., :rot].to(ct)
+    scale = None if k_scale is None else float(k_scale.reshape(()) if isinstance(k_scale, torch.Tensor) else k_scale)
+    if scale is not None:
+        x = x * scale
+    mag = d.abs()
+    cos, sin = gather_angles(cos_sin_cache[:, :half].to(ct), cos_sin_cache[:, half:rot].to(ct), mag, (mag.shape[0],))
+    sin = torch.where((d < 0).unsqueeze(-1), -sin, sin)
+    out = rotate(x, cos, sin, interleaved=interleaved)
+    if scale is not None:
+        out = out / scale
+    view = k_cache[..., :rot]
+    view[rows(dst)] = out.to(k_cache.dtype)
+    if dst_slots is not None and rot < k_cache.shape[-1]:
+        k_cache[..., rot:][rows(dst)] = tail
+    return k_cache

@@ -463,3 +463,109 @@ def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
     value = float(scale.reshape(()))
     if not (math.isfinite(value) and value > 0):
         fail(op, name, "a finite scale > 0", value)
+
+
+# --- re-rotation of cached keys ---
+# Checks of rerotate_kv_cache (ropekit.rerotate). The device is the cache's; messages say so.
+# As for the store: shapes, dtypes, devices and strides up front (fake tensors under torch.compile),
+# addresses just before the launch, data (slots, shifts, scale) only in strict mode.
+
+def _on_device(op, name, x, device) -> None:
+    if isinstance(x, torch.Tensor) and x.device != device:
+        fail(op, name, f"a tensor on {device} (the device of k_cache)", f"one on {x.device}")
+
+
+def _slot_vector(op, name, x, n, device) -> None:
+    """slots / dst_slots / delta: a (N,) int32/int64 tensor on the cache's device."""
+    _on_device(op, name, x, device)
+    tensor(op, name, x, ndims=(1,), dtypes=INDEX_DTYPES, shape_hint="(N,)", last_stride_one=False)
+    if n is not None and x.shape[0] != n:
+        fail(op, name, f"shape ({n},) (that of slots)", f"shape {tuple(x.shape)}")
+
+
+def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots):
+    """Checks of rerotate_kv_cache's arguments that need no data.
+
+    Returns (rotary_dim, num_slots, k_scale, delta_int): k_scale as `scale_arg` gives it; delta_int the
+    shift when delta is a Python int, else None.
+    """
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"{op}: k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    device = k_cache.device
+    tensor(op, "k_cache", k_cache, ndims=(3, 4), dtypes=CACHE_DTYPES, shape_hint=_CACHE_HINT)
+    if has_internal_overlap(k_cache):
+        fail(op, "k_cache", "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+             f"strides {tuple(k_cache.stride())}")
+    if torch.is_grad_enabled() and k_cache.requires_grad:
+        fail(op, "k_cache", "a tensor that does not require grad (rerotate_kv_cache writes the cache in "
+             "place and is not differentiable)", "requires_grad=True")
+    _slot_vector(op, "slots", slots, None, device)
+    n = slots.shape[0]
+    if dst_slots is not None:
+        _slot_vector(op, "dst_slots", dst_slots, n, device)
+    if isinstance(delta, torch.Tensor):
+        _slot_vector(op, "delta", delta, n, device)
+        delta_int = None
+    elif isinstance(delta, int) and not isinstance(delta, bool):
+        if not -2**63 < delta < 2**63:
+            fail(op, "delta", "an int in (-2^63, 2^63)", delta)
+        delta_int = int(delta)
+    else:
+        raise TypeError(f"{op}: delta: expected a (N,) int32/int64 tensor or an int, got {type(delta).__name__}")
+
+    _on_device(op, "cos_sin_cache", cos_sin_cache, device)
+    tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES,
+           shape_hint="(max_position, rotary_dim)")
+    if cos_sin_cache.shape[0] < 1:
+        fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
+    width = cos_sin_cache.shape[1]
+    if rotary_dim is None:
+        rotary_dim = width
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        fail(op, "rotary_dim", "a positive even int", rotary_dim)
+    if rotary_dim != width:
+        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)",
+             rotary_dim)
+    if k_cache.shape[-1] < rotary_dim:
+        fail(op, "k_cache", f"a head size >= rotary_dim ({rotary_dim})", f"head size {k_cache.shape[-1]}")
+    _on_device(op, "k_scale", k_scale, device)
+    k_scale = scale_arg(op, "k_scale", k_scale, device)
+    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    return rotary_dim, num_slots, k_scale, delta_int
+
+
+def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots) -> None:
+    """The cache (written) shares no byte with the slots, shifts, table or scale (read)."""
+    written_vs_read(op, (("k_cache", k_cache),),
+                    (("slots", slots), ("dst_slots", dst_slots), ("delta", delta),
+                     ("cos_sin_cache", cos_sin_cache), ("k_scale", k_scale)))
+
+
+def _first(op, name, bad, values, expected) -> None:
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        fail(op, name, expected, f"{name}[{i}] = {int(values[i])}")
+
+
+def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> None:
+    """Strict mode (one device sync): slots and dst_slots below num_slots, |delta| below the table's rows
+    for every row that is not padding, and no destination row that is also a source row."""
+    _first(op, "slots", slots >= num_slots, slots,
+           f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)")
+    live = slots >= 0
+    if dst_slots is not None:
+        _first(op, "dst_slots", dst_slots >= num_slots, dst_slots,
+               f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)")
+        live = live & (dst_slots >= 0)
+    if isinstance(delta, torch.Tensor):
+        # no abs(): it wraps at the most negative int
+        _first(op, "delta", live & ((delta >= max_position) | (delta <= -max_position)), delta,
+               f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0")
+    elif bool(live.any()) and abs(delta) >= max_position:
+        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
+    if dst_slots is not None:
+        sources = slots[live]
+        _first(op, "dst_slots", live & torch.isin(dst_slots, sources), dst_slots,
+               "rows that are not source rows (slots) of the same call")

@@ -645,6 +645,80 @@ class FlashAttn(Peer):
         return "flash_attn.layers.rotary.apply_rotary_emb (one call each for q and k)"
 
 
+# ------------------------------------------------------------------------------------------
+# W12 (re-rotation of cached keys): one self-contained section. ropekit and the torch peers get a
+# `rerotate` branch in front of their make(); every other peer has no such op (n/a).
+
+
+def torch_rerotate(k_cache, slots, delta, table, interleaved: bool, k_scale: Optional[float]):
+    """The plain-torch way: gather the rows, rotate them by the angle of delta (negative: inverse),
+    scatter them back. k_cache (num_blocks, block, H, D), any float dtype or fp8 with k_scale."""
+    rows = k_cache.flatten(0, 1)
+    x = rows[slots].float()
+    if k_scale is not None:
+        x = x * k_scale
+    half = table.shape[-1] // 2
+    ang = table[delta.abs()]
+    cos, sin = ang[:, None, :half], ang[:, None, half:] * delta.sign()[:, None, None]
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if k_scale is not None:
+        out = out / k_scale
+    rows[slots] = out.to(rows.dtype)
+    return k_cache
+
+
+def _rerotate_args(inp, wl):
+    cache = inp["k_cache"]
+    view = W.rerotate_view(wl, cache)
+    scale = W.W12_K_SCALE if cache.dtype == torch.float8_e4m3fn else None
+    return cache, view, inp["slots"], inp["delta"], inp["cache"], scale
+
+
+def _ropekit_rerotate(self, wl, inp):
+    op = self._op("rerotate_kv_cache")
+    cache, view, slots, delta, table, scale = _rerotate_args(inp, wl)
+    ks = None if scale is None else torch.tensor([scale], device=cache.device)
+    return Bound(lambda: op(view, slots, delta, table, interleaved=wl.interleaved, k_scale=ks),
+                 lambda o: (cache,))
+
+
+def _torch_rerotate(self, wl, inp):
+    cache, view, slots, delta, table, scale = _rerotate_args(inp, wl)
+    fn = self.wrap(wl, "rerotate", torch_rerotate)
+    self._notes[wl.id] = "gather, rotate, scatter (plain torch)"
+    return Bound(lambda: fn(view, slots, delta, table, wl.interleaved, scale), lambda o: (cache,))
+
+
+def _with_rerotate(cls, handler, note=None):
+    """cls.make, with workloads of kind "rerotate" sent to handler (None: the peer has no such op)."""
+    make, note_of = cls.make, cls.note
+
+    def make_(self, wl, inp):
+        if wl.kind != "rerotate":
+            return make(self, wl, inp)
+        if handler is None:
+            raise PeerSkip("n/a", "no re-rotation of cached keys")
+        return handler(self, wl, inp)
+
+    def note_(self, wl):
+        if wl.kind == "rerotate" and note is not None:
+            return note(self)
+        return note_of(self, wl)
+
+    cls.make, cls.note = make_, note_
+
+
+_with_rerotate(Ropekit, _ropekit_rerotate, lambda self: f"{self.module}.rerotate_kv_cache (in place)")  # Reference too
+_with_rerotate(TorchEager, _torch_rerotate)                  # TorchCompile too: its wrap() compiles
+for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn):
+    _with_rerotate(_cls, None)
+
+
 def all_peers() -> List[Peer]:
     return [Ropekit(), RopekitUnfused(), RopekitHF(), Reference(), TorchEager(), TorchCompile(),
             Liger(), FlashInfer(), VLLM(), FlashAttn()]

@@ -31,7 +31,7 @@ DTYPE = torch.bfloat16
 class Workload:
     id: str                    # "W1", "W7-T64"
     name: str                  # "train_8b"
-    kind: str                  # "rope" | "mla" | "store" | "fwdbwd"
+    kind: str                  # "rope" | "mla" | "store" | "fwdbwd" | "rerotate"
     what: str                  # one line for tables
     full: Dict[str, int]       # sizes as in WORKLOADS.md
     quick: Dict[str, int]      # small sizes (--quick, and every CPU run)
@@ -123,7 +123,7 @@ def cos_sin_table(rotary_dim: int, max_position: int, base: float, device) -> to
 
 
 def rotary_dim(wl: Workload, s: Dict[str, int]) -> int:
-    return s["R"] if wl.kind == "mla" else s["D"]
+    return s["R"] if wl.kind == "mla" or "R" in s else s["D"]
 
 
 def make_table(wl: Workload, s: Dict[str, int], device) -> torch.Tensor:
@@ -133,6 +133,8 @@ def make_table(wl: Workload, s: Dict[str, int], device) -> torch.Tensor:
 def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
                 seed: int) -> Dict[str, torch.Tensor]:
     """One input set: contiguous base tensors (the table is shared between sets)."""
+    if wl.kind == "rerotate":
+        return rerotate_inputs(wl, s, table, device, seed)
     g = torch.Generator(device=device)
     g.manual_seed(seed)
 
@@ -221,6 +223,8 @@ def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
     def nb(t):
         return t.numel() * t.element_size()
 
+    if wl.kind == "rerotate":
+        return rerotate_min_bytes(wl, inp)
     if wl.kind == "mla":
         R = inp["k_pe"].shape[-1]
         q_pe = inp["q"][..., -R:]
@@ -304,6 +308,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict[str, torch.Tensor]:
     """float64 expected outputs, named as `canon` names them. Call on pristine inputs."""
+    if wl.kind == "rerotate":
+        return rerotate_expected(wl, inp)
     tab = inp["cache"]
     il, ms = wl.interleaved, wl.mrope_section
     pos = inp.get("positions")
@@ -340,6 +346,8 @@ def _slot_split(inp):
 
 def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Name an implementation's canonical outputs the way `expected` names them."""
+    if wl.kind == "rerotate":
+        return rerotate_canon(wl, inp, outs)
     if wl.kind == "mla":
         return {"q": outs[0], "k_pe": outs[1]}
     if wl.kind == "rope":
@@ -354,4 +362,89 @@ def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tenso
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    return {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(dtype, 1e-4)
+    return {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float8_e4m3fn: 5e-2}.get(dtype, 1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# W12: re-rotation of cached keys (ropekit.rerotate_kv_cache)
+#
+# Inputs: "k_cache" a paged (num_blocks, block, H, D) cache holding twice as many slots as rows to
+# move (bf16, fp8 or the MLA joint row [latent | rope]); "slots" N distinct random rows; "delta" N
+# random shifts in (-P, P); "q" only carries the cache dtype (the runner picks the tolerance from
+# it). Every implementation re-rotates the rope dims of those rows in place; the canonical output is
+# the whole cache, split into the moved rows and all others (which must not change).
+
+_FP8 = torch.float8_e4m3fn
+W12_K_SCALE = 0.05          # fp8: values / scale stay well inside e4m3's range
+
+
+def rerotate_view(wl: Workload, cache: torch.Tensor) -> torch.Tensor:
+    """The rope part a re-rotation works on: the whole cache, or MLA's last R dims of the joint row."""
+    return cache[..., -wl.full["R"]:] if "R" in wl.full else cache
+
+
+def rerotate_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, seed: int):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    N, block = s["N"], s["block"]
+    n_blocks = -(-2 * N // block)
+    width = s["L"] + s["R"] if "R" in s else s["D"]
+    heads = 1 if "R" in s else s["H"]
+    values = torch.randn(n_blocks, block, heads, width, generator=g, device=device)
+    dtype = _FP8 if s.get("fp8") else DTYPE
+    cache = (values / W12_K_SCALE).to(_FP8) if dtype == _FP8 else values.to(dtype)
+    slots = torch.randperm(n_blocks * block, generator=g, device=device)[:N].contiguous()
+    delta = torch.randint(-s["P"] + 1, s["P"], (N,), generator=g, device=device)
+    return {"cache": table, "k_cache": cache, "slots": slots, "delta": delta,
+            "q": torch.empty(0, dtype=dtype, device=device)}
+
+
+def rerotate_min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
+    """The rope dims of the moved rows read and written once, plus the slots and shifts read."""
+    rows = rerotate_view(wl, inp["k_cache"]).flatten(0, 1)[: inp["slots"].shape[0]]
+    return 2 * rows.numel() * rows.element_size() + 2 * inp["slots"].numel() * 8
+
+
+def _rerotate_split(inp, cache):
+    rows = cache.flatten(0, 1)
+    used = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    used[inp["slots"]] = True
+    return rows[inp["slots"]], rows[~used]
+
+
+def rerotate_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """float64 cache after the call: ropekit.reference on a float64 copy (dequantized for fp8)."""
+    from ropekit import reference
+
+    fp8 = inp["k_cache"].dtype == _FP8
+    cache = inp["k_cache"].to(torch.float64) * (W12_K_SCALE if fp8 else 1.0)
+    reference.rerotate_kv_cache(rerotate_view(wl, cache), inp["slots"], inp["delta"], inp["cache"].double(),
+                                interleaved=wl.interleaved)
+    moved, other = _rerotate_split(inp, cache)
+    return {"k_cache[slots]": moved, "k_cache[other]": other}
+
+
+def rerotate_canon(wl: Workload, inp: Dict[str, torch.Tensor], outs) -> Dict[str, torch.Tensor]:
+    cache = outs[0]
+    if cache.dtype == _FP8:
+        cache = cache.to(torch.float64) * W12_K_SCALE      # as `rerotate_expected` dequantizes
+    moved, other = _rerotate_split(inp, cache)
+    return {"k_cache[slots]": moved, "k_cache[other]": other}
+
+
+def _w12(**kw):
+    return dict(P=65536, block=16, **kw)
+
+
+WORKLOADS += [
+    Workload("W12", "rerotate", "rerotate",
+             "re-rotate 65,536 random rows of a paged bf16 cache (8 heads x 128) by random deltas, in place",
+             full=_w12(N=65536, H=8, D=128), quick=_w12(N=256, H=8, D=128), positions="random"),
+    Workload("W12-fp8", "rerotate_fp8", "rerotate", "W12 on an fp8 (e4m3) cache, k_scale 0.05",
+             full=_w12(N=65536, H=8, D=128, fp8=1), quick=_w12(N=256, H=8, D=128, fp8=1), positions="random"),
+    Workload("W12-mla", "rerotate_mla", "rerotate",
+             "W12 on DeepSeek's MLA joint cache: the 64 rope dims of 576-wide rows, interleaved",
+             full=_w12(N=65536, L=512, R=64), quick=_w12(N=256, L=512, R=64), positions="random",
+             interleaved=True, base=10000.0),
+]
+BY_ID.update({w.id: w for w in WORKLOADS})
