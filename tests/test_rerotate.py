@@ -292,17 +292,19 @@ def test_strided_index_tensors(device):
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_both_cpu_paths(monkeypatch, path):
     """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path otherwise."""
-    import ropekit.rerotate as rr
+    from ropekit import launcher, pipeline
 
     fired = []
-    real_fire = rr._fire
-    monkeypatch.setattr(rr, "_fire", lambda *a: (fired.append(1), real_fire(*a)))
-    monkeypatch.setattr(rr, "_use_triton", lambda x: path == "kernel")
+    real_fire = launcher.fire_rerotate
+    monkeypatch.setattr(launcher, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
+    monkeypatch.setattr(pipeline, "triton_runs", lambda x: path == "kernel")
+    pipeline.clear()
     r = random.Random(path)
     for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "dst")):
         cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
         slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
         check(cache, slots, delta, make_cache(64, 32), interleaved=layout == "mla", dst_slots=dsts)
+    pipeline.clear()                         # drop specs made under the forced path
     assert len(fired) == (3 if path == "kernel" else 0)
 
 

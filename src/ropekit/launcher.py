@@ -57,7 +57,6 @@ def per_token_strides(cos: torch.Tensor, n_tok: int, mrope: bool) -> tuple:
     return (sec, *token_strides(cos[0] if mrope else cos, n_tok), cos.stride(-1))
 
 
-@functools.lru_cache(maxsize=256)
 def _tiles(half: int, n_q: int, n_k: int, tail: int, block_elems: int):
     """Compile-time tile sizes for a problem shape: one head-block size serves q and k (they share
     the kernel's code path), each program ~block_elems elements."""
@@ -156,6 +155,8 @@ def _kernel(name: str):
     # imported on first use: Triton loads lazily, and CPU-only calls never need it
     if name == "rope_kernel":
         from .kernels.rope import rope_kernel as kernel
+    elif name == "rerotate_kernel":
+        from .kernels.rerotate import rerotate_kernel as kernel
     else:
         from .kernels.store import rope_store_kernel as kernel
     return kernel
@@ -172,7 +173,6 @@ def slot_geometry(cache: torch.Tensor):
     return 1, cache.stride(0), 0, cache.stride(1)        # flat: every slot is a block of one
 
 
-@functools.lru_cache(maxsize=256)
 def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int, block_elems: int):
     """Tile sizes of rope_store_kernel: BLOCK_HQ / BLOCK_HK heads of the rotated dims (the rule of
     _tiles), BLOCK_HV heads of v, each ~block_elems elements."""
@@ -236,3 +236,57 @@ def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache
             table if ks is None else ks, table if vs is None else vs)   # scales: never read unless scaled
     launch_kernel(_kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs,
                   plan.args, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# re-rotation of cached keys
+
+
+def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
+    """(HALF_PAD, BLOCK_H, TAIL_PAD, head blocks, num_warps) for a cache shape: one program per row's
+    head block of ~block_elems elements (W12's 8 heads x 128 is one program per row)."""
+    half_pad = next_pow2(half)
+    block_h = min(next_pow2(n_heads), next_pow2(max(1, block_elems // (2 * half_pad))))
+    tail_pad = next_pow2(tail) if tail > 0 else 0
+    return half_pad, block_h, tail_pad, -(-n_heads // block_h), 4 if block_h * 2 * half_pad >= 1024 else 2
+
+
+def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, scaled: bool) -> Optional[Plan]:
+    """rerotate_kernel's launch (delta: a tensor, or None for one int shift passed per launch)."""
+    if slots.shape[0] == 0:
+        return None
+    half = rot // 2
+    n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+    tail = d - rot if dst_slots is not None else 0      # in place, the tail already sits where it belongs
+    half_pad, block_h, tail_pad, n_blocks, num_warps = _rerotate_tiles(half, n_heads, tail,
+                                                                        tuning.get("store_block_elems"))
+    block_size, stride_block, stride_offset, stride_head = slot_geometry(k_cache)
+    args = (
+        n_heads, d - rot, table.shape[0], half * table.stride(1), block_size, k_cache.shape[0] * block_size,
+        slots.stride(0), 0 if dst_slots is None else dst_slots.stride(0),
+        0 if delta is None else delta.stride(0), table.stride(0), table.stride(1),
+        stride_block, stride_offset, stride_head,
+    )
+    meta = dict(
+        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, TAIL_PAD=tail_pad, INTERLEAVED=variant.interleaved,
+        HAS_DST=dst_slots is not None, DELTA_SCALAR=delta is None, SCALED=scaled,
+        PACK=_pair_bits(k_cache) if variant.interleaved else 0, num_warps=num_warps,
+    )
+    return Plan((slots.shape[0], n_blocks), args, meta, 0, {})
+
+
+def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table, dst_slots, k_scale) -> None:
+    if plan is None:
+        return
+    meta = plan.meta
+    # packed pairs need a word-aligned base pointer too (a view may start at an odd element)
+    if meta["PACK"] and k_cache.data_ptr() % (meta["PACK"] // 8):
+        meta = dict(meta, PACK=0)
+    # pointers never read under the plan's flags point at valid addresses (slots, the table)
+    ptrs = (k_cache, slots, slots if dst_slots is None else dst_slots, slots if delta is None else delta, table,
+            table if k_scale is None else k_scale)
+    # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
+    # past any table anyway, and stays past it when clamped
+    value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
+    launch_kernel(_kernel("rerotate_kernel"), plan.compiled, (meta["PACK"],), plan.grid, ptrs,
+                  (value, *plan.args), meta)

@@ -42,7 +42,8 @@ class Variant(NamedTuple):
     mrope: int = 0                  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
     sections: Tuple[int, ...] = (0, 0, 0)   # M-RoPE (t, h, w) frequencies per position row
     angles: str = "table"           # "table": rows of a [cos | sin] table picked by positions;
-    #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin
+    #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
+    #                                 "delta": row |delta| per cache row, sin negated for delta < 0
     inverse: bool = False           # rotate by -angle: the backward pass
     heads_first: bool = False       # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
 
@@ -222,6 +223,37 @@ def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapp
         reference.store_rows(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
                              interleaved=spec.variant.interleaved, rotary_dim=spec.rot, k_scale=k_scale,
                              v_scale=v_scale)
+
+
+def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+    """Re-rotation's run step: rows of k_cache by the angle of delta (a tensor, or the int delta_int)."""
+    if spec.triton:
+        plan = spec.plans.get(None)
+        if plan is None:
+            plan = spec.plans[None] = launcher.plan_rerotate(k_cache, slots, delta, table, dst_slots, spec.variant,
+                                                             spec.rot, k_scale is not None)
+        launcher.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
+    elif slots.shape[0]:
+        reference.rerotate_kv_cache(k_cache, slots, delta if delta is not None else delta_int, table,
+                                    interleaved=spec.variant.interleaved, rotary_dim=spec.rot, k_scale=k_scale,
+                                    dst_slots=dst_slots)
+
+
+# Float scales become 1-element device tensors, read inside the kernel like a tensor scale. Eager
+# calls reuse one tensor per (value, device), so steady state costs no launch or copy; during CUDA
+# graph capture (or under torch.compile) a fresh one is filled by a kernel that the graph records.
+def scale_tensor(scale, device: torch.device, unit: bool = False) -> Optional[torch.Tensor]:
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    if scale == 1.0 and not unit:
+        return None                                       # x / 1 == x: skip the division
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.full((1,), scale, dtype=torch.float32, device=device)
+    key = ("scale tensor", type(scale), scale, str(device))
+    t = _MEMO.get(key)
+    if t is None:
+        t = remember(key, torch.full((1,), scale, dtype=torch.float32, device=device))
+    return t
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,78 +11,16 @@ under TRITON_INTERPRET=1, otherwise the pure-PyTorch reference, with the same se
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from . import reference, validate
-from .launch import launch as launch_kernel
-from .ops import _next_pow2, _use_triton
-from .store import _pair_bits, _scale_tensor, _sig, _slot_geometry
+from . import pipeline, validate
+from .pipeline import CUSTOM_OP, Spec, Variant, tensor_key
 
 OP = "rerotate_kv_cache"
 
 Scale = Union[None, float, torch.Tensor]
-
-# elements per program: one row of 8 heads x 128 (W12's shape) in one program
-_BLOCK_ELEMS = 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _meta(half: int, n_heads: int, tail: int):
-    """(HALF_PAD, BLOCK_H, TAIL_PAD, head blocks, num_warps) for a cache shape; cached for decode."""
-    half_pad = _next_pow2(half)
-    block_h = min(_next_pow2(n_heads), _next_pow2(max(1, _BLOCK_ELEMS // (2 * half_pad))))
-    tail_pad = _next_pow2(tail) if tail > 0 else 0
-    return half_pad, block_h, tail_pad, -(-n_heads // block_h), 4 if block_h * 2 * half_pad >= 1024 else 2
-
-
-class Launch(NamedTuple):
-    """A rerotate_kernel launch minus its tensors and its scalar shift: planned once per call signature."""
-    grid: tuple
-    args: tuple             # the runtime ints after the pointers and delta_value, in kernel order
-    meta: dict              # constexprs and num_warps
-    compiled: dict          # ropekit.launch's cache of compiled kernels for this plan
-
-
-def _plan(k_cache, slots, delta, table, dst_slots, interleaved: bool, rot: int, scaled: bool) -> Launch:
-    """Grid, runtime arguments and constexprs of one call signature (delta: a tensor or None for an int)."""
-    half = rot // 2
-    n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
-    tail = d - rot if dst_slots is not None else 0      # in place, the tail already sits where it belongs
-    half_pad, block_h, tail_pad, n_blocks, num_warps = _meta(half, n_heads, tail)
-    block_size, stride_block, stride_offset, stride_head = _slot_geometry(k_cache)
-    args = (
-        n_heads, d - rot, table.shape[0], half * table.stride(1), block_size, k_cache.shape[0] * block_size,
-        slots.stride(0), 0 if dst_slots is None else dst_slots.stride(0),
-        0 if delta is None else delta.stride(0), table.stride(0), table.stride(1),
-        stride_block, stride_offset, stride_head,
-    )
-    meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, TAIL_PAD=tail_pad, INTERLEAVED=interleaved,
-        HAS_DST=dst_slots is not None, DELTA_SCALAR=delta is None, SCALED=scaled,
-        PACK=_pair_bits(k_cache) if interleaved else 0, num_warps=num_warps,
-    )
-    return Launch((slots.shape[0], n_blocks), args, meta, {})
-
-
-def _fire(launch: Launch, k_cache, slots, delta, delta_int, table, dst_slots, k_scale) -> None:
-    from .kernels.rerotate import rerotate_kernel
-
-    meta = launch.meta
-    # packed pairs need a word-aligned base pointer too (a view may start at an odd element)
-    if meta["PACK"] and k_cache.data_ptr() % (meta["PACK"] // 8):
-        meta = dict(meta, PACK=0)
-    # pointers never read under the plan's flags point at the table (any valid address)
-    ptrs = (k_cache, slots, slots if dst_slots is None else dst_slots, slots if delta is None else delta, table,
-            table if k_scale is None else k_scale)
-    # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
-    # past any table anyway, and stays past it when clamped
-    value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
-    launch_kernel(rerotate_kernel, launch.compiled, (meta["PACK"],), launch.grid, ptrs,
-                  (value, *launch.args), meta)
-
 
 def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
@@ -95,21 +33,15 @@ def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None
             validate.scale_value(OP, "k_scale", k_scale)
 
 
-def _run(k_cache, slots, delta, delta_int, table, interleaved, rot, k_scale, dst_slots, plan=None) -> None:
-    """Checks, then the kernel (or the reference on CPU). plan: a one-slot list caching the Launch."""
+def _run(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+    """Checks, then the run step (the kernel, or the reference on CPU)."""
     _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
-    if slots.shape[0] == 0:
-        return
-    if _use_triton(k_cache):
-        launch = plan[0] if plan is not None else None
-        if launch is None:
-            launch = _plan(k_cache, slots, delta, table, dst_slots, interleaved, rot, k_scale is not None)
-            if plan is not None:
-                plan[0] = launch
-        _fire(launch, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
-    else:
-        reference.rerotate_kv_cache(k_cache, slots, delta if delta is not None else delta_int, table,
-                                    interleaved=interleaved, rotary_dim=rot, k_scale=k_scale, dst_slots=dst_slots)
+    pipeline.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
+
+
+def _spec(rot, interleaved, door, k_cache) -> Spec:
+    il = bool(interleaved)
+    return Spec(Variant(il, il, angles="delta"), rot, door, pipeline.triton_runs(k_cache))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +54,12 @@ def _rerotate_op(
     cos_sin_cache: torch.Tensor, interleaved: bool, rotary_dim: int, k_scale: Optional[torch.Tensor],
     dst_slots: Optional[torch.Tensor],
 ) -> None:
-    _run(k_cache, slots, delta, None if delta is not None else delta_int, cos_sin_cache, interleaved, rotary_dim,
-         k_scale, dst_slots)
+    key = ("rerotate op", tensor_key(k_cache), tensor_key(slots), tensor_key(delta), tensor_key(cos_sin_cache),
+           interleaved, rotary_dim, tensor_key(k_scale), tensor_key(dst_slots))
+    spec = _MEMO.get(key)
+    if spec is None:
+        spec = pipeline.remember(key, _spec(rotary_dim, interleaved, pipeline.DIRECT, k_cache))
+    _run(spec, k_cache, slots, delta, None if delta is not None else delta_int, cos_sin_cache, k_scale, dst_slots)
 
 
 @_rerotate_op.register_fake
@@ -183,59 +119,50 @@ def rerotate_kv_cache(
             k_scale=k_scale, dst_slots=dst_slots)
         torch.ops.ropekit.rerotate_kv_cache(
             k_cache, slots, None if delta_int is not None else delta, 0 if delta_int is None else delta_int,
-            cos_sin_cache, bool(interleaved), rot, _scale_tensor(k_scale, k_cache.device), dst_slots)
+            cos_sin_cache, bool(interleaved), rot, pipeline.scale_tensor(k_scale, k_cache.device), dst_slots)
         return k_cache
 
-    # eager: validation and the launch plan are made once per call signature (decode host time)
+    # eager: validation and the launch plan are made once per call signature
     key = _call_key(k_cache, slots, delta, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots)
-    spec = _SPECS.get(key) if key is not None else None
+    spec = _MEMO.get(key) if key is not None else None
     if spec is None:
         rot, _, _, _ = validate.rerotate_args(
             OP, k_cache, slots, delta, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
             k_scale=k_scale, dst_slots=dst_slots)
-        spec = _Spec(rot, [None])
-        if key is not None:
-            if len(_SPECS) >= 1024:
-                _SPECS.clear()
-            _SPECS[key] = spec
+        spec = pipeline.remember(key, _spec(rot, interleaved, pipeline.door_for(k_cache, False), k_cache))
     is_tensor = isinstance(delta, torch.Tensor)
-    _run(k_cache, slots, delta if is_tensor else None, None if is_tensor else int(delta), cos_sin_cache,
-         bool(interleaved), spec.rot, _scale_tensor(k_scale, k_cache.device), dst_slots, plan=spec.launch)
+    ks = pipeline.scale_tensor(k_scale, k_cache.device)
+    if spec.door is CUSTOM_OP:
+        torch.ops.ropekit.rerotate_kv_cache(k_cache, slots, delta if is_tensor else None, 0 if is_tensor else int(delta),
+                                            cos_sin_cache, spec.variant.interleaved, spec.rot, ks, dst_slots)
+        return k_cache
+    _run(spec, k_cache, slots, delta if is_tensor else None, None if is_tensor else int(delta), cos_sin_cache, ks,
+         dst_slots)
     # the kernel writes through raw pointers, which autograd does not see
     torch.autograd.graph.increment_version(k_cache)
     return k_cache
 
 
-class _Spec(NamedTuple):
-    """What validation concluded about one call signature, and its launch plan once made."""
-    rot: int
-    launch: list            # [Launch or None]
-
-
-_SPECS: dict = {}
+_MEMO = pipeline._MEMO
 
 
 def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, dst_slots):
-    """A hashable signature of a call (all that validation reads; an int delta's value is checked
-    only for its range, so only the fact that it is a small int is part of the key), or None when
-    the call must be validated afresh."""
+    """A hashable signature of a call (all that validation reads, with types; an int delta's value
+    is checked only for its range, so only the fact that it is a small int is part of the key), or
+    None when the call must be validated afresh."""
     try:
-        if torch.is_grad_enabled() and k_cache.requires_grad:
-            return None
         if isinstance(delta, torch.Tensor):
-            dkey = _sig(delta)
+            dkey = tensor_key(delta)
         elif type(delta) is int and -2**62 < delta < 2**62:
             dkey = int
         else:
             return None
-        if k_scale is None:
-            skey = None
-        elif isinstance(k_scale, torch.Tensor):
-            skey = _sig(k_scale)
+        if k_scale is None or isinstance(k_scale, torch.Tensor):
+            skey = tensor_key(k_scale)
         else:
             skey = (type(k_scale), k_scale)
-        key = (_sig(k_cache), _sig(slots), dkey, _sig(table), bool(interleaved), type(rotary_dim), rotary_dim,
-               skey, None if dst_slots is None else _sig(dst_slots))
+        key = (OP, torch.is_grad_enabled(), tensor_key(k_cache), tensor_key(slots), dkey, tensor_key(table),
+               type(interleaved), interleaved, type(rotary_dim), rotary_dim, skey, tensor_key(dst_slots))
         hash(key)
         return key
     except (AttributeError, TypeError):

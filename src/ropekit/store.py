@@ -50,9 +50,9 @@ def _fp8_scales(k_cache, v_cache, ks, vs, device):
     """fp8 caches always take the scaled path (scale 1.0 by default): the kernel then casts to fp8
     from float32 only, the one conversion every backend has (bf16 -> fp8 directly is not everywhere)."""
     if ks is None and k_cache.dtype in validate.FP8_DTYPES:
-        ks = _scale_tensor(1.0, device, unit=True)
+        ks = pipeline.scale_tensor(1.0, device, unit=True)
     if vs is None and v_cache.dtype in validate.FP8_DTYPES:
-        vs = _scale_tensor(1.0, device, unit=True)
+        vs = pipeline.scale_tensor(1.0, device, unit=True)
     return ks, vs
 
 
@@ -102,28 +102,6 @@ def _rope_and_store_op(
 def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim,
       k_scale, v_scale):
     return None
-
-
-# Float scales become 1-element device tensors, read inside the kernel like a tensor scale. Eager
-# calls reuse one tensor per (value, device), so steady state costs no launch or copy; during CUDA
-# graph capture (or under torch.compile) a fresh one is filled by a kernel that the graph records.
-_SCALES: dict = {}
-
-
-def _scale_tensor(scale: Scale, device: torch.device, unit: bool = False) -> Optional[torch.Tensor]:
-    if scale is None or isinstance(scale, torch.Tensor):
-        return scale
-    if scale == 1.0 and not unit:
-        return None                                       # x / 1 == x: skip the division
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.full((1,), scale, dtype=torch.float32, device=device)
-    key = (scale, str(device))
-    t = _SCALES.get(key)
-    if t is None:
-        if len(_SCALES) >= 64:
-            _SCALES.clear()
-        t = _SCALES[key] = torch.full((1,), scale, dtype=torch.float32, device=device)
-    return t
 
 
 def _scale_key(scale):
@@ -201,7 +179,7 @@ def apply_rope_and_store(
             rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
         torch.ops.ropekit.rope_and_store(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(interleaved), rot,
-            _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device))
+            pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device))
         return q
     try:
         key = (OP, torch.is_grad_enabled(), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(positions),
@@ -213,7 +191,7 @@ def apply_rope_and_store(
     if spec is None:
         spec = pipeline.remember(key, _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                   interleaved, rotary_dim, k_scale, v_scale))
-    ks, vs = _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)
+    ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
     if spec.door is CUSTOM_OP:
         torch.ops.ropekit.rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                          spec.variant.interleaved, spec.rot, ks, vs)

@@ -354,17 +354,14 @@ def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
         return False
     key = (a.data_ptr(), tuple(a.shape), a.stride(), a.element_size(),
            b.data_ptr(), tuple(b.shape), b.stride(), b.element_size(), budget)
-    verdict = _ALIAS_MEMO.get(key)
+    # verdicts by layout, in ropekit's one memo: KV caches are the same tensors call after call, so
+    # decode pays for the search once (the key holds all the search reads)
+    from . import pipeline
+
+    verdict = pipeline.lookup(("may_alias",) + key)
     if verdict is None:
-        if len(_ALIAS_MEMO) >= 256:
-            _ALIAS_MEMO.clear()
-        verdict = _ALIAS_MEMO[key] = _may_alias_search(a, b, budget)
+        verdict = pipeline.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
     return verdict
-
-
-# Verdicts of the search by layout: KV caches are the same tensors call after call, so decode pays
-# for the search once (the key holds addresses, shapes, strides and element sizes: all it reads).
-_ALIAS_MEMO: dict = {}
 
 
 def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
