@@ -58,6 +58,33 @@ def main():
     rows["W7-T64 apply_rope_and_store"] = per_call_us(
         lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots))
     rows["floor: q.add_(0)"] = per_call_us(lambda: q.add_(0))
+
+    # W8's host side: forward + backward through autograd, small tensors so the host dominates
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a.view_as(a), b.view_as(b)
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            return ga, gb
+
+    B, S = 1, 16
+    qt = torch.randn(B, S, 32, 128, **bf).transpose(1, 2).requires_grad_()    # HF's (B, H, S, D) views
+    kt = torch.randn(B, S, 8, 128, **bf).transpose(1, 2).requires_grad_()
+    emb = torch.randn(1, S, 128, **bf)
+
+    def step(fn):
+        def run():
+            a, b = fn()
+            torch.autograd.backward((a, b), (torch.ones_like(a), torch.ones_like(b)))
+        return run
+
+    qb, kb = qt.transpose(1, 2).detach().requires_grad_(), kt.transpose(1, 2).detach().requires_grad_()
+    rows["W8 apply_rope fwd+bwd"] = per_call_us(step(lambda: ropekit.apply_rope(qb, kb, None, cache)), n=500)
+    rows["W8 hf.apply_rotary_pos_emb fwd+bwd"] = per_call_us(
+        step(lambda: ropekit.hf.apply_rotary_pos_emb(qt, kt, emb, emb)), n=500)
+    rows["floor: empty autograd.Function fwd+bwd"] = per_call_us(step(lambda: Empty.apply(qb, kb)), n=500)
     if not args.cpu_dry:
         import triton
         import triton.language as tl

@@ -16,7 +16,7 @@ import torch
 import triton
 
 import ropekit
-from ropekit import launch, ops, store
+from ropekit import launch, tuning
 from ropekit.bench.timing import host_us
 
 
@@ -108,8 +108,6 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--blocks", default="1024,2048,4096,8192")
     ap.add_argument("--warps", default="0,2,4,8")
-    ap.add_argument("--tokens", default="1")
-    ap.add_argument("--evict", default="", help="comma list of q/k load hints to sweep ('' = none)")
     ap.add_argument("--head-loop", default="-1",
                     help="comma list of -1 (the default rule), 0, 1: one program per token over all heads")
     ap.add_argument("--prefetch", default="-1",
@@ -140,7 +138,7 @@ def main():
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         print(f"W3 host {host * 1e6:.1f} us per eager call (graph replay {t * 1e6:.2f} us); "
-              f"launches {launch.COUNTS}, direct path {'on' if launch._STATE['ok'] else 'OFF'}")
+              f"launches {launch.COUNTS}")
         return
     bw = copy_bandwidth()
     # the strided-slice ceiling for W6: torch's own copy of the same (T, 128, 64-of-192) views
@@ -154,28 +152,22 @@ def main():
           f"torch {torch.__version__} triton {triton.__version__}")
     W = workloads()
     rows = []
-    def measure(be, nw, tk, name, ev=None, hl=None, pf=None):
+    def measure(be, nw, name, hl=None, pf=None):
+        knobs = {}
         if be is not None:
-            ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS = be, nw, tk
-            store._BLOCK_ELEMS = be
+            knobs.update(block_elems=be, store_block_elems=be, num_warps=nw)
         if pf is not None:
-            ops._PREFETCH = None if pf < 0 else bool(pf)
+            knobs["prefetch"] = None if pf < 0 else bool(pf)
         if hl is not None:
-            ops._HEAD_LOOP = None if hl < 0 else bool(hl)
-        if ev is not None:
-            ops._EVICT = ev
-        ops._SPECS.clear()
-        ops._LAUNCHES.clear()
-        store._SPECS.clear()
+            knobs["head_loop"] = None if hl < 0 else bool(hl)
         fn, b = W[name]
-        t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-        return dict(workload=name, block_elems=be, warps=nw, tokens=tk, evict=ops._EVICT,
-                    head_loop=-1 if ops._HEAD_LOOP is None else int(ops._HEAD_LOOP),
-                    prefetch=-1 if ops._PREFETCH is None else int(ops._PREFETCH), us=t * 1e6,
-                    pct=100 * b / t / bw)
+        with tuning.override(**knobs):
+            t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+        return dict(workload=name, block_elems=be, warps=nw, head_loop=-1 if hl is None else hl,
+                    prefetch=-1 if pf is None else pf, us=t * 1e6, pct=100 * b / t / bw)
 
     def show(r):
-        print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} {r['tokens']:3d} {r['evict'] or '-':>11s} "
+        print(f"{r['workload']:16s} {r['block_elems']:6d} {r['warps']:5d} "
               f"{r['head_loop']:4d} {r['prefetch']:3d} {r['us']:9.1f} {r['pct']:6.1f}%", flush=True)
 
     if args.defaults:
@@ -185,7 +177,7 @@ def main():
         print(f"{'workload (defaults)':20s} {'us':>8s} {'% copy':>7s} {'graph us':>9s} {'% copy':>7s} "
               f"{'same-size copy':>15s}")
         for name, (fn, b) in W.items():
-            r = measure(None, None, None, name)
+            r = measure(None, None, name)
             g = torch.cuda.Stream()
             with torch.cuda.stream(g):
                 fn()                       # compile and plan outside the capture
@@ -198,17 +190,14 @@ def main():
             print(f"{name:20s} {r['us']:8.1f} {r['pct']:6.1f}% {r['graph_us']:9.1f} {r['graph_pct']:6.1f}% "
                   f"{r['same_size_copy_pct']:14.1f}%", flush=True)
         args.prefetch = ""
-    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'tok':>3s} {'evict':>11s} {'loop':>4s} {'pf':>3s} "
-          f"{'us':>9s} {'% copy':>7s}")
+    print(f"{'workload':16s} {'block':>6s} {'warps':>5s} {'loop':>4s} {'pf':>3s} {'us':>9s} {'% copy':>7s}")
     for pf in [int(x) for x in args.prefetch.split(",") if x]:
         for hl in [int(x) for x in args.head_loop.split(",")]:
-            for ev in args.evict.split(","):
-                for tk in [int(x) for x in args.tokens.split(",")]:
-                    for be in [int(x) for x in args.blocks.split(",")]:
-                        for nw in [int(x) for x in args.warps.split(",")]:
-                            for name in W:
-                                rows.append(measure(be, nw, tk, name, ev, hl, pf))
-                                show(rows[-1])
+            for be in [int(x) for x in args.blocks.split(",")]:
+                for nw in [int(x) for x in args.warps.split(",")]:
+                    for name in W:
+                        rows.append(measure(be, nw, name, hl, pf))
+                        show(rows[-1])
     best = {}
     for r in rows:
         if r["workload"] not in best or r["us"] < best[r["workload"]]["us"]:
@@ -216,14 +205,10 @@ def main():
     if not args.defaults:
         print("best per workload, measured again (the spread is the noise):")
     for r in ([] if args.defaults else best.values()):
-        again = measure(r["block_elems"], r["warps"], r["tokens"], r["workload"], r["evict"], r["head_loop"],
-                        r["prefetch"])
-        print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} tokens {r['tokens']} "
-              f"evict {r['evict'] or '-'} loop {r['head_loop']} prefetch {r['prefetch']}  "
+        again = measure(r["block_elems"], r["warps"], r["workload"], r["head_loop"], r["prefetch"])
+        print(f"  {r['workload']:16s} block {r['block_elems']:5d} warps {r['warps']} "
+              f"loop {r['head_loop']} prefetch {r['prefetch']}  "
               f"{r['us']:8.1f} us {r['pct']:5.1f}%   again {again['us']:8.1f} us {again['pct']:5.1f}%")
-    ops._BLOCK_ELEMS, ops._NUM_WARPS, ops._TOKENS, ops._EVICT, ops._HEAD_LOOP = 2048, 0, 1, "", None
-    ops._PREFETCH, store._BLOCK_ELEMS = None, 1024
-    ops._SPECS.clear()
     t, host = decode()
     print(f"W3 decode_b64: {t * 1e6:.2f} us per call under graph replay; host {host * 1e6:.1f} us per eager call")
     if args.out:

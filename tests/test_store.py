@@ -619,8 +619,6 @@ def test_may_alias_against_brute_force():
 def test_rotary_embedding_forward_and_store(device, neox):
     """The module's fused method: (T, H * D) views of a fused qkv buffer, same bytes as the op."""
     from ropekit.modules import RotaryEmbedding
-    if not hasattr(RotaryEmbedding, "forward_and_store"):
-        pytest.skip("RotaryEmbedding.forward_and_store not added yet")
     T, Hq, Hk, D, rot = 5, 4, 2, 64, 32
     rope = RotaryEmbedding(D, rot, 64, 10000.0, is_neox_style=neox, device=device)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, dtype=torch.bfloat16, device=device)

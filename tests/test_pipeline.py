@@ -1,0 +1,143 @@
+"""The call pipeline: a refused call is refused whatever calls came before; one validation per
+signature; the memo is bounded; every door gives the reference's answer.
+
+Values that compare equal across types (16.0 == 16, True == 1) must not share a memoized verdict:
+each case below is called on a fresh memo, then after a valid call with the equal value, and must
+raise the same error both times.
+"""
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import ops, pipeline, reference, tuning
+from conftest import TOL, make_cache, rel_err
+
+
+def _error(fn):
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    return None
+
+
+def _q(T=3, H=2, D=16):
+    return torch.randn(T, H, D)
+
+
+CASES = {
+    # name: (valid call, refused call)
+    "rotary_dim 16.0 after 16": (
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16),
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16.0)),
+    "rotary_dim True after 1-wide table": None,    # replaced below (needs a 2-wide table)
+    "float in mrope_section after ints": (
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=[2, 3, 3]),
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c,
+                                           mrope_section=[2.0, 3, 3])),
+    "True in mrope_section after 1": (
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=[1, 4, 3]),
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c,
+                                           mrope_section=[True, 4, 3])),
+    "mrope_section as a tuple of floats after a list of ints (rotate_with_angles)": (
+        lambda q, c, p: ropekit.rotate_with_angles(q, None, c[:3, :8].expand(3, 3, 8), c[:3, 8:].expand(3, 3, 8),
+                                                   mrope_section=[2, 3, 3]),
+        lambda q, c, p: ropekit.rotate_with_angles(q, None, c[:3, :8].expand(3, 3, 8), c[:3, 8:].expand(3, 3, 8),
+                                                   mrope_section=(2.0, 3.0, 3.0))),
+    "k_scale True after 1 (store)": (
+        lambda q, c, p: _store(q, c, p, k_scale=1),
+        lambda q, c, p: _store(q, c, p, k_scale=True)),
+    "rotary_dim 16.0 after 16 (store)": (
+        lambda q, c, p: _store(q, c, p, rotary_dim=16),
+        lambda q, c, p: _store(q, c, p, rotary_dim=16.0)),
+    "rotary_dim 16.0 after 16 (rerotate)": (
+        lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16),
+        lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16.0)),
+}
+del CASES["rotary_dim True after 1-wide table"]
+
+
+def _store(q, c, p, **kw):
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    kc, vc = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    return ropekit.apply_rope_and_store(q.clone(), k, v, p, c, kc, vc, torch.tensor([0, 1, 2]), **kw)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_refusal_does_not_depend_on_call_history(name):
+    valid, refused = CASES[name]
+    q, c, p = _q(), make_cache(10, 16), torch.tensor([0, 1, 2])
+    pipeline.clear()
+    fresh = _error(lambda: refused(q, c, p))
+    assert fresh is not None, f"{name}: the refused call was accepted on a fresh memo"
+    assert _error(lambda: valid(q, c, p)) is None, f"{name}: the valid call was refused"
+    again = _error(lambda: refused(q, c, p))
+    assert again == fresh, f"{name}: after a valid call the error changed: {fresh} -> {again}"
+
+
+def test_one_validation_per_signature(monkeypatch):
+    calls = []
+    real = ops._rope_spec
+    monkeypatch.setattr(ops, "_rope_spec", lambda *a: (calls.append(1), real(*a))[1])
+    pipeline.clear()
+    c = make_cache(10, 16)
+    for _ in range(3):
+        ropekit.apply_rope(_q(), _q(H=1), torch.tensor([0, 1, 2]), c)
+    assert len(calls) == 1
+    ropekit.apply_rope(_q(T=4), None, torch.tensor([0, 1, 2, 3]), c)       # a new signature
+    assert len(calls) == 2
+
+
+def test_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(pipeline, "MEMO_CAPACITY", 8)
+    pipeline.clear()
+    c = make_cache(64, 16)
+    for T in range(1, 30):
+        ropekit.apply_rope(_q(T=T), None, torch.arange(T), c)
+        assert len(pipeline._MEMO) <= 8
+
+
+def test_variant_backward_is_the_inverse():
+    v = pipeline.Variant(interleaved=True, out_interleaved=False, inverse=False)
+    b = v.backward()
+    assert (b.interleaved, b.out_interleaved, b.inverse) == (False, True, True)
+    assert b.backward() == v
+
+
+@pytest.mark.parametrize("door", ["direct", "function", "custom_op"])
+def test_every_door_matches_the_reference(door, poison):
+    """The same call through each door (no grad, grad, the dispatcher) gives the reference's
+    output, and the grad doors the inverse rotation as gradient."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 3, 32, generator=g)
+    k = torch.randn(4, 1, 32, generator=g)
+    pos = torch.randint(0, 20, (4,), generator=g)
+    c = make_cache(20, 32)
+    rq, rk = reference.apply_rope(q.double(), k.double(), pos, c.double())
+    if door == "custom_op":
+        spec = ops._rope_spec(q, k, pos, c, False, None, None, False, False)
+        qo, ko = ops._rope_custom_op(spec, q, k, pos, c, False)
+    else:
+        qq, kk = (q.clone().requires_grad_(), k.clone().requires_grad_()) if door == "function" else (q, k)
+        qo, ko = ropekit.apply_rope(qq, kk, pos, c)
+        if door == "function":
+            up = torch.randn_like(qo)
+            (gq,) = torch.autograd.grad(qo, qq, up)
+            ref_gq = reference.rotate(up.double(), *reference.angles_from_table(c.double(), pos, (4,)), inverse=True)
+            assert rel_err(gq, ref_gq) < TOL[torch.float32]
+    assert rel_err(qo, rq) < TOL[torch.float32] and rel_err(ko, rk) < TOL[torch.float32]
+
+
+def test_tuning_override_replans():
+    """A knob change drops the memo: the next call plans with the new value."""
+    c = make_cache(10, 16)
+    pipeline.clear()
+    ropekit.apply_rope(_q(), None, torch.tensor([0, 1, 2]), c)
+    assert pipeline._MEMO
+    with tuning.override(block_elems=64):
+        assert not pipeline._MEMO
+        out, _ = ropekit.apply_rope(_q(), None, torch.tensor([0, 1, 2]), c)
+    with pytest.raises(ValueError, match="knobs"):
+        with tuning.override(no_such_knob=1):
+            pass
