@@ -7,8 +7,10 @@ from . import hf
 from .freqs import cos_sin_cache, inv_freq
 from .modules import RotaryEmbedding
 from .ops import apply_rope, rotate_with_angles
+from .packed import positions_from_cu_seqlens
 from .store import apply_rope_and_store
 from .validate import strict
 
-__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
+__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict",
+           "positions_from_cu_seqlens"]
 __version__ = "0.1.0"
