@@ -14,3 +14,8 @@ from .validate import strict
 __all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict",
            "positions_from_cu_seqlens"]
 __version__ = "0.1.0"
+
+# DTensor sharding rules for the custom ops (no-op without torch.distributed)
+from . import distributed as _distributed  # noqa: E402
+
+_distributed.register()
