@@ -89,7 +89,7 @@ def reference_placements(op: str, specs: dict) -> tuple:
             if isinstance(pl[i], Replicate):
                 continue
             if not isinstance(pick, Replicate) and pl[i] != pick:
-                _fail(op, name, f"placement {pick} on mesh dim {i} (that of {by})", tuple(pl))
+                _fail(op, name, f"placement {pick!r} on mesh dim {i} (that of {by})", tuple(pl))
             pick, by = pl[i], name
         out.append(pick)
     return tuple(out)

@@ -1,0 +1,91 @@
+"""One rank of tests/test_distributed.py: DTensor calls of ropekit's custom ops over gloo (CPU).
+
+Usage: python dtensor_worker.py RANK WORLD PORT OUT. Every rank builds the same global inputs (fixed
+seed), runs each case on DTensors and checks placements; rank 0 saves the gathered results (and
+the error messages of the refused layouts) to OUT for the parent to compare with float64.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"     # the Triton kernels, interpreted on CPU tensors
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor  # noqa: E402
+
+import ropekit  # noqa: E402
+from ropekit.distributed import replicate  # noqa: E402
+
+
+def inputs(shape_q, shape_k, max_pos=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*shape_q, generator=g)
+    k = torch.randn(*shape_k, generator=g)
+    pos = torch.randint(0, max_pos, shape_q[:-2], generator=g)
+    cache = torch.randn(max_pos, shape_q[-1], generator=g)
+    return q, k, pos, cache
+
+
+def main(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = DeviceMesh("cpu", list(range(world)))
+    results, errors = {}, {}
+    R = Replicate()
+    # (name, q shape, k shape, q/k placement, positions placement)
+    cases = [
+        ("thd_tokens", (8, 4, 32), (8, 2, 32), Shard(0), Shard(0)),
+        ("bshd_tokens", (2, 6, 4, 32), (2, 6, 2, 32), Shard(1), Shard(1)),
+        ("bshd_batch", (2, 6, 4, 32), (2, 6, 2, 32), Shard(0), Shard(0)),
+        ("thd_heads", (8, 4, 32), (8, 2, 32), Shard(1), R),
+        ("replicate", (8, 4, 32), (8, 2, 32), R, R),
+        ("positions_replicated_sliced", (8, 4, 32), (8, 2, 32), Shard(0), R),
+    ]
+    for name, sq, sk, pl, pp in cases:
+        q, k, pos, cache = inputs(sq, sk, seed=len(name))
+        half = cache.shape[1] // 2
+        cos, sin = replicate(cache[:, :half].contiguous(), mesh), replicate(cache[:, half:].contiguous(), mesh)
+        dq, dk = distribute_tensor(q, mesh, [pl]), distribute_tensor(k, mesh, [pl])
+        dp = distribute_tensor(pos, mesh, [pp])
+        qo, ko = torch.ops.ropekit.rotate(dq, dk, dp, cos, sin, False, False, None, False)
+        assert tuple(qo.placements) == (pl,) and tuple(ko.placements) == (pl,), (name, qo.placements)
+        assert qo.to_local().shape == dq.to_local().shape
+        # backward: one weighted loss (sharded gradients) and one plain sum (replicated gradients)
+        wq = torch.randn(sq, generator=torch.Generator().manual_seed(5))
+        wk = torch.randn(sk, generator=torch.Generator().manual_seed(6))
+        gq = dq.detach().requires_grad_()
+        gk = dk.detach().requires_grad_()
+        a, b = torch.ops.ropekit.rotate(gq, gk, dp, cos, sin, False, False, None, False)
+        loss = (a * distribute_tensor(wq, mesh, [pl])).sum() + (b * distribute_tensor(wk, mesh, [pl])).sum() \
+            + a.sum() + b.sum()
+        loss.backward()
+        results[name] = dict(q=q, k=k, pos=pos, cache=cache, wq=wq, wk=wk, qo=qo.full_tensor(), ko=ko.full_tensor(),
+                             gq=gq.grad.full_tensor(), gk=gk.grad.full_tensor(), loss=loss.full_tensor())
+    # in place, head-sharded
+    q, k, pos, cache = inputs((8, 4, 32), (8, 2, 32), seed=99)
+    half = cache.shape[1] // 2
+    cos, sin = replicate(cache[:, :half].contiguous(), mesh), replicate(cache[:, half:].contiguous(), mesh)
+    dq, dk = distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(k, mesh, [Shard(1)])
+    torch.ops.ropekit.rotate_(dq, dk, distribute_tensor(pos, mesh, [R]), cos, sin, False, None)
+    results["inplace_heads"] = dict(q=q, k=k, pos=pos, cache=cache, qo=dq.full_tensor(), ko=dk.full_tensor())
+    # refused layouts: each must raise, naming the argument
+    refused = {
+        "positions_sharded_under_head_sharding": (Shard(1), Shard(1), Shard(0)),
+        "k_on_other_dim": (Shard(0), Shard(1), Shard(0)),
+        "shard_of_head_size": (Shard(2), Shard(2), R),
+    }
+    for name, (plq, plk, pp) in refused.items():
+        dq, dk = distribute_tensor(q, mesh, [plq]), distribute_tensor(k, mesh, [plk])
+        try:
+            torch.ops.ropekit.rotate(dq, dk, distribute_tensor(pos, mesh, [pp]), cos, sin, False, False, None, False)
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    if rank == 0:
+        torch.save(dict(results=results, errors=errors), out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
