@@ -322,3 +322,19 @@ def test_kernel_cu_seqlens_refuses_positions():
     cu = cu_of(lens)
     with pytest.raises(ValueError, match=r"^apply_rope: positions: expected None when cu_seqlens is given"):
         ropekit.apply_rope(q, k, ropekit.positions_from_cu_seqlens(cu), cache, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("cp_size,seq", [(2, 16), (4, 48), (3, 12)])
+def test_matches_torch_context_parallel_load_balancer(cp_size, seq):
+    """torch.distributed.tensor.experimental.context_parallel's head-tail load balancer (a private
+    class, so skipped when absent) gives rank r the same global positions as the helper."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+    except ImportError:
+        pytest.skip("this torch has no _HeadTailLoadBalancer (context_parallel's load balancer)")
+    order = _HeadTailLoadBalancer(seq, cp_size, "cpu")._generate_indices().reshape(-1)
+    local = seq // cp_size
+    for r in range(cp_size):
+        want = order[r * local:(r + 1) * local].tolist()
+        got = ropekit.positions_from_cu_seqlens(torch.tensor([0, local]), cp_size=cp_size, cp_rank=r).tolist()
+        assert got == want
