@@ -90,3 +90,19 @@ def test_refused_layouts_name_the_argument(gathered, case, fragment):
     msg = gathered["errors"][case]
     assert msg is not None, f"{case}: the call did not raise"
     assert msg.startswith(fragment), msg
+
+
+def test_rules_registered_lazily_when_dtensor_is_imported_after_ropekit():
+    """`import ropekit` must not import DTensor (~1 s); importing DTensor later registers the rules."""
+    code = (
+        "import sys, ropekit\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'ropekit imported DTensor'\n"
+        "assert not ropekit.distributed._registered\n"
+        "import torch\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
+        "assert all(getattr(torch.ops.ropekit, n).default in funcs for n in ropekit.distributed.OPS)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]

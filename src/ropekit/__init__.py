@@ -15,7 +15,7 @@ __all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "cos_sin_
            "positions_from_cu_seqlens"]
 __version__ = "0.1.0"
 
-# DTensor sharding rules for the custom ops (no-op without torch.distributed)
+# DTensor sharding rules for the custom ops: registered when torch.distributed.tensor is imported
 from . import distributed as _distributed  # noqa: E402
 
-_distributed.register()
+_distributed.install()

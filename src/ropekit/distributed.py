@@ -24,12 +24,16 @@ Per-token angles (rotate with positions None, the Hugging Face form): cos and si
 Every tensor argument of a DTensor call must be a DTensor (DTensor refuses mixed calls); wrap a
 plain table with `replicate(table, mesh)`.
 
-`register()` installs the rules (idempotent; ropekit/__init__ calls it when torch.distributed is
-available). OPS is the one table of op-schema knowledge: update it when a schema changes.
+`register()` installs the rules (idempotent). `install()` (called by ropekit/__init__) registers
+them at once if torch.distributed.tensor is already imported, and otherwise right after it is
+imported (a one-shot import hook): importing DTensor costs ~1 s, which `import ropekit` must not
+pay, and no DTensor can exist before that module is imported. OPS is the one table of op-schema
+knowledge: update it when a schema changes.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -226,6 +230,40 @@ def register() -> bool:
                                         RuntimeSchemaInfo(static_argnum=static))
     _registered = True
     return True
+
+
+class _AfterImport:
+    """One-shot meta-path finder: lets the normal finders locate torch.distributed.tensor, then runs
+    register() right after the module has executed."""
+
+    NAME = "torch.distributed.tensor"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.NAME:
+            return None
+        import importlib.util
+
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            register()
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Register now if DTensor is loaded, else as soon as it is (see the module docstring)."""
+    if _registered or not torch.distributed.is_available():
+        return
+    if _AfterImport.NAME in sys.modules:
+        register()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
 
 
 def replicate(x: torch.Tensor, mesh):
