@@ -81,7 +81,18 @@ def test_inplace_head_sharded(gathered):
     torch.testing.assert_close(c["ko"].double(), ko.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_store_head_sharded(gathered):
+    c = gathered["results"]["store_heads"]
+    q, kc, vc = c["q"].double(), c["k_cache"].double(), c["v_cache"].double()
+    reference.apply_rope_and_store(q, c["k"].double(), c["v"].double(), c["pos"], c["cache"].double(), kc, vc,
+                                   c["slots"])
+    torch.testing.assert_close(c["qo"].double(), q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["k_cache_out"].double(), kc, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["v_cache_out"].double(), vc, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case,fragment", [
+    ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
     ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),
     ("k_on_other_dim", "ropekit.rotate: k: expected placement Shard(dim=0) on mesh dim 0"),
     ("shard_of_head_size", "ropekit.rotate: q: expected placements Replicate(), Shard(token dim) or Shard(head"),

@@ -69,6 +69,27 @@ def main(rank, world, port, out):
     dq, dk = distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(k, mesh, [Shard(1)])
     torch.ops.ropekit.rotate_(dq, dk, distribute_tensor(pos, mesh, [R]), cos, sin, False, None)
     results["inplace_heads"] = dict(q=q, k=k, pos=pos, cache=cache, qo=dq.full_tensor(), ko=dk.full_tensor())
+    # fused store, head-sharded: q, k, v on heads, paged caches on their head dim, the rest replicated
+    v = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7))
+    k_cache = torch.randn(3, 4, 2, 32, generator=torch.Generator().manual_seed(8))
+    v_cache = torch.randn(3, 4, 2, 32, generator=torch.Generator().manual_seed(9))
+    slots = torch.randperm(12, generator=torch.Generator().manual_seed(10))[:8]
+    H = Shard(1)
+    dq, dk, dv = (distribute_tensor(x, mesh, [H]) for x in (q, k, v))
+    dkc, dvc = distribute_tensor(k_cache, mesh, [Shard(2)]), distribute_tensor(v_cache, mesh, [Shard(2)])
+    torch.ops.ropekit.rope_and_store(dq, dk, dv, distribute_tensor(pos, mesh, [R]), replicate(cache, mesh), dkc, dvc,
+                                     distribute_tensor(slots, mesh, [R]), False, cache.shape[1], None, None)
+    results["store_heads"] = dict(q=q, k=k, v=v, pos=pos, cache=cache, k_cache=k_cache, v_cache=v_cache,
+                                  slots=slots, qo=dq.full_tensor(), k_cache_out=dkc.full_tensor(),
+                                  v_cache_out=dvc.full_tensor())
+    try:
+        dq, dk, dv = (distribute_tensor(x, mesh, [Shard(0)]) for x in (q, k, v))
+        torch.ops.ropekit.rope_and_store(dq, dk, dv, distribute_tensor(pos, mesh, [Shard(0)]), replicate(cache, mesh),
+                                         distribute_tensor(k_cache, mesh, [R]), distribute_tensor(v_cache, mesh, [R]),
+                                         distribute_tensor(slots, mesh, [Shard(0)]), False, cache.shape[1], None, None)
+        errors["store_token_sharded"] = None
+    except RuntimeError as e:
+        errors["store_token_sharded"] = str(e)
     # refused layouts: each must raise, naming the argument
     refused = {
         "positions_sharded_under_head_sharding": (Shard(1), Shard(1), Shard(0)),
