@@ -14,8 +14,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor  # noqa: E402
 
-import ropekit  # noqa: E402
-from ropekit.distributed import replicate  # noqa: E402
+from ropekit.distributed import replicate  # noqa: E402  (imports ropekit: registers the DTensor rules)
 
 
 def inputs(shape_q, shape_k, max_pos=64, seed=0):
