@@ -30,12 +30,13 @@ and a forward pre-hook on its rotary embedding substitutes the sharded global po
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ["NCCL_NVLS_ENABLE"] = "0"          # NVLink multicast stays off (before torch loads NCCL)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -93,9 +94,20 @@ def grads_of(model):
     return {n: _full(p.grad).detach().double().cpu().clone() for n, p in model.named_parameters()}
 
 
+def _sdpa_backend(device):
+    """On CUDA, one SDPA kernel for the reference and the ring attention: memory-efficient attention
+    (float32 capable; context_parallel handles it). The CPU has no CP-capable SDPA kernel."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
+
 def token_loss(model, ids, labels):
     """Summed cross entropy over the tokens given, and their count (ignore_index -100)."""
-    logits = model(input_ids=ids, use_cache=False).logits
+    with _sdpa_backend(ids.device):
+        logits = model(input_ids=ids, use_cache=False).logits
     logits = _full(logits)
     total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     return total, (labels != -100).sum()
