@@ -441,7 +441,7 @@ class RopekitCuSeqlens(Ropekit):
     The plain `ropekit` peer times the same tokens with explicit positions."""
     name = "ropekit-cu"
     label = "ropekit cu_seqlens"
-    cpu_default = True
+    cpu_default = False      # ask for it by name on CPU (-p ropekit,ropekit-cu)
 
     def make(self, wl, inp):
         if wl.packed is None:
