@@ -81,6 +81,14 @@ def test_inplace_head_sharded(gathered):
     torch.testing.assert_close(c["ko"].double(), ko.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_mrope_token_sharded(gathered):
+    c = gathered["results"]["mrope_tokens"]
+    qo, ko = reference.apply_rope(c["q"].double(), c["k"].double(), c["pos"], c["cache"].double(),
+                                  mrope_section=(4, 6, 6))
+    torch.testing.assert_close(c["qo"].double(), qo, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["ko"].double(), ko, rtol=1e-5, atol=1e-5)
+
+
 def test_store_head_sharded(gathered):
     c = gathered["results"]["store_heads"]
     q, kc, vc = c["q"].double(), c["k_cache"].double(), c["v_cache"].double()

@@ -45,7 +45,7 @@ ANGLES = "angles"        # cos / sin: tables (positions given) replicated; per-t
 TABLE = "table"          # always replicated (a [cos | sin] table)
 CACHE = "cache"          # KV cache (..., H, D): head dim follows q; token sharding refused
 SCALE = "scale"          # per-tensor scale: replicated
-MROPE = "mrope"          # non-tensor: when not None, TOKENS / per-token ANGLES have 3 leading rows
+MROPE = "mrope"          # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
 
 
 class OpRule(NamedTuple):
@@ -75,10 +75,6 @@ OPS = {
 }
 
 
-def _placement_name(p) -> str:
-    return repr(p)
-
-
 def reference_placements(op: str, specs: dict) -> tuple:
     """Per mesh dim, the placement of the (*T, H, D) arguments (q, k, v): the one sharded among
     them, or Replicate() when none is (a replicated one is sliced to match, which is free)."""
@@ -99,7 +95,7 @@ def reference_placements(op: str, specs: dict) -> tuple:
     return tuple(out)
 
 
-def expected_placements(op: str, specs: dict, mrope: bool, positions_given: bool) -> dict:
+def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
     """The placements every tensor argument must have: {name: tuple of placements}.
 
     specs: {name: (ndim, placements)} of the tensor arguments present (q among them). Raises
@@ -168,8 +164,7 @@ def check(op: str, args: dict) -> dict:
     arguments (DTensors, None or plain values). Returns the placements the op will run with per
     tensor name. Raises the same ValueError the registered rule raises inside DTensor's dispatcher."""
     specs = {n: (v.dim(), tuple(v.placements)) for n, v in args.items() if hasattr(v, "placements")}
-    mrope = any(role == MROPE and args.get(n) is not None for n, role in OPS[op].args)
-    want = expected_placements(op, specs, mrope, args.get("positions") is not None)
+    want = expected_placements(op, specs, args.get("positions") is not None)
     ref = reference_placements(op, specs)
     for name, (_, got) in specs.items():
         _settle(op, name, got, want[name], ref)
@@ -189,8 +184,7 @@ def _strategy(op: str, op_schema):
             spec = arg.strategies[0].output_spec
             specs[name] = (spec.ndim, tuple(spec.placements))
             given.append((name, spec))
-    mrope = any(role == MROPE and values.get(n) is not None for n, role in rule.args)
-    want = expected_placements(op, specs, mrope, values.get("positions") is not None)
+    want = expected_placements(op, specs, values.get("positions") is not None)
     ref = reference_placements(op, specs)
     mesh = given[0][1].mesh
     inputs = {}

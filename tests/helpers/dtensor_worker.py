@@ -61,6 +61,14 @@ def main(rank, world, port, out):
         loss.backward()
         results[name] = dict(q=q, k=k, pos=pos, cache=cache, wq=wq, wk=wk, qo=qo.full_tensor(), ko=ko.full_tensor(),
                              gq=gq.grad.full_tensor(), gk=gk.grad.full_tensor(), loss=loss.full_tensor())
+    # M-RoPE, token-sharded: positions (3, T) sharded on their dim 1
+    q, k, _, cache = inputs((8, 4, 32), (8, 2, 32), seed=42)
+    pos3 = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(43))
+    cos, sin = replicate(cache[:, :16].contiguous(), mesh), replicate(cache[:, 16:].contiguous(), mesh)
+    qo, ko = torch.ops.ropekit.rotate(distribute_tensor(q, mesh, [Shard(0)]), distribute_tensor(k, mesh, [Shard(0)]),
+                                      distribute_tensor(pos3, mesh, [Shard(1)]), cos, sin, False, False, [1, 4, 6, 6],
+                                      False)
+    results["mrope_tokens"] = dict(q=q, k=k, pos=pos3, cache=cache, qo=qo.full_tensor(), ko=ko.full_tensor())
     # in place, head-sharded
     q, k, pos, cache = inputs((8, 4, 32), (8, 2, 32), seed=99)
     half = cache.shape[1] // 2
