@@ -7,10 +7,16 @@ from . import hf
 from .freqs import cos_sin_cache, inv_freq
 from .modules import RotaryEmbedding
 from .ops import apply_rope, rotate_with_angles
+from .packed import positions_from_cu_seqlens
 from .rerotate import rerotate_kv_cache
 from .store import apply_rope_and_store
 from .validate import strict
 
-__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
-__all__ += ["rerotate_kv_cache"]
+__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "rerotate_kv_cache", "positions_from_cu_seqlens",
+           "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
 __version__ = "0.1.0"
+
+# DTensor sharding rules for the custom ops: registered when torch.distributed.tensor is imported
+from . import distributed as _distributed  # noqa: E402
+
+_distributed.install()

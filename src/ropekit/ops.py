@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import launcher, pipeline, validate
+from . import distributed, launcher, pipeline, validate
 from .pipeline import (CUSTOM_OP, DIRECT, FUNCTION, MROPE_CHUNKED, MROPE_INTERLEAVED, RotateFunction, Spec,
                        Variant, tensor_key, value_key)
 
@@ -118,7 +118,9 @@ def apply_rope(
     if spec is None:
         spec = pipeline.remember(key, _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim,
                                                  mrope_section, mrope_interleaved, inplace))
-    elif inplace and _spans_meet((q, k, positions, cos_sin_cache), spec.extents):
+    if spec.door is CUSTOM_OP:                   # tensor subclasses (DTensor): through the dispatcher
+        return _rope_custom_op(spec, q, k, positions, cos_sin_cache, inplace)
+    if inplace and _spans_meet((q, k, positions, cos_sin_cache), spec.extents):
         # the checks that depend on addresses, not on the signature: exact ones only when the
         # written tensors' byte ranges meet another argument's (a cheap range test first)
         validate.inplace_aliasing("apply_rope", q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
@@ -134,9 +136,7 @@ def apply_rope(
         k_out = None if k is None else pipeline.empty_like(k)
         pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, positions, cos_sin_cache)
         return q_out, k_out
-    if door is FUNCTION:
-        return RotateFunction.apply(q, k, positions, cos_sin_cache, spec, spec.variant)
-    return _rope_custom_op(spec, q, k, positions, cos_sin_cache, inplace)
+    return RotateFunction.apply(q, k, positions, cos_sin_cache, spec, spec.variant)
 
 
 def _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section, mrope_interleaved,
@@ -159,6 +159,7 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
     custom op's registered backward."""
     v = spec.variant
     mrope = _mrope_list(v)
+    positions, table = distributed.like(q, positions, table)
     if inplace:
         torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope)
         return q, k
@@ -321,8 +322,8 @@ def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_inter
     door = pipeline.door_for(q, pipeline.records_grad(q, k))
     # broadcast views start where their tensors do, so a launch can take cos and sin as given with
     # these strides; unless validation had to copy them (cos and sin strides differ): then again per call
-    copied = not torch.compiler.is_compiling() and (cos_v.data_ptr() != cos.data_ptr()
-                                                     or sin_v.data_ptr() != sin.data_ptr())
+    copied = door != CUSTOM_OP and not torch.compiler.is_compiling() and (
+        cos_v.data_ptr() != cos.data_ptr() or sin_v.data_ptr() != sin.data_ptr())
     n_tok = q.dim() - 2
     return Spec(variant, 2 * cos_v.shape[-1], door, pipeline.triton_runs(q), copy_angles=copied,
                 angle_shape=tuple(cos_v.shape), angle_strides=launcher.per_token_strides(cos_v, n_tok, mode != 0))
@@ -330,7 +331,7 @@ def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_inter
 
 def _angles_custom_op(spec: Spec, q, k, cos, sin):
     v = spec.variant
-    cos, sin = pipeline.angle_views(spec, cos, sin)
+    cos, sin = distributed.like(q, *pipeline.angle_views(spec, cos, sin))
     hf = v.heads_first
     outs = torch.ops.ropekit.rotate_angles(pipeline.heads_first(q, hf), pipeline.heads_first(k, hf), cos, sin,
                                            v.interleaved, v.out_interleaved, _mrope_list(v), False)

@@ -192,7 +192,10 @@ def apply_rope_and_store(
         spec = pipeline.remember(key, _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                   interleaved, rotary_dim, k_scale, v_scale))
     ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
-    if spec.door is CUSTOM_OP:
+    if spec.door is CUSTOM_OP:                   # tensor subclasses (DTensor): through the dispatcher
+        from .distributed import like
+
+        positions, cos_sin_cache, slot_mapping, ks, vs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs)
         torch.ops.ropekit.rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                          spec.variant.interleaved, spec.rot, ks, vs)
         return q

@@ -194,8 +194,9 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
             if x is not None and has_internal_overlap(x):
                 fail(op, name, "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
                      f"strides {tuple(x.stride())}")
-        # data pointers cannot be traced: under torch.compile the in-place op checks at run time
-        if not torch.compiler.is_compiling():
+        # data pointers cannot be traced, nor read from tensor subclasses (DTensor): the in-place
+        # custom op checks its (local) tensors at run time
+        if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
             inplace_aliasing(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
         if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
             fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)

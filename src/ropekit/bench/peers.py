@@ -436,6 +436,63 @@ class RopekitUnfused(Ropekit):
         return "ropekit.apply_rope, then index_copy_ of k and v into the cache"
 
 
+class RopekitCuSeqlens(Ropekit):
+    """W11: positions derived inside the kernel from cu_seqlens (apply_rope(..., cu_seqlens=...)).
+    The plain `ropekit` peer times the same tokens with explicit positions."""
+    name = "ropekit-cu"
+    label = "ropekit cu_seqlens"
+    cpu_default = False      # ask for it by name on CPU (-p ropekit,ropekit-cu)
+
+    def make(self, wl, inp):
+        if wl.packed is None:
+            raise PeerSkip("n/a", "only for the packed workloads (W11)")
+        op = self._op("apply_rope")
+        if "cu_seqlens" not in inspect.signature(op).parameters:
+            raise PeerSkip("skipped", "apply_rope has no cu_seqlens yet")
+        q, k, cu, cache = inp["q"], inp["k"], inp["cu_seqlens"], inp["cache"]
+        cp_size = wl.packed[1]
+        return Bound(lambda: op(q, k, None, cache, cu_seqlens=cu, cp_size=cp_size, cp_rank=0), lambda o: tuple(o))
+
+    def note(self, wl):
+        return f"ropekit.apply_rope(q, k, None, cache, cu_seqlens=cu, cp_size={wl.packed[1] if wl.packed else 1})"
+
+
+def gather_hf_apply(q, k, cache, positions):
+    """Positions gather + HF's rotate_half formula, all inside the call: (1, H, T, D) q and k."""
+    half = cache.shape[-1] // 2
+    rows = cache[positions]                                   # (1, T, rotary_dim)
+    cos = torch.cat((rows[..., :half], rows[..., :half]), -1).to(q.dtype)
+    sin = torch.cat((rows[..., half:], rows[..., half:]), -1).to(q.dtype)
+    return plain_hf_apply(q, k, cos, sin)
+
+
+class TorchCompileGather(Peer):
+    """W11 peer: torch.compile of the positions gather and the HF formula together (what a
+    compiled packed-sequence model does with position_ids)."""
+    name = "torch-compile-gather"
+    label = "torch.compile (gather + HF formula)"
+    needs_cuda = False
+    cpu_default = False
+
+    def version(self):
+        return torch.__version__
+
+    def begin(self, wl):
+        import torch._dynamo
+        torch._dynamo.reset()
+
+    def make(self, wl, inp):
+        if wl.packed is None:
+            raise PeerSkip("n/a", "only for the packed workloads (W11)")
+        fn = torch.compile(gather_hf_apply, dynamic=False)
+        q_hf, k_hf = W.to_hf(wl, inp["q"]), W.to_hf(wl, inp["k"])
+        pos, cache = inp["positions"].unsqueeze(0), inp["cache"]
+        return Bound(lambda: fn(q_hf, k_hf, cache, pos), lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1])))
+
+    def note(self, wl):
+        return "torch.compile(dynamic=False) of cache[positions] -> cos/sin -> rotate_half formula"
+
+
 # ------------------------------------------------------------------------------------------
 # Liger-Kernel
 
@@ -721,7 +778,7 @@ for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn):
 
 def all_peers() -> List[Peer]:
     return [Ropekit(), RopekitUnfused(), RopekitHF(), Reference(), TorchEager(), TorchCompile(),
-            Liger(), FlashInfer(), VLLM(), FlashAttn()]
+            Liger(), FlashInfer(), VLLM(), FlashAttn(), RopekitCuSeqlens(), TorchCompileGather()]
 
 
 NAMES = [p.name for p in all_peers()]

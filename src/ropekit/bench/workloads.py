@@ -43,6 +43,7 @@ class Workload:
     base: float = 500000.0     # rope theta used to build the table
     graph: bool = False        # launch-bound: time with CUDA-graph replay
     host: bool = False         # also report host (wall-clock) time per eager call
+    packed: Optional[Tuple[int, int]] = None   # W11: (sequences, cp_size): THD tokens with cu_seqlens
 
     @property
     def group(self) -> str:
@@ -88,6 +89,18 @@ WORKLOADS: List[Workload] = [
     Workload("W8", "train_8b_fwd_bwd", "fwdbwd", "W1 through autograd, forward then backward",
              full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
              layout="bshd", positions="none"),
+    # W11: THD packing; positions="packed" gives inputs cu_seqlens (this rank's local lengths) and
+    # the same tokens' explicit positions (the `ropekit` peer times those, `ropekit-cu` the cu_seqlens path)
+    Workload("W11", "packed_2401", "rope", "THD packing: 65,536 tokens as 2,401 sequences, Llama-3-8B heads",
+             full=_llama8b(T=65536, N=2401, P=131072), quick=_llama8b(T=512, N=19, P=131072),
+             positions="packed", packed=(2401, 1)),
+    Workload("W11-N64", "packed_64", "rope", "W11 as 64 sequences",
+             full=_llama8b(T=65536, N=64, P=131072), quick=_llama8b(T=512, N=4, P=131072),
+             positions="packed", packed=(64, 1)),
+    Workload("W11-CP2", "packed_2401_cp2", "rope",
+             "W11 on context-parallel rank 0 of 2 (dual-chunk positions of sequences twice as long)",
+             full=_llama8b(T=65536, N=2401, P=131072), quick=_llama8b(T=512, N=19, P=131072),
+             positions="packed", packed=(2401, 2)),
 ]
 
 BY_ID = {w.id: w for w in WORKLOADS}
@@ -168,6 +181,8 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
         inp["positions"] = randint(s["P"], T)
     elif wl.positions == "mrope":
         inp["positions"] = randint(s["P"], 3, T)
+    elif wl.positions == "packed":
+        inp["cu_seqlens"], inp["positions"] = packed_positions(T, s["N"], wl.packed[1], seed, device)
     if wl.kind == "store":
         inp["v"] = randn(T, s["Hk"], s["D"])
         block = s["block"]
@@ -177,6 +192,29 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
         perm = torch.randperm(n_blocks * block, generator=g, device=device)
         inp["slots"] = perm[:T].contiguous()
     return inp
+
+
+def packed_lengths(T: int, n: int, seed: int) -> List[int]:
+    """n positive even lengths summing to T (even: valid under context parallelism too)."""
+    g = torch.Generator().manual_seed(seed)
+    halves = T // 2
+    cuts = torch.randperm(halves - 1, generator=g)[:n - 1].add(1).sort().values.tolist()
+    edges = [0] + cuts + [halves]
+    return [2 * (b - a) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def packed_positions(T: int, n: int, cp_size: int, seed: int, device):
+    """(cu_seqlens int32 (n+1,), positions int64 (T,)) for rank 0 of cp_size: built here from the
+    global sequences (chunks 0 and 2*cp_size-1 of each), independently of ropekit.packed."""
+    lens = packed_lengths(T, n, seed)
+    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    pieces = []
+    for L in lens:
+        chunk = L // 2 if cp_size > 1 else L
+        glob = torch.arange(L * cp_size, dtype=torch.int64)
+        pieces.append(glob[:chunk] if cp_size == 1 else
+                      torch.cat((glob[:chunk], glob[(2 * cp_size - 1) * chunk:])))
+    return cu.to(device), torch.cat(pieces).to(device)
 
 
 def clone_inputs(inp: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,134 @@
+"""DTensor inputs through ropekit's custom ops: two gloo processes on CPU, kernels interpreted.
+
+tests/helpers/dtensor_worker.py runs on two ranks (127.0.0.1, a free port); this test compares what
+rank 0 gathered with the float64 reference: outputs of token-, batch- and head-sharded and
+replicated calls, gradients (sharded and replicated upstream gradients), the in-place op, and the
+named errors for layouts that would need communication.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropekit import reference
+
+pytest.importorskip("torch.distributed.tensor", reason="needs torch.distributed.tensor (DTensor)")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
+
+WORKER = Path(__file__).resolve().parent / "helpers" / "dtensor_worker.py"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dtensor") / "results.pt"
+    port = free_port()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=120)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("gloo workers timed out")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return torch.load(out)
+
+
+def reference_case(c, upstream=True):
+    q, k = c["q"].double().requires_grad_(), c["k"].double().requires_grad_()
+    qo, ko = reference.apply_rope(q, k, c["pos"], c["cache"].double())
+    if upstream:
+        loss = (qo * c["wq"].double()).sum() + (ko * c["wk"].double()).sum() + qo.sum() + ko.sum()
+        loss.backward()
+        return qo, ko, q.grad, k.grad, loss
+    return qo, ko
+
+
+CASES = ["thd_tokens", "bshd_tokens", "bshd_batch", "thd_heads", "replicate", "positions_replicated_sliced"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_backward_match_float64(gathered, case):
+    c = gathered["results"][case]
+    qo, ko, gq, gk, loss = reference_case(c)
+    for got, want in ((c["qo"], qo), (c["ko"], ko), (c["gq"], gq), (c["gk"], gk)):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["loss"].double(), loss.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_inplace_head_sharded(gathered):
+    c = gathered["results"]["inplace_heads"]
+    qo, ko = reference_case(c, upstream=False)
+    torch.testing.assert_close(c["qo"].double(), qo.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["ko"].double(), ko.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_per_token_angles_token_sharded(gathered):
+    c = gathered["results"]["angles_tokens"]
+    qo, ko = reference_case(c, upstream=False)
+    torch.testing.assert_close(c["qo"].double(), qo.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["ko"].double(), ko.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_mrope_token_sharded(gathered):
+    c = gathered["results"]["mrope_tokens"]
+    qo, ko = reference.apply_rope(c["q"].double(), c["k"].double(), c["pos"], c["cache"].double(),
+                                  mrope_section=(4, 6, 6))
+    torch.testing.assert_close(c["qo"].double(), qo, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["ko"].double(), ko, rtol=1e-5, atol=1e-5)
+
+
+def test_store_head_sharded(gathered):
+    c = gathered["results"]["store_heads"]
+    q, kc, vc = c["q"].double(), c["k_cache"].double(), c["v_cache"].double()
+    reference.apply_rope_and_store(q, c["k"].double(), c["v"].double(), c["pos"], c["cache"].double(), kc, vc,
+                                   c["slots"])
+    torch.testing.assert_close(c["qo"].double(), q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["k_cache_out"].double(), kc, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["v_cache_out"].double(), vc, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
+    ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),
+    ("k_on_other_dim", "ropekit.rotate: k: expected placement Shard(dim=0) on mesh dim 0"),
+    ("shard_of_head_size", "ropekit.rotate: q: expected placements Replicate(), Shard(token dim) or Shard(head"),
+])
+def test_refused_layouts_name_the_argument(gathered, case, fragment):
+    msg = gathered["errors"][case]
+    assert msg is not None, f"{case}: the call did not raise"
+    assert msg.startswith(fragment), msg
+
+
+def test_rules_registered_lazily_when_dtensor_is_imported_after_ropekit():
+    """`import ropekit` must not import DTensor (~1 s); importing DTensor later registers the rules."""
+    code = (
+        "import sys, ropekit\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'ropekit imported DTensor'\n"
+        "assert not ropekit.distributed._registered\n"
+        "import torch\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
+        "assert all(getattr(torch.ops.ropekit, n).default in funcs for n in ropekit.distributed.OPS)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
