@@ -175,13 +175,14 @@ def plan_launch(q, k, q_out, k_out, angles: Angles, in_il, out_il, mrope, invers
         *_token_strides(q, n_tok), q.stride(-2), *sk,
         *_token_strides(q_out, n_tok), q_out.stride(-2), *sko,
         *sp, *angles.strides, sec_t, sec_h, sec_w,
+        0, 0, 0.0, 0.0,         # no q/k norm: weights, eps, offset unused (ropekit.qknorm sets them)
     )
     meta = dict(
         HALF=half, HALF_PAD=half_pad, BLOCK_H=bhq, TAIL_PAD=tail_pad, TOKENS=tokens,
         HAS_POS=positions is not None, MROPE=mode,
         IN_INTERLEAVED=in_il, OUT_INTERLEAVED=out_il, INVERSE=inverse, PACK=pack, EVICT=_EVICT,
         HEAD_LOOP=head_loop, PREFETCH=head_loop and (_PREFETCH if _PREFETCH is not None else mode == 0),
-        num_warps=num_warps,
+        NORM_Q=0, NORM_K=0, num_warps=num_warps,
     )
     grid = (-(-n_tokens // tokens), 1 if head_loop else nqb + nkb)
     return Launch(grid, args, meta, pack // 8, {})

@@ -99,6 +99,7 @@ def _plan(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved
         *(_token_strides(positions, n_tok) if has_pos else (0, 0)), row, col,
         *_token_strides(slot_mapping, n_tok),
         skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
+        q.shape[-1] - rot, 0, 0, 0.0, 0.0,      # no q/k norm (ropekit.qknorm sets these)
     )
     meta = dict(
         HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HV=bhv,
@@ -106,7 +107,7 @@ def _plan(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved
         K_SCALED=k_scaled, V_SCALED=v_scaled,
         PACK_Q=_pair_bits(q) if interleaved else 0,
         PACK_K=_pair_bits(k, k_cache) if interleaved else 0,
-        num_warps=num_warps,
+        NORM_Q=0, NORM_K=0, TAIL_PAD_Q=0, num_warps=num_warps,
     )
     return Launch((n_tokens, nqb + nkb + nvb), args, meta, {})
 

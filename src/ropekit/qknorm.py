@@ -1,0 +1,437 @@
+"""q/k RMSNorm fused with RoPE (and with the KV-cache store): the torch-facing side.
+
+    rope_with_norm(q, k, positions, cos_sin_cache, *, ..., q_norm_weight, k_norm_weight, norm_eps,
+                   norm_weight_offset)                       apply_rope with the norm (its hook)
+    rope_and_store_with_norm(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, ...,
+                             q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+                                                             apply_rope_and_store with the norm (its hook)
+
+y = x * rsqrt(mean(x^2) + eps) * (w + offset) in float32 over each head (weight (D,): Qwen3, Gemma 3)
+or over all heads of a token (weight (H*D,): OLMo 2), then the rotation; one launch of the kernel
+family's rope_kernel / rope_store_kernel with NORM_Q / NORM_K set. Weights: fp32/bf16/fp16, unit
+stride, on q's device. Autograd: gradients for q, k and both weights (rope_norm_backward_kernel,
+one launch per tensor). CUDA runs the kernels, CPU tensors under TRITON_INTERPRET=1 too; plain CPU
+runs ropekit.reference (differentiable by autograd).
+
+Everything here is self-contained (plans, launches, custom ops) so that it can be folded into the
+call pipeline of ops.py / store.py: it reuses ops.plan_launch and store._plan and only adds the
+norm's arguments to what they build.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+from . import ops, reference, store, validate
+from .launch import launch as launch_kernel
+from .ops import _next_pow2, _token_strides, _use_triton
+
+OP = "apply_rope"
+STORE_OP = "apply_rope_and_store"
+
+# rope_kernel's runtime-argument positions that the norm's head blocking changes (see plan_launch)
+_ARG_N_Q_BLOCKS, _ARG_N_BLOCKS = 7, 8
+# rope_store_kernel's: n_q_blocks, n_k_blocks
+_STORE_ARG_N_Q_BLOCKS, _STORE_ARG_N_K_BLOCKS = 10, 11
+# programs of the backward along tokens: each writes one float32 weight-gradient row per head block,
+# summed with torch afterwards (enough to fill an H200; few rows to sum)
+_BWD_PROGRAMS = int(os.environ.get("ROPEKIT_NORM_BWD_PROGRAMS", "1024"))
+
+
+def _mrope_arg(mrope, mrope_interleaved, positions):
+    if mrope is None or positions is None:
+        return None
+    return [ops.MROPE_INTERLEAVED if mrope_interleaved else ops.MROPE_CHUNKED, *mrope]
+
+
+def _warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
+    """Across-heads blocks hold a whole token (up to 64 heads of 128): more warps keep it in registers."""
+    elems = block_h * (2 * half_pad + tail_pad)
+    return max(warps, min(8, _next_pow2(max(1, elems // 1024))))
+
+
+# ---------------------------------------------------------------------------------------------
+# forward launch: rope_kernel with NORM_Q / NORM_K
+
+
+class NormLaunch(NamedTuple):
+    """A normed rope_kernel / rope_store_kernel launch minus its tensors (one per call signature)."""
+    grid: tuple
+    args: tuple             # the runtime arguments before the norm's (weights, eps, offset)
+    meta: dict
+    pack_bytes: int
+    compiled: dict
+
+
+def plan_forward(q, k, q_out, k_out, angles, interleaved, mrope, modes) -> NormLaunch:
+    """ops.plan_launch, then what the norm changes: the tail is always processed (it is normalized,
+    in place too), and across-heads norms need one head block holding all heads of a token."""
+    base = ops.plan_launch(q, k, q_out, k_out, angles, interleaved, interleaved, mrope, False)
+    meta = dict(base.meta, NORM_Q=modes[0], NORM_K=modes[1])
+    args = list(base.args[:-4])                       # minus the placeholders of the norm's arguments
+    rot = 2 * angles.half
+    tail = max(q.shape[-1], k.shape[-1] if k is not None else 0) - rot
+    meta["TAIL_PAD"] = _next_pow2(tail) if tail > 0 else 0
+    grid = base.grid
+    if 2 in modes:
+        n_q, n_k = q.shape[-2], (k.shape[-2] if k is not None else 0)
+        bh = _next_pow2(max(n_q, n_k))
+        nqb, nkb = 1, (1 if n_k else 0)
+        meta["BLOCK_H"] = bh
+        args[_ARG_N_Q_BLOCKS], args[_ARG_N_BLOCKS] = nqb, nqb + nkb
+        grid = (grid[0], 1 if meta["HEAD_LOOP"] else nqb + nkb)
+    meta["num_warps"] = _warps(meta["BLOCK_H"], meta["HALF_PAD"], meta["TAIL_PAD"], meta["num_warps"])
+    return NormLaunch(grid, tuple(args), meta, base.pack_bytes, {})
+
+
+def fire_forward(launch: NormLaunch, q, k, q_out, k_out, angles, wq, wk, eps, offset) -> None:
+    meta = launch.meta
+    if launch.pack_bytes and any(x is not None and x.data_ptr() % launch.pack_bytes for x in (q, k, q_out, k_out)):
+        meta = dict(meta, PACK=0)
+    wq_t = wq if wq is not None else wk               # an unused weight slot gets the other (never read)
+    wk_t = wk if wk is not None else wq
+    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out,
+            angles.cos if angles.positions is None else angles.positions, angles.cos, angles.sin)
+    # weights are passed after the ints (kernel order): their 16-byte alignment is part of the key
+    variant = (meta["PACK"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
+    launch_kernel(ops._rope_kernel(), launch.compiled, variant, launch.grid, ptrs,
+                  (*launch.args, wq_t, wk_t, float(eps), float(offset)), meta)
+
+
+_PLANS: dict = {}
+
+
+def _sig(x):
+    return None if x is None else (x.shape, x.stride(), x.dtype, x.device)
+
+
+def _cached(key, make):
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = make()
+    return plan
+
+
+def _forward_triton(q, k, q_out, k_out, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
+    """Normalize and rotate q -> q_out, k -> k_out (the outputs may be the inputs) with one launch."""
+    if q.shape[:-2].numel() == 0:
+        return
+    modes = _modes(q, k, wq, wk)
+    angles = ops.angles_from_cache(table, positions, rot // 2, q.dim() - 2)
+    key = ("fwd", _sig(q), _sig(k), _sig(q_out), _sig(k_out), q_out.data_ptr() == q.data_ptr(), _sig(positions),
+           _sig(table), interleaved, rot, None if mrope is None else tuple(mrope), modes,
+           _sig(wq), _sig(wk))
+    launch = _cached(key, lambda: plan_forward(q, k, q_out, k_out, angles, interleaved, mrope, modes))
+    fire_forward(launch, q, k, q_out, k_out, angles, wq, wk, eps, offset)
+
+
+def _modes(q, k, wq, wk):
+    """The kernel's NORM_Q / NORM_K: 0 none, 1 per head (weight (D,)), 2 across heads ((H*D,))."""
+    def one(x, w):
+        if w is None:
+            return 0
+        return 1 if w.shape[0] == x.shape[-1] else 2
+    return one(q, wq), (one(k, wk) if k is not None else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward launch: rope_norm_backward_kernel, one tensor (q or k) per launch
+
+
+class BackwardLaunch(NamedTuple):
+    grid: tuple
+    args: tuple             # runtime arguments minus eps and offset
+    meta: dict
+    dw_shape: tuple         # (rows, dw_row) of the float32 partial sums
+    compiled: dict
+
+
+def plan_backward(x, g, gx, w, positions, table, interleaved, rot, mrope, mode) -> BackwardLaunch:
+    n_tok = x.dim() - 2
+    S = x.shape[n_tok - 1]
+    n_tokens = x.shape[:n_tok].numel()
+    n_heads, d = x.shape[-2], x.shape[-1]
+    half = rot // 2
+    half_pad = _next_pow2(half)
+    tail = d - rot
+    tail_pad = _next_pow2(tail) if tail > 0 else 0
+    if mode == 2:
+        bh = _next_pow2(n_heads)                       # the norm group: all heads in one block
+    else:
+        bh = min(_next_pow2(n_heads), _next_pow2(max(1, ops._BLOCK_ELEMS // (2 * half_pad))))
+    n_blocks = -(-n_heads // bh)
+    tpp = -(-n_tokens // max(1, _BWD_PROGRAMS))
+    n_progs = -(-n_tokens // tpp)
+    angles = ops.angles_from_cache(table, positions, half, n_tok)
+    mode_m = 0 if mrope is None else mrope[0]
+    sec = (0, 0, 0) if mrope is None else tuple(mrope[1:])
+    if positions is not None:
+        sp = ((positions.stride(0) if mode_m else 0), *_token_strides(positions[0] if mode_m else positions, n_tok))
+    else:
+        sp = (0, 0, 0)
+    dw_row = d if mode == 1 else n_heads * d
+    args = (
+        n_tokens, S, n_heads, tail, angles.max_pos, n_blocks, angles.sin_off, tpp, dw_row,
+        *_token_strides(x, n_tok), x.stride(-2), *_token_strides(g, n_tok), g.stride(-2),
+        *_token_strides(gx, n_tok), gx.stride(-2),
+        *sp, *angles.strides, *sec,
+    )
+    meta = dict(HALF=half, HALF_PAD=half_pad, BLOCK_H=bh, TAIL_PAD=tail_pad, HAS_POS=positions is not None,
+                MROPE=mode_m, IN_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved, NORM=mode,
+                num_warps=_warps(bh, half_pad, tail_pad, 4))
+    return BackwardLaunch((n_progs, n_blocks), args, meta, (n_progs * n_blocks, dw_row), {})
+
+
+def _backward_kernel():
+    from .kernels.rope import rope_norm_backward_kernel    # imported on first use: Triton loads lazily
+
+    return rope_norm_backward_kernel
+
+
+def backward_triton(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+    """(gx, dw) for one normalized-and-rotated tensor x given its output gradient g (dw None
+    without a weight, gx then the plain inverse rotation)."""
+    g = ops._unit_last_stride(g)
+    gx = ops.empty_like(x)
+    if x.shape[:-2].numel() == 0:
+        return gx.zero_(), (None if w is None else torch.zeros_like(w))
+    mode = 0 if w is None else (1 if w.shape[0] == x.shape[-1] else 2)
+    key = ("bwd", _sig(x), _sig(g), _sig(gx), _sig(w), _sig(positions), _sig(table), interleaved, rot,
+           None if mrope is None else tuple(mrope), mode)
+    launch = _cached(key, lambda: plan_backward(x, g, gx, w, positions, table, interleaved, rot, mrope, mode))
+    dw_buf = torch.empty(launch.dw_shape if mode else (1, 1), dtype=torch.float32, device=x.device)
+    pos_or_table = table if positions is None else positions
+    ptrs = (x, g, gx, table if w is None else w, dw_buf, pos_or_table, table, table)
+    variant = (None if w is None else w.data_ptr() % 16 == 0,)
+    launch_kernel(_backward_kernel(), launch.compiled, variant, launch.grid, ptrs,
+                  (*launch.args, float(eps), float(offset)), launch.meta)
+    dw = None if w is None else dw_buf.sum(0).to(w.dtype)
+    return gx, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# the CPU path (no Triton): the reference
+
+
+def _forward_reference(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
+    section = None if mrope is None else mrope[1:]
+    return reference.rms_norm_rope(q, k, positions, table, interleaved=interleaved, rotary_dim=rot,
+                                   mrope_section=section,
+                                   mrope_interleaved=mrope is not None and mrope[0] == ops.MROPE_INTERLEAVED,
+                                   q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps, norm_weight_offset=offset)
+
+
+def _backward_reference(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+    with torch.enable_grad():
+        xd = x.detach().requires_grad_(True)
+        wd = None if w is None else w.detach().requires_grad_(True)
+        y, _ = _forward_reference(xd, None, positions, table, interleaved, rot, mrope, wd, None, eps, offset)
+        grads = torch.autograd.grad(y, [xd] + ([wd] if wd is not None else []), g)
+    return grads[0], (grads[1] if wd is not None else None)
+
+
+def _forward_out(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
+    """Out of place: fresh outputs."""
+    if _use_triton(q):
+        q_out = ops.empty_like(q)
+        k_out = None if k is None else ops.empty_like(k)
+        _forward_triton(q, k, q_out, k_out, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+        return q_out, k_out
+    return _forward_reference(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+
+
+def _forward_inplace(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
+    if _use_triton(q):
+        _forward_triton(q, k, q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+    else:
+        qo, ko = _forward_reference(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+        q.copy_(qo)
+        if k is not None:
+            k.copy_(ko)
+
+
+def _backward(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+    if _use_triton(x):
+        return backward_triton(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+    return _backward_reference(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# eager autograd
+
+
+class _NormRope(torch.autograd.Function):
+    """Eager autograd: saves the unnormalized q and k (the backward recomputes the inverse rms from
+    them, no extra activation is stored) and launches the backward kernel once per tensor that
+    needs a gradient (for its input or its weight). Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, table, wq, wk, cfg):
+        interleaved, rot, mrope, eps, offset = cfg
+        q_out, k_out = _forward_out(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+        ctx.save_for_backward(q, k, positions, table, wq, wk)
+        ctx.cfg = cfg
+        return q_out, k_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gq, gk):
+        q, k, positions, table, wq, wk = ctx.saved_tensors
+        interleaved, rot, mrope, eps, offset = ctx.cfg
+        need = ctx.needs_input_grad
+        grads = [None] * 7
+        for xi, wi, x, w, g in ((0, 4, q, wq, gq), (1, 5, k, wk, gk)):
+            if x is None or not (need[xi] or (w is not None and need[wi])):
+                continue
+            if g is None:
+                g = torch.zeros_like(x)
+            gx, dw = _backward(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+            grads[xi] = gx if need[xi] else None
+            grads[wi] = dw if (w is not None and need[wi]) else None
+        return tuple(grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration: what torch.compile sees
+
+
+@torch.library.custom_op("ropekit::rope_norm", mutates_args=())
+def _rope_norm_op(
+    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], table: torch.Tensor,
+    wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool, rot: int,
+    mrope: Optional[List[int]], eps: float, offset: float,
+) -> List[torch.Tensor]:
+    q_out, k_out = _forward_out(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+    return [q_out] if k is None else [q_out, k_out]
+
+
+@_rope_norm_op.register_fake
+def _(q, k, positions, table, wq, wk, interleaved, rot, mrope, eps, offset):
+    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+
+
+@torch.library.custom_op("ropekit::rope_norm_backward", mutates_args=())
+def _rope_norm_backward_op(
+    x: torch.Tensor, g: torch.Tensor, w: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+    table: torch.Tensor, interleaved: bool, rot: int, mrope: Optional[List[int]], eps: float, offset: float,
+) -> List[torch.Tensor]:
+    gx, dw = _backward(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+    return [gx] if dw is None else [gx, dw]
+
+
+@_rope_norm_backward_op.register_fake
+def _(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+    return [torch.empty_like(x)] if w is None else [torch.empty_like(x), torch.empty_like(w)]
+
+
+def _rope_norm_setup(ctx, inputs, output):
+    q, k, positions, table, wq, wk, interleaved, rot, mrope, eps, offset = inputs
+    ctx.save_for_backward(q, k, positions, table, wq, wk)
+    ctx.cfg = (interleaved, rot, mrope, eps, offset)
+
+
+def _rope_norm_backward(ctx, grads):
+    q, k, positions, table, wq, wk = ctx.saved_tensors
+    interleaved, rot, mrope, eps, offset = ctx.cfg
+    need = ctx.needs_input_grad
+    out = [None] * 11
+    for xi, wi, gi, x, w in ((0, 4, 0, q, wq), (1, 5, 1, k, wk)):
+        if x is None or not (need[xi] or (w is not None and need[wi])):
+            continue
+        g = grads[gi] if grads[gi] is not None else torch.zeros_like(x)
+        res = _rope_norm_backward_op(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+        out[xi] = res[0] if need[xi] else None
+        out[wi] = res[1] if (w is not None and need[wi]) else None
+    return tuple(out)
+
+
+_rope_norm_op.register_autograd(_rope_norm_backward, setup_context=_rope_norm_setup)
+
+
+@torch.library.custom_op("ropekit::rope_norm_", mutates_args=("q", "k"))
+def _rope_norm_inplace_op(
+    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], table: torch.Tensor,
+    wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool, rot: int,
+    mrope: Optional[List[int]], eps: float, offset: float,
+) -> None:
+    # the address checks validation skips while tracing, made before any write
+    validate.inplace_aliasing(OP, q, k, (("positions", positions), ("cos_sin_cache", table),
+                                         ("q_norm_weight", wq), ("k_norm_weight", wk)))
+    _forward_inplace(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+
+
+@_rope_norm_inplace_op.register_fake
+def _(q, k, positions, table, wq, wk, interleaved, rot, mrope, eps, offset):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry: apply_rope's hook
+
+
+def _records_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) is True for x in xs)
+
+
+def rope_with_norm(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    inplace: bool = False,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
+):
+    """apply_rope with RMSNorm of q and/or k before the rotation, in the same launch.
+
+    q_norm_weight: (Dq,) normalizes each head of q, (Hq*Dq,) all heads of a token together; None:
+        q is only rotated. k_norm_weight likewise for k. fp32/bf16/fp16, unit stride, q's device.
+    norm_eps: added to mean(x^2). norm_weight_offset: added to the weight (1.0: Gemma's (1 + w)).
+    The whole head is normalized, the tail past rotary_dim included (and written, in place too).
+    Other arguments, results and guarantees as apply_rope; gradients for q, k and both weights.
+    """
+    rot, mrope = validate.rope_args(OP, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
+                                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                                    inplace=inplace)
+    validate.norm_weights(OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace)
+    ops._no_grad_table(OP, cos_sin_cache)
+    if inplace and not torch.compiler.is_compiling():
+        validate.written_vs_read(OP, (("q", q), ("k", k)),
+                                 (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)))
+    mrope_arg = _mrope_arg(mrope, mrope_interleaved, positions)
+    if positions is not None and validate.is_strict() and not torch.compiler.is_compiling():
+        validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
+    interleaved = bool(interleaved)
+    eps, offset = float(norm_eps), float(norm_weight_offset)
+    args = (positions, cos_sin_cache, q_norm_weight, k_norm_weight, interleaved, rot, mrope_arg, eps, offset)
+    if torch.compiler.is_compiling():
+        if inplace:
+            torch.ops.ropekit.rope_norm_(q, k, *args)
+            return q, k
+        outs = _rope_norm_op(q, k, *args)
+        return outs[0], (outs[1] if k is not None else None)
+    if inplace:
+        _forward_inplace(q, k, positions, cos_sin_cache, interleaved, rot, mrope_arg, q_norm_weight,
+                         k_norm_weight, eps, offset)
+        # Triton's writes are invisible to autograd: bump the version counters (see ops.apply_rope)
+        torch.autograd.graph.increment_version(q)
+        if k is not None:
+            torch.autograd.graph.increment_version(k)
+        return q, k
+    if _records_grad(q, k, q_norm_weight, k_norm_weight) and _use_triton(q):
+        return _NormRope.apply(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight,
+                               (interleaved, rot, mrope_arg, eps, offset))
+    return _forward_out(q, k, positions, cos_sin_cache, interleaved, rot, mrope_arg, q_norm_weight, k_norm_weight,
+                        eps, offset)
