@@ -447,6 +447,10 @@ def apply_rope(
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
     inplace: bool = False,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -465,7 +469,16 @@ def apply_rope(
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
     out-of-bounds read); under `ropekit.strict()` it raises ValueError before anything is written.
+
+    q_norm_weight / k_norm_weight ((D,) per head or (H*D,) across heads), norm_eps,
+    norm_weight_offset: RMSNorm of q / k before the rotation, same launch (see ropekit.qknorm).
     """
+    if q_norm_weight is not None or k_norm_weight is not None:
+        from .qknorm import rope_with_norm
+        return rope_with_norm(q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
+                              mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
+                              q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                              norm_weight_offset=norm_weight_offset)
     op = "apply_rope"
     compiling = torch.compiler.is_compiling()
     grad = _records_grad(q, k)

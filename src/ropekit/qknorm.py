@@ -435,3 +435,120 @@ def rope_with_norm(
                                (interleaved, rot, mrope_arg, eps, offset))
     return _forward_out(q, k, positions, cos_sin_cache, interleaved, rot, mrope_arg, q_norm_weight, k_norm_weight,
                         eps, offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused store with the norm: rope_store_kernel with NORM_Q / NORM_K
+
+
+def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scaled, v_scaled,
+               modes) -> NormLaunch:
+    """store._plan, then what the norm changes: q's tail is normalized in place (TAIL_PAD_Q), and
+    across-heads norms need one head block holding all heads (BLOCK_HQ / BLOCK_HK)."""
+    base = store._plan(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot,
+                       k_scaled, v_scaled)
+    meta = dict(base.meta, NORM_Q=modes[0], NORM_K=modes[1])
+    args = list(base.args[:-4])                    # keeps q_tail; minus the weights, eps, offset placeholders
+    q_tail = q.shape[-1] - rot
+    meta["TAIL_PAD_Q"] = _next_pow2(q_tail) if modes[0] and q_tail > 0 else 0
+    grid = base.grid
+    nvb = grid[1] - args[_STORE_ARG_N_Q_BLOCKS] - args[_STORE_ARG_N_K_BLOCKS]
+    if modes[0] == 2:
+        meta["BLOCK_HQ"] = _next_pow2(q.shape[-2])
+        args[_STORE_ARG_N_Q_BLOCKS] = 1
+    if modes[1] == 2:
+        meta["BLOCK_HK"] = _next_pow2(k.shape[-2])
+        args[_STORE_ARG_N_K_BLOCKS] = 1
+    grid = (grid[0], args[_STORE_ARG_N_Q_BLOCKS] + args[_STORE_ARG_N_K_BLOCKS] + nvb)
+    bh = max(meta["BLOCK_HQ"], meta["BLOCK_HK"])
+    meta["num_warps"] = _warps(bh, meta["HALF_PAD"], max(meta["TAIL_PAD"], meta["TAIL_PAD_Q"]), meta["num_warps"])
+    return NormLaunch(grid, tuple(args), meta, 0, {})
+
+
+def fire_store(launch: NormLaunch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs,
+               wq, wk, eps, offset) -> None:
+    from .kernels.store import rope_store_kernel
+
+    meta = launch.meta
+    if meta["PACK_Q"] and q.data_ptr() % (meta["PACK_Q"] // 8):
+        meta = dict(meta, PACK_Q=0)
+    if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
+        meta = dict(meta, PACK_K=0)
+    wq_t = wq if wq is not None else wk
+    wk_t = wk if wk is not None else wq
+    ptrs = (q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
+            table if ks is None else ks, table if vs is None else vs)
+    variant = (meta["PACK_Q"], meta["PACK_K"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
+    launch_kernel(rope_store_kernel, launch.compiled, variant, launch.grid, ptrs,
+                  (*launch.args, wq_t, wk_t, float(eps), float(offset)), meta)
+
+
+def _store_run(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, ks, vs,
+               wq, wk, eps, offset):
+    """Checks, then the kernel (or the reference on CPU): the body of the custom op and of eager calls."""
+    store._checks(q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
+    validate.written_vs_read(STORE_OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
+                             (("q_norm_weight", wq), ("k_norm_weight", wk)))
+    if q.shape[:-2].numel() == 0:
+        return
+    if _use_triton(q):
+        ks, vs = store._fp8_scales(k_cache, v_cache, ks, vs, q.device)
+        modes = _modes(q, k, wq, wk)
+        key = ("store", _sig(q), _sig(k), _sig(v), _sig(positions), _sig(table), _sig(k_cache), _sig(v_cache),
+               _sig(slot_mapping), interleaved, rot, ks is not None, vs is not None, modes, _sig(wq), _sig(wk))
+        launch = _cached(key, lambda: plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
+                                                 interleaved, rot, ks is not None, vs is not None, modes))
+        fire_store(launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset)
+        return
+    # reference: normalize in float32 (unrounded), then the store's own reference rotates and rounds once
+    qn = q if wq is None else reference.rms_norm(q, wq, eps=eps, offset=offset)
+    kn = k if wk is None else reference.rms_norm(k, wk, eps=eps, offset=offset)
+    qn = qn.clone() if qn is q else qn
+    store._run_reference(qn, kn, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, ks, vs)
+    q.copy_(qn)
+
+
+@torch.library.custom_op("ropekit::rope_norm_and_store", mutates_args=("q", "k_cache", "v_cache"))
+def _rope_norm_and_store_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor],
+    table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    interleaved: bool, rot: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+    wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], eps: float, offset: float,
+) -> None:
+    _store_run(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scale, v_scale,
+               wq, wk, eps, offset)
+
+
+@_rope_norm_and_store_op.register_fake
+def _(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scale, v_scale,
+      wq, wk, eps, offset):
+    return None
+
+
+def rope_and_store_with_norm(
+    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *,
+    interleaved=False, rotary_dim=None, k_scale=None, v_scale=None,
+    q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0,
+):
+    """apply_rope_and_store with RMSNorm of q and/or k first: q normalized and rotated in place
+    (its tail normalized in place too), k normalized and rotated into k_cache (fp8: scaled and cast
+    once from float32), v copied. Weights as in rope_with_norm. Inference only. Returns q."""
+    rot, _, _, k_scale, v_scale = validate.store_args(
+        STORE_OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
+    validate.norm_weights(STORE_OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    if torch.is_grad_enabled():
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if w is not None and w.requires_grad:
+                validate.fail(STORE_OP, name, "a tensor that does not require grad (apply_rope_and_store is "
+                              "inference only)", "requires_grad=True")
+    ks, vs = store._scale_tensor(k_scale, q.device), store._scale_tensor(v_scale, q.device)
+    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(interleaved), rot, ks, vs,
+            q_norm_weight, k_norm_weight, float(norm_eps), float(norm_weight_offset))
+    if torch.compiler.is_compiling():
+        torch.ops.ropekit.rope_norm_and_store(q, k, v, *args)
+        return q
+    _store_run(q, k, v, *args)
+    for x in (q, k_cache, v_cache):
+        torch.autograd.graph.increment_version(x)
+    return q

@@ -459,8 +459,6 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
         if w.shape[0] not in (d, h * d):
             fail(op, name, f"shape ({d},) (per head) or ({h * d},) (across the {h} heads of {xname})",
                  f"shape {tuple(w.shape)}")
-        if w.shape[0] > 1 and w.stride(0) != 1:
-            fail(op, name, "a contiguous tensor (stride 1)", f"strides {tuple(w.stride())}")
         modes.append(1 if w.shape[0] == d else 2)      # one head: per head and across heads agree
         if inplace and torch.is_grad_enabled() and w.requires_grad:
             fail(op, "inplace", f"False when {name} requires grad (its gradient needs the unnormalized input)",
