@@ -539,7 +539,7 @@ def test_bigmem_cuda_norm_past_2_31_elements():
     assert rel(qo[tail], rq) < 1e-2 and rel(ko[tail], rk) < 1e-2
     del qo, ko
     g = torch.ones_like(q)
-    gx, dw = qknorm.backward_triton(q, g, wq, pos, cache, False, D, None, 1e-6, 0.0)
+    gx, dw = qknorm.backward_triton(q, g, wq, pos, cache[:, :D // 2], cache[:, D // 2:], False, None, 1e-6, 0.0)
     qd = q[tail].double().cpu().requires_grad_(True)
     y, _ = reference.rms_norm_rope(qd, None, pos[tail].cpu(), cache.double().cpu(), q_norm_weight=wq.double().cpu())
     y.sum().backward()

@@ -117,14 +117,17 @@ def _cached(key, make):
     return plan
 
 
-def _forward_triton(q, k, q_out, k_out, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
-    """Normalize and rotate q -> q_out, k -> k_out (the outputs may be the inputs) with one launch."""
+def _forward_triton(q, k, q_out, k_out, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset):
+    """Normalize and rotate q -> q_out, k -> k_out (the outputs may be the inputs) with one launch.
+
+    positions, cos, sin: as ops._run takes them: (max_position, half) table views picked by
+    positions, or per-token views (*T, half) / (3, *T, half) with positions None."""
     if q.shape[:-2].numel() == 0:
         return
     modes = _modes(q, k, wq, wk)
-    angles = ops.angles_from_cache(table, positions, rot // 2, q.dim() - 2)
+    angles = ops.angles_from_views(positions, cos, sin, q.dim() - 2, mrope)
     key = ("fwd", _sig(q), _sig(k), _sig(q_out), _sig(k_out), q_out.data_ptr() == q.data_ptr(), _sig(positions),
-           _sig(table), interleaved, rot, None if mrope is None else tuple(mrope), modes,
+           _sig(cos), _sig(sin), interleaved, None if mrope is None else tuple(mrope), modes,
            _sig(wq), _sig(wk))
     launch = _cached(key, lambda: plan_forward(q, k, q_out, k_out, angles, interleaved, mrope, modes))
     fire_forward(launch, q, k, q_out, k_out, angles, wq, wk, eps, offset)
@@ -151,14 +154,14 @@ class BackwardLaunch(NamedTuple):
     compiled: dict
 
 
-def plan_backward(x, g, gx, w, positions, table, interleaved, rot, mrope, mode) -> BackwardLaunch:
+def plan_backward(x, g, gx, w, angles, interleaved, mrope, mode) -> BackwardLaunch:
     n_tok = x.dim() - 2
     S = x.shape[n_tok - 1]
     n_tokens = x.shape[:n_tok].numel()
     n_heads, d = x.shape[-2], x.shape[-1]
-    half = rot // 2
+    half = angles.half
     half_pad = _next_pow2(half)
-    tail = d - rot
+    tail = d - 2 * half
     tail_pad = _next_pow2(tail) if tail > 0 else 0
     if mode == 2:
         bh = _next_pow2(n_heads)                       # the norm group: all heads in one block
@@ -167,7 +170,7 @@ def plan_backward(x, g, gx, w, positions, table, interleaved, rot, mrope, mode) 
     n_blocks = -(-n_heads // bh)
     tpp = -(-n_tokens // max(1, _BWD_PROGRAMS))
     n_progs = -(-n_tokens // tpp)
-    angles = ops.angles_from_cache(table, positions, half, n_tok)
+    positions = angles.positions
     mode_m = 0 if mrope is None else mrope[0]
     sec = (0, 0, 0) if mrope is None else tuple(mrope[1:])
     if positions is not None:
@@ -182,7 +185,7 @@ def plan_backward(x, g, gx, w, positions, table, interleaved, rot, mrope, mode) 
         *sp, *angles.strides, *sec,
     )
     meta = dict(HALF=half, HALF_PAD=half_pad, BLOCK_H=bh, TAIL_PAD=tail_pad, HAS_POS=positions is not None,
-                MROPE=mode_m, IN_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved, NORM=mode,
+                MROPE=mode_m if positions is not None or mrope is not None else 0, IN_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved, NORM=mode,
                 num_warps=_warps(bh, half_pad, tail_pad, 4))
     return BackwardLaunch((n_progs, n_blocks), args, meta, (n_progs * n_blocks, dw_row), {})
 
@@ -193,20 +196,20 @@ def _backward_kernel():
     return rope_norm_backward_kernel
 
 
-def backward_triton(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+def backward_triton(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset):
     """(gx, dw) for one normalized-and-rotated tensor x given its output gradient g (dw None
-    without a weight, gx then the plain inverse rotation)."""
+    without a weight, gx then the plain inverse rotation); angles as _forward_triton takes them."""
     g = ops._unit_last_stride(g)
     gx = ops.empty_like(x)
     if x.shape[:-2].numel() == 0:
         return gx.zero_(), (None if w is None else torch.zeros_like(w))
     mode = 0 if w is None else (1 if w.shape[0] == x.shape[-1] else 2)
-    key = ("bwd", _sig(x), _sig(g), _sig(gx), _sig(w), _sig(positions), _sig(table), interleaved, rot,
+    angles = ops.angles_from_views(positions, cos, sin, x.dim() - 2, mrope)
+    key = ("bwd", _sig(x), _sig(g), _sig(gx), _sig(w), _sig(positions), _sig(cos), _sig(sin), interleaved,
            None if mrope is None else tuple(mrope), mode)
-    launch = _cached(key, lambda: plan_backward(x, g, gx, w, positions, table, interleaved, rot, mrope, mode))
+    launch = _cached(key, lambda: plan_backward(x, g, gx, w, angles, interleaved, mrope, mode))
     dw_buf = torch.empty(launch.dw_shape if mode else (1, 1), dtype=torch.float32, device=x.device)
-    pos_or_table = table if positions is None else positions
-    ptrs = (x, g, gx, table if w is None else w, dw_buf, pos_or_table, table, table)
+    ptrs = (x, g, gx, cos if w is None else w, dw_buf, cos if positions is None else positions, cos, sin)
     variant = (None if w is None else w.data_ptr() % 16 == 0,)
     launch_kernel(_backward_kernel(), launch.compiled, variant, launch.grid, ptrs,
                   (*launch.args, float(eps), float(offset)), launch.meta)
@@ -218,47 +221,65 @@ def backward_triton(x, g, w, positions, table, interleaved, rot, mrope, eps, off
 # the CPU path (no Triton): the reference
 
 
-def _forward_reference(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
-    section = None if mrope is None else mrope[1:]
-    return reference.rms_norm_rope(q, k, positions, table, interleaved=interleaved, rotary_dim=rot,
-                                   mrope_section=section,
-                                   mrope_interleaved=mrope is not None and mrope[0] == ops.MROPE_INTERLEAVED,
-                                   q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps, norm_weight_offset=offset)
+def _ref_angles(x, positions, cos, sin, mrope):
+    """cos, sin per token (*T, half) from the views _forward_triton takes (as ops._run_reference)."""
+    n_tok = x.dim() - 2
+    if positions is not None:
+        section = None if mrope is None else mrope[1:]
+        return reference.gather_angles(cos, sin, positions, tuple(x.shape[:n_tok]), mrope_section=section,
+                                       mrope_interleaved=mrope is not None and mrope[0] == ops.MROPE_INTERLEAVED)
+    if mrope is not None:
+        sec = reference.mrope_sections_of_frequencies(cos.shape[-1], mrope[1:], mrope[0] == ops.MROPE_INTERLEAVED)
+        pick = sec.to(cos.device).view(1, *([1] * n_tok), -1).expand(1, *cos.shape[1:])
+        return cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
+    return cos, sin
 
 
-def _backward_reference(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+def _forward_reference(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset):
+    c, s = _ref_angles(q, positions, cos, sin, mrope)
+    outs = []
+    for x, w in ((q, wq), (k, wk)):
+        if x is None:
+            outs.append(None)
+            continue
+        y = x if w is None else reference.rms_norm(x, w, eps=eps, offset=offset)
+        outs.append(reference.rotate(y, c, s, interleaved=interleaved).to(x.dtype))
+    return outs[0], outs[1]
+
+
+def _backward_reference(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset):
     with torch.enable_grad():
         xd = x.detach().requires_grad_(True)
         wd = None if w is None else w.detach().requires_grad_(True)
-        y, _ = _forward_reference(xd, None, positions, table, interleaved, rot, mrope, wd, None, eps, offset)
+        y, _ = _forward_reference(xd, None, positions, cos, sin, interleaved, mrope, wd, None, eps, offset)
         grads = torch.autograd.grad(y, [xd] + ([wd] if wd is not None else []), g)
     return grads[0], (grads[1] if wd is not None else None)
 
 
-def _forward_out(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
+def _forward_out(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset):
     """Out of place: fresh outputs."""
     if _use_triton(q):
         q_out = ops.empty_like(q)
         k_out = None if k is None else ops.empty_like(k)
-        _forward_triton(q, k, q_out, k_out, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+        _forward_triton(q, k, q_out, k_out, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
         return q_out, k_out
-    return _forward_reference(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+    return _forward_reference(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
 
 
-def _forward_inplace(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset):
+def _forward_inplace(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset):
     if _use_triton(q):
-        _forward_triton(q, k, q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+        _forward_triton(q, k, q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
     else:
-        qo, ko = _forward_reference(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+        qo, ko = _forward_reference(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
         q.copy_(qo)
         if k is not None:
             k.copy_(ko)
 
 
-def _backward(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+def _backward(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset):
     if _use_triton(x):
-        return backward_triton(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
-    return _backward_reference(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+        return backward_triton(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset)
+    return _backward_reference(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,29 +292,43 @@ class _NormRope(torch.autograd.Function):
     needs a gradient (for its input or its weight). Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, positions, table, wq, wk, cfg):
-        interleaved, rot, mrope, eps, offset = cfg
-        q_out, k_out = _forward_out(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
-        ctx.save_for_backward(q, k, positions, table, wq, wk)
+    def forward(ctx, q, k, positions, cos, sin, wq, wk, cfg):
+        interleaved, mrope, eps, offset = cfg
+        q_out, k_out = _forward_out(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
+        ctx.save_for_backward(q, k, positions, cos, sin, wq, wk)
         ctx.cfg = cfg
         return q_out, k_out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gq, gk):
-        q, k, positions, table, wq, wk = ctx.saved_tensors
-        interleaved, rot, mrope, eps, offset = ctx.cfg
-        need = ctx.needs_input_grad
-        grads = [None] * 7
-        for xi, wi, x, w, g in ((0, 4, q, wq, gq), (1, 5, k, wk, gk)):
-            if x is None or not (need[xi] or (w is not None and need[wi])):
-                continue
-            if g is None:
-                g = torch.zeros_like(x)
-            gx, dw = _backward(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
-            grads[xi] = gx if need[xi] else None
-            grads[wi] = dw if (w is not None and need[wi]) else None
-        return tuple(grads)
+        q, k, positions, cos, sin, wq, wk = ctx.saved_tensors
+        interleaved, mrope, eps, offset = ctx.cfg
+        return (*_grads(ctx.needs_input_grad, (q, k, wq, wk), (gq, gk), _backward,
+                        (positions, cos, sin, interleaved, mrope, eps, offset)), None, None, None, None)
+
+
+def _grads(need, tensors, out_grads, backward, rest):
+    """(dq, dk, dwq, dwk) from per-tensor backward calls; need: needs_input_grad in the order
+    (q, k, positions, cos, sin, wq, wk, ...)."""
+    q, k, wq, wk = tensors
+    res = [None, None, None, None]
+    for i, (x, w, g, need_x, need_w) in enumerate(((q, wq, out_grads[0], need[0], need[5]),
+                                                   (k, wk, out_grads[1], need[1], need[6]))):
+        if x is None or not (need_x or (w is not None and need_w)):
+            continue
+        if g is None:
+            g = torch.zeros_like(x)
+        gx, dw = backward(x, g, w, *rest)
+        res[i] = gx if need_x else None
+        res[2 + i] = dw if (w is not None and need_w) else None
+    dq, dk, dwq, dwk = res
+    return dq, dk, None, None, None, dwq, dwk
+
+
+def _backward_op_call(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset):
+    res = _rope_norm_backward_op(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset)
+    return res[0], (res[1] if w is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,52 +337,45 @@ class _NormRope(torch.autograd.Function):
 
 @torch.library.custom_op("ropekit::rope_norm", mutates_args=())
 def _rope_norm_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], table: torch.Tensor,
-    wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool, rot: int,
+    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], cos: torch.Tensor,
+    sin: torch.Tensor, wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool,
     mrope: Optional[List[int]], eps: float, offset: float,
 ) -> List[torch.Tensor]:
-    q_out, k_out = _forward_out(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+    q_out, k_out = _forward_out(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
     return [q_out] if k is None else [q_out, k_out]
 
 
 @_rope_norm_op.register_fake
-def _(q, k, positions, table, wq, wk, interleaved, rot, mrope, eps, offset):
+def _(q, k, positions, cos, sin, wq, wk, interleaved, mrope, eps, offset):
     return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
 
 
 @torch.library.custom_op("ropekit::rope_norm_backward", mutates_args=())
 def _rope_norm_backward_op(
     x: torch.Tensor, g: torch.Tensor, w: Optional[torch.Tensor], positions: Optional[torch.Tensor],
-    table: torch.Tensor, interleaved: bool, rot: int, mrope: Optional[List[int]], eps: float, offset: float,
+    cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, mrope: Optional[List[int]], eps: float, offset: float,
 ) -> List[torch.Tensor]:
-    gx, dw = _backward(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
+    gx, dw = _backward(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset)
     return [gx] if dw is None else [gx, dw]
 
 
 @_rope_norm_backward_op.register_fake
-def _(x, g, w, positions, table, interleaved, rot, mrope, eps, offset):
+def _(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset):
     return [torch.empty_like(x)] if w is None else [torch.empty_like(x), torch.empty_like(w)]
 
 
 def _rope_norm_setup(ctx, inputs, output):
-    q, k, positions, table, wq, wk, interleaved, rot, mrope, eps, offset = inputs
-    ctx.save_for_backward(q, k, positions, table, wq, wk)
-    ctx.cfg = (interleaved, rot, mrope, eps, offset)
+    q, k, positions, cos, sin, wq, wk, interleaved, mrope, eps, offset = inputs
+    ctx.save_for_backward(q, k, positions, cos, sin, wq, wk)
+    ctx.cfg = (interleaved, mrope, eps, offset)
 
 
 def _rope_norm_backward(ctx, grads):
-    q, k, positions, table, wq, wk = ctx.saved_tensors
-    interleaved, rot, mrope, eps, offset = ctx.cfg
-    need = ctx.needs_input_grad
-    out = [None] * 11
-    for xi, wi, gi, x, w in ((0, 4, 0, q, wq), (1, 5, 1, k, wk)):
-        if x is None or not (need[xi] or (w is not None and need[wi])):
-            continue
-        g = grads[gi] if grads[gi] is not None else torch.zeros_like(x)
-        res = _rope_norm_backward_op(x, g, w, positions, table, interleaved, rot, mrope, eps, offset)
-        out[xi] = res[0] if need[xi] else None
-        out[wi] = res[1] if (w is not None and need[wi]) else None
-    return tuple(out)
+    q, k, positions, cos, sin, wq, wk = ctx.saved_tensors
+    interleaved, mrope, eps, offset = ctx.cfg
+    gq, gk = grads[0], (grads[1] if len(grads) > 1 else None)
+    return (*_grads(ctx.needs_input_grad, (q, k, wq, wk), (gq, gk), _backward_op_call,
+                    (positions, cos, sin, interleaved, mrope, eps, offset)), None, None, None, None)
 
 
 _rope_norm_op.register_autograd(_rope_norm_backward, setup_context=_rope_norm_setup)
@@ -355,27 +383,49 @@ _rope_norm_op.register_autograd(_rope_norm_backward, setup_context=_rope_norm_se
 
 @torch.library.custom_op("ropekit::rope_norm_", mutates_args=("q", "k"))
 def _rope_norm_inplace_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], table: torch.Tensor,
-    wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool, rot: int,
+    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], cos: torch.Tensor,
+    sin: torch.Tensor, wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool,
     mrope: Optional[List[int]], eps: float, offset: float,
 ) -> None:
     # the address checks validation skips while tracing, made before any write
-    validate.inplace_aliasing(OP, q, k, (("positions", positions), ("cos_sin_cache", table),
+    validate.inplace_aliasing(OP, q, k, (("positions", positions), ("cos_sin_cache", cos), ("cos_sin_cache", sin),
                                          ("q_norm_weight", wq), ("k_norm_weight", wk)))
-    _forward_inplace(q, k, positions, table, interleaved, rot, mrope, wq, wk, eps, offset)
+    _forward_inplace(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
 
 
 @_rope_norm_inplace_op.register_fake
-def _(q, k, positions, table, wq, wk, interleaved, rot, mrope, eps, offset):
+def _(q, k, positions, cos, sin, wq, wk, interleaved, mrope, eps, offset):
     return None
 
 
 # ---------------------------------------------------------------------------------------------
-# public entry: apply_rope's hook
+# public entries: apply_rope's hook, and per-token angles (ropekit.hf_qknorm)
 
 
 def _records_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) is True for x in xs)
+
+
+def _dispatch(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset, inplace):
+    """The validated call: compile (custom ops), eager autograd, eager inference, in place or not."""
+    if torch.compiler.is_compiling():
+        args = (positions, cos, sin, wq, wk, interleaved, mrope, eps, offset)
+        if inplace:
+            torch.ops.ropekit.rope_norm_(q, k, *args)
+            return q, k
+        outs = _rope_norm_op(q, k, *args)
+        return outs[0], (outs[1] if k is not None else None)
+    if inplace:
+        _forward_inplace(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
+        # Triton's writes are invisible to autograd: bump the version counters (see ops.apply_rope)
+        torch.autograd.graph.increment_version(q)
+        if k is not None:
+            torch.autograd.graph.increment_version(k)
+        return q, k
+    if _records_grad(q, k, wq, wk) and _use_triton(q):
+        return _NormRope.apply(q, k, positions, cos, sin, wq, wk, (interleaved, mrope, eps, offset))
+    # no grad, or plain CPU: the reference is differentiable by autograd as it is
+    return _forward_out(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
 
 
 def rope_with_norm(
@@ -410,31 +460,21 @@ def rope_with_norm(
     if inplace and not torch.compiler.is_compiling():
         validate.written_vs_read(OP, (("q", q), ("k", k)),
                                  (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)))
-    mrope_arg = _mrope_arg(mrope, mrope_interleaved, positions)
     if positions is not None and validate.is_strict() and not torch.compiler.is_compiling():
         validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
-    interleaved = bool(interleaved)
-    eps, offset = float(norm_eps), float(norm_weight_offset)
-    args = (positions, cos_sin_cache, q_norm_weight, k_norm_weight, interleaved, rot, mrope_arg, eps, offset)
-    if torch.compiler.is_compiling():
-        if inplace:
-            torch.ops.ropekit.rope_norm_(q, k, *args)
-            return q, k
-        outs = _rope_norm_op(q, k, *args)
-        return outs[0], (outs[1] if k is not None else None)
-    if inplace:
-        _forward_inplace(q, k, positions, cos_sin_cache, interleaved, rot, mrope_arg, q_norm_weight,
-                         k_norm_weight, eps, offset)
-        # Triton's writes are invisible to autograd: bump the version counters (see ops.apply_rope)
-        torch.autograd.graph.increment_version(q)
-        if k is not None:
-            torch.autograd.graph.increment_version(k)
-        return q, k
-    if _records_grad(q, k, q_norm_weight, k_norm_weight) and _use_triton(q):
-        return _NormRope.apply(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight,
-                               (interleaved, rot, mrope_arg, eps, offset))
-    return _forward_out(q, k, positions, cos_sin_cache, interleaved, rot, mrope_arg, q_norm_weight, k_norm_weight,
-                        eps, offset)
+    cos, sin = ops._table_views(cos_sin_cache, positions, rot, q)
+    return _dispatch(q, k, positions, cos, sin, bool(interleaved), _mrope_arg(mrope, mrope_interleaved, positions),
+                     q_norm_weight, k_norm_weight, float(norm_eps), float(norm_weight_offset), inplace)
+
+
+def rotate_angles_with_norm(q, k, cos, sin, *, interleaved=False, q_norm_weight=None, k_norm_weight=None,
+                            norm_eps=1e-6, norm_weight_offset=0.0, op="rotate_with_angles"):
+    """rotate_with_angles with the norm: per-token cos, sin broadcastable to (*T, rotary_dim // 2)
+    (Hugging Face's cos[..., :half] views), out of place. q (*T, Hq, D), k (*T, Hk, D) or None."""
+    cos, sin, _ = validate.angle_args(op, q, k, cos, sin, mrope_section=None, mrope_interleaved=False)
+    validate.norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    return _dispatch(q, k, None, cos, sin, bool(interleaved), None, q_norm_weight, k_norm_weight,
+                     float(norm_eps), float(norm_weight_offset), False)
 
 
 # ---------------------------------------------------------------------------------------------
