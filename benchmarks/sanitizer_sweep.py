@@ -735,7 +735,8 @@ def run_norm(r, gen, device, cfg):
         finite = [(y, g.double()) for y, g in zip((yq, yk), gs) if y is not None]
         # rows of bad positions are NaN: their gradients too (compare the others)
         torch.autograd.backward([y.nan_to_num(0.0) for y, _ in finite], [g for _, g in finite])
-        for got, ref, what in ((qg, q64, "q.grad"), (kg, k64, "k.grad"), (wqg, w64q, "wq.grad"), (wkg, w64k, "wk.grad")):
+        for got, ref, what in ((qg, q64, "q.grad"), (kg, k64, "k.grad"), (wqg, w64q, "wq.grad"),
+                               (wkg, w64k, "wk.grad")):
             if got is None or bad:
                 continue
             close(got.grad, ref.grad, got.dtype, what)

@@ -545,3 +545,23 @@ def test_bigmem_cuda_norm_past_2_31_elements():
     y.sum().backward()
     assert rel(gx[tail], qd.grad) < 2e-2
     assert torch.isfinite(dw).all()
+
+
+def test_cpu_reference_path_without_triton(monkeypatch):
+    """Plain CPU (no TRITON_INTERPRET): the pure-PyTorch path, forward, backward and store."""
+    monkeypatch.setattr(qknorm, "_use_triton", lambda x: False)
+    q, k = inputs()
+    cache = make_cache(32, 32)
+    pos = torch.randint(0, 32, (5,))
+    wq, wk = weights(q, False).requires_grad_(True), weights(k, True).requires_grad_(True)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, q_norm_weight=wq, k_norm_weight=wk, norm_weight_offset=1.0)
+    rq, rk = oracle(q, k, pos, cache, q_norm_weight=wq, k_norm_weight=wk, norm_weight_offset=1.0)
+    assert rel(qo, rq) < 1e-6 and rel(ko, rk) < 1e-6
+    (qo.sum() + ko.sum()).backward()
+    assert wq.grad is not None and wk.grad is not None
+    kc, vc = torch.zeros(8, 2, 64), torch.zeros(8, 2, 64)
+    q2 = q.clone()
+    with torch.no_grad():
+        apply_rope_and_store(q2, k, k, pos, cache, kc, vc, torch.arange(5), q_norm_weight=wq, k_norm_weight=wk,
+                             norm_weight_offset=1.0)
+    assert rel(q2, rq) < 1e-6 and rel(kc[:5], rk) < 1e-6

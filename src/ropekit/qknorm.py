@@ -185,7 +185,7 @@ def plan_backward(x, g, gx, w, angles, interleaved, mrope, mode) -> BackwardLaun
         *sp, *angles.strides, *sec,
     )
     meta = dict(HALF=half, HALF_PAD=half_pad, BLOCK_H=bh, TAIL_PAD=tail_pad, HAS_POS=positions is not None,
-                MROPE=mode_m if positions is not None or mrope is not None else 0, IN_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved, NORM=mode,
+                MROPE=mode_m, IN_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved, NORM=mode,
                 num_warps=_warps(bh, half_pad, tail_pad, 4))
     return BackwardLaunch((n_progs, n_blocks), args, meta, (n_progs * n_blocks, dw_row), {})
 
