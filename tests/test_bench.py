@@ -109,8 +109,9 @@ def test_module_entry_point_lists_workloads():
     assert "W7-T64" in out.stdout and "liger" in out.stdout
 
 
-def test_norm_workloads_bytes_and_quick_cpu_run(tmp_path):
-    """W9/W10: minimal bytes as WORKLOADS.md counts them, and a quick CPU run checked against float64."""
+def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
+    """W9/W10: minimal bytes as WORKLOADS.md counts them, and a quick CPU run (the pure-PyTorch
+    path, like the other tests here) of ropekit and ropekit-unfused checked against float64."""
     wl = workloads.BY_ID["W9-FB"]
     full = wl.sizes(False)
     qk = 4 * 4096 * 40 * 128 * 2
@@ -120,10 +121,7 @@ def test_norm_workloads_bytes_and_quick_cpu_run(tmp_path):
     assert workloads.min_bytes(wl, inp) == 5 * qk          # forward 2x, backward: x and g read, gx written
     from ropekit.bench import peers, runner  # noqa: F401
     table = workloads.make_table(workloads.BY_ID["W10-FP8"], workloads.BY_ID["W10-FP8"].sizes(True), "cpu")
-    import os
-    # the Triton interpreter's float32 -> e4m3 cast is wrong (tests/test_store.py): fp8 compiled only
-    fp8 = ("W10-FP8",) if os.environ.get("TRITON_INTERPRET") != "1" else ()
-    for wid in ("W9", "W9-FB", "W10", *fp8):
+    for wid in ("W9", "W9-FB", "W10", "W10-FP8"):
         w = workloads.BY_ID[wid]
         s = w.sizes(True)
         s.update(B=1, S=16, T=16) if "B" in s else s.update(T=16)
