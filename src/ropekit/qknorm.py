@@ -305,7 +305,7 @@ class _NormRope(torch.autograd.Function):
         q, k, positions, cos, sin, wq, wk = ctx.saved_tensors
         interleaved, mrope, eps, offset = ctx.cfg
         return (*_grads(ctx.needs_input_grad, (q, k, wq, wk), (gq, gk), _backward,
-                        (positions, cos, sin, interleaved, mrope, eps, offset)), None, None, None, None)
+                        (positions, cos, sin, interleaved, mrope, eps, offset)), None)     # cfg
 
 
 def _grads(need, tensors, out_grads, backward, rest):
