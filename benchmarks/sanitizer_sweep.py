@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: dry run, the kernels in the Triton interpreter (about a minute for 320)")
-    p.add_argument("--only", default=None, help="comma-separated kinds: rope,angles,store,refuse,rerotate")
+    p.add_argument("--only", default=None, help="comma-separated kinds: rope,angles,store,refuse,rerotate,norm")
     p.add_argument("--pool", type=int, default=32,
                    help="kernel-shaping templates for apply_rope (half as many for the other ops): what "
                         "bounds the number of compiled kernel variants (default 32)")
@@ -758,13 +758,154 @@ def run_rerotate(r, gen, device, cfg):
         raise Failure("rerotate_kv_cache did not return k_cache")
     for b in bufs:
         b.check()
+# q/k RMSNorm + RoPE (ropekit.qknorm through apply_rope / apply_rope_and_store)
+
+
+def _norm_template(r):
+    t = _rope_template(r)
+    t.update(norm_q=r.choice((0, 1, 1, 2)), norm_k=r.choice((0, 1, 2)), offset=r.choice((0.0, 1.0)),
+             wdtype=r.choice(DTYPES), store=r.random() < 0.3)
+    if not t["norm_q"] and not t["norm_k"]:
+        t["norm_q"] = 1
+    return t
+
+
+def _norm_weight(mode, x, dtype, gen, device):
+    if not mode or x is None:
+        return None
+    n = x.shape[-1] * (x.shape[-2] if mode == 2 else 1)
+    return (1 + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).to(dtype).to(device)
+
+
+def run_norm(r, gen, device, cfg):
+    """apply_rope with q/k norm weights out of place, then in place (or with grad and a backward);
+    sometimes apply_rope_and_store with the norm into a paged cache."""
+    t = POOLS["norm"].pick(r)
+    lead = token_shape(r, t["form"])
+    Dq, Dk, rot, Hq, Hk, dtype, il = (t[n] for n in ("Dq", "Dk", "rot", "Hq", "Hk", "dtype", "il"))
+    mrope, mrope_il, tdtype, pdtype = t["mrope"], t["mrope_il"], t["tdtype"], t["pdtype"]
+    max_pos = r.choice((16, 32, 64))
+    bad = r.random() < 0.3
+    grad = t["grad"] and r.random() < 0.5
+    if t["store"]:
+        return _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad)
+    bufs, (qb, qs, q), (kb, ks, k), style = pick_qk(r, gen, lead, Hq, Hk, Dq, Dk, dtype, device)
+    wq = _norm_weight(t["norm_q"], q, t["wdtype"], gen, device)
+    wk = _norm_weight(t["norm_k"], k, t["wdtype"], gen, device)
+    if wq is None and wk is None:
+        wq = _norm_weight(1, q, t["wdtype"], gen, device)
+    table = table_view(r, max_pos, rot, tdtype)
+    pos = positions_tensor(r, gen, lead, max_pos, mrope, pdtype, bad, t["pos_layout"])
+    cfg.update(T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, rot=rot, dtype=str(dtype)[6:], il=int(il), mrope=mrope,
+               norm=(0 if wq is None else t["norm_q"] or 1, 0 if wk is None else t["norm_k"]),
+               offset=t["offset"], style=style, grad=int(grad), bad=int(bad))
+    kw = dict(interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il,
+              norm_weight_offset=t["offset"])
+    d64 = lambda x: None if x is None else x.detach().cpu().double()  # noqa: E731
+    rq, rk = reference.rms_norm_rope(d64(q), d64(k), pos, table.double(), q_norm_weight=d64(wq),
+                                     k_norm_weight=d64(wk), **kw)
+    pos_d, table_d = dev(pos, device), dev(table, device)
+    if grad:
+        qg = q.detach().clone().requires_grad_()
+        kg = None if k is None else k.detach().clone().requires_grad_()
+        wqg = None if wq is None else wq.detach().clone().requires_grad_()
+        wkg = None if wk is None else wk.detach().clone().requires_grad_()
+        qo, ko = ropekit.apply_rope(qg, kg, pos_d, table_d, q_norm_weight=wqg, k_norm_weight=wkg, **kw)
+        outs = [x for x in (qo, ko) if x is not None]
+        gs = [randn(x.shape, dtype, gen) for x in outs]
+        torch.autograd.backward(outs, [g.to(device) for g in gs])
+        sync(device)
+        leaves = [x for x in (d64(q), d64(k), d64(wq), d64(wk)) if x is not None]
+        for x in leaves:
+            x.requires_grad_()
+        it = iter(leaves)
+        q64, k64 = next(it), (next(it) if k is not None else None)
+        w64q, w64k = (next(it) if wq is not None else None), (next(it) if wk is not None else None)
+        yq, yk = reference.rms_norm_rope(q64, k64, pos, table.double(), q_norm_weight=w64q, k_norm_weight=w64k, **kw)
+        finite = [(y, g.double()) for y, g in zip((yq, yk), gs) if y is not None]
+        # rows of bad positions are NaN: their gradients too (compare the others)
+        torch.autograd.backward([y.nan_to_num(0.0) for y, _ in finite], [g for _, g in finite])
+        for got, ref, what in ((qg, q64, "q.grad"), (kg, k64, "k.grad"), (wqg, w64q, "wq.grad"),
+                               (wkg, w64k, "wk.grad")):
+            if got is None or bad:
+                continue
+            close(got.grad, ref.grad, got.dtype, what)
+        for b in bufs:
+            b.check()
+        return 2
+    qo, ko = ropekit.apply_rope(q, k, pos_d, table_d, q_norm_weight=wq, k_norm_weight=wk, **kw)
+    sync(device)
+    close(qo, rq, dtype, "q_out (norm)")
+    if k is not None:
+        close(ko, rk, dtype, "k_out (norm)")
+    for b in bufs:
+        b.check()
+    # in place: a normalized tensor changes in every column (tail included), a plain one in the rotated ones
+    qb.expect(qs, rq, cols=None if wq is not None else slice(0, rot))
+    if k is not None:
+        kb.expect(ks, rk, cols=None if wk is not None else slice(0, rot))
+    ropekit.apply_rope(q, k, pos_d, table_d, inplace=True, q_norm_weight=wq, k_norm_weight=wk, **kw)
+    sync(device)
+    for b in bufs:
+        b.check()
+    return 2
+
+
+def _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad):
+    """apply_rope_and_store with the norm: q in place, k into a paged cache (bf16/fp16/fp32/fp8)."""
+    Dq, Dk, rot, Hq, dtype, il = (t[n] for n in ("Dq", "Dk", "rot", "Hq", "dtype", "il"))
+    Hk = t["Hk"] or 1
+    q = randn((*lead, Hq, Dq), dtype, gen)
+    k = randn((*lead, Hk, Dk), dtype, gen)
+    v = randn((*lead, Hk, Dk), dtype, gen)
+    n_tok = q.shape[:-2].numel()
+    BS = r.choice((1, 4, 16))
+    NB = -(-n_tok // BS) + 2
+    cdtype = r.choice((dtype, dtype, FP8))
+    slots = torch.randperm(NB * BS, generator=gen)[:n_tok].view(lead)
+    slots.view(-1)[0] = -1 if n_tok > 1 else slots.view(-1)[0]
+    wq = _norm_weight(t["norm_q"], q, t["wdtype"], gen, "cpu")
+    wk = _norm_weight(t["norm_k"], k, t["wdtype"], gen, "cpu")
+    if wq is None and wk is None:
+        wk = _norm_weight(1, k, t["wdtype"], gen, "cpu")
+    table = table_view(r, max_pos, rot, t["tdtype"])
+    pos = positions_tensor(r, gen, lead, max_pos, None, t["pdtype"], bad)
+    cfg.update(T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, rot=rot, dtype=str(dtype)[6:], il=int(il), store=1,
+               cache=str(cdtype)[6:], norm=(0 if wq is None else 1, 0 if wk is None else 1), bad=int(bad))
+    d64 = lambda x: None if x is None else x.double()  # noqa: E731
+    rq, rk = reference.rms_norm_rope(q.double(), k.double(), pos, table.double(), interleaved=il, rotary_dim=rot,
+                                     q_norm_weight=d64(wq), k_norm_weight=d64(wk),
+                                     norm_weight_offset=t["offset"])
+    k_cache = randn((NB, BS, Hk, Dk), F32, gen).to(cdtype)
+    v_cache = randn((NB, BS, Hk, Dk), F32, gen).to(cdtype)
+    kc0, vc0 = k_cache.clone(), v_cache.clone()
+    qd, kcd, vcd = q.to(device), k_cache.to(device), v_cache.to(device)
+    ropekit.apply_rope_and_store(qd, k.to(device), v.to(device), dev(pos, device), dev(table, device), kcd, vcd,
+                                 slots.to(device), interleaved=il, rotary_dim=rot,
+                                 q_norm_weight=None if wq is None else wq.to(device),
+                                 k_norm_weight=None if wk is None else wk.to(device),
+                                 norm_weight_offset=t["offset"])
+    sync(device)
+    close(qd, rq, dtype, "q (norm, store)")
+    flat = slots.view(-1).long()
+    keep = flat >= 0
+    s = flat[keep]
+    got_k, got_v = kcd.cpu().flatten(0, 1), vcd.cpu().flatten(0, 1)
+    close(got_k[s], rk.reshape(-1, Hk, Dk)[keep], cdtype, "k_cache rows (norm)")
+    close(got_v[s], v.reshape(-1, Hk, Dk)[keep].double(), cdtype, "v_cache rows (norm)")
+    other = torch.ones(NB * BS, dtype=torch.bool)
+    other[s] = False
+    bits = INT_OF_SIZE[k_cache.element_size()]
+    for got, before, what in ((got_k, kc0, "k_cache"), (got_v, vc0, "v_cache")):
+        if not torch.equal(got.view(bits)[other], before.flatten(0, 1).view(bits)[other]):
+            raise Failure(f"{what}: rows no slot names changed (norm store)")
     return 1
 
 
 POOLS = {}
 # kind: (runner, share of the configurations)
 KINDS = {"rope": (run_rope, 0.45), "angles": (run_angles, 0.18), "store": (run_store, 0.32),
-         "refuse": (run_refuse, 0.05)}
+         "refuse": (run_refuse, 0.05), "norm": (run_norm, 0.15)}
 KINDS["rerotate"] = (run_rerotate, 0.15)
 
 
@@ -804,8 +945,9 @@ class _Recorder:
 
 def install_recorders():
     from ropekit.kernels import rope as krope, store as kstore
-    recs = [_Recorder("rope_kernel", krope.rope_kernel), _Recorder("rope_store_kernel", kstore.rope_store_kernel)]
-    krope.rope_kernel, kstore.rope_store_kernel = recs
+    recs = [_Recorder("rope_kernel", krope.rope_kernel), _Recorder("rope_store_kernel", kstore.rope_store_kernel),
+            _Recorder("rope_norm_backward_kernel", krope.rope_norm_backward_kernel)]
+    krope.rope_kernel, kstore.rope_store_kernel, krope.rope_norm_backward_kernel = recs
     from ropekit.kernels import rerotate as krerotate
     recs.append(_Recorder("rerotate_kernel", krerotate.rerotate_kernel))
     krerotate.rerotate_kernel = recs[-1]
@@ -823,7 +965,7 @@ def main():
     weights = [KINDS[k][1] for k in kinds]
     recs = install_recorders() if ARGS.variants_only else None
     pools = (("rope", _rope_template, ARGS.pool), ("angles", _angles_template, ARGS.pool // 2),
-             ("store", _store_template, ARGS.pool // 2))
+             ("store", _store_template, ARGS.pool // 2), ("norm", _norm_template, ARGS.pool // 2))
     for i, (kind, make, size) in enumerate(pools):
         POOLS[kind] = Pool(ARGS.seed * 1000 + i, make, max(1, size))
 

@@ -83,7 +83,8 @@ def test_workload_selection_and_bytes():
     assert [w.id for w in workloads.select("W7")] == ["W7", "W7-T64"]
     assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3"]
     with pytest.raises(ValueError):
-        workloads.select("W9")
+        workloads.select("W99")
+    assert [w.id for w in workloads.select("W10")] == ["W10", "W10-FP8", "W10-T64", "W10-T64-FP8"]
     # WORKLOADS.md: W1 moves q and k once each way: 2 * 4*4096*(32+8)*128 * 2 bytes
     wl = workloads.BY_ID["W1"]
     full = wl.sizes(False)
@@ -106,3 +107,29 @@ def test_module_entry_point_lists_workloads():
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "W7-T64" in out.stdout and "liger" in out.stdout
+
+
+def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
+    """W9/W10: minimal bytes as WORKLOADS.md counts them, and a quick CPU run (the pure-PyTorch
+    path, like the other tests here) of ropekit and ropekit-unfused checked against float64."""
+    wl = workloads.BY_ID["W9-FB"]
+    full = wl.sizes(False)
+    qk = 4 * 4096 * 40 * 128 * 2
+    inp = {"q": torch.empty(full["B"], full["S"], full["Hq"], full["D"], dtype=torch.bfloat16, device="meta"),
+           "k": torch.empty(full["B"], full["S"], full["Hk"], full["D"], dtype=torch.bfloat16, device="meta")}
+    assert workloads.min_bytes(workloads.BY_ID["W9"], inp) == 2 * qk
+    assert workloads.min_bytes(wl, inp) == 5 * qk          # forward 2x, backward: x and g read, gx written
+    from ropekit.bench import peers, runner  # noqa: F401
+    table = workloads.make_table(workloads.BY_ID["W10-FP8"], workloads.BY_ID["W10-FP8"].sizes(True), "cpu")
+    for wid in ("W9", "W9-FB", "W10", "W10-FP8"):
+        w = workloads.BY_ID[wid]
+        s = w.sizes(True)
+        s.update(B=1, S=16, T=16) if "B" in s else s.update(T=16)
+        base = workloads.make_inputs(w, s, table, "cpu", 0)
+        exp = workloads.expected(w, base, workloads.Oracle())
+        for p in (peers.Ropekit(), peers.RopekitUnfused()):
+            inp2 = workloads.clone_inputs(base)
+            bound = p.make(w, inp2)
+            got = workloads.canon(w, inp2, bound.canon(bound.fn()))
+            errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
+            assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), (wid, p.name, errs)

@@ -426,7 +426,7 @@ def _check_families(families) -> List[str]:
     return families
 
 
-def patch(model=None, families: Optional[Iterable[str]] = None) -> Dict[str, List[str]]:
+def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
     """Swap HF's rotary functions for ropekit's in transformers' modeling modules.
 
     model=None, families=None: every supported family whose module the installed transformers has.
@@ -437,6 +437,10 @@ def patch(model=None, families: Optional[Iterable[str]] = None) -> Dict[str, Lis
     Patching replaces module attributes (`modeling_llama.apply_rotary_pos_emb = ...`): the attention
     forwards look these names up as globals at call time, so models already built are affected
     too. Returns {family: [patched attribute names]}. `unpatch()` restores HF's functions.
+
+    fuse_qk_norm: also fuse q/k RMSNorm into the rotation for Qwen3, Qwen3-MoE, Gemma 3 and OLMo 2
+    (their attention then normalizes and rotates in one launch with its own norm weights; see
+    ropekit.hf_qknorm).
     """
     explicit = families is not None
     names = _check_families(families) if explicit else list(FAMILIES)
@@ -447,6 +451,9 @@ def patch(model=None, families: Optional[Iterable[str]] = None) -> Dict[str, Lis
             raise ValueError(f"ropekit.hf.patch: model: expected a transformers model of a supported "
                              f"family {sorted(FAMILIES)}, got modules from {kinds}")
         names = [f for f in in_model if f in names]
+    if fuse_qk_norm:
+        from . import hf_qknorm
+        hf_qknorm.unpatch(names)            # re-applied below, around the functions swapped now
     done: Dict[str, List[str]] = {}
     for family in names:
         mod_name = _module_name(family)
@@ -466,14 +473,21 @@ def patch(model=None, families: Optional[Iterable[str]] = None) -> Dict[str, Lis
             attrs.append(attr)
         if attrs:
             done[family] = attrs
+    if fuse_qk_norm:
+        for family, swapped in hf_qknorm.patch(list(done)).items():
+            done[family] = done[family] + swapped
     return done
 
 
-def unpatch(families: Optional[Iterable[str]] = None) -> Dict[str, List[str]]:
+def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
     """Restore HF's functions replaced by `patch()` (all of them, or those of `families`).
-    Returns {family: [restored attribute names]}."""
+    Returns {family: [restored attribute names]}. fuse_qk_norm=True undoes only the q/k norm
+    fusion (the rotary drop-ins stay); by default the fusion is undone too, first."""
     wanted = None if families is None else set(_check_families(families))
-    restored: Dict[str, List[str]] = {}
+    from . import hf_qknorm
+    restored: Dict[str, List[str]] = hf_qknorm.unpatch(wanted)
+    if fuse_qk_norm:
+        return restored
     for (mod_name, attr), original in list(_ORIGINALS.items()):
         family = mod_name.split(".")[2]
         if wanted is not None and family not in wanted:
@@ -485,12 +499,15 @@ def unpatch(families: Optional[Iterable[str]] = None) -> Dict[str, List[str]]:
 
 
 @contextlib.contextmanager
-def patched(model=None, families: Optional[Iterable[str]] = None):
+def patched(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False):
     """`with ropekit.hf.patched(model): ...` patches for the block, then restores what it patched."""
+    from . import hf_qknorm
     before = set(_ORIGINALS)
-    done = patch(model, families)
+    fused_before = set(hf_qknorm.fused_families())
+    done = patch(model, families, fuse_qk_norm=fuse_qk_norm)
     try:
         yield done
     finally:
+        hf_qknorm.unpatch(set(hf_qknorm.fused_families()) - fused_before)
         for key in [key for key in _ORIGINALS if key not in before]:
             setattr(importlib.import_module(key[0]), key[1], _ORIGINALS.pop(key))

@@ -51,6 +51,18 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles) -> AngleLayou
     return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (sec, *token_strides(pos, n_tok)))
 
 
+def layout_from_views(positions, cos, sin, n_tok: int, mrope: bool) -> AngleLayout:
+    """An AngleLayout for separate cos and sin views (sin_off 0): (max_position, half) table columns
+    picked by positions, or per-token (*T, half) / (3, *T, half) angles when positions is None."""
+    half = cos.shape[-1]
+    if positions is None:
+        return AngleLayout(half, 0, 0, per_token_strides(cos, n_tok, mrope), (0, 0, 0))
+    pos = positions[0] if mrope else positions
+    sec = positions.stride(0) if mrope else 0
+    return AngleLayout(half, cos.shape[0], 0, (0, 0, cos.stride(0), cos.stride(-1)),
+                       (sec, *token_strides(pos, n_tok)))
+
+
 def per_token_strides(cos: torch.Tensor, n_tok: int, mrope: bool) -> tuple:
     """(sec, b, s, col) strides of per-token angle views (*T, half) or (3, *T, half)."""
     sec = cos.stride(0) if mrope else 0
@@ -124,12 +136,13 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         *token_strides(q, n_tok), q.stride(-2), *sk,
         *token_strides(q_out, n_tok), q_out.stride(-2), *sko,
         *angles.pos_strides, *angles.strides, sec_t, sec_h, sec_w,
+        0, 0, 0.0, 0.0,         # q/k norm weights, eps, offset: unused without NORM_Q / NORM_K (ropekit.qknorm)
     )
     meta = dict(
         HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, TAIL_PAD=tail_pad,
         HAS_POS=angles.max_pos > 0, MROPE=variant.mrope,
         IN_INTERLEAVED=variant.interleaved, OUT_INTERLEAVED=variant.out_interleaved, INVERSE=variant.inverse,
-        PACK=pack, HEAD_LOOP=head_loop, PREFETCH=prefetch, TOKENS=1, EVICT="",
+        PACK=pack, HEAD_LOOP=head_loop, PREFETCH=prefetch, TOKENS=1, EVICT="", NORM_Q=0, NORM_K=0,
         num_warps=tuning.warps(head_loop, mrope),
     )
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
@@ -211,6 +224,7 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         *(token_strides(positions, n_tok) if has_pos else (0, 0)), row, col,
         *token_strides(slot_mapping, n_tok),
         skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
+        q.shape[-1] - rot, 0, 0, 0.0, 0.0,      # q's tail, then the norm's weights, eps, offset (ropekit.qknorm)
     )
     il = variant.interleaved
     meta = dict(
@@ -218,7 +232,7 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         TAIL_PAD=tail_pad, DV_PAD=dv_pad, HAS_POS=has_pos, INTERLEAVED=il,
         K_SCALED=k_scaled, V_SCALED=v_scaled,
         PACK_Q=_pair_bits(q) if il else 0, PACK_K=_pair_bits(k, k_cache) if il else 0,
-        num_warps=tuning.warps(False, False, store=True),
+        NORM_Q=0, NORM_K=0, TAIL_PAD_Q=0, num_warps=tuning.warps(False, False, store=True),
     )
     return Plan((n_tokens, nqb + nkb + nvb), args, meta, 0, {})
 

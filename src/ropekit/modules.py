@@ -169,7 +169,8 @@ class RotaryEmbedding(nn.Module):
         shift = (use_long & (positions >= 0)).to(positions.dtype) * self._long_offset
         return positions + shift
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None, *,
+                q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0):
         """Rotate query (and key) by the angles of their positions.
 
         positions: (T,) or (B, S) int32/int64; with mrope_section also (3, T) or (3, B, S)
@@ -177,7 +178,8 @@ class RotaryEmbedding(nn.Module):
         (*T, Hq * D) or (*T, Hq, D); key: the same with Hk heads, or None. Any strides with a unit
         last stride (views of a fused qkv buffer are fine). Returns (query, key) in their input
         shapes: the inputs themselves when inplace (the default), new tensors otherwise; key None
-        when key is None.
+        when key is None. q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of
+        query / key first, in the same launch (apply_rope's keywords).
         """
         # (3, *T) M-RoPE rows: a leading 3 whose remaining dims are the token dims of query (a plain
         # (B, S) = (3, S) batch matches query's first two dims instead; plain wins a tie)
@@ -198,14 +200,17 @@ class RotaryEmbedding(nn.Module):
         q_out, k_out = apply_rope(q, k, positions, cache, interleaved=not self.is_neox_style,
                                   rotary_dim=self.rotary_dim, inplace=self.inplace,
                                   mrope_section=self.mrope_section if mrope else None,
-                                  mrope_interleaved=self.mrope_interleaved if mrope else False)
+                                  mrope_interleaved=self.mrope_interleaved if mrope else False,
+                                  q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                                  norm_weight_offset=norm_weight_offset)
         if self.inplace:
             return query, key
         return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
 
     def forward_and_store(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, *, k_scale=None, v_scale=None) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, *, k_scale=None, v_scale=None, q_norm_weight=None,
+                          k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0) -> torch.Tensor:
         """Fused serving path: rotate query in place and write rotated key and value into the KV
         cache rows slot_mapping names, in one launch (ropekit.apply_rope_and_store).
 
@@ -218,7 +223,8 @@ class RotaryEmbedding(nn.Module):
         value / scale). Bad positions and slots follow apply_rope_and_store's contract.
 
         query is always rotated in place, whatever `inplace` says (the fused path writes once);
-        key and value are read only. Returns query.
+        key and value are read only. Returns query. q_norm_weight, k_norm_weight, norm_eps,
+        norm_weight_offset: RMSNorm of query / key first (apply_rope_and_store's keywords).
         """
         op = "RotaryEmbedding.forward_and_store"
         if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2):
@@ -240,7 +246,8 @@ class RotaryEmbedding(nn.Module):
             positions = self._long_or_short(positions)
         apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slot_mapping,
                              interleaved=not self.is_neox_style, rotary_dim=self.rotary_dim,
-                             k_scale=k_scale, v_scale=v_scale)
+                             k_scale=k_scale, v_scale=v_scale, q_norm_weight=q_norm_weight,
+                             k_norm_weight=k_norm_weight, norm_eps=norm_eps, norm_weight_offset=norm_weight_offset)
         return query
 
     def extra_repr(self) -> str:

@@ -83,6 +83,10 @@ def apply_rope(
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
     inplace: bool = False,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -97,12 +101,24 @@ def apply_rope(
         mrope_section: (t, h, w) frequencies per position row, summing to rotary_dim // 2.
         mrope_interleaved: Qwen3-VL's interleaved frequency layout instead of chunks.
         inplace: write into q and k; otherwise return new tensors and leave the inputs untouched.
+        q_norm_weight, k_norm_weight: RMSNorm of q / k before the rotation, in the same launch:
+            (D,) normalizes each head, (H * D,) all heads of a token (OLMo 2); fp32/bf16/fp16.
+            y = x * rsqrt(mean(x^2) + norm_eps) * (w + norm_weight_offset) over the whole head
+            (the tail past rotary_dim too), in float32; offset 1.0 for Gemma's (1 + w). Gradients
+            flow to the weights as well. See ropekit.qknorm and docs/qknorm.md.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
     out-of-bounds read); under `ropekit.strict()` it raises ValueError before anything is written.
     Differentiable in q and k (the backward is the inverse rotation, by the same kernel).
     """
+    if q_norm_weight is not None or k_norm_weight is not None:
+        from .qknorm import rope_with_norm
+
+        return rope_with_norm(q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
+                              mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
+                              q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                              norm_weight_offset=norm_weight_offset)
     if torch.compiler.is_compiling():
         spec = _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section,
                           mrope_interleaved, inplace)

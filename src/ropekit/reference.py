@@ -238,3 +238,46 @@ def rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved=False
     if dst_slots is not None and rot < k_cache.shape[-1]:
         k_cache[..., rot:][rows(dst)] = tail
     return k_cache
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm of x (*T, H, D) over each head (weight (D,)) or over all heads of a token (weight
+    (H*D,)): x * rsqrt(mean(x^2) + eps) * (weight + offset), returned UNROUNDED in the compute dtype
+    (float32, float64 for float64 x) so that the rotation after it rounds once, as the kernel does."""
+    ct = compute_dtype(x)
+    xc = x.to(ct)
+    w = weight.to(ct) + offset
+    if weight.shape[-1] == x.shape[-1]:
+        r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        return xc * r * w
+    flat = xc.flatten(-2)
+    r = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
+    return (flat * r * w).view(xc.shape)
+
+
+def rms_norm_rope(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
+):
+    """Oracle of apply_rope with q/k RMSNorm: each of q and k normalized (when its weight is given;
+    the whole head, tail included) then rotated; one rounding to the input dtype. Differentiable
+    (autograd through it is the backward oracle); float64 inputs compute in float64."""
+    cos, sin = angles_from_table(cos_sin_cache, positions, q.shape[:-2], rotary_dim=rotary_dim,
+                                 mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    outs = []
+    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
+        if x is None:
+            outs.append(None)
+            continue
+        y = x if w is None else rms_norm(x, w, eps=norm_eps, offset=norm_weight_offset)
+        outs.append(rotate(y, cos, sin, interleaved=interleaved).to(x.dtype))
+    return outs[0], outs[1]

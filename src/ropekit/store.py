@@ -128,6 +128,10 @@ def apply_rope_and_store(
     rotary_dim: Optional[int] = None,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
 ) -> torch.Tensor:
     """Rotate q in place; write rotated k and unrotated v into the cache rows of their slots. One launch.
 
@@ -172,7 +176,16 @@ def apply_rope_and_store(
     becomes depends on the backend's cast (the GPU saturates).
 
     Inference only: tensors that require grad are refused while grad mode is on.
+
+    q_norm_weight / k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of q / k first, same
+    launch (q's whole head normalized in place; see ropekit.qknorm).
     """
+    if q_norm_weight is not None or k_norm_weight is not None:
+        from .qknorm import rope_and_store_with_norm
+        return rope_and_store_with_norm(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved=interleaved,
+            rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight, norm_eps=norm_eps, norm_weight_offset=norm_weight_offset)
     if torch.compiler.is_compiling():
         rot, _, _, k_scale, v_scale = validate.store_args(
             OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,

@@ -567,3 +567,33 @@ def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> Non
         sources = slots[live]
         _first(op, "dst_slots", live & torch.isin(dst_slots, sources), dst_slots,
                "rows that are not source rows (slots) of the same call")
+def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, *, inplace=False):
+    """Checks of the q/k RMSNorm arguments (after q and k themselves are checked).
+
+    A weight of shape (D,) normalizes each head, (H*D,) all heads of a token together. Returns the
+    kernel's modes (q, k): 0 no norm, 1 per head, 2 across heads.
+    """
+    modes = []
+    for name, w, xname, x in (("q_norm_weight", q_norm_weight, "q", q), ("k_norm_weight", k_norm_weight, "k", k)):
+        if w is None:
+            modes.append(0)
+            continue
+        if x is None:
+            fail(op, name, f"None when {xname} is None", "a tensor")
+        tensor(op, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, device=q.device, shape_hint=f"({xname}'s head size,)")
+        d, h = x.shape[-1], x.shape[-2]
+        if w.shape[0] not in (d, h * d):
+            fail(op, name, f"shape ({d},) (per head) or ({h * d},) (across the {h} heads of {xname})",
+                 f"shape {tuple(w.shape)}")
+        modes.append(1 if w.shape[0] == d else 2)      # one head: per head and across heads agree
+        if inplace and torch.is_grad_enabled() and w.requires_grad:
+            fail(op, "inplace", f"False when {name} requires grad (its gradient needs the unnormalized input)",
+                 True)
+    for name, value in (("norm_eps", norm_eps), ("norm_weight_offset", norm_weight_offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{op}: {name}: expected a float, got {type(value).__name__}")
+        if not math.isfinite(value):
+            fail(op, name, "a finite float", value)
+    if norm_eps < 0:
+        fail(op, "norm_eps", "a float >= 0", norm_eps)
+    return tuple(modes)

@@ -86,5 +86,53 @@ def control():
     print("OK" if torch.equal(out[2], x[2]) else "WRONG")
 
 
+def norm():
+    """The q/k RMSNorm path on the same views: forward (out of place, in place), backward, fused store."""
+    import ropekit
+    from ropekit import qknorm, reference
+
+    def err(out, ref):
+        return ((out.double() - ref).norm() / ref.norm()).item()
+
+    def check(q, k, pos, cache, across):
+        wq = torch.rand(q.shape[-1] * (q.shape[-2] if across else 1)) + 0.5
+        wk = torch.rand(k.shape[-1]) + 0.5
+        kw = dict(q_norm_weight=wq, k_norm_weight=wk, norm_weight_offset=1.0)
+        kw64 = dict(q_norm_weight=wq.double(), k_norm_weight=wk.double(), norm_weight_offset=1.0)
+        rq, rk = reference.rms_norm_rope(q.double().contiguous(), k.double().contiguous(), pos, cache.double(), **kw64)
+        qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
+        assert err(qo, rq) < 1e-2 and err(ko, rk) < 1e-2, "out of place"
+        # backward: x and its gradient both read through the big strides
+        half = cache.shape[1] // 2
+        gx, _ = qknorm.backward_triton(q, q, wq, pos, cache[:, :half], cache[:, half:], False, None, 1e-6, 1.0)
+        qd = q.double().contiguous().requires_grad_(True)
+        y, _ = reference.rms_norm_rope(qd, None, pos, cache.double(), q_norm_weight=wq.double(),
+                                       norm_weight_offset=1.0)
+        y.backward(q.double())
+        assert err(gx, qd.grad) < 2e-2, "backward"
+        ropekit.apply_rope(q, k, pos, cache, inplace=True, **kw)
+        assert err(q, rq) < 1e-2 and err(k, rk) < 1e-2, "in place"
+
+    small_cache = torch.randn(8, D).float()
+    q = big_rows(3, (H, D))                      # token stride 2^30: token 2 starts at element 2^31
+    k = big_rows(3, (1, D))
+    check(q, k, torch.tensor([1, 5, 7]), small_cache, across=False)
+    check(q, k, torch.tensor([1, 5, 7]), small_cache, across=True)
+    qh = big_rows(3, (D,)).unsqueeze(0)          # head stride 2^30: head 2 starts at 2^31
+    check(qh, torch.randn(1, 1, D).to(torch.bfloat16), torch.tensor([4]), small_cache, across=True)
+    # the fused store into a flat cache whose slot stride is 2^30: slot 2 starts at 2^31
+    k_cache = big_rows(3, (1, D))
+    v_cache = big_rows(3, (1, D))
+    q2 = torch.randn(3, H, D).to(torch.bfloat16)
+    k2 = torch.randn(3, 1, D).to(torch.bfloat16)
+    wk = torch.rand(D) + 0.5
+    _, rk = reference.rms_norm_rope(q2.double(), k2.double(), torch.tensor([0, 1, 2]), small_cache.double(),
+                                    k_norm_weight=wk.double())
+    ropekit.apply_rope_and_store(q2, k2, k2.clone(), torch.tensor([0, 1, 2]), small_cache, k_cache, v_cache,
+                                 torch.tensor([2, 0, 1]), k_norm_weight=wk)
+    assert err(k_cache[2], rk[0]) < 1e-2 and err(k_cache[0], rk[1]) < 1e-2, "store"
+    print("OK")
+
+
 if __name__ == "__main__":
-    {"rope": rope, "control": control}[sys.argv[1]]()
+    {"rope": rope, "control": control, "norm": norm}[sys.argv[1]]()

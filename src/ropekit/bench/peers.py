@@ -179,6 +179,8 @@ class Ropekit(Peer):
         return op
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         il, ms = wl.interleaved, wl.mrope_section
         pos, cache = inp.get("positions"), inp["cache"]
         ident = lambda o: tuple(o)  # noqa: E731
@@ -285,6 +287,8 @@ class TorchEager(Peer):
         return fn
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         F = self.fns(self._keys(wl))
         for key in self._keys(wl):
             if F[key][0] is None:                   # (None, (status, reason)): not there
@@ -406,6 +410,8 @@ class RopekitHF(TorchEager):
         return {key: entry, "mrope4": True} if key == "mrope" else {key: entry}
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         if wl.kind == "store":
             raise PeerSkip("n/a", "no KV-cache store in HF's code (see ropekit-unfused)")
         return super().make(wl, inp)
@@ -418,6 +424,8 @@ class RopekitUnfused(Ropekit):
     cpu_default = False
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         if wl.kind != "store":
             raise PeerSkip("n/a", "only for the store workloads (W7)")
         op = self._op("apply_rope")
@@ -522,6 +530,8 @@ class Liger(Peer):
         return _version("liger-kernel", "liger_kernel")
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         dt = inp["q"].dtype
         if wl.kind in ("mla", "store"):
             raise PeerSkip("n/a", "no such op in Liger (needs contiguous q; no KV-cache store)"
@@ -595,6 +605,8 @@ class FlashInfer(Peer):
         return _version("flashinfer-python", "flashinfer")
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         if wl.kind != "rope" or wl.mrope_section is not None:
             raise PeerSkip("n/a", {"mla": "needs (nnz, H*D)-flattenable q; W6 is a strided slice",
                                    "store": "no fused store with this cache layout",
@@ -625,6 +637,8 @@ class VLLM(Peer):
         return _version("vllm")
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         if wl.kind in ("mla", "fwdbwd") or wl.mrope_section is not None:
             raise PeerSkip("n/a", {"mla": "needs (T, H*D) q; W6 is a strided slice",
                                    "fwdbwd": "no autograd"}.get(wl.kind, "M-RoPE is a separate Triton path"))
@@ -668,6 +682,8 @@ class FlashAttn(Peer):
         return _version("flash-attn", "flash_attn")
 
     def make(self, wl, inp):
+        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+            return norm_make(self, wl, inp)
         if wl.kind == "store" or wl.mrope_section is not None:
             raise PeerSkip("n/a", "no KV-cache store" if wl.kind == "store" else "no M-RoPE")
         from flash_attn.layers.rotary import apply_rotary_emb as rot
@@ -782,3 +798,141 @@ def all_peers() -> List[Peer]:
 
 
 NAMES = [p.name for p in all_peers()]
+
+
+# ------------------------------------------------------------------------------------------
+# W9 / W10: q/k RMSNorm + RoPE (+ paged store). One function for every peer, by name: the HF code
+# (the family's RMSNorm on the (B, S, H, D) view, then apply_rotary_pos_emb), torch.compile of it,
+# Liger (LigerRMSNorm + liger_rotary_pos_emb), ropekit unfused (torch's rms_norm, then ropekit),
+# ropekit fused (one call).
+
+
+def _hf_rmsnorm(weight, eps):
+    """Qwen3's RMSNorm module holding `weight` (transformers' class when importable)."""
+    try:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+        mod = Qwen3RMSNorm(weight.shape[0], eps=eps)
+        note = "transformers Qwen3RMSNorm"
+    except Exception:
+        class _Norm(torch.nn.Module):
+            def __init__(self, n, eps):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.ones(n))
+                self.variance_epsilon = eps
+
+            def forward(self, x):
+                h = x.float()
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+                return self.weight * h.to(x.dtype)
+        mod, note = _Norm(weight.shape[0], eps), "bench's plain-torch Qwen3 RMSNorm"
+    mod = mod.to(device=weight.device, dtype=weight.dtype)
+    mod.weight = torch.nn.Parameter(weight, requires_grad=weight.requires_grad)
+    return mod, note
+
+
+def _liger_rmsnorm(weight, eps):
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    mod = LigerRMSNorm(weight.shape[0], eps=eps).to(device=weight.device, dtype=weight.dtype)
+    mod.weight = torch.nn.Parameter(weight, requires_grad=weight.requires_grad)
+    return mod, "liger_kernel LigerRMSNorm"
+
+
+def _norm_grad_fn(forward, q, k, wq, wk, gq, gk):
+    def fn():
+        qo, ko = forward(q, k)
+        dq, dk, dwq, dwk = torch.autograd.grad((qo, ko), (q, k, wq, wk), (gq, gk))
+        return qo, ko, dq, dk, dwq, dwk
+    return fn
+
+
+_NORM_NOTES: Dict[Tuple[str, str], str] = {}
+
+
+def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound:
+    """The Bound of `peer` on a q/k-norm workload (PeerSkip for peers without the op)."""
+    name, eps = peer.name, W.NORM_EPS
+    pos, cache = inp.get("positions"), inp["cache"]
+    grad = wl.kind == "normfwdbwd"
+    if grad:
+        for n in ("q", "k", "wq", "wk"):
+            inp[n].requires_grad_(True)
+    q, k, wq, wk = inp["q"], inp["k"], inp["wq"], inp["wk"]
+    store = wl.kind == "normstore"
+    if store:
+        kc, vc, v, slots = inp["k_cache"], inp["v_cache"], inp["v"], inp["slots"]
+        k_rows, v_rows = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+
+    def finish(forward_tokens, note, weights=(wq, wk)):
+        """forward_tokens(q, k) -> (q_out, k_out) in token layout; builds the workload's Bound.
+        weights: the leaves the weight gradients are taken for (a peer's module parameters)."""
+        _NORM_NOTES[(name, wl.id)] = note
+        if isinstance(getattr(peer, "_notes", None), dict):
+            peer._notes[wl.id] = note
+        if grad:
+            return Bound(_norm_grad_fn(forward_tokens, q, k, *weights, inp["gq"], inp["gk"]), tuple)
+        if store:
+            def put(rows, x):
+                if rows.dtype == torch.float8_e4m3fn:       # no fp8 index_copy: move the bytes
+                    rows.view(torch.uint8).index_copy_(0, slots, x.float().to(rows.dtype).view(torch.uint8))
+                else:
+                    rows.index_copy_(0, slots, x.to(rows.dtype))
+
+            def fn():
+                qo, ko = forward_tokens(q, k)
+                put(k_rows, ko)
+                put(v_rows, v)
+                return qo
+            return Bound(fn, lambda o: (o, kc, vc))
+        return Bound(lambda: forward_tokens(q, k), tuple)
+
+    if name == "ropekit":
+        import ropekit
+        if store:
+            _NORM_NOTES[(name, wl.id)] = "ropekit.apply_rope_and_store(q_norm_weight=, k_norm_weight=) (one launch)"
+            return Bound(lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots, q_norm_weight=wq,
+                                                              k_norm_weight=wk, norm_eps=eps),
+                         lambda o: (q, kc, vc))
+        return finish(lambda q_, k_: ropekit.apply_rope(q_, k_, pos, cache, q_norm_weight=wq, k_norm_weight=wk,
+                                                        norm_eps=eps),
+                      "ropekit.apply_rope(q_norm_weight=, k_norm_weight=) (one launch)")
+    if name == "ropekit-unfused":
+        import ropekit
+        F = torch.nn.functional
+        rms = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
+        if store:
+            # fp8: normalized q/k kept in float32 (a bf16 intermediate would round twice before fp8)
+            up = kc.dtype == torch.float8_e4m3fn
+            note = "torch rms_norm, then ropekit.apply_rope_and_store (plain fused store)"
+            peer_note = note + (" (float32 intermediates)" if up else "")
+            _NORM_NOTES[(name, wl.id)] = peer_note
+
+            def fn():
+                qn = rms(q.float(), wq.float()) if up else rms(q, wq)
+                kn = rms(k.float(), wk.float()) if up else rms(k, wk)
+                ropekit.apply_rope_and_store(qn, kn, v.float() if up else v, pos, cache, kc, vc, slots)
+                return qn
+            return Bound(fn, lambda o: (o, kc, vc))
+        return finish(lambda q_, k_: ropekit.apply_rope(rms(q_, wq), rms(k_, wk), pos, cache),
+                      "torch.nn.functional.rms_norm, then ropekit.apply_rope")
+    if name in ("torch-eager", "torch-compile", "liger"):
+        F_ = peer.fns(("apply",)) if name != "liger" else None
+        if name == "liger":
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb as apply
+            qn_mod, nnote = _liger_rmsnorm(wq, eps)
+            kn_mod, _ = _liger_rmsnorm(wk, eps)
+            anote = "liger_rotary_pos_emb"
+        else:
+            apply, anote = F_["apply"]
+            qn_mod, nnote = _hf_rmsnorm(wq, eps)
+            kn_mod, _ = _hf_rmsnorm(wk, eps)
+        cos, sin = hf_cos_sin(wl, inp, q.dtype)
+
+        def hf_forward(q_, k_):
+            # the HF attention's order: norm on the (B, S, H, D) view, transpose, rotate
+            qh, kh = W.to_hf(wl, qn_mod(q_)), W.to_hf(wl, kn_mod(k_))
+            qo, ko = apply(qh, kh, cos, sin)
+            return W.from_hf(wl, qo), W.from_hf(wl, ko)
+        fwd = peer.wrap(wl, "qknorm", hf_forward) if name == "torch-compile" else hf_forward
+        return finish(fwd, f"{nnote}, then {anote}" + (" (torch.compile)" if name == "torch-compile" else ""),
+                      (qn_mod.weight, kn_mod.weight))
+    raise PeerSkip("n/a", "no fused q/k RMSNorm + RoPE workload for this peer")

@@ -44,6 +44,7 @@ class Workload:
     graph: bool = False        # launch-bound: time with CUDA-graph replay
     host: bool = False         # also report host (wall-clock) time per eager call
     packed: Optional[Tuple[int, int]] = None   # W11: (sequences, cp_size): THD tokens with cu_seqlens
+    cache_dtype: str = ""      # store workloads: "" (the activation dtype) or "fp8" (float8_e4m3fn)
 
     @property
     def group(self) -> str:
@@ -101,7 +102,32 @@ WORKLOADS: List[Workload] = [
              "W11 on context-parallel rank 0 of 2 (dual-chunk positions of sequences twice as long)",
              full=_llama8b(T=65536, N=2401, P=131072), quick=_llama8b(T=512, N=19, P=131072),
              positions="packed", packed=(2401, 2)),
+    # q/k RMSNorm + RoPE (Qwen3-8B: 32 q heads, 8 kv heads of 128, per-head norm weights (128,))
+    Workload("W9", "qknorm_8b", "normrope",
+             "Qwen3-8B per-head q/k RMSNorm + RoPE, HF layout (training step shapes of W1)",
+             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
+             layout="bshd", positions="none", base=1000000.0),
+    Workload("W9-FB", "qknorm_8b_fwd_bwd", "normfwdbwd",
+             "W9 through autograd, forward then backward (gradients of q, k and both norm weights)",
+             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
+             layout="bshd", positions="none", base=1000000.0),
+    Workload("W10", "qknorm_store", "normstore", "W9's norm + RoPE + paged KV store (bf16 cache), block 16",
+             full=_llama8b(T=16384, P=65536, block=16), quick=_llama8b(T=256, P=65536, block=16),
+             base=1000000.0),
+    Workload("W10-FP8", "qknorm_store_fp8", "normstore", "W10 into an fp8 (e4m3) cache, k_scale 1",
+             full=_llama8b(T=16384, P=65536, block=16), quick=_llama8b(T=256, P=65536, block=16),
+             base=1000000.0, cache_dtype="fp8"),
+    Workload("W10-T64", "qknorm_store_t64", "normstore", "W10 at T=64 (decode step), random positions",
+             full=_llama8b(T=64, P=65536, block=16), quick=_llama8b(T=64, P=65536, block=16),
+             positions="random", graph=True, host=True, base=1000000.0),
+    Workload("W10-T64-FP8", "qknorm_store_t64_fp8", "normstore", "W10-T64 into an fp8 (e4m3) cache",
+             full=_llama8b(T=64, P=65536, block=16), quick=_llama8b(T=64, P=65536, block=16),
+             positions="random", graph=True, host=True, base=1000000.0, cache_dtype="fp8"),
 ]
+
+# the q/k-norm workloads (W9, W10): norm weights in the inputs, their own oracle and byte counts
+NORM_KINDS = ("normrope", "normfwdbwd", "normstore")
+NORM_EPS = 1e-6
 
 BY_ID = {w.id: w for w in WORKLOADS}
 
@@ -148,6 +174,20 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
     """One input set: contiguous base tensors (the table is shared between sets)."""
     if wl.kind == "rerotate":
         return rerotate_inputs(wl, s, table, device, seed)
+    inp = _make_inputs(wl, s, table, device, seed)
+    if wl.kind in NORM_KINDS:
+        g = torch.Generator(device=device)
+        g.manual_seed(seed + 7919)
+        for name, n in (("wq", s["D"]), ("wk", s["D"])):      # per-head weights, as trained (around 1)
+            inp[name] = (1 + 0.2 * torch.randn(n, generator=g, device=device)).to(DTYPE)
+        if wl.cache_dtype == "fp8":
+            for name in ("k_cache", "v_cache"):
+                inp[name] = inp[name].float().to(torch.float8_e4m3fn)
+    return inp
+
+
+def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
+                 seed: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator(device=device)
     g.manual_seed(seed)
 
@@ -168,7 +208,7 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
         B, S = s["B"], s["S"]
         inp["q"] = randn(B, S, s["Hq"], s["D"])
         inp["k"] = randn(B, S, s["Hk"], s["D"])
-        if wl.kind == "fwdbwd":
+        if wl.kind in ("fwdbwd", "normfwdbwd"):
             inp["gq"] = randn(B, S, s["Hq"], s["D"])
             inp["gk"] = randn(B, S, s["Hk"], s["D"])
         return inp                                   # positions None: arange over S
@@ -184,6 +224,7 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
     elif wl.positions == "packed":
         inp["cu_seqlens"], inp["positions"] = packed_positions(T, s["N"], wl.packed[1], seed, device)
     if wl.kind == "store":
+    if wl.kind in ("store", "normstore"):
         inp["v"] = randn(T, s["Hk"], s["D"])
         block = s["block"]
         n_blocks = -(-T // block) + max(2, T // block // 16)     # a few blocks stay unused
@@ -263,6 +304,16 @@ def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
 
     if wl.kind == "rerotate":
         return rerotate_min_bytes(wl, inp)
+    if wl.kind in NORM_KINDS:
+        # q and k read and written once (weights negligible); the store writes k and v rows in the
+        # cache's dtype; the backward reads x and g and writes gx, for q and for k
+        qk = nb(inp["q"]) + nb(inp["k"])
+        if wl.kind == "normrope":
+            return 2 * qk
+        if wl.kind == "normfwdbwd":
+            return 2 * qk + 3 * qk
+        rows = (inp["k"].numel() + inp["v"].numel()) * inp["k_cache"].element_size()
+        return 2 * nb(inp["q"]) + nb(inp["k"]) + nb(inp["v"]) + rows
     if wl.kind == "mla":
         R = inp["k_pe"].shape[-1]
         q_pe = inp["q"][..., -R:]
@@ -348,6 +399,8 @@ def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict
     """float64 expected outputs, named as `canon` names them. Call on pristine inputs."""
     if wl.kind == "rerotate":
         return rerotate_expected(wl, inp)
+    if wl.kind in NORM_KINDS:
+        return _expected_norm(wl, inp, oracle)
     tab = inp["cache"]
     il, ms = wl.interleaved, wl.mrope_section
     pos = inp.get("positions")
@@ -386,6 +439,12 @@ def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tenso
     """Name an implementation's canonical outputs the way `expected` names them."""
     if wl.kind == "rerotate":
         return rerotate_canon(wl, inp, outs)
+    if wl.kind == "normrope":
+        return {"q": outs[0], "k": outs[1]}
+    if wl.kind == "normfwdbwd":
+        return dict(zip(("q", "k", "dq", "dk", "dwq", "dwk"), outs))
+    if wl.kind == "normstore":
+        return canon(Workload("", "", "store", "", {}, {}), inp, outs)
     if wl.kind == "mla":
         return {"q": outs[0], "k_pe": outs[1]}
     if wl.kind == "rope":
@@ -486,3 +545,37 @@ WORKLOADS += [
              interleaved=True, base=10000.0),
 ]
 BY_ID.update({w.id: w for w in WORKLOADS})
+    return {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(dtype, 1e-4)
+
+
+def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict[str, torch.Tensor]:
+    """float64 RMSNorm + RoPE (ropekit.reference.rms_norm_rope; its rotation is cross-checked by
+    the bench's own formula on the normalized inputs), gradients by float64 autograd."""
+    from ropekit import reference
+
+    d = lambda t: t.detach().to(torch.float64)  # noqa: E731
+    pos, tab = inp.get("positions"), inp["cache"]
+    q64, k64 = d(inp["q"]).requires_grad_(True), d(inp["k"]).requires_grad_(True)
+    wq64, wk64 = d(inp["wq"]).requires_grad_(True), d(inp["wk"]).requires_grad_(True)
+    with torch.enable_grad():
+        q, k = reference.rms_norm_rope(q64, k64, pos, d(tab), q_norm_weight=wq64, k_norm_weight=wk64,
+                                       norm_eps=NORM_EPS)
+    qn = reference.rms_norm(d(inp["q"]), d(inp["wq"]), eps=NORM_EPS)
+    local = _local_rope64(qn, pos, tab, False, None)
+    if not rel_err(q, local) <= 1e-9:
+        oracle.disagreements.append(f"{wl.id}: reference.rms_norm_rope vs bench float64 rotation")
+    if wl.kind == "normrope":
+        return {"q": q.detach(), "k": k.detach()}
+    if wl.kind == "normfwdbwd":
+        grads = torch.autograd.grad((q, k), (q64, k64, wq64, wk64), (d(inp["gq"]), d(inp["gk"])))
+        return dict(zip(("q", "k", "dq", "dk", "dwq", "dwk"), (q.detach(), k.detach(), *grads)))
+    slots, other = _slot_split(inp)
+    kc = inp["k_cache"].flatten(0, 1).to(torch.float64)
+    vc = inp["v_cache"].flatten(0, 1).to(torch.float64)
+    k_rows, v_rows = k.detach(), d(inp["v"])
+    if inp["k_cache"].dtype == torch.float8_e4m3fn:
+        # what a correct kernel stores: the float32 value rounded once to fp8 (scale 1)
+        k_rows = k_rows.float().to(torch.float8_e4m3fn).to(torch.float64)
+        v_rows = inp["v"].float().to(torch.float8_e4m3fn).to(torch.float64)
+    return {"q": q.detach(), "k_cache[slots]": k_rows, "v_cache[slots]": v_rows,
+            "k_cache[other]": kc[other], "v_cache[other]": vc[other]}

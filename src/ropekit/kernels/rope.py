@@ -8,6 +8,9 @@ Every variant is the same program with different compile-time flags:
                       otherwise per-token cos/sin rows addressed by their own strides
     M-RoPE            MROPE: 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
     inverse           INVERSE: rotate by -angle (the backward pass)
+    q/k RMSNorm       NORM_Q / NORM_K: 0 none, 1 per head, 2 across the token's heads, applied
+                      before the rotation (helpers in .norm); the backward is its own entry point,
+                      rope_norm_backward_kernel
 
 Grid: axis 0 walks tokens (TOKENS per program, up to 2^31 - 1 programs), axis 1 walks head
 blocks of q then of k, so q and k are rotated by one launch.
@@ -20,6 +23,8 @@ size. Only in-block column offsets (`tl.arange` up to the head size) stay int32.
 
 import triton
 import triton.language as tl
+
+from .norm import _inv_rms, _load_tail, _norm_backward, _norm_heads, _weights
 
 
 @triton.jit
@@ -144,30 +149,17 @@ def _load_heads(
 
 
 @triton.jit
-def _rotate_store(
-    x_base, o_base, sx_h, so_h, n_heads, head0, tail_len,
-    x1, x2, c, sn, o_scale_ptr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-    OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, SCALED: tl.constexpr, PACK: tl.constexpr,
+def _store_heads(
+    o_base, so_h, n_heads, head0, o1, o2,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr, PACK: tl.constexpr,
 ):
-    """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0."""
+    """Store o1, o2 (float32, (BLOCK_H, HALF_PAD)) as the rotated dims of heads [head0, head0 +
+    BLOCK_H) of one token, in o's dtype; o_base points at the token's first element."""
     h = head0 + tl.arange(0, BLOCK_H)
-    h64 = h.to(tl.int64)
-    o_row = o_base + h64[:, None] * so_h
+    o_row = o_base + h.to(tl.int64)[:, None] * so_h
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
-
-    cb = c[None, :]
-    sb = sn[None, :]
-    if INVERSE:
-        sb = -sb
-    o1 = x1 * cb - x2 * sb
-    o2 = x2 * cb + x1 * sb
-    if SCALED:
-        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
-        o1 = o1 * inv
-        o2 = o2 * inv
-
     out_ty = o_base.dtype.element_ty
     if OUT_INTERLEAVED and PACK != 0:
         _store_pairs(o_row, i, m, o1, o2, out_ty, PACK)
@@ -179,12 +171,43 @@ def _rotate_store(
         tl.store(o_row + i, o1.to(out_ty), mask=m)
         tl.store(o_row + HALF + i, o2.to(out_ty), mask=m)
 
+
+@triton.jit
+def _rotate_store(
+    x_base, o_base, sx_h, so_h, n_heads, head0, tail_len,
+    x1, x2, c, sn, o_scale_ptr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, SCALED: tl.constexpr, PACK: tl.constexpr,
+    t_given, TAIL_GIVEN: tl.constexpr,
+):
+    """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0: read
+    from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too)."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    h64 = h.to(tl.int64)
+    o_row = o_base + h64[:, None] * so_h
+
+    cb = c[None, :]
+    sb = sn[None, :]
+    if INVERSE:
+        sb = -sb
+    o1 = x1 * cb - x2 * sb
+    o2 = x2 * cb + x1 * sb
+    if SCALED:
+        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
+        o1 = o1 * inv
+        o2 = o2 * inv
+    _store_heads(o_base, so_h, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
+
     if TAIL_PAD > 0:
         # partial rotary, out of place: the dims past rotary_dim are copied unchanged
+        out_ty = o_base.dtype.element_ty
         x_row = x_base + h64[:, None] * sx_h
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
-        t = tl.load(x_row + 2 * HALF + j, mask=mt)
+        if TAIL_GIVEN:
+            t = t_given
+        else:
+            t = tl.load(x_row + 2 * HALF + j, mask=mt)
         if SCALED:
             t = t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32)
         tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
@@ -197,8 +220,12 @@ def _rotate_heads(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     SCALED: tl.constexpr, PACK: tl.constexpr,
+    w_ptr, norm_eps, norm_offset, NORM: tl.constexpr,
 ):
     """Rotate heads [head0, head0 + BLOCK_H) of one token; x_tok / o_tok are int64 token offsets.
+
+    NORM: 0, or the RMSNorm mode (1 per head, 2 all heads: BLOCK_H must cover them) applied first
+    with weight w_ptr; the tail (TAIL_PAD > 0) is then normalized too and written even in place.
 
     SCALED: outputs are divided by the float32 scalar at o_scale_ptr before the cast (fp8 caches).
     PACK: 0, or the bits of one (2i, 2i+1) pair (32 for 16-bit, 64 for 32-bit elements) when the
@@ -208,9 +235,13 @@ def _rotate_heads(
     # The store kernel (this helper's user) was measured with the evict_first hint: kept as measured.
     x1, x2 = _load_heads(x_ptr + x_tok, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
                          "evict_first")
+    t = x1
+    if NORM != 0:
+        x1, x2, t = _norm_heads(x_ptr + x_tok, sx_h, n_heads, head0, tail_len, x1, x2, w_ptr, NORM, norm_eps,
+                                norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED)
     _rotate_store(
         x_ptr + x_tok, o_ptr + o_tok, sx_h, so_h, n_heads, head0, tail_len, x1, x2, c, sn, o_scale_ptr,
-        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, SCALED, PACK,
+        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, SCALED, PACK, t, NORM != 0,
     )
 
 
@@ -229,6 +260,19 @@ def _select(blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_
 
 
 @triton.jit
+def _norm_select(blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr, norm_eps,
+                 norm_offset, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                 TAIL_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr):
+    """_norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
+    selected like _select's pointers (scalar selects, one code path for q and k)."""
+    is_q = blk < n_q_blocks
+    mode = tl.where(is_q, NORM_Q, NORM_K)
+    w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
+    return _norm_heads(x_base, sx_h, n_heads, head0, tail, x1, x2, w_ptr, mode, norm_eps, norm_offset,
+                       HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED)
+
+
+@triton.jit
 def rope_kernel(
     # pointers
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
@@ -240,11 +284,15 @@ def rope_kernel(
     sp_sec, sp_b, sp_s,
     cs_sec, cs_b, cs_s, cs_col,
     SEC_T, SEC_H, SEC_W,
+    # q/k RMSNorm (read only when NORM_Q / NORM_K): weights (D,) or (H*D,), unit stride; eps; the
+    # constant added to the weight (1.0: Gemma's (1 + w))
+    wq_ptr, wk_ptr, norm_eps, norm_offset,
     # meta
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     TOKENS: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     PACK: tl.constexpr, EVICT: tl.constexpr, HEAD_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
+    NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
 ):
     """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -253,6 +301,9 @@ def rope_kernel(
 
     Without HEAD_LOOP the head loads are issued before the dependent position -> cos/sin loads,
     so their latencies overlap.
+    NORM_Q / NORM_K: RMSNorm of q's / k's heads before the rotation (0 none, 1 per head, 2 across
+    heads, when the launcher makes one head block hold all of a tensor's heads); with either on,
+    TAIL_PAD covers the tail in place too (it is normalized).
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     """
     t0 = tl.program_id(0).to(tl.int64) * TOKENS
@@ -285,9 +336,16 @@ def rope_kernel(
                         # place too: blocks are disjoint and validation refuses partial overlaps.
                         n1, n2 = _load_heads(nx_base, nsx_h, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
                                              IN_INTERLEAVED, PACK, EVICT)
+                    t_norm = x1
+                    if NORM_Q != 0 or NORM_K != 0:
+                        x1, x2, t_norm = _norm_select(
+                            blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
+                            norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED,
+                            NORM_Q, NORM_K)
                     _rotate_store(
                         x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
                         HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+                        t_norm, NORM_Q != 0 or NORM_K != 0,
                     )
                     if not PREFETCH:
                         n1, n2 = _load_heads(nx_base, nsx_h, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
@@ -307,7 +365,125 @@ def rope_kernel(
                     sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
                     SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
                 )
+                t_norm = x1
+                if NORM_Q != 0 or NORM_K != 0:
+                    x1, x2, t_norm = _norm_select(
+                        blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
+                        norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, NORM_Q, NORM_K)
                 _rotate_store(
                     x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
                     HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+                    t_norm, NORM_Q != 0 or NORM_K != 0,
                 )
+
+
+@triton.jit
+def rope_norm_backward_kernel(
+    # pointers: the forward's input x (q or k), the output gradient g, the input gradient gx, the
+    # norm weight, the float32 weight-gradient partial sums, and the angle sources as in rope_kernel
+    x_ptr, g_ptr, gx_ptr, w_ptr, dw_ptr, pos_ptr, cos_ptr, sin_ptr,
+    # sizes; dw_row: elements per partial-sum row (D per head, H*D across heads)
+    n_tokens, S, n_heads, tail, max_pos, n_blocks, sin_off, tokens_per_program, dw_row,
+    # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
+    sx_b, sx_s, sx_h, sg_b, sg_s, sg_h, sgx_b, sgx_s, sgx_h,
+    sp_sec, sp_b, sp_s,
+    cs_sec, cs_b, cs_s, cs_col,
+    SEC_T, SEC_H, SEC_W,
+    norm_eps, norm_offset,
+    # meta
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr, MROPE: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+):
+    """Backward of RMSNorm + rotation for one tensor (q or k): program (p, j) takes tokens
+    [p * tokens_per_program, (p + 1) * tokens_per_program) of head block j.
+
+    gz = inverse rotation of g (read in the forward's output layout); n = x * r;
+    gx = r * (gz*w' - n * mean(gz*w'*n)) over the norm group, written in the input layout.
+    NORM 0 makes this the plain inverse rotation (the gradient of an unnormalized q or k).
+    Weight gradient: each program sums gz * n over its tokens (and its heads, per-head weights)
+    in registers and writes one float32 row of dw_ptr (row p * n_blocks + j); the launcher sums the
+    rows with torch. No atomics: the result is deterministic and the rows are few (one per program).
+    """
+    p = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
+    head0 = blk * BLOCK_H
+    h = head0 + tl.arange(0, BLOCK_H)
+    h64 = h.to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    zero = tl.zeros([BLOCK_H, HALF_PAD], tl.float32)
+    acc1, acc2 = zero, zero
+    acc_t = zero
+    if TAIL_PAD > 0:
+        acc_t = tl.zeros([BLOCK_H, TAIL_PAD], tl.float32)
+    if NORM != 0:
+        w1, w2, wt = _weights(w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD,
+                              IN_INTERLEAVED)
+    else:
+        w1, w2, wt = zero + 1.0, zero + 1.0, acc_t + 1.0
+    t_first = p * tokens_per_program
+    for j in range(tokens_per_program):
+        t = t_first + j
+        if t < n_tokens:
+            b = t // S
+            s = t - b * S
+            x_base = x_ptr + (b * sx_b + s * sx_s)
+            g_base = g_ptr + (b * sg_b + s * sg_s)
+            gx_base = gx_ptr + (b * sgx_b + s * sgx_s)
+            g1, g2 = _load_heads(g_base, sg_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+            c, sn = _load_angles(
+                cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
+                sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
+                SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
+            )
+            cb = c[None, :]
+            sb = sn[None, :]
+            gz1 = g1 * cb + g2 * sb                      # the transpose of the forward rotation
+            gz2 = g2 * cb - g1 * sb
+            gzt = gz1
+            xt = gz1
+            if TAIL_PAD > 0:
+                gzt = _load_tail(g_base, sg_h, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+            if NORM != 0:
+                x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0, "")
+                if TAIL_PAD > 0:
+                    xt = _load_tail(x_base, sx_h, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+                r = _inv_rms(x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H,
+                             TAIL_PAD)[:, None]
+                gx1, gx2, gxt, d1, d2, dt = _norm_backward(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail,
+                                                           w1, w2, wt, r, NORM, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+                acc1 += d1
+                acc2 += d2
+                if TAIL_PAD > 0:
+                    acc_t += dt
+            else:
+                gx1, gx2, gxt = gz1, gz2, gzt
+            _store_heads(gx_base, sgx_h, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0)
+            if TAIL_PAD > 0:
+                jt = tl.arange(0, TAIL_PAD)[None, :]
+                mt = (h[:, None] < n_heads) & (jt < tail)
+                tl.store(gx_base + h64[:, None] * sgx_h + 2 * HALF + jt, gxt.to(gx_ptr.dtype.element_ty), mask=mt)
+    if NORM != 0:
+        # one partial row per program: per-head weights sum their heads too, across-heads weights
+        # keep each head at its own h * D offset
+        row = dw_ptr + (p * n_blocks + blk) * dw_row
+        m = (h[:, None] < n_heads) & (i < HALF)
+        if IN_INTERLEAVED:
+            c1, c2 = 2 * i, 2 * i + 1
+        else:
+            c1, c2 = i, HALF + i
+        if NORM == 2:
+            d = 2 * HALF + tail
+            hrow = row + h64[:, None] * d
+            tl.store(hrow + c1, acc1, mask=m)
+            tl.store(hrow + c2, acc2, mask=m)
+            if TAIL_PAD > 0:
+                jt = tl.arange(0, TAIL_PAD)[None, :]
+                tl.store(hrow + 2 * HALF + jt, acc_t, mask=(h[:, None] < n_heads) & (jt < tail))
+        else:
+            fm = tl.arange(0, HALF_PAD) < HALF
+            tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
+            tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
+            if TAIL_PAD > 0:
+                jt = tl.arange(0, TAIL_PAD)
+                tl.store(row + 2 * HALF + jt, tl.sum(acc_t, axis=0), mask=jt < tail)

@@ -53,18 +53,24 @@ def rope_store_kernel(
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
     sp_b, sp_s, cs_s, cs_col, ssl_b, ssl_s,
     skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
+    # q/k RMSNorm (read only when NORM_Q / NORM_K): q's tail length (normalized and written in place),
+    # the weights (D,) or (H*D,), unit stride; eps; the constant added to the weight (Gemma: 1.0)
+    q_tail, wq_ptr, wk_ptr, norm_eps, norm_offset,
     # meta
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HV: tl.constexpr,
     TAIL_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     HAS_POS: tl.constexpr, INTERLEAVED: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
     PACK_Q: tl.constexpr, PACK_K: tl.constexpr,
+    NORM_Q: tl.constexpr, NORM_K: tl.constexpr, TAIL_PAD_Q: tl.constexpr,
 ):
     """Program (t, j): token t; head block j of q (rotated in place), then of k (rotated into its
     cache row), then of v (copied into its cache row).
 
     HAS_POS False: token (b, s) takes row s of the table (positions = arange over the last token dim).
     PACK_Q / PACK_K: _rotate_heads' PACK for q, and for k and its cache (0: element path).
+    NORM_Q / NORM_K: RMSNorm of q / k before the rotation (0 none, 1 per head, 2 across heads, when
+    BLOCK_HQ / BLOCK_HK cover all heads); TAIL_PAD_Q > 0 then rewrites q's normalized tail in place.
     """
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
@@ -87,18 +93,21 @@ def rope_store_kernel(
             # as a bad position does. A vector compare: scalar-and-vector masks trip the interpreter.
             bad = (tl.zeros([HALF_PAD], tl.int64) + slot) >= num_slots
             c = tl.where(bad, float("nan"), c)
-            # in place: the tail past rotary_dim is already where it belongs (TAIL_PAD 0)
+            # in place: the tail past rotary_dim is already where it belongs (TAIL_PAD_Q 0) unless
+            # it is normalized
             q_tok = b * sq_b + s * sq_s
             _rotate_heads(
                 q_ptr, q_ptr, q_tok, q_tok, sq_h, sq_h,
-                n_q_heads, blk * BLOCK_HQ, 0, c, sn, tab_ptr,
-                HALF, HALF_PAD, BLOCK_HQ, 0, INTERLEAVED, INTERLEAVED, False, False, PACK_Q,
+                n_q_heads, blk * BLOCK_HQ, q_tail, c, sn, tab_ptr,
+                HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD_Q, INTERLEAVED, INTERLEAVED, False, False, PACK_Q,
+                wq_ptr, norm_eps, norm_offset, NORM_Q,
             )
         elif store:
             _rotate_heads(
                 k_ptr, kc_ptr, b * sk_b + s * sk_s, cache_blk * skc_blk + cache_off * skc_off, sk_h, skc_h,
                 n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, k_scale_ptr,
                 HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED, INTERLEAVED, False, K_SCALED, PACK_K,
+                wk_ptr, norm_eps, norm_offset, NORM_K,
             )
     elif store:
         _copy_heads(

@@ -1,0 +1,148 @@
+"""RMSNorm of q and k before RoPE: jit helpers of the one kernel family (no entry points here).
+
+    y = x * rsqrt(mean(x^2) + eps) * (w + offset)      float32, then the rotation
+
+The norm group is one head (mode 1: weight (D,), Qwen3 / Gemma 3) or all heads of one token
+(mode 2: weight (H*D,), OLMo 2). The kernels already hold x1, x2, the two members of each rotated
+pair, for BLOCK_H heads of one token; these helpers add the tail past the rotary dims, so the whole
+head is normalized, and scale everything before the rotation. Across heads the launcher makes
+BLOCK_H cover all heads of the tensor (one head block per token), so the sum of squares is complete
+before anything is written and x is read from memory once: a first pass over several head blocks
+would read every element twice (the op is bandwidth-bound), and a token's heads fit in registers
+(OLMo 2: 32 or 40 heads of 128).
+
+Modes are runtime values here: q and k share one code path in rope_kernel (a scalar select), so a
+block of q may be normalized while a block of k is not. Mode 0 leaves x unchanged.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Columns (within a head) of x1[i] and x2[i]: (i, HALF + i) half-split, (2i, 2i + 1) pairs."""
+    if INTERLEAVED:
+        return 2 * i, 2 * i + 1
+    else:
+        return i, HALF + i
+
+
+@triton.jit
+def _load_tail(x_base, sx_h, n_heads, head0, tail_len,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """The dims past the rotary ones of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, TAIL_PAD)[None, :]
+    mt = (h[:, None] < n_heads) & (j < tail_len)
+    return tl.load(x_base + h.to(tl.int64)[:, None] * sx_h + 2 * HALF + j, mask=mt, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps,
+             HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) per head row ((BLOCK_H,) float32) over the head (mode 1) or over all
+    heads of the block (mode 2); 1.0 in mode 0. Masked lanes (loaded without `other`) count as 0."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+    sq = tl.where(m, x1 * x1 + x2 * x2, 0.0)
+    ss = tl.sum(sq, axis=1)
+    if TAIL_PAD > 0:
+        ss += tl.sum(t * t, axis=1)                          # t is 0 where masked (_load_tail)
+    d = 2 * HALF + tail_len
+    mode_v = tl.zeros([BLOCK_H], tl.int32) + mode            # a vector: scalar-and-vector selects trip the interpreter
+    total = tl.zeros([BLOCK_H], tl.float32) + tl.sum(ss, axis=0)
+    ss = tl.where(mode_v == 2, total, ss)
+    count = tl.where(mode_v == 2, n_heads * d, d).to(tl.float32)
+    r = 1.0 / tl.sqrt(ss / count + eps)
+    return tl.where(mode_v == 0, 1.0, r)
+
+
+@triton.jit
+def _weights(w_ptr, n_heads, head0, tail_len, mode, offset,
+             HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+             INTERLEAVED: tl.constexpr):
+    """(w + offset) at x1's, x2's and the tail's columns, float32 (BLOCK_H, .) tiles; 1.0 in mode 0
+    (the weight is then never read). Mode 2 weights are (H*D,): head h starts at h * D."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    d = 2 * HALF + tail_len
+    mode_v = tl.zeros([BLOCK_H, 1], tl.int32) + mode
+    on = mode_v != 0
+    row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)      # int64: h * D scaled below 2^63
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = on & (h[:, None] < n_heads) & (i < HALF)
+    c1, c2 = _weight_cols(i, HALF, INTERLEAVED)
+    w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0).to(tl.float32) + offset
+    w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0).to(tl.float32) + offset
+    w1 = tl.where(on, w1, 1.0)
+    w2 = tl.where(on, w2, 1.0)
+    wt = w1
+    if TAIL_PAD > 0:
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = on & (h[:, None] < n_heads) & (j < tail_len)
+        wt = tl.load(w_ptr + row + 2 * HALF + j, mask=mt, other=0.0).to(tl.float32) + offset
+        wt = tl.where(on, wt, 1.0)
+    return w1, w2, wt
+
+
+@triton.jit
+def _norm_heads(x_base, sx_h, n_heads, head0, tail_len, x1, x2, w_ptr, mode, eps, offset,
+                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
+    members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
+    x_base points at the token's first element (the tail is read from there)."""
+    t = x1
+    if TAIL_PAD > 0:
+        t = _load_tail(x_base, sx_h, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+    r = _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)[:, None]
+    w1, w2, wt = _weights(w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD,
+                          INTERLEAVED)
+    y1 = x1 * r * w1
+    y2 = x2 * r * w2
+    if TAIL_PAD > 0:
+        t = t * r * wt
+    return y1, y2, t
+
+
+@triton.jit
+def _norm_backward(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail_len, w1, w2, wt, r, mode,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """Backward of y = n * w', n = x * r over the norm group, given gz = dL/dy (float32 tiles):
+    gx = r * (gz*w' - n * mean(gz*w'*n)); also returns the weight-gradient terms gz * n.
+    r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz)."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+    n1 = tl.where(m, x1 * r, 0.0)
+    n2 = tl.where(m, x2 * r, 0.0)
+    a1 = tl.where(m, gz1 * w1, 0.0)
+    a2 = tl.where(m, gz2 * w2, 0.0)
+    dot = tl.sum(a1 * n1 + a2 * n2, axis=1)
+    nt = xt
+    at = xt
+    if TAIL_PAD > 0:
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (j < tail_len)
+        nt = tl.where(mt, xt * r, 0.0)
+        at = tl.where(mt, gzt * wt, 0.0)
+        dot += tl.sum(at * nt, axis=1)
+    d = 2 * HALF + tail_len
+    mode_v = tl.zeros([BLOCK_H], tl.int32) + mode
+    total = tl.zeros([BLOCK_H], tl.float32) + tl.sum(dot, axis=0)
+    dot = tl.where(mode_v == 2, total, dot)
+    count = tl.where(mode_v == 2, n_heads * d, d).to(tl.float32)
+    mean = tl.where(mode_v == 0, 0.0, dot / count)[:, None]
+    gx1 = r * (a1 - n1 * mean)
+    gx2 = r * (a2 - n2 * mean)
+    gxt = at
+    if TAIL_PAD > 0:
+        gxt = r * (at - nt * mean)
+    # gz is NaN in padded lanes (the angle loads' masked value): masked before any sum
+    dw1 = tl.where(m, gz1 * n1, 0.0)
+    dw2 = tl.where(m, gz2 * n2, 0.0)
+    dwt = at
+    if TAIL_PAD > 0:
+        dwt = tl.where(mt, gzt * nt, 0.0)
+    return gx1, gx2, gxt, dw1, dw2, dwt

@@ -1,0 +1,131 @@
+"""ropekit.hf.patch(model, fuse_qk_norm=True): tiny random Qwen3, Qwen3-MoE, Gemma 3 and OLMo 2
+models, patched vs unpatched (float32): logits and every gradient, the q/k norm weights included;
+the fused op is really called (and HF's q/k norms are not); unpatch restores HF's objects."""
+
+import importlib
+from unittest import mock
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ropekit import hf, hf_qknorm, qknorm  # noqa: E402
+
+V, HID, LAYERS, S = 96, 64, 2, 5
+COMMON = dict(vocab_size=V, hidden_size=HID, intermediate_size=96, num_hidden_layers=LAYERS,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _build(name):
+    T = transformers
+    if name == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=16))
+    if name == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=32))
+    if name == "gemma3":
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4,
+                                                      query_pre_attn_scalar=16))
+    if name == "olmo2":
+        return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON))
+    raise KeyError(name)
+
+
+def _randomize_norms(model):
+    """Norm weights away from their init (ones, or zeros for Gemma's 1 + w) so that a norm applied
+    with the wrong weight, the wrong offset or not at all changes the logits."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(0.5 + torch.rand_like(p))
+
+
+def _forward_backward(model, ids, up):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits
+    (logits * up).sum().backward()
+    return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "gemma3", "olmo2"])
+def test_fused_qk_norm_parity_and_unpatch(name):
+    torch.manual_seed(0)
+    model = _build(name).float().eval()
+    model.config._attn_implementation = "eager"
+    _randomize_norms(model)
+    ids = torch.randint(3, V, (2, S))
+    up = torch.randn(2, S, V)
+    logits0, grads0 = _forward_backward(model, ids, up)
+
+    spec = hf_qknorm.FAMILIES[name]
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    before = (getattr(module, spec.rope), getattr(module, spec.norm).forward, getattr(module, spec.attention).forward)
+    calls = mock.MagicMock(wraps=qknorm.rotate_angles_with_norm)
+    with mock.patch.object(qknorm, "rotate_angles_with_norm", calls):
+        done = hf.patch(model, fuse_qk_norm=True)
+        try:
+            assert name in done and f"{spec.attention}.forward" in done[name]
+            logits1, grads1 = _forward_backward(model, ids, up)
+        finally:
+            restored = hf.unpatch()
+    assert name in restored
+    after = (getattr(module, spec.rope), getattr(module, spec.norm).forward, getattr(module, spec.attention).forward)
+    assert after == before, "unpatch must restore HF's function, norm forward and attention forward"
+    assert calls.call_count == LAYERS, f"{calls.call_count} fused calls, expected one per layer"
+    for c in calls.call_args_list:
+        w = c.kwargs["q_norm_weight"]
+        assert c.kwargs["norm_weight_offset"] == spec.offset
+        assert w.shape[0] == (64 if name == "olmo2" else 16), "OLMo 2 normalizes across heads (H*D)"
+
+    assert _rel(logits1, logits0) < 5e-6
+    assert grads1.keys() == grads0.keys()
+    norm_grads = [n for n in grads0 if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norm_grads) == 2 * LAYERS
+    for n in grads0:
+        assert _rel(grads1[n], grads0[n]) < 5e-5, f"grad {n}: {_rel(grads1[n], grads0[n]):.2e}"
+
+    # the same model after unpatch is HF's again
+    logits2, _ = _forward_backward(model, ids, up)
+    assert torch.equal(logits2, logits0)
+
+
+def test_patch_would_notice_a_skipped_norm():
+    """Can the parity test fail? The fused call with the norm weights dropped changes the logits."""
+    torch.manual_seed(0)
+    model = _build("qwen3").float().eval()
+    model.config._attn_implementation = "eager"
+    _randomize_norms(model)
+    ids = torch.randint(3, V, (2, S))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    real = qknorm.rotate_angles_with_norm
+
+    def no_weights(q, k, cos, sin, **kw):
+        kw["q_norm_weight"] = torch.ones_like(kw["q_norm_weight"])
+        return real(q, k, cos, sin, **kw)
+
+    with hf.patched(model, fuse_qk_norm=True), mock.patch.object(qknorm, "rotate_angles_with_norm", no_weights), \
+            torch.no_grad():
+        wrong = model(input_ids=ids).logits
+    assert _rel(wrong, ref) > 1e-3
+    assert hf_qknorm.fused_families() == []
+
+
+def test_unpatch_fuse_only_keeps_the_rotary_dropin():
+    torch.manual_seed(0)
+    model = _build("olmo2").float().eval()
+    module = importlib.import_module("transformers.models.olmo2.modeling_olmo2")
+    hf.patch(model, fuse_qk_norm=True)
+    try:
+        hf.unpatch(fuse_qk_norm=True)
+        assert hf_qknorm.fused_families() == []
+        assert module.apply_rotary_pos_emb is hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+    finally:
+        hf.unpatch()
+    assert module.apply_rotary_pos_emb is not hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
