@@ -611,3 +611,16 @@ def test_ropekit_kernels_are_clean():
     assert not errors
     assert not warnings, [w.format() for w in warnings]
     assert not found, "\n".join(f.format() for f in found)
+
+
+def test_missing_path_prints_only_the_error_and_fails(tmp_path, capsys):
+    missing = tmp_path / "no_such_dir"
+    good, _ = _write(tmp_path, "x = 1\n")
+    assert audit.main([str(missing), str(good)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", f"nothing on stdout beside the error, got {out!r}"
+    assert err.strip() == f"{missing}: error: no such file or directory"
+    # through the module entry point, as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "ropekit.audit", str(missing)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(_SRC)})
+    assert proc.returncode == 2 and proc.stdout == "" and "no findings" not in proc.stderr
