@@ -597,9 +597,12 @@ def test_cli_exit_codes(tmp_path):
     assert "1 finding(s) in 2 file(s)" in lines[-1]
 
     (tmp_path / "broken.py").write_text("@triton.jit\ndef f(:\n")
-    r = _cli(tmp_path / "broken.py", tmp_path / "nope.py", cwd=tmp_path)
+    r = _cli(tmp_path / "broken.py", cwd=tmp_path)
     assert r.returncode == 2
-    assert "broken.py:2" in r.stderr and "nope.py" in r.stderr
+    assert "broken.py:2" in r.stderr
+    r = _cli(tmp_path / "broken.py", tmp_path / "nope.py", cwd=tmp_path)   # a wrong path: only that
+    assert r.returncode == 2
+    assert "nope.py" in r.stderr and "broken.py" not in r.stderr and r.stdout == ""
 
 
 def test_ropekit_kernels_are_clean():
