@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -28,7 +27,8 @@ SRC = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
 def test_repository_layout_and_metadata(tmp_path):
     root = hub.write_kernel_repo(str(tmp_path / "repo"))
     variant = os.path.join(root, "build", "torch-universal")
-    meta = json.load(open(os.path.join(variant, "metadata.json")))
+    with open(os.path.join(variant, "metadata.json")) as f:
+        meta = json.load(f)
     assert meta["name"] == "ropekit-rope" and meta["license"] == "Apache-2.0" and meta["python-depends"] == []
     assert os.path.exists(os.path.join(variant, "ropekit_rope", "__init__.py"))
     kernels = pytest.importorskip("kernels")
