@@ -224,10 +224,11 @@ def _feature(name, present):
 
 
 def _takes(fn_name, param):
+    """Whether ropekit.<fn_name> has a parameter whose name contains `param`."""
     def present():
         fn = getattr(ropekit, fn_name, None)
         try:
-            return fn is not None and param in inspect.signature(fn).parameters
+            return fn is not None and any(param in name for name in inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             return False
     return present
@@ -255,7 +256,7 @@ CHECKS: List[Check] = [
           _store(torch.float8_e4m3fn, 0.5)),
     Check("ropekit.hf drop-ins, tiny Llama logits", "fp32", 1e-4, ("hf",), _hf_llama),
     # ops other issues add: each becomes a real row when it lands
-    Check("apply_rope with QK-norm", "-", 0.0, (), _feature("apply_rope(qk_norm...)", _takes("apply_rope", "q_norm_weight"))),
+    Check("apply_rope with QK-norm", "-", 0.0, (), _feature("apply_rope's QK-norm option", _takes("apply_rope", "norm"))),
     Check("rerotate_kv_cache", "-", 0.0, ("rerotate_kv_cache",),
           _feature("ropekit.rerotate_kv_cache", lambda: hasattr(ropekit, "rerotate_kv_cache"))),
     Check("apply_rope cu_seqlens (packed)", "-", 0.0, (), _feature("apply_rope(cu_seqlens=)",
