@@ -597,9 +597,12 @@ def test_cli_exit_codes(tmp_path):
     assert "1 finding(s) in 2 file(s)" in lines[-1]
 
     (tmp_path / "broken.py").write_text("@triton.jit\ndef f(:\n")
-    r = _cli(tmp_path / "broken.py", tmp_path / "nope.py", cwd=tmp_path)
+    r = _cli(tmp_path / "broken.py", cwd=tmp_path)
     assert r.returncode == 2
-    assert "broken.py:2" in r.stderr and "nope.py" in r.stderr
+    assert "broken.py:2" in r.stderr
+    r = _cli(tmp_path / "broken.py", tmp_path / "nope.py", cwd=tmp_path)   # a wrong path: only that
+    assert r.returncode == 2
+    assert "nope.py" in r.stderr and "broken.py" not in r.stderr and r.stdout == ""
 
 
 def test_ropekit_kernels_are_clean():
@@ -610,3 +613,16 @@ def test_ropekit_kernels_are_clean():
     assert not errors
     assert not warnings, [w.format() for w in warnings]
     assert not found, "\n".join(f.format() for f in found)
+
+
+def test_missing_path_prints_only_the_error_and_fails(tmp_path, capsys):
+    missing = tmp_path / "no_such_dir"
+    good, _ = _write(tmp_path, "x = 1\n")
+    assert audit.main([str(missing), str(good)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", f"nothing on stdout beside the error, got {out!r}"
+    assert err.strip() == f"{missing}: error: no such file or directory"
+    # through the module entry point, as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "ropekit.audit", str(missing)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(_SRC)})
+    assert proc.returncode == 2 and proc.stdout == "" and "no findings" not in proc.stderr

@@ -42,7 +42,22 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
             assert r["status"] == "ok", r
             assert r["time_us"] > 0 and r["pct_copy"] > 0
             assert max(r["rel_err"].values()) <= 1e-2
-        assert cells[(wl, "ropekit")]["status"] in ("ok", "skipped"), cells[(wl, "ropekit")]
+        r = cells[(wl, "ropekit")]
+        assert r["status"] == "ok", r                         # ropekit itself is never skipped
+        assert max(r["rel_err"].values()) <= 1e-2 and r["time_us"] > 0
+        sp = r["time_spread"]
+        assert sp["min"] <= sp["median"] <= sp["max"] and sp["n"] >= 3
+    # W3 is a host workload: host time with its spread, and the floors measured in the same run
+    w3 = next(w for w in res["workloads"] if w["id"] == "W3")
+    floors = w3["host_floors"]
+    assert floors["interpreted"] is True
+    for name in ("launch", "aten", "autograd"):
+        assert floors[name]["median"] > 0, (name, floors)
+    assert cells[("W3", "ropekit")]["host_us"] > 0
+    assert "W3 host floors [TRITON INTERPRETER" in text and "x launch" in text and "x aten" in text
+    assert "[min-max]" in text
+    cpu = res["meta"]["cpu_speed"]
+    assert cpu["bfloat16"]["hf"]["median"] > 0 and cpu["float32"]["ropekit.apply_rope"]["median"] > 0
     # GPU-only peers are listed as skipped with a reason, never faked
     peers = {p["name"]: p for p in res["peers"]}
     assert not peers["liger"]["available"] and peers["liger"]["reason"]

@@ -449,3 +449,12 @@ def test_public_names():
     from ropekit.modules import RotaryEmbedding
 
     assert ropekit.RotaryEmbedding is RotaryEmbedding
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, "float32"])
+def test_inv_freq_refuses_non_float_dtypes(dtype):
+    """Frequencies below 1 would truncate to 0 in an integer dtype: refused, as cos_sin_cache does."""
+    with pytest.raises(ValueError, match=r"^inv_freq: dtype: expected a floating-point torch.dtype, got "):
+        inv_freq(64, 10000.0, dtype=dtype)
+    with pytest.raises(ValueError, match=r"^cos_sin_cache: dtype: expected a floating-point torch.dtype"):
+        cos_sin_cache(64, 16, 10000.0, dtype=dtype)

@@ -477,3 +477,76 @@ def test_mrope_from_scaling_dict_and_bad_sections():
     assert rope.mrope_section == (16, 24, 24) and not rope.mrope_interleaved
     with pytest.raises(ValueError, match="mrope_section"):
         ropekit.RotaryEmbedding(128, 128, 256, mrope_section=[16, 24, 20])
+
+
+# ---------------------------------------------------------------------------------------------
+# input defects: M-RoPE position layouts, bad sections, errors in the caller's words
+
+
+def test_mrope_rows_with_as_many_tokens_as_heads_are_mrope():
+    """(3, T) rows with a flat query whose token count equals anything else are still M-RoPE."""
+    D, T = 16, 3
+    rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=[2, 3, 3], inplace=False)
+    q = _rand(T, 3 * D)                           # (T, H * D), H == T == 3
+    pos = torch.tensor([[1, 5, 9], [2, 6, 10], [3, 7, 11]])
+    got, _ = rope(pos, q)
+    want, _ = reference.apply_rope(q.view(T, 3, D).double(), None, pos, rope.cos_sin_cache.double(),
+                                   mrope_section=[2, 3, 3])
+    torch.testing.assert_close(got.view(T, 3, D).double(), want, rtol=1e-5, atol=1e-5)
+    plain, _ = reference.apply_rope(q.view(T, 3, D).double(), None, pos[0], rope.cos_sin_cache.double())
+    assert not torch.allclose(got.view(T, 3, D).double(), plain, atol=1e-3)   # the old silent reading
+
+
+def test_mrope_batch_of_three_plain_positions_stays_plain():
+    D = 16
+    rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=[2, 3, 3], inplace=False)
+    q = _rand(3, 4, 2, D)                          # (B=3, S=4, H, D): only a plain reading fits
+    pos = torch.randint(0, 64, (3, 4))
+    got, _ = rope(pos, q)
+    want, _ = reference.apply_rope(q.double(), None, pos, rope.cos_sin_cache.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mrope_ambiguous_positions_are_an_error():
+    D = 16
+    rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=[2, 3, 3])
+    q = _rand(3, 3, D)                              # (T=3, H=3, D) or (B=3, S=3, 1 * D)
+    before = q.clone()
+    with pytest.raises(ValueError, match=r"RotaryEmbedding.forward: positions: expected a shape that tells "
+                                         r"M-RoPE rows from a batch.*got shape \(3, 3\)"):
+        rope(torch.zeros(3, 3, dtype=torch.long), q)
+    assert torch.equal(q, before)
+    # either unambiguous spelling works
+    rope(torch.zeros(3, 3, dtype=torch.long), q.reshape(3, 3 * D))
+    rope(torch.zeros(3, 3, dtype=torch.long), q.reshape(3, 3, 1, D))
+
+
+@pytest.mark.parametrize("section", [[-2, 10, 8], [20, -2, -2], [8, 8, 0.5]])
+def test_mrope_section_rejects_negative_or_non_int_entries(section):
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: mrope_section: expected 3 non-negative ints"):
+        RotaryEmbedding(32, 32, 64, mrope_section=section)
+
+
+def test_errors_through_the_module_name_the_callers_arguments():
+    """The op's `apply_rope: q` / `k` / table rows come back as the module's query / key / max_position."""
+    rope = RotaryEmbedding(16, 16, 32, 100.0)
+    pos = torch.arange(3)
+    with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: query: expected dtype in .*got float64$"):
+        rope(pos, _rand(3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: key: expected the dtype of query \(float32\), "
+                                         r"got float16$"):
+        rope(pos, _rand(3, 16), _rand(3, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: key: expected a tensor on cpu \(the device of "
+                                         r"query\)"):
+        rope(pos, _rand(3, 16), torch.empty(3, 16, device="meta"))
+    with strict(), pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: positions: expected values in "
+                                                     r"\[0, 32\) \(max_position = 32\), got positions\[1\] = 40$"):
+        rope(torch.tensor([0, 40, 1]), _rand(3, 16))
+
+
+def test_store_errors_through_the_module_name_the_callers_arguments():
+    rope = RotaryEmbedding(16, 16, 32, 100.0)
+    q, k, v = _rand(3, 32), _rand(3, 16), _rand(3, 16)
+    k_cache, v_cache = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
+    with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward_and_store: value: expected dtype"):
+        rope.forward_and_store(torch.arange(3), q, k, v.double(), k_cache, v_cache, torch.arange(3))

@@ -1224,6 +1224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # usage error (2) or --help (0)
         return int(e.code) if isinstance(e.code, int) else 2
 
+    missing = [p for p in args.paths if not os.path.exists(p)]
+    if missing:  # a wrong path is a usage error: say only that, audit nothing
+        for p in missing:
+            print(f"{p}: error: no such file or directory", file=sys.stderr)
+        return 2
     findings, warnings, errors, nfiles = audit_paths(args.paths)
     for w in warnings:
         print(w.format(), file=sys.stderr)

@@ -276,8 +276,11 @@ def inv_freq(
         (YaRN / LongRoPE mscale, 1.0 for the other types) multiplies cos and sin, as in HF.
 
     Raises ValueError naming the key for an unknown rope type, a missing or non-positive
-    scaling value, or a bad rotary_dim.
+    scaling value, a bad rotary_dim, or a dtype that is not floating point (frequencies below 1
+    would truncate to 0).
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        fail("inv_freq", "dtype", "a floating-point torch.dtype", repr(dtype))
     freqs, attention_factor = _inv_freq64("inv_freq", rotary_dim, base, scaling, max_position)
     device = torch.get_default_device() if device is None else device
     return freqs.to(device=device, dtype=dtype), attention_factor

@@ -406,6 +406,9 @@ def _module_name(family: str) -> str:
 
 
 def _families_of_model(model) -> List[str]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ropekit.hf.patch: model: expected a torch.nn.Module (a transformers model) or None, "
+                        f"got {type(model).__name__}")
     found = []
     for m in model.modules():
         parts = type(m).__module__.split(".")

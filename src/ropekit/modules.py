@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -18,6 +19,23 @@ _INTERLEAVED_FAMILIES = frozenset({
     "gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "llama4", "llama4_text",
     "deepseek_v2", "deepseek_v3",
 })
+
+
+# Errors of the ops called through the module, in the caller's words: the module's argument
+# names for the op's (query for q, ...), and its max_position for the op's table rows.
+_CALLER_NAMES = {"q": "query", "k": "key", "v": "value"}
+
+
+def _in_callers_words(error: Exception, op: str, caller: str, max_position: int) -> Exception:
+    """The same exception type, its message saying `caller: query:` where the op said `op: q:`."""
+    msg = str(error)
+    if not msg.startswith(op + ": "):
+        return error
+    name, _, rest = msg[len(op) + 2:].partition(": ")
+    name = _CALLER_NAMES.get(name, name)
+    rest = re.sub(r"\b([qkv])\b", lambda m: _CALLER_NAMES[m.group(1)], rest)
+    rest = rest.replace("(the rows of cos_sin_cache)", f"(max_position = {max_position})")
+    return type(error)(f"{caller}: {name}: {rest}")
 
 
 def _int_arg(op: str, name: str, value) -> int:
@@ -93,8 +111,9 @@ class RotaryEmbedding(nn.Module):
             mrope_interleaved = bool(scaling.get("mrope_interleaved", False))
         if mrope_section is not None:
             if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3 \
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in mrope_section) \
                     or sum(mrope_section) != rotary_dim // 2:
-                fail(op, "mrope_section", f"3 ints summing to rotary_dim // 2 = {rotary_dim // 2}",
+                fail(op, "mrope_section", f"3 non-negative ints summing to rotary_dim // 2 = {rotary_dim // 2}",
                      repr(mrope_section))
             mrope_section = tuple(int(v) for v in mrope_section)
         self.mrope_section = mrope_section
@@ -169,6 +188,32 @@ class RotaryEmbedding(nn.Module):
         shift = (use_long & (positions >= 0)).to(positions.dtype) * self._long_offset
         return positions + shift
 
+    def _is_mrope(self, positions, query) -> bool:
+        """Whether positions are M-RoPE rows (3, *T) rather than plain (T,) / (B, S) positions.
+
+        Only an M-RoPE module reads them that way. (3, B, S) can only be M-RoPE. A (3, X) tensor
+        is M-RoPE rows for query (X, H * D) or (X, H, D), and a plain batch of 3 for query
+        (3, X, H * D) or (3, X, H, D); when the query fits both readings (query (3, 3, head_size))
+        that is an error, never a guess.
+        """
+        if self.mrope_section is None or not isinstance(positions, torch.Tensor) \
+                or not isinstance(query, torch.Tensor) or positions.dim() not in (2, 3) or positions.shape[0] != 3:
+            return False
+        if positions.dim() == 3:
+            return True
+        D, X = self.head_size, positions.shape[1]
+        qs = tuple(query.shape)
+        as_mrope = (len(qs) == 2 and qs[0] == X and qs[1] % D == 0) or (len(qs) == 3 and qs[0] == X and qs[2] == D)
+        as_plain = (len(qs) == 3 and qs[:2] == (3, X) and qs[2] % D == 0) or (len(qs) == 4 and qs[:2] == (3, X)
+                                                                             and qs[3] == D)
+        if as_mrope and as_plain:
+            fail("RotaryEmbedding.forward", "positions",
+                 f"a shape that tells M-RoPE rows from a batch: (3, {X}) with query {qs} reads both as (3, T) "
+                 f"M-RoPE rows (query (T, H, D)) and as a (B, S) batch (query (B, S, H * D)); pass query as "
+                 f"({X}, H * {D}) for M-RoPE or as (3, {X}, H, {D}) for plain positions",
+                 f"shape {tuple(positions.shape)}")
+        return as_mrope
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None, *,
                 q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0):
         """Rotate query (and key) by the angles of their positions.
@@ -181,12 +226,7 @@ class RotaryEmbedding(nn.Module):
         when key is None. q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of
         query / key first, in the same launch (apply_rope's keywords).
         """
-        # (3, *T) M-RoPE rows: a leading 3 whose remaining dims are the token dims of query (a plain
-        # (B, S) = (3, S) batch matches query's first two dims instead; plain wins a tie)
-        mrope = self.mrope_section is not None and isinstance(positions, torch.Tensor) \
-            and isinstance(query, torch.Tensor) and positions.dim() in (2, 3) and positions.shape[0] == 3 \
-            and tuple(positions.shape[1:]) == tuple(query.shape[:positions.dim() - 1]) \
-            and tuple(positions.shape) != tuple(query.shape[:positions.dim()])
+        mrope = self._is_mrope(positions, query)
         if not isinstance(positions, torch.Tensor) or positions.dim() - mrope not in (1, 2):
             got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
             want = "a (T,) or (B, S) tensor" + (", or (3, T) / (3, B, S) for M-RoPE" if self.mrope_section else "")
@@ -197,12 +237,15 @@ class RotaryEmbedding(nn.Module):
         cache = self._table_for(query)
         if self._long_offset:
             positions = self._long_or_short(positions)
-        q_out, k_out = apply_rope(q, k, positions, cache, interleaved=not self.is_neox_style,
-                                  rotary_dim=self.rotary_dim, inplace=self.inplace,
-                                  mrope_section=self.mrope_section if mrope else None,
-                                  mrope_interleaved=self.mrope_interleaved if mrope else False,
-                                  q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-                                  norm_weight_offset=norm_weight_offset)
+        try:
+            q_out, k_out = apply_rope(q, k, positions, cache, interleaved=not self.is_neox_style,
+                                      rotary_dim=self.rotary_dim, inplace=self.inplace,
+                                      mrope_section=self.mrope_section if mrope else None,
+                                      mrope_interleaved=self.mrope_interleaved if mrope else False,
+                                      q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                                      norm_weight_offset=norm_weight_offset)
+        except (ValueError, TypeError) as e:
+            raise _in_callers_words(e, "apply_rope", "RotaryEmbedding.forward", self.max_position) from None
         if self.inplace:
             return query, key
         return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
@@ -244,10 +287,14 @@ class RotaryEmbedding(nn.Module):
         cache = self._table_for(query)
         if self._long_offset:
             positions = self._long_or_short(positions)
-        apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slot_mapping,
-                             interleaved=not self.is_neox_style, rotary_dim=self.rotary_dim,
-                             k_scale=k_scale, v_scale=v_scale, q_norm_weight=q_norm_weight,
-                             k_norm_weight=k_norm_weight, norm_eps=norm_eps, norm_weight_offset=norm_weight_offset)
+        try:
+            apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slot_mapping,
+                                 interleaved=not self.is_neox_style, rotary_dim=self.rotary_dim,
+                                 k_scale=k_scale, v_scale=v_scale, q_norm_weight=q_norm_weight,
+                                 k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                                 norm_weight_offset=norm_weight_offset)
+        except (ValueError, TypeError) as e:
+            raise _in_callers_words(e, "apply_rope_and_store", op, self.max_position) from None
         return query
 
     def extra_repr(self) -> str:

@@ -181,8 +181,8 @@ def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) ->
                                        mrope_interleaved=il_sections)
     for x, out in ((q, q_out), (k, k_out)):
         if x is not None:
-            out.copy_(reference.rotate(x, c, s, interleaved=variant.interleaved,
-                                       out_interleaved=variant.out_interleaved, inverse=variant.inverse))
+            reference.rotate_into(x, out, c, s, interleaved=variant.interleaved,
+                                  out_interleaved=variant.out_interleaved, inverse=variant.inverse)
 
 
 def angle_views(spec: Spec, cos, sin):

@@ -41,6 +41,7 @@ def _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapp
             validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
         validate.slots_in_range(OP, slot_mapping, num_slots)
+        validate.slots_unique(OP, slot_mapping)
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None:
                 validate.scale_value(OP, name, scale)
@@ -160,8 +161,10 @@ def apply_rope_and_store(
             A tensor scale is read inside the kernel: no host sync, safe in CUDA graphs. A float
             is turned into a cached device tensor (1.0 means no scaling).
 
-    Returns q (rotated in place). Rows of the caches that no slot names are never touched; with
-    duplicate slots one of the tokens wins (unspecified which).
+    Returns q (rotated in place). Rows of the caches that no slot names are never touched.
+    Duplicate slots (two tokens naming one slot) are a caller error: without strict mode the row
+    holds an unspecified mix (its k row and its v row may come from different tokens); under
+    `ropekit.strict()` they raise ValueError naming the slot and both tokens, before any write.
 
     Bad inputs never cause an out-of-bounds access, and nothing is synced by default:
     - a position outside [0, max_position): that token's rotated dims of q and of its k row are

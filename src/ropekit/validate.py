@@ -597,3 +597,27 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
     if norm_eps < 0:
         fail(op, "norm_eps", "a float >= 0", norm_eps)
     return tuple(modes)
+
+
+def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:
+    """Strict mode: no two tokens may name one slot (the k and v rows of a slot could come from
+    different tokens). Names the first duplicated slot and two tokens holding it (one device sync).
+    Negative slots are padding and may repeat."""
+    flat = slot_mapping.reshape(-1).long()
+    if flat.numel() < 2:
+        return
+    order = torch.sort(flat, stable=True)
+    ranks, values = order.indices, order.values
+    dup = (values[1:] == values[:-1]) & (values[1:] >= 0)
+    if not bool(dup.any()):
+        return
+    hits = dup.nonzero().flatten()
+    # among duplicated pairs, the one whose second token comes first in token order
+    second = ranks[hits + 1]
+    j = int(second.argmin())
+    first_tok, second_tok = int(ranks[hits[j]]), int(second[j])
+    shape = tuple(slot_mapping.shape)
+    a = [int(i) for i in torch.unravel_index(torch.tensor(first_tok), shape)]
+    b = [int(i) for i in torch.unravel_index(torch.tensor(second_tok), shape)]
+    fail(op, "slot_mapping", "distinct slots (each cache row written by one token; < 0 skips a token)",
+         f"slot {int(flat[second_tok])} at slot_mapping{a} and slot_mapping{b}")

@@ -27,12 +27,37 @@ def _us(x: Optional[float]) -> str:
     return f"{x:.0f} us"
 
 
-def _cell(rec: dict, graph: bool) -> str:
+NOISY = "!"   # marks a figure whose max / min is above timing.SPREAD_FLAG
+
+
+def _spread(sp: Optional[dict]) -> str:
+    """' [min-max]' in microseconds, with NOISY appended when the spread is above the flag."""
+    if not sp:
+        return ""
+    return f" [{_num(sp['min'])}-{_num(sp['max'])}]" + (NOISY if sp.get("noisy") else "")
+
+
+def _num(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else (f"{x:.1f}" if x < 100 else f"{x:.0f}")
+
+
+def _ratios(value_us: Optional[float], floors: Optional[dict], names: Tuple[str, ...]) -> str:
+    """' (2.1x launch, 3.0x aten)': value over each floor's median."""
+    if value_us is None or not floors:
+        return ""
+    parts = [f"{value_us / floors[n]['median']:.1f}x {n}" for n in names
+             if floors.get(n) and floors[n]["median"] > 0]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _cell(rec: dict, graph: bool, floors: Optional[dict] = None) -> str:
     st = rec["status"]
     if st == "ok":
+        spread = _spread(rec.get("time_spread"))
+        extra = _ratios(rec["time_us"], floors, ("autograd",)) if floors else ""
         if graph:
-            return _us(rec["time_us"])
-        return f"{rec['pct_copy']:.1f}% ({_us(rec['time_us'])})"
+            return _us(rec["time_us"]) + spread
+        return f"{rec['pct_copy']:.1f}% ({_us(rec['time_us'])}{spread}){extra}"
     if st == "wrong":
         errs = [v for v in (rec.get("rel_err") or {}).values()]
         worst = max((math.inf if isinstance(v, str) else v) for v in errs) if errs else math.inf
@@ -54,14 +79,63 @@ def pivot(res: dict) -> Tuple[List[str], List[List[str]]]:
     rows = []
     for w in res["workloads"]:
         graph = w["graph"] and not res["meta"]["cpu_mode"]
+        floors = w.get("host_floors")
+        fwdbwd = floors if (floors and not w["host"]) else None       # W8: its time over the Function floor
         label = f"{w['id']} {w['name']}" + (" (graph)" if graph else "")
-        rows.append([label] + [_cell(by[(w["id"], c["name"])], graph) if (w["id"], c["name"]) in by
+        rows.append([label] + [_cell(by[(w["id"], c["name"])], graph, fwdbwd) if (w["id"], c["name"]) in by
                                else "–" for c in cols])
         if w["host"] and any(by.get((w["id"], c["name"]), {}).get("host_us") is not None for c in cols):
             rows.append([f"{w['id']} host per call"] +
-                        [_us(by[(w["id"], c["name"])].get("host_us")) if (w["id"], c["name"]) in by
+                        [_host_cell(by[(w["id"], c["name"])], floors) if (w["id"], c["name"]) in by
                          else "–" for c in cols])
     return header, rows
+
+
+def _host_cell(rec: dict, floors: Optional[dict]) -> str:
+    h = rec.get("host_us")
+    if h is None:
+        return "–"
+    return _us(h) + _spread(rec.get("host_spread")) + _ratios(h, floors, ("launch", "aten"))
+
+
+def floor_lines(res: dict) -> List[str]:
+    """One line per workload with host floors: each floor's median and spread, in microseconds."""
+    out = []
+    names = {"launch": "empty Triton kernel launch, kernel[(1,)](q)", "aten": "in-place ATen op, q.add_(0)",
+             "autograd": "empty autograd.Function, forward + backward"}
+    for w in res["workloads"]:
+        f = w.get("host_floors")
+        if not f:
+            continue
+        parts = []
+        for key, what in names.items():
+            if f.get(key):
+                parts.append(f"{what}: {_us(f[key]['median'])}{_spread(f[key])}")
+            elif key in f.get("why", {}):
+                parts.append(f"{what}: not measured ({f['why'][key]})")
+        flag = " [TRITON INTERPRETER launch, CPU: not a GPU floor]" if f.get("interpreted") else ""
+        out.append(f"{w['id']} host floors{flag}: " + "; ".join(parts))
+    return out
+
+
+def cpu_speed_lines(res: dict) -> List[str]:
+    """The CPU-tensor row: ropekit's CPU path against HF's apply_rotary_pos_emb, same process."""
+    cs = res["meta"].get("cpu_speed")
+    if not cs:
+        return []
+    if "skipped" in cs:
+        return [f"CPU tensors, ropekit vs HF eager: skipped ({cs['skipped']})"]
+    sz = cs.get("sizes", {})
+    head = ("CPU tensors (no interpreter), B={B} S={S} Hq={Hq} Hk={Hk} D={D}, median of single calls "
+            "[min-max], ratio to HF's apply_rotary_pos_emb:").format(**sz)
+    out = [head]
+    for dt, row in cs.items():
+        if dt == "sizes":
+            continue
+        hf = row["hf"]["median"]
+        cells = [f"{name} {_us(st['median'])}{_spread(st)} ({st['median'] / hf:.2f}x)" for name, st in row.items()]
+        out.append(f"  {dt}: " + "; ".join(cells))
+    return out
 
 
 def _text_table(header: List[str], rows: List[List[str]]) -> str:
@@ -124,6 +198,8 @@ def terminal(res: dict) -> str:
     parts.append(f"cells: % of {unit} (median time per call)" + (
         "" if res["meta"]["cpu_mode"] else "; (graph) rows: time per call under CUDA-graph replay"))
     parts += ["", _text_table(header, rows), ""]
+    parts += floor_lines(res) + cpu_speed_lines(res)
+    parts += [f"[min-max]: fastest and slowest call; '{NOISY}': max / min above the noise flag", ""]
     parts += ["notes:"] + ["  - " + n for n in notes(res)]
     if res["meta"]["cpu_mode"]:
         parts += ["", "*** CPU numbers, not GPU numbers ***"]
@@ -221,7 +297,7 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
         out += ["> **" + (res.get("cpu_banner") or "CPU numbers, not GPU numbers") + "**", ""]
     out += [f"Measured on **{m['device']}** on {m['date']}, bf16. Copy bandwidth measured in the same "
             f"run: **{c['gbps']:.0f} GB/s** ({c['what']}). Sizes: "
-            f"{'quick' if m['quick'] else 'full, as in shared WORKLOADS.md'}.", "",
+            f"{'quick' if m['quick'] else 'full, as in benchmarks/WORKLOADS.md'}.", "",
             "Command:", "", "```", m.get("command") or "python -m ropekit.bench", "```", ""]
     if png:
         out += [f"![percent of copy bandwidth per workload and implementation]({png})", ""]
@@ -233,6 +309,9 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
             "than L2; 'host per call' is wall-clock time per eager call.", ""]
     header, rows = pivot(res)
     out += [_md_table(header, rows), ""]
+    extra = floor_lines(res) + cpu_speed_lines(res)
+    if extra:
+        out += ["```"] + extra + ["```", ""]
     out += ["## Workloads", "", "| id | what | sizes | minimal bytes | floor |", "|---|---|---|---|---|"]
     for w in res["workloads"]:
         sizes = ", ".join(f"{k}={v}" for k, v in w["sizes"].items())

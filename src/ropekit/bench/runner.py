@@ -35,6 +35,7 @@ class Config:
     progress: bool = True
     command: str = ""
     extra: Dict[str, object] = field(default_factory=dict)
+    cpu_row: bool = True                    # also time ropekit against HF's function on CPU tensors
 
 
 class Progress:
@@ -139,6 +140,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
             cfg: Config) -> dict:
     rec: dict = {"workload": wl.id, "peer": peer.name, "status": None, "reason": "",
                  "time_us": None, "gbps": None, "pct_copy": None, "host_us": None,
+                 "time_spread": None, "host_spread": None,
                  "method": "", "rel_err": None, "note": ""}
     cuda = torch.device(device).type == "cuda"
     try:
@@ -168,28 +170,33 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
         bad = max(errs, key=errs.get)
         rec.update(status="wrong", reason=f"{bad}: rel err {worst:.3g} > {tol:g} vs float64 reference")
         return rec
-    # timing
+    # timing: min / median / max of every figure, the median shown as the time
     try:
         if not cuda:
-            ms = timing.cpu_ms(bound.fn, min_s=cfg.rep_ms / 1e3, warmup=1 if cfg.warmup_ms > 0 else 0)
+            st = timing.stats(timing.cpu_samples(bound.fn, min_s=cfg.rep_ms / 1e3,
+                                                 warmup=1 if cfg.warmup_ms > 0 else 0))
             method = "CPU wall clock, median"
         elif wl.graph:
             try:
                 fns = [bound.fn] + [peer.make(wl, s).fn for s in extra_sets]
-                ms = timing.graph_ms(fns, cfg.warmup_ms, cfg.rep_ms)
+                st = timing.graph_ms(fns, cfg.warmup_ms, cfg.rep_ms, all_stats=True)
                 method = f"CUDA-graph replay over {len(fns)} input sets, median"
             except Exception as e:
                 try:
                     torch.cuda.synchronize()
                 except Exception:
                     pass
-                ms = timing.gpu_ms(bound.fn, cfg.warmup_ms, cfg.rep_ms)
+                st = timing.gpu_stats(bound.fn, cfg.warmup_ms, cfg.rep_ms)
                 method = f"CUDA events, median (graph capture failed: {P._short(e)})"
         else:
-            ms = timing.gpu_ms(bound.fn, cfg.warmup_ms, cfg.rep_ms)
+            st = timing.gpu_stats(bound.fn, cfg.warmup_ms, cfg.rep_ms)
             method = "CUDA events, median, L2 flushed (triton do_bench)"
-        if cuda and wl.host:
-            rec["host_us"] = timing.host_us(bound.fn, device)
+        ms = st["median"]
+        rec["time_spread"] = {k: (v * 1e3 if k in ("min", "median", "max") else v) for k, v in st.items()}
+        if wl.host:
+            hs = timing.host_us_stats(bound.fn, device, batches=7 if cuda else 3, n=50 if cuda else 3,
+                                      warmup=5 if cuda else 1)
+            rec["host_us"], rec["host_spread"] = hs["median"], hs
     except Exception as e:
         rec.update(status="error", reason="timing: " + P._short(e))
         return rec
@@ -263,7 +270,8 @@ def run(cfg: Config, log=None) -> dict:
             continue
         wl_info.append({"id": wl.id, "name": wl.name, "what": wl.what, "sizes": s, "bytes": nbytes,
                         "floor_us": nbytes / (copy["gbps"] * 1e9) * 1e6, "graph": wl.graph,
-                        "host": wl.host, "input_sets": n_sets})
+                        "host": wl.host, "input_sets": n_sets,
+                        "host_floors": _floors(wl, base, say) if (wl.host or wl.kind == "fwdbwd") else None})
         for p in active:
             prog.step(f"{wl.id} {p.name}")
             rec = run_one(p, wl, base, exp, extra, nbytes, copy["gbps"], device, cfg)
@@ -279,9 +287,69 @@ def run(cfg: Config, log=None) -> dict:
         if cfg.checkpoint is not None:
             cfg.checkpoint(_pack(meta, copy, wl_info, peer_info, results, cuda, partial=True))
     prog.close()
+    if cfg.cpu_row:
+        try:
+            meta["cpu_speed"] = cpu_speed_row(min_s=0.05 if quick else 0.3)
+        except Exception as e:
+            meta["cpu_speed"] = {"skipped": P._short(e)}
     for d in oracle.disagreements:
         say("WARNING oracle disagreement: " + d)
     return _pack(meta, copy, wl_info, peer_info, results, cuda, partial=False)
+
+
+def _floors(wl, base, say) -> Optional[dict]:
+    """Host floors on this workload's own q (and k), measured now: see timing.host_floors."""
+    try:
+        return timing.host_floors(base["q"], base.get("k"))
+    except Exception as e:                       # a floor that cannot run is reported, not faked
+        say(f"{wl.id}: host floors: {P._short(e)}")
+        return None
+
+
+def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=8, D=128, min_s=0.3) -> dict:
+    """ropekit on CPU tensors (its pure-PyTorch path, no interpreter) against Hugging Face's
+    apply_rotary_pos_emb in the same process: median (and spread) of single calls, in microseconds.
+    Also reference.rotate_into alone when it exists. Keys: dtype name -> {impl: stats}."""
+    import ropekit
+    from ropekit import reference
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
+    except Exception as e:
+        return {"skipped": f"transformers not importable ({P._short(e)})"}
+    saved = os.environ.pop("TRITON_INTERPRET", None)        # the CPU path users get
+    out: dict = {"sizes": dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D)}
+    try:
+        g = torch.Generator().manual_seed(0)
+        inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = torch.arange(S, dtype=torch.float64)[:, None] * inv
+        table = torch.cat((ang.cos(), ang.sin()), -1).float()
+        for dt in dtypes:
+            q = torch.randn(B, Hq, S, D, generator=g).to(dt)
+            k = torch.randn(B, Hk, S, D, generator=g).to(dt)
+            emb = torch.cat((ang, ang), -1)
+            cos, sin = emb.cos().to(dt)[None].expand(B, S, D), emb.sin().to(dt)[None].expand(B, S, D)
+            qs, ks = q.transpose(1, 2), k.transpose(1, 2)          # (B, S, H, D) views, as HF holds them
+            row = {
+                "hf": timing.stats([t * 1e3 for t in timing.cpu_samples(lambda: hf_apply(q, k, cos, sin),
+                                                                          min_s=min_s, max_reps=400)]),
+                "ropekit.apply_rope": timing.stats([t * 1e3 for t in timing.cpu_samples(
+                    lambda: ropekit.apply_rope(qs, ks, None, table), min_s=min_s, max_reps=400)]),
+            }
+            rotate_into = getattr(reference, "rotate_into", None)
+            if rotate_into is not None:
+                c, s_ = table[:S, :D // 2], table[:S, D // 2:]
+                qo, ko = torch.empty_like(qs), torch.empty_like(ks)
+
+                def both():
+                    rotate_into(qs, qo, c, s_, interleaved=False, out_interleaved=False, inverse=False)
+                    rotate_into(ks, ko, c, s_, interleaved=False, out_interleaved=False, inverse=False)
+                row["reference.rotate_into"] = timing.stats([t * 1e3 for t in timing.cpu_samples(
+                    both, min_s=min_s, max_reps=400)])
+            out[str(dt).replace("torch.", "")] = row
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return out
 
 
 def _pack(meta, copy, wl_info, peer_info, results, cuda, partial):

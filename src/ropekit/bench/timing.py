@@ -7,6 +7,10 @@ total size is past the L2; host time per eager call with a wall clock over many 
 the copy bandwidth of a large device-to-device copy measured in the same run.
 
 CPU: a wall clock around each call, median of several.
+
+Every timing keeps its spread (min / median / max): a noisy host shows as a wide spread, flagged
+by the report when max / min exceeds SPREAD_FLAG. Host floors (what any eager op pays on this
+host, measured in the same run) put host times in proportion: see `host_floors`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 DEFAULT_L2 = 60 * 1024 * 1024          # H200's 60 MB: used when the device does not say
+SPREAD_FLAG = 1.5                      # max / min above this: the table marks the figure as noisy
 
 
 def l2_bytes(device) -> int:
@@ -70,12 +75,24 @@ def gpu_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100)
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+def gpu_stats(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """`stats` of the per-call milliseconds do_bench measured (median as gpu_ms)."""
+    try:
+        from triton.testing import do_bench
+        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    except Exception:                                   # pragma: no cover
+        return stats([gpu_ms(fn, warmup_ms, rep_ms)])
+    return stats([float(t) for t in times])
+
+
+def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms: float = 100,
+             all_stats: bool = False):
     """Median milliseconds per call under CUDA-graph replay.
 
     One graph holds one call per input set, in order; a replay's time over the number of sets is
     the time of one call with its inputs not in L2. The calls are warmed up first (Triton JIT,
-    torch.compile, autotuning) on a side stream, as PyTorch asks before a capture."""
+    torch.compile, autotuning) on a side stream, as PyTorch asks before a capture. all_stats:
+    return `stats` (per call) instead of the median."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -91,6 +108,9 @@ def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms:
     graph.replay()
     torch.cuda.synchronize()
     try:
+        if all_stats:
+            st = gpu_stats(graph.replay, warmup_ms, rep_ms)
+            return {**st, **{key: st[key] / len(fns) for key in ("min", "median", "max")}}
         return gpu_ms(graph.replay, warmup_ms, rep_ms) / len(fns)
     finally:
         del graph
@@ -110,9 +130,23 @@ def host_us(fn: Callable[[], object], device, n: int = 200, warmup: int = 20) ->
     return (t1 - t0) / n * 1e6
 
 
-def cpu_ms(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50,
-           warmup: int = 1, best: bool = False) -> float:
-    """Median (best=True: fastest) wall-clock milliseconds of one call on the CPU."""
+def stats(samples: Sequence[float]) -> dict:
+    """min / median / max of some timings, and whether their spread is above SPREAD_FLAG."""
+    lo, mid, hi = min(samples), statistics.median(samples), max(samples)
+    return {"min": lo, "median": mid, "max": hi, "n": len(samples),
+            "noisy": bool(lo > 0 and hi / lo > SPREAD_FLAG)}
+
+
+def host_us_stats(fn: Callable[[], object], device, batches: int = 7, n: int = 50, warmup: int = 20) -> dict:
+    """`stats` (microseconds per call) over several batches of host_us's loop."""
+    for _ in range(warmup):
+        fn()
+    return stats([host_us(fn, device, n=n, warmup=0) for _ in range(batches)])
+
+
+def cpu_samples(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50,
+                warmup: int = 1) -> List[float]:
+    """Wall-clock milliseconds of single calls on the CPU (at least min_reps, for about min_s)."""
     for _ in range(warmup):
         fn()
     times: List[float] = []
@@ -121,7 +155,84 @@ def cpu_ms(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def cpu_ms(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50,
+           warmup: int = 1, best: bool = False) -> float:
+    """Median (best=True: fastest) wall-clock milliseconds of one call on the CPU."""
+    times = cpu_samples(fn, min_s, min_reps, max_reps, warmup)
     return min(times) if best else statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------
+# host floors: what any eager call pays on this host, measured in the same run
+
+def _empty_kernel():
+    """A Triton kernel that does nothing. Built under TRITON_INTERPRET=1 when there is no GPU (the
+    interpreter's launch, flagged as such by host_floors)."""
+    import os
+
+    import triton
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        @triton.jit
+        def empty(x_ptr):
+            pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return empty
+
+
+class _Nothing(torch.autograd.Function):
+    """An autograd.Function that launches nothing: W8's floor (forward + backward bookkeeping)."""
+
+    @staticmethod
+    def forward(ctx, q, k):
+        return q.view_as(q), k.view_as(k)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        return gq, gk
+
+
+def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
+    """Per-call host floors on q's device, each as `stats` in microseconds (None where it cannot
+    run, with the reason under 'why'):
+
+    - launch: Triton's generic launch of an empty kernel, `kernel[(1,)](q)`;
+    - aten: an in-place ATen op on the same q, `q.add_(0)` (what a C++ extension op pays);
+    - autograd: an autograd.Function that launches nothing, forward + backward.
+
+    'interpreted' is True when the launch floor is the Triton interpreter's (no GPU).
+    """
+    device = q.device
+    k = q if k is None else k
+    out: dict = {"interpreted": device.type != "cuda", "why": {}}
+    try:
+        kern = _empty_kernel()
+        out["launch"] = host_us_stats(lambda: kern[(1,)](q), device)
+    except Exception as e:                          # no triton, or no backend for this device
+        out["launch"] = None
+        out["why"]["launch"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    scratch = q.detach().clone()
+    out["aten"] = host_us_stats(lambda: scratch.add_(0), device)
+    qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    gq, gk = torch.ones_like(qg), torch.ones_like(kg)
+
+    def fwd_bwd():
+        qg.grad = kg.grad = None                    # no accumulation: the first backward assigns
+        a, b = _Nothing.apply(qg, kg)
+        torch.autograd.backward((a, b), (gq, gk))
+
+    out["autograd"] = host_us_stats(fwd_bwd, device, n=20)
+    return out
 
 
 def copy_bandwidth(device, nbytes: Optional[int] = None, warmup_ms: float = 25,

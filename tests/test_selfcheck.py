@@ -1,0 +1,78 @@
+"""python -m ropekit.selfcheck: every public op has a row, a failing row fails the run, a missing
+feature is 'not available' (never a pass)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import selfcheck
+
+
+def test_selfcheck_passes_and_covers_every_public_op():
+    lines = []
+    passed, failed, missing = selfcheck.run_checks("cpu", out=lines.append)
+    assert failed == 0, "\n".join(lines)
+    assert passed >= 15
+    assert selfcheck.unchecked_public_names() == []
+    text = "\n".join(lines)
+    for name in ("apply_rope_and_store, fp8", "rotate_with_angles", "backward", "tiny Llama", "M-RoPE interleaved",
+                 "strided MLA", "two token dims", "in place", "partial rotary", "interleaved (GPT-J"):
+        assert name in text
+    # every row prints its dtype and threshold
+    rows = [ln for ln in lines[1:] if "PASS" in ln]
+    assert all(("bf16" in ln or "fp32" in ln) and "e-0" in ln for ln in rows), rows
+
+
+def test_a_wrong_op_fails_its_row(monkeypatch):
+    real = ropekit.apply_rope
+
+    def off_by_a_bit(q, k, *args, **kw):
+        qo, ko = real(q, k, *args, **kw)
+        return qo * 1.05, ko
+
+    monkeypatch.setattr(ropekit, "apply_rope", off_by_a_bit)
+    lines = []
+    _, failed, _ = selfcheck.run_checks("cpu", checks=selfcheck.CHECKS[:1], out=lines.append)
+    assert failed == 1 and "FAIL" in lines[-1]
+
+
+def test_a_crash_fails_and_a_missing_feature_is_not_a_pass():
+    def boom(device):
+        raise RuntimeError("kaput")
+
+    def absent(device):
+        raise selfcheck.NotAvailable("no such op")
+
+    rows = [selfcheck.Check("crash", "bf16", 1e-2, (), boom), selfcheck.Check("absent", "-", 0.0, (), absent)]
+    lines = []
+    passed, failed, missing = selfcheck.run_checks("cpu", checks=rows, out=lines.append)
+    assert (passed, failed, missing) == (0, 1, 1)
+    assert "FAIL" in lines[1] and "kaput" in lines[1] and "not available" in lines[2]
+
+
+def test_a_feature_that_lands_without_a_row_fails(monkeypatch):
+    monkeypatch.setattr(ropekit, "rerotate_kv_cache", lambda *a: None, raising=False)
+    row = next(c for c in selfcheck.CHECKS if c.name == "rerotate_kv_cache")
+    _, failed, _ = selfcheck.run_checks("cpu", checks=[row], out=lambda s: None)
+    assert failed == 1
+
+
+def test_an_uncovered_public_name_fails(monkeypatch):
+    monkeypatch.setattr(ropekit, "__all__", list(ropekit.__all__) + ["brand_new_op"])
+    assert selfcheck.unchecked_public_names() == ["brand_new_op"]
+
+
+@pytest.mark.slow
+def test_module_entry_point_exit_status():
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "ropekit.selfcheck", "--no-bench"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checks passed" in r.stdout and "not available" in r.stdout
