@@ -9,7 +9,6 @@ then those tests skip with a reason.
 
 from __future__ import annotations
 
-import inspect
 import random
 
 import pytest
@@ -19,8 +18,6 @@ import ropekit
 from ropekit import packed, reference
 from conftest import TOL, make_cache, rel_err
 
-HAS_CU_SEQLENS = "cu_seqlens" in inspect.signature(ropekit.apply_rope).parameters
-needs_cu_seqlens = pytest.mark.skipif(not HAS_CU_SEQLENS, reason="apply_rope has no cu_seqlens yet")
 
 
 # --- the oracle -------------------------------------------------------------------------------
@@ -267,7 +264,6 @@ def test_apply_rope_on_packed_positions(device, cp_size, cp_rank, dtype):
 KERNEL_CASES = [([6, 0, 10, 2, 14], 1, 0), ([8, 4, 2], 2, 0), ([8, 4, 2], 2, 1), ([12, 4], 4, 3)]
 
 
-@needs_cu_seqlens
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("lens,cp_size,cp_rank", KERNEL_CASES)
 def test_kernel_cu_seqlens_forward_matches_helper(device, lens, cp_size, cp_rank):
@@ -279,7 +275,6 @@ def test_kernel_cu_seqlens_forward_matches_helper(device, lens, cp_size, cp_rank
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
-@needs_cu_seqlens
 @pytest.mark.parametrize("lens,cp_size,cp_rank", KERNEL_CASES)
 def test_kernel_cu_seqlens_backward_matches_helper(device, lens, cp_size, cp_rank):
     q, k, cache = packed_inputs(lens, cp_size, device=device, seed=12)
@@ -298,7 +293,6 @@ def test_kernel_cu_seqlens_backward_matches_helper(device, lens, cp_size, cp_ran
     torch.testing.assert_close(grads[1][1], grads[0][1], rtol=0, atol=0)
 
 
-@needs_cu_seqlens
 @pytest.mark.parametrize("lens,cp_size,cp_rank", KERNEL_CASES)
 def test_kernel_positions_recovered_from_angles(device, lens, cp_size, cp_rank):
     """Rotate (1, 0) pairs and read the angle back: the kernel's position per token, exactly."""
@@ -315,7 +309,6 @@ def test_kernel_positions_recovered_from_angles(device, lens, cp_size, cp_rank):
     assert got.tolist() == ropekit.positions_from_cu_seqlens(cu.cpu(), cp_size=cp_size, cp_rank=cp_rank).tolist()
 
 
-@needs_cu_seqlens
 def test_kernel_cu_seqlens_refuses_positions():
     lens = [4, 4]
     q, k, cache = packed_inputs(lens, 1)

@@ -3,7 +3,7 @@
 Public names only; see README.md for shapes, dtypes and examples.
 """
 
-from . import hf
+from . import hf  # noqa: F401  (ropekit.hf: the Hugging Face drop-ins, imported with the package)
 from .freqs import cos_sin_cache, inv_freq
 from .modules import RotaryEmbedding
 from .ops import apply_rope, rotate_with_angles

@@ -87,6 +87,9 @@ def apply_rope(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -106,6 +109,11 @@ def apply_rope(
             y = x * rsqrt(mean(x^2) + norm_eps) * (w + norm_weight_offset) over the whole head
             (the tail past rotary_dim too), in float32; offset 1.0 for Gemma's (1 + w). Gradients
             flow to the weights as well. See ropekit.qknorm and docs/qknorm.md.
+        cu_seqlens: packed sequences (THD): (N+1,) int32/int64 cumulative local lengths on q's
+            device, q (T, H, D), positions None. Positions restart at 0 in every sequence and are
+            derived inside the kernel (no positions tensor, no sync); cp_size / cp_rank map them
+            through context parallelism's dual-chunk layout (ropekit.positions_from_cu_seqlens
+            computes the same positions). Values are checked in strict mode only.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -115,59 +123,81 @@ def apply_rope(
     if q_norm_weight is not None or k_norm_weight is not None:
         from .qknorm import rope_with_norm
 
+        if cu_seqlens is not None:           # the norm path takes positions: derive them (no sync)
+            validate.packed_args("apply_rope", q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
+            from .packed import positions_from_cu_seqlens
+
+            positions = positions_from_cu_seqlens(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
+                                                  total_tokens=q.shape[0])
         return rope_with_norm(q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
                               mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
                               q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
                               norm_weight_offset=norm_weight_offset)
+    # the angle source: positions, or cu_seqlens (positions derived from it in the kernel)
+    a = positions if cu_seqlens is None else cu_seqlens
     if torch.compiler.is_compiling():
         spec = _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section,
-                          mrope_interleaved, inplace)
-        return _rope_custom_op(spec, q, k, positions, cos_sin_cache, inplace)
+                          mrope_interleaved, inplace, cu_seqlens, cp_size, cp_rank)
+        return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace)
     try:
         key = ("apply_rope", torch.is_grad_enabled(), tensor_key(q), tensor_key(k), tensor_key(positions),
                tensor_key(cos_sin_cache), type(interleaved), interleaved, type(rotary_dim), rotary_dim,
                None if mrope_section is None else value_key(mrope_section), type(mrope_interleaved),
-               mrope_interleaved, type(inplace), inplace)
+               mrope_interleaved, type(inplace), inplace, tensor_key(cu_seqlens), type(cp_size), cp_size,
+               type(cp_rank), cp_rank)
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):          # not tensors, or unhashable: validation names them
         key = spec = None
     if spec is None:
         spec = pipeline.remember(key, _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim,
-                                                 mrope_section, mrope_interleaved, inplace))
+                                                 mrope_section, mrope_interleaved, inplace, cu_seqlens, cp_size,
+                                                 cp_rank))
     if spec.door is CUSTOM_OP:                   # tensor subclasses (DTensor): through the dispatcher
-        return _rope_custom_op(spec, q, k, positions, cos_sin_cache, inplace)
-    if inplace and _spans_meet((q, k, positions, cos_sin_cache), spec.extents):
+        return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace)
+    if inplace and _spans_meet((q, k, a, cos_sin_cache), spec.extents):
         # the checks that depend on addresses, not on the signature: exact ones only when the
         # written tensors' byte ranges meet another argument's (a cheap range test first)
-        validate.inplace_aliasing("apply_rope", q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
+        validate.inplace_aliasing("apply_rope", q, k, (("positions" if cu_seqlens is None else "cu_seqlens", a),
+                                                       ("cos_sin_cache", cos_sin_cache)))
+    if cu_seqlens is not None and validate.is_strict():
+        validate.packed_values("apply_rope", cu_seqlens, q.shape[0], cp_size)
     if positions is not None and validate.is_strict():
         validate.positions_in_range("apply_rope", positions, cos_sin_cache.shape[0])
-    door = spec.door
-    if door is DIRECT:
+    if spec.door is DIRECT:
         if inplace:
-            pipeline.run_rotate(spec, spec.variant, q, k, q, k, positions, cos_sin_cache)
+            pipeline.run_rotate(spec, spec.variant, q, k, q, k, a, cos_sin_cache)
             _bump_versions(q, k)
             return q, k
         q_out = pipeline.empty_like(q)
         k_out = None if k is None else pipeline.empty_like(k)
-        pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, positions, cos_sin_cache)
+        pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, a, cos_sin_cache)
         return q_out, k_out
-    return RotateFunction.apply(q, k, positions, cos_sin_cache, spec, spec.variant)
+    return RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
 
 
 def _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section, mrope_interleaved,
-               inplace) -> Spec:
+               inplace, cu_seqlens=None, cp_size=1, cp_rank=0) -> Spec:
     op = "apply_rope"
+    packed = (1, 0)
+    if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
+        packed = validate.packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
     rot, mrope = validate.rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
-                                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                                    inplace=inplace)
+                                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
+                                    packed=cu_seqlens is not None)
     validate.no_grad_table(op, cos_sin_cache)
-    mode, sections = _mrope_code(mrope if positions is not None else None, mrope_interleaved)
+    if cu_seqlens is not None:
+        if inplace and type(q) is torch.Tensor and not torch.compiler.is_compiling():
+            validate.inplace_aliasing(op, q, k, (("cu_seqlens", cu_seqlens),))
+        angles = "packed"
+    else:
+        angles = "table" if positions is not None else "arange"
+    mode, sections = _mrope_code(mrope if positions is not None and cu_seqlens is None else None, mrope_interleaved)
     il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, "table" if positions is not None else "arange")
+    variant = Variant(il, il, mode, sections, angles)
     door = pipeline.door_for(q, pipeline.records_grad(q, k))
-    extents = (_extent(q), _extent(k), _extent(positions), _extent(cos_sin_cache))
-    return Spec(variant, rot, door, pipeline.triton_runs(q), extents=extents)
+    source = cu_seqlens if cu_seqlens is not None else positions
+    extents = (_extent(q), _extent(k), _extent(source), _extent(cos_sin_cache))
+    return Spec(variant, rot, door, pipeline.triton_runs(q), extents=extents, packed=packed)
 
 
 def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
@@ -175,6 +205,19 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
     custom op's registered backward."""
     v = spec.variant
     mrope = _mrope_list(v)
+    if v.angles == "packed":
+        if type(q) is not torch.Tensor and not torch.compiler.is_compiling():
+            validate.fail("apply_rope", "cu_seqlens", "plain tensors q and k with cu_seqlens (tensor subclasses "
+                          "such as DTensor: pass positions from ropekit.positions_from_cu_seqlens)",
+                          f"q of type {type(q).__name__}")
+        outs = torch.ops.ropekit.rotate_packed(q, k, positions, table, spec.rot, v.interleaved, spec.packed[0],
+                                               spec.packed[1], False)
+        if inplace:
+            q.copy_(outs[0])
+            if k is not None:
+                k.copy_(outs[1])
+            return q, k
+        return outs[0], (outs[1] if k is not None else None)
     positions, table = distributed.like(q, positions, table)
     if inplace:
         torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope)
@@ -184,18 +227,18 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
     return outs[0], (outs[1] if k is not None else None)
 
 
-def _op_spec(tag, q, k, a, b, variant: Variant, rot: int) -> Spec:
+def _op_spec(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> Spec:
     """The spec inside a custom op: its inputs were validated by the public op (or are gradients);
     only layouts are memoized here."""
-    key = (tag, variant, rot, tensor_key(q), tensor_key(k), tensor_key(a), tensor_key(b))
+    key = (tag, variant, rot, packed, tensor_key(q), tensor_key(k), tensor_key(a), tensor_key(b))
     spec = _MEMO.get(key)
     if spec is None:
         angle_shape = angle_strides = None
         if variant.angles == "tokens":
             angle_shape = tuple(a.shape)
             angle_strides = launcher.per_token_strides(a, q.dim() - 2, variant.mrope != 0)
-        spec = pipeline.remember(key, Spec(variant, rot, DIRECT, pipeline.triton_runs(q),
-                                           angle_shape=angle_shape, angle_strides=angle_strides))
+        spec = pipeline.remember(key, Spec(variant, rot, DIRECT, pipeline.triton_runs(q), angle_shape=angle_shape,
+                                           angle_strides=angle_strides, packed=packed))
     return spec
 
 
@@ -241,6 +284,40 @@ def _rotate_backward(ctx, *grads):
 
 
 _rotate_op.register_autograd(_rotate_backward, setup_context=_save_angles)
+
+
+@torch.library.custom_op("ropekit::rotate_packed", mutates_args=())
+def _rotate_packed_op(
+    q: torch.Tensor, k: Optional[torch.Tensor], cu_seqlens: torch.Tensor, table: torch.Tensor, rotary_dim: int,
+    interleaved: bool, cp_size: int, cp_rank: int, inverse: bool,
+) -> List[torch.Tensor]:
+    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
+    variant = Variant(interleaved, interleaved, angles="packed", inverse=inverse)
+    spec = _op_spec("rotate_packed", q, k, cu_seqlens, table, variant, rotary_dim, (cp_size, cp_rank))
+    q_out = pipeline.empty_like(q)
+    k_out = None if k is None else pipeline.empty_like(k)
+    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, cu_seqlens, table)
+    return [q_out] if k is None else [q_out, k_out]
+
+
+@_rotate_packed_op.register_fake
+def _(q, k, cu_seqlens, table, rotary_dim, interleaved, cp_size, cp_rank, inverse):
+    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
+    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+
+
+def _rotate_packed_backward(ctx, *grads):
+    a, b = ctx.saved_tensors
+    rot, interleaved, cp_size, cp_rank, inverse = ctx.flags
+    gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
+    want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
+    if first is None:
+        return (None,) * 9
+    g = torch.ops.ropekit.rotate_packed(first, second, a, b, rot, interleaved, cp_size, cp_rank, not inverse)
+    return (*pipeline.input_grads(want_q, want_k, g[0], g[1] if second is not None else None),) + (None,) * 7
+
+
+_rotate_packed_op.register_autograd(_rotate_packed_backward, setup_context=_save_angles)
 
 
 @torch.library.custom_op("ropekit::rotate_", mutates_args=("q", "k"))

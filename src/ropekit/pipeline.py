@@ -43,7 +43,8 @@ class Variant(NamedTuple):
     sections: Tuple[int, ...] = (0, 0, 0)   # M-RoPE (t, h, w) frequencies per position row
     angles: str = "table"           # "table": rows of a [cos | sin] table picked by positions;
     #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
-    #                                 "delta": row |delta| per cache row, sin negated for delta < 0
+    #                                 "delta": row |delta| per cache row, sin negated for delta < 0;
+    #                                 "packed": table rows at positions derived from cu_seqlens
     inverse: bool = False           # rotate by -angle: the backward pass
     heads_first: bool = False       # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
 
@@ -57,10 +58,10 @@ class Variant(NamedTuple):
 class Spec:
     """What validation concluded about one call signature, and its plans once made."""
     __slots__ = ("variant", "rot", "door", "triton", "extents", "angle_shape", "angle_strides", "copy_angles",
-                 "plans", "alias")
+                 "packed", "plans", "alias")
 
     def __init__(self, variant: Variant, rot: int, door: str, triton: bool, *, extents=(), angle_shape=None,
-                 angle_strides=None, copy_angles=False):
+                 angle_strides=None, copy_angles=False, packed=(1, 0)):
         self.variant = variant
         self.rot = rot                      # rotated dims
         self.door = door
@@ -69,6 +70,7 @@ class Spec:
         self.angle_shape = angle_shape      # per-token angles: the shape cos / sin broadcast to
         self.angle_strides = angle_strides  # per-token angles: the kernel's (sec, b, s, col) strides
         self.copy_angles = copy_angles      # per-token angles whose strides differ: copied per call
+        self.packed = packed                # packed angles: (cp_size, cp_rank)
         self.plans: dict = {}               # launch plans by (variant, output / gradient layouts)
         self.alias: dict = {}               # the store's aliasing verdicts by byte distance
 
@@ -154,7 +156,7 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
             hf = variant.heads_first
             plan = spec.plans[key] = launcher.plan_rotate(
                 heads_first(q, hf), heads_first(k, hf), heads_first(q_out, hf), heads_first(k_out, hf),
-                launcher.angle_layout(variant, spec.rot, a, b, spec.angle_strides), variant)
+                launcher.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed), variant)
         if plan is not None:
             launcher.fire_rotate(plan, q, k, q_out, k_out, a, b)
         return
@@ -177,6 +179,10 @@ def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) ->
             pick = sec.view(1, *([1] * len(token_shape)), -1).expand(1, *c.shape[1:])
             c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
     else:
+        if variant.angles == "packed":       # a: cu_seqlens
+            from .packed import positions_from_cu_seqlens
+
+            a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
         c, s = reference.gather_angles(b[:, :half], b[:, half:spec.rot], a, token_shape, mrope_section=sections,
                                        mrope_interleaved=il_sections)
     for x, out in ((q, q_out), (k, k_out)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -154,11 +154,11 @@ def head_sizes(op, q, k, rotary_dim):
             fail(op, name, f"a head size >= rotary_dim ({rotary_dim})", f"head size {x.shape[-1]}")
 
 
-def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, mrope_interleaved, inplace):
+def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, mrope_interleaved, inplace,
+              packed=False):
     """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w)."""
     token_shape = qk_args(op, q, k)
     device = q.device
-    n_tok = len(token_shape)
     tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, device=device,
            shape_hint="(max_position, rotary_dim)")
     width = cos_sin_cache.shape[1]
@@ -178,7 +178,7 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
     mrope = mrope_args(op, mrope_section, mrope_interleaved, rotary_dim // 2)
 
     if positions is None:
-        if token_shape[-1] > cos_sin_cache.shape[0]:
+        if not packed and token_shape[-1] > cos_sin_cache.shape[0]:
             fail(op, "positions", f"explicit positions: None means arange({token_shape[-1]}), "
                  f"past the {cos_sin_cache.shape[0]} rows of cos_sin_cache", None)
     else:
@@ -208,6 +208,55 @@ def no_grad_table(op, table):
     if table.requires_grad and torch.is_grad_enabled():
         fail(op, "cos_sin_cache", "a tensor that does not require grad (ropekit does not differentiate "
              "through the angles)", "requires_grad=True")
+
+
+def packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section) -> tuple:
+    """apply_rope's packed-sequence arguments: cu_seqlens (N+1,) int32/int64 on q's device with
+    q (T, H, D), positions None, no M-RoPE; cp_size >= 1 and 0 <= cp_rank < cp_size (ints).
+    Returns (cp_size, cp_rank). Values (cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == T,
+    even lengths under CP) are checked only in strict mode (`packed_values`): they need a sync."""
+    for name, v, low in (("cp_size", cp_size, 1), ("cp_rank", cp_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{op}: {name}: expected an int, got {type(v).__name__}")
+        if v < low:
+            fail(op, name, f"an int >= {low}", v)
+    if cu_seqlens is None:
+        if cp_size != 1 or cp_rank != 0:
+            fail(op, "cu_seqlens", f"a tensor when cp_size / cp_rank are given (cp_size={cp_size}, "
+                 f"cp_rank={cp_rank})", None)
+        return 1, 0
+    if cp_rank >= cp_size:
+        fail(op, "cp_rank", f"an int in [0, cp_size = {cp_size})", cp_rank)
+    if positions is not None:
+        fail(op, "positions", "None when cu_seqlens is given (positions are derived from cu_seqlens)",
+             f"a tensor of shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else positions)
+    if mrope_section is not None:
+        fail(op, "mrope_section", "None with cu_seqlens (M-RoPE takes its (3, *T) positions explicitly)",
+             mrope_section)
+    if q.dim() != 3:
+        fail(op, "q", "a (T, H, D) tensor of packed tokens when cu_seqlens is given", f"shape {tuple(q.shape)}")
+    tensor(op, "cu_seqlens", cu_seqlens, ndims=(1,), dtypes=INDEX_DTYPES, device=q.device,
+           shape_hint="(N+1,) cumulative sequence lengths", last_stride_one=False)
+    if cu_seqlens.shape[0] < 2:
+        fail(op, "cu_seqlens", "at least two elements (N+1 for N >= 1 sequences)", f"shape {tuple(cu_seqlens.shape)}")
+    return cp_size, cp_rank
+
+
+def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
+    """Strict mode: cu_seqlens starts at 0, never decreases, ends at the token count, and has even
+    lengths under context parallelism (one device sync)."""
+    vals = cu_seqlens.tolist()
+    if vals[0] != 0:
+        fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            fail(op, "cu_seqlens", "non-decreasing values (cumulative lengths)",
+                 f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}")
+        if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
+            fail(op, "cu_seqlens", f"even local lengths when cp_size = {cp_size} > 1",
+                 f"length {vals[i] - vals[i - 1]} for sequence {i - 1}")
+    if vals[-1] != n_tokens:
+        fail(op, "cu_seqlens", f"cu_seqlens[-1] == {n_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}")
 
 
 def positions_in_range(op: str, positions: torch.Tensor, max_position: int) -> None:

@@ -223,7 +223,6 @@ def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
         inp["positions"] = randint(s["P"], 3, T)
     elif wl.positions == "packed":
         inp["cu_seqlens"], inp["positions"] = packed_positions(T, s["N"], wl.packed[1], seed, device)
-    if wl.kind == "store":
     if wl.kind in ("store", "normstore"):
         inp["v"] = randn(T, s["Hk"], s["D"])
         block = s["block"]
@@ -545,7 +544,6 @@ WORKLOADS += [
              interleaved=True, base=10000.0),
 ]
 BY_ID.update({w.id: w for w in WORKLOADS})
-    return {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(dtype, 1e-4)
 
 
 def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict[str, torch.Tensor]:

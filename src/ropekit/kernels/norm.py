@@ -29,13 +29,13 @@ def _weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _load_tail(x_base, sx_h, n_heads, head0, tail_len,
+def _load_tail(x_base, stride_x_head, n_heads, head0, tail_len,
                HALF: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
     """The dims past the rotary ones of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
     h = head0 + tl.arange(0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
     mt = (h[:, None] < n_heads) & (j < tail_len)
-    return tl.load(x_base + h.to(tl.int64)[:, None] * sx_h + 2 * HALF + j, mask=mt, other=0.0).to(tl.float32)
+    return tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + 2 * HALF + j, mask=mt, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _weights(w_ptr, n_heads, head0, tail_len, mode, offset,
 
 
 @triton.jit
-def _norm_heads(x_base, sx_h, n_heads, head0, tail_len, x1, x2, w_ptr, mode, eps, offset,
+def _norm_heads(x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, w_ptr, mode, eps, offset,
                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
                 INTERLEAVED: tl.constexpr):
     """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
@@ -95,7 +95,7 @@ def _norm_heads(x_base, sx_h, n_heads, head0, tail_len, x1, x2, w_ptr, mode, eps
     x_base points at the token's first element (the tail is read from there)."""
     t = x1
     if TAIL_PAD > 0:
-        t = _load_tail(x_base, sx_h, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
     r = _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)[:, None]
     w1, w2, wt = _weights(w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD,
                           INTERLEAVED)

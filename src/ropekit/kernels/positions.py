@@ -18,7 +18,9 @@ def _packed_position(cu_ptr, n_seqs, n_steps, t, cp_size, cp_rank):
     sequence of length L holds chunks cp_rank and 2 * cp_size - 1 - cp_rank of its global sequence:
         s <  L/2: s + cp_rank * L/2
         s >= L/2: s + L * cp_size - (cp_rank + 1) * L/2 - L/2
-    Returns an int64 position; a token past cu_seqlens[-1] gets -1 (out of the table: NaN)."""
+    Returns an int64 position, as ropekit.positions_from_cu_seqlens gives it: -1 (out of the table:
+    NaN) for a token of an odd-length sequence under context parallelism, 0 for a token past
+    cu_seqlens[-1] (padding at the end of the buffer)."""
     lo = t * 0                                # int64 zeros: the search runs in t's type
     hi = lo + n_seqs
     for _ in range(n_steps):
@@ -33,5 +35,5 @@ def _packed_position(cu_ptr, n_seqs, n_steps, t, cp_size, cp_rank):
     length = end - start
     half = length // 2
     pos = tl.where(s < half, s + cp_rank * half, s + length * cp_size - (cp_rank + 1) * half - half)
-    pos = tl.where(cp_size > 1, pos, s)
-    return tl.where((t >= 0) & (t < end), pos, -1)
+    pos = tl.where(cp_size > 1, tl.where(length % 2 == 0, pos, -1), s)
+    return tl.where(t < end, pos, 0)

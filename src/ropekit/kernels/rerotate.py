@@ -100,7 +100,7 @@ def rerotate_kernel(
         _rotate_store(
             src_base, dst_base, stride_k_cache_head, stride_k_cache_head, n_heads, head0, 0,
             x1, x2, c, sn, k_scale_ptr,
-            HALF, HALF_PAD, BLOCK_H, 0, INTERLEAVED, False, SCALED, PACK,
+            HALF, HALF_PAD, BLOCK_H, 0, INTERLEAVED, False, SCALED, PACK, x1, False,
         )
         if TAIL_PAD > 0:
             # into another row: the dims past rotary_dim move unchanged (same dtype: a bit copy)

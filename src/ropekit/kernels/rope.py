@@ -12,8 +12,10 @@ Every variant is the same program with different compile-time flags:
                       before the rotation (helpers in .norm); the backward is its own entry point,
                       rope_norm_backward_kernel
 
-Grid: axis 0 walks tokens (TOKENS per program, up to 2^31 - 1 programs), axis 1 walks head
-blocks of q then of k, so q and k are rotated by one launch.
+Grid: axis 0 walks tokens (one program each, up to 2^31 - 1), axis 1 walks head blocks of q then
+of k, so q and k are rotated by one launch (with HEAD_LOOP one program walks all of a token's blocks).
+Positions come from a positions tensor, or (PACKED) are derived from cu_seqlens in the kernel
+(packed sequences and context parallelism: .positions).
 
 Addressing rule (the reason this file exists): every offset that scales a program id, a head index
 or a position by a stride is computed in int64. Tokens, heads and positions are widened with
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .norm import _inv_rms, _load_tail, _norm_backward, _norm_heads, _weights
+from .positions import _packed_position
 
 
 @triton.jit
@@ -50,11 +53,12 @@ def _angle_row(cos_ptr, sin_ptr, row, col, m, other):
 @triton.jit
 def _load_angles(
     cos_ptr, sin_ptr, pos_ptr, b, s, max_pos,
-    sp_sec, sp_b, sp_s,
-    cs_sec, cs_b, cs_s, cs_col,
+    stride_pos_row, stride_pos_batch, stride_pos_token,
+    stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
     SEC_T, SEC_H, SEC_W,
+    n_seqs, n_search_steps, cp_size, cp_rank,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, MROPE: tl.constexpr,
+    HAS_POS: tl.constexpr, MROPE: tl.constexpr, PACKED: tl.constexpr,
 ):
     """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
 
@@ -64,7 +68,7 @@ def _load_angles(
     """
     i = tl.arange(0, HALF_PAD)
     fmask = i < HALF
-    col = i.to(tl.int64) * cs_col
+    col = i.to(tl.int64) * stride_angle_col
     nan = float("nan")
     if MROPE != 0:
         sec = _section_of(i, SEC_T, SEC_H, SEC_W, MROPE)
@@ -72,24 +76,29 @@ def _load_angles(
     else:
         m0, m1, m2 = fmask, fmask, fmask
     if HAS_POS:
-        pos_tok = pos_ptr + b * sp_b + s * sp_s          # b, s are int64
+        pos_tok = pos_ptr + b * stride_pos_batch + s * stride_pos_token          # b, s are int64
         # positions as vectors (all lanes one value): scalar-and-vector masks trip the interpreter.
         # A bad position must never address memory: its loads are masked off and yield NaN.
-        p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
-        c, sn = _angle_row(cos_ptr, sin_ptr, p0 * cs_s, col, m0 & (p0 >= 0) & (p0 < max_pos), nan)
+        if PACKED:
+            # packed tokens (T,): s is the token index into cu_seqlens' tokens
+            p0 = _packed_position(pos_ptr, n_seqs, n_search_steps, s, cp_size, cp_rank) + tl.zeros([HALF_PAD],
+                                                                                                  tl.int64)
+        else:
+            p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+        c, sn = _angle_row(cos_ptr, sin_ptr, p0 * stride_angle_token, col, m0 & (p0 >= 0) & (p0 < max_pos), nan)
         if MROPE != 0:
-            p1 = tl.load(pos_tok + sp_sec).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
-            p2 = tl.load(pos_tok + 2 * sp_sec).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
-            c1, s1 = _angle_row(cos_ptr, sin_ptr, p1 * cs_s, col, m1 & (p1 >= 0) & (p1 < max_pos), nan)
-            c2, s2 = _angle_row(cos_ptr, sin_ptr, p2 * cs_s, col, m2 & (p2 >= 0) & (p2 < max_pos), nan)
+            p1 = tl.load(pos_tok + stride_pos_row).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+            p2 = tl.load(pos_tok + 2 * stride_pos_row).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
+            c1, s1 = _angle_row(cos_ptr, sin_ptr, p1 * stride_angle_token, col, m1 & (p1 >= 0) & (p1 < max_pos), nan)
+            c2, s2 = _angle_row(cos_ptr, sin_ptr, p2 * stride_angle_token, col, m2 & (p2 >= 0) & (p2 < max_pos), nan)
             c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
             sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
     else:
-        row = b * cs_b + s * cs_s
+        row = b * stride_angle_batch + s * stride_angle_token
         c, sn = _angle_row(cos_ptr, sin_ptr, row, col, m0, 0.0)
         if MROPE != 0:
-            c1, s1 = _angle_row(cos_ptr, sin_ptr, row + cs_sec, col, m1, 0.0)
-            c2, s2 = _angle_row(cos_ptr, sin_ptr, row + 2 * cs_sec, col, m2, 0.0)
+            c1, s1 = _angle_row(cos_ptr, sin_ptr, row + stride_angle_row, col, m1, 0.0)
+            c2, s2 = _angle_row(cos_ptr, sin_ptr, row + 2 * stride_angle_row, col, m2, 0.0)
             c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
             sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
     return c, sn
@@ -125,14 +134,14 @@ def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 
 @triton.jit
 def _load_heads(
-    x_base, sx_h, n_heads, head0,
+    x_base, stride_x_head, n_heads, head0,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr,
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
     [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
     h = head0 + tl.arange(0, BLOCK_H)
-    x_row = x_base + h.to(tl.int64)[:, None] * sx_h         # (BLOCK_H, 1) pointers
+    x_row = x_base + h.to(tl.int64)[:, None] * stride_x_head         # (BLOCK_H, 1) pointers
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
     if IN_INTERLEAVED and PACK != 0:
@@ -150,14 +159,14 @@ def _load_heads(
 
 @triton.jit
 def _store_heads(
-    o_base, so_h, n_heads, head0, o1, o2,
+    o_base, stride_o_head, n_heads, head0, o1, o2,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr, PACK: tl.constexpr,
 ):
     """Store o1, o2 (float32, (BLOCK_H, HALF_PAD)) as the rotated dims of heads [head0, head0 +
     BLOCK_H) of one token, in o's dtype; o_base points at the token's first element."""
     h = head0 + tl.arange(0, BLOCK_H)
-    o_row = o_base + h.to(tl.int64)[:, None] * so_h
+    o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
     out_ty = o_base.dtype.element_ty
@@ -174,7 +183,7 @@ def _store_heads(
 
 @triton.jit
 def _rotate_store(
-    x_base, o_base, sx_h, so_h, n_heads, head0, tail_len,
+    x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail_len,
     x1, x2, c, sn, o_scale_ptr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, SCALED: tl.constexpr, PACK: tl.constexpr,
@@ -184,7 +193,7 @@ def _rotate_store(
     from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too)."""
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
-    o_row = o_base + h64[:, None] * so_h
+    o_row = o_base + h64[:, None] * stride_o_head
 
     cb = c[None, :]
     sb = sn[None, :]
@@ -196,12 +205,12 @@ def _rotate_store(
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = o1 * inv
         o2 = o2 * inv
-    _store_heads(o_base, so_h, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
+    _store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
 
     if TAIL_PAD > 0:
         # partial rotary, out of place: the dims past rotary_dim are copied unchanged
         out_ty = o_base.dtype.element_ty
-        x_row = x_base + h64[:, None] * sx_h
+        x_row = x_base + h64[:, None] * stride_x_head
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         if TAIL_GIVEN:
@@ -215,7 +224,7 @@ def _rotate_store(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, o_ptr, x_tok, o_tok, sx_h, so_h, n_heads, head0, tail_len,
+    x_ptr, o_ptr, x_tok, o_tok, stride_x_head, stride_o_head, n_heads, head0, tail_len,
     c, sn, o_scale_ptr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
@@ -233,34 +242,34 @@ def _rotate_heads(
     """
     # no default arguments in jit helpers: Triton 3.6 does not apply them when one jit calls another.
     # The store kernel (this helper's user) was measured with the evict_first hint: kept as measured.
-    x1, x2 = _load_heads(x_ptr + x_tok, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
+    x1, x2 = _load_heads(x_ptr + x_tok, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
                          "evict_first")
     t = x1
     if NORM != 0:
-        x1, x2, t = _norm_heads(x_ptr + x_tok, sx_h, n_heads, head0, tail_len, x1, x2, w_ptr, NORM, norm_eps,
+        x1, x2, t = _norm_heads(x_ptr + x_tok, stride_x_head, n_heads, head0, tail_len, x1, x2, w_ptr, NORM, norm_eps,
                                 norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED)
     _rotate_store(
-        x_ptr + x_tok, o_ptr + o_tok, sx_h, so_h, n_heads, head0, tail_len, x1, x2, c, sn, o_scale_ptr,
+        x_ptr + x_tok, o_ptr + o_tok, stride_x_head, stride_o_head, n_heads, head0, tail_len, x1, x2, c, sn, o_scale_ptr,
         HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, SCALED, PACK, t, NORM != 0,
     )
 
 
 @triton.jit
 def _select(blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
-            sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, BLOCK_H: tl.constexpr):
+            stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch, stride_ko_token, stride_ko_head, BLOCK_H: tl.constexpr):
     """Head block blk (q's blocks, then k's) of token (b, s): its input and output token pointers,
     head strides, head count, first head and tail length. Scalar selects, no branch: q and k
     (one dtype) take one code path."""
     is_q = blk < n_q_blocks
     head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
-    x_base = tl.where(is_q, q_ptr + (b * sq_b + s * sq_s), k_ptr + (b * sk_b + s * sk_s))
-    o_base = tl.where(is_q, qo_ptr + (b * sqo_b + s * sqo_s), ko_ptr + (b * sko_b + s * sko_s))
-    return (x_base, o_base, tl.where(is_q, sq_h, sk_h), tl.where(is_q, sqo_h, sko_h),
+    x_base = tl.where(is_q, q_ptr + (b * stride_q_batch + s * stride_q_token), k_ptr + (b * stride_k_batch + s * stride_k_token))
+    o_base = tl.where(is_q, qo_ptr + (b * stride_qo_batch + s * stride_qo_token), ko_ptr + (b * stride_ko_batch + s * stride_ko_token))
+    return (x_base, o_base, tl.where(is_q, stride_q_head, stride_k_head), tl.where(is_q, stride_qo_head, stride_ko_head),
             tl.where(is_q, n_q_heads, n_k_heads), head0, tl.where(is_q, q_tail, k_tail))
 
 
 @triton.jit
-def _norm_select(blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr, norm_eps,
+def _norm_select(blk, n_q_blocks, x_base, stride_x_head, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr, norm_eps,
                  norm_offset, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                  TAIL_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr):
     """_norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
@@ -268,33 +277,76 @@ def _norm_select(blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
-    return _norm_heads(x_base, sx_h, n_heads, head0, tail, x1, x2, w_ptr, mode, norm_eps, norm_offset,
+    return _norm_heads(x_base, stride_x_head, n_heads, head0, tail, x1, x2, w_ptr, mode, norm_eps, norm_offset,
                        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED)
 
 
 @triton.jit
 def rope_kernel(
-    # pointers
-    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
-    # sizes
-    n_tokens, S, n_q_heads, n_k_heads, q_tail, k_tail, max_pos, n_q_blocks, n_blocks, sin_off,
-    # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
-    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h,
-    sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
-    sp_sec, sp_b, sp_s,
-    cs_sec, cs_b, cs_s, cs_col,
-    SEC_T, SEC_H, SEC_W,
-    # q/k RMSNorm (read only when NORM_Q / NORM_K): weights (D,) or (H*D,), unit stride; eps; the
-    # constant added to the weight (1.0: Gemma's (1 + w))
-    wq_ptr, wk_ptr, norm_eps, norm_offset,
-    # meta
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-    TOKENS: tl.constexpr, HAS_POS: tl.constexpr, MROPE: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    PACK: tl.constexpr, EVICT: tl.constexpr, HEAD_LOOP: tl.constexpr, PREFETCH: tl.constexpr,
-    NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
+    q_ptr,  # q, (*T, Hq, Dq): read
+    k_ptr,  # k, (*T, Hk, Dk): read (q_ptr again when there is no k: never read then)
+    qo_ptr,  # q's output (q_ptr in place)
+    ko_ptr,  # k's output (k_ptr in place)
+    pos_ptr,  # positions (*T) or (3, *T); cu_seqlens when PACKED; unused without HAS_POS
+    cos_ptr,  # cos rows: a [cos | sin] table, or per-token cos
+    sin_ptr,  # sin rows: the table again (sin at sin_off), or per-token sin
+    n_tokens,  # tokens in *T (the grid's first axis)
+    S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
+    n_q_heads,  # Hq
+    n_k_heads,  # Hk (0 without k)
+    q_tail,  # Dq - rotary_dim: dims copied unrotated (out of place) or normalized
+    k_tail,  # Dk - rotary_dim
+    max_pos,  # table rows: positions outside [0, max_pos) read nothing and give NaN
+    n_q_blocks,  # head blocks of q; blocks n_q_blocks.. are k's
+    n_blocks,  # head blocks of q and k
+    sin_off,  # elements from sin_ptr to sin's first column
+    stride_q_batch,  # q's stride of b (0 with one token dim), in elements
+    stride_q_token,  # q's stride of s
+    stride_q_head,  # q's stride between heads
+    stride_k_batch,  # k's strides likewise
+    stride_k_token,
+    stride_k_head,
+    stride_qo_batch,  # q output's strides
+    stride_qo_token,
+    stride_qo_head,
+    stride_ko_batch,  # k output's strides
+    stride_ko_token,
+    stride_ko_head,
+    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w)
+    stride_pos_batch,  # positions' stride of b
+    stride_pos_token,  # positions' stride of s
+    stride_angle_row,  # per-token angles' stride between M-RoPE rows
+    stride_angle_batch,  # per-token angles' stride of b
+    stride_angle_token,  # table row stride, or per-token angles' stride of s
+    stride_angle_col,  # stride between frequencies (2 for Llama 4's complex view)
+    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row
+    SEC_H,  # ... by the height row
+    SEC_W,  # ... by the width row
+    n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
+    n_search_steps,  # PACKED: halvings of the binary search over cu_seqlens
+    cp_size,  # PACKED: context-parallel size (1: none)
+    cp_rank,  # PACKED: this rank
+    wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride
+    wk_ptr,  # NORM_K: k's RMSNorm weight
+    norm_eps,  # RMSNorm epsilon
+    norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
+    HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
+    HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
+    BLOCK_H: tl.constexpr,  # heads per head block
+    TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail to write)
+    HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
+    MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
+    IN_INTERLEAVED: tl.constexpr,  # inputs hold pairs (2i, 2i+1); else halves (i, i + HALF)
+    OUT_INTERLEAVED: tl.constexpr,  # outputs written as pairs
+    INVERSE: tl.constexpr,  # rotate by -angle (the backward)
+    PACK: tl.constexpr,  # 0, or bits of a (2i, 2i+1) pair moved as one word (aligned rows)
+    HEAD_LOOP: tl.constexpr,  # one program per token walks all head blocks (angles read once)
+    PREFETCH: tl.constexpr,  # with HEAD_LOOP: next block's loads before this block's stores
+    NORM_Q: tl.constexpr,  # q's RMSNorm: 0 none, 1 per head, 2 across heads
+    NORM_K: tl.constexpr,  # k's RMSNorm likewise
+    PACKED: tl.constexpr,  # positions derived from cu_seqlens (packed sequences, context parallelism)
 ):
-    """Program (i, j): tokens [i * TOKENS, (i + 1) * TOKENS), head block j (q blocks, then k's);
+    """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
     once instead of once per block; PREFETCH then issues each block's loads before the previous
     block's stores.
@@ -305,76 +357,76 @@ def rope_kernel(
     heads, when the launcher makes one head block hold all of a tensor's heads); with either on,
     TAIL_PAD covers the tail in place too (it is normalized).
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
+    PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).
     """
-    t0 = tl.program_id(0).to(tl.int64) * TOKENS
-    for j in tl.static_range(TOKENS):
-        t = t0 + j
-        if t < n_tokens:
-            b = t // S
-            s = t - b * S
-            if HEAD_LOOP:
-                # block 0's loads go out before the dependent position -> table-row loads
-                x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
-                    0, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail,
-                    k_tail, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
-                    BLOCK_H)
-                x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
-                                     IN_INTERLEAVED, PACK, EVICT)
-                c, sn = _load_angles(
-                    cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-                    sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
-                    SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
-                )
-                for blk in tl.range(0, n_blocks):
-                    # the next block (past the last one: every lane masked, nothing read)
-                    nx_base, no_base, nsx_h, nso_h, n_n_heads, n_head0, n_tail = _select(
-                        blk + 1, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads,
-                        q_tail, k_tail, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b,
-                        sko_s, sko_h, BLOCK_H)
-                    if PREFETCH:
-                        # its loads go out before this block's stores: two blocks in flight. Safe in
-                        # place too: blocks are disjoint and validation refuses partial overlaps.
-                        n1, n2 = _load_heads(nx_base, nsx_h, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
-                                             IN_INTERLEAVED, PACK, EVICT)
-                    t_norm = x1
-                    if NORM_Q != 0 or NORM_K != 0:
-                        x1, x2, t_norm = _norm_select(
-                            blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
-                            norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED,
-                            NORM_Q, NORM_K)
-                    _rotate_store(
-                        x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
-                        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
-                        t_norm, NORM_Q != 0 or NORM_K != 0,
-                    )
-                    if not PREFETCH:
-                        n1, n2 = _load_heads(nx_base, nsx_h, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
-                                             IN_INTERLEAVED, PACK, EVICT)
-                    x_base, o_base, sx_h, so_h, n_heads, head0, tail = (
-                        nx_base, no_base, nsx_h, nso_h, n_n_heads, n_head0, n_tail)
-                    x1, x2 = n1, n2
-            else:
-                blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
-                x_base, o_base, sx_h, so_h, n_heads, head0, tail = _select(
-                    blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
-                    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, BLOCK_H)
-                x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED,
-                                     PACK, EVICT)
-                c, sn = _load_angles(
-                    cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-                    sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
-                    SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
-                )
-                t_norm = x1
-                if NORM_Q != 0 or NORM_K != 0:
-                    x1, x2, t_norm = _norm_select(
-                        blk, n_q_blocks, x_base, sx_h, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
-                        norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, NORM_Q, NORM_K)
-                _rotate_store(
-                    x_base, o_base, sx_h, so_h, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
-                    HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
-                    t_norm, NORM_Q != 0 or NORM_K != 0,
-                )
+    t = tl.program_id(0).to(tl.int64)     # one program per token: up to 2^31 - 1 tokens
+    b = t // S
+    s = t - b * S
+    if HEAD_LOOP:
+        # block 0's loads go out before the dependent position -> table-row loads
+        x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
+            0, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail,
+            k_tail, stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch, stride_ko_token, stride_ko_head,
+            BLOCK_H)
+        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
+                             IN_INTERLEAVED, PACK, "")
+        c, sn = _load_angles(
+            cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
+            stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
+            SEC_T, SEC_H, SEC_W, n_seqs, n_search_steps, cp_size, cp_rank, HALF, HALF_PAD,
+            HAS_POS, MROPE, PACKED,
+        )
+        for blk in tl.range(0, n_blocks):
+            # the next block (past the last one: every lane masked, nothing read)
+            nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail = _select(
+                blk + 1, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads,
+                q_tail, k_tail, stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch,
+                stride_ko_token, stride_ko_head, BLOCK_H)
+            if PREFETCH:
+                # its loads go out before this block's stores: two blocks in flight. Safe in
+                # place too: blocks are disjoint and validation refuses partial overlaps.
+                n1, n2 = _load_heads(nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
+                                     IN_INTERLEAVED, PACK, "")
+            t_norm = x1
+            if NORM_Q != 0 or NORM_K != 0:
+                x1, x2, t_norm = _norm_select(
+                    blk, n_q_blocks, x_base, stride_x_head, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
+                    norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED,
+                    NORM_Q, NORM_K)
+            _rotate_store(
+                x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
+                HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+                t_norm, NORM_Q != 0 or NORM_K != 0,
+            )
+            if not PREFETCH:
+                n1, n2 = _load_heads(nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
+                                     IN_INTERLEAVED, PACK, "")
+            x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
+                nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail)
+            x1, x2 = n1, n2
+    else:
+        blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
+        x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
+            blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
+            stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch, stride_ko_token, stride_ko_head, BLOCK_H)
+        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED,
+                             PACK, "")
+        c, sn = _load_angles(
+            cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
+            stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
+            SEC_T, SEC_H, SEC_W, n_seqs, n_search_steps, cp_size, cp_rank, HALF, HALF_PAD,
+            HAS_POS, MROPE, PACKED,
+        )
+        t_norm = x1
+        if NORM_Q != 0 or NORM_K != 0:
+            x1, x2, t_norm = _norm_select(
+                blk, n_q_blocks, x_base, stride_x_head, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
+                norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, NORM_Q, NORM_K)
+        _rotate_store(
+            x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
+            HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
+            t_norm, NORM_Q != 0 or NORM_K != 0,
+        )
 
 
 @triton.jit
@@ -385,9 +437,9 @@ def rope_norm_backward_kernel(
     # sizes; dw_row: elements per partial-sum row (D per head, H*D across heads)
     n_tokens, S, n_heads, tail, max_pos, n_blocks, sin_off, tokens_per_program, dw_row,
     # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
-    sx_b, sx_s, sx_h, sg_b, sg_s, sg_h, sgx_b, sgx_s, sgx_h,
-    sp_sec, sp_b, sp_s,
-    cs_sec, cs_b, cs_s, cs_col,
+    stride_x_batch, stride_x_token, stride_x_head, stride_g_batch, stride_g_token, stride_g_head, stride_gx_batch, stride_gx_token, stride_gx_head,
+    stride_pos_row, stride_pos_batch, stride_pos_token,
+    stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
     SEC_T, SEC_H, SEC_W,
     norm_eps, norm_offset,
     # meta
@@ -427,14 +479,14 @@ def rope_norm_backward_kernel(
         if t < n_tokens:
             b = t // S
             s = t - b * S
-            x_base = x_ptr + (b * sx_b + s * sx_s)
-            g_base = g_ptr + (b * sg_b + s * sg_s)
-            gx_base = gx_ptr + (b * sgx_b + s * sgx_s)
-            g1, g2 = _load_heads(g_base, sg_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+            x_base = x_ptr + (b * stride_x_batch + s * stride_x_token)
+            g_base = g_ptr + (b * stride_g_batch + s * stride_g_token)
+            gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
+            g1, g2 = _load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
             c, sn = _load_angles(
                 cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-                sp_sec, sp_b, sp_s, cs_sec, cs_b, cs_s, cs_col,
-                SEC_T, SEC_H, SEC_W, HALF, HALF_PAD, HAS_POS, MROPE,
+                stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
+                SEC_T, SEC_H, SEC_W, 0, 0, 1, 0, HALF, HALF_PAD, HAS_POS, MROPE, False,
             )
             cb = c[None, :]
             sb = sn[None, :]
@@ -443,11 +495,11 @@ def rope_norm_backward_kernel(
             gzt = gz1
             xt = gz1
             if TAIL_PAD > 0:
-                gzt = _load_tail(g_base, sg_h, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+                gzt = _load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
             if NORM != 0:
-                x1, x2 = _load_heads(x_base, sx_h, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0, "")
+                x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0, "")
                 if TAIL_PAD > 0:
-                    xt = _load_tail(x_base, sx_h, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+                    xt = _load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
                 r = _inv_rms(x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H,
                              TAIL_PAD)[:, None]
                 gx1, gx2, gxt, d1, d2, dt = _norm_backward(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail,
@@ -458,11 +510,11 @@ def rope_norm_backward_kernel(
                     acc_t += dt
             else:
                 gx1, gx2, gxt = gz1, gz2, gzt
-            _store_heads(gx_base, sgx_h, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0)
+            _store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0)
             if TAIL_PAD > 0:
                 jt = tl.arange(0, TAIL_PAD)[None, :]
                 mt = (h[:, None] < n_heads) & (jt < tail)
-                tl.store(gx_base + h64[:, None] * sgx_h + 2 * HALF + jt, gxt.to(gx_ptr.dtype.element_ty), mask=mt)
+                tl.store(gx_base + h64[:, None] * stride_gx_head + 2 * HALF + jt, gxt.to(gx_ptr.dtype.element_ty), mask=mt)
     if NORM != 0:
         # one partial row per program: per-head weights sum their heads too, across-heads weights
         # keep each head at its own h * D offset

@@ -23,7 +23,7 @@ from .rope import _load_angles, _rotate_heads
 
 @triton.jit
 def _copy_heads(
-    x_ptr, o_ptr, x_tok, o_tok, sx_h, so_h, n_heads, head0, d,
+    x_ptr, o_ptr, x_tok, o_tok, stride_x_head, stride_o_head, n_heads, head0, d,
     o_scale_ptr,
     BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, SCALED: tl.constexpr,
 ):
@@ -36,10 +36,10 @@ def _copy_heads(
     j = tl.arange(0, D_PAD)[None, :]
     m = (h[:, None] < n_heads) & (j < d)
     # through float32 (exact for fp16/bf16/fp32): fp8 casts are only ever made from float32
-    x = tl.load(x_ptr + x_tok + h64[:, None] * sx_h + j, mask=m).to(tl.float32)
+    x = tl.load(x_ptr + x_tok + h64[:, None] * stride_x_head + j, mask=m).to(tl.float32)
     if SCALED:
         x = x / tl.load(o_scale_ptr).to(tl.float32)
-    tl.store(o_ptr + o_tok + h64[:, None] * so_h + j, x.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, x.to(o_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -50,9 +50,9 @@ def rope_store_kernel(
     S, n_q_heads, n_k_heads, n_v_heads, k_tail, d_v, max_pos, sin_off, block_size, num_slots,
     n_q_blocks, n_k_blocks,
     # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
-    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
-    sp_b, sp_s, cs_s, cs_col, ssl_b, ssl_s,
-    skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
+    stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_v_batch, stride_v_token, stride_v_head,
+    stride_pos_batch, stride_pos_token, stride_angle_token, stride_angle_col, stride_slot_batch, stride_slot_token,
+    stride_k_cache_block, stride_k_cache_slot, stride_k_cache_head, stride_v_cache_block, stride_v_cache_slot, stride_v_cache_head,
     # q/k RMSNorm (read only when NORM_Q / NORM_K): q's tail length (normalized and written in place),
     # the weights (D,) or (H*D,), unit stride; eps; the constant added to the weight (Gemma: 1.0)
     q_tail, wq_ptr, wk_ptr, norm_eps, norm_offset,
@@ -77,7 +77,7 @@ def rope_store_kernel(
     b = t // S
     s = t - b * S
     # int64 before any arithmetic: block * stride is the offset that passes 2^31 on big caches
-    slot = tl.load(slot_ptr + b * ssl_b + s * ssl_s).to(tl.int64)
+    slot = tl.load(slot_ptr + b * stride_slot_batch + s * stride_slot_token).to(tl.int64)
     store = (slot >= 0) & (slot < num_slots)
     cache_blk = slot // block_size
     cache_off = slot - cache_blk * block_size
@@ -85,8 +85,8 @@ def rope_store_kernel(
     if blk < n_q_blocks + n_k_blocks:
         c, sn = _load_angles(
             tab_ptr, tab_ptr + sin_off, pos_ptr, b, s, max_pos,
-            0, sp_b, sp_s, 0, 0, cs_s, cs_col,
-            0, 0, 0, HALF, HALF_PAD, HAS_POS, 0,
+            0, stride_pos_batch, stride_pos_token, 0, 0, stride_angle_token, stride_angle_col,
+            0, 0, 0, 0, 0, 1, 0, HALF, HALF_PAD, HAS_POS, 0, False,
         )
         if blk < n_q_blocks:
             # a slot past the cache is an error nothing can be written for: flag it in q (NaN),
@@ -95,23 +95,23 @@ def rope_store_kernel(
             c = tl.where(bad, float("nan"), c)
             # in place: the tail past rotary_dim is already where it belongs (TAIL_PAD_Q 0) unless
             # it is normalized
-            q_tok = b * sq_b + s * sq_s
+            q_tok = b * stride_q_batch + s * stride_q_token
             _rotate_heads(
-                q_ptr, q_ptr, q_tok, q_tok, sq_h, sq_h,
+                q_ptr, q_ptr, q_tok, q_tok, stride_q_head, stride_q_head,
                 n_q_heads, blk * BLOCK_HQ, q_tail, c, sn, tab_ptr,
                 HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD_Q, INTERLEAVED, INTERLEAVED, False, False, PACK_Q,
                 wq_ptr, norm_eps, norm_offset, NORM_Q,
             )
         elif store:
             _rotate_heads(
-                k_ptr, kc_ptr, b * sk_b + s * sk_s, cache_blk * skc_blk + cache_off * skc_off, sk_h, skc_h,
+                k_ptr, kc_ptr, b * stride_k_batch + s * stride_k_token, cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot, stride_k_head, stride_k_cache_head,
                 n_k_heads, (blk - n_q_blocks) * BLOCK_HK, k_tail, c, sn, k_scale_ptr,
                 HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED, INTERLEAVED, False, K_SCALED, PACK_K,
                 wk_ptr, norm_eps, norm_offset, NORM_K,
             )
     elif store:
         _copy_heads(
-            v_ptr, vc_ptr, b * sv_b + s * sv_s, cache_blk * svc_blk + cache_off * svc_off, sv_h, svc_h,
+            v_ptr, vc_ptr, b * stride_v_batch + s * stride_v_token, cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot, stride_v_head, stride_v_cache_head,
             n_v_heads, (blk - n_q_blocks - n_k_blocks) * BLOCK_HV, d_v, v_scale_ptr,
             BLOCK_HV, DV_PAD, V_SCALED,
         )
