@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU work of one session in two device calls (run from the repository root, `.whl` carried):
+#
+#   run(command="bash benchmarks/gpu_session.sh check", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh bench", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
+#
+# check: the GPU test suite (bigmem serially), the compute-sanitizer sweep, the 2-GPU training
+#        parity run (context and tensor parallelism), the host-time profile with its floors.
+# bench: every workload with every importable peer (python -m ropekit.bench), then the defaults'
+#        same-size copy ceilings and graph replay (tune_core.py --defaults).
+# Each stage has its own time limit, so a slow stage cannot take the others' results with it.
+# Everything lands in $OUT (at most 8 files come back): check.txt / pytest.txt / sanitizer.txt /
+# parity.txt (+ distributed_parity.json); bench: results.json, RESULTS.md, log.txt, tune.txt.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:src
+fi
+{
+    echo "== $(date -u +%FT%TZ) $(git describe --always --dirty 2>/dev/null || echo no-git)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+    python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
+"triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} > "$OUT/env.txt" 2>&1
+
+stage() {   # stage NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.txt, print its tail
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "$name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt"
+}
+
+case "${1:-check}" in
+check)
+    stage pytest 300 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
+    stage bigmem 100 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
+    CUDA_VISIBLE_DEVICES=0 stage host 40 python3 benchmarks/profile_host.py
+    stage parity 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py
+    CUDA_VISIBLE_DEVICES=0 stage sanitizer 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 benchmarks/sanitizer_sweep.py --pool 16 -n 160
+    for f in pytest bigmem host parity sanitizer; do echo "== $f"; tail -6 "$OUT/$f.txt"; done
+    ;;
+bench)
+    export CUDA_VISIBLE_DEVICES=0
+    stage log 440 python3 -m ropekit.bench --no-progress --out "$OUT" --results-md "$OUT/RESULTS.md" "${@:2}"
+    stage tune 120 python3 benchmarks/tune_core.py --defaults --blocks 2048 --warps 0 --out "$OUT"
+    tail -60 "$OUT/log.txt"; tail -12 "$OUT/tune.txt"
+    ;;
+esac
