@@ -115,7 +115,7 @@ def token_loss(model, ids, labels):
 
 def run_single(args, seed, device):
     model = build_model(args, seed, device)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)   # TP mixes DTensor and plain params
     losses, grads = [], []
     for step in range(args.steps):
         ids, labels, _ = batch_for(args, seed, step, device)
@@ -152,7 +152,7 @@ def run_cp(args, seed, device, mesh):
     model = build_model(args, seed, device)
     hook = _GlobalPositions()
     model.model.rotary_emb.register_forward_pre_hook(hook, with_kwargs=True)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)   # TP mixes DTensor and plain params
     losses, grads = [], []
     for step in range(args.steps):
         ids, labels, positions = batch_for(args, seed, step, device)
@@ -197,7 +197,7 @@ def run_tp(args, seed, device, mesh):
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
         })
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)   # TP mixes DTensor and plain params
     losses, grads = [], []
     for step in range(args.steps):
         ids, labels, _ = batch_for(args, seed, step, device)

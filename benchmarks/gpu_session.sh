@@ -41,9 +41,20 @@ check)
     stage bigmem 100 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
     CUDA_VISIBLE_DEVICES=0 stage host 40 python3 benchmarks/profile_host.py
     stage parity 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py
+    stage parity_dtensor 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py --modes tp \
+        --tp-dtensor-activations
     CUDA_VISIBLE_DEVICES=0 stage sanitizer 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 benchmarks/sanitizer_sweep.py --pool 16 -n 160
-    for f in pytest bigmem host parity sanitizer; do echo "== $f"; tail -6 "$OUT/$f.txt"; done
+    for f in pytest bigmem host parity parity_dtensor sanitizer; do echo "== $f"; tail -6 "$OUT/$f.txt"; done
+    ;;
+recheck)    # after fixes: the parity runs, the sanitizer sweep, and the given test files on the GPU
+    stage parity 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py
+    stage parity_dtensor 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py --modes tp \
+        --tp-dtensor-activations
+    CUDA_VISIBLE_DEVICES=0 stage sanitizer 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 benchmarks/sanitizer_sweep.py --pool 16 -n 160
+    [ $# -gt 1 ] && stage pytest 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider "${@:2}"
+    for f in parity parity_dtensor sanitizer pytest; do echo "== $f"; tail -8 "$OUT/$f.txt" 2>/dev/null; done
     ;;
 bench)
     export CUDA_VISIBLE_DEVICES=0

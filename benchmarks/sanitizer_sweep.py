@@ -758,6 +758,8 @@ def run_rerotate(r, gen, device, cfg):
         raise Failure("rerotate_kv_cache did not return k_cache")
     for b in bufs:
         b.check()
+    return 1
+
 # q/k RMSNorm + RoPE (ropekit.qknorm through apply_rope / apply_rope_and_store)
 
 

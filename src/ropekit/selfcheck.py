@@ -14,7 +14,6 @@ Exit status 1 if any check fails.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import time
@@ -213,25 +212,71 @@ def _hf_llama(device):
     return [(got, want)]
 
 
-def _feature(name, present):
-    """A row for an op other issues add: 'not available' until `present()` is true, then a
-    failure that asks for its check (an op nobody checks must not pass)."""
-    def run(device):
-        if not present():
-            raise NotAvailable(f"{name} is not in this ropekit")
-        raise AssertionError(f"{name} exists but the self-check has no row that checks it yet")
-    return run
+def _qknorm(device):
+    """apply_rope with per-head RMSNorm of q and k (Qwen3) and its weight gradient, against float64
+    autograd of the reference (norm, then rotation)."""
+    g = _gen()
+    T, Hq, Hk, D = 16, 8, 2, 128
+    q = _rnd(g, T, Hq, D, dtype=torch.float32, device=device).requires_grad_()
+    k = _rnd(g, T, Hk, D, dtype=torch.float32, device=device)
+    wq = (1 + 0.2 * _rnd(g, D, dtype=torch.float32)).to(device).requires_grad_()
+    wk = (1 + 0.2 * _rnd(g, D, dtype=torch.float32)).to(device)
+    cache = _cache(4096, D, device)
+    pos = torch.randint(0, 4096, (T,), generator=g).to(device)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, q_norm_weight=wq, k_norm_weight=wk)
+    up = _rnd(g, T, Hq, D, dtype=torch.float32, device=device)
+    dq, dwq = torch.autograd.grad(qo, (q, wq), up)
+    q64, wq64 = q.detach().double().requires_grad_(), wq.detach().double().requires_grad_()
+    rq, rk = reference.rms_norm_rope(q64, k.double(), pos, cache.double(), q_norm_weight=wq64,
+                                     k_norm_weight=wk.double())
+    want_dq, want_dwq = torch.autograd.grad(rq, (q64, wq64), up.double())
+    return [(qo, rq.detach()), (ko, rk), (dq, want_dq), (dwq, want_dwq)]
 
 
-def _takes(fn_name, param):
-    """Whether ropekit.<fn_name> has a parameter whose name contains `param`."""
-    def present():
-        fn = getattr(ropekit, fn_name, None)
-        try:
-            return fn is not None and any(param in name for name in inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            return False
-    return present
+def _rerotate(device):
+    """rerotate_kv_cache: rows of a paged cache stored at p re-rotated by delta (some negative)
+    equal keys rotated at p + delta; rows not named stay bit-identical."""
+    g = _gen()
+    blocks, bs, H, D, n = 4, 16, 2, 128, 20
+    cache = _cache(4096, D, device)
+    k = _rnd(g, blocks * bs, H, D, dtype=torch.float32)
+    pos = torch.randint(1024, 3072, (blocks * bs,), generator=g)
+    stored = reference.rotate(k.double(), *reference.angles_from_table(cache.double().cpu(), pos, (blocks * bs,)))
+    kc = stored.float().to(device).view(blocks, bs, H, D)
+    before = kc.clone()
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    delta = torch.randint(-1000, 1000, (n,), generator=g)
+    ropekit.rerotate_kv_cache(kc, slots.to(device), delta.to(device), cache)
+    flat, old = kc.view(-1, H, D), before.view(-1, H, D)
+    others = torch.ones(blocks * bs, dtype=torch.bool)
+    others[slots] = False
+    if not torch.equal(flat[others.to(device)], old[others.to(device)]):
+        raise AssertionError("rows not named were written")
+    want = reference.rotate(k[slots].double(), *reference.angles_from_table(cache.double().cpu(), pos[slots] + delta,
+                                                                          (n,)))
+    return [(flat[slots.to(device)], want)]
+
+
+def _packed(device):
+    """apply_rope(cu_seqlens=) on 5 packed sequences (one empty), plain and context-parallel rank 1
+    of 2, against the reference at positions_from_cu_seqlens' positions and an independent
+    restart-at-0 count."""
+    g = _gen()
+    lens = [6, 0, 10, 2, 14]
+    T, Hq, Hk, D = sum(lens), 4, 2, 64
+    q, k = _rnd(g, T, Hq, D, device=device), _rnd(g, T, Hk, D, device=device)
+    cache = _cache(256, D, device)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), device=device)
+    pairs = []
+    restart = torch.cat([torch.arange(n) for n in lens])
+    if not torch.equal(ropekit.positions_from_cu_seqlens(cu.cpu()), restart):
+        raise AssertionError("positions_from_cu_seqlens does not restart at 0 per sequence")
+    for cp_size, cp_rank in ((1, 0), (2, 1)):
+        pos = ropekit.positions_from_cu_seqlens(cu, cp_size=cp_size, cp_rank=cp_rank)
+        rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double())
+        qo, ko = ropekit.apply_rope(q, k, None, cache, cu_seqlens=cu, cp_size=cp_size, cp_rank=cp_rank)
+        pairs += [(qo, rq), (ko, rk)]
+    return pairs
 
 
 CHECKS: List[Check] = [
@@ -255,12 +300,10 @@ CHECKS: List[Check] = [
     Check("apply_rope_and_store, fp8 e4m3 cache, scale 0.5", "bf16->fp8", FP8, ("apply_rope_and_store",),
           _store(torch.float8_e4m3fn, 0.5)),
     Check("ropekit.hf drop-ins, tiny Llama logits", "fp32", 1e-4, ("hf",), _hf_llama),
-    # ops other issues add: each becomes a real row when it lands
-    Check("apply_rope with QK-norm", "-", 0.0, (), _feature("apply_rope's QK-norm option", _takes("apply_rope", "norm"))),
-    Check("rerotate_kv_cache", "-", 0.0, ("rerotate_kv_cache",),
-          _feature("ropekit.rerotate_kv_cache", lambda: hasattr(ropekit, "rerotate_kv_cache"))),
-    Check("apply_rope cu_seqlens (packed)", "-", 0.0, (), _feature("apply_rope(cu_seqlens=)",
-                                                                  _takes("apply_rope", "cu_seqlens"))),
+    Check("apply_rope QK-RMSNorm (Qwen3) + grads of q, w", "fp32", 1e-4, ("apply_rope",), _qknorm),
+    Check("rerotate_kv_cache, paged, +-deltas", "fp32", 1e-5, ("rerotate_kv_cache",), _rerotate),
+    Check("apply_rope cu_seqlens packed, cp 1 and 2", "bf16", BF16, ("apply_rope", "positions_from_cu_seqlens"),
+          _packed),
 ]
 
 # public names that need no row of their own: tables and modules built from the checked ops
