@@ -27,7 +27,11 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
         kernel[grid](*ptrs, *args, **meta)           # the interpreter, on CPU tensors
         return
     addrs = [p.data_ptr() for p in ptrs]
-    key = (variant, *[a % 16 == 0 for a in addrs])
+    # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
+    any_bits = 0
+    for a in addrs:
+        any_bits |= a
+    key = (variant, True) if any_bits % 16 == 0 else (variant, *[a % 16 == 0 for a in addrs])
     entry = compiled.get(key)
     if entry is not None and _direct(entry, grid, addrs, args):
         return
@@ -58,7 +62,12 @@ def _direct(entry, grid, addrs, args) -> bool:
         full = (*addrs, *args, *consts)
         stream = current_stream(current_device())
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        # launch metadata only feeds the launch hooks (profilers); Triton skips it without them too
+        # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
+        # chain), no metadata and no hook calls from the compiled launcher
+        if enter is not None and not getattr(enter, "calls", True):
+            enter = None
+        if leave is not None and not getattr(leave, "calls", True):
+            leave = None
         metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
         kernel_run.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                        kernel_run.function, kernel_run.packed_metadata, metadata, enter, leave, *full)

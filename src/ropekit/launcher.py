@@ -264,12 +264,14 @@ def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache
 
 
 def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
-    """(HALF_PAD, BLOCK_H, TAIL_PAD, head blocks, num_warps) for a cache shape: one program per row's
-    head block of ~block_elems elements (W12's 8 heads x 128 is one program per row)."""
+    """(HALF_PAD, BLOCK_H, ROWS, TAIL_PAD, head blocks, num_warps) for a cache shape: a program takes
+    ROWS rows of BLOCK_H heads, ~block_elems rotated elements (MLA's 64-dim rows: 32 rows a program;
+    W12's 8 heads x 128: 2 rows)."""
     half_pad = next_pow2(half)
     block_h = min(next_pow2(n_heads), next_pow2(max(1, block_elems // (2 * half_pad))))
+    rows = next_pow2(max(1, block_elems // (block_h * 2 * half_pad)))
     tail_pad = next_pow2(tail) if tail > 0 else 0
-    return half_pad, block_h, tail_pad, -(-n_heads // block_h), 4 if block_h * 2 * half_pad >= 1024 else 2
+    return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), 4
 
 
 def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, scaled: bool) -> Optional[Plan]:
@@ -279,35 +281,31 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, sc
     half = rot // 2
     n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
     tail = d - rot if dst_slots is not None else 0      # in place, the tail already sits where it belongs
-    half_pad, block_h, tail_pad, n_blocks, num_warps = _rerotate_tiles(half, n_heads, tail,
-                                                                        tuning.get("store_block_elems"))
+    half_pad, block_h, rows, tail_pad, n_blocks, num_warps = _rerotate_tiles(half, n_heads, tail,
+                                                                              tuning.get("rerotate_block_elems"))
     block_size, stride_block, stride_offset, stride_head = slot_geometry(k_cache)
     args = (
         n_heads, d - rot, table.shape[0], half * table.stride(1), block_size, k_cache.shape[0] * block_size,
-        slots.stride(0), 0 if dst_slots is None else dst_slots.stride(0),
+        slots.shape[0], slots.stride(0), 0 if dst_slots is None else dst_slots.stride(0),
         0 if delta is None else delta.stride(0), table.stride(0), table.stride(1),
         stride_block, stride_offset, stride_head,
     )
     meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, TAIL_PAD=tail_pad, INTERLEAVED=variant.interleaved,
-        HAS_DST=dst_slots is not None, DELTA_SCALAR=delta is None, SCALED=scaled,
-        PACK=_pair_bits(k_cache) if variant.interleaved else 0, num_warps=num_warps,
+        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, ROWS=rows, TAIL_PAD=tail_pad,
+        INTERLEAVED=variant.interleaved, HAS_DST=dst_slots is not None, DELTA_SCALAR=delta is None, SCALED=scaled,
+        num_warps=num_warps,
     )
-    return Plan((slots.shape[0], n_blocks), args, meta, 0, {})
+    return Plan((-(-slots.shape[0] // rows), n_blocks), args, meta, 0, {})
 
 
 def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table, dst_slots, k_scale) -> None:
     if plan is None:
         return
     meta = plan.meta
-    # packed pairs need a word-aligned base pointer too (a view may start at an odd element)
-    if meta["PACK"] and k_cache.data_ptr() % (meta["PACK"] // 8):
-        meta = dict(meta, PACK=0)
     # pointers never read under the plan's flags point at valid addresses (slots, the table)
     ptrs = (k_cache, slots, slots if dst_slots is None else dst_slots, slots if delta is None else delta, table,
             table if k_scale is None else k_scale)
     # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
     # past any table anyway, and stays past it when clamped
     value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
-    launch_kernel(_kernel("rerotate_kernel"), plan.compiled, (meta["PACK"],), plan.grid, ptrs,
-                  (value, *plan.args), meta)
+    launch_kernel(_kernel("rerotate_kernel"), plan.compiled, (), plan.grid, ptrs, (value, *plan.args), meta)

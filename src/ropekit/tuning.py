@@ -23,6 +23,9 @@ KNOBS: Dict[str, Knob] = {
                               "H200's memory pipeline with 2-4 warps; 1024 and 4096 were slower on W1/W2"),
     "store_block_elems": Knob(1024, "rope_store_kernel elements per program: its q, k and v programs "
                                     "each write scattered cache rows, smaller tiles keep more in flight"),
+    "rerotate_block_elems": Knob(2048, "rerotate_kernel rotated elements per program (rows x heads x dims): "
+                                       "rows are gathered by slot, so a program takes several to overlap "
+                                       "their dependent slot -> table -> cache loads"),
     "num_warps": Knob(0, "0: the rule below; else force this many warps for every launch (sweeps)"),
     "head_loop": Knob(None, "None: one program per token walking all head blocks when angles come from "
                             "a table (the position -> row chain runs once per token) and the call has "

@@ -5,19 +5,19 @@ key rotated for position p + delta. A negative delta is the inverse rotation by 
 |delta| (sin negated, as `INVERSE` does for the backward pass). So one table row per cache row is
 enough, whatever the (unknown) stored position p.
 
-The rotation math, the table lookup and the head loads/stores are the helpers of .rope
-(`_angle_row`, `_load_heads`, `_rotate_store`); the slot addressing is the store kernel's: a slot s
-names row (s // block_size, s % block_size) of a paged cache (num_blocks, block_size, H, D) with any
-strides (a flat cache is block_size 1 with a zero in-block stride). Slots are widened to int64 when
-loaded, so block * stride cannot wrap on caches past 2^31 elements.
+The slot addressing is the store kernel's: a slot s names row (s // block_size, s % block_size) of
+a paged cache (num_blocks, block_size, H, D) with any strides (a flat cache is block_size 1 with a
+zero in-block stride). Slots are widened to int64 when loaded, so block * stride cannot wrap on
+caches past 2^31 elements.
 
-Grid: axis 0 walks the N rows to re-rotate, axis 1 the head blocks of a row.
+Grid: axis 0 walks the N rows to re-rotate, ROWS at a time; axis 1 the head blocks of a row. A
+program's ROWS x BLOCK_H (row, head) pairs are one flat tile: every row's slot, shift, table row
+and cache row are loaded as vectors, so the four dependent loads of a row overlap with those of
+the other rows (one row per program left W12's MLA case, 64 dims a row, latency-bound).
 """
 
 import triton
 import triton.language as tl
-
-from .rope import _angle_row, _load_heads, _rotate_store
 
 
 @triton.jit
@@ -45,9 +45,13 @@ def rerotate_kernel(
     sin_offset,             # element offset of the sin half from table_ptr
     block_size,             # slots per cache block (1 for a flat cache)
     num_slots,              # num_blocks * block_size: slots at or past it are skipped
+    n_rows,                 # N, the rows to re-rotate
     # strides (elements)
-    stride_slots, stride_dst_slots, stride_delta,
-    stride_table_row, stride_table_col,
+    stride_slots,           # between entries of slots
+    stride_dst_slots,       # between entries of dst_slots
+    stride_delta,           # between entries of delta
+    stride_table_row,       # between table rows
+    stride_table_col,       # between table columns
     stride_k_cache_block,   # between cache blocks (between slots of a flat cache)
     stride_k_cache_offset,  # between slots of one block (0 for a flat cache)
     stride_k_cache_head,    # between heads of one slot
@@ -55,58 +59,74 @@ def rerotate_kernel(
     HALF: tl.constexpr,         # rotary_dim // 2
     HALF_PAD: tl.constexpr,     # HALF rounded up to a power of two
     BLOCK_H: tl.constexpr,      # heads per program
+    ROWS: tl.constexpr,         # rows per program
     TAIL_PAD: tl.constexpr,     # tail length rounded up to a power of two; 0 when nothing is copied
     INTERLEAVED: tl.constexpr,  # pairs (2i, 2i+1) instead of halves (i, i + HALF)
     HAS_DST: tl.constexpr,      # write into dst slots (the source rows stay untouched)
     DELTA_SCALAR: tl.constexpr, # one shift for all rows (delta_value) instead of a tensor
     SCALED: tl.constexpr,       # the cache holds value / k_scale (fp8): dequantize, rotate, quantize
-    PACK: tl.constexpr,         # _load_heads / _rotate_store's PACK (0: element path)
 ):
-    """Program (r, j): row r, heads [j * BLOCK_H, (j + 1) * BLOCK_H)."""
-    r = tl.program_id(0).to(tl.int64)
-    head0 = tl.program_id(1) * BLOCK_H  # int32-ok: a head index (< 65536 blocks), widened in the helpers
-    # int64 before any arithmetic: slot * stride is the offset that passes 2^31 on big caches
-    src = tl.load(slots_ptr + r * stride_slots).to(tl.int64)
+    """Program (p, j): rows [p * ROWS, (p + 1) * ROWS), heads [j * BLOCK_H, (j + 1) * BLOCK_H)."""
+    m = tl.arange(0, ROWS * BLOCK_H)                 # a flat tile of (row, head) pairs
+    # int64 before any arithmetic: row and slot products with strides pass 2^31 on big caches
+    row = tl.program_id(0).to(tl.int64) * ROWS + m // BLOCK_H
+    head = tl.program_id(1) * BLOCK_H + m % BLOCK_H  # int32-ok: a head index, widened before its stride
+    in_rows = row < n_rows
+    src = tl.load(slots_ptr + row * stride_slots, mask=in_rows, other=-1).to(tl.int64)
     if HAS_DST:
-        dst = tl.load(dst_slots_ptr + r * stride_dst_slots).to(tl.int64)
+        dst = tl.load(dst_slots_ptr + row * stride_dst_slots, mask=in_rows, other=-1).to(tl.int64)
     else:
         dst = src
     # padding (< 0) and slots past the cache (an error the strict mode reports) write nothing
-    if (src >= 0) & (src < num_slots) & (dst >= 0) & (dst < num_slots):
-        # the row of |delta|, as a vector (all lanes one value): scalar-and-vector masks trip the
-        # interpreter. A |delta| past the table reads nothing and rotates by NaN (loud, no sync).
-        if DELTA_SCALAR:
-            d = tl.zeros([HALF_PAD], tl.int64) + delta_value
-        else:
-            d = tl.zeros([HALF_PAD], tl.int64) + tl.load(delta_ptr + r * stride_delta).to(tl.int64)
-        mag = tl.where(d < 0, -d, d)
-        i = tl.arange(0, HALF_PAD)
-        col = i.to(tl.int64) * stride_table_col
-        ok = (i < HALF) & (mag >= 0) & (mag < max_position)     # mag < 0 only for -2^63
-        c, sn = _angle_row(table_ptr, table_ptr + sin_offset, mag * stride_table_row, col, ok, float("nan"))
-        # a negative shift is the inverse rotation: angle(-a) = (cos a, -sin a)
-        sn = tl.where(d < 0, -sn, sn)
+    live = in_rows & (head < n_heads) & (src >= 0) & (src < num_slots) & (dst >= 0) & (dst < num_slots)
+    if DELTA_SCALAR:
+        d = tl.zeros([ROWS * BLOCK_H], tl.int64) + delta_value
+    else:
+        d = tl.load(delta_ptr + row * stride_delta, mask=live, other=0).to(tl.int64)
+    mag = tl.where(d < 0, -d, d)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    # a |delta| past the table reads nothing and rotates by NaN (loud, no sync); mag < 0 only for -2^63
+    row_ok = live & (mag >= 0) & (mag < max_position)
+    fmask = live[:, None] & (i < HALF)
+    amask = row_ok[:, None] & (i < HALF)
+    t_row = table_ptr + (mag * stride_table_row)[:, None] + i.to(tl.int64) * stride_table_col
+    c = tl.load(t_row, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+    sn = tl.load(t_row + sin_offset, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+    # a negative shift is the inverse rotation: angle(-a) = (cos a, -sin a)
+    sn = tl.where((d < 0)[:, None], -sn, sn)
 
-        src_base = k_cache_ptr + _slot_offset(src, block_size, stride_k_cache_block, stride_k_cache_offset)
-        dst_base = k_cache_ptr + _slot_offset(dst, block_size, stride_k_cache_block, stride_k_cache_offset)
-        x1, x2 = _load_heads(src_base, stride_k_cache_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
-                             INTERLEAVED, PACK, "evict_first")
-        if SCALED:
-            # dequantize; _rotate_store divides by the same scale before its cast
-            scale = tl.load(k_scale_ptr).to(tl.float32)
-            x1 = x1 * scale
-            x2 = x2 * scale
-        # the tail goes through the raw copy below, not _rotate_store's (which would rescale it)
-        _rotate_store(
-            src_base, dst_base, stride_k_cache_head, stride_k_cache_head, n_heads, head0, 0,
-            x1, x2, c, sn, k_scale_ptr,
-            HALF, HALF_PAD, BLOCK_H, 0, INTERLEAVED, False, SCALED, PACK, x1, False,
-        )
-        if TAIL_PAD > 0:
-            # into another row: the dims past rotary_dim move unchanged (same dtype: a bit copy)
-            h = head0 + tl.arange(0, BLOCK_H)
-            h_off = h.to(tl.int64)[:, None] * stride_k_cache_head + 2 * HALF
-            j = tl.arange(0, TAIL_PAD)[None, :]
-            m = (h[:, None] < n_heads) & (j < tail_len)
-            t = tl.load(src_base + h_off + j, mask=m)
-            tl.store(dst_base + h_off + j, t, mask=m)
+    head_off = head.to(tl.int64) * stride_k_cache_head
+    src_row = k_cache_ptr + (_slot_offset(src, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
+    dst_row = k_cache_ptr + (_slot_offset(dst, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
+    src_row = tl.where(live, src_row, k_cache_ptr)[:, None]   # masked-off lanes point at the base (never read)
+    dst_row = tl.where(live, dst_row, k_cache_ptr)[:, None]
+    if INTERLEAVED:
+        pair = tl.arange(0, 2)[None, None, :]
+        x = tl.load(src_row[:, :, None] + 2 * i[:, :, None] + pair, mask=fmask[:, :, None]).to(tl.float32)
+        x1, x2 = tl.split(x)
+    else:
+        x1 = tl.load(src_row + i, mask=fmask).to(tl.float32)
+        x2 = tl.load(src_row + HALF + i, mask=fmask).to(tl.float32)
+    if SCALED:
+        # dequantize, rotate in float32, quantize back with the same scale
+        scale = tl.load(k_scale_ptr).to(tl.float32)
+        x1 = x1 * scale
+        x2 = x2 * scale
+    o1 = x1 * c - x2 * sn
+    o2 = x2 * c + x1 * sn
+    if SCALED:
+        o1 = o1 / scale
+        o2 = o2 / scale
+    out_ty = k_cache_ptr.dtype.element_ty
+    if INTERLEAVED:
+        o = tl.join(o1, o2).to(out_ty)
+        tl.store(dst_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=fmask[:, :, None])
+    else:
+        tl.store(dst_row + i, o1.to(out_ty), mask=fmask)
+        tl.store(dst_row + HALF + i, o2.to(out_ty), mask=fmask)
+    if TAIL_PAD > 0:
+        # into another row: the dims past rotary_dim move unchanged (same dtype: a bit copy)
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = live[:, None] & (j < tail_len)
+        t = tl.load(src_row + 2 * HALF + j, mask=mt)
+        tl.store(dst_row + 2 * HALF + j, t, mask=mt)
