@@ -47,14 +47,17 @@ check)
         python3 benchmarks/sanitizer_sweep.py --pool 16 -n 160
     for f in pytest bigmem host parity parity_dtensor sanitizer; do echo "== $f"; tail -6 "$OUT/$f.txt"; done
     ;;
-recheck)    # after fixes: the parity runs, the sanitizer sweep, and the given test files on the GPU
-    stage parity 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py
-    stage parity_dtensor 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py --modes tp \
-        --tp-dtensor-activations
-    CUDA_VISIBLE_DEVICES=0 stage sanitizer 150 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 benchmarks/sanitizer_sweep.py --pool 16 -n 160
+recheck)    # after fixes: the parity runs (with two GPUs), the sanitizer sweep, and the given test files
+    GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    [ "$GPUS" -ge 2 ] && stage parity 110 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_parity.py
+    [ "$GPUS" -ge 2 ] && stage parity_dtensor 110 torchrun --standalone --nproc-per-node 2 \
+        benchmarks/distributed_parity.py --modes tp --tp-dtensor-activations
+    CUDA_VISIBLE_DEVICES=0 stage sanitizer 110 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 benchmarks/sanitizer_sweep.py --pool 16 -n 120
     [ $# -gt 1 ] && stage pytest 150 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider "${@:2}"
-    for f in parity parity_dtensor sanitizer pytest; do echo "== $f"; tail -8 "$OUT/$f.txt" 2>/dev/null; done
+    CUDA_VISIBLE_DEVICES=0 stage bench 280 python3 -m ropekit.bench --no-progress --out "$OUT" \
+        --results-md "$OUT/RESULTS.md" -w W3,W7-T64,W9,W10,W11,W12
+    for f in parity parity_dtensor sanitizer pytest bench; do echo "== $f"; tail -8 "$OUT/$f.txt" 2>/dev/null; done
     ;;
 bench)
     export CUDA_VISIBLE_DEVICES=0
