@@ -72,9 +72,11 @@ def rerotate_kernel(
     row = tl.program_id(0).to(tl.int64) * ROWS + m // BLOCK_H
     head = tl.program_id(1) * BLOCK_H + m % BLOCK_H  # int32-ok: a head index, widened before its stride
     in_rows = row < n_rows
-    src = tl.load(slots_ptr + row * stride_slots, mask=in_rows, other=-1).to(tl.int64)
+    # index loads without masks: lanes past the last row read row 0 (always there) and are dropped
+    safe_row = tl.where(in_rows, row, 0)
+    src = tl.where(in_rows, tl.load(slots_ptr + safe_row * stride_slots).to(tl.int64), -1)
     if HAS_DST:
-        dst = tl.load(dst_slots_ptr + row * stride_dst_slots, mask=in_rows, other=-1).to(tl.int64)
+        dst = tl.where(in_rows, tl.load(dst_slots_ptr + safe_row * stride_dst_slots).to(tl.int64), -1)
     else:
         dst = src
     # padding (< 0) and slots past the cache (an error the strict mode reports) write nothing
@@ -82,7 +84,7 @@ def rerotate_kernel(
     if DELTA_SCALAR:
         d = tl.zeros([ROWS * BLOCK_H], tl.int64) + delta_value
     else:
-        d = tl.load(delta_ptr + row * stride_delta, mask=live, other=0).to(tl.int64)
+        d = tl.where(live, tl.load(delta_ptr + safe_row * stride_delta).to(tl.int64), 0)
     mag = tl.where(d < 0, -d, d)
     i = tl.arange(0, HALF_PAD)[None, :]
     # a |delta| past the table reads nothing and rotates by NaN (loud, no sync); mag < 0 only for -2^63
