@@ -261,7 +261,10 @@ def test_apply_rope_on_packed_positions(device, cp_size, cp_rank, dtype):
 
 # --- the in-kernel derivation: apply_rope(..., cu_seqlens=...) (lead's kernel work) -----------
 
-KERNEL_CASES = [([6, 0, 10, 2, 14], 1, 0), ([8, 4, 2], 2, 0), ([8, 4, 2], 2, 1), ([12, 4], 4, 3)]
+KERNEL_CASES = [([6, 0, 10, 2, 14], 1, 0), ([8, 4, 2], 2, 0), ([8, 4, 2], 2, 1), ([12, 4], 4, 3), ([5], 1, 0)]
+# many sequences, empty ones among them: both levels of the kernel's search and its block edges
+MANY_CASES = [(random_lens(random.Random(7), 300, max_len=6), 1, 0),
+              (random_lens(random.Random(8), 130, even=True, max_len=8), 2, 1)]
 
 
 @pytest.mark.usefixtures("poison")
@@ -293,7 +296,7 @@ def test_kernel_cu_seqlens_backward_matches_helper(device, lens, cp_size, cp_ran
     torch.testing.assert_close(grads[1][1], grads[0][1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("lens,cp_size,cp_rank", KERNEL_CASES)
+@pytest.mark.parametrize("lens,cp_size,cp_rank", KERNEL_CASES + MANY_CASES)
 def test_kernel_positions_recovered_from_angles(device, lens, cp_size, cp_rank):
     """Rotate (1, 0) pairs and read the angle back: the kernel's position per token, exactly."""
     t, d = sum(lens), 2

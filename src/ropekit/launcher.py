@@ -8,6 +8,7 @@ tensors' addresses (`fire_rotate`, `fire_store`), passed to Triton's compiled la
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -36,7 +37,8 @@ class AngleLayout(NamedTuple):
     sin_off: int
     strides: tuple          # (sec, b, s, col)
     pos_strides: tuple      # positions' (sec, b, s) strides
-    packed: tuple = (0, 0, 1, 0)    # packed sequences: (sequences, search steps, cp_size, cp_rank)
+    packed: tuple = (0, 1, 0)       # packed sequences: (sequences, cp_size, cp_rank)
+    search: tuple = (1, 1)          # packed sequences: the two-level search's (stride, blocks)
 
 
 def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)) -> AngleLayout:
@@ -47,8 +49,11 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)
     if variant.angles == "packed":                           # a: cu_seqlens; positions derived in the kernel
         n_seqs = a.shape[0] - 1
         cp_size, cp_rank = packed
-        return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (0, 0, 1), (n_seqs, n_seqs.bit_length(),
-                                                                                        cp_size, cp_rank))
+        # two levels of ~sqrt(n) entries each: every STRIDE-th entry, then one block of STRIDE
+        stride = next_pow2(max(2, math.isqrt(n_seqs + 1) + 1))
+        blocks = next_pow2(-(-(n_seqs + 1) // stride))
+        return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (0, 0, 1), (n_seqs, cp_size, cp_rank),
+                           (stride, blocks))
     if a is None:                                            # arange over the last token dim
         return AngleLayout(half, 0, half * col, (0, 0, row, col), (0, 0, 0))
     n_tok = a.dim() - (1 if variant.mrope else 0)
@@ -142,7 +147,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         *token_strides(q, n_tok), q.stride(-2), *sk,
         *token_strides(q_out, n_tok), q_out.stride(-2), *sko,
         *angles.pos_strides, *angles.strides, sec_t, sec_h, sec_w,
-        *angles.packed,         # sequences, search steps, cp_size, cp_rank (read only when PACKED)
+        *angles.packed,         # sequences, cp_size, cp_rank (read only when PACKED)
         0, 0, 0.0, 0.0,         # q/k norm weights, eps, offset: unused without NORM_Q / NORM_K (ropekit.qknorm)
     )
     meta = dict(
@@ -150,6 +155,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         HAS_POS=angles.max_pos > 0, MROPE=variant.mrope,
         IN_INTERLEAVED=variant.interleaved, OUT_INTERLEAVED=variant.out_interleaved, INVERSE=variant.inverse,
         PACK=pack, HEAD_LOOP=head_loop, PREFETCH=prefetch, NORM_Q=0, NORM_K=0, PACKED=variant.angles == "packed",
+        SEARCH_STRIDE=angles.search[0], SEARCH_COARSE=angles.search[1],
         num_warps=tuning.warps(head_loop, mrope),
     )
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})

@@ -457,11 +457,30 @@ def rope_with_norm(
     The whole head is normalized, the tail past rotary_dim included (and written, in place too).
     Other arguments, results and guarantees as apply_rope; gradients for q, k and both weights.
     """
-    rot, mrope = validate.rope_args(OP, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
-                                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                                    inplace=inplace)
-    validate.norm_weights(OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace)
-    validate.no_grad_table(OP, cos_sin_cache)
+    # validated once per signature (the pipeline's memo; types included); addresses every call
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (OP + " norm", torch.is_grad_enabled(), _sig(q), _sig(k), _sig(positions), _sig(cos_sin_cache),
+                   type(interleaved), interleaved, type(rotary_dim), rotary_dim,
+                   None if mrope_section is None else pipeline.value_key(mrope_section), type(mrope_interleaved),
+                   mrope_interleaved, type(inplace), inplace, _sig(q_norm_weight), _sig(k_norm_weight),
+                   type(norm_eps), norm_eps, type(norm_weight_offset), norm_weight_offset)
+            hash(key)
+        except (AttributeError, TypeError):
+            key = None
+    known = pipeline.lookup(key)
+    if known is None:
+        rot, mrope = validate.rope_args(OP, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
+                                        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                                        inplace=inplace)
+        validate.norm_weights(OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace)
+        validate.no_grad_table(OP, cos_sin_cache)
+        pipeline.remember(key, (rot, mrope))
+    else:
+        rot, mrope = known
+        if inplace:
+            validate.inplace_aliasing(OP, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
     if inplace and not torch.compiler.is_compiling():
         validate.written_vs_read(OP, (("q", q), ("k", k)),
                                  (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)))
@@ -542,9 +561,10 @@ def fire_store(launch: NormLaunch, q, k, v, positions, table, k_cache, v_cache, 
 
 
 def _store_run(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, ks, vs,
-               wq, wk, eps, offset):
-    """Checks, then the kernel (or the reference on CPU): the body of the custom op and of eager calls."""
-    store._checks(None, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
+               wq, wk, eps, offset, spec=None):
+    """Checks, then the kernel (or the reference on CPU): the body of the custom op and of eager calls.
+    spec: the call signature's pipeline.Spec (extents and aliasing verdicts kept between calls), or None."""
+    store._checks(spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
     validate.written_vs_read(STORE_OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
                              (("q_norm_weight", wq), ("k_norm_weight", wk)))
     if q.shape[:-2].numel() == 0:
@@ -592,22 +612,40 @@ def rope_and_store_with_norm(
     """apply_rope_and_store with RMSNorm of q and/or k first: q normalized and rotated in place
     (its tail normalized in place too), k normalized and rotated into k_cache (fp8: scaled and cast
     once from float32), v copied. Weights as in rope_with_norm. Inference only. Returns q."""
-    rot, _, _, k_scale, v_scale = validate.store_args(
-        STORE_OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
-    validate.norm_weights(STORE_OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
-    if torch.is_grad_enabled():
-        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            if w is not None and w.requires_grad:
-                validate.fail(STORE_OP, name, "a tensor that does not require grad (apply_rope_and_store is "
-                              "inference only)", "requires_grad=True")
+    # validated once per signature (the pipeline's memo; types and scale values included)
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (STORE_OP + " norm", torch.is_grad_enabled(), _sig(q), _sig(k), _sig(v), _sig(positions),
+                   _sig(cos_sin_cache), _sig(k_cache), _sig(v_cache), _sig(slot_mapping), type(interleaved),
+                   interleaved, type(rotary_dim), rotary_dim, store._scale_key(k_scale), store._scale_key(v_scale),
+                   _sig(q_norm_weight), _sig(k_norm_weight), type(norm_eps), norm_eps, type(norm_weight_offset),
+                   norm_weight_offset)
+            hash(key)
+        except (AttributeError, TypeError):
+            key = None
+    spec = pipeline.lookup(key)
+    if spec is None:
+        rot, _, _, _, _ = validate.store_args(
+            STORE_OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
+        validate.norm_weights(STORE_OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+        if torch.is_grad_enabled():
+            for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+                if w is not None and w.requires_grad:
+                    validate.fail(STORE_OP, name, "a tensor that does not require grad (apply_rope_and_store is "
+                                  "inference only)", "requires_grad=True")
+        spec = pipeline.remember(key, pipeline.Spec(
+            Variant(), rot, pipeline.DIRECT, pipeline.triton_runs(q),
+            extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping)))
+    rot = spec.rot
     ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
     args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(interleaved), rot, ks, vs,
             q_norm_weight, k_norm_weight, float(norm_eps), float(norm_weight_offset))
     if torch.compiler.is_compiling():
         torch.ops.ropekit.rope_norm_and_store(q, k, v, *args)
         return q
-    _store_run(q, k, v, *args)
+    _store_run(q, k, v, *args, spec=None if torch.compiler.is_compiling() else spec)
     for x in (q, k_cache, v_cache):
         torch.autograd.graph.increment_version(x)
     return q

@@ -56,9 +56,10 @@ def _load_angles(
     stride_pos_row, stride_pos_batch, stride_pos_token,
     stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
     SEC_T, SEC_H, SEC_W,
-    n_seqs, n_search_steps, cp_size, cp_rank,
+    n_seqs, cp_size, cp_rank,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     HAS_POS: tl.constexpr, MROPE: tl.constexpr, PACKED: tl.constexpr,
+    SEARCH_STRIDE: tl.constexpr, SEARCH_COARSE: tl.constexpr,
 ):
     """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
 
@@ -81,8 +82,8 @@ def _load_angles(
         # A bad position must never address memory: its loads are masked off and yield NaN.
         if PACKED:
             # packed tokens (T,): s is the token index into cu_seqlens' tokens
-            p0 = _packed_position(pos_ptr, n_seqs, n_search_steps, s, cp_size, cp_rank) + tl.zeros([HALF_PAD],
-                                                                                                  tl.int64)
+            p0 = _packed_position(pos_ptr, n_seqs, s, cp_size, cp_rank, SEARCH_STRIDE, SEARCH_COARSE) \
+                + tl.zeros([HALF_PAD], tl.int64)
         else:
             p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
         c, sn = _angle_row(cos_ptr, sin_ptr, p0 * stride_angle_token, col, m0 & (p0 >= 0) & (p0 < max_pos), nan)
@@ -323,7 +324,6 @@ def rope_kernel(
     SEC_H,  # ... by the height row
     SEC_W,  # ... by the width row
     n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
-    n_search_steps,  # PACKED: halvings of the binary search over cu_seqlens
     cp_size,  # PACKED: context-parallel size (1: none)
     cp_rank,  # PACKED: this rank
     wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride
@@ -345,6 +345,8 @@ def rope_kernel(
     NORM_Q: tl.constexpr,  # q's RMSNorm: 0 none, 1 per head, 2 across heads
     NORM_K: tl.constexpr,  # k's RMSNorm likewise
     PACKED: tl.constexpr,  # positions derived from cu_seqlens (packed sequences, context parallelism)
+    SEARCH_STRIDE: tl.constexpr,  # PACKED: cu_seqlens entries per block of the two-level search
+    SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -373,8 +375,8 @@ def rope_kernel(
         c, sn = _load_angles(
             cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
             stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-            SEC_T, SEC_H, SEC_W, n_seqs, n_search_steps, cp_size, cp_rank, HALF, HALF_PAD,
-            HAS_POS, MROPE, PACKED,
+            SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank, HALF, HALF_PAD,
+            HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE,
         )
         for blk in tl.range(0, n_blocks):
             # the next block (past the last one: every lane masked, nothing read)
@@ -414,8 +416,8 @@ def rope_kernel(
         c, sn = _load_angles(
             cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
             stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-            SEC_T, SEC_H, SEC_W, n_seqs, n_search_steps, cp_size, cp_rank, HALF, HALF_PAD,
-            HAS_POS, MROPE, PACKED,
+            SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank, HALF, HALF_PAD,
+            HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE,
         )
         t_norm = x1
         if NORM_Q != 0 or NORM_K != 0:
@@ -486,7 +488,7 @@ def rope_norm_backward_kernel(
             c, sn = _load_angles(
                 cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
                 stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-                SEC_T, SEC_H, SEC_W, 0, 0, 1, 0, HALF, HALF_PAD, HAS_POS, MROPE, False,
+                SEC_T, SEC_H, SEC_W, 0, 1, 0, HALF, HALF_PAD, HAS_POS, MROPE, False, 1, 1,
             )
             cb = c[None, :]
             sb = sn[None, :]

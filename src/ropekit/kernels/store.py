@@ -86,7 +86,7 @@ def rope_store_kernel(
         c, sn = _load_angles(
             tab_ptr, tab_ptr + sin_off, pos_ptr, b, s, max_pos,
             0, stride_pos_batch, stride_pos_token, 0, 0, stride_angle_token, stride_angle_col,
-            0, 0, 0, 0, 0, 1, 0, HALF, HALF_PAD, HAS_POS, 0, False,
+            0, 0, 0, 0, 1, 0, HALF, HALF_PAD, HAS_POS, 0, False, 1, 1,
         )
         if blk < n_q_blocks:
             # a slot past the cache is an error nothing can be written for: flag it in q (NaN),
