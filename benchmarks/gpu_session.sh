@@ -65,4 +65,13 @@ bench)
     stage tune 120 python3 benchmarks/tune_core.py --defaults --blocks 2048 --warps 0 --out "$OUT"
     tail -60 "$OUT/log.txt"; tail -12 "$OUT/tune.txt"
     ;;
+final)      # the whole GPU suite, the sanitizer sweep and the workloads changed last
+    stage pytest 200 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
+    stage bigmem 100 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
+    CUDA_VISIBLE_DEVICES=0 stage sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 benchmarks/sanitizer_sweep.py --pool 16 -n 160
+    CUDA_VISIBLE_DEVICES=0 stage bench 200 python3 -m ropekit.bench --no-progress --out "$OUT" \
+        --results-md "$OUT/RESULTS.md" -w W3,W7-T64,W9,W10,W11,W12
+    for f in pytest bigmem sanitizer bench; do echo "== $f"; tail -8 "$OUT/$f.txt" 2>/dev/null; done
+    ;;
 esac
