@@ -84,7 +84,8 @@ def rerotate_kernel(
     if DELTA_SCALAR:
         d = tl.zeros([ROWS * BLOCK_H], tl.int64) + delta_value
     else:
-        d = tl.where(live, tl.load(delta_ptr + safe_row * stride_delta).to(tl.int64), 0)
+        # dead lanes keep row 0's shift: every use of d below is masked by live
+        d = tl.load(delta_ptr + safe_row * stride_delta).to(tl.int64)
     mag = tl.where(d < 0, -d, d)
     i = tl.arange(0, HALF_PAD)[None, :]
     # a |delta| past the table reads nothing and rotates by NaN (loud, no sync); mag < 0 only for -2^63
