@@ -36,7 +36,7 @@ import os
 import sys
 import time
 
-os.environ["NCCL_NVLS_ENABLE"] = "0"          # NVLink multicast stays off (before torch loads NCCL)
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off (before torch loads NCCL)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -68,10 +68,17 @@ def parse():
 def build_model(args, seed, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=4 * args.seq,
-                         rope_theta=10000.0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4 * args.seq,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.float32)
@@ -81,7 +88,7 @@ def build_model(args, seed, device):
 def batch_for(args, seed, step, device):
     g = torch.Generator().manual_seed(10_000 * seed + step)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=g)
-    labels = torch.cat((ids[:, 1:], torch.full((args.batch, 1), -100)), dim=1)     # next token, last ignored
+    labels = torch.cat((ids[:, 1:], torch.full((args.batch, 1), -100)), dim=1)  # next token, last ignored
     positions = torch.arange(args.seq).expand(args.batch, -1).contiguous()
     return ids.to(device), labels.to(device), positions.to(device)
 
@@ -115,7 +122,7 @@ def token_loss(model, ids, labels):
 
 def run_single(args, seed, device):
     model = build_model(args, seed, device)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)   # TP mixes DTensor and plain params
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)  # TP mixes DTensor and plain params
     losses, grads = [], []
     for step in range(args.steps):
         ids, labels, _ = batch_for(args, seed, step, device)
@@ -152,18 +159,23 @@ def run_cp(args, seed, device, mesh):
     model = build_model(args, seed, device)
     hook = _GlobalPositions()
     model.model.rotary_emb.register_forward_pre_hook(hook, with_kwargs=True)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)   # TP mixes DTensor and plain params
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)  # TP mixes DTensor and plain params
     losses, grads = [], []
     for step in range(args.steps):
         ids, labels, positions = batch_for(args, seed, step, device)
         opt.zero_grad(set_to_none=True)
         # sharded in place on entry (load-balanced along dim 1), not restored: rebuilt every step
-        with context_parallel(mesh, buffers=[ids, labels, positions], buffer_seq_dims=[1, 1, 1],
-                              no_restore_buffers={ids, labels, positions}):
+        with context_parallel(
+            mesh,
+            buffers=[ids, labels, positions],
+            buffer_seq_dims=[1, 1, 1],
+            no_restore_buffers={ids, labels, positions},
+        ):
             # torch's load balancer and ropekit's THD/CP mapping must agree (ropekit's cu_seqlens path)
             local = args.seq // mesh.size()
-            expect = ropekit.positions_from_cu_seqlens(torch.tensor([0, local]), cp_size=mesh.size(),
-                                                       cp_rank=mesh.get_local_rank()).to(device)
+            expect = ropekit.positions_from_cu_seqlens(
+                torch.tensor([0, local]), cp_size=mesh.size(), cp_rank=mesh.get_local_rank()
+            ).to(device)
             if not torch.equal(positions[0], expect):
                 raise AssertionError(f"CP positions {positions[0].tolist()} != ropekit's {expect.tolist()}")
             hook.positions = positions
@@ -174,7 +186,7 @@ def run_cp(args, seed, device, mesh):
             (total / count).backward()
         total = total.detach().clone()
         dist.all_reduce(total, group=mesh.get_group())
-        for p in model.parameters():          # every rank saw a part of the tokens: sum the parts
+        for p in model.parameters():  # every rank saw a part of the tokens: sum the parts
             dist.all_reduce(p.grad, group=mesh.get_group())
         losses.append((total / count).item())
         grads.append(grads_of(model))
@@ -188,16 +200,20 @@ def run_tp(args, seed, device, mesh):
     model = build_model(args, seed, device)
     local = not args.tp_dtensor_activations
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "self_attn.q_proj": ColwiseParallel(use_local_output=local),
-            "self_attn.k_proj": ColwiseParallel(use_local_output=local),
-            "self_attn.v_proj": ColwiseParallel(use_local_output=local),
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        })
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)   # TP mixes DTensor and plain params
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn.q_proj": ColwiseParallel(use_local_output=local),
+                "self_attn.k_proj": ColwiseParallel(use_local_output=local),
+                "self_attn.v_proj": ColwiseParallel(use_local_output=local),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)  # TP mixes DTensor and plain params
     losses, grads = [], []
     for step in range(args.steps):
         ids, labels, _ = batch_for(args, seed, step, device)
@@ -259,38 +275,65 @@ def main():
                     got = run_cp(args, seed, device, mesh) if mode == "cp" else run_tp(args, seed, device, mesh)
                     loss_err, grad_err, where = compare(ref, got)
                     passed = loss_err <= args.loss_tol and grad_err <= args.grad_tol
-                    row = dict(seed=seed, repeat=repeat, mode=mode, steps=args.steps, loss_ref=ref[0],
-                               loss=got[0], loss_rel_err=loss_err, grad_rel_err=grad_err, worst=where,
-                               passed=passed)
-                except Exception as e:          # a mode that cannot run here is reported, not hidden
-                    row = dict(seed=seed, repeat=repeat, mode=mode, error=f"{type(e).__name__}: {e}"[:500],
-                               passed=False)
+                    row = dict(
+                        seed=seed,
+                        repeat=repeat,
+                        mode=mode,
+                        steps=args.steps,
+                        loss_ref=ref[0],
+                        loss=got[0],
+                        loss_rel_err=loss_err,
+                        grad_rel_err=grad_err,
+                        worst=where,
+                        passed=passed,
+                    )
+                except Exception as e:  # a mode that cannot run here is reported, not hidden
+                    row = dict(
+                        seed=seed, repeat=repeat, mode=mode, error=f"{type(e).__name__}: {e}"[:500], passed=False
+                    )
                 ok = ok and row["passed"]
                 rows.append(row)
             if rank == 0:
                 print(f"seed {seed} repeat {repeat}: {time.perf_counter() - t0:.1f} s", flush=True)
 
     if rank == 0:
-        print(f"\nropekit distributed parity: world {world}, {args.device}/{backend}, torch {torch.__version__}, "
-              f"ropekit {'patched' if not args.no_ropekit else 'NOT patched (control)'}, B={args.batch} "
-              f"S={args.seq} hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
-              f"steps={args.steps}")
-        print(f"{'seed':>4} {'rep':>3} {'mode':>4} {'loss[0] ref':>12} {'loss[0]':>12} {'loss rel':>9} "
-              f"{'grad rel':>9}  result")
+        print(
+            f"\nropekit distributed parity: world {world}, {args.device}/{backend}, torch {torch.__version__}, "
+            f"ropekit {'patched' if not args.no_ropekit else 'NOT patched (control)'}, B={args.batch} "
+            f"S={args.seq} hidden={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads} "
+            f"steps={args.steps}"
+        )
+        print(
+            f"{'seed':>4} {'rep':>3} {'mode':>4} {'loss[0] ref':>12} {'loss[0]':>12} {'loss rel':>9} "
+            f"{'grad rel':>9}  result"
+        )
         for r in rows:
             if "error" in r:
                 print(f"{r['seed']:>4} {r['repeat']:>3} {r['mode']:>4}  ERROR {r['error']}")
                 continue
-            print(f"{r['seed']:>4} {r['repeat']:>3} {r['mode']:>4} {r['loss_ref'][0]:>12.6f} {r['loss'][0]:>12.6f} "
-                  f"{r['loss_rel_err']:>9.2e} {r['grad_rel_err']:>9.2e}  {'PASS' if r['passed'] else 'FAIL'}"
-                  f"  (worst: {r['worst']})")
+            print(
+                f"{r['seed']:>4} {r['repeat']:>3} {r['mode']:>4} {r['loss_ref'][0]:>12.6f} {r['loss'][0]:>12.6f} "
+                f"{r['loss_rel_err']:>9.2e} {r['grad_rel_err']:>9.2e}  {'PASS' if r['passed'] else 'FAIL'}"
+                f"  (worst: {r['worst']})"
+            )
         print("ALL PASS" if ok else "SOME FAILED")
         out = os.environ.get("OUT")
         if out:
             os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, "distributed_parity.json"), "w") as f:
-                json.dump(dict(world=world, device=args.device, backend=backend, torch=torch.__version__,
-                               args=vars(args), rows=rows, all_passed=ok), f, indent=1)
+                json.dump(
+                    dict(
+                        world=world,
+                        device=args.device,
+                        backend=backend,
+                        torch=torch.__version__,
+                        args=vars(args),
+                        rows=rows,
+                        all_passed=ok,
+                    ),
+                    f,
+                    indent=1,
+                )
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 

@@ -41,6 +41,7 @@ def main():
         pipeline.triton_runs = lambda x: True
         launch.launch = lambda *a, **k: None
         import ropekit.launcher as L
+
         L.launch_kernel = lambda *a, **k: None
     bf = dict(dtype=torch.bfloat16, device=dev)
     T = 64
@@ -56,7 +57,8 @@ def main():
     rows["W3 apply_rope (decode, 64 tokens)"] = per_call_us(lambda: ropekit.apply_rope(q, k, pos, cache))
     rows["W3 apply_rope inplace"] = per_call_us(lambda: ropekit.apply_rope(q, k, pos, cache, inplace=True))
     rows["W7-T64 apply_rope_and_store"] = per_call_us(
-        lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots))
+        lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots)
+    )
     rows["floor: q.add_(0)"] = per_call_us(lambda: q.add_(0))
 
     # W8's host side: forward + backward through autograd, small tensors so the host dominates
@@ -70,7 +72,7 @@ def main():
             return ga, gb
 
     B, S = 1, 16
-    qt = torch.randn(B, S, 32, 128, **bf).transpose(1, 2).requires_grad_()    # HF's (B, H, S, D) views
+    qt = torch.randn(B, S, 32, 128, **bf).transpose(1, 2).requires_grad_()  # HF's (B, H, S, D) views
     kt = torch.randn(B, S, 8, 128, **bf).transpose(1, 2).requires_grad_()
     emb = torch.randn(1, S, 128, **bf)
 
@@ -78,20 +80,22 @@ def main():
         def run():
             a, b = fn()
             torch.autograd.backward((a, b), (torch.ones_like(a), torch.ones_like(b)))
+
         return run
 
     qb, kb = qt.transpose(1, 2).detach().requires_grad_(), kt.transpose(1, 2).detach().requires_grad_()
     rows["W8 apply_rope fwd+bwd"] = per_call_us(step(lambda: ropekit.apply_rope(qb, kb, None, cache)), n=500)
     rows["W8 hf.apply_rotary_pos_emb fwd+bwd"] = per_call_us(
-        step(lambda: ropekit.hf.apply_rotary_pos_emb(qt, kt, emb, emb)), n=500)
+        step(lambda: ropekit.hf.apply_rotary_pos_emb(qt, kt, emb, emb)), n=500
+    )
     rows["floor: empty autograd.Function fwd+bwd"] = per_call_us(step(lambda: Empty.apply(qb, kb)), n=500)
     if not args.cpu_dry:
         import triton
-        import triton.language as tl
 
         @triton.jit
         def empty(x):
             pass
+
         rows["floor: Triton empty kernel[(1,)](x)"] = per_call_us(lambda: empty[(1,)](q))
     for name, us in rows.items():
         print(f"{name:45s} {us:8.2f} us")

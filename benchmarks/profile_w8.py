@@ -40,8 +40,8 @@ def setups():
     kh = torch.randn(B, S, HK, D, **bf).transpose(1, 2).requires_grad_()
     gqh, gkh = gq.transpose(1, 2), gk.transpose(1, 2)
     freqs = cache[:S, : D // 2]
-    cos = torch.cat([freqs, freqs], -1).to(torch.bfloat16).expand(B, S, D)   # HF's (B, S, D) rows
-    sin = torch.cat([cache[:S, D // 2:]] * 2, -1).to(torch.bfloat16).expand(B, S, D)
+    cos = torch.cat([freqs, freqs], -1).to(torch.bfloat16).expand(B, S, D)  # HF's (B, S, D) rows
+    sin = torch.cat([cache[:S, D // 2 :]] * 2, -1).to(torch.bfloat16).expand(B, S, D)
 
     def hf_dropin():
         qo, ko = hf.apply_rotary_pos_emb(qh, kh, cos, sin)
@@ -62,8 +62,7 @@ def setups():
         qo, ko = Empty.apply(q, k)
         return torch.autograd.grad((qo, ko), (q, k), (gq, gk))
 
-    return {"apply_rope (table)": table, "hf.apply_rotary_pos_emb": hf_dropin,
-            "empty Function (floor)": floor}
+    return {"apply_rope (table)": table, "hf.apply_rotary_pos_emb": hf_dropin, "empty Function (floor)": floor}
 
 
 def measure(step):
@@ -99,7 +98,7 @@ def host_profile(step, n=300):
 
 
 def main():
-    floor_bytes = 2 * 2 * B * S * (HQ + HK) * D * 2          # two passes, read + write q and k
+    floor_bytes = 2 * 2 * B * S * (HQ + HK) * D * 2  # two passes, read + write q and k
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__} triton {triton.__version__}")
     print(f"{'W8 entry point':26s} {'host':>9s} {'events':>9s} {'do_bench':>9s} {'kernels':>9s}  (us per step)")
     for name, step in setups().items():

@@ -57,14 +57,25 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--n", type=int, default=320, help="number of configurations (default 320)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: dry run, the kernels in the Triton interpreter (about a minute for 320)")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: dry run, the kernels in the Triton interpreter (about a minute for 320)",
+    )
     p.add_argument("--only", default=None, help="comma-separated kinds: rope,angles,store,refuse,rerotate,norm")
-    p.add_argument("--pool", type=int, default=32,
-                   help="kernel-shaping templates for apply_rope (half as many for the other ops): what "
-                        "bounds the number of compiled kernel variants (default 32)")
-    p.add_argument("--variants-only", action="store_true",
-                   help="record the kernel specializations the run would compile; run nothing")
+    p.add_argument(
+        "--pool",
+        type=int,
+        default=32,
+        help="kernel-shaping templates for apply_rope (half as many for the other ops): what "
+        "bounds the number of compiled kernel variants (default 32)",
+    )
+    p.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="record the kernel specializations the run would compile; run nothing",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="one line per configuration")
     return p.parse_args(argv)
 
@@ -106,7 +117,7 @@ class Buf:
         self.cpu = base.contiguous()
         self.dev = self.cpu.to(device)
         self.written = torch.zeros(self.cpu.shape, dtype=torch.bool)
-        self.want = None                          # float64 oracle of the base, made on first write
+        self.want = None  # float64 oracle of the base, made on first write
 
     def view(self, x: torch.Tensor):
         """The spec of a view x of self.cpu, and the same view of the device copy."""
@@ -142,16 +153,18 @@ def close(got, want, dtype, what):
         # the Triton interpreter's float32 -> e4m3 cast is wrong when rounding carries into the
         # exponent (1.99 -> 1.0) and flushes subnormals (see tests/test_store.py): a dry run checks
         # fp8 rows loosely (and its NaN -> e4m3 cast gives 384); on the GPU they are held to half an ulp
-        ok = ((got - want).abs() <= 0.5 * want.abs() + 2.0 ** -6) | want.isnan()
-    elif dtype == FP8:   # e4m3: 3 mantissa bits, half an ulp is 2^-4 of the value (2^-10 when subnormal)
-        ok = (got - want).abs() <= 2.0 ** -4 * want.abs() * 1.001 + 2.0 ** -10
+        ok = ((got - want).abs() <= 0.5 * want.abs() + 2.0**-6) | want.isnan()
+    elif dtype == FP8:  # e4m3: 3 mantissa bits, half an ulp is 2^-4 of the value (2^-10 when subnormal)
+        ok = (got - want).abs() <= 2.0**-4 * want.abs() * 1.001 + 2.0**-10
     else:
         ok = (got - want).abs() <= TOL[dtype] * (1 + want.abs())
     ok |= got.isnan() & want.isnan()
     if not bool(ok.all()):
         bad = ~ok
-        raise Failure(f"{what}: {int(bad.sum())} of {ok.numel()} elements off; first got "
-                      f"{got[bad][:3].tolist()} want {want[bad][:3].tolist()}")
+        raise Failure(
+            f"{what}: {int(bad.sum())} of {ok.numel()} elements off; first got "
+            f"{got[bad][:3].tolist()} want {want[bad][:3].tolist()}"
+        )
     finite = ~want.isnan()
     err = ((got[finite] - want[finite]).norm() / want[finite].norm().clamp_min(1e-30)).item() if finite.any() else 0.0
     STATS["max_rel_err"][dtype] = max(STATS["max_rel_err"].get(dtype, 0.0), err)
@@ -181,11 +194,11 @@ def make_table(max_pos, rot, dtype):
 def heads_view(r, gen, name, lead, H, D, dtype, device, style):
     """A (*lead, H, D) tensor in the given storage style, as (Buf, spec, device view)."""
     shape = (*lead, H, D)
-    if style == "exact":                                  # its own allocation: memcheck sees its bounds
+    if style == "exact":  # its own allocation: memcheck sees its bounds
         buf = Buf(name, randn(shape, dtype, gen), device)
         x = buf.cpu
-    elif style == "padded":                               # slack in every dim, a nonzero offset
-        odd = r.random() < 0.15                           # rows off the 16-byte grid now and then
+    elif style == "padded":  # slack in every dim, a nonzero offset
+        odd = r.random() < 0.15  # rows off the 16-byte grid now and then
         # pads and offsets keep 16-byte alignment (Triton compiles a variant per alignment pattern)
         # except now and then, when rows and the base pointer go off the 16-byte grid
         pads = [r.choice((0, 1, 2)) for _ in lead] + [r.choice((0, 1)), r.choice((3, 5)) if odd else r.choice((0, 16))]
@@ -193,7 +206,7 @@ def heads_view(r, gen, name, lead, H, D, dtype, device, style):
         buf = Buf(name, base, device)
         offs = [r.randint(0, p) for p in pads[:-1]] + [r.choice((0, pads[-1]))]
         x = buf.cpu[tuple(slice(o, o + n) for n, o in zip(shape, offs))]
-    elif style == "transposed":                           # head-major storage (H, *lead, D), or (S, B, H, D)
+    elif style == "transposed":  # head-major storage (H, *lead, D), or (S, B, H, D)
         if len(lead) == 2 and r.random() < 0.5:
             base = randn((lead[1], lead[0], H, D), dtype, gen)
             buf = Buf(name, base, device)
@@ -216,13 +229,13 @@ def positions_tensor(r, gen, lead, max_pos, mrope, dtype, bad, how="contig"):
     shape = ((3,) if mrope else ()) + tuple(lead)
     p = torch.randint(0, max_pos, shape, generator=gen, dtype=torch.int64)
     if bad:
-        extremes = [-1, max_pos, max_pos + 7, -(2 ** 31)]
-        extremes += [2 ** 31 - 1] if dtype == torch.int32 else [2 ** 40, -(2 ** 62)]
+        extremes = [-1, max_pos, max_pos + 7, -(2**31)]
+        extremes += [2**31 - 1] if dtype == torch.int32 else [2**40, -(2**62)]
         flat = p.view(-1)
         for _ in range(r.randint(1, 2)):
             flat[r.randrange(flat.numel())] = r.choice(extremes)
     p = p.to(dtype)
-    if how == "strided":                                  # every other element of a wider buffer
+    if how == "strided":  # every other element of a wider buffer
         wide = torch.full((*shape[:-1], 2 * shape[-1]), -5, dtype=dtype)
         wide[..., ::2] = p
         return wide[..., ::2]
@@ -233,11 +246,11 @@ def positions_tensor(r, gen, lead, max_pos, mrope, dtype, bad, how="contig"):
 
 def table_view(r, max_pos, rot, dtype):
     t = make_table(max_pos, rot, dtype)
-    if r.random() < 0.35:                                 # a column slice of a wider buffer
+    if r.random() < 0.35:  # a column slice of a wider buffer
         off = r.choice((0, 8))
         wide = torch.zeros(max_pos, rot + 16, dtype=dtype)
-        wide[:, off:off + rot] = t
-        return wide[:, off:off + rot]
+        wide[:, off : off + rot] = t
+        return wide[:, off : off + rot]
     return t
 
 
@@ -256,11 +269,11 @@ TOKEN_FORMS = ("T1", "T", "T", "BS", "BS1")
 
 
 def token_shape(r, form):
-    if form == "T1":                                      # decode, one sequence
+    if form == "T1":  # decode, one sequence
         return (1,)
     if form == "T":
         return (r.randint(2, 8),)
-    if form == "BS1":                                     # decode, a batch of sequences
+    if form == "BS1":  # decode, a batch of sequences
         return (r.randint(2, 3), 1)
     return (r.randint(2, 3), r.randint(2, 5))
 
@@ -278,10 +291,13 @@ def heads_of_row(base, start, H, D):
 
 def pick_qk(r, gen, lead, Hq, Hk, Dq, Dk, dtype, device, allow_fused=True):
     """q and k (k None when Hk == 0) in one of the storage styles; returns bufs, specs, views, style."""
-    styles = ["exact", "exact", "padded", "transposed"] + (["fused"] if allow_fused and Hk and Dq == Dk else []) \
+    styles = (
+        ["exact", "exact", "padded", "transposed"]
+        + (["fused"] if allow_fused and Hk and Dq == Dk else [])
         + (["mla"] if Dq == Dk and Dq <= 64 else [])
+    )
     style = r.choice(styles)
-    if style == "fused":                                  # views of one (*lead, (Hq + 2 Hk) * D) projection
+    if style == "fused":  # views of one (*lead, (Hq + 2 Hk) * D) projection
         D = Dq
         base = randn((*lead, (Hq + 2 * Hk) * D), dtype, gen)
         buf = Buf("qkv", base, device)
@@ -289,7 +305,7 @@ def pick_qk(r, gen, lead, Hq, Hk, Dq, Dk, dtype, device, allow_fused=True):
         k = heads_of_row(buf.cpu, Hq * D, Hk, D)
         (qs, qd), (ks, kd) = buf.view(q), buf.view(k)
         return [buf], (buf, qs, qd), (buf, ks, kd), style
-    if style == "mla":                                    # q_pe: the last Dq of a (nope + Dq)-wide head
+    if style == "mla":  # q_pe: the last Dq of a (nope + Dq)-wide head
         nope = 128
         base = randn((*lead, Hq, nope + Dq), dtype, gen)
         buf = Buf("q_full", base, device)
@@ -320,10 +336,22 @@ def _rope_template(r):
     Dq, Dk, rot = r.choice(HEADS)
     Hq = r.choice((1, 3, 8))
     mrope = r.choice(MROPE[rot]) if rot in MROPE and r.random() < 0.25 else None
-    return dict(form=r.choice(TOKEN_FORMS), pos_layout=r.choice(POS_LAYOUTS), Dq=Dq, Dk=Dk, rot=rot, Hq=Hq,
-                Hk=r.choice((0, 1, 2, Hq)), dtype=r.choice(DTYPES), il=r.random() < 0.5, mrope=mrope,
-                mrope_il=mrope is not None and r.random() < 0.5, tdtype=r.choice((F32, F32, F32, BF16, F16)),
-                pdtype=r.choice((torch.int32, torch.int64)), grad=r.random() < 0.2)
+    return dict(
+        form=r.choice(TOKEN_FORMS),
+        pos_layout=r.choice(POS_LAYOUTS),
+        Dq=Dq,
+        Dk=Dk,
+        rot=rot,
+        Hq=Hq,
+        Hk=r.choice((0, 1, 2, Hq)),
+        dtype=r.choice(DTYPES),
+        il=r.random() < 0.5,
+        mrope=mrope,
+        mrope_il=mrope is not None and r.random() < 0.5,
+        tdtype=r.choice((F32, F32, F32, BF16, F16)),
+        pdtype=r.choice((torch.int32, torch.int64)),
+        grad=r.random() < 0.2,
+    )
 
 
 def run_rope(r, gen, device, cfg):
@@ -339,9 +367,23 @@ def run_rope(r, gen, device, cfg):
     bufs, (qb, qs, q), (kb, ks, k), style = pick_qk(r, gen, lead, Hq, Hk, Dq, Dk, dtype, device)
     table = table_view(r, max_pos, rot, tdtype)
     pos = None if use_none else positions_tensor(r, gen, lead, max_pos, mrope, pdtype, bad, t["pos_layout"])
-    cfg.update(T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, rot=rot, dtype=str(dtype)[6:], il=int(il), mrope=mrope,
-               mrope_il=int(mrope_il), max_pos=max_pos, table=str(tdtype)[6:], pos=None if pos is None else
-               f"{str(pdtype)[6:]}{'!' if bad else ''}", style=style, grad=int(grad))
+    cfg.update(
+        T=lead,
+        Hq=Hq,
+        Hk=Hk,
+        Dq=Dq,
+        Dk=Dk,
+        rot=rot,
+        dtype=str(dtype)[6:],
+        il=int(il),
+        mrope=mrope,
+        mrope_il=int(mrope_il),
+        max_pos=max_pos,
+        table=str(tdtype)[6:],
+        pos=None if pos is None else f"{str(pdtype)[6:]}{'!' if bad else ''}",
+        style=style,
+        grad=int(grad),
+    )
     kw = dict(interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il)
 
     q64 = q.detach().cpu().double()
@@ -360,13 +402,15 @@ def run_rope(r, gen, device, cfg):
         qo, ko = ropekit.apply_rope(qg, kg, pos_d, table_d, **kw)
         gq = randn(qo.shape, dtype, gen)
         gk = None if ko is None else randn(ko.shape, dtype, gen)
-        torch.autograd.backward([x for x in (qo, ko) if x is not None],
-                                [g.to(device) for g in (gq, gk) if g is not None])
+        torch.autograd.backward(
+            [x for x in (qo, ko) if x is not None], [g.to(device) for g in (gq, gk) if g is not None]
+        )
         sync(device)
         n_ops += 2
         close(qo.detach(), rq, dtype, "q_out (grad)")
-        c, s = reference.angles_from_table(tab64, pos, lead, rotary_dim=rot, mrope_section=mrope,
-                                           mrope_interleaved=mrope_il)
+        c, s = reference.angles_from_table(
+            tab64, pos, lead, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il
+        )
         close(qg.grad, reference.rotate(gq.double(), c, s, interleaved=il, inverse=True), dtype, "q.grad")
         if k is not None:
             close(ko.detach(), rk, dtype, "k_out (grad)")
@@ -409,9 +453,21 @@ def _angles_template(r):
     dtype = r.choice(DTYPES)
     il = r.random() < 0.5
     mrope = r.choice(MROPE[rot]) if rot in MROPE and r.random() < 0.25 else None
-    return dict(form=r.choice(TOKEN_FORMS), pos_layout=r.choice(POS_LAYOUTS), Dq=Dq, Dk=Dk, rot=rot,
-                Hq=r.choice((1, 3, 4)), Hk=r.choice((0, 1, 2)), dtype=dtype, cdtype=r.choice((F32, dtype)), il=il,
-                oil=il if r.random() < 0.6 else not il, mrope=mrope, mrope_il=mrope is not None and r.random() < 0.5)
+    return dict(
+        form=r.choice(TOKEN_FORMS),
+        pos_layout=r.choice(POS_LAYOUTS),
+        Dq=Dq,
+        Dk=Dk,
+        rot=rot,
+        Hq=r.choice((1, 3, 4)),
+        Hk=r.choice((0, 1, 2)),
+        dtype=dtype,
+        cdtype=r.choice((F32, dtype)),
+        il=il,
+        oil=il if r.random() < 0.6 else not il,
+        mrope=mrope,
+        mrope_il=mrope is not None and r.random() < 0.5,
+    )
 
 
 def run_angles(r, gen, device, cfg):
@@ -425,14 +481,28 @@ def run_angles(r, gen, device, cfg):
     bufs, (qb, qs, q), (kb, ks, k), style = pick_qk(r, gen, lead, Hq, Hk, Dq, Dk, dtype, device)
     sec = (3,) if mrope else ()
     ang = torch.rand((*sec, *lead, half), generator=gen, dtype=torch.float64) * 6.3 - 3.15
-    if form == "broadcast":                               # one row shared by the first token dim
+    if form == "broadcast":  # one row shared by the first token dim
         ang = ang.narrow(len(sec), 0, 1)
     cos, sin = ang.cos().to(cdtype), ang.sin().to(cdtype)
-    if form == "hf_dup":                                  # HF's (.., rot) duplicated halves, sliced
+    if form == "hf_dup":  # HF's (.., rot) duplicated halves, sliced
         cos = torch.cat((cos, cos), -1)[..., :half]
         sin = torch.cat((sin, sin), -1)[..., :half]
-    cfg.update(T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, rot=rot, dtype=str(dtype)[6:], cos=str(cdtype)[6:],
-               il=int(il), oil=int(oil), mrope=mrope, mrope_il=int(mrope_il), form=form, style=style)
+    cfg.update(
+        T=lead,
+        Hq=Hq,
+        Hk=Hk,
+        Dq=Dq,
+        Dk=Dk,
+        rot=rot,
+        dtype=str(dtype)[6:],
+        cos=str(cdtype)[6:],
+        il=int(il),
+        oil=int(oil),
+        mrope=mrope,
+        mrope_il=int(mrope_il),
+        form=form,
+        style=style,
+    )
 
     want = (*sec, *lead, half)
     c64, s64 = cos.double().broadcast_to(want), sin.double().broadcast_to(want)
@@ -440,8 +510,16 @@ def run_angles(r, gen, device, cfg):
         pick = reference.mrope_sections_of_frequencies(half, mrope, mrope_il)
         pick = pick.view(1, *([1] * len(lead)), half).expand(1, *lead, half)
         c64, s64 = c64.gather(0, pick).squeeze(0), s64.gather(0, pick).squeeze(0)
-    qo, ko = ropekit.rotate_with_angles(q, k, dev(cos, device), dev(sin, device), interleaved=il, out_interleaved=oil,
-                                        mrope_section=mrope, mrope_interleaved=mrope_il)
+    qo, ko = ropekit.rotate_with_angles(
+        q,
+        k,
+        dev(cos, device),
+        dev(sin, device),
+        interleaved=il,
+        out_interleaved=oil,
+        mrope_section=mrope,
+        mrope_interleaved=mrope_il,
+    )
     sync(device)
     close(qo, reference.rotate(q.cpu().double(), c64, s64, interleaved=il, out_interleaved=oil), dtype, "q_out")
     if k is not None:
@@ -470,7 +548,7 @@ def _joint(alloc, NB, BS, H, Dk, Dv):
 
 
 def _padded(alloc, NB, BS, H, Dk, Dv):
-    k = alloc("k_cache", (NB, BS + 1, H + 1, Dk + 8))[:, 1:, 1:, 4:4 + Dk]
+    k = alloc("k_cache", (NB, BS + 1, H + 1, Dk + 8))[:, 1:, 1:, 4 : 4 + Dk]
     v = alloc("v_cache", (NB, BS + 2, H + 2, Dv + 16))[:, :BS, :H, :Dv]
     return k, v
 
@@ -494,11 +572,25 @@ def _store_template(r):
         Hq, Hk = r.choice((1, 3, 8)), r.choice((1, 2))
         Dv = Dk if layout == "joint" or r.random() < 0.7 else r.choice((64, 128))
     scaled = cdtype != BF16 or r.random() < 0.3
-    return dict(form=r.choice(TOKEN_FORMS), pos_layout=r.choice(POS_LAYOUTS), layout=layout, dtype=dtype,
-                cdtype=cdtype, il=r.random() < 0.5, Hq=Hq, Hk=Hk, rot=rot, Dq=Dq, Dk=Dk, Dv=Dv,
-                NB_BS=r.choice(((2, 4), (3, 8), (4, 16), (1, 16))), pdtype=r.choice((torch.int32, torch.int64)),
-                sdtype=r.choice((torch.int32, torch.int64)), tdtype=r.choice((F32, F32, BF16)),
-                scale_kind=r.choice(("none", "none", "float", "tensor")) if scaled else "none")
+    return dict(
+        form=r.choice(TOKEN_FORMS),
+        pos_layout=r.choice(POS_LAYOUTS),
+        layout=layout,
+        dtype=dtype,
+        cdtype=cdtype,
+        il=r.random() < 0.5,
+        Hq=Hq,
+        Hk=Hk,
+        rot=rot,
+        Dq=Dq,
+        Dk=Dk,
+        Dv=Dv,
+        NB_BS=r.choice(((2, 4), (3, 8), (4, 16), (1, 16))),
+        pdtype=r.choice((torch.int32, torch.int64)),
+        sdtype=r.choice((torch.int32, torch.int64)),
+        tdtype=r.choice((F32, F32, BF16)),
+        scale_kind=r.choice(("none", "none", "float", "tensor")) if scaled else "none",
+    )
 
 
 def run_store(r, gen, device, cfg):
@@ -564,15 +656,15 @@ def run_store(r, gen, device, cfg):
     n_real = min(n_tok, num_slots)
     slots[:n_real] = perm[:n_real]
     for _ in range(r.randint(0, 2)):
-        slots[r.randrange(n_tok)] = r.choice((-1, -7, -(2 ** 31)))
+        slots[r.randrange(n_tok)] = r.choice((-1, -7, -(2**31)))
     if bad_slot:
-        extremes = [num_slots, num_slots + 5, 2 ** 31 - 1] + ([2 ** 40] if sdtype == torch.int64 else [])
+        extremes = [num_slots, num_slots + 5, 2**31 - 1] + ([2**40] if sdtype == torch.int64 else [])
         slots[r.randrange(n_tok)] = r.choice(extremes)
     slots = slots.to(sdtype).view(lead)
-    if len(lead) == 2 and r.random() < 0.5:               # its own strides: a transposed (S, B) buffer
+    if len(lead) == 2 and r.random() < 0.5:  # its own strides: a transposed (S, B) buffer
         slots = slots.t().contiguous().t()
     table = table_view(r, max_pos, rot, t["tdtype"])
-    pos = None                                            # None: arange over the last token dim
+    pos = None  # None: arange over the last token dim
     if bad_pos or lead[-1] > max_pos or r.random() < 0.85:
         pos = positions_tensor(r, gen, lead, max_pos, False, pdtype, bad_pos, t["pos_layout"])
     scales = [None, None]
@@ -581,10 +673,25 @@ def run_store(r, gen, device, cfg):
             scales[i] = r.choice((0.5, 1.0, 2.0, 0.25))
         elif scale_kind == "tensor":
             scales[i] = torch.tensor(r.choice((0.5, 1.0, 4.0)), dtype=torch.float32).reshape(r.choice(((), (1,))))
-    cfg.update(layout=layout, T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, Dv=Dv, rot=rot, dtype=str(dtype)[6:],
-               cache=str(cdtype)[6:], NB=NB, BS=BS, il=int(il), qstyle=qstyle, pos=None if pos is None else
-               f"{str(pdtype)[6:]}{'!' if bad_pos else ''}", slots=f"{str(sdtype)[6:]}{'!' if bad_slot else ''}",
-               scale=scale_kind)
+    cfg.update(
+        layout=layout,
+        T=lead,
+        Hq=Hq,
+        Hk=Hk,
+        Dq=Dq,
+        Dk=Dk,
+        Dv=Dv,
+        rot=rot,
+        dtype=str(dtype)[6:],
+        cache=str(cdtype)[6:],
+        NB=NB,
+        BS=BS,
+        il=int(il),
+        qstyle=qstyle,
+        pos=None if pos is None else f"{str(pdtype)[6:]}{'!' if bad_pos else ''}",
+        slots=f"{str(sdtype)[6:]}{'!' if bad_slot else ''}",
+        scale=scale_kind,
+    )
 
     # the oracle, in float64 on CPU
     q64 = q.cpu().double()
@@ -595,8 +702,20 @@ def run_store(r, gen, device, cfg):
     kc_want = torch.full(kc.shape, NAN, dtype=torch.float64)
     vc_want = torch.full(vc.shape, NAN, dtype=torch.float64)
     fscales = [None if x is None else float(x) for x in scales]
-    reference.apply_rope_and_store(q64, k64, v64, pos, tab64, kc_want, vc_want, torch.where(valid, s, -1),
-                                   interleaved=il, rotary_dim=rot, k_scale=fscales[0], v_scale=fscales[1])
+    reference.apply_rope_and_store(
+        q64,
+        k64,
+        v64,
+        pos,
+        tab64,
+        kc_want,
+        vc_want,
+        torch.where(valid, s, -1),
+        interleaved=il,
+        rotary_dim=rot,
+        k_scale=fscales[0],
+        v_scale=fscales[1],
+    )
     q64[..., :rot][s >= num_slots] = NAN
     qb.expect(qs, q64, cols=slice(0, rot))
     rows = s[valid].tolist()
@@ -611,8 +730,19 @@ def run_store(r, gen, device, cfg):
             m[idx] = True
 
     ks, vs = (x.to(device) if isinstance(x, torch.Tensor) else x for x in scales)
-    out = apply_rope_and_store(q, k, v, None if pos is None else dev(pos, device), dev(table, device), kc, vc,
-                               dev(slots, device), interleaved=il, k_scale=ks, v_scale=vs)
+    out = apply_rope_and_store(
+        q,
+        k,
+        v,
+        None if pos is None else dev(pos, device),
+        dev(table, device),
+        kc,
+        vc,
+        dev(slots, device),
+        interleaved=il,
+        k_scale=ks,
+        v_scale=vs,
+    )
     sync(device)
     if out is not q:
         raise Failure("apply_rope_and_store did not return q")
@@ -636,7 +766,7 @@ def run_refuse(r, gen, device, cfg):
 
     if case == "qk_inplace":
         q = randn((T, 2 * H, D), F32, gen).to(device)
-        k = q[:, r.randint(0, H):][:, :H]
+        k = q[:, r.randint(0, H) :][:, :H]
         keep(q)
         fn = lambda: ropekit.apply_rope(q, k, pos, table, inplace=True)  # noqa: E731
     else:
@@ -707,37 +837,55 @@ def run_rerotate(r, gen, device, cfg):
     perm = torch.randperm(num_slots, generator=gen)
     sdtype = r.choice((torch.int32, torch.int64))
     slots = perm[:n].clone()
-    dst = perm[n:2 * n].clone() if to_dst else None
+    dst = perm[n : 2 * n].clone() if to_dst else None
     for x in (slots, dst):
         if x is None:
             continue
         for _ in range(r.randint(0, 2)):
-            x[r.randrange(n)] = r.choice((-1, -7, -(2 ** 31)))
+            x[r.randrange(n)] = r.choice((-1, -7, -(2**31)))
         if r.random() < 0.3:
-            x[r.randrange(n)] = r.choice((num_slots, num_slots + 5, 2 ** 31 - 1))
+            x[r.randrange(n)] = r.choice((num_slots, num_slots + 5, 2**31 - 1))
     ddtype = r.choice((torch.int32, torch.int64))
     delta = torch.randint(-max_pos + 1, max_pos, (n,), generator=gen)
     if r.random() < 0.3:
-        extremes = [max_pos, -max_pos, 2 ** 31 - 1, -(2 ** 31) + 1]
-        extremes += [-(2 ** 63) + 1] if ddtype == torch.int64 else []
+        extremes = [max_pos, -max_pos, 2**31 - 1, -(2**31) + 1]
+        extremes += [-(2**63) + 1] if ddtype == torch.int64 else []
         delta[r.randrange(n)] = r.choice(extremes)
     delta = delta.to(ddtype) if r.random() < 0.8 else int(delta[0])
     slots = slots.to(sdtype)
-    if r.random() < 0.3:                                  # a strided slots view
+    if r.random() < 0.3:  # a strided slots view
         slots = torch.stack((slots, slots), 1)[:, 0]
     table = table_view(r, max_pos, rot, r.choice((F32, F32, BF16)))
     scale = None
     if cdtype == FP8 or r.random() < 0.2:
         scale = r.choice((None, 0.5, 2.0, torch.tensor([0.25])))
-    cfg.update(layout=layout, H=H, D=D, rot=rot, cache=str(cdtype)[6:], NB=NB, BS=BS, il=int(il), n=n,
-               dst=int(to_dst), delta="int" if isinstance(delta, int) else str(ddtype)[6:],
-               scale=type(scale).__name__)
+    cfg.update(
+        layout=layout,
+        H=H,
+        D=D,
+        rot=rot,
+        cache=str(cdtype)[6:],
+        NB=NB,
+        BS=BS,
+        il=int(il),
+        n=n,
+        dst=int(to_dst),
+        delta="int" if isinstance(delta, int) else str(ddtype)[6:],
+        scale=type(scale).__name__,
+    )
 
     # the oracle, in float64 on CPU, over the same view of the base
     kb.want = kb.cpu.double()
-    reference.rerotate_kv_cache(kb.want.as_strided(*spec), slots, delta, table.double(),
-                                interleaved=il, rotary_dim=rot, k_scale=None if scale is None else float(scale),
-                                dst_slots=dst)
+    reference.rerotate_kv_cache(
+        kb.want.as_strided(*spec),
+        slots,
+        delta,
+        table.double(),
+        interleaved=il,
+        rotary_dim=rot,
+        k_scale=None if scale is None else float(scale),
+        dst_slots=dst,
+    )
     src = slots.long()
     out = src if dst is None else dst.long()
     ok = (src >= 0) & (src < num_slots) & (out >= 0) & (out < num_slots)
@@ -749,10 +897,16 @@ def run_rerotate(r, gen, device, cfg):
         else:
             m[idx] = True
 
-    res = rerotate_kv_cache(kc, dev(slots, device), delta if isinstance(delta, int) else delta.to(device),
-                            dev(table, device), interleaved=il, rotary_dim=rot,
-                            k_scale=scale.to(device) if isinstance(scale, torch.Tensor) else scale,
-                            dst_slots=None if dst is None else dst.to(sdtype).to(device))
+    res = rerotate_kv_cache(
+        kc,
+        dev(slots, device),
+        delta if isinstance(delta, int) else delta.to(device),
+        dev(table, device),
+        interleaved=il,
+        rotary_dim=rot,
+        k_scale=scale.to(device) if isinstance(scale, torch.Tensor) else scale,
+        dst_slots=None if dst is None else dst.to(sdtype).to(device),
+    )
     sync(device)
     if res is not kc:
         raise Failure("rerotate_kv_cache did not return k_cache")
@@ -760,13 +914,19 @@ def run_rerotate(r, gen, device, cfg):
         b.check()
     return 1
 
+
 # q/k RMSNorm + RoPE (ropekit.qknorm through apply_rope / apply_rope_and_store)
 
 
 def _norm_template(r):
     t = _rope_template(r)
-    t.update(norm_q=r.choice((0, 1, 1, 2)), norm_k=r.choice((0, 1, 2)), offset=r.choice((0.0, 1.0)),
-             wdtype=r.choice(DTYPES), store=r.random() < 0.3)
+    t.update(
+        norm_q=r.choice((0, 1, 1, 2)),
+        norm_k=r.choice((0, 1, 2)),
+        offset=r.choice((0.0, 1.0)),
+        wdtype=r.choice(DTYPES),
+        store=r.random() < 0.3,
+    )
     if not t["norm_q"] and not t["norm_k"]:
         t["norm_q"] = 1
     return t
@@ -798,14 +958,29 @@ def run_norm(r, gen, device, cfg):
         wq = _norm_weight(1, q, t["wdtype"], gen, device)
     table = table_view(r, max_pos, rot, tdtype)
     pos = positions_tensor(r, gen, lead, max_pos, mrope, pdtype, bad, t["pos_layout"])
-    cfg.update(T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, rot=rot, dtype=str(dtype)[6:], il=int(il), mrope=mrope,
-               norm=(0 if wq is None else t["norm_q"] or 1, 0 if wk is None else t["norm_k"]),
-               offset=t["offset"], style=style, grad=int(grad), bad=int(bad))
-    kw = dict(interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il,
-              norm_weight_offset=t["offset"])
+    cfg.update(
+        T=lead,
+        Hq=Hq,
+        Hk=Hk,
+        Dq=Dq,
+        Dk=Dk,
+        rot=rot,
+        dtype=str(dtype)[6:],
+        il=int(il),
+        mrope=mrope,
+        norm=(0 if wq is None else t["norm_q"] or 1, 0 if wk is None else t["norm_k"]),
+        offset=t["offset"],
+        style=style,
+        grad=int(grad),
+        bad=int(bad),
+    )
+    kw = dict(
+        interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il, norm_weight_offset=t["offset"]
+    )
     d64 = lambda x: None if x is None else x.detach().cpu().double()  # noqa: E731
-    rq, rk = reference.rms_norm_rope(d64(q), d64(k), pos, table.double(), q_norm_weight=d64(wq),
-                                     k_norm_weight=d64(wk), **kw)
+    rq, rk = reference.rms_norm_rope(
+        d64(q), d64(k), pos, table.double(), q_norm_weight=d64(wq), k_norm_weight=d64(wk), **kw
+    )
     pos_d, table_d = dev(pos, device), dev(table, device)
     if grad:
         qg = q.detach().clone().requires_grad_()
@@ -827,8 +1002,12 @@ def run_norm(r, gen, device, cfg):
         finite = [(y, g.double()) for y, g in zip((yq, yk), gs) if y is not None]
         # rows of bad positions are NaN: their gradients too (compare the others)
         torch.autograd.backward([y.nan_to_num(0.0) for y, _ in finite], [g for _, g in finite])
-        for got, ref, what in ((qg, q64, "q.grad"), (kg, k64, "k.grad"), (wqg, w64q, "wq.grad"),
-                               (wkg, w64k, "wk.grad")):
+        for got, ref, what in (
+            (qg, q64, "q.grad"),
+            (kg, k64, "k.grad"),
+            (wqg, w64q, "wq.grad"),
+            (wkg, w64k, "wk.grad"),
+        ):
             if got is None or bad:
                 continue
             close(got.grad, ref.grad, got.dtype, what)
@@ -872,21 +1051,51 @@ def _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad):
         wk = _norm_weight(1, k, t["wdtype"], gen, "cpu")
     table = table_view(r, max_pos, rot, t["tdtype"])
     pos = positions_tensor(r, gen, lead, max_pos, None, t["pdtype"], bad)
-    cfg.update(T=lead, Hq=Hq, Hk=Hk, Dq=Dq, Dk=Dk, rot=rot, dtype=str(dtype)[6:], il=int(il), store=1,
-               cache=str(cdtype)[6:], norm=(0 if wq is None else 1, 0 if wk is None else 1), bad=int(bad))
+    cfg.update(
+        T=lead,
+        Hq=Hq,
+        Hk=Hk,
+        Dq=Dq,
+        Dk=Dk,
+        rot=rot,
+        dtype=str(dtype)[6:],
+        il=int(il),
+        store=1,
+        cache=str(cdtype)[6:],
+        norm=(0 if wq is None else 1, 0 if wk is None else 1),
+        bad=int(bad),
+    )
     d64 = lambda x: None if x is None else x.double()  # noqa: E731
-    rq, rk = reference.rms_norm_rope(q.double(), k.double(), pos, table.double(), interleaved=il, rotary_dim=rot,
-                                     q_norm_weight=d64(wq), k_norm_weight=d64(wk),
-                                     norm_weight_offset=t["offset"])
+    rq, rk = reference.rms_norm_rope(
+        q.double(),
+        k.double(),
+        pos,
+        table.double(),
+        interleaved=il,
+        rotary_dim=rot,
+        q_norm_weight=d64(wq),
+        k_norm_weight=d64(wk),
+        norm_weight_offset=t["offset"],
+    )
     k_cache = randn((NB, BS, Hk, Dk), F32, gen).to(cdtype)
     v_cache = randn((NB, BS, Hk, Dk), F32, gen).to(cdtype)
     kc0, vc0 = k_cache.clone(), v_cache.clone()
     qd, kcd, vcd = q.to(device), k_cache.to(device), v_cache.to(device)
-    ropekit.apply_rope_and_store(qd, k.to(device), v.to(device), dev(pos, device), dev(table, device), kcd, vcd,
-                                 slots.to(device), interleaved=il, rotary_dim=rot,
-                                 q_norm_weight=None if wq is None else wq.to(device),
-                                 k_norm_weight=None if wk is None else wk.to(device),
-                                 norm_weight_offset=t["offset"])
+    ropekit.apply_rope_and_store(
+        qd,
+        k.to(device),
+        v.to(device),
+        dev(pos, device),
+        dev(table, device),
+        kcd,
+        vcd,
+        slots.to(device),
+        interleaved=il,
+        rotary_dim=rot,
+        q_norm_weight=None if wq is None else wq.to(device),
+        k_norm_weight=None if wk is None else wk.to(device),
+        norm_weight_offset=t["offset"],
+    )
     sync(device)
     close(qd, rq, dtype, "q (norm, store)")
     flat = slots.view(-1).long()
@@ -906,8 +1115,13 @@ def _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad):
 
 POOLS = {}
 # kind: (runner, share of the configurations)
-KINDS = {"rope": (run_rope, 0.45), "angles": (run_angles, 0.18), "store": (run_store, 0.32),
-         "refuse": (run_refuse, 0.05), "norm": (run_norm, 0.15)}
+KINDS = {
+    "rope": (run_rope, 0.45),
+    "angles": (run_angles, 0.18),
+    "store": (run_store, 0.32),
+    "refuse": (run_refuse, 0.05),
+    "norm": (run_norm, 0.15),
+}
 KINDS["rerotate"] = (run_rerotate, 0.15)
 
 
@@ -939,18 +1153,25 @@ class _Recorder:
                 elif isinstance(a, bool) or not isinstance(a, int):
                     key.append(a)
                 else:
-                    key.append((a == 1, a % 16 == 0, not -2 ** 31 <= a < 2 ** 31))
+                    key.append((a == 1, a % 16 == 0, not -(2**31) <= a < 2**31))
             self.keys.add((tuple(key), tuple(sorted(meta.items()))))
             return None
+
         return launch
 
 
 def install_recorders():
-    from ropekit.kernels import rope as krope, store as kstore
-    recs = [_Recorder("rope_kernel", krope.rope_kernel), _Recorder("rope_store_kernel", kstore.rope_store_kernel),
-            _Recorder("rope_norm_backward_kernel", krope.rope_norm_backward_kernel)]
+    from ropekit.kernels import rope as krope
+    from ropekit.kernels import store as kstore
+
+    recs = [
+        _Recorder("rope_kernel", krope.rope_kernel),
+        _Recorder("rope_store_kernel", kstore.rope_store_kernel),
+        _Recorder("rope_norm_backward_kernel", krope.rope_norm_backward_kernel),
+    ]
     krope.rope_kernel, kstore.rope_store_kernel, krope.rope_norm_backward_kernel = recs
     from ropekit.kernels import rerotate as krerotate
+
     recs.append(_Recorder("rerotate_kernel", krerotate.rerotate_kernel))
     krerotate.rerotate_kernel = recs[-1]
     return recs
@@ -966,13 +1187,18 @@ def main():
     kinds = list(KINDS) if ARGS.only is None else ARGS.only.split(",")
     weights = [KINDS[k][1] for k in kinds]
     recs = install_recorders() if ARGS.variants_only else None
-    pools = (("rope", _rope_template, ARGS.pool), ("angles", _angles_template, ARGS.pool // 2),
-             ("store", _store_template, ARGS.pool // 2), ("norm", _norm_template, ARGS.pool // 2))
+    pools = (
+        ("rope", _rope_template, ARGS.pool),
+        ("angles", _angles_template, ARGS.pool // 2),
+        ("store", _store_template, ARGS.pool // 2),
+        ("norm", _norm_template, ARGS.pool // 2),
+    )
     for i, (kind, make, size) in enumerate(pools):
         POOLS[kind] = Pool(ARGS.seed * 1000 + i, make, max(1, size))
 
     def poisoned_empty_like(x, *a, **kw):
         return torch.empty_like(x, *a, **kw).fill_(NAN)
+
     pipeline.empty_like = poisoned_empty_like
 
     rng = random.Random(ARGS.seed)
@@ -987,8 +1213,9 @@ def main():
         gen = torch.Generator().manual_seed(r.getrandbits(62))
         cfg = {"i": i, "kind": kind}
         if i and i % 40 == 0:
-            print(f"... {i} configs, {n_ops} ops, {len(failures)} failures, {time.perf_counter() - t0:.0f} s",
-                  flush=True)
+            print(
+                f"... {i} configs, {n_ops} ops, {len(failures)} failures, {time.perf_counter() - t0:.0f} s", flush=True
+            )
         try:
             n_ops += KINDS[kind][0](r, gen, device, cfg)
             if ARGS.verbose:
@@ -1003,7 +1230,7 @@ def main():
             if device == "cuda":
                 try:
                     torch.cuda.synchronize()
-                except RuntimeError:                      # a sticky CUDA error: nothing further can run
+                except RuntimeError:  # a sticky CUDA error: nothing further can run
                     print("CUDA context lost; stopping", flush=True)
                     break
     dt = time.perf_counter() - t0

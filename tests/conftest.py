@@ -12,7 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import ropekit  # noqa: E402
 from ropekit import pipeline  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()

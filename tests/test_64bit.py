@@ -73,8 +73,14 @@ def test_bigmem_cuda_mrope_past_2_31_elements(interleaved_sections):
     cache = ropekit.cos_sin_cache(D, 65536, device="cuda")
     pos = torch.randint(0, 65536, (3, T), device="cuda")
     tail = slice(T - 3, T)
-    rq, _ = reference.apply_rope(q[tail].double().cpu(), None, pos[:, tail].cpu(), cache.double().cpu(),
-                                 mrope_section=section, mrope_interleaved=interleaved_sections)
+    rq, _ = reference.apply_rope(
+        q[tail].double().cpu(),
+        None,
+        pos[:, tail].cpu(),
+        cache.double().cpu(),
+        mrope_section=section,
+        mrope_interleaved=interleaved_sections,
+    )
     qo, _ = ropekit.apply_rope(q, None, pos, cache, mrope_section=section, mrope_interleaved=interleaved_sections)
     torch.cuda.synchronize()
     err = ((qo[tail].double().cpu() - rq).norm() / rq.norm()).item()

@@ -11,6 +11,7 @@ import torch
 
 import ropekit
 from ropekit import reference
+
 from conftest import TOL, make_cache, rel_err
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -20,7 +21,10 @@ def check(q, k, positions, cache, *, dtype, **kw):
     """Run out of place and in place; compare both with the float64 reference."""
     q0, k0 = q.clone(), None if k is None else k.clone()
     rq, rk = reference.apply_rope(
-        q.double(), None if k is None else k.double(), positions, cache.double(),
+        q.double(),
+        None if k is None else k.double(),
+        positions,
+        cache.double(),
         **{n: v for n, v in kw.items() if n != "inplace"},
     )
     qo, ko = ropekit.apply_rope(q, k, positions, cache, **kw)
@@ -48,12 +52,12 @@ def check(q, k, positions, cache, *, dtype, **kw):
 SHAPES = [
     # (T, Hq, Hk, Dq, Dk, rotary_dim)
     (5, 4, 2, 64, 64, 64),
-    (3, 28, 4, 128, 128, 128),          # heads not a power of two
-    (2, 73, 1, 80, 80, 80),             # rotary half 40: not a power of two
+    (3, 28, 4, 128, 128, 128),  # heads not a power of two
+    (2, 73, 1, 80, 80, 80),  # rotary half 40: not a power of two
     (3, 6, 3, 96, 96, 96),
     (2, 3, 2, 256, 256, 256),
-    (4, 5, 2, 128, 128, 64),            # partial rotary: tail kept
-    (3, 4, 1, 192, 64, 64),             # MLA-like: different head sizes for q and k
+    (4, 5, 2, 128, 128, 64),  # partial rotary: tail kept
+    (3, 4, 1, 192, 64, 64),  # MLA-like: different head sizes for q and k
 ]
 
 
@@ -107,12 +111,12 @@ def test_fused_qkv_views(device):
     T, Hq, Hk, D = 5, 4, 2, 64
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, dtype=torch.float16, device=device)
     q = qkv[:, : Hq * D].view(T, Hq, D)
-    k = qkv[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
-    v_before = qkv[:, (Hq + Hk) * D:].clone()
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    v_before = qkv[:, (Hq + Hk) * D :].clone()
     cache = make_cache(32, D, device=device)
     pos = torch.randint(0, 32, (T,), device=device)
     check(q, k, pos, cache, dtype=torch.float16)
-    assert torch.equal(qkv[:, (Hq + Hk) * D:], v_before), "v part of the fused buffer was written"
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], v_before), "v part of the fused buffer was written"
 
 
 def test_mla_strided_slice(device):
@@ -161,8 +165,16 @@ def test_mrope(device, mrope_interleaved, interleaved):
     k = torch.randn(T, Hk, D, dtype=torch.bfloat16, device=device)
     cache = make_cache(100, D, device=device)
     pos = torch.randint(0, 100, (3, T), device=device)
-    check(q, k, pos, cache, dtype=torch.bfloat16, interleaved=interleaved,
-          mrope_section=[16, 24, 24], mrope_interleaved=mrope_interleaved)
+    check(
+        q,
+        k,
+        pos,
+        cache,
+        dtype=torch.bfloat16,
+        interleaved=interleaved,
+        mrope_section=[16, 24, 24],
+        mrope_interleaved=mrope_interleaved,
+    )
 
 
 @pytest.mark.parametrize("mrope_interleaved", [False, True], ids=["chunked", "interleaved"])
@@ -173,8 +185,9 @@ def test_mrope_text_tokens_equal_plain_rope(device, mrope_interleaved):
     cache = make_cache(50, D, device=device)
     p = torch.randint(0, 50, (B, S), device=device)
     plain, _ = ropekit.apply_rope(q, None, p, cache)
-    m, _ = ropekit.apply_rope(q, None, p.expand(3, B, S), cache, mrope_section=[8, 12, 12],
-                              mrope_interleaved=mrope_interleaved)
+    m, _ = ropekit.apply_rope(
+        q, None, p.expand(3, B, S), cache, mrope_section=[8, 12, 12], mrope_interleaved=mrope_interleaved
+    )
     # equal up to float32 rounding: the two are different kernel specializations, and the compiler
     # may contract a multiply-add into an FMA in one and not the other
     torch.testing.assert_close(m, plain, rtol=1e-6, atol=1e-6)
@@ -197,8 +210,7 @@ def test_mrope_sections_select_rows(device):
         cos = cache[rows, torch.arange(half, device=device)]
         sin = cache[rows, half + torch.arange(half, device=device)]
         ref = reference.rotate(q.double(), cos.double()[None], sin.double()[None])
-        out, _ = ropekit.apply_rope(q, None, pos, cache, mrope_section=section,
-                                    mrope_interleaved=interleaved_layout)
+        out, _ = ropekit.apply_rope(q, None, pos, cache, mrope_section=section, mrope_interleaved=interleaved_layout)
         assert rel_err(out, ref) < 1e-6
 
 
@@ -220,12 +232,14 @@ def test_strict_mode_from_the_environment():
     import subprocess
     import sys
 
-    code = ("import torch, ropekit\n"
-            "cache = torch.zeros(10, 64)\n"
-            "try:\n"
-            "    ropekit.apply_rope(torch.zeros(2, 1, 64), None, torch.tensor([0, 12]), cache)\n"
-            "except ValueError as e:\n"
-            "    print('raised', e)\n")
+    code = (
+        "import torch, ropekit\n"
+        "cache = torch.zeros(10, 64)\n"
+        "try:\n"
+        "    ropekit.apply_rope(torch.zeros(2, 1, 64), None, torch.tensor([0, 12]), cache)\n"
+        "except ValueError as e:\n"
+        "    print('raised', e)\n"
+    )
     env = dict(os.environ, ROPEKIT_STRICT="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "raised apply_rope: positions" in out.stdout, out.stdout + out.stderr
@@ -245,10 +259,12 @@ def test_strict_mode_names_first_bad_position(device):
         assert torch.isnan(out[1, 1]).any()
 
 
-@pytest.mark.parametrize("head_loop,prefetch", [(False, False), (True, True), (True, False)],
-                         ids=["block-programs", "token-programs", "token-programs-no-prefetch"])
-@pytest.mark.parametrize("case", ["half", "pairs-partial", "mrope", "two-token-dims", "per-token",
-                                  "q-only"])
+@pytest.mark.parametrize(
+    "head_loop,prefetch",
+    [(False, False), (True, True), (True, False)],
+    ids=["block-programs", "token-programs", "token-programs-no-prefetch"],
+)
+@pytest.mark.parametrize("case", ["half", "pairs-partial", "mrope", "two-token-dims", "per-token", "q-only"])
 def test_both_program_layouts(device, request, head_loop, prefetch, case):
     """The kernel's two grids (a program per head block, or per token walking its head blocks,
     with or without the next block's loads issued before this block's stores) give the reference's
@@ -258,7 +274,7 @@ def test_both_program_layouts(device, request, head_loop, prefetch, case):
     knobs = tuning.override(head_loop=head_loop, prefetch=prefetch)
     knobs.__enter__()
     request.addfinalizer(lambda: knobs.__exit__(None, None, None))
-    T, Hq, Hk = 5, 37, 3                    # 37 heads: several blocks, the last one partial
+    T, Hq, Hk = 5, 37, 3  # 37 heads: several blocks, the last one partial
     kw = {}
     D, rot = 64, 64
     pos = torch.randint(0, 50, (T,), device=device)
@@ -294,9 +310,9 @@ def test_per_token_mrope_both_program_layouts(device, request, head_loop, interl
     pos = torch.randint(0, 50, (3, T), device=device)
     q = torch.randn(T, Hq, D, dtype=torch.bfloat16, device=device)
     k = torch.randn(T, Hk, D, dtype=torch.bfloat16, device=device)
-    cos, sin = cache[pos, : D // 2], cache[pos, D // 2:]                    # (3, T, half)
-    qo, ko = ropekit.rotate_with_angles(q, k, cos, sin, mrope_section=section,
-                                        mrope_interleaved=interleaved_sections)
-    rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double(), mrope_section=section,
-                                  mrope_interleaved=interleaved_sections)
+    cos, sin = cache[pos, : D // 2], cache[pos, D // 2 :]  # (3, T, half)
+    qo, ko = ropekit.rotate_with_angles(q, k, cos, sin, mrope_section=section, mrope_interleaved=interleaved_sections)
+    rq, rk = reference.apply_rope(
+        q.double(), k.double(), pos, cache.double(), mrope_section=section, mrope_interleaved=interleaved_sections
+    )
     assert rel_err(qo, rq) < TOL[torch.bfloat16] and rel_err(ko, rk) < TOL[torch.bfloat16]

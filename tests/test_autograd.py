@@ -37,8 +37,9 @@ def tols(dtype, device):
 def _close(out, ref, dtype, what):
     assert out.dtype == dtype, f"{what}: dtype {out.dtype}, expected {dtype}"
     assert not torch.isnan(out).any(), f"{what}: NaN"
-    torch.testing.assert_close(out.double().cpu(), ref.double().cpu(), **tols(dtype, out.device),
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        out.double().cpu(), ref.double().cpu(), **tols(dtype, out.device), msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _grads_vs_reference(kernel_fn, ref_fn, inputs, dtype, *, upstream=None):
@@ -51,7 +52,7 @@ def _grads_vs_reference(kernel_fn, ref_fn, inputs, dtype, *, upstream=None):
     outs = [o for o in kernel_fn(*xs) if o is not None]
     gs = upstream(outs) if upstream is not None else [torch.randn_like(o) for o in outs]
     grads = torch.autograd.grad(outs, xs, gs)
-    xs64 = [x.detach().double().requires_grad_() for x in xs]       # the same (rounded) values
+    xs64 = [x.detach().double().requires_grad_() for x in xs]  # the same (rounded) values
     refs = [o for o in ref_fn(*xs64) if o is not None]
     ref_grads = torch.autograd.grad(refs, xs64, [g.double() for g in gs])
     for i, (o, r) in enumerate(zip(outs, refs)):
@@ -69,10 +70,12 @@ def _grads_vs_reference(kernel_fn, ref_fn, inputs, dtype, *, upstream=None):
 def test_gradcheck_reference_rotate(interleaved, out_interleaved, inverse):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 2, 10, dtype=torch.float64, generator=g, requires_grad=True)
-    ang = torch.rand(3, 3, dtype=torch.float64, generator=g) * 6.0       # rotary_dim 6 of 10: partial
+    ang = torch.rand(3, 3, dtype=torch.float64, generator=g) * 6.0  # rotary_dim 6 of 10: partial
     cos, sin = ang.cos(), ang.sin()
-    fn = lambda x: reference.rotate(x, cos, sin, interleaved=interleaved,   # noqa: E731
-                                    out_interleaved=out_interleaved, inverse=inverse)
+
+    def fn(x):
+        return reference.rotate(x, cos, sin, interleaved=interleaved, out_interleaved=out_interleaved, inverse=inverse)
+
     assert torch.autograd.gradcheck(fn, (x,))
     assert torch.autograd.gradgradcheck(fn, (x,))
 
@@ -94,7 +97,7 @@ def test_gradcheck_reference_apply_rope(case):
     elif case == "arange":
         positions = None
     cache = make_cache(16, rot, dtype=torch.float64)
-    fn = lambda q, k: reference.apply_rope(q, k, positions, cache, **kw)      # noqa: E731
+    fn = lambda q, k: reference.apply_rope(q, k, positions, cache, **kw)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k))
 
 
@@ -104,8 +107,10 @@ def test_gradcheck_reference_apply_rope(case):
 
 def _rope_fns(positions, cache, **kw):
     cache64 = cache.double()
-    return (lambda q, k: ropekit.apply_rope(q, k, positions, cache, **kw),
-            lambda q, k: reference.apply_rope(q, k, positions, cache64, **kw))
+    return (
+        lambda q, k: ropekit.apply_rope(q, k, positions, cache, **kw),
+        lambda q, k: reference.apply_rope(q, k, positions, cache64, **kw),
+    )
 
 
 APPLY_CASES = {
@@ -150,7 +155,7 @@ def test_backward_fused_qkv_views(dtype, device, poison):
 
     def split(buf):
         q = buf[:, : Hq * D].view(T, Hq, D)
-        k = buf[:, Hq * D: (Hq + Hk) * D].view(T, Hk, D)
+        k = buf[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
         return q, k
 
     _grads_vs_reference(lambda b: kfn(*split(b)), lambda b: rfn(*split(b)), [buf64], dtype)
@@ -169,8 +174,7 @@ def test_backward_upstream_gradient_layouts(layout, device, poison):
 
     def upstream(outs):
         if layout == "transposed":
-            gs = [torch.randn(*o.shape[:-2], o.shape[-1], o.shape[-2], device=device).transpose(-1, -2)
-                  for o in outs]
+            gs = [torch.randn(*o.shape[:-2], o.shape[-1], o.shape[-2], device=device).transpose(-1, -2) for o in outs]
             assert gs[0].stride(-1) != 1
         elif layout == "expanded":
             gs = [torch.randn(o.shape[-1], device=device).expand(o.shape) for o in outs]
@@ -293,7 +297,7 @@ def test_inplace_with_requires_grad_is_refused(which, device):
     q = torch.randn(T, 2, D, device=device)
     k = torch.randn(T, 2, D, device=device)
     (q if which == "q" else k).requires_grad_()
-    with torch.no_grad():       # the same call signature allowed (and cached) without grad first
+    with torch.no_grad():  # the same call signature allowed (and cached) without grad first
         ropekit.apply_rope(q, k, positions, cache, inplace=True)
     q0, k0 = q.detach().clone(), k.detach().clone()
     with pytest.raises(ValueError, match="inplace"):
@@ -377,7 +381,7 @@ def test_angles_changed_before_backward_raises(entry, device):
         out, _ = ropekit.apply_rope(q, None, positions, cache)
         changed = cache
     else:
-        cos, sin = cache[:T, : D // 2].clone(), cache[:T, D // 2:].clone()
+        cos, sin = cache[:T, : D // 2].clone(), cache[:T, D // 2 :].clone()
         out, _ = ropekit.rotate_with_angles(q, None, cos, sin)
         changed = cos
     changed.mul_(0.5)
@@ -392,7 +396,7 @@ def test_hf_dropin_double_backward_matches_hf_math(device):
 
     B, S, H, D = 2, 5, 3, 16
     g = torch.Generator().manual_seed(12)
-    q0 = torch.randn(B, S, H, D, generator=g).to(device).transpose(1, 2)       # (B, H, S, D) view
+    q0 = torch.randn(B, S, H, D, generator=g).to(device).transpose(1, 2)  # (B, H, S, D) view
     k0 = torch.randn(B, S, 1, D, generator=g).to(device).transpose(1, 2)
     pos = torch.arange(S, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, D, 2) / D)
     emb = torch.cat([pos, pos], -1)
@@ -401,7 +405,8 @@ def test_hf_dropin_double_backward_matches_hf_math(device):
 
     def hf_math(q, k, c, s):
         def rot_half(x):
-            return torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1)
+            return torch.cat((-x[..., D // 2 :], x[..., : D // 2]), -1)
+
         c, s = c.unsqueeze(1), s.unsqueeze(1)
         return q * c + rot_half(q) * s, k * c + rot_half(k) * s
 
@@ -429,17 +434,18 @@ def test_hf_dropin_remembered_training_call(device, layout):
 
     pipeline.clear()
     B, S, H, D = 2, 5, 3, 16
-    R = D if layout == "heads-first" else 8                # partial rotary: a narrower table
+    R = D if layout == "heads-first" else 8  # partial rotary: a narrower table
     ud = 1 if layout == "heads-first" else 2
     g = torch.Generator().manual_seed(13)
     pos = torch.arange(S, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, R, 2) / R)
     emb = torch.cat([pos, pos], -1)
-    cos = emb.cos().float().to(device)[None]              # (1, S, R): broadcast over the batch
+    cos = emb.cos().float().to(device)[None]  # (1, S, R): broadcast over the batch
     sin = emb.sin().float().to(device)[None]
 
     def hf_math(q, k, c, s):
         def rot_half(x):
-            return torch.cat((-x[..., R // 2:], x[..., : R // 2]), -1)
+            return torch.cat((-x[..., R // 2 :], x[..., : R // 2]), -1)
+
         c, s = c.unsqueeze(ud), s.unsqueeze(ud)
         out = []
         for x in (q, k):

@@ -23,6 +23,7 @@ import torch
 import ropekit
 from ropekit import validate
 from ropekit.store import apply_rope_and_store
+
 from conftest import make_cache
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
@@ -43,8 +44,13 @@ OPS = {
 
 def rope_args(**change):
     """apply_rope in place (so that "nothing written" means something) on valid arguments, edited."""
-    a = dict(q=torch.randn(T, HQ, D), k=torch.randn(T, HK, D), positions=torch.randint(0, 16, (T,)),
-             cos_sin_cache=make_cache(16, D), inplace=True)
+    a = dict(
+        q=torch.randn(T, HQ, D),
+        k=torch.randn(T, HK, D),
+        positions=torch.randint(0, 16, (T,)),
+        cos_sin_cache=make_cache(16, D),
+        inplace=True,
+    )
     return _edit(a, change)
 
 
@@ -55,10 +61,17 @@ def angles_args(**change):
 
 
 def store_args(**change):
-    base = torch.full((2, 2, 4, HK, D), NAN)               # k and v halves of one paged buffer
-    a = dict(q=torch.randn(T, HQ, D), k=torch.randn(T, HK, D), v=torch.randn(T, HK, D),
-             positions=torch.randint(0, 16, (T,)), cos_sin_cache=make_cache(16, D),
-             k_cache=base[:, 0], v_cache=base[:, 1], slot_mapping=torch.tensor([0, 3, -1, 6]))
+    base = torch.full((2, 2, 4, HK, D), NAN)  # k and v halves of one paged buffer
+    a = dict(
+        q=torch.randn(T, HQ, D),
+        k=torch.randn(T, HK, D),
+        v=torch.randn(T, HK, D),
+        positions=torch.randint(0, 16, (T,)),
+        cos_sin_cache=make_cache(16, D),
+        k_cache=base[:, 0],
+        v_cache=base[:, 1],
+        slot_mapping=torch.tensor([0, 3, -1, 6]),
+    )
     return _edit(a, change)
 
 
@@ -75,200 +88,624 @@ def bits(x):
 class Row(NamedTuple):
     id: str
     op: str
-    input_class: str          # the doc's words
-    example: str              # the doc's words
+    input_class: str  # the doc's words
+    example: str  # the doc's words
     exc: type
-    fragment: str             # in the message, verbatim
+    fragment: str  # in the message, verbatim
     make: Callable[[], dict]  # the op's arguments, by name
-    strict: bool = False      # run under ropekit.strict()
+    strict: bool = False  # run under ropekit.strict()
 
 
 R = Row
 ROWS = [
     # ---- apply_rope --------------------------------------------------------------------------
-    R("rope-q-type", "apply_rope", "q not a tensor", "q=[1.0]", TypeError,
-      "q: expected a torch.Tensor, got list", lambda: rope_args(q=[1.0])),
-    R("rope-q-rank", "apply_rope", "q of the wrong rank", "q of shape (3, 64)", ValueError,
-      "q: expected a 3-D or 4-D tensor", lambda: rope_args(q=lambda a: a["q"][0])),
-    R("rope-q-dtype", "apply_rope", "q of an unsupported dtype", "float64 q", ValueError,
-      "q: expected dtype in (float16, bfloat16, float32), got float64", lambda: rope_args(q=lambda a: a["q"].double())),
-    R("rope-q-last-stride", "apply_rope", "last dim not unit-stride", "q = x[..., ::2]", ValueError,
-      "q: expected stride 1 in the last dimension", lambda: rope_args(q=torch.randn(T, HQ, 2 * D)[..., ::2])),
-    R("rope-q-broadcast", "apply_rope", "broadcast (stride-0) q written in place", "q = x.expand(T, 3, 64)",
-      ValueError, "q: expected a tensor without broadcast",
-      lambda: rope_args(q=torch.randn(T, 1, D).expand(T, HQ, D))),
-    R("rope-k-token-dims", "apply_rope", "k's token dims differ from q's", "k of shape (5, 2, 64)", ValueError,
-      "k: expected token dims (4,) (those of q)", lambda: rope_args(k=torch.randn(T + 1, HK, D))),
-    R("rope-k-rank", "apply_rope", "k's rank differs from q's", "k of shape (1, 4, 2, 64)", ValueError,
-      "k: expected a 3-D tensor", lambda: rope_args(k=torch.randn(1, T, HK, D))),
-    R("rope-k-dtype", "apply_rope", "k's dtype differs from q's", "float16 k, float32 q", ValueError,
-      "k: expected the dtype of q (float32), got float16", lambda: rope_args(k=lambda a: a["k"].half())),
-    R("rope-k-device", "apply_rope", "k on another device", "k on meta, q on cpu", ValueError,
-      "k: expected a tensor on cpu (the device of q)", lambda: rope_args(k=lambda a: a["k"].to("meta"))),
-    R("rope-table-rank", "apply_rope", "cos_sin_cache not 2-D", "a (64,) row", ValueError,
-      "cos_sin_cache: expected a 2-D tensor", lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"][0])),
-    R("rope-table-dtype", "apply_rope", "cos_sin_cache of an unsupported dtype", "float64 table", ValueError,
-      "cos_sin_cache: expected dtype in (float32, bfloat16, float16), got float64",
-      lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"].double())),
-    R("rope-table-grad", "apply_rope", "cos_sin_cache requires grad", "table.requires_grad_()", ValueError,
-      "cos_sin_cache: expected a tensor that does not require grad",
-      lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"].requires_grad_(), inplace=False)),
-    R("rope-rotary-type", "apply_rope", "rotary_dim not an int", "rotary_dim=64.0", TypeError,
-      "rotary_dim: expected an int or None, got float", lambda: rope_args(rotary_dim=64.0)),
-    R("rope-rotary-odd", "apply_rope", "rotary_dim odd or not positive", "rotary_dim=63", ValueError,
-      "rotary_dim: expected a positive even int, got 63", lambda: rope_args(rotary_dim=63)),
-    R("rope-rotary-vs-table", "apply_rope", "rotary_dim differs from the table's width",
-      "rotary_dim=32, table width 64",
-      ValueError, "rotary_dim: expected the width of cos_sin_cache (64", lambda: rope_args(rotary_dim=32)),
-    R("rope-head-too-small", "apply_rope", "head size smaller than rotary_dim", "k of head size 32, rotary_dim 64",
-      ValueError, "k: expected a head size >= rotary_dim (64), got head size 32",
-      lambda: rope_args(k=torch.randn(T, HK, 32))),
-    R("rope-positions-dtype", "apply_rope", "positions not int32/int64", "float32 positions", ValueError,
-      "positions: expected dtype in (int32, int64), got float32",
-      lambda: rope_args(positions=lambda a: a["positions"].float())),
-    R("rope-positions-shape", "apply_rope", "positions' shape differs from the token dims", "positions of shape (2,)",
-      ValueError, "positions: expected shape (4,) (*T, the token dims of q), got shape (2,)",
-      lambda: rope_args(positions=lambda a: a["positions"][:2])),
-    R("rope-positions-none", "apply_rope", "positions=None past the table", "4 tokens, a 3-row table", ValueError,
-      "positions: expected explicit positions: None means arange(4)",
-      lambda: rope_args(positions=None, cos_sin_cache=make_cache(3, D))),
-    R("rope-positions-strict", "apply_rope", "position out of range, strict mode", "positions [0, 16, 1, 2], 16 rows",
-      ValueError, "positions: expected values in [0, 16) (the rows of cos_sin_cache), got positions[1] = 16",
-      lambda: rope_args(positions=torch.tensor([0, 16, 1, 2])), True),
-    R("rope-mrope-sum", "apply_rope", "mrope_section not summing to rotary_dim // 2", "mrope_section=(8, 8, 8)",
-      ValueError, "mrope_section: expected sections summing to rotary_dim // 2 = 32, got (8, 8, 8) (sum 24)",
-      lambda: rope_args(mrope_section=[8, 8, 8], positions=torch.zeros(3, T, dtype=torch.long))),
-    R("rope-mrope-form", "apply_rope", "mrope_section not three ints", "mrope_section=(16, 16)", ValueError,
-      "mrope_section: expected 3 non-negative ints (t, h, w)", lambda: rope_args(mrope_section=[16, 16])),
-    R("rope-mrope-positions", "apply_rope", "M-RoPE with (T,) positions", "mrope_section=(8, 12, 12), positions (4,)",
-      ValueError, "positions: expected a 2-D tensor (3, 4), got shape (4,)",
-      lambda: rope_args(mrope_section=[8, 12, 12])),
-    R("rope-mrope-interleaved-alone", "apply_rope", "mrope_interleaved without mrope_section",
-      "mrope_interleaved=True", ValueError, "mrope_interleaved: expected mrope_section to be given with it",
-      lambda: rope_args(mrope_interleaved=True)),
-    R("rope-inplace-overlap", "apply_rope", "q and k overlap, in place", "k = q[:, 1:]", ValueError,
-      "k: expected memory disjoint from q when inplace=True, got a tensor overlapping q",
-      lambda: rope_args(k=lambda a: a["q"][:, 1:])),
-    R("rope-inplace-same", "apply_rope", "k is q, in place", "apply_rope(q, q, ..., inplace=True)", ValueError,
-      "k: expected memory disjoint from q when inplace=True", lambda: rope_args(k=lambda a: a["q"])),
-    R("rope-inplace-grad", "apply_rope", "in place on a tensor that requires grad", "q.requires_grad_()",
-      ValueError, "inplace: expected False when q or k requires grad",
-      lambda: rope_args(q=lambda a: a["q"].requires_grad_())),
+    R(
+        "rope-q-type",
+        "apply_rope",
+        "q not a tensor",
+        "q=[1.0]",
+        TypeError,
+        "q: expected a torch.Tensor, got list",
+        lambda: rope_args(q=[1.0]),
+    ),
+    R(
+        "rope-q-rank",
+        "apply_rope",
+        "q of the wrong rank",
+        "q of shape (3, 64)",
+        ValueError,
+        "q: expected a 3-D or 4-D tensor",
+        lambda: rope_args(q=lambda a: a["q"][0]),
+    ),
+    R(
+        "rope-q-dtype",
+        "apply_rope",
+        "q of an unsupported dtype",
+        "float64 q",
+        ValueError,
+        "q: expected dtype in (float16, bfloat16, float32), got float64",
+        lambda: rope_args(q=lambda a: a["q"].double()),
+    ),
+    R(
+        "rope-q-last-stride",
+        "apply_rope",
+        "last dim not unit-stride",
+        "q = x[..., ::2]",
+        ValueError,
+        "q: expected stride 1 in the last dimension",
+        lambda: rope_args(q=torch.randn(T, HQ, 2 * D)[..., ::2]),
+    ),
+    R(
+        "rope-q-broadcast",
+        "apply_rope",
+        "broadcast (stride-0) q written in place",
+        "q = x.expand(T, 3, 64)",
+        ValueError,
+        "q: expected a tensor without broadcast",
+        lambda: rope_args(q=torch.randn(T, 1, D).expand(T, HQ, D)),
+    ),
+    R(
+        "rope-k-token-dims",
+        "apply_rope",
+        "k's token dims differ from q's",
+        "k of shape (5, 2, 64)",
+        ValueError,
+        "k: expected token dims (4,) (those of q)",
+        lambda: rope_args(k=torch.randn(T + 1, HK, D)),
+    ),
+    R(
+        "rope-k-rank",
+        "apply_rope",
+        "k's rank differs from q's",
+        "k of shape (1, 4, 2, 64)",
+        ValueError,
+        "k: expected a 3-D tensor",
+        lambda: rope_args(k=torch.randn(1, T, HK, D)),
+    ),
+    R(
+        "rope-k-dtype",
+        "apply_rope",
+        "k's dtype differs from q's",
+        "float16 k, float32 q",
+        ValueError,
+        "k: expected the dtype of q (float32), got float16",
+        lambda: rope_args(k=lambda a: a["k"].half()),
+    ),
+    R(
+        "rope-k-device",
+        "apply_rope",
+        "k on another device",
+        "k on meta, q on cpu",
+        ValueError,
+        "k: expected a tensor on cpu (the device of q)",
+        lambda: rope_args(k=lambda a: a["k"].to("meta")),
+    ),
+    R(
+        "rope-table-rank",
+        "apply_rope",
+        "cos_sin_cache not 2-D",
+        "a (64,) row",
+        ValueError,
+        "cos_sin_cache: expected a 2-D tensor",
+        lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"][0]),
+    ),
+    R(
+        "rope-table-dtype",
+        "apply_rope",
+        "cos_sin_cache of an unsupported dtype",
+        "float64 table",
+        ValueError,
+        "cos_sin_cache: expected dtype in (float32, bfloat16, float16), got float64",
+        lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"].double()),
+    ),
+    R(
+        "rope-table-grad",
+        "apply_rope",
+        "cos_sin_cache requires grad",
+        "table.requires_grad_()",
+        ValueError,
+        "cos_sin_cache: expected a tensor that does not require grad",
+        lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"].requires_grad_(), inplace=False),
+    ),
+    R(
+        "rope-rotary-type",
+        "apply_rope",
+        "rotary_dim not an int",
+        "rotary_dim=64.0",
+        TypeError,
+        "rotary_dim: expected an int or None, got float",
+        lambda: rope_args(rotary_dim=64.0),
+    ),
+    R(
+        "rope-rotary-odd",
+        "apply_rope",
+        "rotary_dim odd or not positive",
+        "rotary_dim=63",
+        ValueError,
+        "rotary_dim: expected a positive even int, got 63",
+        lambda: rope_args(rotary_dim=63),
+    ),
+    R(
+        "rope-rotary-vs-table",
+        "apply_rope",
+        "rotary_dim differs from the table's width",
+        "rotary_dim=32, table width 64",
+        ValueError,
+        "rotary_dim: expected the width of cos_sin_cache (64",
+        lambda: rope_args(rotary_dim=32),
+    ),
+    R(
+        "rope-head-too-small",
+        "apply_rope",
+        "head size smaller than rotary_dim",
+        "k of head size 32, rotary_dim 64",
+        ValueError,
+        "k: expected a head size >= rotary_dim (64), got head size 32",
+        lambda: rope_args(k=torch.randn(T, HK, 32)),
+    ),
+    R(
+        "rope-positions-dtype",
+        "apply_rope",
+        "positions not int32/int64",
+        "float32 positions",
+        ValueError,
+        "positions: expected dtype in (int32, int64), got float32",
+        lambda: rope_args(positions=lambda a: a["positions"].float()),
+    ),
+    R(
+        "rope-positions-shape",
+        "apply_rope",
+        "positions' shape differs from the token dims",
+        "positions of shape (2,)",
+        ValueError,
+        "positions: expected shape (4,) (*T, the token dims of q), got shape (2,)",
+        lambda: rope_args(positions=lambda a: a["positions"][:2]),
+    ),
+    R(
+        "rope-positions-none",
+        "apply_rope",
+        "positions=None past the table",
+        "4 tokens, a 3-row table",
+        ValueError,
+        "positions: expected explicit positions: None means arange(4)",
+        lambda: rope_args(positions=None, cos_sin_cache=make_cache(3, D)),
+    ),
+    R(
+        "rope-positions-strict",
+        "apply_rope",
+        "position out of range, strict mode",
+        "positions [0, 16, 1, 2], 16 rows",
+        ValueError,
+        "positions: expected values in [0, 16) (the rows of cos_sin_cache), got positions[1] = 16",
+        lambda: rope_args(positions=torch.tensor([0, 16, 1, 2])),
+        True,
+    ),
+    R(
+        "rope-mrope-sum",
+        "apply_rope",
+        "mrope_section not summing to rotary_dim // 2",
+        "mrope_section=(8, 8, 8)",
+        ValueError,
+        "mrope_section: expected sections summing to rotary_dim // 2 = 32, got (8, 8, 8) (sum 24)",
+        lambda: rope_args(mrope_section=[8, 8, 8], positions=torch.zeros(3, T, dtype=torch.long)),
+    ),
+    R(
+        "rope-mrope-form",
+        "apply_rope",
+        "mrope_section not three ints",
+        "mrope_section=(16, 16)",
+        ValueError,
+        "mrope_section: expected 3 non-negative ints (t, h, w)",
+        lambda: rope_args(mrope_section=[16, 16]),
+    ),
+    R(
+        "rope-mrope-positions",
+        "apply_rope",
+        "M-RoPE with (T,) positions",
+        "mrope_section=(8, 12, 12), positions (4,)",
+        ValueError,
+        "positions: expected a 2-D tensor (3, 4), got shape (4,)",
+        lambda: rope_args(mrope_section=[8, 12, 12]),
+    ),
+    R(
+        "rope-mrope-interleaved-alone",
+        "apply_rope",
+        "mrope_interleaved without mrope_section",
+        "mrope_interleaved=True",
+        ValueError,
+        "mrope_interleaved: expected mrope_section to be given with it",
+        lambda: rope_args(mrope_interleaved=True),
+    ),
+    R(
+        "rope-inplace-overlap",
+        "apply_rope",
+        "q and k overlap, in place",
+        "k = q[:, 1:]",
+        ValueError,
+        "k: expected memory disjoint from q when inplace=True, got a tensor overlapping q",
+        lambda: rope_args(k=lambda a: a["q"][:, 1:]),
+    ),
+    R(
+        "rope-inplace-same",
+        "apply_rope",
+        "k is q, in place",
+        "apply_rope(q, q, ..., inplace=True)",
+        ValueError,
+        "k: expected memory disjoint from q when inplace=True",
+        lambda: rope_args(k=lambda a: a["q"]),
+    ),
+    R(
+        "rope-inplace-grad",
+        "apply_rope",
+        "in place on a tensor that requires grad",
+        "q.requires_grad_()",
+        ValueError,
+        "inplace: expected False when q or k requires grad",
+        lambda: rope_args(q=lambda a: a["q"].requires_grad_()),
+    ),
     # ---- rotate_with_angles ------------------------------------------------------------------
-    R("angles-cos-type", "rotate_with_angles", "cos not a tensor", "cos=0.5", TypeError,
-      "cos: expected a torch.Tensor, got float", lambda: angles_args(cos=0.5)),
-    R("angles-cos-dtype", "rotate_with_angles", "cos of an unsupported dtype", "float64 cos", ValueError,
-      "cos: expected dtype in (float32, bfloat16, float16), got float64",
-      lambda: angles_args(cos=lambda a: a["cos"].double())),
-    R("angles-sin-mismatch", "rotate_with_angles", "sin's shape or dtype differs from cos's", "sin of shape (4, 16)",
-      ValueError, "sin: expected the shape and dtype of cos (4, 32) float32, got (4, 16) float32",
-      lambda: angles_args(sin=lambda a: a["sin"][:, :16])),
-    R("angles-broadcast", "rotate_with_angles", "cos/sin not broadcastable to the tokens",
-      "cos, sin of shape (3, 32), 4 tokens",
-      ValueError, "cos: expected a shape broadcastable to (4, 32), got shape (3, 32)",
-      lambda: angles_args(cos=lambda a: a["cos"][:3], sin=lambda a: a["sin"][:3])),
-    R("angles-empty", "rotate_with_angles", "cos/sin with no frequency", "cos, sin of shape (4, 0)", ValueError,
-      "cos: expected a last dim of rotary_dim // 2 >= 1",
-      lambda: angles_args(cos=torch.ones(T, 0), sin=torch.ones(T, 0))),
-    R("angles-head-too-small", "rotate_with_angles", "head size smaller than 2 * cos.shape[-1]",
-      "cos of shape (4, 40), head size 64",
-      ValueError, "q: expected a head size >= rotary_dim (80), got head size 64",
-      lambda: angles_args(cos=torch.ones(T, 40), sin=torch.zeros(T, 40))),
-    R("angles-grad", "rotate_with_angles", "cos or sin requires grad", "cos.requires_grad_()", ValueError,
-      "cos: expected a tensor that does not require grad",
-      lambda: angles_args(cos=lambda a: a["cos"].requires_grad_())),
-    R("angles-mrope-sum", "rotate_with_angles", "mrope_section not summing to cos.shape[-1]",
-      "mrope_section=(8, 8, 8), cos (3, 4, 32)", ValueError,
-      "mrope_section: expected sections summing to rotary_dim // 2 = 32",
-      lambda: angles_args(cos=torch.ones(3, T, 32), sin=torch.zeros(3, T, 32), mrope_section=[8, 8, 8])),
+    R(
+        "angles-cos-type",
+        "rotate_with_angles",
+        "cos not a tensor",
+        "cos=0.5",
+        TypeError,
+        "cos: expected a torch.Tensor, got float",
+        lambda: angles_args(cos=0.5),
+    ),
+    R(
+        "angles-cos-dtype",
+        "rotate_with_angles",
+        "cos of an unsupported dtype",
+        "float64 cos",
+        ValueError,
+        "cos: expected dtype in (float32, bfloat16, float16), got float64",
+        lambda: angles_args(cos=lambda a: a["cos"].double()),
+    ),
+    R(
+        "angles-sin-mismatch",
+        "rotate_with_angles",
+        "sin's shape or dtype differs from cos's",
+        "sin of shape (4, 16)",
+        ValueError,
+        "sin: expected the shape and dtype of cos (4, 32) float32, got (4, 16) float32",
+        lambda: angles_args(sin=lambda a: a["sin"][:, :16]),
+    ),
+    R(
+        "angles-broadcast",
+        "rotate_with_angles",
+        "cos/sin not broadcastable to the tokens",
+        "cos, sin of shape (3, 32), 4 tokens",
+        ValueError,
+        "cos: expected a shape broadcastable to (4, 32), got shape (3, 32)",
+        lambda: angles_args(cos=lambda a: a["cos"][:3], sin=lambda a: a["sin"][:3]),
+    ),
+    R(
+        "angles-empty",
+        "rotate_with_angles",
+        "cos/sin with no frequency",
+        "cos, sin of shape (4, 0)",
+        ValueError,
+        "cos: expected a last dim of rotary_dim // 2 >= 1",
+        lambda: angles_args(cos=torch.ones(T, 0), sin=torch.ones(T, 0)),
+    ),
+    R(
+        "angles-head-too-small",
+        "rotate_with_angles",
+        "head size smaller than 2 * cos.shape[-1]",
+        "cos of shape (4, 40), head size 64",
+        ValueError,
+        "q: expected a head size >= rotary_dim (80), got head size 64",
+        lambda: angles_args(cos=torch.ones(T, 40), sin=torch.zeros(T, 40)),
+    ),
+    R(
+        "angles-grad",
+        "rotate_with_angles",
+        "cos or sin requires grad",
+        "cos.requires_grad_()",
+        ValueError,
+        "cos: expected a tensor that does not require grad",
+        lambda: angles_args(cos=lambda a: a["cos"].requires_grad_()),
+    ),
+    R(
+        "angles-mrope-sum",
+        "rotate_with_angles",
+        "mrope_section not summing to cos.shape[-1]",
+        "mrope_section=(8, 8, 8), cos (3, 4, 32)",
+        ValueError,
+        "mrope_section: expected sections summing to rotary_dim // 2 = 32",
+        lambda: angles_args(cos=torch.ones(3, T, 32), sin=torch.zeros(3, T, 32), mrope_section=[8, 8, 8]),
+    ),
     # ---- apply_rope_and_store ----------------------------------------------------------------
-    R("store-k-none", "apply_rope_and_store", "k None", "k=None", TypeError,
-      "k: expected a torch.Tensor, got NoneType", lambda: store_args(k=None)),
-    R("store-v-token-dims", "apply_rope_and_store", "v's token dims differ from q's", "v of shape (3, 2, 64)",
-      ValueError, "v: expected token dims (4,) (those of q)", lambda: store_args(v=torch.randn(T - 1, HK, D))),
-    R("store-v-dtype", "apply_rope_and_store", "v of an unsupported dtype", "float64 v", ValueError,
-      "v: expected dtype in (float16, bfloat16, float32), got float64",
-      lambda: store_args(v=lambda a: a["v"].double())),
-    R("store-slots-dtype", "apply_rope_and_store", "slot_mapping not int32/int64", "float32 slot_mapping",
-      ValueError, "slot_mapping: expected dtype in (int32, int64), got float32",
-      lambda: store_args(slot_mapping=lambda a: a["slot_mapping"].float())),
-    R("store-slots-shape", "apply_rope_and_store", "slot_mapping's shape differs from the token dims",
-      "slot_mapping of shape (3,)", ValueError,
-      "slot_mapping: expected shape (4,) (the token dims of q), got shape (3,)",
-      lambda: store_args(slot_mapping=lambda a: a["slot_mapping"][:3])),
-    R("store-cache-rank", "apply_rope_and_store", "cache not 3-D or 4-D", "k_cache of shape (2, 64)", ValueError,
-      "k_cache: expected a 3-D or 4-D tensor (num_blocks, block_size, H, D) or (num_slots, H, D)",
-      lambda: store_args(k_cache=lambda a: a["k_cache"][0, 0])),
-    R("store-cache-dtype", "apply_rope_and_store", "cache of an unsupported dtype", "int8 k_cache", ValueError,
-      "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn), got int8",
-      lambda: store_args(k_cache=torch.zeros(2, 4, HK, D, dtype=torch.int8))),
-    R("store-cache-heads", "apply_rope_and_store", "cache head count differs from k's",
-      "k_cache with 3 heads, k with 2",
-      ValueError, "k_cache: expected (heads, head size) (2, 64), those of k, got shape (2, 4, 3, 64)",
-      lambda: store_args(k_cache=torch.full((2, 4, HK + 1, D), NAN))),
-    R("store-cache-head-size", "apply_rope_and_store", "cache head size differs from v's", "v_cache head size 56, v 64",
-      ValueError, "v_cache: expected (heads, head size) (2, 64), those of v, got shape (2, 4, 2, 56)",
-      lambda: store_args(v_cache=torch.full((2, 4, HK, D - 8), NAN))),
-    R("store-mla-3d-cache", "apply_rope_and_store", "3-D MLA cache passed without the head dim",
-      "k_cache = cache[..., 64:] of a (2, 4, 96) cache", ValueError,
-      "pass a paged MLA cache (num_blocks, block_size, D) as cache.unsqueeze(-2)",
-      lambda: store_args(k=torch.randn(T, 1, 32), v=torch.randn(T, 1, D), cos_sin_cache=make_cache(16, 32),
-                         k_cache=lambda a: _mla3d()[..., D:], v_cache=lambda a: _mla3d()[..., :D])),
-    R("store-cache-last-stride", "apply_rope_and_store", "cache's last dim not unit-stride", "k_cache = x[..., ::2]",
-      ValueError, "k_cache: expected stride 1 in the last dimension",
-      lambda: store_args(k_cache=torch.full((2, 4, HK, 2 * D), NAN)[..., ::2])),
-    R("store-cache-broadcast", "apply_rope_and_store", "broadcast (stride-0) cache", "k_cache = x.expand(2, 4, 2, 64)",
-      ValueError, "k_cache: expected a tensor without broadcast",
-      lambda: store_args(k_cache=torch.full((1, 4, HK, D), NAN).expand(2, 4, HK, D))),
-    R("store-cache-slot-dims", "apply_rope_and_store", "v_cache's slot dims differ from k_cache's",
-      "flat v_cache (8, 2, 64), paged k_cache (2, 4, 2, 64)", ValueError,
-      "v_cache: expected slot dims (2, 4), those of k_cache", lambda: store_args(v_cache=torch.full((8, HK, D), NAN))),
-    R("store-cache-device", "apply_rope_and_store", "cache on another device", "v_cache on meta", ValueError,
-      "v_cache: expected a tensor on cpu (the device of q)",
-      lambda: store_args(v_cache=lambda a: a["v_cache"].to("meta"))),
-    R("store-q-broadcast", "apply_rope_and_store", "broadcast (stride-0) q (rotated in place)",
-      "q = x.expand(4, 3, 64)", ValueError, "q: expected a tensor without broadcast",
-      lambda: store_args(q=torch.randn(T, 1, D).expand(T, HQ, D))),
-    R("store-grad", "apply_rope_and_store", "a tensor that requires grad, grad mode on", "k_cache.requires_grad_()",
-      ValueError, "k_cache: expected a tensor that does not require grad",
-      lambda: store_args(k_cache=torch.full((2, 4, HK, D), NAN).requires_grad_())),
-    R("store-scale-type", "apply_rope_and_store", "scale of the wrong type", 'v_scale="1.0" (or True)', TypeError,
-      "v_scale: expected a float, a 1-element float32 tensor or None, got str", lambda: store_args(v_scale="1.0")),
-    R("store-scale-value", "apply_rope_and_store", "float scale not finite and > 0", "k_scale=-1.0 (or nan, inf, 0)",
-      ValueError, "k_scale: expected a finite scale > 0, got -1.0", lambda: store_args(k_scale=-1.0)),
-    R("store-scale-numel", "apply_rope_and_store", "tensor scale with more than one element", "v_scale=torch.ones(2)",
-      ValueError, "v_scale: expected a 0-d or 1-element tensor (one per-tensor scale), got shape (2,)",
-      lambda: store_args(v_scale=torch.ones(2))),
-    R("store-scale-dtype", "apply_rope_and_store", "tensor scale not float32", "float64 k_scale tensor", ValueError,
-      "k_scale: expected dtype float32, got float64", lambda: store_args(k_scale=torch.ones(1, dtype=torch.float64))),
-    R("store-scale-device", "apply_rope_and_store", "tensor scale on another device", "v_scale on meta", ValueError,
-      "v_scale: expected a tensor on cpu (the device of q)", lambda: store_args(v_scale=torch.ones(1, device="meta"))),
-    R("store-scale-strict", "apply_rope_and_store", "tensor scale not finite and > 0, strict mode",
-      "k_scale=torch.tensor(0.0)", ValueError, "k_scale: expected a finite scale > 0, got 0.0",
-      lambda: store_args(k_scale=torch.tensor(0.0)), True),
-    R("store-slot-strict", "apply_rope_and_store", "slot past the cache, strict mode", "slot 8 of 8 slots",
-      ValueError, "slot_mapping: expected values < 8 (num_blocks * block_size of the caches; < 0 skips a token), "
-      "got slot_mapping[2] = 8", lambda: store_args(slot_mapping=torch.tensor([0, -1, 8, 3])), True),
-    R("store-positions-strict", "apply_rope_and_store", "position out of range, strict mode", "position -1",
-      ValueError, "positions: expected values in [0, 16) (the rows of cos_sin_cache), got positions[3] = -1",
-      lambda: store_args(positions=torch.tensor([0, 1, 2, -1])), True),
-    R("store-caches-overlap", "apply_rope_and_store", "k_cache and v_cache overlap", "v_cache = k_cache", ValueError,
-      "v_cache: expected memory disjoint from k_cache (which is written), got a tensor overlapping k_cache",
-      lambda: store_args(v_cache=lambda a: a["k_cache"])),
-    R("store-caches-overlap-partly", "apply_rope_and_store", "k_cache and v_cache overlap partly",
-      "v_cache = buf[1:], k_cache = buf[:2]", ValueError, "v_cache: expected memory disjoint from k_cache",
-      lambda: _caches_overlap_partly()),
-    R("store-k-in-cache", "apply_rope_and_store", "k overlaps k_cache", "k = k_cache[0]", ValueError,
-      "k: expected memory disjoint from k_cache (which is written)", lambda: store_args(k=lambda a: a["k_cache"][0])),
-    R("store-v-in-cache", "apply_rope_and_store", "v overlaps a cache", "v = v_cache[1]", ValueError,
-      "v: expected memory disjoint from v_cache (which is written)", lambda: store_args(v=lambda a: a["v_cache"][1])),
-    R("store-k-in-v-cache", "apply_rope_and_store", "k overlaps v_cache", "k = v_cache[0]", ValueError,
-      "k: expected memory disjoint from v_cache (which is written)", lambda: store_args(k=lambda a: a["v_cache"][0])),
-    R("store-q-in-cache", "apply_rope_and_store", "q overlaps a cache", "q = k_cache.view(8, 2, 64)[:4]",
-      ValueError, "k_cache: expected memory disjoint from q (which is written)", lambda: _q_in_cache()),
-    R("store-k-overlaps-q", "apply_rope_and_store", "k or v overlaps q (rotated in place)", "k = q[:, 1:]",
-      ValueError, "k: expected memory disjoint from q (which is written)",
-      lambda: store_args(k=lambda a: a["q"][:, 1:])),
+    R(
+        "store-k-none",
+        "apply_rope_and_store",
+        "k None",
+        "k=None",
+        TypeError,
+        "k: expected a torch.Tensor, got NoneType",
+        lambda: store_args(k=None),
+    ),
+    R(
+        "store-v-token-dims",
+        "apply_rope_and_store",
+        "v's token dims differ from q's",
+        "v of shape (3, 2, 64)",
+        ValueError,
+        "v: expected token dims (4,) (those of q)",
+        lambda: store_args(v=torch.randn(T - 1, HK, D)),
+    ),
+    R(
+        "store-v-dtype",
+        "apply_rope_and_store",
+        "v of an unsupported dtype",
+        "float64 v",
+        ValueError,
+        "v: expected dtype in (float16, bfloat16, float32), got float64",
+        lambda: store_args(v=lambda a: a["v"].double()),
+    ),
+    R(
+        "store-slots-dtype",
+        "apply_rope_and_store",
+        "slot_mapping not int32/int64",
+        "float32 slot_mapping",
+        ValueError,
+        "slot_mapping: expected dtype in (int32, int64), got float32",
+        lambda: store_args(slot_mapping=lambda a: a["slot_mapping"].float()),
+    ),
+    R(
+        "store-slots-shape",
+        "apply_rope_and_store",
+        "slot_mapping's shape differs from the token dims",
+        "slot_mapping of shape (3,)",
+        ValueError,
+        "slot_mapping: expected shape (4,) (the token dims of q), got shape (3,)",
+        lambda: store_args(slot_mapping=lambda a: a["slot_mapping"][:3]),
+    ),
+    R(
+        "store-cache-rank",
+        "apply_rope_and_store",
+        "cache not 3-D or 4-D",
+        "k_cache of shape (2, 64)",
+        ValueError,
+        "k_cache: expected a 3-D or 4-D tensor (num_blocks, block_size, H, D) or (num_slots, H, D)",
+        lambda: store_args(k_cache=lambda a: a["k_cache"][0, 0]),
+    ),
+    R(
+        "store-cache-dtype",
+        "apply_rope_and_store",
+        "cache of an unsupported dtype",
+        "int8 k_cache",
+        ValueError,
+        "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn), got int8",
+        lambda: store_args(k_cache=torch.zeros(2, 4, HK, D, dtype=torch.int8)),
+    ),
+    R(
+        "store-cache-heads",
+        "apply_rope_and_store",
+        "cache head count differs from k's",
+        "k_cache with 3 heads, k with 2",
+        ValueError,
+        "k_cache: expected (heads, head size) (2, 64), those of k, got shape (2, 4, 3, 64)",
+        lambda: store_args(k_cache=torch.full((2, 4, HK + 1, D), NAN)),
+    ),
+    R(
+        "store-cache-head-size",
+        "apply_rope_and_store",
+        "cache head size differs from v's",
+        "v_cache head size 56, v 64",
+        ValueError,
+        "v_cache: expected (heads, head size) (2, 64), those of v, got shape (2, 4, 2, 56)",
+        lambda: store_args(v_cache=torch.full((2, 4, HK, D - 8), NAN)),
+    ),
+    R(
+        "store-mla-3d-cache",
+        "apply_rope_and_store",
+        "3-D MLA cache passed without the head dim",
+        "k_cache = cache[..., 64:] of a (2, 4, 96) cache",
+        ValueError,
+        "pass a paged MLA cache (num_blocks, block_size, D) as cache.unsqueeze(-2)",
+        lambda: store_args(
+            k=torch.randn(T, 1, 32),
+            v=torch.randn(T, 1, D),
+            cos_sin_cache=make_cache(16, 32),
+            k_cache=lambda a: _mla3d()[..., D:],
+            v_cache=lambda a: _mla3d()[..., :D],
+        ),
+    ),
+    R(
+        "store-cache-last-stride",
+        "apply_rope_and_store",
+        "cache's last dim not unit-stride",
+        "k_cache = x[..., ::2]",
+        ValueError,
+        "k_cache: expected stride 1 in the last dimension",
+        lambda: store_args(k_cache=torch.full((2, 4, HK, 2 * D), NAN)[..., ::2]),
+    ),
+    R(
+        "store-cache-broadcast",
+        "apply_rope_and_store",
+        "broadcast (stride-0) cache",
+        "k_cache = x.expand(2, 4, 2, 64)",
+        ValueError,
+        "k_cache: expected a tensor without broadcast",
+        lambda: store_args(k_cache=torch.full((1, 4, HK, D), NAN).expand(2, 4, HK, D)),
+    ),
+    R(
+        "store-cache-slot-dims",
+        "apply_rope_and_store",
+        "v_cache's slot dims differ from k_cache's",
+        "flat v_cache (8, 2, 64), paged k_cache (2, 4, 2, 64)",
+        ValueError,
+        "v_cache: expected slot dims (2, 4), those of k_cache",
+        lambda: store_args(v_cache=torch.full((8, HK, D), NAN)),
+    ),
+    R(
+        "store-cache-device",
+        "apply_rope_and_store",
+        "cache on another device",
+        "v_cache on meta",
+        ValueError,
+        "v_cache: expected a tensor on cpu (the device of q)",
+        lambda: store_args(v_cache=lambda a: a["v_cache"].to("meta")),
+    ),
+    R(
+        "store-q-broadcast",
+        "apply_rope_and_store",
+        "broadcast (stride-0) q (rotated in place)",
+        "q = x.expand(4, 3, 64)",
+        ValueError,
+        "q: expected a tensor without broadcast",
+        lambda: store_args(q=torch.randn(T, 1, D).expand(T, HQ, D)),
+    ),
+    R(
+        "store-grad",
+        "apply_rope_and_store",
+        "a tensor that requires grad, grad mode on",
+        "k_cache.requires_grad_()",
+        ValueError,
+        "k_cache: expected a tensor that does not require grad",
+        lambda: store_args(k_cache=torch.full((2, 4, HK, D), NAN).requires_grad_()),
+    ),
+    R(
+        "store-scale-type",
+        "apply_rope_and_store",
+        "scale of the wrong type",
+        'v_scale="1.0" (or True)',
+        TypeError,
+        "v_scale: expected a float, a 1-element float32 tensor or None, got str",
+        lambda: store_args(v_scale="1.0"),
+    ),
+    R(
+        "store-scale-value",
+        "apply_rope_and_store",
+        "float scale not finite and > 0",
+        "k_scale=-1.0 (or nan, inf, 0)",
+        ValueError,
+        "k_scale: expected a finite scale > 0, got -1.0",
+        lambda: store_args(k_scale=-1.0),
+    ),
+    R(
+        "store-scale-numel",
+        "apply_rope_and_store",
+        "tensor scale with more than one element",
+        "v_scale=torch.ones(2)",
+        ValueError,
+        "v_scale: expected a 0-d or 1-element tensor (one per-tensor scale), got shape (2,)",
+        lambda: store_args(v_scale=torch.ones(2)),
+    ),
+    R(
+        "store-scale-dtype",
+        "apply_rope_and_store",
+        "tensor scale not float32",
+        "float64 k_scale tensor",
+        ValueError,
+        "k_scale: expected dtype float32, got float64",
+        lambda: store_args(k_scale=torch.ones(1, dtype=torch.float64)),
+    ),
+    R(
+        "store-scale-device",
+        "apply_rope_and_store",
+        "tensor scale on another device",
+        "v_scale on meta",
+        ValueError,
+        "v_scale: expected a tensor on cpu (the device of q)",
+        lambda: store_args(v_scale=torch.ones(1, device="meta")),
+    ),
+    R(
+        "store-scale-strict",
+        "apply_rope_and_store",
+        "tensor scale not finite and > 0, strict mode",
+        "k_scale=torch.tensor(0.0)",
+        ValueError,
+        "k_scale: expected a finite scale > 0, got 0.0",
+        lambda: store_args(k_scale=torch.tensor(0.0)),
+        True,
+    ),
+    R(
+        "store-slot-strict",
+        "apply_rope_and_store",
+        "slot past the cache, strict mode",
+        "slot 8 of 8 slots",
+        ValueError,
+        "slot_mapping: expected values < 8 (num_blocks * block_size of the caches; < 0 skips a token), "
+        "got slot_mapping[2] = 8",
+        lambda: store_args(slot_mapping=torch.tensor([0, -1, 8, 3])),
+        True,
+    ),
+    R(
+        "store-positions-strict",
+        "apply_rope_and_store",
+        "position out of range, strict mode",
+        "position -1",
+        ValueError,
+        "positions: expected values in [0, 16) (the rows of cos_sin_cache), got positions[3] = -1",
+        lambda: store_args(positions=torch.tensor([0, 1, 2, -1])),
+        True,
+    ),
+    R(
+        "store-caches-overlap",
+        "apply_rope_and_store",
+        "k_cache and v_cache overlap",
+        "v_cache = k_cache",
+        ValueError,
+        "v_cache: expected memory disjoint from k_cache (which is written), got a tensor overlapping k_cache",
+        lambda: store_args(v_cache=lambda a: a["k_cache"]),
+    ),
+    R(
+        "store-caches-overlap-partly",
+        "apply_rope_and_store",
+        "k_cache and v_cache overlap partly",
+        "v_cache = buf[1:], k_cache = buf[:2]",
+        ValueError,
+        "v_cache: expected memory disjoint from k_cache",
+        lambda: _caches_overlap_partly(),
+    ),
+    R(
+        "store-k-in-cache",
+        "apply_rope_and_store",
+        "k overlaps k_cache",
+        "k = k_cache[0]",
+        ValueError,
+        "k: expected memory disjoint from k_cache (which is written)",
+        lambda: store_args(k=lambda a: a["k_cache"][0]),
+    ),
+    R(
+        "store-v-in-cache",
+        "apply_rope_and_store",
+        "v overlaps a cache",
+        "v = v_cache[1]",
+        ValueError,
+        "v: expected memory disjoint from v_cache (which is written)",
+        lambda: store_args(v=lambda a: a["v_cache"][1]),
+    ),
+    R(
+        "store-k-in-v-cache",
+        "apply_rope_and_store",
+        "k overlaps v_cache",
+        "k = v_cache[0]",
+        ValueError,
+        "k: expected memory disjoint from v_cache (which is written)",
+        lambda: store_args(k=lambda a: a["v_cache"][0]),
+    ),
+    R(
+        "store-q-in-cache",
+        "apply_rope_and_store",
+        "q overlaps a cache",
+        "q = k_cache.view(8, 2, 64)[:4]",
+        ValueError,
+        "k_cache: expected memory disjoint from q (which is written)",
+        lambda: _q_in_cache(),
+    ),
+    R(
+        "store-k-overlaps-q",
+        "apply_rope_and_store",
+        "k or v overlaps q (rotated in place)",
+        "k = q[:, 1:]",
+        ValueError,
+        "k: expected memory disjoint from q (which is written)",
+        lambda: store_args(k=lambda a: a["q"][:, 1:]),
+    ),
 ]
 
 
@@ -288,8 +725,9 @@ def _q_in_cache():
 
 
 def snapshot(args):
-    return {n: bits(v.detach()).clone() for n, v in args.items()
-            if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+    return {
+        n: bits(v.detach()).clone() for n, v in args.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"
+    }
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
@@ -340,7 +778,7 @@ def _store_nan_rows():
 
 
 def _negative_slots():
-    a = store_args(slot_mapping=torch.tensor([-1, -5, -(2 ** 31), 2]))
+    a = store_args(slot_mapping=torch.tensor([-1, -5, -(2**31), 2]))
     before = bits(a["k_cache"]).clone()
     apply_rope_and_store(**a)
     written = torch.zeros(2, 4, dtype=torch.bool)
@@ -350,7 +788,7 @@ def _negative_slots():
 
 
 def _slot_past_cache():
-    a = store_args(slot_mapping=torch.tensor([0, 8, 2 ** 31 - 1, 3]))
+    a = store_args(slot_mapping=torch.tensor([0, 8, 2**31 - 1, 3]))
     before = bits(a["k_cache"]).clone()
     apply_rope_and_store(**a)
     assert a["q"][[1, 2]].isnan().all() and not a["q"][[0, 3]].isnan().any()
@@ -368,11 +806,11 @@ def _overlap_out_of_place():
 
 def _fused_in_place():
     qkv = torch.randn(T, (HQ + 2 * HK) * D)
-    q = qkv[:, :HQ * D].view(T, HQ, D)
-    k = qkv[:, HQ * D:(HQ + HK) * D].view(T, HK, D)
-    v0 = qkv[:, (HQ + HK) * D:].clone()
+    q = qkv[:, : HQ * D].view(T, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HK) * D].view(T, HK, D)
+    v0 = qkv[:, (HQ + HK) * D :].clone()
     ropekit.apply_rope(q, k, torch.arange(T), make_cache(16, D), inplace=True)
-    assert torch.equal(qkv[:, (HQ + HK) * D:], v0)
+    assert torch.equal(qkv[:, (HQ + HK) * D :], v0)
 
 
 def _scale_on_float_cache():
@@ -406,8 +844,8 @@ def _fused_in_place_decode_batch():
     """Fused qkv views with a size-1 token dim, as `unflatten` / `view` make them: the size-1 dim
     gets a different stride in q and in k (3 * 64 vs 2 * 64), which no element ever steps along."""
     qkv = torch.randn(2, 1, (HQ + 2 * HK) * D)
-    q = qkv[..., :HQ * D].unflatten(-1, (HQ, D))
-    k = qkv[..., HQ * D:(HQ + HK) * D].unflatten(-1, (HK, D))
+    q = qkv[..., : HQ * D].unflatten(-1, (HQ, D))
+    k = qkv[..., HQ * D : (HQ + HK) * D].unflatten(-1, (HK, D))
     assert q.stride(1) != k.stride(1)
     ropekit.apply_rope(q, k, torch.zeros(2, 1, dtype=torch.long), make_cache(16, D), inplace=True)
 
@@ -468,7 +906,7 @@ def _gap_cache_self_overlap():
 def _gap_q_is_table():
     """In place, q is a view of cos_sin_cache: the kernel reads angles it is overwriting."""
     table = make_cache(16, D)
-    q = table[:T * HQ].view(T, HQ, D)
+    q = table[: T * HQ].view(T, HQ, D)
     ropekit.apply_rope(q, None, torch.arange(T), table, inplace=True)
 
 
@@ -481,8 +919,9 @@ def _gap_q_is_positions():
 def _gap_cache_is_table():
     buf = torch.full((2, 4, HK, D), NAN)
     buf.view(-1, D)[:16] = make_cache(16, D)
-    apply_rope_and_store(**store_args(k_cache=buf, v_cache=torch.full((2, 4, HK, D), NAN),
-                                      cos_sin_cache=buf.view(-1, D)[:16]))
+    apply_rope_and_store(
+        **store_args(k_cache=buf, v_cache=torch.full((2, 4, HK, D), NAN), cos_sin_cache=buf.view(-1, D)[:16])
+    )
 
 
 def _gap_cache_is_slots():
@@ -494,15 +933,28 @@ def _gap_cache_is_slots():
 
 GAPS = {
     "gap-two-token-dims": (_gap_two_token_dims, "k: expected memory disjoint from q"),
-    "gap-q-self-overlap": (_gap_q_self_overlap, "q: expected a tensor without broadcast (stride 0) or overlapping dims"),
-    "gap-store-q-self-overlap": (_gap_store_q_self_overlap,
-                                 "q: expected a tensor without broadcast (stride 0) or overlapping dims"),
-    "gap-cache-self-overlap": (_gap_cache_self_overlap,
-                               "k_cache: expected a tensor without broadcast (stride 0) or overlapping dims"),
+    "gap-q-self-overlap": (
+        _gap_q_self_overlap,
+        "q: expected a tensor without broadcast (stride 0) or overlapping dims",
+    ),
+    "gap-store-q-self-overlap": (
+        _gap_store_q_self_overlap,
+        "q: expected a tensor without broadcast (stride 0) or overlapping dims",
+    ),
+    "gap-cache-self-overlap": (
+        _gap_cache_self_overlap,
+        "k_cache: expected a tensor without broadcast (stride 0) or overlapping dims",
+    ),
     "gap-q-is-table": (_gap_q_is_table, "cos_sin_cache: expected memory disjoint from q (which is written)"),
     "gap-q-is-positions": (_gap_q_is_positions, "positions: expected memory disjoint from q (which is written)"),
-    "gap-cache-is-table": (_gap_cache_is_table, "cos_sin_cache: expected memory disjoint from k_cache (which is written)"),
-    "gap-cache-is-slots": (_gap_cache_is_slots, "slot_mapping: expected memory disjoint from k_cache (which is written)"),
+    "gap-cache-is-table": (
+        _gap_cache_is_table,
+        "cos_sin_cache: expected memory disjoint from k_cache (which is written)",
+    ),
+    "gap-cache-is-slots": (
+        _gap_cache_is_slots,
+        "slot_mapping: expected memory disjoint from k_cache (which is written)",
+    ),
 }
 
 
@@ -535,12 +987,13 @@ def unquote(cell):
 
 def test_doc_lists_every_row_and_nothing_else():
     doc = doc_rows()
-    from test_rerotate import DOC_IDS as rerotate_ids       # rerotate_kv_cache's rows are tested there
+    from test_rerotate import DOC_IDS as rerotate_ids  # rerotate_kv_cache's rows are tested there
 
     ids = [r.id for r in ROWS] + list(HANDLED) + list(GAPS) + rerotate_ids
     assert sorted(doc) == sorted(ids), (
         f"in the tests, not the doc: {sorted(set(ids) - set(doc))}; in the doc, not the tests: "
-        f"{sorted(set(doc) - set(ids))}")
+        f"{sorted(set(doc) - set(ids))}"
+    )
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])

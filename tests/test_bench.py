@@ -24,9 +24,24 @@ def cpu_env(monkeypatch):
 def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
     out = tmp_path / "bench"
     md = tmp_path / "RESULTS.md"
-    rc = main(["--device", "cpu", "--quick", "--workloads", "W1,W3", "--out", str(out),
-               "--results-md", str(md), "--no-progress", "--peers", "ropekit,reference,torch-eager",
-               "--rep-ms", "10"])
+    rc = main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--workloads",
+            "W1,W3",
+            "--out",
+            str(out),
+            "--results-md",
+            str(md),
+            "--no-progress",
+            "--peers",
+            "ropekit,reference,torch-eager",
+            "--rep-ms",
+            "10",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "CPU numbers" in text and "not GPU numbers" in text
@@ -43,7 +58,7 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
             assert r["time_us"] > 0 and r["pct_copy"] > 0
             assert max(r["rel_err"].values()) <= 1e-2
         r = cells[(wl, "ropekit")]
-        assert r["status"] == "ok", r                         # ropekit itself is never skipped
+        assert r["status"] == "ok", r  # ropekit itself is never skipped
         assert max(r["rel_err"].values()) <= 1e-2 and r["time_us"] > 0
         sp = r["time_spread"]
         assert sp["min"] <= sp["median"] <= sp["max"] and sp["n"] >= 3
@@ -103,8 +118,10 @@ def test_workload_selection_and_bytes():
     # WORKLOADS.md: W1 moves q and k once each way: 2 * 4*4096*(32+8)*128 * 2 bytes
     wl = workloads.BY_ID["W1"]
     full = wl.sizes(False)
-    inp = {"q": torch.empty(full["B"], full["S"], full["Hq"], full["D"], dtype=torch.bfloat16, device="meta"),
-           "k": torch.empty(full["B"], full["S"], full["Hk"], full["D"], dtype=torch.bfloat16, device="meta")}
+    inp = {
+        "q": torch.empty(full["B"], full["S"], full["Hq"], full["D"], dtype=torch.bfloat16, device="meta"),
+        "k": torch.empty(full["B"], full["S"], full["Hk"], full["D"], dtype=torch.bfloat16, device="meta"),
+    }
     assert workloads.min_bytes(wl, inp) == 2 * 4 * 4096 * 40 * 128 * 2
 
 
@@ -118,8 +135,9 @@ def test_module_entry_point_lists_workloads():
 
     src = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "ropekit.bench", "--list"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ropekit.bench", "--list"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "W7-T64" in out.stdout and "liger" in out.stdout
 
@@ -130,11 +148,14 @@ def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
     wl = workloads.BY_ID["W9-FB"]
     full = wl.sizes(False)
     qk = 4 * 4096 * 40 * 128 * 2
-    inp = {"q": torch.empty(full["B"], full["S"], full["Hq"], full["D"], dtype=torch.bfloat16, device="meta"),
-           "k": torch.empty(full["B"], full["S"], full["Hk"], full["D"], dtype=torch.bfloat16, device="meta")}
+    inp = {
+        "q": torch.empty(full["B"], full["S"], full["Hq"], full["D"], dtype=torch.bfloat16, device="meta"),
+        "k": torch.empty(full["B"], full["S"], full["Hk"], full["D"], dtype=torch.bfloat16, device="meta"),
+    }
     assert workloads.min_bytes(workloads.BY_ID["W9"], inp) == 2 * qk
-    assert workloads.min_bytes(wl, inp) == 5 * qk          # forward 2x, backward: x and g read, gx written
+    assert workloads.min_bytes(wl, inp) == 5 * qk  # forward 2x, backward: x and g read, gx written
     from ropekit.bench import peers, runner  # noqa: F401
+
     table = workloads.make_table(workloads.BY_ID["W10-FP8"], workloads.BY_ID["W10-FP8"].sizes(True), "cpu")
     for wid in ("W9", "W9-FB", "W10", "W10-FP8"):
         w = workloads.BY_ID[wid]

@@ -26,7 +26,7 @@ class Block(torch.nn.Module):
     def __init__(self, rope, hf_style=False):
         super().__init__()
         self.q = torch.nn.Linear(HID, HQ * D, bias=False)
-        self.kv = torch.nn.Linear(HID, 2 * HK * D, bias=False)    # fused k|v: k is a strided view
+        self.kv = torch.nn.Linear(HID, 2 * HK * D, bias=False)  # fused k|v: k is a strided view
         self.o = torch.nn.Linear(HQ * D, HID, bias=False)
         self.rope = rope
         self.hf_style = hf_style
@@ -35,7 +35,7 @@ class Block(torch.nn.Module):
         q = self.q(x).view(B, S, HQ, D)
         kv = self.kv(x).view(B, S, 2 * HK, D)
         k, v = kv[:, :, :HK], kv[:, :, HK:]
-        if self.hf_style:                                        # HF layout (B, H, S, D) in and out
+        if self.hf_style:  # HF layout (B, H, S, D) in and out
             q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cache_or_cos, sin)
         else:
             q, k = self.rope(q, k, positions, cache_or_cos)
@@ -54,6 +54,7 @@ def _hf_reference(q, k, cos, sin):
     def rot(x):
         h = x.shape[-1] // 2
         return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
     return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
@@ -124,8 +125,7 @@ def test_compile_attention_block_inductor(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_hf_dropin_attention_block(device):
     """hf.apply_rotary_pos_emb on HF's (B, H, S, D) views with (B, S, D) cos/sin."""
-    _compiled_matches_float64(hf_style=True, backend="aot_eager" if device == "cpu" else "inductor",
-                              device=device)
+    _compiled_matches_float64(hf_style=True, backend="aot_eager" if device == "cpu" else "inductor", device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,7 +141,7 @@ def test_compile_inplace_op_mutates_and_matches(with_k, device):
 
     def views(b):
         q = b[..., : HQ * D].unflatten(-1, (HQ, D))
-        k = b[..., HQ * D: (HQ + HK) * D].unflatten(-1, (HK, D)) if with_k else None
+        k = b[..., HQ * D : (HQ + HK) * D].unflatten(-1, (HK, D)) if with_k else None
         return q, k
 
     def step(buf, positions):
@@ -152,7 +152,7 @@ def test_compile_inplace_op_mutates_and_matches(with_k, device):
     rq, rk = reference.apply_rope(*views(ref), positions, cache.double())
     ref[..., : HQ * D] = rq.flatten(-2)
     if with_k:
-        ref[..., HQ * D: (HQ + HK) * D] = rk.flatten(-2)
+        ref[..., HQ * D : (HQ + HK) * D] = rk.flatten(-2)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         total = compiled(buf, positions)

@@ -36,8 +36,15 @@ def gathered(tmp_path_factory):
     out = tmp_path_factory.mktemp("dtensor") / "results.pt"
     port = free_port()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), "2", str(port), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     logs = []
     for p in procs:
         try:
@@ -90,8 +97,9 @@ def test_per_token_angles_token_sharded(gathered):
 
 def test_mrope_token_sharded(gathered):
     c = gathered["results"]["mrope_tokens"]
-    qo, ko = reference.apply_rope(c["q"].double(), c["k"].double(), c["pos"], c["cache"].double(),
-                                  mrope_section=(4, 6, 6))
+    qo, ko = reference.apply_rope(
+        c["q"].double(), c["k"].double(), c["pos"], c["cache"].double(), mrope_section=(4, 6, 6)
+    )
     torch.testing.assert_close(c["qo"].double(), qo, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c["ko"].double(), ko, rtol=1e-5, atol=1e-5)
 
@@ -99,19 +107,23 @@ def test_mrope_token_sharded(gathered):
 def test_store_head_sharded(gathered):
     c = gathered["results"]["store_heads"]
     q, kc, vc = c["q"].double(), c["k_cache"].double(), c["v_cache"].double()
-    reference.apply_rope_and_store(q, c["k"].double(), c["v"].double(), c["pos"], c["cache"].double(), kc, vc,
-                                   c["slots"])
+    reference.apply_rope_and_store(
+        q, c["k"].double(), c["v"].double(), c["pos"], c["cache"].double(), kc, vc, c["slots"]
+    )
     torch.testing.assert_close(c["qo"].double(), q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c["k_cache_out"].double(), kc, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c["v_cache_out"].double(), vc, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case,fragment", [
-    ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
-    ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),
-    ("k_on_other_dim", "ropekit.rotate: k: expected placement Shard(dim=0) on mesh dim 0"),
-    ("shard_of_head_size", "ropekit.rotate: q: expected placements Replicate(), Shard(token dim) or Shard(head"),
-])
+@pytest.mark.parametrize(
+    "case,fragment",
+    [
+        ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
+        ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),
+        ("k_on_other_dim", "ropekit.rotate: k: expected placement Shard(dim=0) on mesh dim 0"),
+        ("shard_of_head_size", "ropekit.rotate: q: expected placements Replicate(), Shard(token dim) or Shard(head"),
+    ],
+)
 def test_refused_layouts_name_the_argument(gathered, case, fragment):
     msg = gathered["errors"][case]
     assert msg is not None, f"{case}: the call did not raise"

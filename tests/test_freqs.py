@@ -24,83 +24,204 @@ mru = pytest.importorskip("transformers.modeling_rope_utils")
 from ropekit import freqs  # noqa: E402
 from ropekit.freqs import cos_sin_cache, inv_freq  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------------
 # real model configs (rope-relevant fields as in the checkpoints' config.json)
 
 LLAMA31_8B = dict(
-    model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-    max_position_embeddings=131072, rope_theta=500000.0,
-    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    model_type="llama",
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rope_scaling={
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 )
 LLAMA2_7B = dict(
-    model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
-    max_position_embeddings=4096, rope_theta=10000.0, rope_scaling=None,
+    model_type="llama",
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    rope_scaling=None,
 )
 # togethercomputer/LLaMA-2-7B-32K: linear position interpolation
-LLAMA2_7B_32K = dict(LLAMA2_7B, max_position_embeddings=32768,
-                     rope_scaling={"factor": 8.0, "type": "linear"})
+LLAMA2_7B_32K = dict(LLAMA2_7B, max_position_embeddings=32768, rope_scaling={"factor": 8.0, "type": "linear"})
 # Llama-2-7B with dynamic NTK, the example of HF's and vLLM's docs
 LLAMA2_7B_DYNAMIC = dict(LLAMA2_7B, rope_scaling={"factor": 2.0, "type": "dynamic"})
 # Qwen2.5-7B-Instruct with the YaRN block its model card asks for
 QWEN25_7B_YARN = dict(
-    model_type="qwen2", hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
-    max_position_embeddings=32768, rope_theta=1000000.0,
+    model_type="qwen2",
+    hidden_size=3584,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
     rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
 )
 DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
-    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-    max_position_embeddings=163840, rope_theta=10000,
-    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                  "original_max_position_embeddings": 4096, "type": "yarn"},
+    model_type="deepseek_v3",
+    hidden_size=7168,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling={
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
 )
 # DeepSeek-V3's block with unequal temperatures (synthetic: real checkpoints set the two equal,
 # which makes the ratio 1 and would not exercise it)
-DEEPSEEK_V3_MSCALE = dict(DEEPSEEK_V3, rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], mscale=1.0,
-                                                         mscale_all_dim=0.707))
+DEEPSEEK_V3_MSCALE = dict(DEEPSEEK_V3, rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], mscale=1.0, mscale_all_dim=0.707))
 # openai/gpt-oss-20b: YaRN without truncating the correction range
 GPT_OSS_20B = dict(
-    model_type="gpt_oss", hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-    max_position_embeddings=131072, rope_theta=150000,
-    rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                  "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    model_type="gpt_oss",
+    hidden_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rope_theta=150000,
+    rope_scaling={
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
 )
 # Phi-3 128k LongRoPE; factors from microsoft/Phi-3-vision-128k-instruct's config.json
 PHI3_LONG_FACTOR = [
-    1.0299999713897705, 1.0499999523162842, 1.0499999523162842, 1.0799999237060547, 1.2299998998641968,
-    1.2299998998641968, 1.2999999523162842, 1.4499999284744263, 1.5999999046325684, 1.6499998569488525,
-    1.8999998569488525, 2.859999895095825, 3.68999981880188, 5.419999599456787, 5.489999771118164,
-    5.489999771118164, 9.09000015258789, 11.579999923706055, 15.65999984741211, 15.769999504089355,
-    15.789999961853027, 18.360000610351562, 21.989999771118164, 23.079999923706055, 30.009998321533203,
-    32.35000228881836, 32.590003967285156, 35.56000518798828, 39.95000457763672, 53.840003967285156,
-    56.20000457763672, 57.95000457763672, 59.29000473022461, 59.77000427246094, 59.920005798339844,
-    61.190006256103516, 61.96000671386719, 62.50000762939453, 63.3700065612793, 63.48000717163086,
-    63.48000717163086, 63.66000747680664, 63.850006103515625, 64.08000946044922, 64.760009765625,
-    64.80001068115234, 64.81001281738281, 64.81001281738281,
+    1.0299999713897705,
+    1.0499999523162842,
+    1.0499999523162842,
+    1.0799999237060547,
+    1.2299998998641968,
+    1.2299998998641968,
+    1.2999999523162842,
+    1.4499999284744263,
+    1.5999999046325684,
+    1.6499998569488525,
+    1.8999998569488525,
+    2.859999895095825,
+    3.68999981880188,
+    5.419999599456787,
+    5.489999771118164,
+    5.489999771118164,
+    9.09000015258789,
+    11.579999923706055,
+    15.65999984741211,
+    15.769999504089355,
+    15.789999961853027,
+    18.360000610351562,
+    21.989999771118164,
+    23.079999923706055,
+    30.009998321533203,
+    32.35000228881836,
+    32.590003967285156,
+    35.56000518798828,
+    39.95000457763672,
+    53.840003967285156,
+    56.20000457763672,
+    57.95000457763672,
+    59.29000473022461,
+    59.77000427246094,
+    59.920005798339844,
+    61.190006256103516,
+    61.96000671386719,
+    62.50000762939453,
+    63.3700065612793,
+    63.48000717163086,
+    63.48000717163086,
+    63.66000747680664,
+    63.850006103515625,
+    64.08000946044922,
+    64.760009765625,
+    64.80001068115234,
+    64.81001281738281,
+    64.81001281738281,
 ]
-PHI3_SHORT_FACTOR = [
-    1.05, 1.05, 1.05, 1.1, 1.1, 1.1, 1.2500000000000002, 1.2500000000000002, 1.4000000000000004,
-    1.4500000000000004, 1.5500000000000005, 1.8500000000000008, 1.9000000000000008] + [2.000000000000001] * 19 + [
-    2.1000000000000005, 2.1000000000000005, 2.2, 2.3499999999999996, 2.3499999999999996, 2.3499999999999996,
-    2.3499999999999996, 2.3999999999999995, 2.3999999999999995, 2.6499999999999986, 2.6999999999999984,
-    2.8999999999999977, 2.9499999999999975, 3.049999999999997, 3.049999999999997, 3.049999999999997,
-]
+PHI3_SHORT_FACTOR = (
+    [
+        1.05,
+        1.05,
+        1.05,
+        1.1,
+        1.1,
+        1.1,
+        1.2500000000000002,
+        1.2500000000000002,
+        1.4000000000000004,
+        1.4500000000000004,
+        1.5500000000000005,
+        1.8500000000000008,
+        1.9000000000000008,
+    ]
+    + [2.000000000000001] * 19
+    + [
+        2.1000000000000005,
+        2.1000000000000005,
+        2.2,
+        2.3499999999999996,
+        2.3499999999999996,
+        2.3499999999999996,
+        2.3499999999999996,
+        2.3999999999999995,
+        2.3999999999999995,
+        2.6499999999999986,
+        2.6999999999999984,
+        2.8999999999999977,
+        2.9499999999999975,
+        3.049999999999997,
+        3.049999999999997,
+        3.049999999999997,
+    ]
+)
 PHI3_128K = dict(
-    model_type="phi3", hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
-    max_position_embeddings=131072, original_max_position_embeddings=4096, rope_theta=10000.0,
+    model_type="phi3",
+    hidden_size=3072,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=131072,
+    original_max_position_embeddings=4096,
+    rope_theta=10000.0,
     rope_scaling={"long_factor": PHI3_LONG_FACTOR, "short_factor": PHI3_SHORT_FACTOR, "type": "longrope"},
 )
 # EleutherAI/gpt-neox-20b: partial rotary (rotary_pct 0.25 of a 96-wide head)
 GPT_NEOX_20B = dict(
-    model_type="gpt_neox", hidden_size=6144, num_attention_heads=64, max_position_embeddings=2048,
-    rotary_pct=0.25, rotary_emb_base=10000,
+    model_type="gpt_neox",
+    hidden_size=6144,
+    num_attention_heads=64,
+    max_position_embeddings=2048,
+    rotary_pct=0.25,
+    rotary_emb_base=10000,
 )
 
 _CONFIG_CLASSES = {
-    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "deepseek_v3": "DeepseekV3Config",
-    "gpt_oss": "GptOssConfig", "phi3": "Phi3Config", "gpt_neox": "GPTNeoXConfig",
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "deepseek_v3": "DeepseekV3Config",
+    "gpt_oss": "GptOssConfig",
+    "phi3": "Phi3Config",
+    "gpt_neox": "GPTNeoXConfig",
 }
 
 
@@ -155,9 +276,9 @@ def hf_inv_freq(config, seq_len=None, float64=False):
     """HF's (inv_freq, attention_factor) for this config; in float64 when asked."""
     params = hf_rope_dict(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in mru.ROPE_INIT_FUNCTIONS:      # 4.x keeps "default" here too
+    if rope_type in mru.ROPE_INIT_FUNCTIONS:  # 4.x keeps "default" here too
         fn = mru.ROPE_INIT_FUNCTIONS[rope_type]
-    else:                                         # 5.x: on the model's rotary class
+    else:  # 5.x: on the model's rotary class
         fn = _hf_rotary_class(config).compute_default_rope_parameters
     module = importlib.import_module(fn.__module__)
     if not float64:
@@ -197,14 +318,26 @@ CASES = [
     _case("deepseek-v3-mscale-ratio", DEEPSEEK_V3_MSCALE, 64, 10000, DEEPSEEK_V3_MSCALE["rope_scaling"], [163840]),
     _case("gpt-oss-20b-yarn-no-truncate", GPT_OSS_20B, 64, 150000, GPT_OSS_20B["rope_scaling"], [131072]),
     # dynamic: HF's function called with seq_len = the table length
-    _case("llama2-dynamic", LLAMA2_7B_DYNAMIC, 128, 10000.0,
-          dict(LLAMA2_7B_DYNAMIC["rope_scaling"], original_max_position_embeddings=4096),
-          [2048, 4096, 4097, 8192, 12345], hf_seq_len="length"),
+    _case(
+        "llama2-dynamic",
+        LLAMA2_7B_DYNAMIC,
+        128,
+        10000.0,
+        dict(LLAMA2_7B_DYNAMIC["rope_scaling"], original_max_position_embeddings=4096),
+        [2048, 4096, 4097, 8192, 12345],
+        hf_seq_len="length",
+    ),
     # longrope: long factors for tables longer than 4096 (HF: seq_len > original), short otherwise;
     # factor = 131072 / 4096 given so a short table keeps the model's attention factor
-    _case("phi3-128k-longrope", PHI3_128K, 96, 10000.0,
-          dict(PHI3_128K["rope_scaling"], original_max_position_embeddings=4096, factor=32.0),
-          [1024, 4096, 4097, 131072], hf_seq_len="length"),
+    _case(
+        "phi3-128k-longrope",
+        PHI3_128K,
+        96,
+        10000.0,
+        dict(PHI3_128K["rope_scaling"], original_max_position_embeddings=4096, factor=32.0),
+        [1024, 4096, 4097, 131072],
+        hf_seq_len="length",
+    ),
 ]
 
 
@@ -267,7 +400,7 @@ def _hf_forward_rows(config, positions):
     cos, sin = rotary(x, torch.tensor([positions]))
     cos, sin = cos[0].double(), sin[0].double()
     half = rotary.inv_freq.shape[0]
-    if cos.shape[-1] == 2 * half:                       # HF's cat(freqs, freqs) layout
+    if cos.shape[-1] == 2 * half:  # HF's cat(freqs, freqs) layout
         assert torch.equal(cos[:, :half], cos[:, half:])
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1), rotary.inv_freq.double()
 
@@ -317,13 +450,14 @@ def test_longrope_picks_factors_by_table_length():
 def test_dynamic_uses_table_length_as_seq_len():
     scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096}
     plain, _ = inv_freq(128, 10000.0, None, dtype=torch.float64)
-    for length in (None, 100, 4096):   # up to the original length: plain RoPE, as HF at init
+    for length in (None, 100, 4096):  # up to the original length: plain RoPE, as HF at init
         got, _ = inv_freq(128, 10000.0, scaling, length, dtype=torch.float64)
         assert torch.equal(got, plain)
     got, _ = inv_freq(128, 10000.0, scaling, 8192, dtype=torch.float64)
     base = 10000.0 * (2.0 * 8192 / 4096 - 1.0) ** (128 / 126)
-    torch.testing.assert_close(got, 1.0 / base ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128),
-                               rtol=1e-14, atol=0)
+    torch.testing.assert_close(
+        got, 1.0 / base ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128), rtol=1e-14, atol=0
+    )
 
 
 def test_yarn_factor_none_uses_length_ratio():
@@ -338,8 +472,8 @@ def test_yarn_attention_factor_is_folded_into_table():
     _, af = inv_freq(128, 1e6, scaling)
     assert math.isclose(af, 0.1 * math.log(4.0) + 1.0, rel_tol=1e-15)
     table = cos_sin_cache(128, 64, 1e6, scaling, dtype=torch.float64)
-    assert math.isclose(table[0, 0].item(), af, rel_tol=1e-15)      # cos(0) * af
-    assert table[0, 64:].abs().max().item() == 0.0                   # sin(0)
+    assert math.isclose(table[0, 0].item(), af, rel_tol=1e-15)  # cos(0) * af
+    assert table[0, 64:].abs().max().item() == 0.0  # sin(0)
     norm = table[:, :64] ** 2 + table[:, 64:] ** 2
     torch.testing.assert_close(norm, torch.full_like(norm, af * af), rtol=1e-14, atol=0)
 
@@ -357,10 +491,28 @@ def test_dtype_device_and_layout():
 
 
 def test_aliases_and_both_key_spellings():
-    long = inv_freq(8, 10.0, {"type": "longrope", "short_factor": [1, 2, 3, 4], "long_factor": [2, 2, 2, 2],
-                              "original_max_position_embeddings": 16}, 32)
-    su = inv_freq(8, 10.0, {"rope_type": "su", "short_factor": [1, 2, 3, 4], "long_factor": [2, 2, 2, 2],
-                            "original_max_position_embeddings": 16}, 32)
+    long = inv_freq(
+        8,
+        10.0,
+        {
+            "type": "longrope",
+            "short_factor": [1, 2, 3, 4],
+            "long_factor": [2, 2, 2, 2],
+            "original_max_position_embeddings": 16,
+        },
+        32,
+    )
+    su = inv_freq(
+        8,
+        10.0,
+        {
+            "rope_type": "su",
+            "short_factor": [1, 2, 3, 4],
+            "long_factor": [2, 2, 2, 2],
+            "original_max_position_embeddings": 16,
+        },
+        32,
+    )
     assert torch.equal(long[0], su[0]) and long[1] == su[1]
     mrope = inv_freq(8, 10.0, {"type": "mrope", "mrope_section": [2, 1, 1]})
     assert torch.equal(mrope[0], inv_freq(8, 10.0)[0])
@@ -378,46 +530,75 @@ def test_aliases_and_both_key_spellings():
 
 _LLAMA3 = LLAMA31_8B["rope_scaling"]
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
-_LONG = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-         "original_max_position_embeddings": 16}
+_LONG = {
+    "rope_type": "longrope",
+    "short_factor": [1.0] * 4,
+    "long_factor": [2.0] * 4,
+    "original_max_position_embeddings": 16,
+}
 
 
-@pytest.mark.parametrize("rotary_dim, scaling, max_position, pattern", [
-    (8, {"rope_type": "ntk-by-parts"}, None, r"scaling\['rope_type'\]: expected one of .*, got 'ntk-by-parts'"),
-    (8, {"type": "proportional"}, None, r"scaling\['rope_type'\].*'proportional'"),
-    (8, {"rope_type": "linear"}, None, r"scaling\['factor'\]: expected a value \(required for rope_type 'linear'\)"),
-    (8, {"rope_type": "linear", "factor": 0}, None, r"scaling\['factor'\]: expected a positive number, got 0"),
-    (8, {"rope_type": "linear", "factor": -2.0}, None, r"scaling\['factor'\].*got -2.0"),
-    (8, {"rope_type": "linear", "factor": float("nan")}, None, r"scaling\['factor'\].*got nan"),
-    (8, {"rope_type": "linear", "factor": "2"}, None, r"scaling\['factor'\].*got '2'"),
-    (8, {"rope_type": "dynamic", "factor": 2.0}, 100,
-     r"scaling\['original_max_position_embeddings'\]: expected a value"),
-    (8, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 0}, 100,
-     r"scaling\['original_max_position_embeddings'\]: expected a positive integer, got 0"),
-    (2, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}, 100, r"rotary_dim.*got 2"),
-    (8, {"rope_type": "yarn", "factor": 4.0}, None, r"scaling\['original_max_position_embeddings'\]"),
-    (8, {k: v for k, v in _YARN.items() if k != "factor"}, None, r"scaling\['factor'\]: expected a value"),
-    (8, dict(_YARN, factor=None), None, r"scaling\['factor'\]: expected a number \(or None with max_position"),
-    (8, dict(_YARN, attention_factor=0.0), None, r"scaling\['attention_factor'\].*got 0.0"),
-    (8, dict(_YARN, beta_fast=-1), None, r"scaling\['beta_fast'\].*got -1"),
-    (8, dict(_YARN, mscale=-0.5, mscale_all_dim=1.0), None, r"scaling\['mscale'\].*got -0.5"),
-    (128, {k: v for k, v in _LLAMA3.items() if k != "low_freq_factor"}, None, r"scaling\['low_freq_factor'\]"),
-    (128, dict(_LLAMA3, high_freq_factor=1.0), None, r"scaling\['high_freq_factor'\]: expected a number above"),
-    (128, dict(_LLAMA3, factor=0.0), None, r"scaling\['factor'\].*got 0.0"),
-    (8, {k: v for k, v in _LONG.items() if k != "short_factor"}, None, r"scaling\['short_factor'\]: expected a value"),
-    (8, dict(_LONG, long_factor=[1.0] * 3), None,
-     r"scaling\['long_factor'\]: expected a list of 4 numbers \(rotary_dim // 2\), got list of length 3"),
-    (8, dict(_LONG, short_factor=[1.0, 0.0, 1.0, 1.0]), None, r"scaling\['short_factor'\]\[1\].*got 0.0"),
-    (8, dict(_LONG, factor=-1.0), None, r"scaling\['factor'\].*got -1.0"),
-    (7, None, None, r"rotary_dim: expected a positive even integer, got 7"),
-    (0, None, None, r"rotary_dim: .*got 0"),
-    (8.0, None, None, r"rotary_dim: .*got 8.0"),
-    (8, None, 0, r"max_position: expected a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "rotary_dim, scaling, max_position, pattern",
+    [
+        (8, {"rope_type": "ntk-by-parts"}, None, r"scaling\['rope_type'\]: expected one of .*, got 'ntk-by-parts'"),
+        (8, {"type": "proportional"}, None, r"scaling\['rope_type'\].*'proportional'"),
+        (
+            8,
+            {"rope_type": "linear"},
+            None,
+            r"scaling\['factor'\]: expected a value \(required for rope_type 'linear'\)",
+        ),
+        (8, {"rope_type": "linear", "factor": 0}, None, r"scaling\['factor'\]: expected a positive number, got 0"),
+        (8, {"rope_type": "linear", "factor": -2.0}, None, r"scaling\['factor'\].*got -2.0"),
+        (8, {"rope_type": "linear", "factor": float("nan")}, None, r"scaling\['factor'\].*got nan"),
+        (8, {"rope_type": "linear", "factor": "2"}, None, r"scaling\['factor'\].*got '2'"),
+        (
+            8,
+            {"rope_type": "dynamic", "factor": 2.0},
+            100,
+            r"scaling\['original_max_position_embeddings'\]: expected a value",
+        ),
+        (
+            8,
+            {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 0},
+            100,
+            r"scaling\['original_max_position_embeddings'\]: expected a positive integer, got 0",
+        ),
+        (2, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}, 100, r"rotary_dim.*got 2"),
+        (8, {"rope_type": "yarn", "factor": 4.0}, None, r"scaling\['original_max_position_embeddings'\]"),
+        (8, {k: v for k, v in _YARN.items() if k != "factor"}, None, r"scaling\['factor'\]: expected a value"),
+        (8, dict(_YARN, factor=None), None, r"scaling\['factor'\]: expected a number \(or None with max_position"),
+        (8, dict(_YARN, attention_factor=0.0), None, r"scaling\['attention_factor'\].*got 0.0"),
+        (8, dict(_YARN, beta_fast=-1), None, r"scaling\['beta_fast'\].*got -1"),
+        (8, dict(_YARN, mscale=-0.5, mscale_all_dim=1.0), None, r"scaling\['mscale'\].*got -0.5"),
+        (128, {k: v for k, v in _LLAMA3.items() if k != "low_freq_factor"}, None, r"scaling\['low_freq_factor'\]"),
+        (128, dict(_LLAMA3, high_freq_factor=1.0), None, r"scaling\['high_freq_factor'\]: expected a number above"),
+        (128, dict(_LLAMA3, factor=0.0), None, r"scaling\['factor'\].*got 0.0"),
+        (
+            8,
+            {k: v for k, v in _LONG.items() if k != "short_factor"},
+            None,
+            r"scaling\['short_factor'\]: expected a value",
+        ),
+        (
+            8,
+            dict(_LONG, long_factor=[1.0] * 3),
+            None,
+            r"scaling\['long_factor'\]: expected a list of 4 numbers \(rotary_dim // 2\), got list of length 3",
+        ),
+        (8, dict(_LONG, short_factor=[1.0, 0.0, 1.0, 1.0]), None, r"scaling\['short_factor'\]\[1\].*got 0.0"),
+        (8, dict(_LONG, factor=-1.0), None, r"scaling\['factor'\].*got -1.0"),
+        (7, None, None, r"rotary_dim: expected a positive even integer, got 7"),
+        (0, None, None, r"rotary_dim: .*got 0"),
+        (8.0, None, None, r"rotary_dim: .*got 8.0"),
+        (8, None, 0, r"max_position: expected a positive integer, got 0"),
+    ],
+)
 def test_bad_input_raises_value_error_naming_key(rotary_dim, scaling, max_position, pattern):
     with pytest.raises(ValueError, match=pattern):
         inv_freq(rotary_dim, 10000.0, scaling, max_position)
-    if "or None with max_position" in pattern:   # a table always has a length
+    if "or None with max_position" in pattern:  # a table always has a length
         return
     with pytest.raises(ValueError, match=pattern):
         cos_sin_cache(rotary_dim, 16 if max_position is None else max_position, 10000.0, scaling)

@@ -23,7 +23,6 @@ transformers = pytest.importorskip("transformers")
 from ropekit import hf, ops  # noqa: E402
 
 
-
 def tols(dtype, device):
     """|ropekit - float64 HF| <= atol + rtol * |ref|. float32: float32 arithmetic on O(1) values.
     bf16 / fp16: one rounding of the float32 result; to nearest on CUDA (half an ulp); the Triton
@@ -40,8 +39,7 @@ def _module(family):
 
 
 def _original(family, attr):
-    return hf._ORIGINALS.get((f"transformers.models.{family}.modeling_{family}", attr),
-                             getattr(_module(family), attr))
+    return hf._ORIGINALS.get((f"transformers.models.{family}.modeling_{family}", attr), getattr(_module(family), attr))
 
 
 def _available(family):
@@ -79,12 +77,13 @@ class _Calls:
 # ---------------------------------------------------------------------------------------------
 # function parity: every table entry against its own HF function in float64
 
-PARTIAL = {"phi3", "gpt_neox", "qwen3_next", "glm", "glm4", "glm4_moe"}   # HF slices by cos width
-PAIRS_TABLE = {"cohere", "cohere2"}                                        # cos is [f0, f0, f1, f1, ...]
+PARTIAL = {"phi3", "gpt_neox", "qwen3_next", "glm", "glm4", "glm4_moe"}  # HF slices by cos width
+PAIRS_TABLE = {"cohere", "cohere2"}  # cos is [f0, f0, f1, f1, ...]
 
 
-def _hf_inputs(kind, *, dtype, device, gen, B=2, S=3, Hq=4, Hk=2, D=16, rot=None, ud=1,
-               table_batch=None, table_dtype=None):
+def _hf_inputs(
+    kind, *, dtype, device, gen, B=2, S=3, Hq=4, Hk=2, D=16, rot=None, ud=1, table_batch=None, table_dtype=None
+):
     """q, k (HF layout, views of projections) and cos, sin (or freqs_cis) as HF builds them."""
     rot = D if rot is None else rot
     table_batch = B if table_batch is None else table_batch
@@ -93,6 +92,7 @@ def _hf_inputs(kind, *, dtype, device, gen, B=2, S=3, Hq=4, Hk=2, D=16, rot=None
     def proj(H):
         x = torch.randn(B, S, H * D, generator=gen).to(device=device, dtype=dtype).view(B, S, H, D)
         return x.transpose(1, 2) if ud == 1 else x
+
     q, k = proj(Hq), proj(Hk)
     if kind == "llama4":
         q, k = q.transpose(1, 2) if ud == 1 else q, k.transpose(1, 2) if ud == 1 else k  # (B, S, H, D)
@@ -103,7 +103,7 @@ def _hf_inputs(kind, *, dtype, device, gen, B=2, S=3, Hq=4, Hk=2, D=16, rot=None
     if kind == "mrope":
         freqs = torch.rand(3, table_batch, S, rot // 2, generator=gen, dtype=torch.float64) * 20
     emb = freqs.repeat_interleave(2, dim=-1) if kind == "pairs_table" else torch.cat((freqs, freqs), -1)
-    scale = 1.0 + 0.25 * torch.rand((), generator=gen, dtype=torch.float64)          # attention factor
+    scale = 1.0 + 0.25 * torch.rand((), generator=gen, dtype=torch.float64)  # attention factor
     cos = (emb.cos() * scale).to(device=device, dtype=table_dtype)
     sin = (emb.sin() * scale).to(device=device, dtype=table_dtype)
     return q, k, cos, sin
@@ -129,6 +129,7 @@ def _run_both(dropin, original, args, extra=(), kwargs=None, upstream_seed=0):
 
     def wide(t):
         return t.to(torch.complex128) if t.is_complex() else t.double()
+
     q64, k64 = (a.detach().double().requires_grad_() for a in args[:2])
     refs = original(q64, k64, *(wide(t) for t in rest), *extra, **kwargs)
     ref_grads = torch.autograd.grad(refs, (q64, k64), [u.double() for u in ups])
@@ -149,8 +150,7 @@ def _hf_out_dtypes(original, args, extra=()):
         return [o.dtype for o in original(*args, *extra)]
 
 
-TABLE = [(f, a) for f in sorted(hf.FAMILIES) for a in hf.FAMILIES[f]
-         if a != "apply_multimodal_rotary_pos_emb"]
+TABLE = [(f, a) for f in sorted(hf.FAMILIES) for a in hf.FAMILIES[f] if a != "apply_multimodal_rotary_pos_emb"]
 
 
 @pytest.mark.parametrize("family,attr", TABLE, ids=[f"{f}.{a}" for f, a in TABLE])
@@ -234,6 +234,7 @@ def _oracle_multimodal_4x(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     def one(x):
         x1, x2 = x[..., :half], x[..., half:]
         return x * c + torch.cat((-x2, x1), dim=-1) * s
+
     return one(q), one(k)
 
 
@@ -244,9 +245,8 @@ def test_multimodal_rotary_pos_emb_4x(ud, table_batch, dtype, device, kernel_cal
     gen = torch.Generator().manual_seed(11)
     D = 16
     args = _hf_inputs("mrope", dtype=dtype, device=device, gen=gen, D=D, ud=ud, table_batch=table_batch)
-    section = [2, 3, 3]                                        # t + h + w = D / 2
-    res = _run_both(hf.apply_multimodal_rotary_pos_emb, _oracle_multimodal_4x, args,
-                    extra=(section, ud))
+    section = [2, 3, 3]  # t + h + w = D / 2
+    res = _run_both(hf.apply_multimodal_rotary_pos_emb, _oracle_multimodal_4x, args, extra=(section, ud))
     _assert_matches(*res, [dtype, dtype], device)
     assert kernel_calls.call_count == 1
     # and HF 4.x's own formula (the fallback's) agrees with the oracle in float64
@@ -276,11 +276,11 @@ def test_fallback_keeps_hf_semantics(case, kernel_calls):
         qo, ko = hf.apply_rotary_pos_emb(q, k, cos, sin)
         qr, kr = original(q, k, cos, sin)
     elif case == "wider_table_dtype":
-        q, k = q.bfloat16(), k.bfloat16()               # HF promotes bf16 * fp32 to an fp32 result
+        q, k = q.bfloat16(), k.bfloat16()  # HF promotes bf16 * fp32 to an fp32 result
         qo, ko = hf.apply_rotary_pos_emb(q, k, cos, sin)
         qr, kr = original(q, k, cos, sin)
         assert qo.dtype == torch.float32
-    else:                                                # q without a unit last stride
+    else:  # q without a unit last stride
         q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
         qo, ko = hf.apply_rotary_pos_emb(q, k, cos, sin)
         qr, kr = original(q, k, cos, sin)
@@ -307,9 +307,19 @@ def test_inference_output_is_a_view_of_tokens_first_result(kernel_calls):
 # model parity: tiny models, patched vs unpatched (float32), both vs float64
 
 V, HID, LAYERS, S_MODEL = 96, 64, 2, 5
-COMMON = dict(vocab_size=V, hidden_size=HID, intermediate_size=96, num_hidden_layers=LAYERS,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=HID,
+    intermediate_size=96,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def _build(name):
@@ -317,46 +327,90 @@ def _build(name):
     T = transformers
     if name in ("llama", "mistral", "qwen2", "qwen3"):
         cfg_cls, model_cls = {
-            "llama": (T.LlamaConfig, T.LlamaForCausalLM), "mistral": (T.MistralConfig, T.MistralForCausalLM),
-            "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}[name]
+            "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+            "mistral": (T.MistralConfig, T.MistralForCausalLM),
+            "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+            "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+        }[name]
         extra = dict(head_dim=16) if name == "qwen3" else {}
         return model_cls(cfg_cls(**COMMON, **extra)), {}, name, LAYERS
-    if name == "phi3":                                   # partial rotary 0.5: 8 of 16 dims
+    if name == "phi3":  # partial rotary 0.5: 8 of 16 dims
         return T.Phi3ForCausalLM(T.Phi3Config(**COMMON, partial_rotary_factor=0.5)), {}, name, LAYERS
-    if name == "glm":                                    # interleaved partial rotary
+    if name == "glm":  # interleaved partial rotary
         return T.GlmForCausalLM(T.GlmConfig(**COMMON, head_dim=16, partial_rotary_factor=0.5)), {}, name, LAYERS
-    if name == "gpt_neox":                               # partial rotary 0.25: 4 of 16 dims, fused qkv
+    if name == "gpt_neox":  # partial rotary 0.25: 4 of 16 dims, fused qkv
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**COMMON, rotary_pct=0.25)), {}, name, LAYERS
-    if name.startswith("deepseek_v3"):                   # MLA: rope on a 8-wide slice of 24-wide heads
+    if name.startswith("deepseek_v3"):  # MLA: rope on a 8-wide slice of 24-wide heads
         cfg = T.DeepseekV3Config(
-            **{k: v for k, v in COMMON.items() if k != "num_key_value_heads"}, num_key_value_heads=4,
-            moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=2, n_shared_experts=1,
-            n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            rope_interleave=name == "deepseek_v3_interleave", experts_implementation="eager")
+            **{k: v for k, v in COMMON.items() if k != "num_key_value_heads"},
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=2,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            rope_interleave=name == "deepseek_v3_interleave",
+            experts_implementation="eager",
+        )
         return T.DeepseekV3ForCausalLM(cfg), {}, "deepseek_v3", LAYERS
-    if name == "llama4":                                 # complex freqs_cis; every expert routed
-        cfg = T.Llama4TextConfig(**COMMON, head_dim=16, intermediate_size_mlp=96, num_local_experts=1,
-                                 num_experts_per_tok=1, experts_implementation="eager")
+    if name == "llama4":  # complex freqs_cis; every expert routed
+        cfg = T.Llama4TextConfig(
+            **COMMON,
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=1,
+            num_experts_per_tok=1,
+            experts_implementation="eager",
+        )
         model = T.Llama4ForCausalLM(cfg)
         n_rope = sum(bool(layer.self_attn.use_rope) for layer in model.model.layers)
         assert n_rope > 0
         return model, {}, name, n_rope
-    if name in ("qwen2_vl", "qwen2_5_vl"):               # M-RoPE, sections merged in the rotary embedding
-        cfg_cls, model_cls = {"qwen2_vl": (T.Qwen2VLConfig, T.Qwen2VLForConditionalGeneration),
-                              "qwen2_5_vl": (T.Qwen2_5_VLConfig, T.Qwen2_5_VLForConditionalGeneration)}[name]
+    if name in ("qwen2_vl", "qwen2_5_vl"):  # M-RoPE, sections merged in the rotary embedding
+        cfg_cls, model_cls = {
+            "qwen2_vl": (T.Qwen2VLConfig, T.Qwen2VLForConditionalGeneration),
+            "qwen2_5_vl": (T.Qwen2_5_VLConfig, T.Qwen2_5_VLForConditionalGeneration),
+        }[name]
         text = dict(COMMON, rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
-        vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, out_hidden_size=HID,
-                      intermediate_size=32, patch_size=2, spatial_merge_size=1, temporal_patch_size=1)
+        vision = dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            out_hidden_size=HID,
+            intermediate_size=32,
+            patch_size=2,
+            spatial_merge_size=1,
+            temporal_patch_size=1,
+        )
         model = model_cls(cfg_cls(text_config=text, vision_config=vision))
         t = torch.arange(S_MODEL)
-        pos = torch.stack((t, t // 2 + 1, t % 3 + 2))[:, None, :].expand(3, 2, S_MODEL)   # distinct t / h / w rows
+        pos = torch.stack((t, t // 2 + 1, t % 3 + 2))[:, None, :].expand(3, 2, S_MODEL)  # distinct t / h / w rows
         return model, dict(position_ids=pos), name, LAYERS
     raise KeyError(name)
 
 
-MODELS = ["llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "llama4", "deepseek_v3",
-          "deepseek_v3_interleave", "phi3", "glm", "gpt_neox"]
+MODELS = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llama4",
+    "deepseek_v3",
+    "deepseek_v3_interleave",
+    "phi3",
+    "glm",
+    "gpt_neox",
+]
 
 
 def _forward_backward(model, ids, extra, up):
@@ -394,16 +448,19 @@ def test_model_parity(name, kernel_calls):
         logits1, grads1 = _forward_backward(model, ids, extra, up)
         calls = kernel_calls.call_count
         # can this comparison fail? rotating by the inverse angle moves the logits far away
-        fn_name = "apply_rotary_emb" if family == "llama4" else (
-            "apply_rotary_pos_emb_interleave" if name == "deepseek_v3_interleave" else "apply_rotary_pos_emb")
-        good = hf_fns[fn_name]                          # HF's own function, rotating the wrong way
+        fn_name = (
+            "apply_rotary_emb"
+            if family == "llama4"
+            else ("apply_rotary_pos_emb_interleave" if name == "deepseek_v3_interleave" else "apply_rotary_pos_emb")
+        )
+        good = hf_fns[fn_name]  # HF's own function, rotating the wrong way
         if family == "llama4":
-            wrong = lambda xq, xk, f: good(xq, xk, f.conj())                  # noqa: E731
+            wrong = lambda xq, xk, f: good(xq, xk, f.conj())  # noqa: E731
         else:
             wrong = lambda q, k, c, s, *a, **kw: good(q, k, c, -s, *a, **kw)  # noqa: E731
         with mock.patch.object(module, fn_name, wrong), torch.no_grad():
             logits_wrong = model(input_ids=ids, **extra).logits
-    for attr, fn in hf_fns.items():                     # restored
+    for attr, fn in hf_fns.items():  # restored
         assert getattr(module, attr) is fn
     # the forward reached ropekit once per rotary layer (the backward calls the op directly)
     assert calls == n_rope, f"{calls} kernel calls, expected {n_rope} (did the patch take effect?)"
@@ -460,7 +517,7 @@ def test_patch_global_and_unpatch():
         assert set(done[f]) == set(originals[f])
         for a in done[f]:
             assert getattr(_module(f), a) is hf.FAMILIES[f][a]
-    assert hf.patch(families=["llama"]) == {"llama": ["apply_rotary_pos_emb"]}    # idempotent
+    assert hf.patch(families=["llama"]) == {"llama": ["apply_rotary_pos_emb"]}  # idempotent
     restored = hf.unpatch()
     assert set(restored) == set(wanted)
     for f in wanted:
@@ -470,8 +527,19 @@ def test_patch_global_and_unpatch():
 
 
 def test_patch_all_families_and_required_ones_present():
-    required = {"llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "llama4", "deepseek_v3",
-                "phi3", "glm", "gpt_neox"}
+    required = {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "llama4",
+        "deepseek_v3",
+        "phi3",
+        "glm",
+        "gpt_neox",
+    }
     assert required <= set(hf.FAMILIES)
     done = hf.patch()
     assert required <= set(done)
@@ -494,7 +562,7 @@ def test_patch_model_finds_its_family_only():
     assert done == {"phi3": ["apply_rotary_pos_emb"]}
     assert _module("llama").apply_rotary_pos_emb is llama_fn
     hf.unpatch()
-    assert hf.patch(model, families=["llama"]) == {}          # intersection: nothing of llama in it
+    assert hf.patch(model, families=["llama"]) == {}  # intersection: nothing of llama in it
     with pytest.raises(ValueError, match="model"):
         hf.patch(torch.nn.Linear(2, 2))
 
@@ -503,7 +571,7 @@ def test_patched_context_restores_only_its_own():
     hf.patch(families=["llama"])
     with hf.patched(families=["llama", "qwen2"]) as done:
         assert set(done) == {"llama", "qwen2"}
-    assert _module("llama").apply_rotary_pos_emb is hf.apply_rotary_pos_emb       # patched before: kept
+    assert _module("llama").apply_rotary_pos_emb is hf.apply_rotary_pos_emb  # patched before: kept
     assert _module("qwen2").apply_rotary_pos_emb is _original("qwen2", "apply_rotary_pos_emb")
     assert _module("qwen2").apply_rotary_pos_emb is not hf.apply_rotary_pos_emb
 

@@ -12,8 +12,11 @@ from ropekit import hf  # noqa: E402
 @pytest.mark.parametrize("model", [3, "meta-llama/Llama-3.1-8B", {"model_type": "llama"}, torch.zeros(2)])
 def test_patch_refuses_what_is_not_a_model(model):
     before = dict(hf._ORIGINALS)
-    with pytest.raises(TypeError, match=r"^ropekit.hf.patch: model: expected a torch.nn.Module \(a transformers "
-                                        r"model\) or None, got " + type(model).__name__ + "$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^ropekit.hf.patch: model: expected a torch.nn.Module \(a transformers "
+        r"model\) or None, got " + type(model).__name__ + "$",
+    ):
         hf.patch(model)
     assert hf._ORIGINALS == before, "nothing patched"
 

@@ -13,9 +13,19 @@ transformers = pytest.importorskip("transformers")
 from ropekit import hf, hf_qknorm, qknorm  # noqa: E402
 
 V, HID, LAYERS, S = 96, 64, 2, 5
-COMMON = dict(vocab_size=V, hidden_size=HID, intermediate_size=96, num_hidden_layers=LAYERS,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=HID,
+    intermediate_size=96,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def _build(name):
@@ -23,11 +33,13 @@ def _build(name):
     if name == "qwen3":
         return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=16))
     if name == "qwen3_moe":
-        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                      moe_intermediate_size=32))
+        return T.Qwen3MoeForCausalLM(
+            T.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        )
     if name == "gemma3":
-        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4,
-                                                      query_pre_attn_scalar=16))
+        return T.Gemma3ForCausalLM(
+            T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
+        )
     if name == "olmo2":
         return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON))
     raise KeyError(name)
@@ -110,8 +122,11 @@ def test_patch_would_notice_a_skipped_norm():
         kw["q_norm_weight"] = torch.ones_like(kw["q_norm_weight"])
         return real(q, k, cos, sin, **kw)
 
-    with hf.patched(model, fuse_qk_norm=True), mock.patch.object(qknorm, "rotate_angles_with_norm", no_weights), \
-            torch.no_grad():
+    with (
+        hf.patched(model, fuse_qk_norm=True),
+        mock.patch.object(qknorm, "rotate_angles_with_norm", no_weights),
+        torch.no_grad(),
+    ):
         wrong = model(input_ids=ids).logits
     assert _rel(wrong, ref) > 1e-3
     assert hf_qknorm.fused_families() == []

@@ -32,7 +32,8 @@ def test_repository_layout_and_metadata(tmp_path):
     assert meta["name"] == "ropekit-rope" and meta["license"] == "Apache-2.0" and meta["python-depends"] == []
     assert os.path.exists(os.path.join(variant, "ropekit_rope", "__init__.py"))
     kernels = pytest.importorskip("kernels")
-    from kernels._rust import Metadata        # the parser kernels itself uses
+    from kernels._rust import Metadata  # the parser kernels itself uses
+
     m = Metadata.read_from_file(os.path.join(variant, "metadata.json"))
     assert str(m.name) == "ropekit-rope"
     module = kernels.get_local_kernel(__import__("pathlib").Path(root))
@@ -52,15 +53,15 @@ def test_layer_signature_matches_transformers_function(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     from transformers.models.llama import modeling_llama
+
     fn = modeling_llama.apply_rotary_pos_emb
-    fn = getattr(fn, "forward", fn)             # a Func module when transformers' kernels hook is on
+    fn = getattr(fn, "forward", fn)  # a Func module when transformers' kernels hook is on
     ref = [p.kind for n, p in inspect.signature(fn).parameters.items() if n != "self"]
-    ours = [p.kind for n, p in inspect.signature(mod.ApplyRotaryTransformers.forward).parameters.items()
-            if n != "self"]
+    ours = [p.kind for n, p in inspect.signature(mod.ApplyRotaryTransformers.forward).parameters.items() if n != "self"]
     assert ours == ref
 
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import sys, json, torch
 import transformers.utils as _u, transformers.utils.import_utils as _iu
 _u.is_kernels_available = _iu.is_kernels_available = lambda *a, **k: True   # open the version gate
@@ -94,7 +95,7 @@ got_logits, got_grads = run()
 rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))
 print(json.dumps({"calls": len(calls), "logits": rel(got_logits, want_logits),
                   "grads": max(rel(got_grads[n], want_grads[n]) for n in want_grads)}))
-'''
+"""
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -103,18 +104,20 @@ def test_kernelized_llama_matches_hf(tmp_path, device):
     pytest.importorskip("transformers")
     root = hub.write_kernel_repo(str(tmp_path / "repo"))
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, device, root], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, device, root], capture_output=True, text=True, env=env, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["calls"] == 2, out             # ropekit ran once per layer (the forward; backward is ropekit's)
+    assert out["calls"] == 2, out  # ropekit ran once per layer (the forward; backward is ropekit's)
     assert out["logits"] <= 1e-5 and out["grads"] <= 1e-5, out
 
 
 def test_cli_writes_the_repository(tmp_path):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "ropekit.hub", str(tmp_path / "k")], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ropekit.hub", str(tmp_path / "k")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert os.path.exists(tmp_path / "k" / "build" / "torch-universal" / "metadata.json")
     r = subprocess.run([sys.executable, "-m", "ropekit.hub"], capture_output=True, text=True, env=env, timeout=120)

@@ -27,8 +27,7 @@ def _rand(*shape, dtype=torch.float32, seed=0):
 def _oracle(rope, positions, q, k, table=None):
     """Expected (q, k) in float64, heads unflattened, from a float64 table."""
     if table is None:
-        table = cos_sin_cache(rope.rotary_dim, rope.max_position, rope.base, rope.rope_scaling,
-                              dtype=torch.float64)
+        table = cos_sin_cache(rope.rotary_dim, rope.max_position, rope.base, rope.rope_scaling, dtype=torch.float64)
     n_tok = positions.dim()
     D = rope.head_size
 
@@ -68,7 +67,7 @@ def test_forward_matches_reference(neox, rotary_dim, flat, inplace):
     if inplace:
         assert q_out is q and k_out is k
     else:
-        assert torch.equal(q, q0) and torch.equal(k, k0)          # inputs untouched
+        assert torch.equal(q, q0) and torch.equal(k, k0)  # inputs untouched
     _close(q_out, want_q, torch.float32)
     _close(k_out, want_k, torch.float32)
     # the tail beyond rotary_dim is passed through bit for bit
@@ -90,7 +89,7 @@ def test_half_precision_inputs_keep_float32_table(dtype):
 
 def test_key_none_and_batched_positions():
     rope = RotaryEmbedding(8, 8, 16, 100.0, inplace=False)
-    positions = torch.tensor([[0, 1, 2], [7, 3, 15]])             # (B, S)
+    positions = torch.tensor([[0, 1, 2], [7, 3, 15]])  # (B, S)
     q = _rand(2, 3, 2 * 8, seed=5)
     want_q, _ = _oracle(rope, positions, q, None)
     q_out, k_out = rope(positions, q)
@@ -109,17 +108,28 @@ def test_fused_qkv_views_in_place():
     want_q, want_k = _oracle(rope, positions, q.clone(), k.clone())
     q_out, k_out = rope(positions, q, k)
     assert q_out is q and k_out is k
-    _close(qkv[:, :Hq * D], want_q, torch.float32)
-    _close(qkv[:, Hq * D:(Hq + Hk) * D], want_k, torch.float32)
-    assert torch.equal(qkv[:, (Hq + Hk) * D:], before[:, (Hq + Hk) * D:])
+    _close(qkv[:, : Hq * D], want_q, torch.float32)
+    _close(qkv[:, Hq * D : (Hq + Hk) * D], want_k, torch.float32)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
 
 
 def test_mla_slices_with_different_widths():
     """DeepSeek-style: q_pe a 64-wide slice of 192-wide heads, k_pe its own (T, 1, 64) tensor."""
     T, H = 5, 3
-    rope = RotaryEmbedding(64, 64, 128, 10000.0, is_neox_style=False,
-                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
-                                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 32})
+    rope = RotaryEmbedding(
+        64,
+        64,
+        128,
+        10000.0,
+        is_neox_style=False,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 32,
+        },
+    )
     q_full = _rand(T, H, 192, seed=7)
     q_pe = q_full[..., 128:]
     k_pe = _rand(T, 1, 64, seed=8)
@@ -139,7 +149,7 @@ def test_out_of_range_positions_are_nan_or_strict_error():
     q_out, _ = rope(positions, q)
     q_out = q_out.reshape(4, 2, 8)
     assert torch.isnan(q_out[[1, 2], :, :4]).all()
-    assert torch.equal(q_out[..., 4:], q.reshape(4, 2, 8)[..., 4:])        # tail kept
+    assert torch.equal(q_out[..., 4:], q.reshape(4, 2, 8)[..., 4:])  # tail kept
     assert not torch.isnan(q_out[[0, 3]]).any()
     with strict(), pytest.raises(ValueError, match="positions"):
         rope(positions, q.clone())
@@ -150,8 +160,12 @@ def test_out_of_range_positions_are_nan_or_strict_error():
 
 
 def _small_longrope():
-    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0],
-               "long_factor": [1.0, 3.0, 9.0, 27.0], "original_max_position_embeddings": 16}
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 4.0],
+        "long_factor": [1.0, 3.0, 9.0, 27.0],
+        "original_max_position_embeddings": 16,
+    }
     return RotaryEmbedding(8, 8, 64, 10000.0, rope_scaling=scaling, inplace=False), scaling
 
 
@@ -162,8 +176,11 @@ def test_longrope_picks_short_or_long_per_call():
     long = cos_sin_cache(8, 64, 10000.0, dict(scaling, factor=4.0), dtype=torch.float64)
     assert not torch.allclose(short, long[:16])
     q = _rand(4, 2 * 8, seed=10)
-    for positions, table in ((torch.tensor([0, 3, 15, 7]), short), (torch.tensor([0, 3, 16, 7]), long),
-                             (torch.tensor([63, 1, 2, 3]), long)):
+    for positions, table in (
+        (torch.tensor([0, 3, 15, 7]), short),
+        (torch.tensor([0, 3, 16, 7]), long),
+        (torch.tensor([63, 1, 2, 3]), long),
+    ):
         want_q, _ = _oracle(rope, positions, q, None, table=table)
         got, _ = rope(positions, q)
         _close(got, want_q, torch.float32)
@@ -184,10 +201,10 @@ def test_buffer_lifecycle():
     rope = RotaryEmbedding(16, 8, 32, 1000.0, dtype=None)
     ref = cos_sin_cache(8, 32, 1000.0)
     assert torch.equal(rope.cos_sin_cache, ref)
-    assert "cos_sin_cache" not in rope.state_dict()                 # persistent=False
-    rope.half()                                                      # the table keeps its dtype
+    assert "cos_sin_cache" not in rope.state_dict()  # persistent=False
+    rope.half()  # the table keeps its dtype
     assert rope.cos_sin_cache.dtype == torch.float32 and torch.equal(rope.cos_sin_cache, ref)
-    rope.to_empty(device="cpu")                                      # rebuilt, not garbage
+    rope.to_empty(device="cpu")  # rebuilt, not garbage
     assert torch.equal(rope.cos_sin_cache, ref)
     bf = RotaryEmbedding(16, 8, 32, 1000.0, dtype=torch.bfloat16)
     assert torch.equal(bf.cos_sin_cache, cos_sin_cache(8, 32, 1000.0).bfloat16())
@@ -206,8 +223,16 @@ def test_meta_construction_builds_lazily_on_query_device():
 
 def test_extra_repr():
     text = repr(RotaryEmbedding(128, 64, 4096, 500000.0, False, {"rope_type": "linear", "factor": 2.0}))
-    for part in ("head_size=128", "rotary_dim=64", "max_position=4096", "base=500000.0",
-                 "is_neox_style=False", "rope_type='linear'", "inplace=True", "cache_dtype=float32"):
+    for part in (
+        "head_size=128",
+        "rotary_dim=64",
+        "max_position=4096",
+        "base=500000.0",
+        "is_neox_style=False",
+        "rope_type='linear'",
+        "inplace=True",
+        "cache_dtype=float32",
+    ):
         assert part in text, text
     assert "long_from=16" in repr(_small_longrope()[0])
 
@@ -233,7 +258,7 @@ def test_torch_compile_fullgraph(inplace, with_key):
     else:
         assert k_out is None
     if inplace:
-        _close(q, want_q, torch.float32)                             # mutation reached the caller
+        _close(q, want_q, torch.float32)  # mutation reached the caller
     else:
         assert torch.equal(q, q0)
 
@@ -254,17 +279,23 @@ def test_torch_compile_longrope():
 # bad input
 
 
-@pytest.mark.parametrize("args, kwargs, pattern", [
-    ((128, 127, 4096), {}, r"rotary_dim: expected an even integer in \[2, head_size = 128\], got 127"),
-    ((128, 130, 4096), {}, r"rotary_dim: .*got 130"),
-    ((128, 0, 4096), {}, r"rotary_dim: .*got 0"),
-    ((0, 0, 4096), {}, r"head_size: expected a positive integer, got 0"),
-    ((64, 64, 0), {}, r"max_position: expected a positive integer, got 0"),
-    ((64, 64, 128), {"rope_scaling": {"rope_type": "xpos"}}, r"scaling\['rope_type'\].*got 'xpos'"),
-    ((64, 64, 128), {"rope_scaling": {"rope_type": "linear", "factor": -1}}, r"scaling\['factor'\].*got -1"),
-    ((64, 64, 128), {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
-     r"scaling\['original_max_position_embeddings'\]"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, pattern",
+    [
+        ((128, 127, 4096), {}, r"rotary_dim: expected an even integer in \[2, head_size = 128\], got 127"),
+        ((128, 130, 4096), {}, r"rotary_dim: .*got 130"),
+        ((128, 0, 4096), {}, r"rotary_dim: .*got 0"),
+        ((0, 0, 4096), {}, r"head_size: expected a positive integer, got 0"),
+        ((64, 64, 0), {}, r"max_position: expected a positive integer, got 0"),
+        ((64, 64, 128), {"rope_scaling": {"rope_type": "xpos"}}, r"scaling\['rope_type'\].*got 'xpos'"),
+        ((64, 64, 128), {"rope_scaling": {"rope_type": "linear", "factor": -1}}, r"scaling\['factor'\].*got -1"),
+        (
+            (64, 64, 128),
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+            r"scaling\['original_max_position_embeddings'\]",
+        ),
+    ],
+)
 def test_constructor_rejects_bad_arguments(args, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         RotaryEmbedding(*args, **kwargs)
@@ -291,54 +322,141 @@ _PHI3_LONG = [1.0 + 1.3 * i for i in range(48)]
 
 HF_CONFIGS = {
     "llama3.1-8b": dict(
-        model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-        max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+        model_type="llama",
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    ),
     "qwen2.5-7b-yarn": dict(
-        model_type="qwen2", hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
-        max_position_embeddings=32768, rope_theta=1000000.0,
-        rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}),
+        model_type="qwen2",
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+    ),
     "deepseek-v3": dict(
-        model_type="deepseek_v3", hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
-        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        max_position_embeddings=163840, rope_theta=10000,
-        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                      "original_max_position_embeddings": 4096, "type": "yarn"}),
+        model_type="deepseek_v3",
+        hidden_size=7168,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rope_theta=10000,
+        rope_scaling={
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+    ),
     "phi3-128k": dict(
-        model_type="phi3", hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
-        max_position_embeddings=131072, original_max_position_embeddings=4096, rope_theta=10000.0,
-        rope_scaling={"long_factor": _PHI3_LONG, "short_factor": _PHI3_SHORT, "type": "longrope"}),
+        model_type="phi3",
+        hidden_size=3072,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rope_scaling={"long_factor": _PHI3_LONG, "short_factor": _PHI3_SHORT, "type": "longrope"},
+    ),
     "llama2-dynamic": dict(
-        model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
-        max_position_embeddings=4096, rope_theta=10000.0, rope_scaling={"factor": 2.0, "type": "dynamic"}),
+        model_type="llama",
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rope_scaling={"factor": 2.0, "type": "dynamic"},
+    ),
     "gpt-neox-20b": dict(
-        model_type="gpt_neox", hidden_size=6144, num_attention_heads=64, max_position_embeddings=2048,
-        rotary_pct=0.25, rotary_emb_base=10000),
+        model_type="gpt_neox",
+        hidden_size=6144,
+        num_attention_heads=64,
+        max_position_embeddings=2048,
+        rotary_pct=0.25,
+        rotary_emb_base=10000,
+    ),
     "gpt-j-6b": dict(model_type="gptj", n_embd=4096, n_head=16, n_positions=2048, rotary_dim=64),
 }
 
 # expected: head_size, rotary_dim, max_position (table), base, is_neox_style, scaling passed on
 EXPECTED = {
-    "llama3.1-8b": (128, 128, 131072, 500000.0, True, dict(
-        HF_CONFIGS["llama3.1-8b"]["rope_scaling"])),
-    "qwen2.5-7b-yarn": (128, 128, 131072, 1000000.0, True, {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
-    "deepseek-v3": (64, 64, 163840, 10000, False, {
-        "rope_type": "yarn", "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096}),
-    "phi3-128k": (96, 96, 131072, 10000.0, True, {
-        "rope_type": "longrope", "long_factor": _PHI3_LONG, "short_factor": _PHI3_SHORT,
-        "original_max_position_embeddings": 4096, "factor": 32.0}),
-    "llama2-dynamic": (128, 128, 8192, 10000.0, True, {
-        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096}),
+    "llama3.1-8b": (128, 128, 131072, 500000.0, True, dict(HF_CONFIGS["llama3.1-8b"]["rope_scaling"])),
+    "qwen2.5-7b-yarn": (
+        128,
+        128,
+        131072,
+        1000000.0,
+        True,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    ),
+    "deepseek-v3": (
+        64,
+        64,
+        163840,
+        10000,
+        False,
+        {
+            "rope_type": "yarn",
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    ),
+    "phi3-128k": (
+        96,
+        96,
+        131072,
+        10000.0,
+        True,
+        {
+            "rope_type": "longrope",
+            "long_factor": _PHI3_LONG,
+            "short_factor": _PHI3_SHORT,
+            "original_max_position_embeddings": 4096,
+            "factor": 32.0,
+        },
+    ),
+    "llama2-dynamic": (
+        128,
+        128,
+        8192,
+        10000.0,
+        True,
+        {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4096},
+    ),
     "gpt-neox-20b": (96, 24, 2048, 10000, True, {"rope_type": "default"}),
     "gpt-j-6b": (256, 64, 2048, 10000.0, False, {"rope_type": "default"}),
 }
 
 _CONFIG_CLASSES = {
-    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "deepseek_v3": "DeepseekV3Config",
-    "phi3": "Phi3Config", "gpt_neox": "GPTNeoXConfig", "gptj": "GPTJConfig",
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "deepseek_v3": "DeepseekV3Config",
+    "phi3": "Phi3Config",
+    "gpt_neox": "GPTNeoXConfig",
+    "gptj": "GPTJConfig",
 }
 
 
@@ -383,14 +501,22 @@ def test_from_hf_config_builds_the_table(name):
 
 
 def test_from_hf_config_overrides_and_nested_parameters():
-    rope = RotaryEmbedding.from_hf_config(dict(HF_CONFIGS["gpt-neox-20b"]), max_position=64,
-                                          is_neox_style=False, inplace=False, dtype=torch.float64)
+    rope = RotaryEmbedding.from_hf_config(
+        dict(HF_CONFIGS["gpt-neox-20b"]), max_position=64, is_neox_style=False, inplace=False, dtype=torch.float64
+    )
     assert rope.max_position == 64 and not rope.is_neox_style and not rope.inplace
     assert rope.cos_sin_cache.dtype == torch.float64
-    gemma_like = dict(model_type="gemma3_text", hidden_size=640, num_attention_heads=4, head_dim=256,
-                      max_position_embeddings=32768,
-                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    gemma_like = dict(
+        model_type="gemma3_text",
+        hidden_size=640,
+        num_attention_heads=4,
+        head_dim=256,
+        max_position_embeddings=32768,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
     with pytest.raises(ValueError, match=r"layer_type: expected one of \['full_attention', 'sliding_attention'\]"):
         hf_rope_args(gemma_like)
     args = hf_rope_args(gemma_like, layer_type="full_attention")
@@ -447,22 +573,35 @@ def test_mrope_positions(interleaved_sections, flat, device):
 
     D, Hq, Hk, T = 64, 3, 1, 5
     section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]
-    rope = ropekit.RotaryEmbedding(D, D, 64, base=10000.0, mrope_section=section,
-                                   mrope_interleaved=interleaved_sections, inplace=False).to(device)
+    rope = ropekit.RotaryEmbedding(
+        D, D, 64, base=10000.0, mrope_section=section, mrope_interleaved=interleaved_sections, inplace=False
+    ).to(device)
     q = torch.randn(T, Hq, D, device=device)
     k = torch.randn(T, Hk, D, device=device)
     pos = torch.randint(0, 64, (3, T), device=device)
     qa, ka = (q.flatten(-2), k.flatten(-2)) if flat else (q, k)
     qo, ko = rope(pos, qa, ka)
-    rq, rk = reference.apply_rope(q.double(), k.double(), pos, rope.cos_sin_cache.double(),
-                                  mrope_section=section, mrope_interleaved=interleaved_sections)
+    rq, rk = reference.apply_rope(
+        q.double(),
+        k.double(),
+        pos,
+        rope.cos_sin_cache.double(),
+        mrope_section=section,
+        mrope_interleaved=interleaved_sections,
+    )
     torch.testing.assert_close(qo.reshape(q.shape).double(), rq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ko.reshape(k.shape).double(), rk, rtol=1e-5, atol=1e-5)
     # (3, B, S)
     qb = q[:4].reshape(2, 2, Hq, D)
     qo2, _ = rope(pos[:, :4].reshape(3, 2, 2), qb.flatten(-2) if flat else qb, None)
-    rq2, _ = reference.apply_rope(qb.double(), None, pos[:, :4].reshape(3, 2, 2), rope.cos_sin_cache.double(),
-                                  mrope_section=section, mrope_interleaved=interleaved_sections)
+    rq2, _ = reference.apply_rope(
+        qb.double(),
+        None,
+        pos[:, :4].reshape(3, 2, 2),
+        rope.cos_sin_cache.double(),
+        mrope_section=section,
+        mrope_interleaved=interleaved_sections,
+    )
     torch.testing.assert_close(qo2.reshape(qb.shape).double(), rq2, rtol=1e-5, atol=1e-5)
     # text-only tokens: plain positions equal three identical rows
     p1 = pos[0]
@@ -472,8 +611,9 @@ def test_mrope_positions(interleaved_sections, flat, device):
 
 
 def test_mrope_from_scaling_dict_and_bad_sections():
-    rope = ropekit.RotaryEmbedding(128, 128, 256, base=1e6,
-                                   rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    rope = ropekit.RotaryEmbedding(
+        128, 128, 256, base=1e6, rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]}
+    )
     assert rope.mrope_section == (16, 24, 24) and not rope.mrope_interleaved
     with pytest.raises(ValueError, match="mrope_section"):
         ropekit.RotaryEmbedding(128, 128, 256, mrope_section=[16, 24, 20])
@@ -487,20 +627,21 @@ def test_mrope_rows_with_as_many_tokens_as_heads_are_mrope():
     """(3, T) rows with a flat query whose token count equals anything else are still M-RoPE."""
     D, T = 16, 3
     rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=[2, 3, 3], inplace=False)
-    q = _rand(T, 3 * D)                           # (T, H * D), H == T == 3
+    q = _rand(T, 3 * D)  # (T, H * D), H == T == 3
     pos = torch.tensor([[1, 5, 9], [2, 6, 10], [3, 7, 11]])
     got, _ = rope(pos, q)
-    want, _ = reference.apply_rope(q.view(T, 3, D).double(), None, pos, rope.cos_sin_cache.double(),
-                                   mrope_section=[2, 3, 3])
+    want, _ = reference.apply_rope(
+        q.view(T, 3, D).double(), None, pos, rope.cos_sin_cache.double(), mrope_section=[2, 3, 3]
+    )
     torch.testing.assert_close(got.view(T, 3, D).double(), want, rtol=1e-5, atol=1e-5)
     plain, _ = reference.apply_rope(q.view(T, 3, D).double(), None, pos[0], rope.cos_sin_cache.double())
-    assert not torch.allclose(got.view(T, 3, D).double(), plain, atol=1e-3)   # the old silent reading
+    assert not torch.allclose(got.view(T, 3, D).double(), plain, atol=1e-3)  # the old silent reading
 
 
 def test_mrope_batch_of_three_plain_positions_stays_plain():
     D = 16
     rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=[2, 3, 3], inplace=False)
-    q = _rand(3, 4, 2, D)                          # (B=3, S=4, H, D): only a plain reading fits
+    q = _rand(3, 4, 2, D)  # (B=3, S=4, H, D): only a plain reading fits
     pos = torch.randint(0, 64, (3, 4))
     got, _ = rope(pos, q)
     want, _ = reference.apply_rope(q.double(), None, pos, rope.cos_sin_cache.double())
@@ -510,10 +651,13 @@ def test_mrope_batch_of_three_plain_positions_stays_plain():
 def test_mrope_ambiguous_positions_are_an_error():
     D = 16
     rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=[2, 3, 3])
-    q = _rand(3, 3, D)                              # (T=3, H=3, D) or (B=3, S=3, 1 * D)
+    q = _rand(3, 3, D)  # (T=3, H=3, D) or (B=3, S=3, 1 * D)
     before = q.clone()
-    with pytest.raises(ValueError, match=r"RotaryEmbedding.forward: positions: expected a shape that tells "
-                                         r"M-RoPE rows from a batch.*got shape \(3, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"RotaryEmbedding.forward: positions: expected a shape that tells "
+        r"M-RoPE rows from a batch.*got shape \(3, 3\)",
+    ):
         rope(torch.zeros(3, 3, dtype=torch.long), q)
     assert torch.equal(q, before)
     # either unambiguous spelling works
@@ -533,14 +677,26 @@ def test_errors_through_the_module_name_the_callers_arguments():
     pos = torch.arange(3)
     with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: query: expected dtype in .*got float64$"):
         rope(pos, _rand(3, 16, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: key: expected the dtype of query \(float32\), "
-                                         r"got float16$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^RotaryEmbedding.forward: key: expected the dtype of query \(float32\), "
+        r"got float16$",
+    ):
         rope(pos, _rand(3, 16), _rand(3, 16, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: key: expected a tensor on cpu \(the device of "
-                                         r"query\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^RotaryEmbedding.forward: key: expected a tensor on cpu \(the device of "
+        r"query\)",
+    ):
         rope(pos, _rand(3, 16), torch.empty(3, 16, device="meta"))
-    with strict(), pytest.raises(ValueError, match=r"^RotaryEmbedding.forward: positions: expected values in "
-                                                     r"\[0, 32\) \(max_position = 32\), got positions\[1\] = 40$"):
+    with (
+        strict(),
+        pytest.raises(
+            ValueError,
+            match=r"^RotaryEmbedding.forward: positions: expected values in "
+            r"\[0, 32\) \(max_position = 32\), got positions\[1\] = 40$",
+        ),
+    ):
         rope(torch.tensor([0, 40, 1]), _rand(3, 16))
 
 

@@ -16,9 +16,8 @@ import torch
 
 import ropekit
 from ropekit import packed, reference
+
 from conftest import TOL, make_cache, rel_err
-
-
 
 # --- the oracle -------------------------------------------------------------------------------
 
@@ -100,9 +99,9 @@ def test_random_packs_context_parallel(device, cp_size, n_seq):
         assert pos == oracle_positions(lens, cp_size, r)
         at = 0
         for i, n in enumerate(lens):
-            everything[i] += pos[at:at + n]
+            everything[i] += pos[at : at + n]
             at += n
-    for i, n in enumerate(lens):          # all ranks together: every global position exactly once
+    for i, n in enumerate(lens):  # all ranks together: every global position exactly once
         assert sorted(everything[i]) == list(range(n * cp_size))
 
 
@@ -110,16 +109,18 @@ def test_start_positions(device):
     rng = random.Random(3)
     lens = random_lens(rng, 9)
     starts = [rng.randint(0, 1000) for _ in lens]
-    pos = ropekit.positions_from_cu_seqlens(cu_of(lens, device=device),
-                                            start_positions=torch.tensor(starts, dtype=torch.int32, device=device))
+    pos = ropekit.positions_from_cu_seqlens(
+        cu_of(lens, device=device), start_positions=torch.tensor(starts, dtype=torch.int32, device=device)
+    )
     assert pos.tolist() == oracle_positions(lens, starts=starts)
 
 
 def test_total_tokens_pads_with_zero_and_matches_without_it():
     lens = [3, 0, 5]
     cu = cu_of(lens)
-    assert ropekit.positions_from_cu_seqlens(cu, total_tokens=8).tolist() == \
-        ropekit.positions_from_cu_seqlens(cu).tolist()
+    assert (
+        ropekit.positions_from_cu_seqlens(cu, total_tokens=8).tolist() == ropekit.positions_from_cu_seqlens(cu).tolist()
+    )
     assert ropekit.positions_from_cu_seqlens(cu, total_tokens=11).tolist() == oracle_positions(lens) + [0, 0, 0]
     assert ropekit.positions_from_cu_seqlens(torch.tensor([0]), total_tokens=2).tolist() == [0, 0]
 
@@ -158,49 +159,71 @@ def raises(exc, fragment, fn):
 
 
 def test_bad_cu_type():
-    raises(TypeError, "cu_seqlens: expected a torch.Tensor, got list",
-           lambda: ropekit.positions_from_cu_seqlens([0, 1]))
+    raises(
+        TypeError, "cu_seqlens: expected a torch.Tensor, got list", lambda: ropekit.positions_from_cu_seqlens([0, 1])
+    )
 
 
 def test_bad_cu_rank():
-    raises(ValueError, "cu_seqlens: expected a 1-D tensor", lambda: ropekit.positions_from_cu_seqlens(
-        torch.zeros(2, 2, dtype=torch.int32)))
+    raises(
+        ValueError,
+        "cu_seqlens: expected a 1-D tensor",
+        lambda: ropekit.positions_from_cu_seqlens(torch.zeros(2, 2, dtype=torch.int32)),
+    )
 
 
 def test_bad_cu_dtype():
-    raises(ValueError, "cu_seqlens: expected dtype in (int32, int64), got float32",
-           lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0.0, 2.0])))
+    raises(
+        ValueError,
+        "cu_seqlens: expected dtype in (int32, int64), got float32",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0.0, 2.0])),
+    )
 
 
 def test_empty_cu():
-    raises(ValueError, "cu_seqlens: expected at least one element",
-           lambda: ropekit.positions_from_cu_seqlens(torch.zeros(0, dtype=torch.int32)))
+    raises(
+        ValueError,
+        "cu_seqlens: expected at least one element",
+        lambda: ropekit.positions_from_cu_seqlens(torch.zeros(0, dtype=torch.int32)),
+    )
 
 
 def test_cu_not_starting_at_zero():
-    raises(ValueError, "cu_seqlens: expected cu_seqlens[0] == 0, got cu_seqlens[0] = 2",
-           lambda: ropekit.positions_from_cu_seqlens(torch.tensor([2, 4])))
+    raises(
+        ValueError,
+        "cu_seqlens: expected cu_seqlens[0] == 0, got cu_seqlens[0] = 2",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([2, 4])),
+    )
 
 
 def test_cu_decreasing():
-    raises(ValueError, "cu_seqlens: expected non-decreasing values (cumulative lengths), got cu_seqlens[2] = 3 < "
-           "cu_seqlens[1] = 5", lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 5, 3])))
+    raises(
+        ValueError,
+        "cu_seqlens: expected non-decreasing values (cumulative lengths), got cu_seqlens[2] = 3 < cu_seqlens[1] = 5",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 5, 3])),
+    )
 
 
 def test_odd_length_under_cp():
-    raises(ValueError, "cu_seqlens: expected even local lengths when cp_size > 1",
-           lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4, 7]), cp_size=2, cp_rank=1))
+    raises(
+        ValueError,
+        "cu_seqlens: expected even local lengths when cp_size > 1",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4, 7]), cp_size=2, cp_rank=1),
+    )
 
 
-@pytest.mark.parametrize("name,value,exc,fragment", [
-    ("cp_size", 0, ValueError, "cp_size: expected an int >= 1, got 0"),
-    ("cp_size", 2.0, TypeError, "cp_size: expected an int, got float"),
-    ("cp_size", True, TypeError, "cp_size: expected an int, got bool"),
-    ("cp_rank", -1, ValueError, "cp_rank: expected an int >= 0, got -1"),
-    ("cp_rank", 2, ValueError, "cp_rank: expected an int in [0, cp_size = 2), got 2"),
-    ("total_tokens", -1, ValueError, "total_tokens: expected an int >= 0, got -1"),
-    ("total_tokens", 3, ValueError, "total_tokens: expected an int >= cu_seqlens[-1] = 4, got 3"),
-])
+@pytest.mark.parametrize(
+    "name,value,exc,fragment",
+    [
+        ("cp_size", 0, ValueError, "cp_size: expected an int >= 1, got 0"),
+        ("cp_size", 2.0, TypeError, "cp_size: expected an int, got float"),
+        ("cp_size", True, TypeError, "cp_size: expected an int, got bool"),
+        ("cp_rank", -1, ValueError, "cp_rank: expected an int >= 0, got -1"),
+        ("cp_rank", 2, ValueError, "cp_rank: expected an int in [0, cp_size = 2), got 2"),
+        ("total_tokens", -1, ValueError, "total_tokens: expected an int >= 0, got -1"),
+        ("total_tokens", 3, ValueError, "total_tokens: expected an int >= cu_seqlens[-1] = 4, got 3"),
+    ],
+)
 def test_bad_ints(name, value, exc, fragment):
     kw = {"cp_size": 2, "cp_rank": 0}
     kw[name] = value
@@ -208,29 +231,46 @@ def test_bad_ints(name, value, exc, fragment):
 
 
 def test_start_positions_with_cp():
-    raises(ValueError, "start_positions: expected None when cp_size > 1", lambda: ropekit.positions_from_cu_seqlens(
-        torch.tensor([0, 4]), cp_size=2, start_positions=torch.tensor([1])))
+    raises(
+        ValueError,
+        "start_positions: expected None when cp_size > 1",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4]), cp_size=2, start_positions=torch.tensor([1])),
+    )
 
 
 def test_start_positions_shape():
-    raises(ValueError, "start_positions: expected shape (2,)", lambda: ropekit.positions_from_cu_seqlens(
-        torch.tensor([0, 4, 6]), start_positions=torch.tensor([1, 2, 3])))
+    raises(
+        ValueError,
+        "start_positions: expected shape (2,)",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4, 6]), start_positions=torch.tensor([1, 2, 3])),
+    )
 
 
 def test_start_positions_dtype():
-    raises(ValueError, "start_positions: expected dtype in (int32, int64), got float32",
-           lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4]), start_positions=torch.tensor([1.0])))
+    raises(
+        ValueError,
+        "start_positions: expected dtype in (int32, int64), got float32",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4]), start_positions=torch.tensor([1.0])),
+    )
 
 
 def test_start_positions_negative():
-    raises(ValueError, "start_positions: expected values >= 0, got start_positions[1] = -3",
-           lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4, 6]), start_positions=torch.tensor([0, -3])))
+    raises(
+        ValueError,
+        "start_positions: expected values >= 0, got start_positions[1] = -3",
+        lambda: ropekit.positions_from_cu_seqlens(torch.tensor([0, 4, 6]), start_positions=torch.tensor([0, -3])),
+    )
 
 
 @pytest.mark.gpu
 def test_start_positions_device():
-    raises(ValueError, "start_positions: expected a tensor on cuda", lambda: ropekit.positions_from_cu_seqlens(
-        torch.tensor([0, 4], device="cuda"), start_positions=torch.tensor([1])))
+    raises(
+        ValueError,
+        "start_positions: expected a tensor on cuda",
+        lambda: ropekit.positions_from_cu_seqlens(
+            torch.tensor([0, 4], device="cuda"), start_positions=torch.tensor([1])
+        ),
+    )
 
 
 # --- apply_rope on packed positions -----------------------------------------------------------
@@ -263,8 +303,10 @@ def test_apply_rope_on_packed_positions(device, cp_size, cp_rank, dtype):
 
 KERNEL_CASES = [([6, 0, 10, 2, 14], 1, 0), ([8, 4, 2], 2, 0), ([8, 4, 2], 2, 1), ([12, 4], 4, 3), ([5], 1, 0)]
 # many sequences, empty ones among them: both levels of the kernel's search and its block edges
-MANY_CASES = [(random_lens(random.Random(7), 300, max_len=6), 1, 0),
-              (random_lens(random.Random(8), 130, even=True, max_len=8), 2, 1)]
+MANY_CASES = [
+    (random_lens(random.Random(7), 300, max_len=6), 1, 0),
+    (random_lens(random.Random(8), 130, even=True, max_len=8), 2, 1),
+]
 
 
 @pytest.mark.usefixtures("poison")
@@ -285,8 +327,7 @@ def test_kernel_cu_seqlens_backward_matches_helper(device, lens, cp_size, cp_ran
     pos = ropekit.positions_from_cu_seqlens(cu, cp_size=cp_size, cp_rank=cp_rank)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     grads = []
-    for kwargs in ({"positions": pos}, {"positions": None, "cu_seqlens": cu, "cp_size": cp_size,
-                                        "cp_rank": cp_rank}):
+    for kwargs in ({"positions": pos}, {"positions": None, "cu_seqlens": cu, "cp_size": cp_size, "cp_rank": cp_rank}):
         qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
         p = kwargs.pop("positions")
         qo, ko = ropekit.apply_rope(qq, kk, p, cache, **kwargs)
@@ -327,8 +368,10 @@ def test_matches_torch_context_parallel_load_balancer(cp_size, seq):
     import importlib
 
     balancer = None
-    for where in ("torch.distributed.tensor.experimental._context_parallel._load_balancer",   # newer torch
-                  "torch.distributed.tensor.experimental._load_balancer"):                     # older torch
+    for where in (
+        "torch.distributed.tensor.experimental._context_parallel._load_balancer",  # newer torch
+        "torch.distributed.tensor.experimental._load_balancer",
+    ):  # older torch
         try:
             balancer = getattr(importlib.import_module(where), "_HeadTailLoadBalancer", None)
         except ImportError:
@@ -340,6 +383,6 @@ def test_matches_torch_context_parallel_load_balancer(cp_size, seq):
     order = balancer(seq, cp_size, "cpu")._generate_indices().reshape(-1)
     local = seq // cp_size
     for r in range(cp_size):
-        want = order[r * local:(r + 1) * local].tolist()
+        want = order[r * local : (r + 1) * local].tolist()
         got = ropekit.positions_from_cu_seqlens(torch.tensor([0, local]), cp_size=cp_size, cp_rank=r).tolist()
         assert got == want

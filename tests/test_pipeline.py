@@ -11,6 +11,7 @@ import torch
 
 import ropekit
 from ropekit import ops, pipeline, reference, tuning
+
 from conftest import TOL, make_cache, rel_err
 
 
@@ -30,30 +31,37 @@ CASES = {
     # name: (valid call, refused call)
     "rotary_dim 16.0 after 16": (
         lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16),
-        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16.0)),
-    "rotary_dim True after 1-wide table": None,    # replaced below (needs a 2-wide table)
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16.0),
+    ),
+    "rotary_dim True after 1-wide table": None,  # replaced below (needs a 2-wide table)
     "float in mrope_section after ints": (
         lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=[2, 3, 3]),
-        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c,
-                                           mrope_section=[2.0, 3, 3])),
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=[2.0, 3, 3]),
+    ),
     "True in mrope_section after 1": (
         lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=[1, 4, 3]),
-        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c,
-                                           mrope_section=[True, 4, 3])),
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=[True, 4, 3]),
+    ),
     "mrope_section as a tuple of floats after a list of ints (rotate_with_angles)": (
-        lambda q, c, p: ropekit.rotate_with_angles(q, None, c[:3, :8].expand(3, 3, 8), c[:3, 8:].expand(3, 3, 8),
-                                                   mrope_section=[2, 3, 3]),
-        lambda q, c, p: ropekit.rotate_with_angles(q, None, c[:3, :8].expand(3, 3, 8), c[:3, 8:].expand(3, 3, 8),
-                                                   mrope_section=(2.0, 3.0, 3.0))),
+        lambda q, c, p: ropekit.rotate_with_angles(
+            q, None, c[:3, :8].expand(3, 3, 8), c[:3, 8:].expand(3, 3, 8), mrope_section=[2, 3, 3]
+        ),
+        lambda q, c, p: ropekit.rotate_with_angles(
+            q, None, c[:3, :8].expand(3, 3, 8), c[:3, 8:].expand(3, 3, 8), mrope_section=(2.0, 3.0, 3.0)
+        ),
+    ),
     "k_scale True after 1 (store)": (
         lambda q, c, p: _store(q, c, p, k_scale=1),
-        lambda q, c, p: _store(q, c, p, k_scale=True)),
+        lambda q, c, p: _store(q, c, p, k_scale=True),
+    ),
     "rotary_dim 16.0 after 16 (store)": (
         lambda q, c, p: _store(q, c, p, rotary_dim=16),
-        lambda q, c, p: _store(q, c, p, rotary_dim=16.0)),
+        lambda q, c, p: _store(q, c, p, rotary_dim=16.0),
+    ),
     "rotary_dim 16.0 after 16 (rerotate)": (
         lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16),
-        lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16.0)),
+        lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16.0),
+    ),
 }
 del CASES["rotary_dim True after 1-wide table"]
 
@@ -85,7 +93,7 @@ def test_one_validation_per_signature(monkeypatch):
     for _ in range(3):
         ropekit.apply_rope(_q(), _q(H=1), torch.tensor([0, 1, 2]), c)
     assert len(calls) == 1
-    ropekit.apply_rope(_q(T=4), None, torch.tensor([0, 1, 2, 3]), c)       # a new signature
+    ropekit.apply_rope(_q(T=4), None, torch.tensor([0, 1, 2, 3]), c)  # a new signature
     assert len(calls) == 2
 
 

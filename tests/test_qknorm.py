@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_cache
 
 import ropekit
 from ropekit import qknorm, reference
 from ropekit.modules import RotaryEmbedding
 from ropekit.store import apply_rope_and_store
+
+from conftest import make_cache
 
 NAN = float("nan")
 # relative (norm) error bounds: rounding to the output dtype plus float32 math
@@ -40,8 +41,10 @@ def weights(x, across, dtype=torch.float32, device="cpu"):
 
 def oracle(q, k, positions, cache, **kw):
     """The float64 reference (inputs copied, so in-place calls can be checked afterwards)."""
+
     def d(x):
         return None if x is None else x.detach().double().cpu()
+
     kw = {n: (d(v) if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
     return reference.rms_norm_rope(d(q), d(k), None if positions is None else positions.cpu(), d(cache), **kw)
 
@@ -58,9 +61,12 @@ MODES = ["per_head", "across"]
 
 def norm_kw(q, k, which, mode, offset, wdtype=torch.float32, device="cpu"):
     across = mode == "across"
-    return dict(q_norm_weight=weights(q, across, wdtype, device) if which in ("q", "both") else None,
-                k_norm_weight=weights(k, across, wdtype, device) if which in ("k", "both") else None,
-                norm_eps=1e-6, norm_weight_offset=offset)
+    return dict(
+        q_norm_weight=weights(q, across, wdtype, device) if which in ("q", "both") else None,
+        k_norm_weight=weights(k, across, wdtype, device) if which in ("k", "both") else None,
+        norm_eps=1e-6,
+        norm_weight_offset=offset,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +128,7 @@ def test_mrope(interleaved_sections, mode, poison, device):
     section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]
     kw = norm_kw(q, k, "both", mode, 0.0, device=device)
     rq, rk = oracle(q, k, pos, cache, mrope_section=section, mrope_interleaved=interleaved_sections, **kw)
-    qo, ko = ropekit.apply_rope(q, k, pos, cache, mrope_section=section, mrope_interleaved=interleaved_sections,
-                                **kw)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, mrope_section=section, mrope_interleaved=interleaved_sections, **kw)
     assert rel(qo, rq) < RTOL[q.dtype] and rel(ko, rk) < RTOL[q.dtype]
 
 
@@ -131,9 +136,9 @@ def test_mrope(interleaved_sections, mode, poison, device):
 @pytest.mark.parametrize("mode", MODES)
 def test_strided_views_of_fused_qkv_two_token_dims(mode, inplace, poison, device):
     B, S, Hq, Hk, D = 2, 3, 4, 2, 64
-    qkv = torch.randn(B, S, (Hq + 2 * Hk) * D + 16, device=device)      # padded rows: strides not dense
-    q = qkv[..., :Hq * D].view(B, S, Hq, D)
-    k = qkv[..., Hq * D:(Hq + Hk) * D].view(B, S, Hk, D)
+    qkv = torch.randn(B, S, (Hq + 2 * Hk) * D + 16, device=device)  # padded rows: strides not dense
+    q = qkv[..., : Hq * D].view(B, S, Hq, D)
+    k = qkv[..., Hq * D : (Hq + Hk) * D].view(B, S, Hk, D)
     before = qkv.clone()
     cache = make_cache(16, 32, device=device)
     pos = torch.randint(0, 16, (B, S), device=device)
@@ -206,8 +211,16 @@ def test_rotary_embedding_module_passes_the_norm(device):
     k = torch.randn(5, 2 * 64, device=device)
     pos = torch.randint(0, 16, (5,), device=device)
     wq, wk = torch.rand(64, device=device) + 0.5, torch.rand(64, device=device) + 0.5
-    rq, rk = oracle(q.view(5, 4, 64), k.view(5, 2, 64), pos, emb._table_for(q), q_norm_weight=wq, k_norm_weight=wk,
-                    norm_eps=1e-5, rotary_dim=32)
+    rq, rk = oracle(
+        q.view(5, 4, 64),
+        k.view(5, 2, 64),
+        pos,
+        emb._table_for(q),
+        q_norm_weight=wq,
+        k_norm_weight=wk,
+        norm_eps=1e-5,
+        rotary_dim=32,
+    )
     qo, ko = emb(pos, q.clone(), k.clone(), q_norm_weight=wq, k_norm_weight=wk, norm_eps=1e-5)
     assert rel(qo.view(5, 4, 64), rq) < 1e-5 and rel(ko.view(5, 2, 64), rk) < 1e-5
 
@@ -221,14 +234,32 @@ def backward_case(q, k, pos, cache, kw, interleaved=False, **extra):
     leaves = {"q": q, "k": k, "wq": kw["q_norm_weight"], "wk": kw["k_norm_weight"]}
     mine = {n: (None if t is None else t.detach().clone().requires_grad_(True)) for n, t in leaves.items()}
     ref = {n: (None if t is None else t.detach().double().cpu().requires_grad_(True)) for n, t in leaves.items()}
-    qo, ko = ropekit.apply_rope(mine["q"], mine["k"], pos, cache, interleaved=interleaved,
-                                q_norm_weight=mine["wq"], k_norm_weight=mine["wk"], norm_eps=kw["norm_eps"],
-                                norm_weight_offset=kw["norm_weight_offset"], **extra)
+    qo, ko = ropekit.apply_rope(
+        mine["q"],
+        mine["k"],
+        pos,
+        cache,
+        interleaved=interleaved,
+        q_norm_weight=mine["wq"],
+        k_norm_weight=mine["wk"],
+        norm_eps=kw["norm_eps"],
+        norm_weight_offset=kw["norm_weight_offset"],
+        **extra,
+    )
     gq, gk = torch.randn_like(qo), torch.randn_like(ko)
     ((qo.float() * gq.float()).sum() + (ko.float() * gk.float()).sum()).backward()
-    rq, rk = reference.rms_norm_rope(ref["q"], ref["k"], None if pos is None else pos.cpu(), cache.double().cpu(),
-                                     interleaved=interleaved, q_norm_weight=ref["wq"], k_norm_weight=ref["wk"],
-                                     norm_eps=kw["norm_eps"], norm_weight_offset=kw["norm_weight_offset"], **extra)
+    rq, rk = reference.rms_norm_rope(
+        ref["q"],
+        ref["k"],
+        None if pos is None else pos.cpu(),
+        cache.double().cpu(),
+        interleaved=interleaved,
+        q_norm_weight=ref["wq"],
+        k_norm_weight=ref["wk"],
+        norm_eps=kw["norm_eps"],
+        norm_weight_offset=kw["norm_weight_offset"],
+        **extra,
+    )
     ((rq * gq.double().cpu()).sum() + (rk * gk.double().cpu()).sum()).backward()
     return [(n, mine[n].grad, ref[n].grad) for n in leaves if mine[n] is not None]
 
@@ -254,8 +285,9 @@ def test_backward_mrope_two_token_dims(mode, interleaved_sections, device):
     cache = make_cache(16, 64, device=device)
     pos = torch.randint(0, 16, (3, 2, 3), device=device)
     kw = norm_kw(q, k, "both", mode, 0.0, device=device)
-    for name, got, want in backward_case(q, k, pos, cache, kw, mrope_section=[8, 12, 12],
-                                         mrope_interleaved=interleaved_sections):
+    for name, got, want in backward_case(
+        q, k, pos, cache, kw, mrope_section=[8, 12, 12], mrope_interleaved=interleaved_sections
+    ):
         assert rel(got, want) < GRAD_RTOL[torch.float32], name
 
 
@@ -281,8 +313,7 @@ def test_backward_weight_only_and_unused_output(device):
     g = torch.randn_like(qo)
     (qo * g).sum().backward()
     wq64 = wq.detach().double().requires_grad_(True)
-    rq, _ = reference.rms_norm_rope(q.double().cpu(), None, pos.cpu(), cache.double().cpu(),
-                                    q_norm_weight=wq64.cpu())
+    rq, _ = reference.rms_norm_rope(q.double().cpu(), None, pos.cpu(), cache.double().cpu(), q_norm_weight=wq64.cpu())
     (rq * g.double().cpu()).sum().backward()
     assert rel(wq.grad, wq64.grad) < 1e-5
     assert wk.grad is not None and float(wk.grad.abs().max()) == 0.0
@@ -338,7 +369,7 @@ def test_store_with_norm_bf16_cache(mode, which, interleaved, rot, device):
     keep = slots >= 0
     s = slots[keep].long()
     assert rel(k_cache[s // BS, s % BS], rk[keep.cpu()]) < RTOL[torch.bfloat16]
-    assert rel(v_cache[s // BS, s % BS], v[keep]) < RTOL[torch.bfloat16]   # (the interpreter truncates)
+    assert rel(v_cache[s // BS, s % BS], v[keep]) < RTOL[torch.bfloat16]  # (the interpreter truncates)
     written = torch.zeros(NB * BS, dtype=torch.bool)
     written[s.cpu()] = True
     assert torch.isnan(k_cache.view(NB * BS, -1)[~written.to(device)].float()).all(), "a row no slot names was written"
@@ -360,7 +391,7 @@ def test_store_with_norm_fp8_cache_cuda(mode):
     apply_rope_and_store(q, k, v, pos, cache, k_cache, v_cache, slots, k_scale=0.5, **kw)
     assert rel(q, rq) < RTOL[torch.bfloat16]
     got = k_cache[slots].float().cpu() * 0.5
-    assert rel(got, rk) < 0.04      # e4m3: 3 mantissa bits
+    assert rel(got, rk) < 0.04  # e4m3: 3 mantissa bits
 
 
 def test_store_module_forward_and_store_passes_the_norm():
@@ -371,8 +402,7 @@ def test_store_module_forward_and_store_passes_the_norm():
     wq, wk = torch.rand(64) + 0.5, torch.rand(64) + 0.5
     k_cache, v_cache = torch.zeros(8, 1, 64), torch.zeros(8, 1, 64)
     rq, rk = oracle(q.view(3, 2, 64), k.view(3, 1, 64), pos, emb._table_for(q), q_norm_weight=wq, k_norm_weight=wk)
-    emb.forward_and_store(pos, q, k, v, k_cache, v_cache, torch.tensor([1, 2, 3]), q_norm_weight=wq,
-                          k_norm_weight=wk)
+    emb.forward_and_store(pos, q, k, v, k_cache, v_cache, torch.tensor([1, 2, 3]), q_norm_weight=wq, k_norm_weight=wk)
     assert rel(q.view(3, 2, 64), rq) < 1e-5 and rel(k_cache[1:4], rk) < 1e-5
 
 
@@ -412,16 +442,22 @@ def test_compile_fullgraph_inplace_and_store(device):
     def f(q_, k_, k_cache, v_cache):
         ropekit.apply_rope(q_, k_, pos, cache, inplace=True, **kw)
         q2 = q_.clone()
-        apply_rope_and_store(q2, k_, v, pos, cache, k_cache, v_cache, torch.arange(5, device=device),
-                             q_norm_weight=kw["q_norm_weight"])
+        apply_rope_and_store(
+            q2, k_, v, pos, cache, k_cache, v_cache, torch.arange(5, device=device), q_norm_weight=kw["q_norm_weight"]
+        )
         return q2
 
     q1, k1 = q.clone(), k.clone()
     kc, vc = torch.zeros(8, 2, 64, device=device), torch.zeros(8, 2, 64, device=device)
     torch.compile(f, fullgraph=True, backend="aot_eager")(q1, k1, kc, vc)
     assert rel(q1, rq) < 1e-5 and rel(k1, rk) < 1e-5
-    assert rel(kc[:5], reference.rotate(k1.double().cpu(), *reference.angles_from_table(
-        cache.double().cpu(), pos.cpu(), (5,)))) < 1e-5
+    assert (
+        rel(
+            kc[:5],
+            reference.rotate(k1.double().cpu(), *reference.angles_from_table(cache.double().cpu(), pos.cpu(), (5,))),
+        )
+        < 1e-5
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,8 +545,17 @@ def test_inplace_weight_overlapping_q():
 def test_store_weight_requiring_grad():
     q, k = inputs(T=(2,))
     with pytest.raises(ValueError, match="apply_rope_and_store: k_norm_weight: expected a tensor that does not"):
-        apply_rope_and_store(q, k, k.clone(), torch.arange(2), make_cache(8, 64), torch.zeros(4, 2, 64),
-                             torch.zeros(4, 2, 64), torch.arange(2), k_norm_weight=torch.ones(64, requires_grad=True))
+        apply_rope_and_store(
+            q,
+            k,
+            k.clone(),
+            torch.arange(2),
+            make_cache(8, 64),
+            torch.zeros(4, 2, 64),
+            torch.zeros(4, 2, 64),
+            torch.arange(2),
+            k_norm_weight=torch.ones(64, requires_grad=True),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +587,7 @@ def test_bigmem_cuda_norm_past_2_31_elements():
     assert rel(qo[tail], rq) < 1e-2 and rel(ko[tail], rk) < 1e-2
     del qo, ko
     g = torch.ones_like(q)
-    gx, dw = qknorm.backward_triton(q, g, wq, pos, cache[:, :D // 2], cache[:, D // 2:], False, None, 1e-6, 0.0)
+    gx, dw = qknorm.backward_triton(q, g, wq, pos, cache[:, : D // 2], cache[:, D // 2 :], False, None, 1e-6, 0.0)
     qd = q[tail].double().cpu().requires_grad_(True)
     y, _ = reference.rms_norm_rope(qd, None, pos[tail].cpu(), cache.double().cpu(), q_norm_weight=wq.double().cpu())
     y.sum().backward()
@@ -565,6 +610,7 @@ def test_cpu_reference_path_without_triton(monkeypatch):
     kc, vc = torch.zeros(8, 2, 64), torch.zeros(8, 2, 64)
     q2 = q.clone()
     with torch.no_grad():
-        apply_rope_and_store(q2, k, k, pos, cache, kc, vc, torch.arange(5), q_norm_weight=wq, k_norm_weight=wk,
-                             norm_weight_offset=1.0)
+        apply_rope_and_store(
+            q2, k, k, pos, cache, kc, vc, torch.arange(5), q_norm_weight=wq, k_norm_weight=wk, norm_weight_offset=1.0
+        )
     assert rel(q2, rq) < 1e-6 and rel(kc[:5], rk) < 1e-6

@@ -16,18 +16,19 @@ from ropekit import reference
 def test_rotate_into_matches_rotate(dtype, in_il, out_il, inverse, where, layout):
     g = torch.Generator().manual_seed(0)
     D, rot = 48, 32
-    if layout == "bshd_view":       # HF's (B, S, H, D) view of (B, H, S, D) storage, partial rotary
+    if layout == "bshd_view":  # HF's (B, S, H, D) view of (B, H, S, D) storage, partial rotary
         x = torch.randn(2, 3, 5, D, generator=g).to(dtype).transpose(1, 2)
         cos = torch.randn(2, 5, rot // 2, generator=g)
     elif layout == "thd":
         x = torch.randn(7, 3, D, generator=g).to(dtype)
         cos = torch.randn(7, rot // 2, generator=g)
-    else:                           # past one scratch block: the blocked path
-        x = torch.randn(4, 8, 600, D, generator=g).to(dtype).transpose(1, 2)      # (4, 600, 8, D)
-        cos = torch.randn(600, rot // 2, generator=g)                              # broadcast over B
+    else:  # past one scratch block: the blocked path
+        x = torch.randn(4, 8, 600, D, generator=g).to(dtype).transpose(1, 2)  # (4, 600, 8, D)
+        cos = torch.randn(600, rot // 2, generator=g)  # broadcast over B
     sin = torch.randn(cos.shape, generator=g)
-    want = reference.rotate(x.double(), cos.double(), sin.double(), interleaved=in_il, out_interleaved=out_il,
-                            inverse=inverse)
+    want = reference.rotate(
+        x.double(), cos.double(), sin.double(), interleaved=in_il, out_interleaved=out_il, inverse=inverse
+    )
     src = x.clone()
     out = x if where == "inplace" else torch.full_like(x, float("nan"))
     got = reference.rotate_into(x, out, cos, sin, interleaved=in_il, out_interleaved=out_il, inverse=inverse)

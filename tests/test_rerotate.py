@@ -32,11 +32,13 @@ from ropekit.rerotate import rerotate_kv_cache
 
 try:
     from conftest import make_cache
-except ImportError:                                      # run as a script: same table, local copy
+except ImportError:  # run as a script: same table, local copy
+
     def make_cache(max_position, rotary_dim, *, base=10000.0, dtype=torch.float32, device="cpu"):
         inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
         f = torch.arange(max_position, dtype=torch.float64)[:, None] * inv
         return torch.cat((f.cos(), f.sin()), dim=-1).to(dtype=dtype, device=device)
+
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
@@ -49,6 +51,7 @@ INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # ---------------------------------------------------------------------------------------------
 # cache layouts: each makes a k_cache view of a base made by alloc(shape)
+
 
 def nhd(alloc, NB, BS, H, D):
     return alloc((NB, BS, H, D))
@@ -70,7 +73,7 @@ def flat(alloc, NB, BS, H, D):
 
 def padded(alloc, NB, BS, H, D):
     """No stride derivable from the shape: rows, heads and head dims padded."""
-    return alloc((NB, BS + 1, H + 1, D + 8))[:, 1:, 1:, 4:4 + D]
+    return alloc((NB, BS + 1, H + 1, D + 8))[:, 1:, 1:, 4 : 4 + D]
 
 
 def mla(alloc, NB, BS, H, D):
@@ -91,8 +94,7 @@ class Cache:
 
         def alloc(shape):
             # fp8 via float32 (fill of float8 is not everywhere)
-            self.base = torch.full(shape, NAN, dtype=torch.float32 if dtype == FP8 else dtype,
-                                   device=device).to(dtype)
+            self.base = torch.full(shape, NAN, dtype=torch.float32 if dtype == FP8 else dtype, device=device).to(dtype)
             return self.base
 
         self.k = layout(alloc, *self.args)
@@ -118,30 +120,37 @@ def assert_close(got, want, tol, what):
     got, want = got.double().cpu(), want.double().cpu()
     ok = (got - want).abs() <= tol * (1 + want.abs())
     ok |= torch.isnan(got) & torch.isnan(want)
-    assert ok.all(), f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; " \
-                     f"first got {got[~ok][:4].tolist()} want {want[~ok][:4].tolist()}"
+    assert ok.all(), (
+        f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; "
+        f"first got {got[~ok][:4].tolist()} want {want[~ok][:4].tolist()}"
+    )
 
 
 def fp8_close(got, want, what):
     """fp8 e4m3: 3 mantissa bits, so a half ulp is 2^-4 of the value (2^-10 absolute when subnormal)."""
     got, want = got.double().cpu(), want.double().cpu()
-    ok = (got - want).abs() <= 2.0 ** -4 * want.abs() * 1.001 + 2.0 ** -10
+    ok = (got - want).abs() <= 2.0**-4 * want.abs() * 1.001 + 2.0**-10
     ok |= torch.isnan(got) & torch.isnan(want)
     assert ok.all(), f"{what}: {int((~ok).sum())} of {ok.numel()} elements off"
 
 
-def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_slots=None, exact=False,
-          rotary_dim=None):
+def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_slots=None, exact=False, rotary_dim=None):
     """Run the op once; check the written elements against the float64 reference and all others bit for bit."""
     rot = table.shape[1] if rotary_dim is None else rotary_dim
     before = cache.base.clone()
     # the oracle: the same view over a float64 copy of the (poisoned) base
     want_base = cache.base.double().cpu()
     scale = None if k_scale is None else float(k_scale)
-    reference.rerotate_kv_cache(cache.like(want_base), slots.cpu(),
-                                delta.cpu() if isinstance(delta, torch.Tensor) else delta, table.double().cpu(),
-                                interleaved=interleaved, rotary_dim=rot, k_scale=scale,
-                                dst_slots=None if dst_slots is None else dst_slots.cpu())
+    reference.rerotate_kv_cache(
+        cache.like(want_base),
+        slots.cpu(),
+        delta.cpu() if isinstance(delta, torch.Tensor) else delta,
+        table.double().cpu(),
+        interleaved=interleaved,
+        rotary_dim=rot,
+        k_scale=scale,
+        dst_slots=None if dst_slots is None else dst_slots.cpu(),
+    )
     # which elements may change: the rotated dims of each valid destination row (the whole row with dst)
     written = torch.zeros(cache.base.shape, dtype=torch.bool)
     wview = cache.like(written)
@@ -154,8 +163,16 @@ def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_sl
         else:
             wview[cache.row(s)] = True
 
-    out = rerotate_kv_cache(cache.k, slots, delta, table, interleaved=interleaved, rotary_dim=rotary_dim,
-                            k_scale=k_scale, dst_slots=dst_slots)
+    out = rerotate_kv_cache(
+        cache.k,
+        slots,
+        delta,
+        table,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+        k_scale=k_scale,
+        dst_slots=dst_slots,
+    )
     assert out is cache.k
 
     got = cache.base.cpu()
@@ -207,15 +224,15 @@ def test_fuzz_layouts(device, layout, mode):
         NB, BS = r.choice([(3, 4), (2, 8), (5, 1)])
         cache = Cache(LAYOUTS[layout], NB, BS, H, D, dtype, device)
         n = r.randrange(1, min(6, cache.num_slots // 2) + 1)
-        slots, delta, dsts = random_case(r, cache.num_slots, n, device, n_pad=r.randrange(2),
-                                         n_bad=r.randrange(2), dst=mode == "dst")
+        slots, delta, dsts = random_case(
+            r, cache.num_slots, n, device, n_pad=r.randrange(2), n_bad=r.randrange(2), dst=mode == "dst"
+        )
         slots = slots.to(r.choice([torch.int32, torch.int64]))
         if r.random() < 0.3:
             delta = int(delta[0])
         elif r.random() < 0.5:
-            delta = delta.clamp(-2**31 + 1, 2**31 - 1).to(torch.int32)
-        check(cache, slots, delta, make_cache(64, rot, device=device), interleaved=r.random() < 0.5,
-              dst_slots=dsts)
+            delta = delta.clamp(-(2**31) + 1, 2**31 - 1).to(torch.int32)
+        check(cache, slots, delta, make_cache(64, rot, device=device), interleaved=r.random() < 0.5, dst_slots=dsts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -241,8 +258,13 @@ def test_zero_delta_is_the_identity(device):
     table = make_cache(8, 32, device=device)
     rerotate_kv_cache(cache.k, torch.tensor([1, 6, 3], device=device), 0, table)
     assert torch.equal(bits(cache.k), bits(before))
-    rerotate_kv_cache(cache.k, torch.tensor([1, 6], device=device), torch.zeros(2, dtype=torch.int32, device=device),
-                      table, dst_slots=torch.tensor([0, 7], device=device))
+    rerotate_kv_cache(
+        cache.k,
+        torch.tensor([1, 6], device=device),
+        torch.zeros(2, dtype=torch.int32, device=device),
+        table,
+        dst_slots=torch.tensor([0, 7], device=device),
+    )
     assert torch.equal(bits(cache.k[0, 0]), bits(before[0, 1])) and torch.equal(bits(cache.k[1, 3]), bits(before[1, 2]))
 
 
@@ -261,8 +283,9 @@ def test_all_padding_and_empty(device):
     table = make_cache(16, 64, device=device)
     rerotate_kv_cache(cache.k, torch.full((3,), -1, device=device), torch.tensor([1, 2, 3], device=device), table)
     rerotate_kv_cache(cache.k, torch.zeros(0, dtype=torch.long, device=device), 3, table)
-    rerotate_kv_cache(cache.k, torch.tensor([1, 2], device=device), 3, table,
-                      dst_slots=torch.tensor([-1, -5], device=device))
+    rerotate_kv_cache(
+        cache.k, torch.tensor([1, 2], device=device), 3, table, dst_slots=torch.tensor([-1, -5], device=device)
+    )
     assert torch.equal(bits(cache.base), bits(before))
 
 
@@ -304,7 +327,7 @@ def test_both_cpu_paths(monkeypatch, path):
         cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
         slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
         check(cache, slots, delta, make_cache(64, 32), interleaved=layout == "mla", dst_slots=dsts)
-    pipeline.clear()                         # drop specs made under the forced path
+    pipeline.clear()  # drop specs made under the forced path
     assert len(fired) == (3 if path == "kernel" else 0)
 
 
@@ -324,11 +347,18 @@ def test_composition_with_apply_rope(device, interleaved):
     slots = torch.tensor([9, 2, 14, 0, 7, 11], device=device)
     cache = torch.full((4, 4, H, D), NAN, device=device)
     q = torch.randn(N, 1, D, device=device)
-    ropekit.apply_rope_and_store(q, k_raw, k_raw, p, table, cache, torch.empty_like(cache), slots,
-                                 interleaved=interleaved)
+    ropekit.apply_rope_and_store(
+        q, k_raw, k_raw, p, table, cache, torch.empty_like(cache), slots, interleaved=interleaved
+    )
     rerotate_kv_cache(cache, slots, delta, table, interleaved=interleaved)
-    want = torch.stack([reference.apply_rope(k_raw[i:i + 1].double(), None, (p + delta)[i:i + 1],
-                                             table.double(), interleaved=interleaved)[0][0] for i in range(N)])
+    want = torch.stack(
+        [
+            reference.apply_rope(
+                k_raw[i : i + 1].double(), None, (p + delta)[i : i + 1], table.double(), interleaved=interleaved
+            )[0][0]
+            for i in range(N)
+        ]
+    )
     got = cache.flatten(0, 1)[slots]
     assert_close(got, want, 2e-6, "re-rotated keys vs keys rotated at p + delta")
 
@@ -368,8 +398,12 @@ def quarter_turn_table(P, rot, device):
 @pytest.mark.parametrize("scale_kind", ["none", "float", "tensor0d", "tensor1"])
 @pytest.mark.parametrize("mode", ["inplace", "dst"])
 def test_fp8_exact(device, scale_kind, mode):
-    ks = {"none": None, "float": 4.0, "tensor0d": torch.tensor(0.25, device=device),
-          "tensor1": torch.tensor([2.0], device=device)}[scale_kind]
+    ks = {
+        "none": None,
+        "float": 4.0,
+        "tensor0d": torch.tensor(0.25, device=device),
+        "tensor1": torch.tensor([2.0], device=device),
+    }[scale_kind]
     cache = Cache(hnd, 2, 4, 2, 64, FP8, device, fill=fp8_values)
     r = random.Random(scale_kind + mode)
     slots, delta, dsts = random_case(r, cache.num_slots, 3, device, max_pos=16, dst=mode == "dst")
@@ -380,21 +414,34 @@ def test_fp8_exact(device, scale_kind, mode):
 def test_fp8_random(device, layout):
     """Dequantize, rotate by real angles, quantize back: fp8 precision against float64."""
     if INTERPRETED and device == "cpu":
-        pytest.skip("the Triton interpreter's float32 -> float8e4nv cast is wrong when rounding carries "
-                    "into the exponent (1.99 -> 1.0) and flushes subnormals; test_fp8_exact covers it")
+        pytest.skip(
+            "the Triton interpreter's float32 -> float8e4nv cast is wrong when rounding carries "
+            "into the exponent (1.99 -> 1.0) and flushes subnormals; test_fp8_exact covers it"
+        )
     H = 2 if layout == "nhd" else 1
     cache = Cache(LAYOUTS[layout], 4, 8, H, 64, FP8, device, fill=lambda s: fp8_values(s, 1.0))
     r = random.Random(layout)
     slots, delta, dsts = random_case(r, cache.num_slots, 8, device, n_bad=1)
-    check(cache, slots, delta, make_cache(64, 64, device=device), k_scale=torch.tensor([0.03], device=device),
-          interleaved=layout == "mla")
+    check(
+        cache,
+        slots,
+        delta,
+        make_cache(64, 64, device=device),
+        k_scale=torch.tensor([0.03], device=device),
+        interleaved=layout == "mla",
+    )
 
 
 def test_scale_on_a_float_cache(device):
     """A scale with a float cache is honoured too (dequantize, rotate, quantize back)."""
     cache = Cache(nhd, 2, 4, 2, 64, torch.float32, device)
-    check(cache, torch.tensor([1, 2, 6], device=device), torch.tensor([3, -4, 0], device=device),
-          make_cache(16, 64, device=device), k_scale=torch.tensor(2.0, device=device))
+    check(
+        cache,
+        torch.tensor([1, 2, 6], device=device),
+        torch.tensor([3, -4, 0], device=device),
+        make_cache(16, 64, device=device),
+        k_scale=torch.tensor(2.0, device=device),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,25 +468,26 @@ def test_worked_example_sink_and_window_eviction(device, mode):
     k_raw = torch.randn(T, H, D, generator=g).to(device)
     v = torch.randn(T, H, D, generator=g).to(device)
     q_raw = torch.randn(1, H, D, generator=g).to(device)
-    slot_of = torch.randperm(32, generator=g)[:T].to(device)                # token -> cache slot
+    slot_of = torch.randperm(32, generator=g)[:T].to(device)  # token -> cache slot
     k_cache = torch.full((4, 8, H, D), NAN, device=device)
     v_cache = torch.full((4, 8, H, D), NAN, device=device)
-    ropekit.apply_rope_and_store(torch.zeros(T, 1, D, device=device), k_raw, v, torch.arange(T, device=device),
-                                 table, k_cache, v_cache, slot_of)
+    ropekit.apply_rope_and_store(
+        torch.zeros(T, 1, D, device=device), k_raw, v, torch.arange(T, device=device), table, k_cache, v_cache, slot_of
+    )
 
-    window = torch.arange(T - WIN, T, device=device)                       # tokens 16..23
-    shift = -(T - WIN - SINK)                                             # to positions 4..11
+    window = torch.arange(T - WIN, T, device=device)  # tokens 16..23
+    shift = -(T - WIN - SINK)  # to positions 4..11
     if mode == "compact":
-        dst = slot_of[SINK:SINK + WIN]                                     # rows of evicted tokens 4..11
+        dst = slot_of[SINK : SINK + WIN]  # rows of evicted tokens 4..11
         ropekit.rerotate_kv_cache(k_cache, slot_of[window], shift, table, dst_slots=dst)
-        v_cache.flatten(0, 1)[dst] = v_cache.flatten(0, 1)[slot_of[window]]   # v moves unrotated
+        v_cache.flatten(0, 1)[dst] = v_cache.flatten(0, 1)[slot_of[window]]  # v moves unrotated
         kept_slots = torch.cat((slot_of[:SINK], dst))
     else:
         ropekit.rerotate_kv_cache(k_cache, slot_of[window], torch.full((WIN,), shift, device=device), table)
         kept_slots = torch.cat((slot_of[:SINK], slot_of[window]))
 
-    kept = torch.cat((torch.arange(SINK), window.cpu()))                   # original token ids
-    new_pos = torch.arange(SINK + WIN, device=device)                      # 0..11
+    kept = torch.cat((torch.arange(SINK), window.cpu()))  # original token ids
+    new_pos = torch.arange(SINK + WIN, device=device)  # 0..11
     rebuilt_k = reference.apply_rope(k_raw[kept].double(), None, new_pos, table.double())[0]
     q = reference.apply_rope(q_raw.double(), None, torch.tensor([SINK + WIN], device=device), table.double())[0][0]
     want = _attend(q, rebuilt_k, v[kept])
@@ -462,8 +510,9 @@ def test_rotary_embedding_method(device, neox):
     slots, delta = torch.tensor([3, -1, 5], device=device), torch.tensor([-7, 2, 100], device=device)
     dsts = torch.tensor([0, 1, 2], device=device)
     want = cache.base.clone()
-    rerotate_kv_cache(cache.like(want), slots, delta, rope.cos_sin_cache, interleaved=not neox, rotary_dim=32,
-                      dst_slots=dsts)
+    rerotate_kv_cache(
+        cache.like(want), slots, delta, rope.cos_sin_cache, interleaved=not neox, rotary_dim=32, dst_slots=dsts
+    )
     out = rope.rerotate_kv_cache(cache.k, slots, delta, dst_slots=dsts)
     assert out is cache.k
     assert torch.equal(bits(cache.base), bits(want))
@@ -473,9 +522,17 @@ def test_rotary_embedding_method_refuses():
     rope = ropekit.RotaryEmbedding(64, 64, 128)
     with pytest.raises(ValueError, match="k_cache: expected a head size of head_size = 64"):
         rope.rerotate_kv_cache(torch.zeros(2, 4, 1, 32), torch.tensor([0]), 1)
-    long = ropekit.RotaryEmbedding(64, 64, 256, rope_scaling={
-        "rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
-        "original_max_position_embeddings": 128})
+    long = ropekit.RotaryEmbedding(
+        64,
+        64,
+        256,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 32,
+            "long_factor": [2.0] * 32,
+            "original_max_position_embeddings": 128,
+        },
+    )
     with pytest.raises(ValueError, match="self: expected a module with one table segment"):
         long.rerotate_kv_cache(torch.zeros(2, 4, 1, 64), torch.tensor([0]), 1)
 
@@ -487,8 +544,12 @@ def test_rotary_embedding_method_refuses():
 def rr_args(**change):
     base = torch.full((2, 2, 4, 2, 64), NAN)
     base[:, 0] = torch.randn(2, 4, 2, 64)
-    a = dict(k_cache=base[:, 0], slots=torch.tensor([0, 3, -1, 6]), delta=torch.tensor([1, -2, 3, 4]),
-             cos_sin_cache=make_cache(16, 64))
+    a = dict(
+        k_cache=base[:, 0],
+        slots=torch.tensor([0, 3, -1, 6]),
+        delta=torch.tensor([1, -2, 3, 4]),
+        cos_sin_cache=make_cache(16, 64),
+    )
     for name, fn in change.items():
         a[name] = fn(a) if callable(fn) else fn
     return a
@@ -505,62 +566,149 @@ class Row(NamedTuple):
 _buf = torch.zeros(64)
 BAD_ROWS = [
     Row("rerotate-cache-type", TypeError, "k_cache: expected a torch.Tensor, got list", lambda: rr_args(k_cache=[0.0])),
-    Row("rerotate-cache-rank", ValueError, "k_cache: expected a 3-D or 4-D tensor",
-        lambda: rr_args(k_cache=lambda a: a["k_cache"][0, 0])),
-    Row("rerotate-cache-dtype", ValueError,
+    Row(
+        "rerotate-cache-rank",
+        ValueError,
+        "k_cache: expected a 3-D or 4-D tensor",
+        lambda: rr_args(k_cache=lambda a: a["k_cache"][0, 0]),
+    ),
+    Row(
+        "rerotate-cache-dtype",
+        ValueError,
         "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn), got float64",
-        lambda: rr_args(k_cache=lambda a: a["k_cache"].double())),
-    Row("rerotate-cache-last-stride", ValueError, "k_cache: expected stride 1 in the last dimension",
-        lambda: rr_args(k_cache=torch.zeros(2, 4, 2, 128)[..., ::2])),
-    Row("rerotate-cache-broadcast", ValueError, "k_cache: expected a tensor without broadcast",
-        lambda: rr_args(k_cache=torch.zeros(2, 1, 2, 64).expand(2, 4, 2, 64))),
-    Row("rerotate-cache-grad", ValueError, "k_cache: expected a tensor that does not require grad",
-        lambda: rr_args(k_cache=torch.zeros(2, 4, 2, 64, requires_grad=True))),
-    Row("rerotate-head-too-small", ValueError, "k_cache: expected a head size >= rotary_dim (64), got head size 32",
-        lambda: rr_args(k_cache=torch.zeros(2, 4, 2, 32))),
-    Row("rerotate-slots-dtype", ValueError, "slots: expected dtype in (int32, int64), got float32",
-        lambda: rr_args(slots=torch.zeros(4))),
-    Row("rerotate-slots-rank", ValueError, "slots: expected a 1-D tensor (N,), got shape (2, 2)",
-        lambda: rr_args(slots=torch.zeros(2, 2, dtype=torch.long))),
-    Row("rerotate-slots-device", ValueError, "slots: expected a tensor on cpu (the device of k_cache), got one on meta",
-        lambda: rr_args(slots=torch.zeros(4, dtype=torch.long, device="meta"))),
-    Row("rerotate-dst-shape", ValueError, "dst_slots: expected shape (4,) (that of slots), got shape (3,)",
-        lambda: rr_args(dst_slots=torch.tensor([1, 2, 4]))),
-    Row("rerotate-delta-type", TypeError, "delta: expected a (N,) int32/int64 tensor or an int, got float",
-        lambda: rr_args(delta=1.0)),
-    Row("rerotate-delta-dtype", ValueError, "delta: expected dtype in (int32, int64), got float32",
-        lambda: rr_args(delta=torch.ones(4))),
-    Row("rerotate-delta-shape", ValueError, "delta: expected shape (4,) (that of slots), got shape (1,)",
-        lambda: rr_args(delta=torch.tensor([1]))),
-    Row("rerotate-table-dtype", ValueError,
+        lambda: rr_args(k_cache=lambda a: a["k_cache"].double()),
+    ),
+    Row(
+        "rerotate-cache-last-stride",
+        ValueError,
+        "k_cache: expected stride 1 in the last dimension",
+        lambda: rr_args(k_cache=torch.zeros(2, 4, 2, 128)[..., ::2]),
+    ),
+    Row(
+        "rerotate-cache-broadcast",
+        ValueError,
+        "k_cache: expected a tensor without broadcast",
+        lambda: rr_args(k_cache=torch.zeros(2, 1, 2, 64).expand(2, 4, 2, 64)),
+    ),
+    Row(
+        "rerotate-cache-grad",
+        ValueError,
+        "k_cache: expected a tensor that does not require grad",
+        lambda: rr_args(k_cache=torch.zeros(2, 4, 2, 64, requires_grad=True)),
+    ),
+    Row(
+        "rerotate-head-too-small",
+        ValueError,
+        "k_cache: expected a head size >= rotary_dim (64), got head size 32",
+        lambda: rr_args(k_cache=torch.zeros(2, 4, 2, 32)),
+    ),
+    Row(
+        "rerotate-slots-dtype",
+        ValueError,
+        "slots: expected dtype in (int32, int64), got float32",
+        lambda: rr_args(slots=torch.zeros(4)),
+    ),
+    Row(
+        "rerotate-slots-rank",
+        ValueError,
+        "slots: expected a 1-D tensor (N,), got shape (2, 2)",
+        lambda: rr_args(slots=torch.zeros(2, 2, dtype=torch.long)),
+    ),
+    Row(
+        "rerotate-slots-device",
+        ValueError,
+        "slots: expected a tensor on cpu (the device of k_cache), got one on meta",
+        lambda: rr_args(slots=torch.zeros(4, dtype=torch.long, device="meta")),
+    ),
+    Row(
+        "rerotate-dst-shape",
+        ValueError,
+        "dst_slots: expected shape (4,) (that of slots), got shape (3,)",
+        lambda: rr_args(dst_slots=torch.tensor([1, 2, 4])),
+    ),
+    Row(
+        "rerotate-delta-type",
+        TypeError,
+        "delta: expected a (N,) int32/int64 tensor or an int, got float",
+        lambda: rr_args(delta=1.0),
+    ),
+    Row(
+        "rerotate-delta-dtype",
+        ValueError,
+        "delta: expected dtype in (int32, int64), got float32",
+        lambda: rr_args(delta=torch.ones(4)),
+    ),
+    Row(
+        "rerotate-delta-shape",
+        ValueError,
+        "delta: expected shape (4,) (that of slots), got shape (1,)",
+        lambda: rr_args(delta=torch.tensor([1])),
+    ),
+    Row(
+        "rerotate-table-dtype",
+        ValueError,
         "cos_sin_cache: expected dtype in (float32, bfloat16, float16), got float64",
-        lambda: rr_args(cos_sin_cache=make_cache(16, 64, dtype=torch.float64))),
-    Row("rerotate-rotary-vs-table", ValueError, "rotary_dim: expected the width of cos_sin_cache (64",
-        lambda: rr_args(rotary_dim=32)),
-    Row("rerotate-scale-value", ValueError, "k_scale: expected a finite scale > 0, got 0.0",
-        lambda: rr_args(k_scale=0.0)),
-    Row("rerotate-scale-device", ValueError, "k_scale: expected a tensor on cpu (the device of k_cache)",
-        lambda: rr_args(k_scale=torch.ones(1, device="meta"))),
-    Row("rerotate-table-in-cache", ValueError,
+        lambda: rr_args(cos_sin_cache=make_cache(16, 64, dtype=torch.float64)),
+    ),
+    Row(
+        "rerotate-rotary-vs-table",
+        ValueError,
+        "rotary_dim: expected the width of cos_sin_cache (64",
+        lambda: rr_args(rotary_dim=32),
+    ),
+    Row(
+        "rerotate-scale-value",
+        ValueError,
+        "k_scale: expected a finite scale > 0, got 0.0",
+        lambda: rr_args(k_scale=0.0),
+    ),
+    Row(
+        "rerotate-scale-device",
+        ValueError,
+        "k_scale: expected a tensor on cpu (the device of k_cache)",
+        lambda: rr_args(k_scale=torch.ones(1, device="meta")),
+    ),
+    Row(
+        "rerotate-table-in-cache",
+        ValueError,
         "cos_sin_cache: expected memory disjoint from k_cache (which is written)",
-        lambda: rr_args(cos_sin_cache=lambda a: a["k_cache"][0, 0])),
-    Row("rerotate-slot-strict", ValueError,
+        lambda: rr_args(cos_sin_cache=lambda a: a["k_cache"][0, 0]),
+    ),
+    Row(
+        "rerotate-slot-strict",
+        ValueError,
         "slots: expected values < 8 (num_blocks * block_size of k_cache; < 0 skips a row), got slots[2] = 8",
-        lambda: rr_args(slots=torch.tensor([0, 3, 8, 6])), strict=True),
-    Row("rerotate-dst-strict", ValueError, "dst_slots: expected values < 8", lambda: rr_args(
-        dst_slots=torch.tensor([1, 2, 4, 9])), strict=True),
-    Row("rerotate-delta-strict", ValueError,
+        lambda: rr_args(slots=torch.tensor([0, 3, 8, 6])),
+        strict=True,
+    ),
+    Row(
+        "rerotate-dst-strict",
+        ValueError,
+        "dst_slots: expected values < 8",
+        lambda: rr_args(dst_slots=torch.tensor([1, 2, 4, 9])),
+        strict=True,
+    ),
+    Row(
+        "rerotate-delta-strict",
+        ValueError,
         "delta: expected values in (-16, 16) (the rows of cos_sin_cache) where slots >= 0, got delta[1] = -16",
-        lambda: rr_args(delta=torch.tensor([1, -16, 99, 4])), strict=True),
-    Row("rerotate-dst-is-source-strict", ValueError,
+        lambda: rr_args(delta=torch.tensor([1, -16, 99, 4])),
+        strict=True,
+    ),
+    Row(
+        "rerotate-dst-is-source-strict",
+        ValueError,
         "dst_slots: expected rows that are not source rows (slots) of the same call, got dst_slots[1] = 0",
-        lambda: rr_args(dst_slots=torch.tensor([1, 0, 2, 5])), strict=True),
+        lambda: rr_args(dst_slots=torch.tensor([1, 0, 2, 5])),
+        strict=True,
+    ),
 ]
 
 
 def _snapshot(args):
-    return {n: bits(v.detach()).clone() for n, v in args.items()
-            if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+    return {
+        n: bits(v.detach()).clone() for n, v in args.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"
+    }
 
 
 @pytest.mark.parametrize("row", BAD_ROWS, ids=[r.id for r in BAD_ROWS])
@@ -604,8 +752,10 @@ def test_handled_rows():
     rerotate_kv_cache(**a)
     assert a["k_cache"].flatten(0, 1)[[0, 3, 6], :, :32].isnan().all()
     # ok-rerotate-slot-padding and ok-rerotate-slot-past-cache: nothing written for those rows
-    for slots, dsts in ((torch.tensor([-1, -7, 8, 99]), None),
-                        (torch.tensor([0, 3, 8, 6]), torch.tensor([-1, 8, 1, 9]))):
+    for slots, dsts in (
+        (torch.tensor([-1, -7, 8, 99]), None),
+        (torch.tensor([0, 3, 8, 6]), torch.tensor([-1, 8, 1, 9])),
+    ):
         a = rr_args(slots=slots, dst_slots=dsts)
         base = a["k_cache"]._base.clone()
         rerotate_kv_cache(**a)
@@ -615,8 +765,12 @@ def test_handled_rows():
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
-HANDLED_IDS = ["ok-rerotate-delta-out-of-range", "ok-rerotate-slot-padding", "ok-rerotate-slot-past-cache",
-               "ok-rerotate-dst-is-source"]
+HANDLED_IDS = [
+    "ok-rerotate-delta-out-of-range",
+    "ok-rerotate-slot-padding",
+    "ok-rerotate-slot-past-cache",
+    "ok-rerotate-dst-is-source",
+]
 DOC_IDS = [r.id for r in BAD_ROWS] + HANDLED_IDS
 
 
@@ -646,8 +800,12 @@ def _mla_fn(cache, slots, delta, table, dsts):
 def _compile_matches_eager(device, backend):
     cache = torch.full((3, 4, 1, 32 + 16), NAN, device=device)
     cache[..., 32:] = torch.randn(3, 4, 1, 16, device=device)
-    args = (torch.tensor([3, 7, -1, 9], device=device), torch.tensor([2, -5, 1, 40], device=device),
-            make_cache(32, 16, device=device), torch.tensor([0, 1, 2, 4], device=device))
+    args = (
+        torch.tensor([3, 7, -1, 9], device=device),
+        torch.tensor([2, -5, 1, 40], device=device),
+        make_cache(32, 16, device=device),
+        torch.tensor([0, 1, 2, 4], device=device),
+    )
     c_e = cache.clone()
     _mla_fn(c_e, *args)
     torch._dynamo.reset()
@@ -663,8 +821,17 @@ def test_torch_compile_fullgraph_mla_views():
 
 
 def test_opcheck():
-    args = (torch.randn(2, 4, 1, 32), torch.tensor([1, 0, 5]), torch.tensor([2, -1, 3]), 0, make_cache(8, 32),
-            False, 32, torch.tensor([2.0]), torch.tensor([2, 3, -1]))
+    args = (
+        torch.randn(2, 4, 1, 32),
+        torch.tensor([1, 0, 5]),
+        torch.tensor([2, -1, 3]),
+        0,
+        make_cache(8, 32),
+        False,
+        32,
+        torch.tensor([2.0]),
+        torch.tensor([2, 3, -1]),
+    )
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
     args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), True, 32, None, None)
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
@@ -679,7 +846,7 @@ def test_bench_w12_peers_pass_the_check(monkeypatch, wid):
     from ropekit.bench import peers as P
     from ropekit.bench import runner, workloads
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)    # the CPU paths: a check, not a timing
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU paths: a check, not a timing
     wl = workloads.BY_ID[wid]
     s = wl.sizes(True)
     table = workloads.make_table(wl, s, "cpu")
@@ -723,7 +890,7 @@ def big_cases():
         for s in slots.tolist():
             kc[at(s)] = torch.randn(H, D).to(kc.dtype)
             src_rows.append(kc[at(s)].double().clone())
-        x = torch.stack(src_rows).unsqueeze(1)                               # (N, 1, H, D) flat "cache"
+        x = torch.stack(src_rows).unsqueeze(1)  # (N, 1, H, D) flat "cache"
         want = x.clone()
         reference.rerotate_kv_cache(want, torch.arange(len(src_rows)), delta, table.double())
         rerotate_kv_cache(kc, slots, delta, table, dst_slots=dsts)
@@ -750,17 +917,23 @@ def big_cases():
     NS = 2**24 + 4
     kc = torch.empty(NS, H, D, dtype=torch.bfloat16)
     assert kc.numel() > 2**31
-    run(kc, torch.tensor([NS - 1, 2**24, 5], dtype=torch.int32), torch.tensor([1, -2, 3]), None,
-        [kc[:8], kc[2**24 - 2:]])
-    run(kc, torch.tensor([2**24 + 1, 6]), -4, torch.tensor([3, NS - 2]), [kc[:8], kc[2**24 - 2:]])
+    run(
+        kc,
+        torch.tensor([NS - 1, 2**24, 5], dtype=torch.int32),
+        torch.tensor([1, -2, 3]),
+        None,
+        [kc[:8], kc[2**24 - 2 :]],
+    )
+    run(kc, torch.tensor([2**24 + 1, 6]), -4, torch.tensor([3, NS - 2]), [kc[:8], kc[2**24 - 2 :]])
     print("OK")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="relies on untouched pages of torch.empty (Linux overcommit)")
 def test_cache_offsets_past_2_31():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, str(Path(__file__)), "big"], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__)), "big"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
 
 
@@ -778,11 +951,11 @@ def test_gpu_w12_shape(layout, cache_dtype, mode):
     fill = fp8_values if cache_dtype == FP8 else None
     cache = Cache(LAYOUTS[layout], 128, 16, H, D, cache_dtype, "cuda", fill=fill)
     r = random.Random(layout + str(cache_dtype) + mode)
-    slots, delta, dsts = random_case(r, cache.num_slots, 512, "cuda", max_pos=4096, n_pad=7, n_bad=3,
-                                     dst=mode == "dst", zero=5)
+    slots, delta, dsts = random_case(
+        r, cache.num_slots, 512, "cuda", max_pos=4096, n_pad=7, n_bad=3, dst=mode == "dst", zero=5
+    )
     scale = {"k_scale": torch.tensor([0.05], device="cuda")} if cache_dtype == FP8 else {}
-    check(cache, slots, delta, make_cache(4096, D, device="cuda"), interleaved=layout == "mla", dst_slots=dsts,
-          **scale)
+    check(cache, slots, delta, make_cache(4096, D, device="cuda"), interleaved=layout == "mla", dst_slots=dsts, **scale)
 
 
 @pytest.mark.gpu
@@ -824,8 +997,11 @@ def test_bigmem_cuda_cache_past_2_31_elements(layout):
     """A real bf16 cache above 2^31 elements (4.3 GB), rows re-rotated at both ends, in place and into dst."""
     H, D = 8, 128
     NB, BS = (2**21 + 64, 1) if layout == "flat" else (2**17 + 4, 16)
-    k = (torch.empty(NB * BS, H, D, dtype=torch.bfloat16, device="cuda") if layout == "flat"
-         else torch.empty(NB, H, BS, D, dtype=torch.bfloat16, device="cuda").permute(0, 2, 1, 3))
+    k = (
+        torch.empty(NB * BS, H, D, dtype=torch.bfloat16, device="cuda")
+        if layout == "flat"
+        else torch.empty(NB, H, BS, D, dtype=torch.bfloat16, device="cuda").permute(0, 2, 1, 3)
+    )
     k.fill_(NAN)
     assert k.numel() > 2**31
     n = NB * BS

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import ropekit
 from ropekit import selfcheck
@@ -21,8 +20,18 @@ def test_selfcheck_passes_and_covers_every_public_op():
     assert passed >= 18
     assert selfcheck.unchecked_public_names() == []
     text = "\n".join(lines)
-    for name in ("apply_rope_and_store, fp8", "rotate_with_angles", "backward", "tiny Llama", "M-RoPE interleaved",
-                 "strided MLA", "two token dims", "in place", "partial rotary", "interleaved (GPT-J"):
+    for name in (
+        "apply_rope_and_store, fp8",
+        "rotate_with_angles",
+        "backward",
+        "tiny Llama",
+        "M-RoPE interleaved",
+        "strided MLA",
+        "two token dims",
+        "in place",
+        "partial rotary",
+        "interleaved (GPT-J",
+    ):
         assert name in text
     # every row prints its dtype and threshold
     rows = [ln for ln in lines[1:] if "PASS" in ln]
@@ -74,7 +83,8 @@ def test_an_uncovered_public_name_fails(monkeypatch):
 def test_module_entry_point_exit_status():
     src = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "ropekit.selfcheck", "--no-bench"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ropekit.selfcheck", "--no-bench"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed" in r.stdout

@@ -24,11 +24,13 @@ from ropekit.store import apply_rope_and_store
 
 try:
     from conftest import make_cache
-except ImportError:                                      # run as a script: same table, local copy
+except ImportError:  # run as a script: same table, local copy
+
     def make_cache(max_position, rotary_dim, *, base=10000.0, dtype=torch.float32, device="cpu"):
         inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
         f = torch.arange(max_position, dtype=torch.float64)[:, None] * inv
         return torch.cat((f.cos(), f.sin()), dim=-1).to(dtype=dtype, device=device)
+
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8 = torch.float8_e4m3fn
@@ -40,6 +42,7 @@ INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # ---------------------------------------------------------------------------------------------
 # cache layouts: each builds (k_cache, v_cache) as views of base tensors made by alloc(shape)
+
 
 def nhd(alloc, NB, BS, H, Dk, Dv):
     return alloc((NB, BS, H, Dk)), alloc((NB, BS, H, Dv))
@@ -63,7 +66,7 @@ def flat(alloc, NB, BS, H, Dk, Dv):
 
 def padded(alloc, NB, BS, H, Dk, Dv):
     """No stride derivable from the shape: rows, heads and head dims padded."""
-    k = alloc((NB, BS + 1, H + 1, Dk + 8))[:, 1:, 1:, 4:4 + Dk]
+    k = alloc((NB, BS + 1, H + 1, Dk + 8))[:, 1:, 1:, 4 : 4 + Dk]
     v = alloc((NB, BS + 2, H + 2, Dv + 3))[:, :BS, ::1, :Dv][:, :, :H]
     return k, v
 
@@ -115,21 +118,26 @@ def assert_close(got, want, tol, what):
     got, want = got.double().cpu(), want.double().cpu()
     ok = (got - want).abs() <= tol * (1 + want.abs())
     ok |= torch.isnan(got) & torch.isnan(want)
-    assert ok.all(), f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; " \
-                     f"first got {got[~ok][:4].tolist()} want {want[~ok][:4].tolist()}"
+    assert ok.all(), (
+        f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; "
+        f"first got {got[~ok][:4].tolist()} want {want[~ok][:4].tolist()}"
+    )
 
 
 def fp8_tol(got, want, what):
     """fp8 e4m3: 3 mantissa bits, so a half ulp is 2^-4 of the value (2^-10 absolute when subnormal)."""
     got, want = got.double().cpu(), want.double().cpu()
-    ok = (got - want).abs() <= 2.0 ** -4 * want.abs() * 1.001 + 2.0 ** -10
+    ok = (got - want).abs() <= 2.0**-4 * want.abs() * 1.001 + 2.0**-10
     ok |= torch.isnan(got) & torch.isnan(want)
-    assert ok.all(), f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; " \
-                     f"first got {got[~ok][:4].tolist()} want {want[~ok][:4].tolist()}"
+    assert ok.all(), (
+        f"{what}: {int((~ok).sum())} of {ok.numel()} elements off; "
+        f"first got {got[~ok][:4].tolist()} want {want[~ok][:4].tolist()}"
+    )
 
 
-def check_store(q, k, v, positions, table, caches, slots, *, interleaved=False, k_scale=None, v_scale=None,
-                exact_fp8=False):
+def check_store(
+    q, k, v, positions, table, caches, slots, *, interleaved=False, k_scale=None, v_scale=None, exact_fp8=False
+):
     """Run the op once and check q, every written cache element and every untouched one."""
     rot = table.shape[1]
     before = [b.clone() for b in caches.bases]
@@ -145,13 +153,24 @@ def check_store(q, k, v, positions, table, caches, slots, *, interleaved=False, 
         mv[caches.row(slot)] = True
     scale = [None if x is None else float(x) for x in (k_scale, v_scale)]
     reference.apply_rope_and_store(
-        q64, k.double().cpu(), v.double().cpu(), None if positions is None else positions.cpu(),
-        table.double().cpu(), ok_, ov_, torch.where(valid, s, -1),
-        interleaved=interleaved, rotary_dim=rot, k_scale=scale[0], v_scale=scale[1])
-    q64[..., :rot][(s >= caches.num_slots)] = NAN           # a slot past the cache flags q
+        q64,
+        k.double().cpu(),
+        v.double().cpu(),
+        None if positions is None else positions.cpu(),
+        table.double().cpu(),
+        ok_,
+        ov_,
+        torch.where(valid, s, -1),
+        interleaved=interleaved,
+        rotary_dim=rot,
+        k_scale=scale[0],
+        v_scale=scale[1],
+    )
+    q64[..., :rot][(s >= caches.num_slots)] = NAN  # a slot past the cache flags q
 
-    out = apply_rope_and_store(q, k, v, positions, table, caches.k, caches.v, slots,
-                               interleaved=interleaved, k_scale=k_scale, v_scale=v_scale)
+    out = apply_rope_and_store(
+        q, k, v, positions, table, caches.k, caches.v, slots, interleaved=interleaved, k_scale=k_scale, v_scale=v_scale
+    )
     assert out is q
 
     assert_close(q, q64, TOL[q.dtype], "q")
@@ -160,8 +179,9 @@ def check_store(q, k, v, positions, table, caches, slots, *, interleaved=False, 
     for base, b0, want, written in zip(caches.bases, before, obases, mbases):
         got = base.cpu()
         b0 = b0.cpu()
-        assert torch.equal(bits(got)[~written], bits(b0)[~written]), \
+        assert torch.equal(bits(got)[~written], bits(b0)[~written]), (
             f"{int((bits(got) != bits(b0))[~written].sum())} cache elements outside the written rows changed"
+        )
         if base.dtype == FP8:
             if exact_fp8:
                 assert torch.equal(bits(got[written]), bits(want[written].to(FP8))), "fp8 rows not exact"
@@ -181,7 +201,7 @@ def inputs(T, Hq, Hk, Dq, Dk, Dv, rot, dtype, device, max_pos=64, token_shape=No
     # three different stride patterns, so mixing up q's, k's and v's strides fails: q contiguous,
     # k heads padded (a slice of wider rows), v head-major storage (a transposed view)
     q = torch.randn(*token_shape, Hq, Dq, dtype=dtype, device=device)
-    k = torch.randn(*token_shape, Hk, Dk + 16, dtype=dtype, device=device)[..., 8:8 + Dk]
+    k = torch.randn(*token_shape, Hk, Dk + 16, dtype=dtype, device=device)[..., 8 : 8 + Dk]
     v = torch.randn(Hk, *token_shape, Dv, dtype=dtype, device=device).movedim(0, -2)
     table = make_cache(max_pos, rot, device=device)
     pos = torch.randint(0, max_pos, token_shape, device=device)
@@ -219,10 +239,10 @@ def test_mha_fp16(device):
 
 SHAPES = [
     # (Hq, Hk, Dq, Dk, Dv, rotary_dim)
-    (5, 3, 80, 80, 80, 80),            # heads and rotary half not powers of two
-    (4, 1, 96, 96, 96, 32),            # partial rotary: k's tail copied into the cache
-    (2, 2, 64, 64, 48, 32),            # partial rotary, v narrower than k
-    (3, 2, 128, 64, 64, 64),           # q heads wider than k's
+    (5, 3, 80, 80, 80, 80),  # heads and rotary half not powers of two
+    (4, 1, 96, 96, 96, 32),  # partial rotary: k's tail copied into the cache
+    (2, 2, 64, 64, 48, 32),  # partial rotary, v narrower than k
+    (3, 2, 128, 64, 64, 64),  # q heads wider than k's
 ]
 
 
@@ -248,8 +268,9 @@ def test_mla_joint_row(device, interleaved):
     pos = torch.randint(0, 40, (T,), device=device)
     caches = Caches(mla, 3, 4, 1, R, L, torch.bfloat16, device)
     nope = q_full[..., :NOPE].clone()
-    check_store(q_pe, k_pe, kv_c, pos, table, caches, shuffled_slots(T, caches.num_slots, device),
-                interleaved=interleaved)
+    check_store(
+        q_pe, k_pe, kv_c, pos, table, caches, shuffled_slots(T, caches.num_slots, device), interleaved=interleaved
+    )
     assert torch.equal(q_full[..., :NOPE], nope), "q's nope part was written"
 
 
@@ -257,14 +278,21 @@ def test_fused_qkv_views(device):
     """q, k, v as views of one (T, (Hq + 2 Hk) * D) projection output: disjoint, allowed."""
     T, Hq, Hk, D = 5, 4, 2, 64
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, dtype=torch.bfloat16, device=device)
-    q = qkv[:, :Hq * D].view(T, Hq, D)
-    k = qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
-    v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
-    kv_before = qkv[:, Hq * D:].clone()
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    v = qkv[:, (Hq + Hk) * D :].view(T, Hk, D)
+    kv_before = qkv[:, Hq * D :].clone()
     caches = Caches(kv_joint, 2, 4, Hk, D, D, torch.bfloat16, device)
-    check_store(q, k, v, torch.randint(0, 32, (T,), device=device), make_cache(32, D, device=device),
-                caches, shuffled_slots(T, caches.num_slots, device))
-    assert torch.equal(qkv[:, Hq * D:], kv_before), "k or v (inputs) were written"
+    check_store(
+        q,
+        k,
+        v,
+        torch.randint(0, 32, (T,), device=device),
+        make_cache(32, D, device=device),
+        caches,
+        shuffled_slots(T, caches.num_slots, device),
+    )
+    assert torch.equal(qkv[:, Hq * D :], kv_before), "k or v (inputs) were written"
 
 
 DTYPES = [
@@ -330,9 +358,16 @@ def test_empty_tokens(device):
     q = torch.randn(0, 2, 64, device=device)
     k = v = torch.randn(0, 1, 64, device=device)
     caches = Caches(nhd, 2, 4, 1, 64, 64, torch.float32, device)
-    out = apply_rope_and_store(q, k, v, torch.zeros(0, dtype=torch.long, device=device),
-                               make_cache(8, 64, device=device), caches.k, caches.v,
-                               torch.zeros(0, dtype=torch.long, device=device))
+    out = apply_rope_and_store(
+        q,
+        k,
+        v,
+        torch.zeros(0, dtype=torch.long, device=device),
+        make_cache(8, 64, device=device),
+        caches.k,
+        caches.v,
+        torch.zeros(0, dtype=torch.long, device=device),
+    )
     assert out is q and all(torch.isnan(b).all() for b in caches.bases)
 
 
@@ -344,8 +379,8 @@ def test_slot_past_cache_is_skipped_and_flags_q(device):
     T, H, D, rot = 5, 2, 64, 32
     q, k, v, pos, table = inputs(T, H, H, D, D, D, rot, torch.float32, device)
     caches = Caches(nhd, 2, 4, H, D, D, torch.float32, device)
-    slots = torch.tensor([3, 8, 1, 2**31 - 1, -1], device=device)      # 8 = num_slots: one past the end
-    q64 = check_store(q, k, v, pos, table, caches, slots)             # checks nothing else was written
+    slots = torch.tensor([3, 8, 1, 2**31 - 1, -1], device=device)  # 8 = num_slots: one past the end
+    q64 = check_store(q, k, v, pos, table, caches, slots)  # checks nothing else was written
     assert torch.isnan(q[[1, 3], :, :rot]).all() and torch.isnan(q64[[1, 3], :, :rot]).all()
     assert not torch.isnan(q[[0, 2, 4]]).any() and not torch.isnan(q[..., rot:]).any()
 
@@ -401,31 +436,55 @@ def test_fp8_exact_round_trip(device, scale_kind):
     byte must equal torch's cast of value / scale. Checks the fp8 plumbing (scale read in the kernel,
     1-byte addressing, tail copy) everywhere, the interpreter included."""
     T, Hq, Hk, D, rot = 4, 2, 2, 64, 32
-    ks, vs = {"none": (None, None), "float": (4.0, 0.25),
-              "tensor0d": (torch.tensor(4.0, device=device), torch.tensor(0.25, device=device)),
-              "tensor1": (torch.tensor([0.5], device=device), torch.tensor([2.0], device=device))}[scale_kind]
+    ks, vs = {
+        "none": (None, None),
+        "float": (4.0, 0.25),
+        "tensor0d": (torch.tensor(4.0, device=device), torch.tensor(0.25, device=device)),
+        "tensor1": (torch.tensor([0.5], device=device), torch.tensor([2.0], device=device)),
+    }[scale_kind]
     fk = 1.0 if ks is None else float(ks)
     fv = 1.0 if vs is None else float(vs)
     q = torch.randn(T, Hq, D, dtype=torch.bfloat16, device=device)
     k = fp8_values((T, Hk, D), fk, device).to(torch.bfloat16)
     v = fp8_values((T, Hk, D), fv, device).to(torch.bfloat16)
     caches = Caches(hnd, 2, 4, Hk, D, D, FP8, device)
-    check_store(q, k, v, torch.zeros(T, dtype=torch.long, device=device), make_cache(8, rot, device=device),
-                caches, shuffled_slots(T, caches.num_slots, device), k_scale=ks, v_scale=vs, exact_fp8=True)
+    check_store(
+        q,
+        k,
+        v,
+        torch.zeros(T, dtype=torch.long, device=device),
+        make_cache(8, rot, device=device),
+        caches,
+        shuffled_slots(T, caches.num_slots, device),
+        k_scale=ks,
+        v_scale=vs,
+        exact_fp8=True,
+    )
 
 
 @pytest.mark.parametrize("layout", ["nhd", "mla"])
 def test_fp8_random_round_trip(device, layout):
     """Rotated k / scale rounded to e4m3: the cache times the scale gives k back to fp8 precision."""
     if INTERPRETED and device == "cpu":
-        pytest.skip("the Triton interpreter's float32 -> float8e4nv cast is wrong when rounding carries "
-                    "into the exponent (1.99 -> 1.0) and flushes subnormals; the exact fp8 test covers it")
+        pytest.skip(
+            "the Triton interpreter's float32 -> float8e4nv cast is wrong when rounding carries "
+            "into the exponent (1.99 -> 1.0) and flushes subnormals; the exact fp8 test covers it"
+        )
     T, Hq = 8, 4
     Hk, Dk, Dv = (2, 64, 64) if layout == "nhd" else (1, 32, 64)
     q, k, v, pos, table = inputs(T, Hq, Hk, Dk, Dk, Dv, Dk, torch.bfloat16, device)
     caches = Caches(nhd if layout == "nhd" else mla, 2, 8, Hk, Dk, Dv, FP8, device)
-    check_store(q, k, v, pos, table, caches, shuffled_slots(T, caches.num_slots, device),
-                k_scale=torch.tensor([0.03], device=device), v_scale=0.02)
+    check_store(
+        q,
+        k,
+        v,
+        pos,
+        table,
+        caches,
+        shuffled_slots(T, caches.num_slots, device),
+        k_scale=torch.tensor([0.03], device=device),
+        v_scale=0.02,
+    )
 
 
 def test_scale_on_a_bf16_cache(device):
@@ -433,8 +492,17 @@ def test_scale_on_a_bf16_cache(device):
     T, H, D = 4, 2, 64
     q, k, v, pos, table = inputs(T, H, H, D, D, D, D, torch.bfloat16, device)
     caches = Caches(flat, 2, 4, H, D, D, torch.float32, device)
-    check_store(q, k, v, pos, table, caches, shuffled_slots(T, caches.num_slots, device),
-                k_scale=torch.tensor(2.0, device=device), v_scale=0.5)
+    check_store(
+        q,
+        k,
+        v,
+        pos,
+        table,
+        caches,
+        shuffled_slots(T, caches.num_slots, device),
+        k_scale=torch.tensor(2.0, device=device),
+        v_scale=0.5,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,9 +514,14 @@ T_, HQ_, HK_, D_ = 4, 3, 2, 64
 def good():
     base = torch.full((2, 2, 4, HK_, D_), NAN)
     return dict(
-        q=torch.randn(T_, HQ_, D_), k=torch.randn(T_, HK_, D_), v=torch.randn(T_, HK_, D_),
-        positions=torch.randint(0, 16, (T_,)), cos_sin_cache=make_cache(16, D_),
-        k_cache=base[:, 0], v_cache=base[:, 1], slot_mapping=torch.tensor([0, 3, -1, 6]),
+        q=torch.randn(T_, HQ_, D_),
+        k=torch.randn(T_, HK_, D_),
+        v=torch.randn(T_, HK_, D_),
+        positions=torch.randint(0, 16, (T_,)),
+        cos_sin_cache=make_cache(16, D_),
+        k_cache=base[:, 0],
+        v_cache=base[:, 1],
+        slot_mapping=torch.tensor([0, 3, -1, 6]),
     )
 
 
@@ -467,75 +540,181 @@ CASES = [
     # (id, arguments, keyword overrides, exception, message fragment)
     ("k-none", bad(k=None), {}, TypeError, "k: expected a torch.Tensor"),
     ("q-rank", bad(q=lambda a: a["q"][0]), {}, ValueError, "q: expected a 3-D or 4-D"),
-    ("q-broadcast", bad(q=lambda a: torch.randn(T_, 1, D_).expand(T_, HQ_, D_)), {}, ValueError,
-     "q: expected a tensor without broadcast"),
-    ("q-requires-grad", bad(q=lambda a: a["q"].requires_grad_()), {}, ValueError,
-     "q: expected a tensor that does not require grad"),
+    (
+        "q-broadcast",
+        bad(q=lambda a: torch.randn(T_, 1, D_).expand(T_, HQ_, D_)),
+        {},
+        ValueError,
+        "q: expected a tensor without broadcast",
+    ),
+    (
+        "q-requires-grad",
+        bad(q=lambda a: a["q"].requires_grad_()),
+        {},
+        ValueError,
+        "q: expected a tensor that does not require grad",
+    ),
     ("k-token-dims", bad(k=lambda a: torch.randn(T_ + 1, HK_, D_)), {}, ValueError, "k: expected token dims"),
     ("v-not-tensor", bad(v=3.0), {}, TypeError, "v: expected a torch.Tensor"),
     ("v-token-dims", bad(v=lambda a: torch.randn(T_ - 1, HK_, D_)), {}, ValueError, "v: expected token dims"),
     ("v-dtype", bad(v=lambda a: a["v"].double()), {}, ValueError, "v: expected dtype"),
     ("v-device", bad(v=lambda a: a["v"].to("meta")), {}, ValueError, "v: expected a tensor on cpu"),
-    ("v-last-stride", bad(v=lambda a: torch.randn(T_, HK_, 2 * D_)[..., ::2]), {}, ValueError,
-     "v: expected stride 1 in the last dimension"),
+    (
+        "v-last-stride",
+        bad(v=lambda a: torch.randn(T_, HK_, 2 * D_)[..., ::2]),
+        {},
+        ValueError,
+        "v: expected stride 1 in the last dimension",
+    ),
     ("rotary-vs-table", good(), {"rotary_dim": 32}, ValueError, "rotary_dim: expected the width"),
     ("positions-shape", bad(positions=lambda a: a["positions"][:2]), {}, ValueError, "positions: expected shape"),
-    ("slots-dtype", bad(slot_mapping=lambda a: a["slot_mapping"].float()), {}, ValueError,
-     "slot_mapping: expected dtype"),
-    ("slots-shape", bad(slot_mapping=lambda a: a["slot_mapping"][:3]), {}, ValueError,
-     "slot_mapping: expected shape (4,)"),
-    ("slots-rank", bad(slot_mapping=lambda a: a["slot_mapping"][None]), {}, ValueError,
-     "slot_mapping: expected a 1-D tensor"),
-    ("k-cache-rank", bad(k_cache=lambda a: a["k_cache"][0, 0]), {}, ValueError,
-     "k_cache: expected a 3-D or 4-D tensor (num_blocks, block_size, H, D) or (num_slots, H, D)"),
+    (
+        "slots-dtype",
+        bad(slot_mapping=lambda a: a["slot_mapping"].float()),
+        {},
+        ValueError,
+        "slot_mapping: expected dtype",
+    ),
+    (
+        "slots-shape",
+        bad(slot_mapping=lambda a: a["slot_mapping"][:3]),
+        {},
+        ValueError,
+        "slot_mapping: expected shape (4,)",
+    ),
+    (
+        "slots-rank",
+        bad(slot_mapping=lambda a: a["slot_mapping"][None]),
+        {},
+        ValueError,
+        "slot_mapping: expected a 1-D tensor",
+    ),
+    (
+        "k-cache-rank",
+        bad(k_cache=lambda a: a["k_cache"][0, 0]),
+        {},
+        ValueError,
+        "k_cache: expected a 3-D or 4-D tensor (num_blocks, block_size, H, D) or (num_slots, H, D)",
+    ),
     ("k-cache-dtype", bad(k_cache=lambda a: a["k_cache"].double()), {}, ValueError, "k_cache: expected dtype"),
-    ("k-cache-heads", bad(k_cache=lambda a: torch.full((2, 4, HK_ + 1, D_), NAN)), {}, ValueError,
-     "k_cache: expected (heads, head size) (2, 64), those of k"),
-    ("v-cache-head-size", bad(v_cache=lambda a: torch.full((2, 4, HK_, D_ - 8), NAN)), {}, ValueError,
-     "v_cache: expected (heads, head size) (2, 64), those of v"),
-    ("mla-3d-cache-hint", bad(k=lambda a: torch.randn(T_, 1, 32), v=lambda a: torch.randn(T_, 1, D_),
-                              k_cache=lambda a: mla_cache_3d(a)[..., D_:], v_cache=lambda a: mla_cache_3d(a)[..., :D_],
-                              cos_sin_cache=lambda a: make_cache(16, 32)), {}, ValueError,
-     "pass a paged MLA cache (num_blocks, block_size, D) as cache.unsqueeze(-2)"),
-    ("k-cache-last-stride", bad(k_cache=lambda a: torch.full((2, 4, HK_, 2 * D_), NAN)[..., ::2]), {}, ValueError,
-     "k_cache: expected stride 1 in the last dimension"),
-    ("k-cache-broadcast", bad(k_cache=lambda a: torch.full((1, 4, HK_, D_), NAN).expand(2, 4, HK_, D_)), {},
-     ValueError, "k_cache: expected a tensor without broadcast"),
-    ("v-cache-slot-dims", bad(v_cache=lambda a: torch.full((3, 4, HK_, D_), NAN)), {}, ValueError,
-     "v_cache: expected slot dims (2, 4), those of k_cache"),
-    ("v-cache-flat-vs-paged", bad(v_cache=lambda a: torch.full((8, HK_, D_), NAN)), {}, ValueError,
-     "v_cache: expected slot dims (2, 4), those of k_cache"),
-    ("cache-device", bad(v_cache=lambda a: a["v_cache"].to("meta")), {}, ValueError,
-     "v_cache: expected a tensor on cpu"),
-    ("cache-requires-grad", bad(k_cache=lambda a: torch.full((2, 4, HK_, D_), NAN).requires_grad_()), {},
-     ValueError, "k_cache: expected a tensor that does not require grad"),
+    (
+        "k-cache-heads",
+        bad(k_cache=lambda a: torch.full((2, 4, HK_ + 1, D_), NAN)),
+        {},
+        ValueError,
+        "k_cache: expected (heads, head size) (2, 64), those of k",
+    ),
+    (
+        "v-cache-head-size",
+        bad(v_cache=lambda a: torch.full((2, 4, HK_, D_ - 8), NAN)),
+        {},
+        ValueError,
+        "v_cache: expected (heads, head size) (2, 64), those of v",
+    ),
+    (
+        "mla-3d-cache-hint",
+        bad(
+            k=lambda a: torch.randn(T_, 1, 32),
+            v=lambda a: torch.randn(T_, 1, D_),
+            k_cache=lambda a: mla_cache_3d(a)[..., D_:],
+            v_cache=lambda a: mla_cache_3d(a)[..., :D_],
+            cos_sin_cache=lambda a: make_cache(16, 32),
+        ),
+        {},
+        ValueError,
+        "pass a paged MLA cache (num_blocks, block_size, D) as cache.unsqueeze(-2)",
+    ),
+    (
+        "k-cache-last-stride",
+        bad(k_cache=lambda a: torch.full((2, 4, HK_, 2 * D_), NAN)[..., ::2]),
+        {},
+        ValueError,
+        "k_cache: expected stride 1 in the last dimension",
+    ),
+    (
+        "k-cache-broadcast",
+        bad(k_cache=lambda a: torch.full((1, 4, HK_, D_), NAN).expand(2, 4, HK_, D_)),
+        {},
+        ValueError,
+        "k_cache: expected a tensor without broadcast",
+    ),
+    (
+        "v-cache-slot-dims",
+        bad(v_cache=lambda a: torch.full((3, 4, HK_, D_), NAN)),
+        {},
+        ValueError,
+        "v_cache: expected slot dims (2, 4), those of k_cache",
+    ),
+    (
+        "v-cache-flat-vs-paged",
+        bad(v_cache=lambda a: torch.full((8, HK_, D_), NAN)),
+        {},
+        ValueError,
+        "v_cache: expected slot dims (2, 4), those of k_cache",
+    ),
+    (
+        "cache-device",
+        bad(v_cache=lambda a: a["v_cache"].to("meta")),
+        {},
+        ValueError,
+        "v_cache: expected a tensor on cpu",
+    ),
+    (
+        "cache-requires-grad",
+        bad(k_cache=lambda a: torch.full((2, 4, HK_, D_), NAN).requires_grad_()),
+        {},
+        ValueError,
+        "k_cache: expected a tensor that does not require grad",
+    ),
     ("k-scale-negative", good(), {"k_scale": -1.0}, ValueError, "k_scale: expected a finite scale > 0"),
     ("k-scale-nan", good(), {"k_scale": NAN}, ValueError, "k_scale: expected a finite scale > 0"),
     ("k-scale-bool", good(), {"k_scale": True}, TypeError, "k_scale: expected a float"),
     ("v-scale-str", good(), {"v_scale": "1.0"}, TypeError, "v_scale: expected a float"),
     ("v-scale-numel", good(), {"v_scale": torch.ones(2)}, ValueError, "v_scale: expected a 0-d or 1-element"),
-    ("v-scale-dtype", good(), {"v_scale": torch.ones(1, dtype=torch.float64)}, ValueError,
-     "v_scale: expected dtype float32"),
-    ("v-scale-device", good(), {"v_scale": torch.ones(1, device="meta")}, ValueError,
-     "v_scale: expected a tensor on cpu"),
+    (
+        "v-scale-dtype",
+        good(),
+        {"v_scale": torch.ones(1, dtype=torch.float64)},
+        ValueError,
+        "v_scale: expected dtype float32",
+    ),
+    (
+        "v-scale-device",
+        good(),
+        {"v_scale": torch.ones(1, device="meta")},
+        ValueError,
+        "v_scale: expected a tensor on cpu",
+    ),
     # aliasing: anything written must not share memory with anything else the kernel touches
-    ("same-cache-twice", bad(v_cache=lambda a: a["k_cache"]), {}, ValueError,
-     "v_cache: expected memory disjoint from k_cache"),
-    ("caches-overlap", bad(v_cache=lambda a: a["k_cache"][:, :, :, 0:D_]), {}, ValueError,
-     "v_cache: expected memory disjoint from k_cache"),
+    (
+        "same-cache-twice",
+        bad(v_cache=lambda a: a["k_cache"]),
+        {},
+        ValueError,
+        "v_cache: expected memory disjoint from k_cache",
+    ),
+    (
+        "caches-overlap",
+        bad(v_cache=lambda a: a["k_cache"][:, :, :, 0:D_]),
+        {},
+        ValueError,
+        "v_cache: expected memory disjoint from k_cache",
+    ),
     ("k-overlaps-q", bad(k=lambda a: a["q"][:, 1:]), {}, ValueError, "k: expected memory disjoint from q"),
-    ("v-is-a-cache-view", bad(v=lambda a: a["v_cache"][0]), {}, ValueError,
-     "v: expected memory disjoint from v_cache"),
+    ("v-is-a-cache-view", bad(v=lambda a: a["v_cache"][0]), {}, ValueError, "v: expected memory disjoint from v_cache"),
 ]
 
 
 @pytest.mark.parametrize("args,kw,exc,msg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_invalid_input_raises_and_writes_nothing(args, kw, exc, msg):
-    snapshot = {n: bits(v.detach().clone()) for n, v in args.items()
-                if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+    snapshot = {
+        n: bits(v.detach().clone()) for n, v in args.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"
+    }
     with pytest.raises(exc) as info:
-        apply_rope_and_store(*(args[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache",
-                                                 "v_cache", "slot_mapping")), **kw)
+        apply_rope_and_store(
+            *(args[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache", "v_cache", "slot_mapping")),
+            **kw,
+        )
     assert msg in str(info.value)
     assert str(info.value).startswith("apply_rope_and_store: ")
     for name, before in snapshot.items():
@@ -545,12 +724,13 @@ def test_invalid_input_raises_and_writes_nothing(args, kw, exc, msg):
 def test_q_inside_a_cache_is_refused():
     args = good()
     big = torch.full((2, 4, HQ_, D_), NAN)
-    q = big[0, :T_]                                      # (4, HQ, D) living in a cache's memory
+    q = big[0, :T_]  # (4, HQ, D) living in a cache's memory
     kc = big[..., :HK_, :]
     vc = torch.full((2, 4, HK_, D_), NAN)
     with pytest.raises(ValueError, match="k_cache: expected memory disjoint from q"):
-        apply_rope_and_store(q, args["k"], args["v"], args["positions"], args["cos_sin_cache"], kc, vc,
-                             args["slot_mapping"])
+        apply_rope_and_store(
+            q, args["k"], args["v"], args["positions"], args["cos_sin_cache"], kc, vc, args["slot_mapping"]
+        )
     assert torch.isnan(big).all()
 
 
@@ -558,8 +738,9 @@ def test_grad_mode_off_accepts_requires_grad():
     args = good()
     args["q"].requires_grad_()
     with torch.no_grad():
-        apply_rope_and_store(*(args[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache",
-                                                 "v_cache", "slot_mapping")))
+        apply_rope_and_store(
+            *(args[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache", "v_cache", "slot_mapping"))
+        )
 
 
 def test_may_alias_against_brute_force():
@@ -601,7 +782,7 @@ def test_may_alias_against_brute_force():
     assert not validate.may_alias(row[..., 512:], row[..., :512])
     assert validate.may_alias(row[..., 511:], row[..., :512])
     qkv = torch.zeros(7, 48 * 64)
-    assert not validate.may_alias(qkv[:, :32 * 64].view(7, 32, 64), qkv[:, 32 * 64:40 * 64].view(7, 8, 64))
+    assert not validate.may_alias(qkv[:, : 32 * 64].view(7, 32, 64), qkv[:, 32 * 64 : 40 * 64].view(7, 8, 64))
     # the same elements under another order of dims (HND vs NHD views): one element set
     assert validate.may_alias(kv[:, 0], kv[:, 0].permute(0, 2, 1, 3))
     assert not validate.may_alias(kv[:, 0], kv[:, 1].permute(0, 2, 1, 3))
@@ -619,6 +800,7 @@ def test_may_alias_against_brute_force():
 def test_rotary_embedding_forward_and_store(device, neox):
     """The module's fused method: (T, H * D) views of a fused qkv buffer, same bytes as the op."""
     from ropekit.modules import RotaryEmbedding
+
     T, Hq, Hk, D, rot = 5, 4, 2, 64, 32
     rope = RotaryEmbedding(D, rot, 64, 10000.0, is_neox_style=neox, device=device)
     qkv = torch.randn(T, (Hq + 2 * Hk) * D, dtype=torch.bfloat16, device=device)
@@ -630,8 +812,7 @@ def test_rotary_embedding_forward_and_store(device, neox):
     want = Caches(hnd, 2, 4, Hk, D, D, torch.bfloat16, device)
     out = rope.forward_and_store(pos, query, key, value, got.k, got.v, slots, k_scale=0.5)
     assert out is query
-    apply_rope_and_store(q2, k2, v2, pos, rope.cos_sin_cache, want.k, want.v, slots,
-                         interleaved=not neox, k_scale=0.5)
+    apply_rope_and_store(q2, k2, v2, pos, rope.cos_sin_cache, want.k, want.v, slots, interleaved=not neox, k_scale=0.5)
     assert torch.equal(bits(query), bits(q2.view(T, Hq * D)))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got.bases, want.bases))
     assert torch.equal(bits(key), bits(k2.view(T, Hk * D))), "key is read only"
@@ -654,8 +835,19 @@ def _mla_case(device):
 
 
 def _mla_fn(q_full, k_pe, kv_c, table, pos, cache, slots, L):
-    apply_rope_and_store(q_full[..., 32:], k_pe, kv_c, pos, table, cache[..., L:], cache[..., :L], slots,
-                         interleaved=True, k_scale=2.0, v_scale=torch.tensor([0.5], device=q_full.device))
+    apply_rope_and_store(
+        q_full[..., 32:],
+        k_pe,
+        kv_c,
+        pos,
+        table,
+        cache[..., L:],
+        cache[..., :L],
+        slots,
+        interleaved=True,
+        k_scale=2.0,
+        v_scale=torch.tensor([0.5], device=q_full.device),
+    )
     return q_full.sum()
 
 
@@ -680,9 +872,20 @@ def test_torch_compile_fullgraph_mla_views():
 def test_opcheck():
     """Schema (mutated arguments declared), fake implementation and dispatch agree with the real op."""
     T, H, D = 3, 2, 32
-    args = (torch.randn(T, H, D), torch.randn(T, 1, D), torch.randn(T, 1, D), torch.tensor([1, 0, 5]),
-            make_cache(8, D), torch.zeros(8, 1, D), torch.zeros(8, 1, D), torch.tensor([6, -1, 2]),
-            False, D, torch.tensor([2.0]), None)
+    args = (
+        torch.randn(T, H, D),
+        torch.randn(T, 1, D),
+        torch.randn(T, 1, D),
+        torch.tensor([1, 0, 5]),
+        make_cache(8, D),
+        torch.zeros(8, 1, D),
+        torch.zeros(8, 1, D),
+        torch.tensor([6, -1, 2]),
+        False,
+        D,
+        torch.tensor([2.0]),
+        None,
+    )
     torch.library.opcheck(torch.ops.ropekit.rope_and_store.default, args)
 
 
@@ -729,24 +932,28 @@ def big_cases():
     kc = buf.as_strided((3, BS, H, D), (2**30, H * D, D, 1))
     vc = buf.as_strided((3, BS, H, D), (2**30, H * D, D, 1), storage_offset=row)
     assert vc[2].storage_offset() + vc[2].numel() > 2**31
-    run(kc, vc, torch.tensor([2 * BS + 1, 3, -1, 2 * BS + BS - 1], dtype=torch.int32),
-        [kc[0], kc[2], vc[0], vc[2]])
+    run(kc, vc, torch.tensor([2 * BS + 1, 3, -1, 2 * BS + BS - 1], dtype=torch.int32), [kc[0], kc[2], vc[0], vc[2]])
     del buf, kc, vc
     # flat, 2^24 + 4 slots of 2 x 64: slot 2^24 starts at element 2^31
     NS = 2**24 + 4
     kc = torch.empty(NS, H, D, dtype=torch.bfloat16)
     vc = torch.empty(NS, H, D, dtype=torch.bfloat16)
     assert kc.numel() > 2**31
-    run(kc, vc, torch.tensor([NS - 1, 2**24, 5, -1, NS - 3], dtype=torch.int32),
-        [kc[:8], kc[2**24 - 2:], vc[:8], vc[2**24 - 2:]])
+    run(
+        kc,
+        vc,
+        torch.tensor([NS - 1, 2**24, 5, -1, NS - 3], dtype=torch.int32),
+        [kc[:8], kc[2**24 - 2 :], vc[:8], vc[2**24 - 2 :]],
+    )
     print("OK")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="relies on untouched pages of torch.empty (Linux overcommit)")
 def test_cache_offsets_past_2_31():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, str(Path(__file__)), "big"], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__)), "big"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
 
 
@@ -798,8 +1005,9 @@ def test_gpu_cuda_graph_replay():
     k_scale_new = torch.tensor([0.25], device=dev)
     poison = torch.full(kc.shape, NAN, device=dev).to(FP8)
     want_q, want_kc, want_vc = q_new.clone(), poison.clone(), poison.clone()
-    apply_rope_and_store(want_q, k_new, v_new, pos_new, table, want_kc, want_vc, slots_new,
-                         k_scale=k_scale_new, v_scale=0.123)
+    apply_rope_and_store(
+        want_q, k_new, v_new, pos_new, table, want_kc, want_vc, slots_new, k_scale=k_scale_new, v_scale=0.123
+    )
     q.copy_(q_new), k.copy_(k_new), v.copy_(v_new), pos.copy_(pos_new), slots.copy_(slots_new)
     k_scale.copy_(k_scale_new)
     kc.copy_(poison), vc.copy_(poison)
@@ -816,7 +1024,7 @@ def test_bigmem_cuda_cache_past_2_31_elements(layout):
     """Real caches above 2^31 elements (bf16, 4.3 GB each), rows written at both ends."""
     H, D = 8, 128
     if layout == "flat":
-        NB, BS = 2**21 + 64, 1                     # (2^21 + 64) slots x 1024 elements
+        NB, BS = 2**21 + 64, 1  # (2^21 + 64) slots x 1024 elements
         build = flat
     else:
         NB, BS = 2**17 + 4, 16

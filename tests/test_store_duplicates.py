@@ -31,12 +31,17 @@ def test_strict_refuses_duplicate_slots_before_writing(device, shape):
     q, k, v, pos = (x.reshape(*shape, *x.shape[1:]) for x in (q, k, v, pos))
     k_cache = torch.full((4, 4, H, D), float("nan"), device=device)
     v_cache = torch.full((4, 4, H, D), float("nan"), device=device)
-    slots = torch.tensor([3, -1, 7, -1, 3, 7], device=device).reshape(shape)   # padding may repeat
+    slots = torch.tensor([3, -1, 7, -1, 3, 7], device=device).reshape(shape)  # padding may repeat
     q0 = q.clone()
-    where = ("[0] and slot_mapping[4]" if len(shape) == 1 else "[0, 0] and slot_mapping[1, 1]")
-    with validate.strict(), pytest.raises(ValueError, match=r"apply_rope_and_store: slot_mapping: expected "
-                                          r"distinct slots .*got slot 3 at slot_mapping" + where.replace("[", r"\[")
-                                          .replace("]", r"\]")):
+    where = "[0] and slot_mapping[4]" if len(shape) == 1 else "[0, 0] and slot_mapping[1, 1]"
+    with (
+        validate.strict(),
+        pytest.raises(
+            ValueError,
+            match=r"apply_rope_and_store: slot_mapping: expected "
+            r"distinct slots .*got slot 3 at slot_mapping" + where.replace("[", r"\[").replace("]", r"\]"),
+        ),
+    ):
         apply_rope_and_store(q, k, v, pos, table, k_cache, v_cache, slots)
     assert torch.equal(q, q0), "q written before the error"
     assert torch.isnan(k_cache).all() and torch.isnan(v_cache).all(), "cache written before the error"
@@ -55,7 +60,7 @@ def _check_mix(device, T=64, H=8, D=64, dup_every=4):
     """Without strict mode: rows named once are exact; a duplicated row's every element is that
     element of one of the tokens naming it."""
     q, k, v, pos, table = _inputs(T, H, D, device, seed=1)
-    slots = (torch.arange(T) // dup_every).to(device)        # groups of dup_every tokens share a slot
+    slots = (torch.arange(T) // dup_every).to(device)  # groups of dup_every tokens share a slot
     slots[::dup_every] = torch.arange(T // dup_every, 2 * (T // dup_every)).to(device)  # one unique per group
     n_slots = 2 * (T // dup_every)
     k_cache = torch.full((n_slots, H, D), float("nan"), device=device)
@@ -67,7 +72,7 @@ def _check_mix(device, T=64, H=8, D=64, dup_every=4):
         rows = rows.cpu()
         for slot in range(n_slots):
             tokens = (slots.cpu() == slot).nonzero().flatten()
-            cand = rows[tokens]                                 # (n, H, D)
+            cand = rows[tokens]  # (n, H, D)
             match = ((cache[slot][None] - cand).abs() <= tol + 1e-5 * cand.abs()).any(0)
             assert match.all(), f"slot {slot}: an element from none of tokens {tokens.tolist()}"
 

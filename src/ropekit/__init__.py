@@ -12,8 +12,17 @@ from .rerotate import rerotate_kv_cache
 from .store import apply_rope_and_store
 from .validate import strict
 
-__all__ = ["apply_rope", "apply_rope_and_store", "rotate_with_angles", "rerotate_kv_cache", "positions_from_cu_seqlens",
-           "cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"]
+__all__ = [
+    "apply_rope",
+    "apply_rope_and_store",
+    "rotate_with_angles",
+    "rerotate_kv_cache",
+    "positions_from_cu_seqlens",
+    "cos_sin_cache",
+    "inv_freq",
+    "RotaryEmbedding",
+    "strict",
+]
 __version__ = "0.1.0"
 
 # DTensor sharding rules for the custom ops: registered when torch.distributed.tensor is imported

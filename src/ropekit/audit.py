@@ -157,8 +157,7 @@ class Finding:
 
     def explain(self) -> str:
         what = (
-            "int32 product of an index and a non-constant (widen an operand with "
-            ".to(tl.int64) before multiplying)"
+            "int32 product of an index and a non-constant (widen an operand with .to(tl.int64) before multiplying)"
             if self.rule == "narrow-product"
             else "program-id/loop/loaded index scaled by a constant and used as an element "
             "offset (widen it with .to(tl.int64) before scaling)"
@@ -350,9 +349,7 @@ class _Module:
         self.suppressed_lines = self._scan_comments()
         self.consts = self._module_consts()
         self.jit_fns = [
-            n
-            for n in ast.walk(self.tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_jit(n)
+            n for n in ast.walk(self.tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_jit(n)
         ]
         self.jit_by_name: dict[str, ast.FunctionDef] = {}
         for fn in self.jit_fns:
@@ -381,7 +378,7 @@ class _Module:
         except (tokenize.TokenError, IndentationError, SyntaxError):  # pragma: no cover
             for i, line in enumerate(self.source.splitlines(), 1):
                 if "#" in line:
-                    comments.append((i, line[line.index("#"):]))
+                    comments.append((i, line[line.index("#") :]))
         for lineno, text in comments:
             m = _SUPPRESS_RE.search(text)
             if not m:
@@ -390,8 +387,9 @@ class _Module:
                 lines.add(lineno)
             else:
                 self.warnings.append(
-                    AuditWarning(self.path, lineno,
-                             "'# int32-ok' needs a reason ('# int32-ok: <reason>'); not suppressing")
+                    AuditWarning(
+                        self.path, lineno, "'# int32-ok' needs a reason ('# int32-ok: <reason>'); not suppressing"
+                    )
                 )
         return lines
 
@@ -417,10 +415,10 @@ class _Module:
         lo, hi = node.lineno - 1, (node.end_lineno or node.lineno) - 1
         if 0 <= lo <= hi < len(self._lines) and node.end_col_offset is not None:
             if lo == hi:
-                seg = self._lines[lo][node.col_offset:node.end_col_offset].decode("utf-8", "replace")
+                seg = self._lines[lo][node.col_offset : node.end_col_offset].decode("utf-8", "replace")
             else:
-                parts = [self._lines[lo][node.col_offset:]] + self._lines[lo + 1:hi]
-                parts.append(self._lines[hi][:node.end_col_offset])
+                parts = [self._lines[lo][node.col_offset :]] + self._lines[lo + 1 : hi]
+                parts.append(self._lines[hi][: node.end_col_offset])
                 seg = b"".join(parts).decode("utf-8", "replace")
         if seg is None:
             try:
@@ -582,7 +580,7 @@ def _fold(op: ast.operator, a: object, b: object) -> object:
         if isinstance(op, ast.RShift) and 0 <= b < 128:
             return a >> b
         if isinstance(op, ast.Pow) and 0 <= b < 128:
-            return a ** b
+            return a**b
     except (ZeroDivisionError, OverflowError):
         return None
     return None
@@ -591,20 +589,44 @@ def _fold(op: ast.operator, a: object, b: object) -> object:
 # ----------------------------------------------------------------------------------------
 # per-function analysis
 
-_PASSTHROUGH = frozenset({
-    "multiple_of", "max_contiguous", "max_constancy", "broadcast_to", "reshape", "view",
-    "expand_dims", "trans", "permute", "ravel", "flip", "int", "float", "abs",
-    "assume", "reinterpret", "split", "join",
-})
+_PASSTHROUGH = frozenset(
+    {
+        "multiple_of",
+        "max_contiguous",
+        "max_constancy",
+        "broadcast_to",
+        "reshape",
+        "view",
+        "expand_dims",
+        "trans",
+        "permute",
+        "ravel",
+        "flip",
+        "int",
+        "float",
+        "abs",
+        "assume",
+        "reinterpret",
+        "split",
+        "join",
+    }
+)
 _DTYPE_FACTORIES = frozenset({"zeros", "full", "zeros_like", "full_like", "empty"})
-_NO_VALUE = frozenset({"static_assert", "device_assert", "static_print", "device_print",
-                       "debug_barrier", "print", "assert"})
+_NO_VALUE = frozenset(
+    {"static_assert", "device_assert", "static_print", "device_print", "debug_barrier", "print", "assert"}
+)
 _DESCRIPTOR_METHODS = frozenset({"load", "store", "gather", "scatter"})
 
 
 class _Function:
-    def __init__(self, program: _Program, mod: _Module, fn: ast.FunctionDef,
-                 params: dict[str, _AnyVal] | None, returns: dict[tuple, _AnyVal]):
+    def __init__(
+        self,
+        program: _Program,
+        mod: _Module,
+        fn: ast.FunctionDef,
+        params: dict[str, _AnyVal] | None,
+        returns: dict[tuple, _AnyVal],
+    ):
         self.program = program
         self.mod = mod
         self.returns = returns
@@ -643,7 +665,7 @@ class _Function:
     def _init_params(self, summary: dict[str, _AnyVal] | None) -> None:
         a = self.fn.args
         positional = list(a.posonlyargs) + list(a.args)
-        defaults = dict(zip([p.arg for p in positional[len(positional) - len(a.defaults):]], a.defaults))
+        defaults = dict(zip([p.arg for p in positional[len(positional) - len(a.defaults) :]], a.defaults))
         for p, d in zip(a.kwonlyargs, a.kw_defaults):
             if d is not None:
                 defaults[p.arg] = d
@@ -686,8 +708,9 @@ class _Function:
             return
         for o in items:
             if o not in self.findings:
-                self.findings[o] = Finding(o.path, o.line, o.col, o.function, o.expression,
-                                           o.rule, node.lineno, self.name)
+                self.findings[o] = Finding(
+                    o.path, o.line, o.col, o.function, o.expression, o.rule, node.lineno, self.name
+                )
 
     # -- statements ----------------------------------------------------------------------
 
@@ -795,8 +818,10 @@ class _Function:
         if isinstance(target, ast.Name):
             self.env[target.id] = v
         elif isinstance(target, (ast.Tuple, ast.List)):
-            if isinstance(v, _Tup) and len(v.elts) == len(target.elts) and not any(
-                isinstance(e, ast.Starred) for e in target.elts
+            if (
+                isinstance(v, _Tup)
+                and len(v.elts) == len(target.elts)
+                and not any(isinstance(e, ast.Starred) for e in target.elts)
             ):
                 for t, e in zip(target.elts, v.elts):
                     self._assign(t, e)
@@ -858,7 +883,11 @@ class _Function:
         idx = node.slice
         self._ev(idx)
         if isinstance(base, _Tup):
-            if isinstance(idx, ast.Constant) and isinstance(idx.value, int) and -len(base.elts) <= idx.value < len(base.elts):
+            if (
+                isinstance(idx, ast.Constant)
+                and isinstance(idx.value, int)
+                and -len(base.elts) <= idx.value < len(base.elts)
+            ):
                 return base.elts[idx.value]
             return _flat(base)
         return base  # x[:, None] broadcasting keeps the value
@@ -916,40 +945,38 @@ class _Function:
     # -- arithmetic ----------------------------------------------------------------------
 
     def _binop(self, op: ast.operator, left: _AnyVal, right: _AnyVal, node: ast.AST) -> _Val:
-        l, r = _flat(left), _flat(right)
+        lhs, rhs = _flat(left), _flat(right)
         if isinstance(op, (ast.Add, ast.Sub)):
-            if l.ptr and not r.ptr:
-                self._sink(r, node)
-                return _Val(ptr=True, origins=l.origins)
-            if r.ptr and not l.ptr and isinstance(op, ast.Add):
-                self._sink(l, node)
-                return _Val(ptr=True, origins=r.origins)
-            out = _combine([l, r])
+            if lhs.ptr and not rhs.ptr:
+                self._sink(rhs, node)
+                return _Val(ptr=True, origins=lhs.origins)
+            if rhs.ptr and not lhs.ptr and isinstance(op, ast.Add):
+                self._sink(lhs, node)
+                return _Val(ptr=True, origins=rhs.origins)
+            out = _combine([lhs, rhs])
             if out.const:
-                out = replace(out, cvalue=_fold(op, l.cvalue, r.cvalue))
+                out = replace(out, cvalue=_fold(op, lhs.cvalue, rhs.cvalue))
             return out
         if isinstance(op, (ast.Mult, ast.LShift)):
-            return self._product(op, l, r, node)
-        out = _combine([l, r])
+            return self._product(op, lhs, rhs, node)
+        out = _combine([lhs, rhs])
         if out.const:
-            out = replace(out, cvalue=_fold(op, l.cvalue, r.cvalue))
+            out = replace(out, cvalue=_fold(op, lhs.cvalue, rhs.cvalue))
         return out
 
-    def _product(self, op: ast.operator, l: _Val, r: _Val, node: ast.AST) -> _Val:
+    def _product(self, op: ast.operator, lhs: _Val, rhs: _Val, node: ast.AST) -> _Val:
         if isinstance(op, ast.LShift):
             # x << k is x * 2**k
-            k = r.cvalue
+            k = rhs.cvalue
             factor = (1 << k) if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 64 else None
-            r = replace(r, cvalue=factor)
-        origins = l.origins | r.origins
-        wide = l.wide or r.wide
-        const = l.const and r.const
-        cvalue = _fold(ast.Mult(), l.cvalue, r.cvalue) if const else None
+            rhs = replace(rhs, cvalue=factor)
+        origins = lhs.origins | rhs.origins
+        wide = lhs.wide or rhs.wide
+        const = lhs.const and rhs.const
+        cvalue = _fold(ast.Mult(), lhs.cvalue, rhs.cvalue) if const else None
         # a scaled index stays one only when multiplied by a compile-time constant
-        scaled = (l.scaled if r.const else frozenset()) | (r.scaled if l.const else frozenset())
-        narrow_product = not wide and (
-            (l.narrow and not r.small_const) or (r.narrow and not l.small_const)
-        )
+        scaled = (lhs.scaled if rhs.const else frozenset()) | (rhs.scaled if lhs.const else frozenset())
+        narrow_product = not wide and ((lhs.narrow and not rhs.small_const) or (rhs.narrow and not lhs.small_const))
         if narrow_product:
             scaled = frozenset()
             if not origins and not self._suppressed(node):
@@ -957,12 +984,19 @@ class _Function:
         elif not wide:
             const_scaling = any(
                 a.narrow and a.unbounded and b.small_const and not _trivial_factor(b)
-                for a, b in ((l, r), (r, l))
+                for a, b in ((lhs, rhs), (rhs, lhs))
             )
             if const_scaling and not scaled and not origins and not self._suppressed(node):
                 scaled = frozenset({self._origin(node, "scaled-index")})
-        return _Val(kinds=l.kinds | r.kinds, wide=wide, const=const, ptr=False,
-                    origins=origins, scaled=scaled, cvalue=cvalue)
+        return _Val(
+            kinds=lhs.kinds | rhs.kinds,
+            wide=wide,
+            const=const,
+            ptr=False,
+            origins=origins,
+            scaled=scaled,
+            cvalue=cvalue,
+        )
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -1213,12 +1247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m ropekit.audit",
         description="Report int32 indices (program ids, loop counters, loaded indices, aranges) "
         "that are multiplied in 32 bits and reach a pointer offset in Triton kernels.",
-        epilog="Rule: see the ropekit.audit module docstring. Silence a reviewed line with "
-        "'# int32-ok: <reason>'.",
+        epilog="Rule: see the ropekit.audit module docstring. Silence a reviewed line with '# int32-ok: <reason>'.",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="Python files or directories")
-    parser.add_argument("--explain", action="store_true",
-                        help="print the rule and the pointer use under each finding")
+    parser.add_argument("--explain", action="store_true", help="print the rule and the pointer use under each finding")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage error (2) or --help (0)
@@ -1242,9 +1274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ropekit.audit: warning: no Python files found", file=sys.stderr)
     nfound = len(findings)
     if nfound:
-        print(f"ropekit.audit: {nfound} finding(s) in {nfiles} file(s): widen the index with "
-              f".to(tl.int64) before it is multiplied, or mark a reviewed line "
-              f"'# int32-ok: <reason>'")
+        print(
+            f"ropekit.audit: {nfound} finding(s) in {nfiles} file(s): widen the index with "
+            f".to(tl.int64) before it is multiplied, or mark a reviewed line "
+            f"'# int32-ok: <reason>'"
+        )
     else:
         print(f"ropekit.audit: no findings in {nfiles} file(s)")
     if errors:

@@ -39,19 +39,20 @@ from typing import NamedTuple
 import torch
 
 # Roles of an op's arguments (schema order). Non-tensor arguments have role None.
-HEADS = "heads"          # (*T, H, D): token dims and the head dim follow q
-TOKENS = "tokens"        # (*T) or (3, *T) with M-RoPE: token dims follow q, replicated under head sharding
-ANGLES = "angles"        # cos / sin: tables (positions given) replicated; per-token (*T, half) like TOKENS
-TABLE = "table"          # always replicated (a [cos | sin] table)
-CACHE = "cache"          # KV cache (..., H, D): head dim follows q; token sharding refused
-SCALE = "scale"          # per-tensor scale: replicated
-MROPE = "mrope"          # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
+HEADS = "heads"  # (*T, H, D): token dims and the head dim follow q
+TOKENS = "tokens"  # (*T) or (3, *T) with M-RoPE: token dims follow q, replicated under head sharding
+ANGLES = "angles"  # cos / sin: tables (positions given) replicated; per-token (*T, half) like TOKENS
+TABLE = "table"  # always replicated (a [cos | sin] table)
+CACHE = "cache"  # KV cache (..., H, D): head dim follows q; token sharding refused
+SCALE = "scale"  # per-tensor scale: replicated
+MROPE = "mrope"  # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
 
 
 class OpRule(NamedTuple):
     """How one custom op's arguments shard. args: (name, role) for EVERY schema argument, in order.
     outputs: for each returned tensor, the argument whose placements it takes (() for in-place ops).
     written: arguments the op mutates (never sliced from Replicate: the write would land in a copy)."""
+
     args: tuple
     outputs: tuple
     written: tuple = ()
@@ -60,22 +61,63 @@ class OpRule(NamedTuple):
 # The op-schema table (src/ropekit/ops.py and store.py define the ops).
 OPS = {
     "rotate": OpRule(
-        args=(("q", HEADS), ("k", HEADS), ("positions", TOKENS), ("table", TABLE), ("rotary_dim", None),
-              ("interleaved", None), ("out_interleaved", None), ("mrope", MROPE), ("inverse", None)),
-        outputs=("q", "k")),
+        args=(
+            ("q", HEADS),
+            ("k", HEADS),
+            ("positions", TOKENS),
+            ("table", TABLE),
+            ("rotary_dim", None),
+            ("interleaved", None),
+            ("out_interleaved", None),
+            ("mrope", MROPE),
+            ("inverse", None),
+        ),
+        outputs=("q", "k"),
+    ),
     "rotate_": OpRule(
-        args=(("q", HEADS), ("k", HEADS), ("positions", TOKENS), ("table", TABLE), ("rotary_dim", None),
-              ("interleaved", None), ("mrope", MROPE)),
-        outputs=(), written=("q", "k")),
+        args=(
+            ("q", HEADS),
+            ("k", HEADS),
+            ("positions", TOKENS),
+            ("table", TABLE),
+            ("rotary_dim", None),
+            ("interleaved", None),
+            ("mrope", MROPE),
+        ),
+        outputs=(),
+        written=("q", "k"),
+    ),
     "rotate_angles": OpRule(
-        args=(("q", HEADS), ("k", HEADS), ("cos", ANGLES), ("sin", ANGLES), ("interleaved", None),
-              ("out_interleaved", None), ("mrope", MROPE), ("inverse", None)),
-        outputs=("q", "k")),
+        args=(
+            ("q", HEADS),
+            ("k", HEADS),
+            ("cos", ANGLES),
+            ("sin", ANGLES),
+            ("interleaved", None),
+            ("out_interleaved", None),
+            ("mrope", MROPE),
+            ("inverse", None),
+        ),
+        outputs=("q", "k"),
+    ),
     "rope_and_store": OpRule(
-        args=(("q", HEADS), ("k", HEADS), ("v", HEADS), ("positions", TOKENS), ("cos_sin_cache", TABLE),
-              ("k_cache", CACHE), ("v_cache", CACHE), ("slot_mapping", TOKENS), ("interleaved", None),
-              ("rotary_dim", None), ("k_scale", SCALE), ("v_scale", SCALE)),
-        outputs=(), written=("q", "k_cache", "v_cache")),
+        args=(
+            ("q", HEADS),
+            ("k", HEADS),
+            ("v", HEADS),
+            ("positions", TOKENS),
+            ("cos_sin_cache", TABLE),
+            ("k_cache", CACHE),
+            ("v_cache", CACHE),
+            ("slot_mapping", TOKENS),
+            ("interleaved", None),
+            ("rotary_dim", None),
+            ("k_scale", SCALE),
+            ("v_scale", SCALE),
+        ),
+        outputs=(),
+        written=("q", "k_cache", "v_cache"),
+    ),
 }
 
 
@@ -113,8 +155,12 @@ def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
     ref = reference_placements(op, specs)
     for p in ref:
         if not isinstance(p, Replicate) and (not isinstance(p, Shard) or p.dim < 0 or p.dim >= q_ndim - 1):
-            _fail(op, "q", "placements Replicate(), Shard(token dim) or Shard(head dim "
-                  f"{q_ndim - 2}) on every mesh dim", specs["q"][1])
+            _fail(
+                op,
+                "q",
+                f"placements Replicate(), Shard(token dim) or Shard(head dim {q_ndim - 2}) on every mesh dim",
+                specs["q"][1],
+            )
     want = {}
     for name, role in rule.args:
         if role in (None, MROPE) or name not in specs:
@@ -129,14 +175,19 @@ def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
             if role == HEADS:
                 per_mesh_dim.append(Shard(p.dim))
             elif role == TOKENS or (role == ANGLES and not positions_given):
-                lead = ndim - n_tok - (1 if role == ANGLES else 0)   # 3 M-RoPE rows, or 0
+                lead = ndim - n_tok - (1 if role == ANGLES else 0)  # 3 M-RoPE rows, or 0
                 per_mesh_dim.append(Shard(p.dim + lead) if token else Replicate())
             elif role in (ANGLES, TABLE, SCALE):
                 per_mesh_dim.append(Replicate())
             elif role == CACHE:
                 if token:
-                    _fail(op, "q", "a head-dim or replicated placement (a KV cache cannot take a "
-                          "token-sharded write without communication)", specs["q"][1])
+                    _fail(
+                        op,
+                        "q",
+                        "a head-dim or replicated placement (a KV cache cannot take a "
+                        "token-sharded write without communication)",
+                        specs["q"][1],
+                    )
                 per_mesh_dim.append(Shard(ndim - 2))
         want[name] = tuple(per_mesh_dim)
     return want
@@ -155,12 +206,21 @@ def _settle(op: str, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
     if got == want:
         return False
     if name in OPS[op].written:
-        _fail(op, name, f"placements {want} (to match {ref}, those of q/k; it is written in place, so it "
-              "cannot be resharded)", got)
+        _fail(
+            op,
+            name,
+            f"placements {want} (to match {ref}, those of q/k; it is written in place, so it cannot be resharded)",
+            got,
+        )
     if len(got) == len(want) and all(g == w or isinstance(g, Replicate) for g, w in zip(got, want)):
         return True
-    _fail(op, name, f"placements {want} (to match {ref}, those of q/k; a replicated input is sliced, "
-          "anything else would need communication: redistribute it first)", got)
+    _fail(
+        op,
+        name,
+        f"placements {want} (to match {ref}, those of q/k; a replicated input is sliced, "
+        "anything else would need communication: redistribute it first)",
+        got,
+    )
 
 
 def check(op: str, args: dict) -> dict:
@@ -196,9 +256,15 @@ def _strategy(op: str, op_schema):
         moved = _settle(op, name, tuple(spec.placements), want[name], ref)
         inputs[name] = DTensorSpec(mesh, want[name], tensor_meta=spec.tensor_meta) if moved else spec
     outputs = tuple(DTensorSpec(mesh, want[n]) for n in rule.outputs if n in inputs)
-    return OpStrategy([OpSpec(output_specs=outputs if rule.outputs else None,
-                              input_specs=[inputs[n] for n, _ in given],
-                              redistribute_cost=[[0.0] for _ in given])])
+    return OpStrategy(
+        [
+            OpSpec(
+                output_specs=outputs if rule.outputs else None,
+                input_specs=[inputs[n] for n, _ in given],
+                redistribute_cost=[[0.0] for _ in given],
+            )
+        ]
+    )
 
 
 _registered = False
@@ -224,8 +290,9 @@ def register() -> bool:
         overload = getattr(torch.ops.ropekit, name).default
         # flags and mrope change the rule: hash every argument from the first non-tensor one on
         static = next(i for i, (_, role) in enumerate(OPS[name].args) if role in (None, MROPE))
-        propagator.register_op_strategy(overload, lambda schema, _n=name: _strategy(_n, schema),
-                                        RuntimeSchemaInfo(static_argnum=static))
+        propagator.register_op_strategy(
+            overload, lambda schema, _n=name: _strategy(_n, schema), RuntimeSchemaInfo(static_argnum=static)
+        )
     _registered = True
     return True
 
@@ -250,6 +317,7 @@ class _AfterImport:
         def exec_module(module):
             run(module)
             register()
+
         spec.loader.exec_module = exec_module
         return spec
 
@@ -278,5 +346,4 @@ def like(q, *xs):
     mesh = getattr(q, "device_mesh", None)
     if mesh is None:
         return xs
-    return tuple(replicate(x, mesh) if isinstance(x, torch.Tensor) and not hasattr(x, "device_mesh") else x
-                 for x in xs)
+    return tuple(replicate(x, mesh) if isinstance(x, torch.Tensor) and not hasattr(x, "device_mesh") else x for x in xs)

@@ -99,7 +99,7 @@ def _resolve_base(op: str, base: Optional[float], params: dict) -> float:
 def _plain(rotary_dim: int, base: float) -> torch.Tensor:
     """base ** (-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1, in float64."""
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=_CPU) / rotary_dim
-    return 1.0 / (base ** exponent)
+    return 1.0 / (base**exponent)
 
 
 def _default(rotary_dim, base, params, max_position, op):
@@ -113,11 +113,13 @@ def _linear(rotary_dim, base, params, max_position, op):
 
 def _dynamic(rotary_dim, base, params, max_position, op):
     factor = _positive(op, "scaling['factor']", _key(params, "factor", "dynamic", op))
-    original = _positive_int(op, "scaling['original_max_position_embeddings']",
-                             _key(params, "original_max_position_embeddings", "dynamic", op))
+    original = _positive_int(
+        op,
+        "scaling['original_max_position_embeddings']",
+        _key(params, "original_max_position_embeddings", "dynamic", op),
+    )
     if rotary_dim <= 2:
-        fail(op, "rotary_dim", "at least 4 for rope_type 'dynamic' (the NTK exponent is d / (d - 2))",
-             repr(rotary_dim))
+        fail(op, "rotary_dim", "at least 4 for rope_type 'dynamic' (the NTK exponent is d / (d - 2))", repr(rotary_dim))
     seq_len = original if max_position is None else max(max_position, original)
     # NTK-aware: grow the base so the lowest frequency stretches over seq_len
     stretch = factor * seq_len / original - (factor - 1.0)
@@ -130,8 +132,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(rotary_dim, base, params, max_position, op):
-    original = _positive_int(op, "scaling['original_max_position_embeddings']",
-                             _key(params, "original_max_position_embeddings", "yarn", op))
+    original = _positive_int(
+        op, "scaling['original_max_position_embeddings']", _key(params, "original_max_position_embeddings", "yarn", op)
+    )
     factor = _key(params, "factor", "yarn", op)
     if factor is None:
         if max_position is None:
@@ -170,7 +173,7 @@ def _yarn(rotary_dim, base, params, max_position, op):
     if low == high:
         high += 0.001  # as HF: avoid a zero-width ramp
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device=_CPU) - low) / (high - low)).clamp(0.0, 1.0)
-    extrapolate = 1.0 - ramp          # 1: keep the original frequency, 0: divide it by factor
+    extrapolate = 1.0 - ramp  # 1: keep the original frequency, 0: divide it by factor
     plain = _plain(rotary_dim, base)
     inv_freq = (plain / factor) * (1.0 - extrapolate) + plain * extrapolate
     return inv_freq, float(attention_factor)
@@ -179,8 +182,12 @@ def _yarn(rotary_dim, base, params, max_position, op):
 def _factor_list(op, params, key, half):
     values = _key(params, key, "longrope", op)
     if not isinstance(values, (list, tuple)) or len(values) != half:
-        fail(op, f"scaling[{key!r}]", f"a list of {half} numbers (rotary_dim // 2)",
-             f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values))
+        fail(
+            op,
+            f"scaling[{key!r}]",
+            f"a list of {half} numbers (rotary_dim // 2)",
+            f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values),
+        )
     for i, v in enumerate(values):
         if not _is_number(v) or v <= 0:
             fail(op, f"scaling[{key!r}][{i}]", "a positive number", repr(v))
@@ -191,8 +198,11 @@ def _longrope(rotary_dim, base, params, max_position, op):
     half = rotary_dim // 2
     short = _factor_list(op, params, "short_factor", half)
     long = _factor_list(op, params, "long_factor", half)
-    original = _positive_int(op, "scaling['original_max_position_embeddings']",
-                             _key(params, "original_max_position_embeddings", "longrope", op))
+    original = _positive_int(
+        op,
+        "scaling['original_max_position_embeddings']",
+        _key(params, "original_max_position_embeddings", "longrope", op),
+    )
     factor = params.get("factor")
     if factor is None:
         factor = 1.0 if max_position is None else max_position / original
@@ -212,8 +222,11 @@ def _llama3(rotary_dim, base, params, max_position, op):
     factor = _positive(op, "scaling['factor']", _key(params, "factor", "llama3", op))
     low_ff = _positive(op, "scaling['low_freq_factor']", _key(params, "low_freq_factor", "llama3", op))
     high_ff = _positive(op, "scaling['high_freq_factor']", _key(params, "high_freq_factor", "llama3", op))
-    original = _positive_int(op, "scaling['original_max_position_embeddings']",
-                             _key(params, "original_max_position_embeddings", "llama3", op))
+    original = _positive_int(
+        op,
+        "scaling['original_max_position_embeddings']",
+        _key(params, "original_max_position_embeddings", "llama3", op),
+    )
     if high_ff <= low_ff:
         fail(op, "scaling['high_freq_factor']", f"a number above low_freq_factor = {low_ff!r}", repr(high_ff))
     plain = _plain(rotary_dim, base)

@@ -186,12 +186,13 @@ def _kernel_takes(q, k, tables, *, promote_to_q: bool) -> bool:
         if t.device != q.device:
             return False
         if t.requires_grad and torch.is_grad_enabled():
-            return False                      # ropekit treats angles as constants: HF's math
+            return False  # ropekit treats angles as constants: HF's math
     if t0.dtype not in _KERNEL_DTYPES or k.device != q.device:
         return False
-    if promote_to_q and (torch.promote_types(q.dtype, t0.dtype) != q.dtype
-                         or torch.promote_types(k.dtype, t0.dtype) != k.dtype):
-        return False                          # HF's result would be wider than q: keep HF's dtype
+    if promote_to_q and (
+        torch.promote_types(q.dtype, t0.dtype) != q.dtype or torch.promote_types(k.dtype, t0.dtype) != k.dtype
+    ):
+        return False  # HF's result would be wider than q: keep HF's dtype
     for x in (q, k):
         if x.shape[-1] > 1 and x.stride(-1) != 1:
             return False
@@ -205,23 +206,41 @@ def _tokens_first(x, hd):
 def _rotate_hf_layout(q, k, cos, sin, hd, *, interleaved, out_interleaved=None, mrope_section=None, columns=None):
     """Rotate HF-layout q/k with ropekit: cos/sin are (…, B, S, ·) tables of which the first
     `columns` columns (None: all) hold the rotary_dim // 2 frequencies."""
-    return ops.rotate_angles(q, k, cos, sin, interleaved=interleaved,
-                             out_interleaved=interleaved if out_interleaved is None else out_interleaved,
-                             mrope_section=mrope_section, heads_first=hd == 1, columns=columns)
+    return ops.rotate_angles(
+        q,
+        k,
+        cos,
+        sin,
+        interleaved=interleaved,
+        out_interleaved=interleaved if out_interleaved is None else out_interleaved,
+        mrope_section=mrope_section,
+        heads_first=hd == 1,
+        columns=columns,
+    )
 
 
 def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
     """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None;
     remembered per call signature in ropekit's memo in eager mode (a training step asks once per layer)."""
-    decide = functools.partial(_decide_plain_plan, q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q,
-                               need_full=need_full)
+    decide = functools.partial(
+        _decide_plain_plan, q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q, need_full=need_full
+    )
     if torch.compiler.is_compiling():
         return decide()
     try:
-        key = ("hf plan", torch.is_grad_enabled(), pipeline.tensor_key(q), pipeline.tensor_key(k),
-               pipeline.tensor_key(cos), pipeline.tensor_key(sin), unsqueeze_dim, promote_to_q, need_full)
+        key = (
+            "hf plan",
+            torch.is_grad_enabled(),
+            pipeline.tensor_key(q),
+            pipeline.tensor_key(k),
+            pipeline.tensor_key(cos),
+            pipeline.tensor_key(sin),
+            unsqueeze_dim,
+            promote_to_q,
+            need_full,
+        )
         plan = pipeline.lookup(key)
-    except (AttributeError, TypeError):      # not tensors, or unhashable: decide afresh
+    except (AttributeError, TypeError):  # not tensors, or unhashable: decide afresh
         return decide()
     if plan is None:
         plan = pipeline.remember(key, decide() or False)
@@ -253,8 +272,9 @@ def _rotate_halves_table(q, k, cos, sin, ud, *, promote_to_q, need_full, interle
     if plan is None:
         return math(q, k, cos, sin, ud)
     hd, r = plan
-    return _rotate_hf_layout(q, k, cos, sin, hd, interleaved=interleaved, out_interleaved=out_interleaved,
-                             columns=r // 2)
+    return _rotate_hf_layout(
+        q, k, cos, sin, hd, interleaved=interleaved, out_interleaved=out_interleaved, columns=r // 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,15 +289,35 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     Rotates dims [0, R) half-split by frequencies cos[..., :R//2], passes dims [R, D) through.
     position_ids is ignored (as in transformers 4.x; 5.x removed it). Returns (q_embed, k_embed).
     """
-    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=True,
-                                need_full=False, interleaved=False, out_interleaved=False, math=_math_half)
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=True,
+        need_full=False,
+        interleaved=False,
+        out_interleaved=False,
+        math=_math_half,
+    )
 
 
 def olmo_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """HF's OLMo / OLMo-2 / OLMo-3 `apply_rotary_pos_emb`: Llama's, outputs cast to q's / k's dtype
     (OLMo-2 passes float32 cos/sin with bf16 q/k)."""
-    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=False,
-                                need_full=True, interleaved=False, out_interleaved=False, math=_math_olmo)
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=False,
+        need_full=True,
+        interleaved=False,
+        out_interleaved=False,
+        math=_math_olmo,
+    )
 
 
 def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -286,8 +326,18 @@ def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     cos, sin: (B or 1, S, R) halves [f, f] (only the first half is read, as HF does). Pairs
     (2i, 2i+1) of dims [0, R) are rotated by frequency i; dims [R, D) pass through.
     """
-    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=True,
-                                need_full=False, interleaved=True, out_interleaved=True, math=_math_glm)
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=True,
+        need_full=False,
+        interleaved=True,
+        out_interleaved=True,
+        math=_math_glm,
+    )
 
 
 def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -309,8 +359,18 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
     halves [f, f]. Pairs (2i, 2i+1) of the input are rotated by frequency i and written half-split:
     out[..., i] and out[..., i + R/2].
     """
-    return _rotate_halves_table(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), promote_to_q=True,
-                                need_full=True, interleaved=True, out_interleaved=False, math=_math_deepseek)
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=True,
+        need_full=True,
+        interleaved=True,
+        out_interleaved=False,
+        math=_math_deepseek,
+    )
 
 
 def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
@@ -334,9 +394,16 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
         r = cos.shape[-1]
         qt, kt = _tokens_first(q, hd), _tokens_first(k, hd)
         tokens = tuple(qt.shape[:2])
-        if not (len(sections) == 3 and min(sections) >= 0 and r % 2 == 0 and sum(sections) == r // 2
-                and q.shape[-1] == r and k.shape[-1] == r and tuple(kt.shape[:2]) == tokens
-                and _fits(tuple(cos.shape[1:3]), tokens)):
+        if not (
+            len(sections) == 3
+            and min(sections) >= 0
+            and r % 2 == 0
+            and sum(sections) == r // 2
+            and q.shape[-1] == r
+            and k.shape[-1] == r
+            and tuple(kt.shape[:2]) == tokens
+            and _fits(tuple(cos.shape[1:3]), tokens)
+        ):
             sections = None
     if sections is None:
         return _math_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim)
@@ -351,16 +418,26 @@ def llama4_apply_rotary_emb(xq, xk, freqs_cis):
     are multiplied by freqs_cis[..., i]; math in float32, outputs in the input dtypes. cos and sin
     are the real and imaginary parts, read in place through `view_as_real` (column stride 2).
     """
-    ok = (isinstance(freqs_cis, torch.Tensor) and freqs_cis.dtype == torch.complex64
-          and freqs_cis.dim() == 3 and isinstance(xq, torch.Tensor) and isinstance(xk, torch.Tensor)
-          and xq.dim() == 4 and xk.dim() == 4)
+    ok = (
+        isinstance(freqs_cis, torch.Tensor)
+        and freqs_cis.dtype == torch.complex64
+        and freqs_cis.dim() == 3
+        and isinstance(xq, torch.Tensor)
+        and isinstance(xk, torch.Tensor)
+        and xq.dim() == 4
+        and xk.dim() == 4
+    )
     if ok:
         fr = torch.view_as_real(freqs_cis.resolve_conj())
         cos, sin = fr[..., 0], fr[..., 1]
         tokens = tuple(xq.shape[:2])
-        ok = (_kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
-              and tuple(xk.shape[:2]) == tokens and _fits(tuple(freqs_cis.shape[:2]), tokens)
-              and xq.shape[-1] == 2 * freqs_cis.shape[-1] and xk.shape[-1] == 2 * freqs_cis.shape[-1])
+        ok = (
+            _kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
+            and tuple(xk.shape[:2]) == tokens
+            and _fits(tuple(freqs_cis.shape[:2]), tokens)
+            and xq.shape[-1] == 2 * freqs_cis.shape[-1]
+            and xk.shape[-1] == 2 * freqs_cis.shape[-1]
+        )
     if not ok:
         return _math_llama4(xq, xk, freqs_cis)
     return ops.rotate_with_angles(xq, xk, cos, sin, interleaved=True)
@@ -370,23 +447,50 @@ def llama4_apply_rotary_emb(xq, xk, freqs_cis):
 # patching transformers' modeling modules
 
 _LLAMA = {"apply_rotary_pos_emb": apply_rotary_pos_emb}
-_QWEN_VL = {"apply_rotary_pos_emb": apply_rotary_pos_emb,
-            "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb}   # 4.x has the latter
+_QWEN_VL = {
+    "apply_rotary_pos_emb": apply_rotary_pos_emb,
+    "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb,
+}  # 4.x has the latter
 
 # family (transformers.models.<family>.modeling_<family>) -> {module attribute: ropekit drop-in}.
 # Each entry was checked against that family's HF function (tests/test_hf.py compares every one).
 FAMILIES: Dict[str, Dict[str, object]] = {
     # Llama's rotate_half formula (full, or partial by the width of cos)
-    **{name: _LLAMA for name in (
-        "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-        "qwen3_next", "qwen3_vl", "qwen3_vl_moe", "phi3", "phi", "gpt_neox", "stablelm",
-        "persimmon", "gemma", "gemma2", "gemma3", "granite", "granitemoe", "starcoder2",
-        "smollm3", "glm4_moe",
-    )},
+    **{
+        name: _LLAMA
+        for name in (
+            "llama",
+            "mistral",
+            "mixtral",
+            "ministral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "qwen3_next",
+            "qwen3_vl",
+            "qwen3_vl_moe",
+            "phi3",
+            "phi",
+            "gpt_neox",
+            "stablelm",
+            "persimmon",
+            "gemma",
+            "gemma2",
+            "gemma3",
+            "granite",
+            "granitemoe",
+            "starcoder2",
+            "smollm3",
+            "glm4_moe",
+        )
+    },
     "qwen2_vl": _QWEN_VL,
     "qwen2_5_vl": _QWEN_VL,
-    "deepseek_v3": {"apply_rotary_pos_emb": apply_rotary_pos_emb,
-                    "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave},
+    "deepseek_v3": {
+        "apply_rotary_pos_emb": apply_rotary_pos_emb,
+        "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave,
+    },
     "glm": {"apply_rotary_pos_emb": glm_apply_rotary_pos_emb},
     "glm4": {"apply_rotary_pos_emb": glm_apply_rotary_pos_emb},
     "olmo": {"apply_rotary_pos_emb": olmo_apply_rotary_pos_emb},
@@ -407,13 +511,19 @@ def _module_name(family: str) -> str:
 
 def _families_of_model(model) -> List[str]:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"ropekit.hf.patch: model: expected a torch.nn.Module (a transformers model) or None, "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"ropekit.hf.patch: model: expected a torch.nn.Module (a transformers model) or None, "
+            f"got {type(model).__name__}"
+        )
     found = []
     for m in model.modules():
         parts = type(m).__module__.split(".")
-        if len(parts) >= 4 and parts[:2] == ["transformers", "models"] and parts[2] in FAMILIES \
-                and parts[2] not in found:
+        if (
+            len(parts) >= 4
+            and parts[:2] == ["transformers", "models"]
+            and parts[2] in FAMILIES
+            and parts[2] not in found
+        ):
             found.append(parts[2])
     return found
 
@@ -424,8 +534,7 @@ def _check_families(families) -> List[str]:
     families = list(families)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
-        raise ValueError(f"ropekit.hf.patch: families: expected names from {sorted(FAMILIES)}, "
-                         f"got unknown {unknown}")
+        raise ValueError(f"ropekit.hf.patch: families: expected names from {sorted(FAMILIES)}, got unknown {unknown}")
     return families
 
 
@@ -451,12 +560,15 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
         in_model = _families_of_model(model)
         if not in_model:
             kinds = sorted({type(m).__module__ for m in model.modules()})[:8]
-            raise ValueError(f"ropekit.hf.patch: model: expected a transformers model of a supported "
-                             f"family {sorted(FAMILIES)}, got modules from {kinds}")
+            raise ValueError(
+                f"ropekit.hf.patch: model: expected a transformers model of a supported "
+                f"family {sorted(FAMILIES)}, got modules from {kinds}"
+            )
         names = [f for f in in_model if f in names]
     if fuse_qk_norm:
         from . import hf_qknorm
-        hf_qknorm.unpatch(names)            # re-applied below, around the functions swapped now
+
+        hf_qknorm.unpatch(names)  # re-applied below, around the functions swapped now
     done: Dict[str, List[str]] = {}
     for family in names:
         mod_name = _module_name(family)
@@ -464,13 +576,14 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
             module = importlib.import_module(mod_name)
         except ImportError as e:
             if explicit:
-                raise ImportError(f"ropekit.hf.patch: family {family!r}: the installed transformers "
-                                  f"has no {mod_name} ({e})") from e
+                raise ImportError(
+                    f"ropekit.hf.patch: family {family!r}: the installed transformers has no {mod_name} ({e})"
+                ) from e
             continue
         attrs = []
         for attr, fn in FAMILIES[family].items():
             if not hasattr(module, attr):
-                continue                        # 4.x / 5.x differences (e.g. multimodal variant)
+                continue  # 4.x / 5.x differences (e.g. multimodal variant)
             _ORIGINALS.setdefault((mod_name, attr), getattr(module, attr))
             setattr(module, attr, fn)
             attrs.append(attr)
@@ -488,6 +601,7 @@ def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = Fa
     fusion (the rotary drop-ins stay); by default the fusion is undone too, first."""
     wanted = None if families is None else set(_check_families(families))
     from . import hf_qknorm
+
     restored: Dict[str, List[str]] = hf_qknorm.unpatch(wanted)
     if fuse_qk_norm:
         return restored
@@ -505,6 +619,7 @@ def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = Fa
 def patched(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False):
     """`with ropekit.hf.patched(model): ...` patches for the block, then restores what it patched."""
     from . import hf_qknorm
+
     before = set(_ORIGINALS)
     fused_before = set(hf_qknorm.fused_families())
     done = patch(model, families, fuse_qk_norm=fuse_qk_norm)

@@ -39,11 +39,11 @@ from . import qknorm
 
 
 class Family(NamedTuple):
-    attention: str          # the attention class in the modeling module
-    norm: str               # its RMSNorm class (q_norm / k_norm attributes of the attention)
-    eps: str                # the RMSNorm attribute holding eps
-    offset: float           # added to the weight (Gemma's 1 + w)
-    rope: str = "apply_rotary_pos_emb"   # the module function the attention calls after the norms
+    attention: str  # the attention class in the modeling module
+    norm: str  # its RMSNorm class (q_norm / k_norm attributes of the attention)
+    eps: str  # the RMSNorm attribute holding eps
+    offset: float  # added to the weight (Gemma's 1 + w)
+    rope: str = "apply_rotary_pos_emb"  # the module function the attention calls after the norms
 
 
 FAMILIES: Dict[str, Family] = {
@@ -82,7 +82,7 @@ def _attention_forward(original, family: Family, module):
     def forward(self, *args, **kwargs):
         fused_rope = getattr(module, family.rope, None)
         if not getattr(fused_rope, "_ropekit_qk_norm", False):
-            return original(self, *args, **kwargs)      # the rope function was swapped since: no deferral
+            return original(self, *args, **kwargs)  # the rope function was swapped since: no deferral
         entry = _Deferred(getattr(self, "q_norm", None), getattr(self, "k_norm", None), family)
         _stack().append(entry)
         try:
@@ -90,10 +90,13 @@ def _attention_forward(original, family: Family, module):
         finally:
             _stack().pop()
         if entry.skipped:
-            raise RuntimeError(f"ropekit.hf: {family.attention} skipped {sorted(entry.skipped)} but never called "
-                               f"{family.rope}: this transformers version's attention does not fit "
-                               "fuse_qk_norm (unpatch it)")
+            raise RuntimeError(
+                f"ropekit.hf: {family.attention} skipped {sorted(entry.skipped)} but never called "
+                f"{family.rope}: this transformers version's attention does not fit "
+                "fuse_qk_norm (unpatch it)"
+            )
         return out
+
     return forward
 
 
@@ -106,8 +109,9 @@ def _norm_forward(original):
             for role, mod in (("q", entry.q_norm), ("k", entry.k_norm)):
                 if mod is self and role not in entry.skipped:
                     entry.skipped.add(role)
-                    return x                           # applied by the fused rope call
+                    return x  # applied by the fused rope call
         return original(self, x, *args, **kwargs)
+
     return forward
 
 
@@ -144,16 +148,26 @@ def _rope_function(previous, family: Family, norm_cls, original_norm):
         entry.skipped = set()
         qn, kn = entry.q_norm, entry.k_norm
         eps_q, eps_k = getattr(qn, family.eps), getattr(kn, family.eps)
-        if eps_q != eps_k or not _fusable(q, k, cos, sin, position_ids, unsqueeze_dim, args, kwargs) \
-                or qn.weight.dtype != kn.weight.dtype:
+        if (
+            eps_q != eps_k
+            or not _fusable(q, k, cos, sin, position_ids, unsqueeze_dim, args, kwargs)
+            or qn.weight.dtype != kn.weight.dtype
+        ):
             q, k = _apply_norm(qn, q, original_norm), _apply_norm(kn, k, original_norm)
             return previous(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
         half = cos.shape[-1] // 2
         # HF's (B, H, S, D) views as the kernel's (B, S, H, D); cos/sin rows [f, f]: the first half
         qo, ko = qknorm.rotate_angles_with_norm(
-            q.transpose(1, 2), k.transpose(1, 2), cos[..., :half], sin[..., :half],
-            q_norm_weight=qn.weight, k_norm_weight=kn.weight, norm_eps=float(eps_q),
-            norm_weight_offset=family.offset, op="ropekit.hf.apply_rotary_pos_emb")
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            cos[..., :half],
+            sin[..., :half],
+            q_norm_weight=qn.weight,
+            k_norm_weight=kn.weight,
+            norm_eps=float(eps_q),
+            norm_weight_offset=family.offset,
+            op="ropekit.hf.apply_rotary_pos_emb",
+        )
         return qo.transpose(1, 2), ko.transpose(1, 2)
 
     apply_rotary_pos_emb._ropekit_qk_norm = True

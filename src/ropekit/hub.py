@@ -31,8 +31,8 @@ import os
 import sys
 from typing import Optional
 
-NAME = "ropekit-rope"                  # kernel name: the package is its python name, ropekit_rope
-LAYER = "ApplyRotaryTransformers"      # the layer_name a kernel mapping asks for
+NAME = "ropekit-rope"  # kernel name: the package is its python name, ropekit_rope
+LAYER = "ApplyRotaryTransformers"  # the layer_name a kernel mapping asks for
 VARIANT = "torch-universal"
 
 _PACKAGE = '''"""ropekit's RoPE as a `kernels` layer (written by ropekit.hub.write_kernel_repo)."""
@@ -61,6 +61,7 @@ layers = SimpleNamespace(ApplyRotaryTransformers=ApplyRotaryTransformers)
 
 def _metadata() -> dict:
     import ropekit
+
     major = int(str(ropekit.__version__).split(".")[0] or 0)
     return {
         "id": NAME,
@@ -103,8 +104,7 @@ def kernel_mapping(path: str, device: str = "cuda", modes=None) -> dict:
 def main(argv: Optional[list] = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m ropekit.hub DIRECTORY  (writes the kernels-package repository there)",
-              file=sys.stderr)
+        print("usage: python -m ropekit.hub DIRECTORY  (writes the kernels-package repository there)", file=sys.stderr)
         return 2
     print(write_kernel_repo(args[0]))
     return 0

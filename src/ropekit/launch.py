@@ -24,7 +24,7 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
     Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
     """
     if not ptrs[0].is_cuda:
-        kernel[grid](*ptrs, *args, **meta)           # the interpreter, on CPU tensors
+        kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
     addrs = [p.data_ptr() for p in ptrs]
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
@@ -69,10 +69,20 @@ def _direct(entry, grid, addrs, args) -> bool:
         if leave is not None and not getattr(leave, "calls", True):
             leave = None
         metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
-        kernel_run.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                       kernel_run.function, kernel_run.packed_metadata, metadata, enter, leave, *full)
+        kernel_run.run(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            stream,
+            kernel_run.function,
+            kernel_run.packed_metadata,
+            metadata,
+            enter,
+            leave,
+            *full,
+        )
         COUNTS["direct"] += 1
         return True
     except (ImportError, AttributeError, TypeError):
-        _STATE["ok"] = False               # a Triton whose launcher differs: its generic path from now on
+        _STATE["ok"] = False  # a Triton whose launcher differs: its generic path from now on
         return False

@@ -32,13 +32,14 @@ class AngleLayout(NamedTuple):
     Table and arange angles: row p of cos at cos + p * row stride, sin `sin_off` elements further.
     Per-token angles: rows addressed by the token's own (sec, b, s) indices, any stride 0 for
     broadcast; cos and sin are separate tensors with these strides."""
+
     half: int
-    max_pos: int            # table rows (0: no positions, nothing to bound)
+    max_pos: int  # table rows (0: no positions, nothing to bound)
     sin_off: int
-    strides: tuple          # (sec, b, s, col)
-    pos_strides: tuple      # positions' (sec, b, s) strides
-    packed: tuple = (0, 1, 0)       # packed sequences: (sequences, cp_size, cp_rank)
-    search: tuple = (1, 1)          # packed sequences: the two-level search's (stride, blocks)
+    strides: tuple  # (sec, b, s, col)
+    pos_strides: tuple  # positions' (sec, b, s) strides
+    packed: tuple = (0, 1, 0)  # packed sequences: (sequences, cp_size, cp_rank)
+    search: tuple = (1, 1)  # packed sequences: the two-level search's (stride, blocks)
 
 
 def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)) -> AngleLayout:
@@ -46,15 +47,16 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)
     if variant.angles == "tokens":
         return AngleLayout(half, 0, 0, token_strides_of_angles, (0, 0, 0))
     row, col = b.stride(0), b.stride(1)
-    if variant.angles == "packed":                           # a: cu_seqlens; positions derived in the kernel
+    if variant.angles == "packed":  # a: cu_seqlens; positions derived in the kernel
         n_seqs = a.shape[0] - 1
         cp_size, cp_rank = packed
         # two levels of ~sqrt(n) entries each: every STRIDE-th entry, then one block of STRIDE
         stride = next_pow2(max(2, math.isqrt(n_seqs + 1) + 1))
         blocks = next_pow2(-(-(n_seqs + 1) // stride))
-        return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (0, 0, 1), (n_seqs, cp_size, cp_rank),
-                           (stride, blocks))
-    if a is None:                                            # arange over the last token dim
+        return AngleLayout(
+            half, b.shape[0], half * col, (0, 0, row, col), (0, 0, 1), (n_seqs, cp_size, cp_rank), (stride, blocks)
+        )
+    if a is None:  # arange over the last token dim
         return AngleLayout(half, 0, half * col, (0, 0, row, col), (0, 0, 0))
     n_tok = a.dim() - (1 if variant.mrope else 0)
     pos = a[0] if variant.mrope else a
@@ -70,8 +72,7 @@ def layout_from_views(positions, cos, sin, n_tok: int, mrope: bool) -> AngleLayo
         return AngleLayout(half, 0, 0, per_token_strides(cos, n_tok, mrope), (0, 0, 0))
     pos = positions[0] if mrope else positions
     sec = positions.stride(0) if mrope else 0
-    return AngleLayout(half, cos.shape[0], 0, (0, 0, cos.stride(0), cos.stride(-1)),
-                       (sec, *token_strides(pos, n_tok)))
+    return AngleLayout(half, cos.shape[0], 0, (0, 0, cos.stride(0), cos.stride(-1)), (sec, *token_strides(pos, n_tok)))
 
 
 def per_token_strides(cos: torch.Tensor, n_tok: int, mrope: bool) -> tuple:
@@ -94,11 +95,12 @@ def _tiles(half: int, n_q: int, n_k: int, tail: int, block_elems: int):
 
 class Plan(NamedTuple):
     """A kernel launch minus its tensors."""
+
     grid: tuple
-    args: tuple             # the runtime ints, in kernel order after the pointers
-    meta: dict              # constexprs and num_warps
-    pack_bytes: int         # alignment the packed-pairs path needs of base pointers (0: none)
-    compiled: dict          # ropekit.launch's cache of compiled kernels for this plan
+    args: tuple  # the runtime ints, in kernel order after the pointers
+    meta: dict  # constexprs and num_warps
+    pack_bytes: int  # alignment the packed-pairs path needs of base pointers (0: none)
+    compiled: dict  # ropekit.launch's cache of compiled kernels for this plan
 
 
 def _pair_bits(*xs) -> int:
@@ -143,19 +145,51 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
     sec_t, sec_h, sec_w = variant.sections
     args = (
-        n_tokens, S, n_q, n_k, d_q - rot, d_k - rot, angles.max_pos, nqb, nqb + nkb, angles.sin_off,
-        *token_strides(q, n_tok), q.stride(-2), *sk,
-        *token_strides(q_out, n_tok), q_out.stride(-2), *sko,
-        *angles.pos_strides, *angles.strides, sec_t, sec_h, sec_w,
-        *angles.packed,         # sequences, cp_size, cp_rank (read only when PACKED)
-        0, 0, 0.0, 0.0,         # q/k norm weights, eps, offset: unused without NORM_Q / NORM_K (ropekit.qknorm)
+        n_tokens,
+        S,
+        n_q,
+        n_k,
+        d_q - rot,
+        d_k - rot,
+        angles.max_pos,
+        nqb,
+        nqb + nkb,
+        angles.sin_off,
+        *token_strides(q, n_tok),
+        q.stride(-2),
+        *sk,
+        *token_strides(q_out, n_tok),
+        q_out.stride(-2),
+        *sko,
+        *angles.pos_strides,
+        *angles.strides,
+        sec_t,
+        sec_h,
+        sec_w,
+        *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
+        0,
+        0,
+        0.0,
+        0.0,  # q/k norm weights, eps, offset: unused without NORM_Q / NORM_K (ropekit.qknorm)
     )
     meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, TAIL_PAD=tail_pad,
-        HAS_POS=angles.max_pos > 0, MROPE=variant.mrope,
-        IN_INTERLEAVED=variant.interleaved, OUT_INTERLEAVED=variant.out_interleaved, INVERSE=variant.inverse,
-        PACK=pack, HEAD_LOOP=head_loop, PREFETCH=prefetch, NORM_Q=0, NORM_K=0, PACKED=variant.angles == "packed",
-        SEARCH_STRIDE=angles.search[0], SEARCH_COARSE=angles.search[1],
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        TAIL_PAD=tail_pad,
+        HAS_POS=angles.max_pos > 0,
+        MROPE=variant.mrope,
+        IN_INTERLEAVED=variant.interleaved,
+        OUT_INTERLEAVED=variant.out_interleaved,
+        INVERSE=variant.inverse,
+        PACK=pack,
+        HEAD_LOOP=head_loop,
+        PREFETCH=prefetch,
+        NORM_Q=0,
+        NORM_K=0,
+        PACKED=variant.angles == "packed",
+        SEARCH_STRIDE=angles.search[0],
+        SEARCH_COARSE=angles.search[1],
         num_warps=tuning.warps(head_loop, mrope),
     )
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
@@ -165,12 +199,12 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b) -> None:
     """Launch rope_kernel; (a, b) as in pipeline.run_rotate."""
     meta = plan.meta
     if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
-        meta = dict(meta, PACK=0)        # a base pointer off the pair alignment: the element path
+        meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
     if meta["HAS_POS"]:
         pos, cos, sin = a, b, b
-    elif a is None:                      # arange: the table alone
+    elif a is None:  # arange: the table alone
         pos, cos, sin = b, b, b
-    else:                                # per-token angles
+    else:  # per-token angles
         pos, cos, sin = a, a, b
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin)
     launch_kernel(_kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
@@ -196,7 +230,7 @@ def slot_geometry(cache: torch.Tensor):
     """(block_size, stride of a block, stride of a slot within a block, stride of a head)."""
     if cache.dim() == 4:
         return cache.shape[1], cache.stride(0), cache.stride(1), cache.stride(2)
-    return 1, cache.stride(0), 0, cache.stride(1)        # flat: every slot is a block of one
+    return 1, cache.stride(0), 0, cache.stride(1)  # flat: every slot is a block of one
 
 
 def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int, block_elems: int):
@@ -223,29 +257,66 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
     n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
     d_k, d_v = k.shape[-1], v.shape[-1]
     half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb = _store_tiles(
-        half, n_q, n_k, d_k - rot, n_v, d_v, tuning.get("store_block_elems"))
+        half, n_q, n_k, d_k - rot, n_v, d_v, tuning.get("store_block_elems")
+    )
     row, col = table.stride(0), table.stride(1)
     block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
     _, svc_blk, svc_off, svc_h = slot_geometry(v_cache)
     has_pos = positions is not None
     args = (
-        S, n_q, n_k, n_v, d_k - rot, d_v, table.shape[0] if has_pos else 0, half * col,
-        block_size, k_cache.shape[0] * block_size, nqb, nkb,
-        *token_strides(q, n_tok), q.stride(-2),
-        *token_strides(k, n_tok), k.stride(-2),
-        *token_strides(v, n_tok), v.stride(-2),
-        *(token_strides(positions, n_tok) if has_pos else (0, 0)), row, col,
+        S,
+        n_q,
+        n_k,
+        n_v,
+        d_k - rot,
+        d_v,
+        table.shape[0] if has_pos else 0,
+        half * col,
+        block_size,
+        k_cache.shape[0] * block_size,
+        nqb,
+        nkb,
+        *token_strides(q, n_tok),
+        q.stride(-2),
+        *token_strides(k, n_tok),
+        k.stride(-2),
+        *token_strides(v, n_tok),
+        v.stride(-2),
+        *(token_strides(positions, n_tok) if has_pos else (0, 0)),
+        row,
+        col,
         *token_strides(slot_mapping, n_tok),
-        skc_blk, skc_off, skc_h, svc_blk, svc_off, svc_h,
-        q.shape[-1] - rot, 0, 0, 0.0, 0.0,      # q's tail, then the norm's weights, eps, offset (ropekit.qknorm)
+        skc_blk,
+        skc_off,
+        skc_h,
+        svc_blk,
+        svc_off,
+        svc_h,
+        q.shape[-1] - rot,
+        0,
+        0,
+        0.0,
+        0.0,  # q's tail, then the norm's weights, eps, offset (ropekit.qknorm)
     )
     il = variant.interleaved
     meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HV=bhv,
-        TAIL_PAD=tail_pad, DV_PAD=dv_pad, HAS_POS=has_pos, INTERLEAVED=il,
-        K_SCALED=k_scaled, V_SCALED=v_scaled,
-        PACK_Q=_pair_bits(q) if il else 0, PACK_K=_pair_bits(k, k_cache) if il else 0,
-        NORM_Q=0, NORM_K=0, TAIL_PAD_Q=0, num_warps=tuning.warps(False, False, store=True),
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_HQ=bhq,
+        BLOCK_HK=bhk,
+        BLOCK_HV=bhv,
+        TAIL_PAD=tail_pad,
+        DV_PAD=dv_pad,
+        HAS_POS=has_pos,
+        INTERLEAVED=il,
+        K_SCALED=k_scaled,
+        V_SCALED=v_scaled,
+        PACK_Q=_pair_bits(q) if il else 0,
+        PACK_K=_pair_bits(k, k_cache) if il else 0,
+        NORM_Q=0,
+        NORM_K=0,
+        TAIL_PAD_Q=0,
+        num_warps=tuning.warps(False, False, store=True),
     )
     return Plan((n_tokens, nqb + nkb + nvb), args, meta, 0, {})
 
@@ -259,10 +330,21 @@ def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache
         meta = dict(meta, PACK_Q=0)
     if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
         meta = dict(meta, PACK_K=0)
-    ptrs = (q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
-            table if ks is None else ks, table if vs is None else vs)   # scales: never read unless scaled
-    launch_kernel(_kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs,
-                  plan.args, meta)
+    ptrs = (
+        q,
+        k,
+        v,
+        table if positions is None else positions,
+        table,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        table if ks is None else ks,
+        table if vs is None else vs,
+    )  # scales: never read unless scaled
+    launch_kernel(
+        _kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, plan.args, meta
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,19 +368,38 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, sc
         return None
     half = rot // 2
     n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
-    tail = d - rot if dst_slots is not None else 0      # in place, the tail already sits where it belongs
-    half_pad, block_h, rows, tail_pad, n_blocks, num_warps = _rerotate_tiles(half, n_heads, tail,
-                                                                              tuning.get("rerotate_block_elems"))
+    tail = d - rot if dst_slots is not None else 0  # in place, the tail already sits where it belongs
+    half_pad, block_h, rows, tail_pad, n_blocks, num_warps = _rerotate_tiles(
+        half, n_heads, tail, tuning.get("rerotate_block_elems")
+    )
     block_size, stride_block, stride_offset, stride_head = slot_geometry(k_cache)
     args = (
-        n_heads, d - rot, table.shape[0], half * table.stride(1), block_size, k_cache.shape[0] * block_size,
-        slots.shape[0], slots.stride(0), 0 if dst_slots is None else dst_slots.stride(0),
-        0 if delta is None else delta.stride(0), table.stride(0), table.stride(1),
-        stride_block, stride_offset, stride_head,
+        n_heads,
+        d - rot,
+        table.shape[0],
+        half * table.stride(1),
+        block_size,
+        k_cache.shape[0] * block_size,
+        slots.shape[0],
+        slots.stride(0),
+        0 if dst_slots is None else dst_slots.stride(0),
+        0 if delta is None else delta.stride(0),
+        table.stride(0),
+        table.stride(1),
+        stride_block,
+        stride_offset,
+        stride_head,
     )
     meta = dict(
-        HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, ROWS=rows, TAIL_PAD=tail_pad,
-        INTERLEAVED=variant.interleaved, HAS_DST=dst_slots is not None, DELTA_SCALAR=delta is None, SCALED=scaled,
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        ROWS=rows,
+        TAIL_PAD=tail_pad,
+        INTERLEAVED=variant.interleaved,
+        HAS_DST=dst_slots is not None,
+        DELTA_SCALAR=delta is None,
+        SCALED=scaled,
         num_warps=num_warps,
     )
     return Plan((-(-slots.shape[0] // rows), n_blocks), args, meta, 0, {})
@@ -309,8 +410,14 @@ def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table,
         return
     meta = plan.meta
     # pointers never read under the plan's flags point at valid addresses (slots, the table)
-    ptrs = (k_cache, slots, slots if dst_slots is None else dst_slots, slots if delta is None else delta, table,
-            table if k_scale is None else k_scale)
+    ptrs = (
+        k_cache,
+        slots,
+        slots if dst_slots is None else dst_slots,
+        slots if delta is None else delta,
+        table,
+        table if k_scale is None else k_scale,
+    )
     # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
     # past any table anyway, and stays past it when clamped
     value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))

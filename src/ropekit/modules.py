@@ -15,10 +15,20 @@ from .validate import fail
 
 # families whose checkpoints rotate pairs (2i, 2i+1) rather than halves (i, i + rotary_dim/2);
 # configs with a `rope_interleave` field (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4, ...) say it there
-_INTERLEAVED_FAMILIES = frozenset({
-    "gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "llama4", "llama4_text",
-    "deepseek_v2", "deepseek_v3",
-})
+_INTERLEAVED_FAMILIES = frozenset(
+    {
+        "gptj",
+        "codegen",
+        "cohere",
+        "cohere2",
+        "glm",
+        "glm4",
+        "llama4",
+        "llama4_text",
+        "deepseek_v2",
+        "deepseek_v3",
+    }
+)
 
 
 # Errors of the ops called through the module, in the caller's words: the module's argument
@@ -31,7 +41,7 @@ def _in_callers_words(error: Exception, op: str, caller: str, max_position: int)
     msg = str(error)
     if not msg.startswith(op + ": "):
         return error
-    name, _, rest = msg[len(op) + 2:].partition(": ")
+    name, _, rest = msg[len(op) + 2 :].partition(": ")
     name = _CALLER_NAMES.get(name, name)
     rest = re.sub(r"\b([qkv])\b", lambda m: _CALLER_NAMES[m.group(1)], rest)
     rest = rest.replace("(the rows of cos_sin_cache)", f"(max_position = {max_position})")
@@ -93,8 +103,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         op = "RotaryEmbedding"
         self.head_size = _int_arg(op, "head_size", head_size)
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0 \
-                or rotary_dim % 2 or rotary_dim > head_size:
+        if (
+            isinstance(rotary_dim, bool)
+            or not isinstance(rotary_dim, int)
+            or rotary_dim <= 0
+            or rotary_dim % 2
+            or rotary_dim > head_size
+        ):
             fail(op, "rotary_dim", f"an even integer in [2, head_size = {head_size}]", repr(rotary_dim))
         self.rotary_dim = rotary_dim
         self.max_position = _int_arg(op, "max_position", max_position)
@@ -110,11 +125,18 @@ class RotaryEmbedding(nn.Module):
         if mrope_interleaved is None:
             mrope_interleaved = bool(scaling.get("mrope_interleaved", False))
         if mrope_section is not None:
-            if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3 \
-                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in mrope_section) \
-                    or sum(mrope_section) != rotary_dim // 2:
-                fail(op, "mrope_section", f"3 non-negative ints summing to rotary_dim // 2 = {rotary_dim // 2}",
-                     repr(mrope_section))
+            if (
+                not isinstance(mrope_section, (list, tuple))
+                or len(mrope_section) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in mrope_section)
+                or sum(mrope_section) != rotary_dim // 2
+            ):
+                fail(
+                    op,
+                    "mrope_section",
+                    f"3 non-negative ints summing to rotary_dim // 2 = {rotary_dim // 2}",
+                    repr(mrope_section),
+                )
             mrope_section = tuple(int(v) for v in mrope_section)
         self.mrope_section = mrope_section
         self.mrope_interleaved = bool(mrope_interleaved) and mrope_section is not None
@@ -126,7 +148,7 @@ class RotaryEmbedding(nn.Module):
         if self.rope_type == "longrope":
             original = params.get("original_max_position_embeddings")
             if isinstance(original, int) and 0 < original < max_position:
-                if params.get("factor") is None:      # keep one attention factor for both segments
+                if params.get("factor") is None:  # keep one attention factor for both segments
                     params = dict(params, factor=max_position / original)
                 self._long_offset = original
                 self._segments = [(original, params), (max_position, params)]
@@ -138,9 +160,10 @@ class RotaryEmbedding(nn.Module):
 
     def _build(self, device) -> torch.Tensor:
         """The table on `device` (computed in float64, stored in cache_dtype); empty on meta."""
-        tables = [cos_sin_cache(self.rotary_dim, length, self.base, params, dtype=self.cache_dtype,
-                                device=device)
-                  for length, params in self._segments]
+        tables = [
+            cos_sin_cache(self.rotary_dim, length, self.base, params, dtype=self.cache_dtype, device=device)
+            for length, params in self._segments
+        ]
         return tables[0] if len(tables) == 1 else torch.cat(tables, dim=0)
 
     def _apply(self, fn, recurse=True):
@@ -168,15 +191,18 @@ class RotaryEmbedding(nn.Module):
             raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() == n_tok + 1:
             if x.shape[-1] % D:
-                fail(op, name, f"a last dimension that is a multiple of head_size = {D}",
-                     f"shape {tuple(x.shape)}")
+                fail(op, name, f"a last dimension that is a multiple of head_size = {D}", f"shape {tuple(x.shape)}")
             return x.view(*x.shape[:-1], x.shape[-1] // D, D)
         if x.dim() == n_tok + 2:
             if x.shape[-1] != D:
                 fail(op, name, f"a last dimension of head_size = {D}", f"shape {tuple(x.shape)}")
             return x
-        fail(op, name, f"(*T, H * {D}) or (*T, H, {D}), *T being the {n_tok} dims of positions",
-             f"shape {tuple(x.shape)}")
+        fail(
+            op,
+            name,
+            f"(*T, H * {D}) or (*T, H, {D}), *T being the {n_tok} dims of positions",
+            f"shape {tuple(x.shape)}",
+        )
 
     def _long_or_short(self, positions: torch.Tensor) -> torch.Tensor:
         """LongRoPE: shift every position into the long segment when any reaches the original
@@ -196,26 +222,44 @@ class RotaryEmbedding(nn.Module):
         (3, X, H * D) or (3, X, H, D); when the query fits both readings (query (3, 3, head_size))
         that is an error, never a guess.
         """
-        if self.mrope_section is None or not isinstance(positions, torch.Tensor) \
-                or not isinstance(query, torch.Tensor) or positions.dim() not in (2, 3) or positions.shape[0] != 3:
+        if (
+            self.mrope_section is None
+            or not isinstance(positions, torch.Tensor)
+            or not isinstance(query, torch.Tensor)
+            or positions.dim() not in (2, 3)
+            or positions.shape[0] != 3
+        ):
             return False
         if positions.dim() == 3:
             return True
         D, X = self.head_size, positions.shape[1]
         qs = tuple(query.shape)
         as_mrope = (len(qs) == 2 and qs[0] == X and qs[1] % D == 0) or (len(qs) == 3 and qs[0] == X and qs[2] == D)
-        as_plain = (len(qs) == 3 and qs[:2] == (3, X) and qs[2] % D == 0) or (len(qs) == 4 and qs[:2] == (3, X)
-                                                                             and qs[3] == D)
+        as_plain = (len(qs) == 3 and qs[:2] == (3, X) and qs[2] % D == 0) or (
+            len(qs) == 4 and qs[:2] == (3, X) and qs[3] == D
+        )
         if as_mrope and as_plain:
-            fail("RotaryEmbedding.forward", "positions",
-                 f"a shape that tells M-RoPE rows from a batch: (3, {X}) with query {qs} reads both as (3, T) "
-                 f"M-RoPE rows (query (T, H, D)) and as a (B, S) batch (query (B, S, H * D)); pass query as "
-                 f"({X}, H * {D}) for M-RoPE or as (3, {X}, H, {D}) for plain positions",
-                 f"shape {tuple(positions.shape)}")
+            fail(
+                "RotaryEmbedding.forward",
+                "positions",
+                f"a shape that tells M-RoPE rows from a batch: (3, {X}) with query {qs} reads both as (3, T) "
+                f"M-RoPE rows (query (T, H, D)) and as a (B, S) batch (query (B, S, H * D)); pass query as "
+                f"({X}, H * {D}) for M-RoPE or as (3, {X}, H, {D}) for plain positions",
+                f"shape {tuple(positions.shape)}",
+            )
         return as_mrope
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None, *,
-                q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0):
+    def forward(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        *,
+        q_norm_weight=None,
+        k_norm_weight=None,
+        norm_eps=1e-6,
+        norm_weight_offset=0.0,
+    ):
         """Rotate query (and key) by the angles of their positions.
 
         positions: (T,) or (B, S) int32/int64; with mrope_section also (3, T) or (3, B, S)
@@ -238,22 +282,44 @@ class RotaryEmbedding(nn.Module):
         if self._long_offset:
             positions = self._long_or_short(positions)
         try:
-            q_out, k_out = apply_rope(q, k, positions, cache, interleaved=not self.is_neox_style,
-                                      rotary_dim=self.rotary_dim, inplace=self.inplace,
-                                      mrope_section=self.mrope_section if mrope else None,
-                                      mrope_interleaved=self.mrope_interleaved if mrope else False,
-                                      q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-                                      norm_weight_offset=norm_weight_offset)
+            q_out, k_out = apply_rope(
+                q,
+                k,
+                positions,
+                cache,
+                interleaved=not self.is_neox_style,
+                rotary_dim=self.rotary_dim,
+                inplace=self.inplace,
+                mrope_section=self.mrope_section if mrope else None,
+                mrope_interleaved=self.mrope_interleaved if mrope else False,
+                q_norm_weight=q_norm_weight,
+                k_norm_weight=k_norm_weight,
+                norm_eps=norm_eps,
+                norm_weight_offset=norm_weight_offset,
+            )
         except (ValueError, TypeError) as e:
             raise _in_callers_words(e, "apply_rope", "RotaryEmbedding.forward", self.max_position) from None
         if self.inplace:
             return query, key
         return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
 
-    def forward_and_store(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, *, k_scale=None, v_scale=None, q_norm_weight=None,
-                          k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0) -> torch.Tensor:
+    def forward_and_store(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale=None,
+        v_scale=None,
+        q_norm_weight=None,
+        k_norm_weight=None,
+        norm_eps=1e-6,
+        norm_weight_offset=0.0,
+    ) -> torch.Tensor:
         """Fused serving path: rotate query in place and write rotated key and value into the KV
         cache rows slot_mapping names, in one launch (ropekit.apply_rope_and_store).
 
@@ -277,30 +343,53 @@ class RotaryEmbedding(nn.Module):
         q = self._heads("query", query, n_tok)
         k = self._heads("key", key, n_tok)
         v = value
-        if isinstance(value, torch.Tensor) and isinstance(v_cache, torch.Tensor) \
-                and value.dim() == n_tok + 1 and v_cache.dim() >= 3:
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(v_cache, torch.Tensor)
+            and value.dim() == n_tok + 1
+            and v_cache.dim() >= 3
+        ):
             dv = v_cache.shape[-1]
             if dv == 0 or value.shape[-1] % dv:
-                fail(op, "value", f"a last dimension that is a multiple of v_cache's head size {dv}",
-                     f"shape {tuple(value.shape)}")
+                fail(
+                    op,
+                    "value",
+                    f"a last dimension that is a multiple of v_cache's head size {dv}",
+                    f"shape {tuple(value.shape)}",
+                )
             v = value.view(*value.shape[:-1], value.shape[-1] // dv, dv)
         cache = self._table_for(query)
         if self._long_offset:
             positions = self._long_or_short(positions)
         try:
-            apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slot_mapping,
-                                 interleaved=not self.is_neox_style, rotary_dim=self.rotary_dim,
-                                 k_scale=k_scale, v_scale=v_scale, q_norm_weight=q_norm_weight,
-                                 k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-                                 norm_weight_offset=norm_weight_offset)
+            apply_rope_and_store(
+                q,
+                k,
+                v,
+                positions,
+                cache,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                interleaved=not self.is_neox_style,
+                rotary_dim=self.rotary_dim,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                q_norm_weight=q_norm_weight,
+                k_norm_weight=k_norm_weight,
+                norm_eps=norm_eps,
+                norm_weight_offset=norm_weight_offset,
+            )
         except (ValueError, TypeError) as e:
             raise _in_callers_words(e, "apply_rope_and_store", op, self.max_position) from None
         return query
 
     def extra_repr(self) -> str:
         base = self.base if self.base is not None else (self.rope_scaling or {}).get("rope_theta", 10000.0)
-        s = (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
-             f"base={base}, is_neox_style={self.is_neox_style}, rope_type={self.rope_type!r}")
+        s = (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+            f"base={base}, is_neox_style={self.is_neox_style}, rope_type={self.rope_type!r}"
+        )
         if self._long_offset:
             s += f", long_from={self._long_offset}"
         return s + f", inplace={self.inplace}, cache_dtype={str(self.cache_dtype).replace('torch.', '')}"
@@ -341,8 +430,15 @@ class RotaryEmbedding(nn.Module):
 
     # -- re-rotation of cached keys ------------------------------------------------------------
 
-    def rerotate_kv_cache(self, k_cache: torch.Tensor, slots: torch.Tensor, delta, *, k_scale=None,
-                          dst_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def rerotate_kv_cache(
+        self,
+        k_cache: torch.Tensor,
+        slots: torch.Tensor,
+        delta,
+        *,
+        k_scale=None,
+        dst_slots: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Move cached keys by a position shift with this module's table, layout and rotary_dim
         (ropekit.rerotate_kv_cache): the key stored at position p ends as if stored at p + delta.
 
@@ -364,12 +460,24 @@ class RotaryEmbedding(nn.Module):
         if k_cache.dim() in (3, 4) and k_cache.shape[-1] != self.head_size:
             fail(op, "k_cache", f"a head size of head_size = {self.head_size}", f"shape {tuple(k_cache.shape)}")
         if self._long_offset:
-            fail(op, "self", "a module with one table segment (LongRoPE's short and long segments make the "
-                 "rows of a shift ambiguous: call ropekit.rerotate_kv_cache with the segment's table)",
-                 f"rope_type {self.rope_type!r}")
+            fail(
+                op,
+                "self",
+                "a module with one table segment (LongRoPE's short and long segments make the "
+                "rows of a shift ambiguous: call ropekit.rerotate_kv_cache with the segment's table)",
+                f"rope_type {self.rope_type!r}",
+            )
         cache = self._table_for(k_cache)
-        return rerotate_kv_cache(k_cache, slots, delta, cache, interleaved=not self.is_neox_style,
-                                 rotary_dim=self.rotary_dim, k_scale=k_scale, dst_slots=dst_slots)
+        return rerotate_kv_cache(
+            k_cache,
+            slots,
+            delta,
+            cache,
+            interleaved=not self.is_neox_style,
+            rotary_dim=self.rotary_dim,
+            k_scale=k_scale,
+            dst_slots=dst_slots,
+        )
 
 
 # config.json spellings that HF config classes map through attribute_map (GPT-2 / GPT-J lineage)
@@ -401,12 +509,10 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
     nested = [key for key, value in params.items() if isinstance(value, dict)]
     if nested:
         if layer_type not in nested:
-            fail(op, "layer_type", f"one of {nested} (the config has rope parameters per layer type)",
-                 repr(layer_type))
+            fail(op, "layer_type", f"one of {nested} (the config has rope parameters per layer type)", repr(layer_type))
         params = params[layer_type]
     params = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()}
-    base = params.pop("rope_theta", None) or _get(config, "rope_theta") or _get(config, "rotary_emb_base") \
-        or 10000.0
+    base = params.pop("rope_theta", None) or _get(config, "rope_theta") or _get(config, "rotary_emb_base") or 10000.0
     rope_type, params = parse_scaling(params or None, op)
     params.pop("type", None)
     params["rope_type"] = rope_type
@@ -417,11 +523,15 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
         if not hidden or not heads:
             fail(op, "config", "head_dim, or hidden_size and num_attention_heads", "neither")
         head_size = hidden // heads
-    if _get(config, "rotary_dim") is not None:                      # GPT-J / CodeGen: absolute
+    if _get(config, "rotary_dim") is not None:  # GPT-J / CodeGen: absolute
         rotary_dim = int(_get(config, "rotary_dim"))
     else:
-        fraction = params.pop("partial_rotary_factor", None) or _get(config, "partial_rotary_factor") \
-            or _get(config, "rotary_pct") or 1.0
+        fraction = (
+            params.pop("partial_rotary_factor", None)
+            or _get(config, "partial_rotary_factor")
+            or _get(config, "rotary_pct")
+            or 1.0
+        )
         rotary_dim = int(head_size * fraction)
 
     max_pos = _get(config, "max_position_embeddings")
@@ -429,9 +539,9 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
         fail(op, "config.max_position_embeddings", "a positive integer", "None")
     original_key = "original_max_position_embeddings"
     if rope_type == "dynamic":
-        params[original_key] = max_pos                 # HF measures dynamic NTK against this
+        params[original_key] = max_pos  # HF measures dynamic NTK against this
     elif rope_type in ("yarn", "longrope", "llama3"):
-        top = _get(config, original_key)               # Phi-3 keeps it next to, not in, the dict
+        top = _get(config, original_key)  # Phi-3 keeps it next to, not in, the dict
         params[original_key] = top if top is not None else params.get(original_key, max_pos)
     elif rope_type == "linear":
         params.setdefault(original_key, max_pos)
@@ -448,5 +558,11 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
     interleave = _get(config, "rope_interleave")
     if interleave is None:
         interleave = _get(config, "model_type") in _INTERLEAVED_FAMILIES
-    return dict(head_size=int(head_size), rotary_dim=rotary_dim, max_position=int(length), base=base,
-                is_neox_style=not interleave, rope_scaling=params)
+    return dict(
+        head_size=int(head_size),
+        rotary_dim=rotary_dim,
+        max_position=int(length),
+        base=base,
+        is_neox_style=not interleave,
+        rope_scaling=params,
+    )

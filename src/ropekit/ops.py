@@ -17,10 +17,20 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import distributed, launcher, pipeline, validate
-from .pipeline import (CUSTOM_OP, DIRECT, FUNCTION, MROPE_CHUNKED, MROPE_INTERLEAVED, RotateFunction, Spec,
-                       Variant, tensor_key, value_key)
+from .pipeline import (
+    CUSTOM_OP,
+    DIRECT,
+    FUNCTION,
+    MROPE_CHUNKED,
+    MROPE_INTERLEAVED,
+    RotateFunction,
+    Spec,
+    Variant,
+    tensor_key,
+    value_key,
+)
 
-_MEMO = pipeline._MEMO          # the pipeline's memo, read here without a function call per op call
+_MEMO = pipeline._MEMO  # the pipeline's memo, read here without a function call per op call
 
 
 def _mrope_code(mrope_section, mrope_interleaved) -> tuple:
@@ -123,42 +133,99 @@ def apply_rope(
     if q_norm_weight is not None or k_norm_weight is not None:
         from .qknorm import rope_with_norm
 
-        if cu_seqlens is not None:           # the norm path takes positions: derive them (no sync)
+        if cu_seqlens is not None:  # the norm path takes positions: derive them (no sync)
             validate.packed_args("apply_rope", q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
             from .packed import positions_from_cu_seqlens
 
-            positions = positions_from_cu_seqlens(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank,
-                                                  total_tokens=q.shape[0])
-        return rope_with_norm(q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
-                              mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
-                              q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-                              norm_weight_offset=norm_weight_offset)
+            positions = positions_from_cu_seqlens(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, total_tokens=q.shape[0])
+        return rope_with_norm(
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            interleaved=interleaved,
+            rotary_dim=rotary_dim,
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            inplace=inplace,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            norm_eps=norm_eps,
+            norm_weight_offset=norm_weight_offset,
+        )
     # the angle source: positions, or cu_seqlens (positions derived from it in the kernel)
     a = positions if cu_seqlens is None else cu_seqlens
     if torch.compiler.is_compiling():
-        spec = _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section,
-                          mrope_interleaved, inplace, cu_seqlens, cp_size, cp_rank)
+        spec = _rope_spec(
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            interleaved,
+            rotary_dim,
+            mrope_section,
+            mrope_interleaved,
+            inplace,
+            cu_seqlens,
+            cp_size,
+            cp_rank,
+        )
         return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace)
     try:
-        key = ("apply_rope", torch.is_grad_enabled(), tensor_key(q), tensor_key(k), tensor_key(positions),
-               tensor_key(cos_sin_cache), type(interleaved), interleaved, type(rotary_dim), rotary_dim,
-               None if mrope_section is None else value_key(mrope_section), type(mrope_interleaved),
-               mrope_interleaved, type(inplace), inplace, tensor_key(cu_seqlens), type(cp_size), cp_size,
-               type(cp_rank), cp_rank)
+        key = (
+            "apply_rope",
+            torch.is_grad_enabled(),
+            tensor_key(q),
+            tensor_key(k),
+            tensor_key(positions),
+            tensor_key(cos_sin_cache),
+            type(interleaved),
+            interleaved,
+            type(rotary_dim),
+            rotary_dim,
+            None if mrope_section is None else value_key(mrope_section),
+            type(mrope_interleaved),
+            mrope_interleaved,
+            type(inplace),
+            inplace,
+            tensor_key(cu_seqlens),
+            type(cp_size),
+            cp_size,
+            type(cp_rank),
+            cp_rank,
+        )
         spec = _MEMO.get(key)
-    except (AttributeError, TypeError):          # not tensors, or unhashable: validation names them
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
         key = spec = None
     if spec is None:
-        spec = pipeline.remember(key, _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim,
-                                                 mrope_section, mrope_interleaved, inplace, cu_seqlens, cp_size,
-                                                 cp_rank))
-    if spec.door is CUSTOM_OP:                   # tensor subclasses (DTensor): through the dispatcher
+        spec = pipeline.remember(
+            key,
+            _rope_spec(
+                q,
+                k,
+                positions,
+                cos_sin_cache,
+                interleaved,
+                rotary_dim,
+                mrope_section,
+                mrope_interleaved,
+                inplace,
+                cu_seqlens,
+                cp_size,
+                cp_rank,
+            ),
+        )
+    if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
         return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace)
     if inplace and _spans_meet((q, k, a, cos_sin_cache), spec.extents):
         # the checks that depend on addresses, not on the signature: exact ones only when the
         # written tensors' byte ranges meet another argument's (a cheap range test first)
-        validate.inplace_aliasing("apply_rope", q, k, (("positions" if cu_seqlens is None else "cu_seqlens", a),
-                                                       ("cos_sin_cache", cos_sin_cache)))
+        validate.inplace_aliasing(
+            "apply_rope",
+            q,
+            k,
+            (("positions" if cu_seqlens is None else "cu_seqlens", a), ("cos_sin_cache", cos_sin_cache)),
+        )
     if cu_seqlens is not None and validate.is_strict():
         validate.packed_values("apply_rope", cu_seqlens, q.shape[0], cp_size)
     if positions is not None and validate.is_strict():
@@ -175,15 +242,36 @@ def apply_rope(
     return RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
 
 
-def _rope_spec(q, k, positions, cos_sin_cache, interleaved, rotary_dim, mrope_section, mrope_interleaved,
-               inplace, cu_seqlens=None, cp_size=1, cp_rank=0) -> Spec:
+def _rope_spec(
+    q,
+    k,
+    positions,
+    cos_sin_cache,
+    interleaved,
+    rotary_dim,
+    mrope_section,
+    mrope_interleaved,
+    inplace,
+    cu_seqlens=None,
+    cp_size=1,
+    cp_rank=0,
+) -> Spec:
     op = "apply_rope"
     packed = (1, 0)
     if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
         packed = validate.packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
-    rot, mrope = validate.rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
-                                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
-                                    packed=cu_seqlens is not None)
+    rot, mrope = validate.rope_args(
+        op,
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        rotary_dim=rotary_dim,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        inplace=inplace,
+        packed=cu_seqlens is not None,
+    )
     validate.no_grad_table(op, cos_sin_cache)
     if cu_seqlens is not None:
         if inplace and type(q) is torch.Tensor and not torch.compiler.is_compiling():
@@ -207,11 +295,16 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
     mrope = _mrope_list(v)
     if v.angles == "packed":
         if type(q) is not torch.Tensor and not torch.compiler.is_compiling():
-            validate.fail("apply_rope", "cu_seqlens", "plain tensors q and k with cu_seqlens (tensor subclasses "
-                          "such as DTensor: pass positions from ropekit.positions_from_cu_seqlens)",
-                          f"q of type {type(q).__name__}")
-        outs = torch.ops.ropekit.rotate_packed(q, k, positions, table, spec.rot, v.interleaved, spec.packed[0],
-                                               spec.packed[1], False)
+            validate.fail(
+                "apply_rope",
+                "cu_seqlens",
+                "plain tensors q and k with cu_seqlens (tensor subclasses "
+                "such as DTensor: pass positions from ropekit.positions_from_cu_seqlens)",
+                f"q of type {type(q).__name__}",
+            )
+        outs = torch.ops.ropekit.rotate_packed(
+            q, k, positions, table, spec.rot, v.interleaved, spec.packed[0], spec.packed[1], False
+        )
         if inplace:
             q.copy_(outs[0])
             if k is not None:
@@ -222,8 +315,9 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
     if inplace:
         torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope)
         return q, k
-    outs = torch.ops.ropekit.rotate(q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope,
-                                    v.inverse)
+    outs = torch.ops.ropekit.rotate(
+        q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse
+    )
     return outs[0], (outs[1] if k is not None else None)
 
 
@@ -237,15 +331,32 @@ def _op_spec(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> Spec
         if variant.angles == "tokens":
             angle_shape = tuple(a.shape)
             angle_strides = launcher.per_token_strides(a, q.dim() - 2, variant.mrope != 0)
-        spec = pipeline.remember(key, Spec(variant, rot, DIRECT, pipeline.triton_runs(q), angle_shape=angle_shape,
-                                           angle_strides=angle_strides, packed=packed))
+        spec = pipeline.remember(
+            key,
+            Spec(
+                variant,
+                rot,
+                DIRECT,
+                pipeline.triton_runs(q),
+                angle_shape=angle_shape,
+                angle_strides=angle_strides,
+                packed=packed,
+            ),
+        )
     return spec
 
 
 @torch.library.custom_op("ropekit::rotate", mutates_args=())
 def _rotate_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], table: torch.Tensor,
-    rotary_dim: int, interleaved: bool, out_interleaved: bool, mrope: Optional[List[int]], inverse: bool,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    table: torch.Tensor,
+    rotary_dim: int,
+    interleaved: bool,
+    out_interleaved: bool,
+    mrope: Optional[List[int]],
+    inverse: bool,
 ) -> List[torch.Tensor]:
     q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     variant = _variant_of(interleaved, out_interleaved, mrope, inverse, "table" if positions is not None else "arange")
@@ -288,8 +399,15 @@ _rotate_op.register_autograd(_rotate_backward, setup_context=_save_angles)
 
 @torch.library.custom_op("ropekit::rotate_packed", mutates_args=())
 def _rotate_packed_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], cu_seqlens: torch.Tensor, table: torch.Tensor, rotary_dim: int,
-    interleaved: bool, cp_size: int, cp_rank: int, inverse: bool,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    table: torch.Tensor,
+    rotary_dim: int,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+    inverse: bool,
 ) -> List[torch.Tensor]:
     q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     variant = Variant(interleaved, interleaved, angles="packed", inverse=inverse)
@@ -322,8 +440,13 @@ _rotate_packed_op.register_autograd(_rotate_packed_backward, setup_context=_save
 
 @torch.library.custom_op("ropekit::rotate_", mutates_args=("q", "k"))
 def _rotate_inplace_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], table: torch.Tensor,
-    rotary_dim: int, interleaved: bool, mrope: Optional[List[int]],
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    table: torch.Tensor,
+    rotary_dim: int,
+    interleaved: bool,
+    mrope: Optional[List[int]],
 ) -> None:
     # the address checks validation skips while tracing (torch.compile), made before any write
     validate.inplace_aliasing("apply_rope", q, k, (("positions", positions), ("cos_sin_cache", table)))
@@ -361,12 +484,31 @@ def rotate_with_angles(
     and writes halves). Differentiable in q and k; cos and sin are constants (refused if they
     require grad under grad mode).
     """
-    return rotate_angles(q, k, cos, sin, interleaved=interleaved, out_interleaved=out_interleaved,
-                         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    return rotate_angles(
+        q,
+        k,
+        cos,
+        sin,
+        interleaved=interleaved,
+        out_interleaved=out_interleaved,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+    )
 
 
-def rotate_angles(q, k, cos, sin, *, interleaved=False, out_interleaved=None, mrope_section=None,
-                  mrope_interleaved=False, heads_first=False, columns=None):
+def rotate_angles(
+    q,
+    k,
+    cos,
+    sin,
+    *,
+    interleaved=False,
+    out_interleaved=None,
+    mrope_section=None,
+    mrope_interleaved=False,
+    heads_first=False,
+    columns=None,
+):
     """rotate_with_angles with two more options, the seam ropekit.hf calls:
 
     heads_first: q and k are (B, H, S, D) (Hugging Face's layout, views of (B, S, H, D)
@@ -376,22 +518,36 @@ def rotate_angles(q, k, cos, sin, *, interleaved=False, out_interleaved=None, mr
     """
     out_il = interleaved if out_interleaved is None else out_interleaved
     if torch.compiler.is_compiling():
-        spec = _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first,
-                            columns)
+        spec = _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns)
         return _angles_custom_op(spec, q, k, cos, sin)
     try:
-        key = ("rotate_angles", torch.is_grad_enabled(), tensor_key(q), tensor_key(k), tensor_key(cos),
-               tensor_key(sin), type(interleaved), interleaved, type(out_il), out_il,
-               None if mrope_section is None else value_key(mrope_section), type(mrope_interleaved),
-               mrope_interleaved, heads_first, columns)
+        key = (
+            "rotate_angles",
+            torch.is_grad_enabled(),
+            tensor_key(q),
+            tensor_key(k),
+            tensor_key(cos),
+            tensor_key(sin),
+            type(interleaved),
+            interleaved,
+            type(out_il),
+            out_il,
+            None if mrope_section is None else value_key(mrope_section),
+            type(mrope_interleaved),
+            mrope_interleaved,
+            heads_first,
+            columns,
+        )
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):
         key = spec = None
     if spec is None:
-        spec = pipeline.remember(key, _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section,
-                                                   mrope_interleaved, heads_first, columns))
+        spec = pipeline.remember(
+            key,
+            _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns),
+        )
     door = spec.door
-    if spec.copy_angles:                         # validation had to copy cos / sin: so does every call
+    if spec.copy_angles:  # validation had to copy cos / sin: so does every call
         cos, sin = pipeline.angle_views(spec, cos, sin)
     if door is DIRECT:
         q_out = pipeline.empty_like(q)
@@ -408,34 +564,65 @@ def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_inter
     hf = bool(heads_first)
     if columns is not None and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor):
         cos, sin = cos[..., :columns], sin[..., :columns]
-    cos_v, sin_v, mrope = validate.angle_args(op, pipeline.heads_first(q, hf), pipeline.heads_first(k, hf), cos, sin,
-                                              mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    cos_v, sin_v, mrope = validate.angle_args(
+        op,
+        pipeline.heads_first(q, hf),
+        pipeline.heads_first(k, hf),
+        cos,
+        sin,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+    )
     mode, sections = _mrope_code(mrope, mrope_interleaved)
     variant = Variant(bool(interleaved), bool(out_il), mode, sections, "tokens", False, hf)
     door = pipeline.door_for(q, pipeline.records_grad(q, k))
     # broadcast views start where their tensors do, so a launch can take cos and sin as given with
     # these strides; unless validation had to copy them (cos and sin strides differ): then again per call
-    copied = door != CUSTOM_OP and not torch.compiler.is_compiling() and (
-        cos_v.data_ptr() != cos.data_ptr() or sin_v.data_ptr() != sin.data_ptr())
+    copied = (
+        door != CUSTOM_OP
+        and not torch.compiler.is_compiling()
+        and (cos_v.data_ptr() != cos.data_ptr() or sin_v.data_ptr() != sin.data_ptr())
+    )
     n_tok = q.dim() - 2
-    return Spec(variant, 2 * cos_v.shape[-1], door, pipeline.triton_runs(q), copy_angles=copied,
-                angle_shape=tuple(cos_v.shape), angle_strides=launcher.per_token_strides(cos_v, n_tok, mode != 0))
+    return Spec(
+        variant,
+        2 * cos_v.shape[-1],
+        door,
+        pipeline.triton_runs(q),
+        copy_angles=copied,
+        angle_shape=tuple(cos_v.shape),
+        angle_strides=launcher.per_token_strides(cos_v, n_tok, mode != 0),
+    )
 
 
 def _angles_custom_op(spec: Spec, q, k, cos, sin):
     v = spec.variant
     cos, sin = distributed.like(q, *pipeline.angle_views(spec, cos, sin))
     hf = v.heads_first
-    outs = torch.ops.ropekit.rotate_angles(pipeline.heads_first(q, hf), pipeline.heads_first(k, hf), cos, sin,
-                                           v.interleaved, v.out_interleaved, _mrope_list(v), False)
+    outs = torch.ops.ropekit.rotate_angles(
+        pipeline.heads_first(q, hf),
+        pipeline.heads_first(k, hf),
+        cos,
+        sin,
+        v.interleaved,
+        v.out_interleaved,
+        _mrope_list(v),
+        False,
+    )
     qo = pipeline.heads_first(outs[0], hf)
     return qo, (pipeline.heads_first(outs[1], hf) if k is not None else None)
 
 
 @torch.library.custom_op("ropekit::rotate_angles", mutates_args=())
 def _rotate_angles_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-    interleaved: bool, out_interleaved: bool, mrope: Optional[List[int]], inverse: bool,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    out_interleaved: bool,
+    mrope: Optional[List[int]],
+    inverse: bool,
 ) -> List[torch.Tensor]:
     q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     if cos.stride() != sin.stride():

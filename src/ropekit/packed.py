@@ -57,12 +57,20 @@ def _check_values(cu: torch.Tensor, cp_size: int, total_tokens: Optional[int], s
         validate.fail(_OP, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
     for i in range(1, len(vals)):
         if vals[i] < vals[i - 1]:
-            validate.fail(_OP, "cu_seqlens", "non-decreasing values (cumulative lengths)",
-                          f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}")
+            validate.fail(
+                _OP,
+                "cu_seqlens",
+                "non-decreasing values (cumulative lengths)",
+                f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}",
+            )
         if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
-            validate.fail(_OP, "cu_seqlens", f"even local lengths when cp_size > 1 (cp_size = {cp_size}: "
-                          "each local sequence holds two equal half-chunks)",
-                          f"length {vals[i] - vals[i - 1]} for sequence {i - 1}")
+            validate.fail(
+                _OP,
+                "cu_seqlens",
+                f"even local lengths when cp_size > 1 (cp_size = {cp_size}: "
+                "each local sequence holds two equal half-chunks)",
+                f"length {vals[i] - vals[i - 1]} for sequence {i - 1}",
+            )
     if total_tokens is not None and total_tokens < vals[-1]:
         validate.fail(_OP, "total_tokens", f"an int >= cu_seqlens[-1] = {vals[-1]}", total_tokens)
     if start is not None:
@@ -108,11 +116,19 @@ def positions_from_cu_seqlens(
     sync outside strict mode is the read of cu_seqlens[-1] when total_tokens is None and
     cu_seqlens is on a device. Vectorized: no Python loop over sequences.
     """
-    validate.tensor(_OP, "cu_seqlens", cu_seqlens, ndims=(1,), dtypes=validate.INDEX_DTYPES,
-                    shape_hint="(N+1,) cumulative lengths", last_stride_one=False)
+    validate.tensor(
+        _OP,
+        "cu_seqlens",
+        cu_seqlens,
+        ndims=(1,),
+        dtypes=validate.INDEX_DTYPES,
+        shape_hint="(N+1,) cumulative lengths",
+        last_stride_one=False,
+    )
     if cu_seqlens.shape[0] < 1:
-        validate.fail(_OP, "cu_seqlens", "at least one element ([0] for no sequences)",
-                      f"shape {tuple(cu_seqlens.shape)}")
+        validate.fail(
+            _OP, "cu_seqlens", "at least one element ([0] for no sequences)", f"shape {tuple(cu_seqlens.shape)}"
+        )
     cp_size = _int_arg("cp_size", cp_size, 1)
     cp_rank = _int_arg("cp_rank", cp_rank, 0)
     if cp_rank >= cp_size:
@@ -120,13 +136,29 @@ def positions_from_cu_seqlens(
     n_seq = cu_seqlens.shape[0] - 1
     if start_positions is not None:
         if cp_size > 1:
-            validate.fail(_OP, "start_positions", "None when cp_size > 1 (offsets of context-parallel "
-                          "shards are not defined)", f"a tensor with cp_size = {cp_size}")
-        validate.tensor(_OP, "start_positions", start_positions, ndims=(1,), dtypes=validate.INDEX_DTYPES,
-                        device=cu_seqlens.device, shape_hint=f"({n_seq},)", last_stride_one=False)
+            validate.fail(
+                _OP,
+                "start_positions",
+                "None when cp_size > 1 (offsets of context-parallel shards are not defined)",
+                f"a tensor with cp_size = {cp_size}",
+            )
+        validate.tensor(
+            _OP,
+            "start_positions",
+            start_positions,
+            ndims=(1,),
+            dtypes=validate.INDEX_DTYPES,
+            device=cu_seqlens.device,
+            shape_hint=f"({n_seq},)",
+            last_stride_one=False,
+        )
         if start_positions.shape[0] != n_seq:
-            validate.fail(_OP, "start_positions", f"shape ({n_seq},) (one offset per sequence of cu_seqlens)",
-                          f"shape {tuple(start_positions.shape)}")
+            validate.fail(
+                _OP,
+                "start_positions",
+                f"shape ({n_seq},) (one offset per sequence of cu_seqlens)",
+                f"shape {tuple(start_positions.shape)}",
+            )
     if total_tokens is not None:
         total_tokens = _int_arg("total_tokens", total_tokens, 0)
 
@@ -134,16 +166,16 @@ def positions_from_cu_seqlens(
     if on_host or validate.is_strict():
         _check_values(cu_seqlens, cp_size, total_tokens, start_positions)
     if total_tokens is None:
-        total_tokens = int(cu_seqlens[-1])          # the one host read (a sync on a device)
+        total_tokens = int(cu_seqlens[-1])  # the one host read (a sync on a device)
 
     device = cu_seqlens.device
     cu = cu_seqlens.to(torch.int64)
     token = torch.arange(total_tokens, device=device, dtype=torch.int64)
     # sequence of each token: how many sequence ends lie at or before it (empty sequences skipped)
-    if n_seq == 0:                                   # no sequences: every token is padding
+    if n_seq == 0:  # no sequences: every token is padding
         return torch.zeros(total_tokens, dtype=cu_seqlens.dtype, device=device)
     seq = torch.searchsorted(cu[1:], token, right=True)
-    past_end = seq >= n_seq                          # padding after cu_seqlens[-1]
+    past_end = seq >= n_seq  # padding after cu_seqlens[-1]
     seq = seq.clamp_max(n_seq - 1)
     start = cu[:-1][seq]
     length = cu[1:][seq] - start

@@ -37,42 +37,67 @@ DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
 class Variant(NamedTuple):
     """The compile-time description of one rotation: every flag the kernels and the reference
     branch on. Frozen and hashable: plans are keyed by it."""
-    interleaved: bool = False       # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
-    out_interleaved: bool = False   # layout the rotated pairs are written in (DeepSeek-V3's HF code differs)
-    mrope: int = 0                  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
-    sections: Tuple[int, ...] = (0, 0, 0)   # M-RoPE (t, h, w) frequencies per position row
-    angles: str = "table"           # "table": rows of a [cos | sin] table picked by positions;
+
+    interleaved: bool = False  # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
+    out_interleaved: bool = False  # layout the rotated pairs are written in (DeepSeek-V3's HF code differs)
+    mrope: int = 0  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
+    sections: Tuple[int, ...] = (0, 0, 0)  # M-RoPE (t, h, w) frequencies per position row
+    angles: str = "table"  # "table": rows of a [cos | sin] table picked by positions;
     #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
     #                                 "delta": row |delta| per cache row, sin negated for delta < 0;
     #                                 "packed": table rows at positions derived from cu_seqlens
-    inverse: bool = False           # rotate by -angle: the backward pass
-    heads_first: bool = False       # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
+    inverse: bool = False  # rotate by -angle: the backward pass
+    heads_first: bool = False  # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
 
     def backward(self) -> "Variant":
         """The rotation that maps output gradients to input gradients: the inverse, reading the
         output layout and writing the input layout."""
-        return self._replace(interleaved=self.out_interleaved, out_interleaved=self.interleaved,
-                             inverse=not self.inverse)
+        return self._replace(
+            interleaved=self.out_interleaved, out_interleaved=self.interleaved, inverse=not self.inverse
+        )
 
 
 class Spec:
     """What validation concluded about one call signature, and its plans once made."""
-    __slots__ = ("variant", "rot", "door", "triton", "extents", "angle_shape", "angle_strides", "copy_angles",
-                 "packed", "plans", "alias")
 
-    def __init__(self, variant: Variant, rot: int, door: str, triton: bool, *, extents=(), angle_shape=None,
-                 angle_strides=None, copy_angles=False, packed=(1, 0)):
+    __slots__ = (
+        "variant",
+        "rot",
+        "door",
+        "triton",
+        "extents",
+        "angle_shape",
+        "angle_strides",
+        "copy_angles",
+        "packed",
+        "plans",
+        "alias",
+    )
+
+    def __init__(
+        self,
+        variant: Variant,
+        rot: int,
+        door: str,
+        triton: bool,
+        *,
+        extents=(),
+        angle_shape=None,
+        angle_strides=None,
+        copy_angles=False,
+        packed=(1, 0),
+    ):
         self.variant = variant
-        self.rot = rot                      # rotated dims
+        self.rot = rot  # rotated dims
         self.door = door
-        self.triton = triton                # the Triton kernel runs (CUDA, or the interpreter on CPU)
-        self.extents = extents              # bytes spanned by the call's tensors (cheap overlap tests)
-        self.angle_shape = angle_shape      # per-token angles: the shape cos / sin broadcast to
+        self.triton = triton  # the Triton kernel runs (CUDA, or the interpreter on CPU)
+        self.extents = extents  # bytes spanned by the call's tensors (cheap overlap tests)
+        self.angle_shape = angle_shape  # per-token angles: the shape cos / sin broadcast to
         self.angle_strides = angle_strides  # per-token angles: the kernel's (sec, b, s, col) strides
-        self.copy_angles = copy_angles      # per-token angles whose strides differ: copied per call
-        self.packed = packed                # packed angles: (cp_size, cp_rank)
-        self.plans: dict = {}               # launch plans by (variant, output / gradient layouts)
-        self.alias: dict = {}               # the store's aliasing verdicts by byte distance
+        self.copy_angles = copy_angles  # per-token angles whose strides differ: copied per call
+        self.packed = packed  # packed angles: (cp_size, cp_rank)
+        self.plans: dict = {}  # launch plans by (variant, output / gradient layouts)
+        self.alias: dict = {}  # the store's aliasing verdicts by byte distance
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +153,9 @@ def door_for(q, grad: bool) -> str:
 
 def records_grad(q, k) -> bool:
     """Will autograd record this call? (arguments that are not tensors: no; validation names them)"""
-    return torch.is_grad_enabled() and (getattr(q, "requires_grad", False) is True
-                                        or getattr(k, "requires_grad", False) is True)
+    return torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) is True or getattr(k, "requires_grad", False) is True
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +181,13 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
         if plan is None:
             hf = variant.heads_first
             plan = spec.plans[key] = launcher.plan_rotate(
-                heads_first(q, hf), heads_first(k, hf), heads_first(q_out, hf), heads_first(k_out, hf),
-                launcher.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed), variant)
+                heads_first(q, hf),
+                heads_first(k, hf),
+                heads_first(q_out, hf),
+                heads_first(k_out, hf),
+                launcher.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
+                variant,
+            )
         if plan is not None:
             launcher.fire_rotate(plan, q, k, q_out, k_out, a, b)
         return
@@ -179,16 +210,24 @@ def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) ->
             pick = sec.view(1, *([1] * len(token_shape)), -1).expand(1, *c.shape[1:])
             c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
     else:
-        if variant.angles == "packed":       # a: cu_seqlens
+        if variant.angles == "packed":  # a: cu_seqlens
             from .packed import positions_from_cu_seqlens
 
             a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
-        c, s = reference.gather_angles(b[:, :half], b[:, half:spec.rot], a, token_shape, mrope_section=sections,
-                                       mrope_interleaved=il_sections)
+        c, s = reference.gather_angles(
+            b[:, :half], b[:, half : spec.rot], a, token_shape, mrope_section=sections, mrope_interleaved=il_sections
+        )
     for x, out in ((q, q_out), (k, k_out)):
         if x is not None:
-            reference.rotate_into(x, out, c, s, interleaved=variant.interleaved,
-                                  out_interleaved=variant.out_interleaved, inverse=variant.inverse)
+            reference.rotate_into(
+                x,
+                out,
+                c,
+                s,
+                interleaved=variant.interleaved,
+                out_interleaved=variant.out_interleaved,
+                inverse=variant.inverse,
+            )
 
 
 def angle_views(spec: Spec, cos, sin):
@@ -221,14 +260,36 @@ def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapp
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
-            plan = spec.plans[None] = launcher.plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
-                                                          spec.variant, spec.rot, k_scale is not None,
-                                                          v_scale is not None)
+            plan = spec.plans[None] = launcher.plan_store(
+                q,
+                k,
+                v,
+                positions,
+                table,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                spec.variant,
+                spec.rot,
+                k_scale is not None,
+                v_scale is not None,
+            )
         launcher.fire_store(plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.store_rows(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
-                             interleaved=spec.variant.interleaved, rotary_dim=spec.rot, k_scale=k_scale,
-                             v_scale=v_scale)
+        reference.store_rows(
+            q,
+            k,
+            v,
+            positions,
+            table,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            interleaved=spec.variant.interleaved,
+            rotary_dim=spec.rot,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
 
 
 def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
@@ -236,13 +297,21 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
-            plan = spec.plans[None] = launcher.plan_rerotate(k_cache, slots, delta, table, dst_slots, spec.variant,
-                                                             spec.rot, k_scale is not None)
+            plan = spec.plans[None] = launcher.plan_rerotate(
+                k_cache, slots, delta, table, dst_slots, spec.variant, spec.rot, k_scale is not None
+            )
         launcher.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
     elif slots.shape[0]:
-        reference.rerotate_kv_cache(k_cache, slots, delta if delta is not None else delta_int, table,
-                                    interleaved=spec.variant.interleaved, rotary_dim=spec.rot, k_scale=k_scale,
-                                    dst_slots=dst_slots)
+        reference.rerotate_kv_cache(
+            k_cache,
+            slots,
+            delta if delta is not None else delta_int,
+            table,
+            interleaved=spec.variant.interleaved,
+            rotary_dim=spec.rot,
+            k_scale=k_scale,
+            dst_slots=dst_slots,
+        )
 
 
 # Float scales become 1-element device tensors, read inside the kernel like a tensor scale. Eager
@@ -252,7 +321,7 @@ def scale_tensor(scale, device: torch.device, unit: bool = False) -> Optional[to
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
     if scale == 1.0 and not unit:
-        return None                                       # x / 1 == x: skip the division
+        return None  # x / 1 == x: skip the division
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), scale, dtype=torch.float32, device=device)
     key = ("scale tensor", type(scale), scale, str(device))
@@ -301,7 +370,7 @@ class RotateFunction(torch.autograd.Function):
         q_out = empty_like(q)
         k_out = None if k is None else empty_like(k)
         run_rotate(spec, variant, q, k, q_out, k_out, a, b)
-        ctx.save_for_backward(a, b)          # autograd's version check covers the angles
+        ctx.save_for_backward(a, b)  # autograd's version check covers the angles
         ctx.spec, ctx.variant = spec, variant
         ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
         return q_out, k_out
@@ -313,7 +382,7 @@ class RotateFunction(torch.autograd.Function):
         if first is None:
             return None, None, None, None, None, None
         inverse = ctx.variant.backward()
-        if torch.is_grad_enabled():          # create_graph=True: the backward is differentiable too
+        if torch.is_grad_enabled():  # create_graph=True: the backward is differentiable too
             d_first, d_second = RotateFunction.apply(first, second, a, b, ctx.spec, inverse)
         else:
             d_first = empty_like(first)

@@ -35,6 +35,7 @@ from .pipeline import MROPE_CHUNKED, MROPE_INTERLEAVED, Variant
 def _use_triton(x):
     return pipeline.triton_runs(x)
 
+
 OP = "apply_rope"
 STORE_OP = "apply_rope_and_store"
 
@@ -65,8 +66,9 @@ def _warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
 
 class NormLaunch(NamedTuple):
     """A normed rope_kernel / rope_store_kernel launch minus its tensors (one per call signature)."""
+
     grid: tuple
-    args: tuple             # the runtime arguments before the norm's (weights, eps, offset)
+    args: tuple  # the runtime arguments before the norm's (weights, eps, offset)
     meta: dict
     pack_bytes: int
     compiled: dict
@@ -79,7 +81,7 @@ def plan_forward(q, k, q_out, k_out, angles, interleaved, mrope, modes) -> NormL
     variant = Variant(bool(interleaved), bool(interleaved), mode, sections, "table" if angles.max_pos else "tokens")
     base = launcher.plan_rotate(q, k, q_out, k_out, angles, variant)
     meta = dict(base.meta, NORM_Q=modes[0], NORM_K=modes[1])
-    args = list(base.args[:-4])                       # minus the placeholders of the norm's arguments
+    args = list(base.args[:-4])  # minus the placeholders of the norm's arguments
     rot = 2 * angles.half
     tail = max(q.shape[-1], k.shape[-1] if k is not None else 0) - rot
     meta["TAIL_PAD"] = _next_pow2(tail) if tail > 0 else 0
@@ -99,15 +101,29 @@ def fire_forward(launch: NormLaunch, q, k, q_out, k_out, angles_tensors, wq, wk,
     meta = launch.meta
     if launch.pack_bytes and any(x is not None and x.data_ptr() % launch.pack_bytes for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)
-    wq_t = wq if wq is not None else wk               # an unused weight slot gets the other (never read)
+    wq_t = wq if wq is not None else wk  # an unused weight slot gets the other (never read)
     wk_t = wk if wk is not None else wq
     positions, cos, sin = angles_tensors
-    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out,
-            cos if positions is None else positions, cos, sin)
+    ptrs = (
+        q,
+        q if k is None else k,
+        q_out,
+        q_out if k_out is None else k_out,
+        cos if positions is None else positions,
+        cos,
+        sin,
+    )
     # weights are passed after the ints (kernel order): their 16-byte alignment is part of the key
     variant = (meta["PACK"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
-    launch_kernel(launcher._kernel("rope_kernel"), launch.compiled, variant, launch.grid, ptrs,
-                  (*launch.args, wq_t, wk_t, float(eps), float(offset)), meta)
+    launch_kernel(
+        launcher._kernel("rope_kernel"),
+        launch.compiled,
+        variant,
+        launch.grid,
+        ptrs,
+        (*launch.args, wq_t, wk_t, float(eps), float(offset)),
+        meta,
+    )
 
 
 _sig = pipeline.tensor_key
@@ -131,19 +147,34 @@ def _forward_triton(q, k, q_out, k_out, positions, cos, sin, interleaved, mrope,
         return
     modes = _modes(q, k, wq, wk)
     angles = launcher.layout_from_views(positions, cos, sin, q.dim() - 2, mrope is not None)
-    key = ("fwd", _sig(q), _sig(k), _sig(q_out), _sig(k_out), q_out.data_ptr() == q.data_ptr(), _sig(positions),
-           _sig(cos), _sig(sin), interleaved, None if mrope is None else tuple(mrope), modes,
-           _sig(wq), _sig(wk))
+    key = (
+        "fwd",
+        _sig(q),
+        _sig(k),
+        _sig(q_out),
+        _sig(k_out),
+        q_out.data_ptr() == q.data_ptr(),
+        _sig(positions),
+        _sig(cos),
+        _sig(sin),
+        interleaved,
+        None if mrope is None else tuple(mrope),
+        modes,
+        _sig(wq),
+        _sig(wk),
+    )
     launch = _cached(key, lambda: plan_forward(q, k, q_out, k_out, angles, interleaved, mrope, modes))
     fire_forward(launch, q, k, q_out, k_out, (positions, cos, sin), wq, wk, eps, offset)
 
 
 def _modes(q, k, wq, wk):
     """The kernel's NORM_Q / NORM_K: 0 none, 1 per head (weight (D,)), 2 across heads ((H*D,))."""
+
     def one(x, w):
         if w is None:
             return 0
         return 1 if w.shape[0] == x.shape[-1] else 2
+
     return one(q, wq), (one(k, wk) if k is not None else 0)
 
 
@@ -153,9 +184,9 @@ def _modes(q, k, wq, wk):
 
 class BackwardLaunch(NamedTuple):
     grid: tuple
-    args: tuple             # runtime arguments minus eps and offset
+    args: tuple  # runtime arguments minus eps and offset
     meta: dict
-    dw_shape: tuple         # (rows, dw_row) of the float32 partial sums
+    dw_shape: tuple  # (rows, dw_row) of the float32 partial sums
     compiled: dict
 
 
@@ -169,7 +200,7 @@ def plan_backward(x, g, gx, w, angles, positions_t, interleaved, mrope, mode) ->
     tail = d - 2 * half
     tail_pad = _next_pow2(tail) if tail > 0 else 0
     if mode == 2:
-        bh = _next_pow2(n_heads)                       # the norm group: all heads in one block
+        bh = _next_pow2(n_heads)  # the norm group: all heads in one block
     else:
         bh = min(_next_pow2(n_heads), _next_pow2(max(1, tuning.get("block_elems") // (2 * half_pad))))
     n_blocks = -(-n_heads // bh)
@@ -184,19 +215,42 @@ def plan_backward(x, g, gx, w, angles, positions_t, interleaved, mrope, mode) ->
         sp = (0, 0, 0)
     dw_row = d if mode == 1 else n_heads * d
     args = (
-        n_tokens, S, n_heads, tail, angles.max_pos, n_blocks, angles.sin_off, tpp, dw_row,
-        *_token_strides(x, n_tok), x.stride(-2), *_token_strides(g, n_tok), g.stride(-2),
-        *_token_strides(gx, n_tok), gx.stride(-2),
-        *sp, *angles.strides, *sec,
+        n_tokens,
+        S,
+        n_heads,
+        tail,
+        angles.max_pos,
+        n_blocks,
+        angles.sin_off,
+        tpp,
+        dw_row,
+        *_token_strides(x, n_tok),
+        x.stride(-2),
+        *_token_strides(g, n_tok),
+        g.stride(-2),
+        *_token_strides(gx, n_tok),
+        gx.stride(-2),
+        *sp,
+        *angles.strides,
+        *sec,
     )
-    meta = dict(HALF=half, HALF_PAD=half_pad, BLOCK_H=bh, TAIL_PAD=tail_pad, HAS_POS=positions is not None,
-                MROPE=mode_m, IN_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved, NORM=mode,
-                num_warps=_warps(bh, half_pad, tail_pad, 4))
+    meta = dict(
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=bh,
+        TAIL_PAD=tail_pad,
+        HAS_POS=positions is not None,
+        MROPE=mode_m,
+        IN_INTERLEAVED=interleaved,
+        OUT_INTERLEAVED=interleaved,
+        NORM=mode,
+        num_warps=_warps(bh, half_pad, tail_pad, 4),
+    )
     return BackwardLaunch((n_progs, n_blocks), args, meta, (n_progs * n_blocks, dw_row), {})
 
 
 def _backward_kernel():
-    from .kernels.rope import rope_norm_backward_kernel    # imported on first use: Triton loads lazily
+    from .kernels.rope import rope_norm_backward_kernel  # imported on first use: Triton loads lazily
 
     return rope_norm_backward_kernel
 
@@ -210,14 +264,32 @@ def backward_triton(x, g, w, positions, cos, sin, interleaved, mrope, eps, offse
         return gx.zero_(), (None if w is None else torch.zeros_like(w))
     mode = 0 if w is None else (1 if w.shape[0] == x.shape[-1] else 2)
     angles = launcher.layout_from_views(positions, cos, sin, x.dim() - 2, mrope is not None)
-    key = ("bwd", _sig(x), _sig(g), _sig(gx), _sig(w), _sig(positions), _sig(cos), _sig(sin), interleaved,
-           None if mrope is None else tuple(mrope), mode)
+    key = (
+        "bwd",
+        _sig(x),
+        _sig(g),
+        _sig(gx),
+        _sig(w),
+        _sig(positions),
+        _sig(cos),
+        _sig(sin),
+        interleaved,
+        None if mrope is None else tuple(mrope),
+        mode,
+    )
     launch = _cached(key, lambda: plan_backward(x, g, gx, w, angles, positions, interleaved, mrope, mode))
     dw_buf = torch.empty(launch.dw_shape if mode else (1, 1), dtype=torch.float32, device=x.device)
     ptrs = (x, g, gx, cos if w is None else w, dw_buf, cos if positions is None else positions, cos, sin)
     variant = (None if w is None else w.data_ptr() % 16 == 0,)
-    launch_kernel(_backward_kernel(), launch.compiled, variant, launch.grid, ptrs,
-                  (*launch.args, float(eps), float(offset)), launch.meta)
+    launch_kernel(
+        _backward_kernel(),
+        launch.compiled,
+        variant,
+        launch.grid,
+        ptrs,
+        (*launch.args, float(eps), float(offset)),
+        launch.meta,
+    )
     dw = None if w is None else dw_buf.sum(0).to(w.dtype)
     return gx, dw
 
@@ -231,8 +303,14 @@ def _ref_angles(x, positions, cos, sin, mrope):
     n_tok = x.dim() - 2
     if positions is not None:
         section = None if mrope is None else mrope[1:]
-        return reference.gather_angles(cos, sin, positions, tuple(x.shape[:n_tok]), mrope_section=section,
-                                       mrope_interleaved=mrope is not None and mrope[0] == MROPE_INTERLEAVED)
+        return reference.gather_angles(
+            cos,
+            sin,
+            positions,
+            tuple(x.shape[:n_tok]),
+            mrope_section=section,
+            mrope_interleaved=mrope is not None and mrope[0] == MROPE_INTERLEAVED,
+        )
     if mrope is not None:
         sec = reference.mrope_sections_of_frequencies(cos.shape[-1], mrope[1:], mrope[0] == MROPE_INTERLEAVED)
         pick = sec.to(cos.device).view(1, *([1] * n_tok), -1).expand(1, *cos.shape[1:])
@@ -309,8 +387,16 @@ class _NormRope(torch.autograd.Function):
     def backward(ctx, gq, gk):
         q, k, positions, cos, sin, wq, wk = ctx.saved_tensors
         interleaved, mrope, eps, offset = ctx.cfg
-        return (*_grads(ctx.needs_input_grad, (q, k, wq, wk), (gq, gk), _backward,
-                        (positions, cos, sin, interleaved, mrope, eps, offset)), None)     # cfg
+        return (
+            *_grads(
+                ctx.needs_input_grad,
+                (q, k, wq, wk),
+                (gq, gk),
+                _backward,
+                (positions, cos, sin, interleaved, mrope, eps, offset),
+            ),
+            None,
+        )  # cfg
 
 
 def _grads(need, tensors, out_grads, backward, rest):
@@ -318,8 +404,9 @@ def _grads(need, tensors, out_grads, backward, rest):
     (q, k, positions, cos, sin, wq, wk, ...)."""
     q, k, wq, wk = tensors
     res = [None, None, None, None]
-    for i, (x, w, g, need_x, need_w) in enumerate(((q, wq, out_grads[0], need[0], need[5]),
-                                                   (k, wk, out_grads[1], need[1], need[6]))):
+    for i, (x, w, g, need_x, need_w) in enumerate(
+        ((q, wq, out_grads[0], need[0], need[5]), (k, wk, out_grads[1], need[1], need[6]))
+    ):
         if x is None or not (need_x or (w is not None and need_w)):
             continue
         if g is None:
@@ -342,9 +429,17 @@ def _backward_op_call(x, g, w, positions, cos, sin, interleaved, mrope, eps, off
 
 @torch.library.custom_op("ropekit::rope_norm", mutates_args=())
 def _rope_norm_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], cos: torch.Tensor,
-    sin: torch.Tensor, wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool,
-    mrope: Optional[List[int]], eps: float, offset: float,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    wq: Optional[torch.Tensor],
+    wk: Optional[torch.Tensor],
+    interleaved: bool,
+    mrope: Optional[List[int]],
+    eps: float,
+    offset: float,
 ) -> List[torch.Tensor]:
     q_out, k_out = _forward_out(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
     return [q_out] if k is None else [q_out, k_out]
@@ -357,8 +452,16 @@ def _(q, k, positions, cos, sin, wq, wk, interleaved, mrope, eps, offset):
 
 @torch.library.custom_op("ropekit::rope_norm_backward", mutates_args=())
 def _rope_norm_backward_op(
-    x: torch.Tensor, g: torch.Tensor, w: Optional[torch.Tensor], positions: Optional[torch.Tensor],
-    cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, mrope: Optional[List[int]], eps: float, offset: float,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    w: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    mrope: Optional[List[int]],
+    eps: float,
+    offset: float,
 ) -> List[torch.Tensor]:
     gx, dw = _backward(x, g, w, positions, cos, sin, interleaved, mrope, eps, offset)
     return [gx] if dw is None else [gx, dw]
@@ -379,8 +482,19 @@ def _rope_norm_backward(ctx, grads):
     q, k, positions, cos, sin, wq, wk = ctx.saved_tensors
     interleaved, mrope, eps, offset = ctx.cfg
     gq, gk = grads[0], (grads[1] if len(grads) > 1 else None)
-    return (*_grads(ctx.needs_input_grad, (q, k, wq, wk), (gq, gk), _backward_op_call,
-                    (positions, cos, sin, interleaved, mrope, eps, offset)), None, None, None, None)
+    return (
+        *_grads(
+            ctx.needs_input_grad,
+            (q, k, wq, wk),
+            (gq, gk),
+            _backward_op_call,
+            (positions, cos, sin, interleaved, mrope, eps, offset),
+        ),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _rope_norm_op.register_autograd(_rope_norm_backward, setup_context=_rope_norm_setup)
@@ -388,13 +502,31 @@ _rope_norm_op.register_autograd(_rope_norm_backward, setup_context=_rope_norm_se
 
 @torch.library.custom_op("ropekit::rope_norm_", mutates_args=("q", "k"))
 def _rope_norm_inplace_op(
-    q: torch.Tensor, k: Optional[torch.Tensor], positions: Optional[torch.Tensor], cos: torch.Tensor,
-    sin: torch.Tensor, wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], interleaved: bool,
-    mrope: Optional[List[int]], eps: float, offset: float,
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    wq: Optional[torch.Tensor],
+    wk: Optional[torch.Tensor],
+    interleaved: bool,
+    mrope: Optional[List[int]],
+    eps: float,
+    offset: float,
 ) -> None:
     # the address checks validation skips while tracing, made before any write
-    validate.inplace_aliasing(OP, q, k, (("positions", positions), ("cos_sin_cache", cos), ("cos_sin_cache", sin),
-                                         ("q_norm_weight", wq), ("k_norm_weight", wk)))
+    validate.inplace_aliasing(
+        OP,
+        q,
+        k,
+        (
+            ("positions", positions),
+            ("cos_sin_cache", cos),
+            ("cos_sin_cache", sin),
+            ("q_norm_weight", wq),
+            ("k_norm_weight", wk),
+        ),
+    )
     _forward_inplace(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
 
 
@@ -461,19 +593,45 @@ def rope_with_norm(
     key = None
     if not torch.compiler.is_compiling():
         try:
-            key = (OP + " norm", torch.is_grad_enabled(), _sig(q), _sig(k), _sig(positions), _sig(cos_sin_cache),
-                   type(interleaved), interleaved, type(rotary_dim), rotary_dim,
-                   None if mrope_section is None else pipeline.value_key(mrope_section), type(mrope_interleaved),
-                   mrope_interleaved, type(inplace), inplace, _sig(q_norm_weight), _sig(k_norm_weight),
-                   type(norm_eps), norm_eps, type(norm_weight_offset), norm_weight_offset)
+            key = (
+                OP + " norm",
+                torch.is_grad_enabled(),
+                _sig(q),
+                _sig(k),
+                _sig(positions),
+                _sig(cos_sin_cache),
+                type(interleaved),
+                interleaved,
+                type(rotary_dim),
+                rotary_dim,
+                None if mrope_section is None else pipeline.value_key(mrope_section),
+                type(mrope_interleaved),
+                mrope_interleaved,
+                type(inplace),
+                inplace,
+                _sig(q_norm_weight),
+                _sig(k_norm_weight),
+                type(norm_eps),
+                norm_eps,
+                type(norm_weight_offset),
+                norm_weight_offset,
+            )
             hash(key)
         except (AttributeError, TypeError):
             key = None
     known = pipeline.lookup(key)
     if known is None:
-        rot, mrope = validate.rope_args(OP, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim,
-                                        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                                        inplace=inplace)
+        rot, mrope = validate.rope_args(
+            OP,
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            rotary_dim=rotary_dim,
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            inplace=inplace,
+        )
         validate.norm_weights(OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace)
         validate.no_grad_table(OP, cos_sin_cache)
         pipeline.remember(key, (rot, mrope))
@@ -482,13 +640,26 @@ def rope_with_norm(
         if inplace:
             validate.inplace_aliasing(OP, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
     if inplace and not torch.compiler.is_compiling():
-        validate.written_vs_read(OP, (("q", q), ("k", k)),
-                                 (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)))
+        validate.written_vs_read(
+            OP, (("q", q), ("k", k)), (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
+        )
     if positions is not None and validate.is_strict() and not torch.compiler.is_compiling():
         validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
     cos, sin = _table_views(cos_sin_cache, positions, rot, q)
-    return _dispatch(q, k, positions, cos, sin, bool(interleaved), _mrope_arg(mrope, mrope_interleaved, positions),
-                     q_norm_weight, k_norm_weight, float(norm_eps), float(norm_weight_offset), inplace)
+    return _dispatch(
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        bool(interleaved),
+        _mrope_arg(mrope, mrope_interleaved, positions),
+        q_norm_weight,
+        k_norm_weight,
+        float(norm_eps),
+        float(norm_weight_offset),
+        inplace,
+    )
 
 
 def _table_views(cache, positions, rot, x):
@@ -502,30 +673,65 @@ def _table_views(cache, positions, rot, x):
     return cos[:S].expand(shape), sin[:S].expand(shape)
 
 
-def rotate_angles_with_norm(q, k, cos, sin, *, interleaved=False, q_norm_weight=None, k_norm_weight=None,
-                            norm_eps=1e-6, norm_weight_offset=0.0, op="rotate_with_angles"):
+def rotate_angles_with_norm(
+    q,
+    k,
+    cos,
+    sin,
+    *,
+    interleaved=False,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    norm_eps=1e-6,
+    norm_weight_offset=0.0,
+    op="rotate_with_angles",
+):
     """rotate_with_angles with the norm: per-token cos, sin broadcastable to (*T, rotary_dim // 2)
     (Hugging Face's cos[..., :half] views), out of place. q (*T, Hq, D), k (*T, Hk, D) or None."""
     cos, sin, _ = validate.angle_args(op, q, k, cos, sin, mrope_section=None, mrope_interleaved=False)
     validate.norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
-    return _dispatch(q, k, None, cos, sin, bool(interleaved), None, q_norm_weight, k_norm_weight,
-                     float(norm_eps), float(norm_weight_offset), False)
+    return _dispatch(
+        q,
+        k,
+        None,
+        cos,
+        sin,
+        bool(interleaved),
+        None,
+        q_norm_weight,
+        k_norm_weight,
+        float(norm_eps),
+        float(norm_weight_offset),
+        False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # the fused store with the norm: rope_store_kernel with NORM_Q / NORM_K
 
 
-def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scaled, v_scaled,
-               modes) -> NormLaunch:
+def plan_store(
+    q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scaled, v_scaled, modes
+) -> NormLaunch:
     """store._plan, then what the norm changes: q's tail is normalized in place (TAIL_PAD_Q), and
     across-heads norms need one head block holding all heads (BLOCK_HQ / BLOCK_HK)."""
     il = bool(interleaved)
-    base = launcher.plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
-                               Variant(il, il, angles="table" if positions is not None else "arange"), rot,
-                               k_scaled, v_scaled)
+    base = launcher.plan_store(
+        q,
+        k,
+        v,
+        positions,
+        table,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        Variant(il, il, angles="table" if positions is not None else "arange"),
+        rot,
+        k_scaled,
+        v_scaled,
+    )
     meta = dict(base.meta, NORM_Q=modes[0], NORM_K=modes[1])
-    args = list(base.args[:-4])                    # keeps q_tail; minus the weights, eps, offset placeholders
+    args = list(base.args[:-4])  # keeps q_tail; minus the weights, eps, offset placeholders
     q_tail = q.shape[-1] - rot
     meta["TAIL_PAD_Q"] = _next_pow2(q_tail) if modes[0] and q_tail > 0 else 0
     grid = base.grid
@@ -542,8 +748,9 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interl
     return NormLaunch(grid, tuple(args), meta, 0, {})
 
 
-def fire_store(launch: NormLaunch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs,
-               wq, wk, eps, offset) -> None:
+def fire_store(
+    launch: NormLaunch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset
+) -> None:
     from .kernels.store import rope_store_kernel
 
     meta = launch.meta
@@ -553,61 +760,167 @@ def fire_store(launch: NormLaunch, q, k, v, positions, table, k_cache, v_cache, 
         meta = dict(meta, PACK_K=0)
     wq_t = wq if wq is not None else wk
     wk_t = wk if wk is not None else wq
-    ptrs = (q, k, v, table if positions is None else positions, table, slot_mapping, k_cache, v_cache,
-            table if ks is None else ks, table if vs is None else vs)
+    ptrs = (
+        q,
+        k,
+        v,
+        table if positions is None else positions,
+        table,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        table if ks is None else ks,
+        table if vs is None else vs,
+    )
     variant = (meta["PACK_Q"], meta["PACK_K"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
-    launch_kernel(rope_store_kernel, launch.compiled, variant, launch.grid, ptrs,
-                  (*launch.args, wq_t, wk_t, float(eps), float(offset)), meta)
+    launch_kernel(
+        rope_store_kernel,
+        launch.compiled,
+        variant,
+        launch.grid,
+        ptrs,
+        (*launch.args, wq_t, wk_t, float(eps), float(offset)),
+        meta,
+    )
 
 
-def _store_run(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, ks, vs,
-               wq, wk, eps, offset, spec=None):
+def _store_run(
+    q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, ks, vs, wq, wk, eps, offset, spec=None
+):
     """Checks, then the kernel (or the reference on CPU): the body of the custom op and of eager calls.
     spec: the call signature's pipeline.Spec (extents and aliasing verdicts kept between calls), or None."""
     store._checks(spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
-    validate.written_vs_read(STORE_OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
-                             (("q_norm_weight", wq), ("k_norm_weight", wk)))
+    validate.written_vs_read(
+        STORE_OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), (("q_norm_weight", wq), ("k_norm_weight", wk))
+    )
     if q.shape[:-2].numel() == 0:
         return
     if _use_triton(q):
         ks, vs = store._fp8_scales(k_cache, v_cache, ks, vs, q.device)
         modes = _modes(q, k, wq, wk)
-        key = ("store", _sig(q), _sig(k), _sig(v), _sig(positions), _sig(table), _sig(k_cache), _sig(v_cache),
-               _sig(slot_mapping), interleaved, rot, ks is not None, vs is not None, modes, _sig(wq), _sig(wk))
-        launch = _cached(key, lambda: plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping,
-                                                 interleaved, rot, ks is not None, vs is not None, modes))
+        key = (
+            "store",
+            _sig(q),
+            _sig(k),
+            _sig(v),
+            _sig(positions),
+            _sig(table),
+            _sig(k_cache),
+            _sig(v_cache),
+            _sig(slot_mapping),
+            interleaved,
+            rot,
+            ks is not None,
+            vs is not None,
+            modes,
+            _sig(wq),
+            _sig(wk),
+        )
+        launch = _cached(
+            key,
+            lambda: plan_store(
+                q,
+                k,
+                v,
+                positions,
+                table,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                interleaved,
+                rot,
+                ks is not None,
+                vs is not None,
+                modes,
+            ),
+        )
         fire_store(launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset)
         return
     # reference: normalize in float32 (unrounded), then the store's own reference rotates and rounds once
     qn = q if wq is None else reference.rms_norm(q, wq, eps=eps, offset=offset)
     kn = k if wk is None else reference.rms_norm(k, wk, eps=eps, offset=offset)
     qn = qn.clone() if qn is q else qn
-    reference.store_rows(qn, kn, v, positions, table, k_cache, v_cache, slot_mapping, interleaved=interleaved,
-                         rotary_dim=rot, k_scale=ks, v_scale=vs)
+    reference.store_rows(
+        qn,
+        kn,
+        v,
+        positions,
+        table,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        interleaved=interleaved,
+        rotary_dim=rot,
+        k_scale=ks,
+        v_scale=vs,
+    )
     q.copy_(qn)
 
 
 @torch.library.custom_op("ropekit::rope_norm_and_store", mutates_args=("q", "k_cache", "v_cache"))
 def _rope_norm_and_store_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor],
-    table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    interleaved: bool, rot: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-    wq: Optional[torch.Tensor], wk: Optional[torch.Tensor], eps: float, offset: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleaved: bool,
+    rot: int,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    wq: Optional[torch.Tensor],
+    wk: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
 ) -> None:
-    _store_run(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scale, v_scale,
-               wq, wk, eps, offset)
+    _store_run(
+        q,
+        k,
+        v,
+        positions,
+        table,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        interleaved,
+        rot,
+        k_scale,
+        v_scale,
+        wq,
+        wk,
+        eps,
+        offset,
+    )
 
 
 @_rope_norm_and_store_op.register_fake
-def _(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scale, v_scale,
-      wq, wk, eps, offset):
+def _(
+    q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scale, v_scale, wq, wk, eps, offset
+):
     return None
 
 
 def rope_and_store_with_norm(
-    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *,
-    interleaved=False, rotary_dim=None, k_scale=None, v_scale=None,
-    q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, norm_weight_offset=0.0,
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    interleaved=False,
+    rotary_dim=None,
+    k_scale=None,
+    v_scale=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    norm_eps=1e-6,
+    norm_weight_offset=0.0,
 ):
     """apply_rope_and_store with RMSNorm of q and/or k first: q normalized and rotated in place
     (its tail normalized in place too), k normalized and rotated into k_cache (fp8: scaled and cast
@@ -616,32 +929,86 @@ def rope_and_store_with_norm(
     key = None
     if not torch.compiler.is_compiling():
         try:
-            key = (STORE_OP + " norm", torch.is_grad_enabled(), _sig(q), _sig(k), _sig(v), _sig(positions),
-                   _sig(cos_sin_cache), _sig(k_cache), _sig(v_cache), _sig(slot_mapping), type(interleaved),
-                   interleaved, type(rotary_dim), rotary_dim, store._scale_key(k_scale), store._scale_key(v_scale),
-                   _sig(q_norm_weight), _sig(k_norm_weight), type(norm_eps), norm_eps, type(norm_weight_offset),
-                   norm_weight_offset)
+            key = (
+                STORE_OP + " norm",
+                torch.is_grad_enabled(),
+                _sig(q),
+                _sig(k),
+                _sig(v),
+                _sig(positions),
+                _sig(cos_sin_cache),
+                _sig(k_cache),
+                _sig(v_cache),
+                _sig(slot_mapping),
+                type(interleaved),
+                interleaved,
+                type(rotary_dim),
+                rotary_dim,
+                store._scale_key(k_scale),
+                store._scale_key(v_scale),
+                _sig(q_norm_weight),
+                _sig(k_norm_weight),
+                type(norm_eps),
+                norm_eps,
+                type(norm_weight_offset),
+                norm_weight_offset,
+            )
             hash(key)
         except (AttributeError, TypeError):
             key = None
     spec = pipeline.lookup(key)
     if spec is None:
         rot, _, _, _, _ = validate.store_args(
-            STORE_OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
+            STORE_OP,
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            rotary_dim=rotary_dim,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         validate.norm_weights(STORE_OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
         if torch.is_grad_enabled():
             for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
                 if w is not None and w.requires_grad:
-                    validate.fail(STORE_OP, name, "a tensor that does not require grad (apply_rope_and_store is "
-                                  "inference only)", "requires_grad=True")
-        spec = pipeline.remember(key, pipeline.Spec(
-            Variant(), rot, pipeline.DIRECT, pipeline.triton_runs(q),
-            extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping)))
+                    validate.fail(
+                        STORE_OP,
+                        name,
+                        "a tensor that does not require grad (apply_rope_and_store is inference only)",
+                        "requires_grad=True",
+                    )
+        spec = pipeline.remember(
+            key,
+            pipeline.Spec(
+                Variant(),
+                rot,
+                pipeline.DIRECT,
+                pipeline.triton_runs(q),
+                extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping),
+            ),
+        )
     rot = spec.rot
     ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
-    args = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(interleaved), rot, ks, vs,
-            q_norm_weight, k_norm_weight, float(norm_eps), float(norm_weight_offset))
+    args = (
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        bool(interleaved),
+        rot,
+        ks,
+        vs,
+        q_norm_weight,
+        k_norm_weight,
+        float(norm_eps),
+        float(norm_weight_offset),
+    )
     if torch.compiler.is_compiling():
         torch.ops.ropekit.rope_norm_and_store(q, k, v, *args)
         return q

@@ -88,7 +88,7 @@ def _scratch(shape, dtype, slot: int) -> torch.Tensor:
     return b[:n].view(shape)
 
 
-_BLOCK_ELEMS = 1 << 18      # elements of one scratch block (1 MB in float32): half a core's L2
+_BLOCK_ELEMS = 1 << 18  # elements of one scratch block (1 MB in float32): half a core's L2
 
 
 def _blocks(lead, rows):
@@ -104,7 +104,7 @@ def _blocks(lead, rows):
         yield (Ellipsis,)
         return
     step = max(1, rows // inner)
-    for outer in itertools.product(*(range(n) for n in lead[:k - 1])):
+    for outer in itertools.product(*(range(n) for n in lead[: k - 1])):
         for start in range(0, lead[k - 1], step):
             yield outer + (slice(start, start + step),)
 
@@ -118,9 +118,9 @@ def _rotate_block(x, out, c, s, xs, ts, half, interleaved, out_interleaved):
     target = out[..., :rot] if ts is None else ts
     t1, t2 = (target[..., 0::2], target[..., 1::2]) if out_interleaved else (target[..., :half], target[..., half:])
     torch.mul(x1, c, out=t1)
-    t1.addcmul_(x2, s, value=-1.0)          # x1 cos - x2 sin
+    t1.addcmul_(x2, s, value=-1.0)  # x1 cos - x2 sin
     torch.mul(x2, c, out=t2)
-    t2.addcmul_(x1, s)                      # x2 cos + x1 sin
+    t2.addcmul_(x1, s)  # x2 cos + x1 sin
     if ts is not None:
         out[..., :rot].copy_(ts)
 
@@ -168,12 +168,15 @@ def rotate_into(
         x, out = x.permute(*perm, nd), out.permute(*perm, nd)
     lead = tuple(x.shape[:-1])
     direct = out.dtype == ct and not same and x.dtype == ct
-    if direct:      # float32 out of place: results go straight into out, no scratch, one block
+    if direct:  # float32 out of place: results go straight into out, no scratch, one block
         _rotate_block(x, out, c, s, None, None, half, interleaved, out_interleaved)
     elif x.numel() <= _BLOCK_ELEMS * 2 * half // max(x.shape[-1], 1):
         # small enough for one block: no slicing (decode calls pay for every view)
-        xs = None if x.dtype == ct else (
-            _scratch(lead + (rot,), ct, 0) if cpu else torch.empty(lead + (rot,), dtype=ct, device=x.device))
+        xs = (
+            None
+            if x.dtype == ct
+            else (_scratch(lead + (rot,), ct, 0) if cpu else torch.empty(lead + (rot,), dtype=ct, device=x.device))
+        )
         ts = _scratch(lead + (rot,), ct, 1) if cpu else torch.empty(lead + (rot,), dtype=ct, device=x.device)
         _rotate_block(x, out, c, s, xs, ts, half, interleaved, out_interleaved)
     else:
@@ -184,8 +187,11 @@ def rotate_into(
         for index in _blocks(lead, _BLOCK_ELEMS // max(rot, 1)):
             xb, ob = x[index], out[index]
             shape = tuple(xb.shape[:-1]) + (rot,)
-            xs = None if x.dtype == ct else (
-                _scratch(shape, ct, 0) if cpu else torch.empty(shape, dtype=ct, device=x.device))
+            xs = (
+                None
+                if x.dtype == ct
+                else (_scratch(shape, ct, 0) if cpu else torch.empty(shape, dtype=ct, device=x.device))
+            )
             ts = _scratch(shape, ct, 1) if cpu else torch.empty(shape, dtype=ct, device=x.device)
             _rotate_block(xb, ob, c[index], s[index], xs, ts, half, interleaved, out_interleaved)
     if not same and x.shape[-1] > rot:
@@ -205,8 +211,14 @@ def angles_from_table(
     """cos, sin of shape (*token_shape, rotary_dim // 2) gathered from a [cos | sin] table."""
     rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
     half = rot // 2
-    return gather_angles(cos_sin_cache[:, :half], cos_sin_cache[:, half:rot], positions, token_shape,
-                         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    return gather_angles(
+        cos_sin_cache[:, :half],
+        cos_sin_cache[:, half:rot],
+        positions,
+        token_shape,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+    )
 
 
 def gather_angles(cos_table, sin_table, positions, token_shape, *, mrope_section=None, mrope_interleaved=False):
@@ -222,7 +234,7 @@ def gather_angles(cos_table, sin_table, positions, token_shape, *, mrope_section
     nan = torch.tensor(float("nan"), dtype=cos_table.dtype, device=cos_table.device)
     cos = torch.where(valid.unsqueeze(-1), cos_table[rows], nan)
     sin = torch.where(valid.unsqueeze(-1), sin_table[rows], nan)
-    if positions.dim() == len(token_shape) + 1:                       # M-RoPE: (3, *T)
+    if positions.dim() == len(token_shape) + 1:  # M-RoPE: (3, *T)
         sec = mrope_sections_of_frequencies(half, mrope_section, mrope_interleaved).to(cos_table.device)
         pick = sec.view(1, *([1] * len(token_shape)), half).expand(1, *cos.shape[1:])
         cos = cos.gather(0, pick).squeeze(0)
@@ -245,8 +257,12 @@ def apply_rope(
     """Same contract as `ropekit.apply_rope` (no validation: the public op validates)."""
     token_shape = q.shape[:-2]
     cos, sin = angles_from_table(
-        cos_sin_cache, positions, token_shape, rotary_dim=rotary_dim,
-        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+        cos_sin_cache,
+        positions,
+        token_shape,
+        rotary_dim=rotary_dim,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
     )
     q_out = rotate(q, cos, sin, interleaved=interleaved)
     k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved)
@@ -258,8 +274,9 @@ def apply_rope(
     return q_out, k_out
 
 
-def store_rows(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, interleaved, rotary_dim,
-               k_scale, v_scale):
+def store_rows(
+    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, interleaved, rotary_dim, k_scale, v_scale
+):
     """The fused store's CPU path, with the kernel's semantics: float32 math, one rounding into the
     cache dtype (no detour through k's dtype), slots past the cache skipped and flagged in q (NaN).
     k_scale / v_scale: None or 1-element float32 tensors."""
@@ -287,8 +304,19 @@ def store_rows(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
 
 
 def apply_rope_and_store(
-    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-    *, interleaved=False, rotary_dim=None, k_scale=None, v_scale=None,
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    interleaved=False,
+    rotary_dim=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Oracle for the fused store: rotate q in place, rotate k, write k and v rows at their slots.
 
@@ -305,17 +333,17 @@ def apply_rope_and_store(
         if scale is not None:
             vals = vals / float(scale)
         vals = vals.to(cache.dtype)
-        if cache.dim() == 4:                       # paged: (num_blocks, block_size, Hk, D)
+        if cache.dim() == 4:  # paged: (num_blocks, block_size, Hk, D)
             block_size = cache.shape[1]
             cache[slots // block_size, slots % block_size] = vals
-        else:                                      # flat: (num_slots, Hk, D)
+        else:  # flat: (num_slots, Hk, D)
             cache[slots] = vals
     return q
 
 
-
-def rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved=False, rotary_dim=None, k_scale=None,
-                      dst_slots=None):
+def rerotate_kv_cache(
+    k_cache, slots, delta, cos_sin_cache, *, interleaved=False, rotary_dim=None, k_scale=None, dst_slots=None
+):
     """Oracle and CPU path of `ropekit.rerotate_kv_cache`: re-rotate cache rows by a position shift.
 
     k_cache: (num_blocks, block_size, H, D) or (num_slots, H, D), written in place (float64 caches
@@ -344,7 +372,7 @@ def rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved=False
         return (idx // block_size, idx % block_size) if k_cache.dim() == 4 else (idx,)
 
     ct = compute_dtype(k_cache)
-    x = k_cache[rows(src)]                                  # a gathered copy: (n, H, D)
+    x = k_cache[rows(src)]  # a gathered copy: (n, H, D)
     tail = x[..., rot:].clone()
     x = x[..., :rot].to(ct)
     scale = None if k_scale is None else float(k_scale.reshape(()) if isinstance(k_scale, torch.Tensor) else k_scale)
@@ -361,6 +389,8 @@ def rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved=False
     if dst_slots is not None and rot < k_cache.shape[-1]:
         k_cache[..., rot:][rows(dst)] = tail
     return k_cache
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm of x (*T, H, D) over each head (weight (D,)) or over all heads of a token (weight
     (H*D,)): x * rsqrt(mean(x^2) + eps) * (weight + offset), returned UNROUNDED in the compute dtype
@@ -394,8 +424,14 @@ def rms_norm_rope(
     """Oracle of apply_rope with q/k RMSNorm: each of q and k normalized (when its weight is given;
     the whole head, tail included) then rotated; one rounding to the input dtype. Differentiable
     (autograd through it is the backward oracle); float64 inputs compute in float64."""
-    cos, sin = angles_from_table(cos_sin_cache, positions, q.shape[:-2], rotary_dim=rotary_dim,
-                                 mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    cos, sin = angles_from_table(
+        cos_sin_cache,
+        positions,
+        q.shape[:-2],
+        rotary_dim=rotary_dim,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+    )
     outs = []
     for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
         if x is None:

@@ -22,13 +22,15 @@ OP = "rerotate_kv_cache"
 
 Scale = Union[None, float, torch.Tensor]
 
+
 def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
     validate.rerotate_aliasing(OP, k_cache, slots, delta, table, k_scale, dst_slots)
     if validate.is_strict():
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-        validate.rerotate_values(OP, slots, delta if delta is not None else delta_int, dst_slots, num_slots,
-                                 table.shape[0])
+        validate.rerotate_values(
+            OP, slots, delta if delta is not None else delta_int, dst_slots, num_slots, table.shape[0]
+        )
         if k_scale is not None:
             validate.scale_value(OP, "k_scale", k_scale)
 
@@ -50,12 +52,27 @@ def _spec(rot, interleaved, door, k_cache) -> Spec:
 
 @torch.library.custom_op("ropekit::rerotate_kv_cache", mutates_args=("k_cache",))
 def _rerotate_op(
-    k_cache: torch.Tensor, slots: torch.Tensor, delta: Optional[torch.Tensor], delta_int: int,
-    cos_sin_cache: torch.Tensor, interleaved: bool, rotary_dim: int, k_scale: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    slots: torch.Tensor,
+    delta: Optional[torch.Tensor],
+    delta_int: int,
+    cos_sin_cache: torch.Tensor,
+    interleaved: bool,
+    rotary_dim: int,
+    k_scale: Optional[torch.Tensor],
     dst_slots: Optional[torch.Tensor],
 ) -> None:
-    key = ("rerotate op", tensor_key(k_cache), tensor_key(slots), tensor_key(delta), tensor_key(cos_sin_cache),
-           interleaved, rotary_dim, tensor_key(k_scale), tensor_key(dst_slots))
+    key = (
+        "rerotate op",
+        tensor_key(k_cache),
+        tensor_key(slots),
+        tensor_key(delta),
+        tensor_key(cos_sin_cache),
+        interleaved,
+        rotary_dim,
+        tensor_key(k_scale),
+        tensor_key(dst_slots),
+    )
     spec = _MEMO.get(key)
     if spec is None:
         spec = pipeline.remember(key, _spec(rotary_dim, interleaved, pipeline.DIRECT, k_cache))
@@ -115,11 +132,27 @@ def rerotate_kv_cache(
     """
     if torch.compiler.is_compiling():
         rot, _, k_scale, delta_int = validate.rerotate_args(
-            OP, k_cache, slots, delta, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
-            k_scale=k_scale, dst_slots=dst_slots)
+            OP,
+            k_cache,
+            slots,
+            delta,
+            cos_sin_cache,
+            interleaved=interleaved,
+            rotary_dim=rotary_dim,
+            k_scale=k_scale,
+            dst_slots=dst_slots,
+        )
         torch.ops.ropekit.rerotate_kv_cache(
-            k_cache, slots, None if delta_int is not None else delta, 0 if delta_int is None else delta_int,
-            cos_sin_cache, bool(interleaved), rot, pipeline.scale_tensor(k_scale, k_cache.device), dst_slots)
+            k_cache,
+            slots,
+            None if delta_int is not None else delta,
+            0 if delta_int is None else delta_int,
+            cos_sin_cache,
+            bool(interleaved),
+            rot,
+            pipeline.scale_tensor(k_scale, k_cache.device),
+            dst_slots,
+        )
         return k_cache
 
     # eager: validation and the launch plan are made once per call signature
@@ -127,17 +160,42 @@ def rerotate_kv_cache(
     spec = _MEMO.get(key) if key is not None else None
     if spec is None:
         rot, _, _, _ = validate.rerotate_args(
-            OP, k_cache, slots, delta, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim,
-            k_scale=k_scale, dst_slots=dst_slots)
+            OP,
+            k_cache,
+            slots,
+            delta,
+            cos_sin_cache,
+            interleaved=interleaved,
+            rotary_dim=rotary_dim,
+            k_scale=k_scale,
+            dst_slots=dst_slots,
+        )
         spec = pipeline.remember(key, _spec(rot, interleaved, pipeline.door_for(k_cache, False), k_cache))
     is_tensor = isinstance(delta, torch.Tensor)
     ks = pipeline.scale_tensor(k_scale, k_cache.device)
     if spec.door is CUSTOM_OP:
-        torch.ops.ropekit.rerotate_kv_cache(k_cache, slots, delta if is_tensor else None, 0 if is_tensor else int(delta),
-                                            cos_sin_cache, spec.variant.interleaved, spec.rot, ks, dst_slots)
+        torch.ops.ropekit.rerotate_kv_cache(
+            k_cache,
+            slots,
+            delta if is_tensor else None,
+            0 if is_tensor else int(delta),
+            cos_sin_cache,
+            spec.variant.interleaved,
+            spec.rot,
+            ks,
+            dst_slots,
+        )
         return k_cache
-    _run(spec, k_cache, slots, delta if is_tensor else None, None if is_tensor else int(delta), cos_sin_cache, ks,
-         dst_slots)
+    _run(
+        spec,
+        k_cache,
+        slots,
+        delta if is_tensor else None,
+        None if is_tensor else int(delta),
+        cos_sin_cache,
+        ks,
+        dst_slots,
+    )
     # the kernel writes through raw pointers, which autograd does not see
     torch.autograd.graph.increment_version(k_cache)
     return k_cache
@@ -153,7 +211,7 @@ def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, ds
     try:
         if isinstance(delta, torch.Tensor):
             dkey = tensor_key(delta)
-        elif type(delta) is int and -2**62 < delta < 2**62:
+        elif type(delta) is int and -(2**62) < delta < 2**62:
             dkey = int
         else:
             return None
@@ -161,8 +219,20 @@ def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, ds
             skey = tensor_key(k_scale)
         else:
             skey = (type(k_scale), k_scale)
-        key = (OP, torch.is_grad_enabled(), tensor_key(k_cache), tensor_key(slots), dkey, tensor_key(table),
-               type(interleaved), interleaved, type(rotary_dim), rotary_dim, skey, tensor_key(dst_slots))
+        key = (
+            OP,
+            torch.is_grad_enabled(),
+            tensor_key(k_cache),
+            tensor_key(slots),
+            dkey,
+            tensor_key(table),
+            type(interleaved),
+            interleaved,
+            type(rotary_dim),
+            rotary_dim,
+            skey,
+            tensor_key(dst_slots),
+        )
         hash(key)
         return key
     except (AttributeError, TypeError):

@@ -48,6 +48,7 @@ class Check(NamedTuple):
     public names of ropekit it exercises; run(device) returns a list of (output, reference) pairs,
     or raises NotAvailable when the installed ropekit lacks the feature.
     """
+
     name: str
     dtype: str
     threshold: float
@@ -59,8 +60,8 @@ class NotAvailable(Exception):
     """The feature a row checks is not in this ropekit: reported as 'not available', never a pass."""
 
 
-BF16, FP32 = 1e-2, 1e-5      # thresholds: one bf16 rounding of the output / float32 math
-FP8 = 1e-1                   # one e4m3 rounding (3 mantissa bits: up to 1/8 relative when truncated)
+BF16, FP32 = 1e-2, 1e-5  # thresholds: one bf16 rounding of the output / float32 math
+FP8 = 1e-1  # one e4m3 rounding (3 mantissa bits: up to 1/8 relative when truncated)
 
 
 def _gen():
@@ -73,6 +74,7 @@ def _rnd(g, *shape, dtype=torch.bfloat16, device="cpu"):
 
 def _rope(T, Hq, Hk, D, rot, *, dtype=torch.bfloat16, **kw):
     """apply_rope on (T, H, D) tensors with random positions into a 4096-row table."""
+
     def run(device):
         g = _gen()
         q, k = _rnd(g, T, Hq, D, dtype=dtype, device=device), _rnd(g, T, Hk, D, dtype=dtype, device=device)
@@ -82,6 +84,7 @@ def _rope(T, Hq, Hk, D, rot, *, dtype=torch.bfloat16, **kw):
         rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double(), **kw)
         qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
         return [(qo, rq), (ko, rk)]
+
     return run
 
 
@@ -128,6 +131,7 @@ def _mla(device):
 def _store(cache_dtype, scale):
     """apply_rope_and_store into a paged cache (shuffled slots, one padding token): q rotated in
     place, k rotated and v copied into their rows; fp8 caches hold value / scale."""
+
     def run(device):
         g = _gen()
         T, Hq, Hk, D, blocks, bs = 24, 8, 2, 128, 4, 16
@@ -147,6 +151,7 @@ def _store(cache_dtype, scale):
         # mantissa bits, and the Triton interpreter truncates where the GPU rounds)
         want_k, want_v = (x / (scale or 1.0) for x in (rk[keep], v[keep].double()))
         return [(q, rq), (got_k, want_k), (got_v, want_v)]
+
     return run
 
 
@@ -172,8 +177,10 @@ def _backward(device):
     k = _rnd(g, T, Hk, D, dtype=torch.float32, device=device).requires_grad_()
     cache = _cache(4096, D, device)
     pos = torch.randint(0, 4096, (T,), generator=g).to(device)
-    gq, gk = _rnd(g, T, Hq, D, dtype=torch.float32, device=device), _rnd(g, T, Hk, D, dtype=torch.float32,
-                                                                         device=device)
+    gq, gk = (
+        _rnd(g, T, Hq, D, dtype=torch.float32, device=device),
+        _rnd(g, T, Hk, D, dtype=torch.float32, device=device),
+    )
     qo, ko = ropekit.apply_rope(q, k, pos, cache)
     torch.autograd.backward((qo, ko), (gq, gk))
     c, s = reference.angles_from_table(cache.double(), pos, (T,))
@@ -189,12 +196,21 @@ def _hf_llama(device):
     except ImportError as e:
         raise NotAvailable(f"transformers not installed ({e})")
     import ropekit.hf
+
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     model = transformers.LlamaForCausalLM(cfg).to(device).eval()
     ids = torch.randint(0, 128, (2, 24), generator=_gen()).to(device)
     from transformers.models.llama import modeling_llama
+
     with torch.no_grad():
         want = model(ids).logits.double()
         with ropekit.hf.patched(model) as done:
@@ -227,8 +243,9 @@ def _qknorm(device):
     up = _rnd(g, T, Hq, D, dtype=torch.float32, device=device)
     dq, dwq = torch.autograd.grad(qo, (q, wq), up)
     q64, wq64 = q.detach().double().requires_grad_(), wq.detach().double().requires_grad_()
-    rq, rk = reference.rms_norm_rope(q64, k.double(), pos, cache.double(), q_norm_weight=wq64,
-                                     k_norm_weight=wk.double())
+    rq, rk = reference.rms_norm_rope(
+        q64, k.double(), pos, cache.double(), q_norm_weight=wq64, k_norm_weight=wk.double()
+    )
     want_dq, want_dwq = torch.autograd.grad(rq, (q64, wq64), up.double())
     return [(qo, rq.detach()), (ko, rk), (dq, want_dq), (dwq, want_dwq)]
 
@@ -252,8 +269,9 @@ def _rerotate(device):
     others[slots] = False
     if not torch.equal(flat[others.to(device)], old[others.to(device)]):
         raise AssertionError("rows not named were written")
-    want = reference.rotate(k[slots].double(), *reference.angles_from_table(cache.double().cpu(), pos[slots] + delta,
-                                                                          (n,)))
+    want = reference.rotate(
+        k[slots].double(), *reference.angles_from_table(cache.double().cpu(), pos[slots] + delta, (n,))
+    )
     return [(flat[slots.to(device)], want)]
 
 
@@ -281,29 +299,49 @@ def _packed(device):
 
 CHECKS: List[Check] = [
     Check("apply_rope half-split (Llama)", "bf16", BF16, ("apply_rope",), _rope(32, 8, 2, 128, 128)),
-    Check("apply_rope interleaved (GPT-J, Llama 4)", "bf16", BF16, ("apply_rope",),
-          _rope(32, 8, 2, 128, 128, interleaved=True)),
+    Check(
+        "apply_rope interleaved (GPT-J, Llama 4)",
+        "bf16",
+        BF16,
+        ("apply_rope",),
+        _rope(32, 8, 2, 128, 128, interleaved=True),
+    ),
     Check("apply_rope partial rotary 64/128", "bf16", BF16, ("apply_rope",), _rope(32, 8, 2, 128, 64)),
     Check("apply_rope head size 80, 28 heads", "bf16", BF16, ("apply_rope",), _rope(16, 28, 4, 80, 80)),
     Check("apply_rope fp32", "fp32", FP32, ("apply_rope",), _rope(16, 8, 2, 128, 128, dtype=torch.float32)),
-    Check("apply_rope M-RoPE chunked (Qwen2-VL)", "bf16", BF16, ("apply_rope",),
-          _rope(16, 4, 2, 128, 128, mrope_section=[16, 24, 24])),
-    Check("apply_rope M-RoPE interleaved (Qwen3-VL)", "bf16", BF16, ("apply_rope",),
-          _rope(16, 4, 2, 128, 128, mrope_section=[24, 20, 20], mrope_interleaved=True)),
+    Check(
+        "apply_rope M-RoPE chunked (Qwen2-VL)",
+        "bf16",
+        BF16,
+        ("apply_rope",),
+        _rope(16, 4, 2, 128, 128, mrope_section=[16, 24, 24]),
+    ),
+    Check(
+        "apply_rope M-RoPE interleaved (Qwen3-VL)",
+        "bf16",
+        BF16,
+        ("apply_rope",),
+        _rope(16, 4, 2, 128, 128, mrope_section=[24, 20, 20], mrope_interleaved=True),
+    ),
     Check("apply_rope in place", "bf16", BF16, ("apply_rope",), _in_place),
     Check("apply_rope two token dims, HF (B,S,H,D) views", "bf16", BF16, ("apply_rope",), _hf_layout),
     Check("apply_rope strided MLA slice, in place", "bf16", BF16, ("apply_rope",), _mla),
     Check("apply_rope backward (autograd)", "fp32", FP32, ("apply_rope",), _backward),
     Check("rotate_with_angles (HF cos/sin)", "bf16", BF16, ("rotate_with_angles",), _angles),
-    Check("apply_rope_and_store, bf16 cache", "bf16", BF16, ("apply_rope_and_store",),
-          _store(torch.bfloat16, None)),
-    Check("apply_rope_and_store, fp8 e4m3 cache, scale 0.5", "bf16->fp8", FP8, ("apply_rope_and_store",),
-          _store(torch.float8_e4m3fn, 0.5)),
+    Check("apply_rope_and_store, bf16 cache", "bf16", BF16, ("apply_rope_and_store",), _store(torch.bfloat16, None)),
+    Check(
+        "apply_rope_and_store, fp8 e4m3 cache, scale 0.5",
+        "bf16->fp8",
+        FP8,
+        ("apply_rope_and_store",),
+        _store(torch.float8_e4m3fn, 0.5),
+    ),
     Check("ropekit.hf drop-ins, tiny Llama logits", "fp32", 1e-4, ("hf",), _hf_llama),
     Check("apply_rope QK-RMSNorm (Qwen3) + grads of q, w", "fp32", 1e-4, ("apply_rope",), _qknorm),
     Check("rerotate_kv_cache, paged, +-deltas", "fp32", 1e-5, ("rerotate_kv_cache",), _rerotate),
-    Check("apply_rope cu_seqlens packed, cp 1 and 2", "bf16", BF16, ("apply_rope", "positions_from_cu_seqlens"),
-          _packed),
+    Check(
+        "apply_rope cu_seqlens packed, cp 1 and 2", "bf16", BF16, ("apply_rope", "positions_from_cu_seqlens"), _packed
+    ),
 ]
 
 # public names that need no row of their own: tables and modules built from the checked ops
@@ -332,7 +370,7 @@ def run_checks(device, checks=None, out=print) -> Tuple[int, int, int]:
         try:
             pairs = c.run(device)
             err = max(_rel(o, r) for o, r in pairs)
-            result = "PASS" if err <= c.threshold else "FAIL"       # NaN fails too
+            result = "PASS" if err <= c.threshold else "FAIL"  # NaN fails too
         except NotAvailable as e:
             err, result, detail = float("nan"), "not available", str(e)
         except Exception as e:  # a crash is a failed check, reported, not hidden
@@ -354,8 +392,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bench", action="store_true", help="skip the speed table on CUDA")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"ropekit {ropekit.__version__} self-check on {device}: {backend_name(device)}; "
-          f"torch {torch.__version__}")
+    print(f"ropekit {ropekit.__version__} self-check on {device}: {backend_name(device)}; torch {torch.__version__}")
     print("rel. error: norm(output - float64 reference) / norm(reference); a row passes at or below its threshold")
     passed, failed, missing = run_checks(device)
     summary = f"{passed} passed, {failed} failed, {missing} not available"

@@ -26,16 +26,41 @@ _MEMO = pipeline._MEMO
 
 def _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
-    validate.store_aliasing(OP, q, k, v, k_cache, v_cache, extents=None if spec is None else spec.extents,
-                            memo=None if spec is None else spec.alias)
+    validate.store_aliasing(
+        OP,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        extents=None if spec is None else spec.extents,
+        memo=None if spec is None else spec.alias,
+    )
     extents = None
     if spec is not None:
         ext = spec.extents
-        extents = (ext[0], ext[1], ext[2], ext[5], ext[6], ext[7],
-                   0 if k_scale is None else 4, 0 if v_scale is None else 4)     # scales: one float32
-    validate.written_vs_read(OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
-                             (("positions", positions), ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping),
-                              ("k_scale", k_scale), ("v_scale", v_scale)), extents=extents)
+        extents = (
+            ext[0],
+            ext[1],
+            ext[2],
+            ext[5],
+            ext[6],
+            ext[7],
+            0 if k_scale is None else 4,
+            0 if v_scale is None else 4,
+        )  # scales: one float32
+    validate.written_vs_read(
+        OP,
+        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
+        (
+            ("positions", positions),
+            ("cos_sin_cache", cos_sin_cache),
+            ("slot_mapping", slot_mapping),
+            ("k_scale", k_scale),
+            ("v_scale", v_scale),
+        ),
+        extents=extents,
+    )
     if validate.is_strict():
         if positions is not None:
             validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
@@ -57,15 +82,33 @@ def _fp8_scales(k_cache, v_cache, ks, vs, device):
     return ks, vs
 
 
-def _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim,
-                k_scale, v_scale) -> Spec:
-    rot, _, _, _, _ = validate.store_args(OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                          rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
+def _store_spec(
+    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim, k_scale, v_scale
+) -> Spec:
+    rot, _, _, _, _ = validate.store_args(
+        OP,
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        rotary_dim=rotary_dim,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     il = bool(interleaved)
     variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
     door = pipeline.door_for(q, False)
-    return Spec(variant, rot, door, pipeline.triton_runs(q),
-                extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping))
+    return Spec(
+        variant,
+        rot,
+        door,
+        pipeline.triton_runs(q),
+        extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping),
+    )
 
 
 def _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs) -> None:
@@ -82,33 +125,60 @@ def _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
 
 @torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k_cache", "v_cache"))
 def _rope_and_store_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    interleaved: bool, rotary_dim: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleaved: bool,
+    rotary_dim: int,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
 ) -> None:
-    key = ("rope_and_store op", tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(positions),
-           tensor_key(cos_sin_cache), tensor_key(k_cache), tensor_key(v_cache), tensor_key(slot_mapping),
-           interleaved, rotary_dim, tensor_key(k_scale), tensor_key(v_scale))
+    key = (
+        "rope_and_store op",
+        tensor_key(q),
+        tensor_key(k),
+        tensor_key(v),
+        tensor_key(positions),
+        tensor_key(cos_sin_cache),
+        tensor_key(k_cache),
+        tensor_key(v_cache),
+        tensor_key(slot_mapping),
+        interleaved,
+        rotary_dim,
+        tensor_key(k_scale),
+        tensor_key(v_scale),
+    )
     spec = _MEMO.get(key)
     if spec is None:
         il = bool(interleaved)
         variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
-        spec = pipeline.remember(key, Spec(variant, rotary_dim, pipeline.DIRECT, pipeline.triton_runs(q),
-                                           extents=validate.store_extents(q, k, v, k_cache, v_cache, positions,
-                                                                          cos_sin_cache, slot_mapping)))
+        spec = pipeline.remember(
+            key,
+            Spec(
+                variant,
+                rotary_dim,
+                pipeline.DIRECT,
+                pipeline.triton_runs(q),
+                extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping),
+            ),
+        )
     _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @_rope_and_store_op.register_fake
-def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim,
-      k_scale, v_scale):
+def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim, k_scale, v_scale):
     return None
 
 
 def _scale_key(scale):
     if isinstance(scale, torch.Tensor):
         return tensor_key(scale)
-    return type(scale), scale                   # the value: validation depends on it (> 0, finite)
+    return type(scale), scale  # the value: validation depends on it (> 0, finite)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,35 +255,114 @@ def apply_rope_and_store(
     """
     if q_norm_weight is not None or k_norm_weight is not None:
         from .qknorm import rope_and_store_with_norm
+
         return rope_and_store_with_norm(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved=interleaved,
-            rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, q_norm_weight=q_norm_weight,
-            k_norm_weight=k_norm_weight, norm_eps=norm_eps, norm_weight_offset=norm_weight_offset)
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            interleaved=interleaved,
+            rotary_dim=rotary_dim,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            norm_eps=norm_eps,
+            norm_weight_offset=norm_weight_offset,
+        )
     if torch.compiler.is_compiling():
         rot, _, _, k_scale, v_scale = validate.store_args(
-            OP, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale)
+            OP,
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            rotary_dim=rotary_dim,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         torch.ops.ropekit.rope_and_store(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(interleaved), rot,
-            pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device))
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            bool(interleaved),
+            rot,
+            pipeline.scale_tensor(k_scale, q.device),
+            pipeline.scale_tensor(v_scale, q.device),
+        )
         return q
     try:
-        key = (OP, torch.is_grad_enabled(), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(positions),
-               tensor_key(cos_sin_cache), tensor_key(k_cache), tensor_key(v_cache), tensor_key(slot_mapping),
-               type(interleaved), interleaved, type(rotary_dim), rotary_dim, _scale_key(k_scale), _scale_key(v_scale))
+        key = (
+            OP,
+            torch.is_grad_enabled(),
+            tensor_key(q),
+            tensor_key(k),
+            tensor_key(v),
+            tensor_key(positions),
+            tensor_key(cos_sin_cache),
+            tensor_key(k_cache),
+            tensor_key(v_cache),
+            tensor_key(slot_mapping),
+            type(interleaved),
+            interleaved,
+            type(rotary_dim),
+            rotary_dim,
+            _scale_key(k_scale),
+            _scale_key(v_scale),
+        )
         spec = _MEMO.get(key)
-    except (AttributeError, TypeError):          # not tensors, or unhashable: validation names them
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
         key = spec = None
     if spec is None:
-        spec = pipeline.remember(key, _store_spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                                  interleaved, rotary_dim, k_scale, v_scale))
+        spec = pipeline.remember(
+            key,
+            _store_spec(
+                q,
+                k,
+                v,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                interleaved,
+                rotary_dim,
+                k_scale,
+                v_scale,
+            ),
+        )
     ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
-    if spec.door is CUSTOM_OP:                   # tensor subclasses (DTensor): through the dispatcher
+    if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
         from .distributed import like
 
         positions, cos_sin_cache, slot_mapping, ks, vs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs)
-        torch.ops.ropekit.rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                         spec.variant.interleaved, spec.rot, ks, vs)
+        torch.ops.ropekit.rope_and_store(
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            spec.variant.interleaved,
+            spec.rot,
+            ks,
+            vs,
+        )
         return q
     _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
     # the kernel writes through raw pointers, which autograd does not see: bump the version counters

@@ -19,21 +19,36 @@ class Knob(NamedTuple):
 
 
 KNOBS: Dict[str, Knob] = {
-    "block_elems": Knob(2048, "rope_kernel elements per program (heads x rotated dims): 2048 fills the "
-                              "H200's memory pipeline with 2-4 warps; 1024 and 4096 were slower on W1/W2"),
-    "store_block_elems": Knob(1024, "rope_store_kernel elements per program: its q, k and v programs "
-                                    "each write scattered cache rows, smaller tiles keep more in flight"),
-    "rerotate_block_elems": Knob(2048, "rerotate_kernel rotated elements per program (rows x heads x dims): "
-                                       "rows are gathered by slot, so a program takes several to overlap "
-                                       "their dependent slot -> table -> cache loads"),
+    "block_elems": Knob(
+        2048,
+        "rope_kernel elements per program (heads x rotated dims): 2048 fills the "
+        "H200's memory pipeline with 2-4 warps; 1024 and 4096 were slower on W1/W2",
+    ),
+    "store_block_elems": Knob(
+        1024,
+        "rope_store_kernel elements per program: its q, k and v programs "
+        "each write scattered cache rows, smaller tiles keep more in flight",
+    ),
+    "rerotate_block_elems": Knob(
+        2048,
+        "rerotate_kernel rotated elements per program (rows x heads x dims): "
+        "rows are gathered by slot, so a program takes several to overlap "
+        "their dependent slot -> table -> cache loads",
+    ),
     "num_warps": Knob(0, "0: the rule below; else force this many warps for every launch (sweeps)"),
-    "head_loop": Knob(None, "None: one program per token walking all head blocks when angles come from "
-                            "a table (the position -> row chain runs once per token) and the call has "
-                            ">= 1024 tokens; decode-sized calls keep a program per head block (parallelism)"),
+    "head_loop": Knob(
+        None,
+        "None: one program per token walking all head blocks when angles come from "
+        "a table (the position -> row chain runs once per token) and the call has "
+        ">= 1024 tokens; decode-sized calls keep a program per head block (parallelism)",
+    ),
     "head_loop_min_tokens": Knob(1024, "the token count from which the head loop is picked"),
-    "prefetch": Knob(None, "None: with the head loop, issue the next head block's loads before this "
-                           "block's stores, except for M-RoPE, whose three masked row loads already "
-                           "hold the registers (prefetching there lowered occupancy and W4)"),
+    "prefetch": Knob(
+        None,
+        "None: with the head loop, issue the next head block's loads before this "
+        "block's stores, except for M-RoPE, whose three masked row loads already "
+        "hold the registers (prefetching there lowered occupancy and W4)",
+    ),
 }
 
 _values: Dict[str, object] = {}

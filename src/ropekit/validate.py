@@ -55,14 +55,27 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def tensor(op: str, name: str, x, *, ndims: Sequence[int], dtypes, device=None, shape_hint: str = "",
-           last_stride_one: bool = True) -> None:
+def tensor(
+    op: str,
+    name: str,
+    x,
+    *,
+    ndims: Sequence[int],
+    dtypes,
+    device=None,
+    shape_hint: str = "",
+    last_stride_one: bool = True,
+) -> None:
     """The common checks of one tensor argument: type, rank, dtype, device, unit last stride."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in ndims:
-        fail(op, name, f"a {' or '.join(f'{n}-D' for n in ndims)} tensor {shape_hint}".rstrip(),
-             f"shape {tuple(x.shape)}")
+        fail(
+            op,
+            name,
+            f"a {' or '.join(f'{n}-D' for n in ndims)} tensor {shape_hint}".rstrip(),
+            f"shape {tuple(x.shape)}",
+        )
     if x.dtype not in dtypes:
         fail(op, name, f"dtype in ({', '.join(_dtype_name(d) for d in dtypes)})", _dtype_name(x.dtype))
     if device is not None and x.device != device:
@@ -99,8 +112,12 @@ def written_vs_read(op, written, read, extents=None) -> None:
         tensors = [w for _, w in written] + [r for _, r in read]
         ptrs = [0 if x is None else x.data_ptr() for x in tensors]
         nw = len(written)
-        meet = [(i, j) for i in range(nw) for j in range(nw, len(tensors))
-                if extents[i] and extents[j] and ptrs[i] < ptrs[j] + extents[j] and ptrs[j] < ptrs[i] + extents[i]]
+        meet = [
+            (i, j)
+            for i in range(nw)
+            for j in range(nw, len(tensors))
+            if extents[i] and extents[j] and ptrs[i] < ptrs[j] + extents[j] and ptrs[j] < ptrs[i] + extents[i]
+        ]
         for i, j in meet:
             written_vs_read(op, (written[i],), (read[j - nw],))
         return
@@ -124,8 +141,15 @@ def qk_args(op, q, k) -> tuple:
     tensor(op, "q", q, ndims=(3, 4), dtypes=FLOAT_DTYPES, shape_hint="(T, H, D) or (B, S, H, D)")
     token_shape = tuple(q.shape[:-2])
     if k is not None:
-        tensor(op, "k", k, ndims=(q.dim(),), dtypes=FLOAT_DTYPES, device=q.device,
-               shape_hint=f"with the token dims of q {token_shape}")
+        tensor(
+            op,
+            "k",
+            k,
+            ndims=(q.dim(),),
+            dtypes=FLOAT_DTYPES,
+            device=q.device,
+            shape_hint=f"with the token dims of q {token_shape}",
+        )
         if tuple(k.shape[:-2]) != token_shape:
             fail(op, "k", f"token dims {token_shape} (those of q)", f"shape {tuple(k.shape)}")
         if k.dtype != q.dtype:
@@ -139,12 +163,19 @@ def mrope_args(op, mrope_section, mrope_interleaved, half):
         if mrope_interleaved:
             fail(op, "mrope_interleaved", "mrope_section to be given with it", "mrope_section=None")
         return None
-    if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3 \
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mrope_section):
+    if (
+        not isinstance(mrope_section, (list, tuple))
+        or len(mrope_section) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mrope_section)
+    ):
         fail(op, "mrope_section", "3 non-negative ints (t, h, w) in frequency units", mrope_section)
     if sum(mrope_section) != half:
-        fail(op, "mrope_section", f"sections summing to rotary_dim // 2 = {half}",
-             f"{tuple(mrope_section)} (sum {sum(mrope_section)})")
+        fail(
+            op,
+            "mrope_section",
+            f"sections summing to rotary_dim // 2 = {half}",
+            f"{tuple(mrope_section)} (sum {sum(mrope_section)})",
+        )
     return tuple(mrope_section)
 
 
@@ -154,13 +185,21 @@ def head_sizes(op, q, k, rotary_dim):
             fail(op, name, f"a head size >= rotary_dim ({rotary_dim})", f"head size {x.shape[-1]}")
 
 
-def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, mrope_interleaved, inplace,
-              packed=False):
+def rope_args(
+    op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, mrope_interleaved, inplace, packed=False
+):
     """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w)."""
     token_shape = qk_args(op, q, k)
     device = q.device
-    tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, device=device,
-           shape_hint="(max_position, rotary_dim)")
+    tensor(
+        op,
+        "cos_sin_cache",
+        cos_sin_cache,
+        ndims=(2,),
+        dtypes=TABLE_DTYPES,
+        device=device,
+        shape_hint="(max_position, rotary_dim)",
+    )
     width = cos_sin_cache.shape[1]
     if rotary_dim is None:
         rotary_dim = width
@@ -169,8 +208,7 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
     if rotary_dim <= 0 or rotary_dim % 2:
         fail(op, "rotary_dim", "a positive even int", rotary_dim)
     if rotary_dim != width:
-        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)",
-             rotary_dim)
+        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)", rotary_dim)
     head_sizes(op, q, k, rotary_dim)
     if cos_sin_cache.shape[0] < 1:
         fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
@@ -179,12 +217,25 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
 
     if positions is None:
         if not packed and token_shape[-1] > cos_sin_cache.shape[0]:
-            fail(op, "positions", f"explicit positions: None means arange({token_shape[-1]}), "
-                 f"past the {cos_sin_cache.shape[0]} rows of cos_sin_cache", None)
+            fail(
+                op,
+                "positions",
+                f"explicit positions: None means arange({token_shape[-1]}), "
+                f"past the {cos_sin_cache.shape[0]} rows of cos_sin_cache",
+                None,
+            )
     else:
         want = ((3,) + token_shape) if mrope is not None else token_shape
-        tensor(op, "positions", positions, ndims=(len(want),), dtypes=INDEX_DTYPES, device=device,
-               shape_hint=str(want), last_stride_one=False)
+        tensor(
+            op,
+            "positions",
+            positions,
+            ndims=(len(want),),
+            dtypes=INDEX_DTYPES,
+            device=device,
+            shape_hint=str(want),
+            last_stride_one=False,
+        )
         if tuple(positions.shape) != want:
             what = "(3, *T) for M-RoPE" if mrope is not None else "*T, the token dims of q"
             fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
@@ -192,8 +243,12 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
     if inplace:
         for name, x in (("q", q), ("k", k)):
             if x is not None and has_internal_overlap(x):
-                fail(op, name, "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
-                     f"strides {tuple(x.stride())}")
+                fail(
+                    op,
+                    name,
+                    "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
+                    f"strides {tuple(x.stride())}",
+                )
         # data pointers cannot be traced, nor read from tensor subclasses (DTensor): the in-place
         # custom op checks its (local) tensors at run time
         if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
@@ -206,8 +261,12 @@ def rope_args(op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, 
 def no_grad_table(op, table):
     """ropekit treats the angles as constants: a table that requires grad is refused under grad mode."""
     if table.requires_grad and torch.is_grad_enabled():
-        fail(op, "cos_sin_cache", "a tensor that does not require grad (ropekit does not differentiate "
-             "through the angles)", "requires_grad=True")
+        fail(
+            op,
+            "cos_sin_cache",
+            "a tensor that does not require grad (ropekit does not differentiate through the angles)",
+            "requires_grad=True",
+        )
 
 
 def packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section) -> tuple:
@@ -222,21 +281,36 @@ def packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section) -
             fail(op, name, f"an int >= {low}", v)
     if cu_seqlens is None:
         if cp_size != 1 or cp_rank != 0:
-            fail(op, "cu_seqlens", f"a tensor when cp_size / cp_rank are given (cp_size={cp_size}, "
-                 f"cp_rank={cp_rank})", None)
+            fail(
+                op,
+                "cu_seqlens",
+                f"a tensor when cp_size / cp_rank are given (cp_size={cp_size}, cp_rank={cp_rank})",
+                None,
+            )
         return 1, 0
     if cp_rank >= cp_size:
         fail(op, "cp_rank", f"an int in [0, cp_size = {cp_size})", cp_rank)
     if positions is not None:
-        fail(op, "positions", "None when cu_seqlens is given (positions are derived from cu_seqlens)",
-             f"a tensor of shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else positions)
+        fail(
+            op,
+            "positions",
+            "None when cu_seqlens is given (positions are derived from cu_seqlens)",
+            f"a tensor of shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else positions,
+        )
     if mrope_section is not None:
-        fail(op, "mrope_section", "None with cu_seqlens (M-RoPE takes its (3, *T) positions explicitly)",
-             mrope_section)
+        fail(op, "mrope_section", "None with cu_seqlens (M-RoPE takes its (3, *T) positions explicitly)", mrope_section)
     if q.dim() != 3:
         fail(op, "q", "a (T, H, D) tensor of packed tokens when cu_seqlens is given", f"shape {tuple(q.shape)}")
-    tensor(op, "cu_seqlens", cu_seqlens, ndims=(1,), dtypes=INDEX_DTYPES, device=q.device,
-           shape_hint="(N+1,) cumulative sequence lengths", last_stride_one=False)
+    tensor(
+        op,
+        "cu_seqlens",
+        cu_seqlens,
+        ndims=(1,),
+        dtypes=INDEX_DTYPES,
+        device=q.device,
+        shape_hint="(N+1,) cumulative sequence lengths",
+        last_stride_one=False,
+    )
     if cu_seqlens.shape[0] < 2:
         fail(op, "cu_seqlens", "at least two elements (N+1 for N >= 1 sequences)", f"shape {tuple(cu_seqlens.shape)}")
     return cp_size, cp_rank
@@ -250,11 +324,19 @@ def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
         fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
     for i in range(1, len(vals)):
         if vals[i] < vals[i - 1]:
-            fail(op, "cu_seqlens", "non-decreasing values (cumulative lengths)",
-                 f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}")
+            fail(
+                op,
+                "cu_seqlens",
+                "non-decreasing values (cumulative lengths)",
+                f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}",
+            )
         if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
-            fail(op, "cu_seqlens", f"even local lengths when cp_size = {cp_size} > 1",
-                 f"length {vals[i] - vals[i - 1]} for sequence {i - 1}")
+            fail(
+                op,
+                "cu_seqlens",
+                f"even local lengths when cp_size = {cp_size} > 1",
+                f"length {vals[i] - vals[i - 1]} for sequence {i - 1}",
+            )
     if vals[-1] != n_tokens:
         fail(op, "cu_seqlens", f"cu_seqlens[-1] == {n_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}")
 
@@ -266,8 +348,12 @@ def positions_in_range(op: str, positions: torch.Tensor, max_position: int) -> N
         flat = int(bad.flatten().nonzero()[0, 0])
         index = tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), tuple(positions.shape)))
         value = int(positions[index])
-        fail(op, "positions", f"values in [0, {max_position}) (the rows of cos_sin_cache)",
-             f"positions{list(index)} = {value}")
+        fail(
+            op,
+            "positions",
+            f"values in [0, {max_position}) (the rows of cos_sin_cache)",
+            f"positions{list(index)} = {value}",
+        )
 
 
 def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
@@ -277,11 +363,16 @@ def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
     for name, x in (("cos", cos), ("sin", sin)):
         tensor(op, name, x, ndims=range(1, 8), dtypes=TABLE_DTYPES, device=q.device, last_stride_one=False)
         if x.requires_grad and torch.is_grad_enabled():
-            fail(op, name, "a tensor that does not require grad (angles are constants to ropekit)",
-                 "requires_grad=True")
+            fail(
+                op, name, "a tensor that does not require grad (angles are constants to ropekit)", "requires_grad=True"
+            )
     if cos.shape != sin.shape or cos.dtype != sin.dtype:
-        fail(op, "sin", f"the shape and dtype of cos {tuple(cos.shape)} {_dtype_name(cos.dtype)}",
-             f"{tuple(sin.shape)} {_dtype_name(sin.dtype)}")
+        fail(
+            op,
+            "sin",
+            f"the shape and dtype of cos {tuple(cos.shape)} {_dtype_name(cos.dtype)}",
+            f"{tuple(sin.shape)} {_dtype_name(sin.dtype)}",
+        )
     half = cos.shape[-1]
     if half < 1:
         fail(op, "cos", "a last dim of rotary_dim // 2 >= 1", f"shape {tuple(cos.shape)}")
@@ -322,34 +413,57 @@ def scale_arg(op, name, scale, device):
             fail(op, name, f"a tensor on {device} (the device of q)", f"one on {scale.device}")
         return scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{op}: {name}: expected a float, a 1-element float32 tensor or None, "
-                        f"got {type(scale).__name__}")
+        raise TypeError(
+            f"{op}: {name}: expected a float, a 1-element float32 tensor or None, got {type(scale).__name__}"
+        )
     if not (math.isfinite(scale) and scale > 0):
         fail(op, name, "a finite scale > 0", scale)
     return float(scale)
 
 
-def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *,
-               rotary_dim, k_scale, v_scale):
+def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, rotary_dim, k_scale, v_scale):
     """Checks of apply_rope_and_store's arguments that need no data.
 
     Returns (rotary_dim, block_size, num_slots, k_scale, v_scale), scales as given by `scale_arg`.
     """
     if k is None:
         raise TypeError(f"{op}: k: expected a torch.Tensor, got NoneType")
-    rot, _ = rope_args(op, q, k, positions, cos_sin_cache, rotary_dim=rotary_dim, mrope_section=None,
-                       mrope_interleaved=False, inplace=False)
+    rot, _ = rope_args(
+        op,
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        rotary_dim=rotary_dim,
+        mrope_section=None,
+        mrope_interleaved=False,
+        inplace=False,
+    )
     token_shape = tuple(q.shape[:-2])
     device = q.device
-    tensor(op, "v", v, ndims=(q.dim(),), dtypes=FLOAT_DTYPES, device=device,
-           shape_hint=f"with the token dims of q {token_shape}")
+    tensor(
+        op,
+        "v",
+        v,
+        ndims=(q.dim(),),
+        dtypes=FLOAT_DTYPES,
+        device=device,
+        shape_hint=f"with the token dims of q {token_shape}",
+    )
     if tuple(v.shape[:-2]) != token_shape:
         fail(op, "v", f"token dims {token_shape} (those of q)", f"shape {tuple(v.shape)}")
-    tensor(op, "slot_mapping", slot_mapping, ndims=(len(token_shape),), dtypes=INDEX_DTYPES, device=device,
-           shape_hint=str(token_shape), last_stride_one=False)
+    tensor(
+        op,
+        "slot_mapping",
+        slot_mapping,
+        ndims=(len(token_shape),),
+        dtypes=INDEX_DTYPES,
+        device=device,
+        shape_hint=str(token_shape),
+        last_stride_one=False,
+    )
     if tuple(slot_mapping.shape) != token_shape:
-        fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)",
-             f"shape {tuple(slot_mapping.shape)}")
+        fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
 
     for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
         tensor(op, name, cache, ndims=(3, 4), dtypes=CACHE_DTYPES, device=device, shape_hint=_CACHE_HINT)
@@ -357,23 +471,42 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
         if tuple(cache.shape[-2:]) != want:
             hint = ""
             if cache.dim() == 3 and cache.shape[-1] == x.shape[-1]:
-                hint = " (a 3-D cache is flat (num_slots, H, D); pass a paged MLA cache " \
-                       "(num_blocks, block_size, D) as cache.unsqueeze(-2))"
+                hint = (
+                    " (a 3-D cache is flat (num_slots, H, D); pass a paged MLA cache "
+                    "(num_blocks, block_size, D) as cache.unsqueeze(-2))"
+                )
             fail(op, name, f"(heads, head size) {want}, those of {xname}{hint}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
-            fail(op, name, "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
-                 f"strides {tuple(cache.stride())}")
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+                f"strides {tuple(cache.stride())}",
+            )
     if v_cache.dim() != k_cache.dim() or v_cache.shape[:-2] != k_cache.shape[:-2]:
-        fail(op, "v_cache", f"slot dims {tuple(k_cache.shape[:-2])}, those of k_cache (one slot_mapping "
-             "addresses both)", f"shape {tuple(v_cache.shape)}")
+        fail(
+            op,
+            "v_cache",
+            f"slot dims {tuple(k_cache.shape[:-2])}, those of k_cache (one slot_mapping addresses both)",
+            f"shape {tuple(v_cache.shape)}",
+        )
     if has_internal_overlap(q):
-        fail(op, "q", "a tensor without broadcast (stride 0) or overlapping dims (it is rotated in place)",
-             f"strides {tuple(q.stride())}")
+        fail(
+            op,
+            "q",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is rotated in place)",
+            f"strides {tuple(q.stride())}",
+        )
     if torch.is_grad_enabled():
         for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
             if x.requires_grad:
-                fail(op, name, "a tensor that does not require grad (apply_rope_and_store is inference "
-                     "only: it writes q and the caches in place and is not differentiable)", "requires_grad=True")
+                fail(
+                    op,
+                    name,
+                    "a tensor that does not require grad (apply_rope_and_store is inference "
+                    "only: it writes q and the caches in place and is not differentiable)",
+                    "requires_grad=True",
+                )
 
     k_scale = scale_arg(op, "k_scale", k_scale, device)
     v_scale = scale_arg(op, "v_scale", v_scale, device)
@@ -402,8 +535,17 @@ def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
     b0, b1 = _span(b)
     if a1 < b0 or b1 < a0:
         return False
-    key = (a.data_ptr(), tuple(a.shape), a.stride(), a.element_size(),
-           b.data_ptr(), tuple(b.shape), b.stride(), b.element_size(), budget)
+    key = (
+        a.data_ptr(),
+        tuple(a.shape),
+        a.stride(),
+        a.element_size(),
+        b.data_ptr(),
+        tuple(b.shape),
+        b.stride(),
+        b.element_size(),
+        budget,
+    )
     # verdicts by layout, in ropekit's one memo: KV caches are the same tensors call after call, so
     # decode pays for the search once (the key holds all the search reads)
     from . import pipeline
@@ -415,7 +557,7 @@ def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
 
 
 def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
-    ranges: dict = {}                                   # byte stride -> [lowest c, highest c]
+    ranges: dict = {}  # byte stride -> [lowest c, highest c]
 
     def add(stride, lo, hi):
         if stride < 0:
@@ -430,7 +572,7 @@ def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
         es = x.element_size()
         for n, st in zip(x.shape, x.stride()):
             add(st * es, 0 if sign > 0 else -(n - 1), n - 1 if sign > 0 else 0)
-        add(1, 0 if sign > 0 else -(es - 1), es - 1 if sign > 0 else 0)     # bytes within an element
+        add(1, 0 if sign > 0 else -(es - 1), es - 1 if sign > 0 else 0)  # bytes within an element
     terms = sorted(((st, lo, hi) for st, (lo, hi) in ranges.items()), reverse=True)
     n = len(terms)
     reach_lo, reach_hi = [0] * (n + 1), [0] * (n + 1)
@@ -444,14 +586,14 @@ def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
         if target > reach_hi[i] or target < reach_lo[i]:
             return False
         if i == n:
-            return True                                 # target == 0
+            return True  # target == 0
         st, lo_c, hi_c = terms[i]
-        c_lo = max(lo_c, -((reach_hi[i + 1] - target) // st))    # ceil((target - reach_hi) / st)
+        c_lo = max(lo_c, -((reach_hi[i + 1] - target) // st))  # ceil((target - reach_hi) / st)
         c_hi = min(hi_c, (target - reach_lo[i + 1]) // st)
         for c in range(c_lo, c_hi + 1):
             steps[0] -= 1
             if steps[0] < 0 or reachable(i + 1, target - c * st):
-                return True                             # out of budget: say "may overlap"
+                return True  # out of budget: say "may overlap"
         return False
 
     return reachable(0, b.data_ptr() - a.data_ptr())
@@ -461,9 +603,12 @@ def store_extents(q, k, v, k_cache, v_cache, positions=None, table=None, slot_ma
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
     `store_aliasing` takes them in), then of positions, table, slot_mapping; 0 for an empty tensor
     or None."""
-    return tuple((sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
-                 if x is not None and x.numel() else 0
-                 for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping))
+    return tuple(
+        (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+        if x is not None and x.numel()
+        else 0
+        for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping)
+    )
 
 
 def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> None:
@@ -477,7 +622,7 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> No
     if extents is None:
         extents = store_extents(q, k, v, k_cache, v_cache)
     ptrs = [x.data_ptr() for _, x in named]
-    for i in range(3):                                   # the written ones, against all that follow
+    for i in range(3):  # the written ones, against all that follow
         for j in range(i + 1, 5):
             a, b = ptrs[i], ptrs[j]
             if not (a < b + extents[j] and b < a + extents[i]):
@@ -491,8 +636,12 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> No
                         memo.clear()
                     memo[key] = verdict
             if verdict:
-                fail(op, named[j][0], f"memory disjoint from {named[i][0]} (which is written)",
-                     f"a tensor overlapping {named[i][0]}")
+                fail(
+                    op,
+                    named[j][0],
+                    f"memory disjoint from {named[i][0]} (which is written)",
+                    f"a tensor overlapping {named[i][0]}",
+                )
 
 
 def slots_in_range(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
@@ -501,8 +650,12 @@ def slots_in_range(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
     if bool(bad.any()):
         flat = int(bad.flatten().nonzero()[0, 0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(slot_mapping.shape)))
-        fail(op, "slot_mapping", f"values < {num_slots} (num_blocks * block_size of the caches; < 0 skips "
-             "a token)", f"slot_mapping{list(index)} = {int(slot_mapping[index])}")
+        fail(
+            op,
+            "slot_mapping",
+            f"values < {num_slots} (num_blocks * block_size of the caches; < 0 skips a token)",
+            f"slot_mapping{list(index)} = {int(slot_mapping[index])}",
+        )
 
 
 def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
@@ -516,6 +669,7 @@ def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
 # Checks of rerotate_kv_cache (ropekit.rerotate). The device is the cache's; messages say so.
 # As for the store: shapes, dtypes, devices and strides up front (fake tensors under torch.compile),
 # addresses just before the launch, data (slots, shifts, scale) only in strict mode.
+
 
 def _on_device(op, name, x, device) -> None:
     if isinstance(x, torch.Tensor) and x.device != device:
@@ -541,11 +695,20 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     device = k_cache.device
     tensor(op, "k_cache", k_cache, ndims=(3, 4), dtypes=CACHE_DTYPES, shape_hint=_CACHE_HINT)
     if has_internal_overlap(k_cache):
-        fail(op, "k_cache", "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
-             f"strides {tuple(k_cache.stride())}")
+        fail(
+            op,
+            "k_cache",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+            f"strides {tuple(k_cache.stride())}",
+        )
     if torch.is_grad_enabled() and k_cache.requires_grad:
-        fail(op, "k_cache", "a tensor that does not require grad (rerotate_kv_cache writes the cache in "
-             "place and is not differentiable)", "requires_grad=True")
+        fail(
+            op,
+            "k_cache",
+            "a tensor that does not require grad (rerotate_kv_cache writes the cache in "
+            "place and is not differentiable)",
+            "requires_grad=True",
+        )
     _slot_vector(op, "slots", slots, None, device)
     n = slots.shape[0]
     if dst_slots is not None:
@@ -554,15 +717,14 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
         _slot_vector(op, "delta", delta, n, device)
         delta_int = None
     elif isinstance(delta, int) and not isinstance(delta, bool):
-        if not -2**63 < delta < 2**63:
+        if not -(2**63) < delta < 2**63:
             fail(op, "delta", "an int in (-2^63, 2^63)", delta)
         delta_int = int(delta)
     else:
         raise TypeError(f"{op}: delta: expected a (N,) int32/int64 tensor or an int, got {type(delta).__name__}")
 
     _on_device(op, "cos_sin_cache", cos_sin_cache, device)
-    tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES,
-           shape_hint="(max_position, rotary_dim)")
+    tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
     if cos_sin_cache.shape[0] < 1:
         fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
     width = cos_sin_cache.shape[1]
@@ -573,8 +735,7 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     if rotary_dim <= 0 or rotary_dim % 2:
         fail(op, "rotary_dim", "a positive even int", rotary_dim)
     if rotary_dim != width:
-        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)",
-             rotary_dim)
+        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)", rotary_dim)
     if k_cache.shape[-1] < rotary_dim:
         fail(op, "k_cache", f"a head size >= rotary_dim ({rotary_dim})", f"head size {k_cache.shape[-1]}")
     _on_device(op, "k_scale", k_scale, device)
@@ -585,9 +746,17 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
 
 def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots) -> None:
     """The cache (written) shares no byte with the slots, shifts, table or scale (read)."""
-    written_vs_read(op, (("k_cache", k_cache),),
-                    (("slots", slots), ("dst_slots", dst_slots), ("delta", delta),
-                     ("cos_sin_cache", cos_sin_cache), ("k_scale", k_scale)))
+    written_vs_read(
+        op,
+        (("k_cache", k_cache),),
+        (
+            ("slots", slots),
+            ("dst_slots", dst_slots),
+            ("delta", delta),
+            ("cos_sin_cache", cos_sin_cache),
+            ("k_scale", k_scale),
+        ),
+    )
 
 
 def _first(op, name, bad, values, expected) -> None:
@@ -599,23 +768,45 @@ def _first(op, name, bad, values, expected) -> None:
 def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> None:
     """Strict mode (one device sync): slots and dst_slots below num_slots, |delta| below the table's rows
     for every row that is not padding, and no destination row that is also a source row."""
-    _first(op, "slots", slots >= num_slots, slots,
-           f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)")
+    _first(
+        op,
+        "slots",
+        slots >= num_slots,
+        slots,
+        f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)",
+    )
     live = slots >= 0
     if dst_slots is not None:
-        _first(op, "dst_slots", dst_slots >= num_slots, dst_slots,
-               f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)")
+        _first(
+            op,
+            "dst_slots",
+            dst_slots >= num_slots,
+            dst_slots,
+            f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)",
+        )
         live = live & (dst_slots >= 0)
     if isinstance(delta, torch.Tensor):
         # no abs(): it wraps at the most negative int
-        _first(op, "delta", live & ((delta >= max_position) | (delta <= -max_position)), delta,
-               f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0")
+        _first(
+            op,
+            "delta",
+            live & ((delta >= max_position) | (delta <= -max_position)),
+            delta,
+            f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0",
+        )
     elif bool(live.any()) and abs(delta) >= max_position:
         fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
     if dst_slots is not None:
         sources = slots[live]
-        _first(op, "dst_slots", live & torch.isin(dst_slots, sources), dst_slots,
-               "rows that are not source rows (slots) of the same call")
+        _first(
+            op,
+            "dst_slots",
+            live & torch.isin(dst_slots, sources),
+            dst_slots,
+            "rows that are not source rows (slots) of the same call",
+        )
+
+
 def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, *, inplace=False):
     """Checks of the q/k RMSNorm arguments (after q and k themselves are checked).
 
@@ -632,12 +823,15 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
         tensor(op, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, device=q.device, shape_hint=f"({xname}'s head size,)")
         d, h = x.shape[-1], x.shape[-2]
         if w.shape[0] not in (d, h * d):
-            fail(op, name, f"shape ({d},) (per head) or ({h * d},) (across the {h} heads of {xname})",
-                 f"shape {tuple(w.shape)}")
-        modes.append(1 if w.shape[0] == d else 2)      # one head: per head and across heads agree
+            fail(
+                op,
+                name,
+                f"shape ({d},) (per head) or ({h * d},) (across the {h} heads of {xname})",
+                f"shape {tuple(w.shape)}",
+            )
+        modes.append(1 if w.shape[0] == d else 2)  # one head: per head and across heads agree
         if inplace and torch.is_grad_enabled() and w.requires_grad:
-            fail(op, "inplace", f"False when {name} requires grad (its gradient needs the unnormalized input)",
-                 True)
+            fail(op, "inplace", f"False when {name} requires grad (its gradient needs the unnormalized input)", True)
     for name, value in (("norm_eps", norm_eps), ("norm_weight_offset", norm_weight_offset)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{op}: {name}: expected a float, got {type(value).__name__}")
@@ -668,5 +862,9 @@ def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:
     shape = tuple(slot_mapping.shape)
     a = [int(i) for i in torch.unravel_index(torch.tensor(first_tok), shape)]
     b = [int(i) for i in torch.unravel_index(torch.tensor(second_tok), shape)]
-    fail(op, "slot_mapping", "distinct slots (each cache row written by one token; < 0 skips a token)",
-         f"slot {int(flat[second_tok])} at slot_mapping{a} and slot_mapping{b}")
+    fail(
+        op,
+        "slot_mapping",
+        "distinct slots (each cache row written by one token; < 0 skips a token)",
+        f"slot {int(flat[second_tok])} at slot_mapping{a} and slot_mapping{b}",
+    )

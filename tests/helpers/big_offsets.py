@@ -15,7 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-STRIDE = 2**30          # below 2^31, so Triton passes it as int32: the products must be widened
+STRIDE = 2**30  # below 2^31, so Triton passes it as int32: the products must be widened
 H, D = 2, 64
 
 
@@ -60,12 +60,13 @@ def rope():
     # two token dims (B, S) = (3, 1), batch stride 2^30
     check(q.unsqueeze(1), k.unsqueeze(1), torch.tensor([[0], [3], [6]]), small_cache)
     # head stride 2^30: head 2 of the only token starts at 2^31
-    qh = big_rows(3, (D,)).unsqueeze(0)           # (1, 3, D), head stride 2^30
+    qh = big_rows(3, (D,)).unsqueeze(0)  # (1, 3, D), head stride 2^30
     check(qh, torch.randn(1, 1, D).to(torch.bfloat16), torch.tensor([4]), small_cache)
     # table row stride 2^30: position 2 reads row 2 at element 2^31
     cache = big_rows(3, (D,), dtype=torch.float32)
-    check(torch.randn(3, H, D).to(torch.bfloat16), torch.randn(3, 1, D).to(torch.bfloat16),
-          torch.tensor([2, 0, 2]), cache)
+    check(
+        torch.randn(3, H, D).to(torch.bfloat16), torch.randn(3, 1, D).to(torch.bfloat16), torch.tensor([2, 0, 2]), cache
+    )
     print("OK")
 
 
@@ -106,19 +107,18 @@ def norm():
         half = cache.shape[1] // 2
         gx, _ = qknorm.backward_triton(q, q, wq, pos, cache[:, :half], cache[:, half:], False, None, 1e-6, 1.0)
         qd = q.double().contiguous().requires_grad_(True)
-        y, _ = reference.rms_norm_rope(qd, None, pos, cache.double(), q_norm_weight=wq.double(),
-                                       norm_weight_offset=1.0)
+        y, _ = reference.rms_norm_rope(qd, None, pos, cache.double(), q_norm_weight=wq.double(), norm_weight_offset=1.0)
         y.backward(q.double())
         assert err(gx, qd.grad) < 2e-2, "backward"
         ropekit.apply_rope(q, k, pos, cache, inplace=True, **kw)
         assert err(q, rq) < 1e-2 and err(k, rk) < 1e-2, "in place"
 
     small_cache = torch.randn(8, D).float()
-    q = big_rows(3, (H, D))                      # token stride 2^30: token 2 starts at element 2^31
+    q = big_rows(3, (H, D))  # token stride 2^30: token 2 starts at element 2^31
     k = big_rows(3, (1, D))
     check(q, k, torch.tensor([1, 5, 7]), small_cache, across=False)
     check(q, k, torch.tensor([1, 5, 7]), small_cache, across=True)
-    qh = big_rows(3, (D,)).unsqueeze(0)          # head stride 2^30: head 2 starts at 2^31
+    qh = big_rows(3, (D,)).unsqueeze(0)  # head stride 2^30: head 2 starts at 2^31
     check(qh, torch.randn(1, 1, D).to(torch.bfloat16), torch.tensor([4]), small_cache, across=True)
     # the fused store into a flat cache whose slot stride is 2^30: slot 2 starts at 2^31
     k_cache = big_rows(3, (1, D))
@@ -126,10 +126,20 @@ def norm():
     q2 = torch.randn(3, H, D).to(torch.bfloat16)
     k2 = torch.randn(3, 1, D).to(torch.bfloat16)
     wk = torch.rand(D) + 0.5
-    _, rk = reference.rms_norm_rope(q2.double(), k2.double(), torch.tensor([0, 1, 2]), small_cache.double(),
-                                    k_norm_weight=wk.double())
-    ropekit.apply_rope_and_store(q2, k2, k2.clone(), torch.tensor([0, 1, 2]), small_cache, k_cache, v_cache,
-                                 torch.tensor([2, 0, 1]), k_norm_weight=wk)
+    _, rk = reference.rms_norm_rope(
+        q2.double(), k2.double(), torch.tensor([0, 1, 2]), small_cache.double(), k_norm_weight=wk.double()
+    )
+    ropekit.apply_rope_and_store(
+        q2,
+        k2,
+        k2.clone(),
+        torch.tensor([0, 1, 2]),
+        small_cache,
+        k_cache,
+        v_cache,
+        torch.tensor([2, 0, 1]),
+        k_norm_weight=wk,
+    )
     assert err(k_cache[2], rk[0]) < 1e-2 and err(k_cache[0], rk[1]) < 1e-2, "store"
     print("OK")
 

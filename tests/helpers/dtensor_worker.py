@@ -8,7 +8,7 @@ the error messages of the refused layouts) to OUT for the parent to compare with
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"     # the Triton kernels, interpreted on CPU tensors
+os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels, interpreted on CPU tensors
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -46,7 +46,7 @@ def main(rank, world, port, out):
         q, k, pos, cache = inputs(sq, sk, seed=len(name))
         dq, dk = distribute_tensor(q, mesh, [pl]), distribute_tensor(k, mesh, [pl])
         dp = distribute_tensor(pos, mesh, [pp])
-        qo, ko = ropekit.apply_rope(dq, dk, dp, cache)              # the public op, a plain table
+        qo, ko = ropekit.apply_rope(dq, dk, dp, cache)  # the public op, a plain table
         assert tuple(qo.placements) == (pl,) and tuple(ko.placements) == (pl,), (name, qo.placements)
         assert qo.to_local().shape == dq.to_local().shape
         # backward: one weighted loss (sharded gradients) and one plain sum (replicated gradients)
@@ -55,22 +55,46 @@ def main(rank, world, port, out):
         gq = dq.detach().requires_grad_()
         gk = dk.detach().requires_grad_()
         a, b = ropekit.apply_rope(gq, gk, dp, replicate(cache, mesh))
-        loss = (a * distribute_tensor(wq, mesh, [pl])).sum() + (b * distribute_tensor(wk, mesh, [pl])).sum() \
-            + a.sum() + b.sum()
+        loss = (
+            (a * distribute_tensor(wq, mesh, [pl])).sum()
+            + (b * distribute_tensor(wk, mesh, [pl])).sum()
+            + a.sum()
+            + b.sum()
+        )
         loss.backward()
-        results[name] = dict(q=q, k=k, pos=pos, cache=cache, wq=wq, wk=wk, qo=qo.full_tensor(), ko=ko.full_tensor(),
-                             gq=gq.grad.full_tensor(), gk=gk.grad.full_tensor(), loss=loss.full_tensor())
+        results[name] = dict(
+            q=q,
+            k=k,
+            pos=pos,
+            cache=cache,
+            wq=wq,
+            wk=wk,
+            qo=qo.full_tensor(),
+            ko=ko.full_tensor(),
+            gq=gq.grad.full_tensor(),
+            gk=gk.grad.full_tensor(),
+            loss=loss.full_tensor(),
+        )
     # M-RoPE, token-sharded: positions (3, T) sharded on their dim 1
     q, k, _, cache = inputs((8, 4, 32), (8, 2, 32), seed=42)
     pos3 = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(43))
-    qo, ko = torch.ops.ropekit.rotate(distribute_tensor(q, mesh, [Shard(0)]), distribute_tensor(k, mesh, [Shard(0)]),
-                                      distribute_tensor(pos3, mesh, [Shard(1)]), replicate(cache, mesh), 32, False,
-                                      False, [1, 4, 6, 6], False)
+    qo, ko = torch.ops.ropekit.rotate(
+        distribute_tensor(q, mesh, [Shard(0)]),
+        distribute_tensor(k, mesh, [Shard(0)]),
+        distribute_tensor(pos3, mesh, [Shard(1)]),
+        replicate(cache, mesh),
+        32,
+        False,
+        False,
+        [1, 4, 6, 6],
+        False,
+    )
     results["mrope_tokens"] = dict(q=q, k=k, pos=pos3, cache=cache, qo=qo.full_tensor(), ko=ko.full_tensor())
     # per-token angles (the Hugging Face form), token-sharded, plain cos / sin
     q, k, pos, cache = inputs((8, 4, 32), (8, 2, 32), seed=77)
-    qo, ko = ropekit.rotate_with_angles(distribute_tensor(q, mesh, [Shard(0)]), distribute_tensor(k, mesh, [Shard(0)]),
-                                        cache[pos, :16], cache[pos, 16:])
+    qo, ko = ropekit.rotate_with_angles(
+        distribute_tensor(q, mesh, [Shard(0)]), distribute_tensor(k, mesh, [Shard(0)]), cache[pos, :16], cache[pos, 16:]
+    )
     assert tuple(qo.placements) == (Shard(0),)
     results["angles_tokens"] = dict(q=q, k=k, pos=pos, cache=cache, qo=qo.full_tensor(), ko=ko.full_tensor())
     # in place, head-sharded
@@ -86,16 +110,38 @@ def main(rank, world, port, out):
     H = Shard(1)
     dq, dk, dv = (distribute_tensor(x, mesh, [H]) for x in (q, k, v))
     dkc, dvc = distribute_tensor(k_cache, mesh, [Shard(2)]), distribute_tensor(v_cache, mesh, [Shard(2)])
-    ropekit.apply_rope_and_store(dq, dk, dv, distribute_tensor(pos, mesh, [R]), cache, dkc, dvc,
-                                 distribute_tensor(slots, mesh, [R]))
-    results["store_heads"] = dict(q=q, k=k, v=v, pos=pos, cache=cache, k_cache=k_cache, v_cache=v_cache,
-                                  slots=slots, qo=dq.full_tensor(), k_cache_out=dkc.full_tensor(),
-                                  v_cache_out=dvc.full_tensor())
+    ropekit.apply_rope_and_store(
+        dq, dk, dv, distribute_tensor(pos, mesh, [R]), cache, dkc, dvc, distribute_tensor(slots, mesh, [R])
+    )
+    results["store_heads"] = dict(
+        q=q,
+        k=k,
+        v=v,
+        pos=pos,
+        cache=cache,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slots=slots,
+        qo=dq.full_tensor(),
+        k_cache_out=dkc.full_tensor(),
+        v_cache_out=dvc.full_tensor(),
+    )
     try:
         dq, dk, dv = (distribute_tensor(x, mesh, [Shard(0)]) for x in (q, k, v))
-        torch.ops.ropekit.rope_and_store(dq, dk, dv, distribute_tensor(pos, mesh, [Shard(0)]), replicate(cache, mesh),
-                                         distribute_tensor(k_cache, mesh, [R]), distribute_tensor(v_cache, mesh, [R]),
-                                         distribute_tensor(slots, mesh, [Shard(0)]), False, cache.shape[1], None, None)
+        torch.ops.ropekit.rope_and_store(
+            dq,
+            dk,
+            dv,
+            distribute_tensor(pos, mesh, [Shard(0)]),
+            replicate(cache, mesh),
+            distribute_tensor(k_cache, mesh, [R]),
+            distribute_tensor(v_cache, mesh, [R]),
+            distribute_tensor(slots, mesh, [Shard(0)]),
+            False,
+            cache.shape[1],
+            None,
+            None,
+        )
         errors["store_token_sharded"] = None
     except RuntimeError as e:
         errors["store_token_sharded"] = str(e)

@@ -16,8 +16,7 @@ import shlex
 import sys
 
 from . import peers as P
-from . import report
-from . import runner
+from . import report, runner
 from . import workloads as W
 
 
@@ -25,20 +24,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m ropekit.bench",
         description="RoPE benchmarks: ropekit against torch eager (HF code), torch.compile, "
-                    "Liger-Kernel, FlashInfer, vLLM and flash-attn, as percent of copy bandwidth.")
-    ap.add_argument("--workloads", "-w", default="all",
-                    help="comma list of workload ids or names (W1,W3,...; W7 selects W7 and W7-T64); "
-                         "default: all")
-    ap.add_argument("--peers", "-p", default=None,
-                    help=f"comma list of implementations ({', '.join(P.NAMES)}); default: all that "
-                         "are importable (CPU run: ropekit, reference, torch-eager)")
-    ap.add_argument("--quick", action="store_true",
-                    help="small sizes (a smoke run); always on without a GPU")
+        "Liger-Kernel, FlashInfer, vLLM and flash-attn, as percent of copy bandwidth.",
+    )
+    ap.add_argument(
+        "--workloads",
+        "-w",
+        default="all",
+        help="comma list of workload ids or names (W1,W3,...; W7 selects W7 and W7-T64); default: all",
+    )
+    ap.add_argument(
+        "--peers",
+        "-p",
+        default=None,
+        help=f"comma list of implementations ({', '.join(P.NAMES)}); default: all that "
+        "are importable (CPU run: ropekit, reference, torch-eager)",
+    )
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run); always on without a GPU")
     ap.add_argument("--device", default="auto", help="auto (default), cuda, or cpu")
-    ap.add_argument("--out", default="bench-out",
-                    help="folder for results.json, results.png, results.txt (default: bench-out)")
-    ap.add_argument("--results-md", metavar="PATH", default=None,
-                    help="also write the RESULTS.md markdown (table, plot reference, command, versions)")
+    ap.add_argument(
+        "--out", default="bench-out", help="folder for results.json, results.png, results.txt (default: bench-out)"
+    )
+    ap.add_argument(
+        "--results-md",
+        metavar="PATH",
+        default=None,
+        help="also write the RESULTS.md markdown (table, plot reference, command, versions)",
+    )
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
@@ -71,13 +82,20 @@ def main(argv=None) -> int:
         return 2
     peers = [s.strip() for s in args.peers.split(",") if s.strip()] if args.peers else None
     shown = sys.argv[1:] if argv is None else list(argv)
-    cfg = runner.Config(workloads=wls, peers=peers, quick=args.quick, device=args.device,
-                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, seed=args.seed,
-                        progress=not args.no_progress,
-                        command="python -m ropekit.bench " + " ".join(shlex.quote(a) for a in shown))
+    cfg = runner.Config(
+        workloads=wls,
+        peers=peers,
+        quick=args.quick,
+        device=args.device,
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+        seed=args.seed,
+        progress=not args.no_progress,
+        command="python -m ropekit.bench " + " ".join(shlex.quote(a) for a in shown),
+    )
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
-    cfg.checkpoint = lambda partial: report.write_json(partial, json_path)   # survives a kill
+    cfg.checkpoint = lambda partial: report.write_json(partial, json_path)  # survives a kill
     res = runner.run(cfg)
 
     png_path = os.path.join(args.out, "results.png")

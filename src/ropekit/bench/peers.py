@@ -24,14 +24,14 @@ from . import workloads as W
 class PeerSkip(Exception):
     def __init__(self, status: str, reason: str):
         super().__init__(reason)
-        self.status = status            # "n/a" (the peer has no such op) or "skipped"
+        self.status = status  # "n/a" (the peer has no such op) or "skipped"
         self.reason = reason
 
 
 @dataclass
 class Bound:
-    fn: Callable[[], Any]                              # the timed call
-    canon: Callable[[Any], Tuple[torch.Tensor, ...]]   # raw outputs -> canonical tuple (untimed)
+    fn: Callable[[], Any]  # the timed call
+    canon: Callable[[Any], Tuple[torch.Tensor, ...]]  # raw outputs -> canonical tuple (untimed)
 
 
 def _version(*dists: str) -> Optional[str]:
@@ -51,8 +51,8 @@ def _short(e: BaseException) -> str:
 class Peer:
     name = ""
     label = ""
-    needs_cuda = True        # only meaningful on a GPU
-    cpu_default = False      # run by default on a machine without CUDA
+    needs_cuda = True  # only meaningful on a GPU
+    cpu_default = False  # run by default on a machine without CUDA
 
     def available(self, device) -> Tuple[bool, str]:
         return True, ""
@@ -122,11 +122,13 @@ def mla_inplace(q_pe, k_pe, cos, sin):
 
 def make_store_unfused(apply):
     """The unfused store: HF rope, then index_copy of k and v into the flat cache rows."""
+
     def store(q_hf, k_hf, v, cos, sin, k_rows, v_rows, slots):
         qo, ko = apply(q_hf, k_hf, cos, sin)
         k_rows.index_copy_(0, slots, ko.transpose(1, 2).squeeze(0))
         v_rows.index_copy_(0, slots, v)
         return qo
+
     return store
 
 
@@ -138,10 +140,12 @@ def _half_table(inp, dtype):
 
 def _grad_fn(forward, q, k, gq, gk):
     """forward(q, k) -> (qo, ko); then autograd.grad to q, k with the given output grads."""
+
     def fn():
         qo, ko = forward(q, k)
         dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
         return qo, ko, dq, dk
+
     return fn
 
 
@@ -179,7 +183,7 @@ class Ropekit(Peer):
         return op
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         il, ms = wl.interleaved, wl.mrope_section
         pos, cache = inp.get("positions"), inp["cache"]
@@ -192,13 +196,13 @@ class Ropekit(Peer):
             op = self._op("apply_rope")
             R = inp["k_pe"].shape[-1]
             q_pe, k_pe = inp["q"][..., -R:], inp["k_pe"]
-            return Bound(lambda: op(q_pe, k_pe, pos, cache, interleaved=il, inplace=True),
-                         lambda o: (inp["q"], inp["k_pe"]))
+            return Bound(
+                lambda: op(q_pe, k_pe, pos, cache, interleaved=il, inplace=True), lambda o: (inp["q"], inp["k_pe"])
+            )
         if wl.kind == "store":
             op = self._op("apply_rope_and_store")
             q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
-            return Bound(lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il),
-                         lambda o: (q, kc, vc))
+            return Bound(lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il), lambda o: (q, kc, vc))
         # fwdbwd
         op = self._op("apply_rope")
         q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
@@ -245,35 +249,59 @@ class TorchEager(Peer):
         if key == "apply":
             try:
                 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-                return {"apply": (apply_rotary_pos_emb,
-                                  f"transformers {tv} models.llama.modeling_llama.apply_rotary_pos_emb")}
+
+                return {
+                    "apply": (
+                        apply_rotary_pos_emb,
+                        f"transformers {tv} models.llama.modeling_llama.apply_rotary_pos_emb",
+                    )
+                }
             except Exception as e:
-                return {"apply": (plain_hf_apply, f"bench's plain-torch rotate_half formula "
-                                                  f"(transformers not importable: {_short(e)})")}
+                return {
+                    "apply": (
+                        plain_hf_apply,
+                        f"bench's plain-torch rotate_half formula (transformers not importable: {_short(e)})",
+                    )
+                }
         if key == "llama4":
             try:
                 from transformers.models.llama4.modeling_llama4 import apply_rotary_emb
-                return {"llama4": (apply_rotary_emb,
-                                   f"transformers {tv} models.llama4.modeling_llama4.apply_rotary_emb")}
+
+                return {
+                    "llama4": (apply_rotary_emb, f"transformers {tv} models.llama4.modeling_llama4.apply_rotary_emb")
+                }
             except Exception:
                 return {"llama4": (plain_llama4_apply, "bench's plain-torch Llama-4 complex formula")}
         if key == "mrope":
             try:
                 from transformers.models.qwen2_vl import modeling_qwen2_vl as q2
-                if hasattr(q2, "apply_multimodal_rotary_pos_emb"):          # transformers 4.x
-                    return {"mrope4": True, "mrope": (
-                        q2.apply_multimodal_rotary_pos_emb,
-                        f"transformers {tv} qwen2_vl.apply_multimodal_rotary_pos_emb "
-                        "(sections picked inside the timed call)")}
-                return {"mrope4": False, "mrope": (                          # 5.x: sections in the module
-                    q2.apply_rotary_pos_emb,
-                    f"transformers {tv} qwen2_vl.apply_rotary_pos_emb (5.x: sections "
-                    "recomposed by the rotary-embedding module, outside the timed call)")}
+
+                if hasattr(q2, "apply_multimodal_rotary_pos_emb"):  # transformers 4.x
+                    return {
+                        "mrope4": True,
+                        "mrope": (
+                            q2.apply_multimodal_rotary_pos_emb,
+                            f"transformers {tv} qwen2_vl.apply_multimodal_rotary_pos_emb "
+                            "(sections picked inside the timed call)",
+                        ),
+                    }
+                return {
+                    "mrope4": False,
+                    "mrope": (  # 5.x: sections in the module
+                        q2.apply_rotary_pos_emb,
+                        f"transformers {tv} qwen2_vl.apply_rotary_pos_emb (5.x: sections "
+                        "recomposed by the rotary-embedding module, outside the timed call)",
+                    ),
+                }
             except Exception:
-                return {"mrope4": False,
-                        "mrope": (plain_hf_apply, "bench's plain-torch formula on recomposed cos/sin")}
-        return {"mla": (mla_inplace, "bench's plain-torch interleaved formula, in place via copy_ "
-                                     "(HF's DeepSeek-V3 code writes another layout)")}
+                return {"mrope4": False, "mrope": (plain_hf_apply, "bench's plain-torch formula on recomposed cos/sin")}
+        return {
+            "mla": (
+                mla_inplace,
+                "bench's plain-torch interleaved formula, in place via copy_ "
+                "(HF's DeepSeek-V3 code writes another layout)",
+            )
+        }
 
     @staticmethod
     def _keys(wl):
@@ -287,11 +315,11 @@ class TorchEager(Peer):
         return fn
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         F = self.fns(self._keys(wl))
         for key in self._keys(wl):
-            if F[key][0] is None:                   # (None, (status, reason)): not there
+            if F[key][0] is None:  # (None, (status, reason)): not there
                 raise PeerSkip(*F[key][1])
         dt = inp["q"].dtype
         if wl.kind == "mla":
@@ -300,23 +328,23 @@ class TorchEager(Peer):
             R = inp["k_pe"].shape[-1]
             c, s = _half_table(inp, dt)
             pos = inp["positions"]
-            cos, sin = c[pos].unsqueeze(1), s[pos].unsqueeze(1)          # (T, 1, R/2)
+            cos, sin = c[pos].unsqueeze(1), s[pos].unsqueeze(1)  # (T, 1, R/2)
             q_pe, k_pe = inp["q"][..., -R:], inp["k_pe"]
             self._notes[wl.id] = note
             return Bound(lambda: fn(q_pe, k_pe, cos, sin), lambda o: (inp["q"], inp["k_pe"]))
-        if wl.interleaved:                                                # W5: Llama 4
+        if wl.interleaved:  # W5: Llama 4
             fn, note = F["llama4"]
             fn = self.wrap(wl, "llama4", fn)
             tab = inp["cache"]
             half = tab.shape[-1] // 2
-            rows = tab[W.hf_positions(wl, inp)]                           # (1, T, D)
+            rows = tab[W.hf_positions(wl, inp)]  # (1, T, D)
             freqs = torch.complex(rows[..., :half].float(), rows[..., half:].float())
             xq, xk = inp["q"].unsqueeze(0), inp["k"].unsqueeze(0)
             self._notes[wl.id] = note
             return Bound(lambda: fn(xq, xk, freqs), lambda o: (o[0].squeeze(0), o[1].squeeze(0)))
         q_hf, k_hf = W.to_hf(wl, inp["q"]), W.to_hf(wl, inp["k"])
         back = lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]))  # noqa: E731
-        if wl.mrope_section is not None:                                  # W4
+        if wl.mrope_section is not None:  # W4
             fn, note = F["mrope"]
             fn = self.wrap(wl, "mrope", fn)
             self._notes[wl.id] = note
@@ -338,15 +366,15 @@ class TorchEager(Peer):
             kc, vc = inp["k_cache"], inp["v_cache"]
             k_rows, v_rows = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
             v, slots = inp["v"], inp["slots"]
-            return Bound(lambda: fn(q_hf, k_hf, v, cos, sin, k_rows, v_rows, slots),
-                         lambda o: (W.from_hf(wl, o), kc, vc))
+            return Bound(
+                lambda: fn(q_hf, k_hf, v, cos, sin, k_rows, v_rows, slots), lambda o: (W.from_hf(wl, o), kc, vc)
+            )
         # fwdbwd: autograd through the HF function
         fn = self.wrap(wl, "apply", apply)
         q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
         fwd = lambda q_, k_: fn(W.to_hf(wl, q_), W.to_hf(wl, k_), cos, sin)  # noqa: E731
         gq, gk = W.to_hf(wl, inp["gq"]), W.to_hf(wl, inp["gk"])
-        return Bound(_grad_fn(fwd, q, k, gq, gk),
-                     lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]), o[2], o[3]))
+        return Bound(_grad_fn(fwd, q, k, gq, gk), lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]), o[2], o[3]))
 
     def note(self, wl):
         return self._notes.get(wl.id, "")
@@ -355,7 +383,7 @@ class TorchEager(Peer):
 class TorchCompile(TorchEager):
     name = "torch-compile"
     label = "torch.compile (HF code)"
-    cpu_default = False      # inductor's C++ build is slow on a small CPU: ask for it by name
+    cpu_default = False  # inductor's C++ build is slow on a small CPU: ask for it by name
 
     def __init__(self):
         super().__init__()
@@ -365,6 +393,7 @@ class TorchCompile(TorchEager):
         # A fresh dynamo state per workload: every workload compiles the same few functions at
         # new shapes, and the per-code-object recompile limit must not send one back to eager.
         import torch._dynamo
+
         torch._dynamo.reset()
         cfg = torch._dynamo.config
         for attr in ("recompile_limit", "cache_size_limit"):
@@ -384,6 +413,7 @@ class TorchCompile(TorchEager):
 
 class RopekitHF(TorchEager):
     """ropekit.hf's drop-ins, called exactly as the HF code is called (same cos/sin inputs)."""
+
     name = "ropekit-hf"
     label = "ropekit.hf drop-in"
     cpu_default = False
@@ -402,15 +432,21 @@ class RopekitHF(TorchEager):
         if key == "mla":
             return {"mla": (None, ("n/a", "no in-place strided-slice drop-in (that is ropekit.apply_rope)"))}
         hf = importlib.import_module("ropekit.hf")
-        name = {"apply": "apply_rotary_pos_emb", "llama4": "llama4_apply_rotary_emb",
-                "mrope": "apply_multimodal_rotary_pos_emb"}[key]
+        name = {
+            "apply": "apply_rotary_pos_emb",
+            "llama4": "llama4_apply_rotary_emb",
+            "mrope": "apply_multimodal_rotary_pos_emb",
+        }[key]
         f = getattr(hf, name, None)
-        entry = (f, f"ropekit.hf.{name}") if f is not None else (
-            None, ("skipped", f"ropekit.hf.{name} not implemented yet"))
+        entry = (
+            (f, f"ropekit.hf.{name}")
+            if f is not None
+            else (None, ("skipped", f"ropekit.hf.{name} not implemented yet"))
+        )
         return {key: entry, "mrope4": True} if key == "mrope" else {key: entry}
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         if wl.kind == "store":
             raise PeerSkip("n/a", "no KV-cache store in HF's code (see ropekit-unfused)")
@@ -419,12 +455,13 @@ class RopekitHF(TorchEager):
 
 class RopekitUnfused(Ropekit):
     """The unfused store path of W7's target: ropekit.apply_rope, then index_copy into the cache."""
+
     name = "ropekit-unfused"
     label = "ropekit apply_rope + index_copy"
     cpu_default = False
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         if wl.kind != "store":
             raise PeerSkip("n/a", "only for the store workloads (W7)")
@@ -438,6 +475,7 @@ class RopekitUnfused(Ropekit):
             k_rows.index_copy_(0, slots, ko)
             v_rows.index_copy_(0, slots, v)
             return qo
+
         return Bound(fn, lambda o: (o, kc, vc))
 
     def note(self, wl):
@@ -447,9 +485,10 @@ class RopekitUnfused(Ropekit):
 class RopekitCuSeqlens(Ropekit):
     """W11: positions derived inside the kernel from cu_seqlens (apply_rope(..., cu_seqlens=...)).
     The plain `ropekit` peer times the same tokens with explicit positions."""
+
     name = "ropekit-cu"
     label = "ropekit cu_seqlens"
-    cpu_default = False      # ask for it by name on CPU (-p ropekit,ropekit-cu)
+    cpu_default = False  # ask for it by name on CPU (-p ropekit,ropekit-cu)
 
     def make(self, wl, inp):
         if wl.packed is None:
@@ -468,7 +507,7 @@ class RopekitCuSeqlens(Ropekit):
 def gather_hf_apply(q, k, cache, positions):
     """Positions gather + HF's rotate_half formula, all inside the call: (1, H, T, D) q and k."""
     half = cache.shape[-1] // 2
-    rows = cache[positions]                                   # (1, T, rotary_dim)
+    rows = cache[positions]  # (1, T, rotary_dim)
     cos = torch.cat((rows[..., :half], rows[..., :half]), -1).to(q.dtype)
     sin = torch.cat((rows[..., half:], rows[..., half:]), -1).to(q.dtype)
     return plain_hf_apply(q, k, cos, sin)
@@ -477,6 +516,7 @@ def gather_hf_apply(q, k, cache, positions):
 class TorchCompileGather(Peer):
     """W11 peer: torch.compile of the positions gather and the HF formula together (what a
     compiled packed-sequence model does with position_ids)."""
+
     name = "torch-compile-gather"
     label = "torch.compile (gather + HF formula)"
     needs_cuda = False
@@ -487,6 +527,7 @@ class TorchCompileGather(Peer):
 
     def begin(self, wl):
         import torch._dynamo
+
         torch._dynamo.reset()
 
     def make(self, wl, inp):
@@ -505,7 +546,6 @@ class TorchCompileGather(Peer):
 # Liger-Kernel
 
 
-
 def _cuda_module_available(device, module):
     """(available, reason) of a CUDA-only peer whose code lives in module."""
     if torch.device(device).type != "cuda":
@@ -515,6 +555,7 @@ def _cuda_module_available(device, module):
         return True, ""
     except Exception as e:
         return False, f"not importable ({_short(e)})"
+
 
 class Liger(Peer):
     name = "liger"
@@ -530,20 +571,26 @@ class Liger(Peer):
         return _version("liger-kernel", "liger_kernel")
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         dt = inp["q"].dtype
         if wl.kind in ("mla", "store"):
-            raise PeerSkip("n/a", "no such op in Liger (needs contiguous q; no KV-cache store)"
-                           if wl.kind == "mla" else "no fused KV-cache store in Liger")
+            raise PeerSkip(
+                "n/a",
+                "no such op in Liger (needs contiguous q; no KV-cache store)"
+                if wl.kind == "mla"
+                else "no fused KV-cache store in Liger",
+            )
         q_hf, k_hf = W.to_hf(wl, inp["q"]), W.to_hf(wl, inp["k"])
         back = lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]))  # noqa: E731
         if wl.interleaved:
             try:
                 from liger_kernel.transformers.llama4_rope import liger_llama4_text_rotary_pos_emb as fn
+
                 self._notes[wl.id] = "liger_kernel.transformers.llama4_rope.liger_llama4_text_rotary_pos_emb"
             except Exception:
                 from liger_kernel.ops.llama4_rope import LigerLlama4RopeFunction
+
                 fn = LigerLlama4RopeFunction.apply
                 self._notes[wl.id] = "liger_kernel.ops.llama4_rope.LigerLlama4RopeFunction"
             tab = inp["cache"]
@@ -555,9 +602,11 @@ class Liger(Peer):
         if wl.mrope_section is not None:
             try:
                 from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb as fn
+
                 self._notes[wl.id] = "liger_kernel.transformers.qwen2vl_mrope.liger_multimodal_rotary_pos_emb"
             except Exception:
                 from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction
+
                 fn = LigerQwen2VLMRopeFunction.apply
                 self._notes[wl.id] = "liger_kernel.ops.qwen2vl_mrope.LigerQwen2VLMRopeFunction"
             cos, sin = hf_cos_sin(wl, inp, dt, mrope3=True)
@@ -565,9 +614,11 @@ class Liger(Peer):
             return Bound(lambda: fn(q_hf, k_hf, cos, sin, sec), back)
         try:
             from liger_kernel.transformers.rope import liger_rotary_pos_emb as fn
+
             self._notes[wl.id] = "liger_kernel.transformers.rope.liger_rotary_pos_emb"
         except Exception:
             from liger_kernel.ops.rope import LigerRopeFunction
+
             fn = LigerRopeFunction.apply
             self._notes[wl.id] = "liger_kernel.ops.rope.LigerRopeFunction"
         cos, sin = hf_cos_sin(wl, inp, dt)
@@ -576,8 +627,7 @@ class Liger(Peer):
         q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
         fwd = lambda q_, k_: fn(W.to_hf(wl, q_), W.to_hf(wl, k_), cos, sin)  # noqa: E731
         gq, gk = W.to_hf(wl, inp["gq"]), W.to_hf(wl, inp["gk"])
-        return Bound(_grad_fn(fwd, q, k, gq, gk),
-                     lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]), o[2], o[3]))
+        return Bound(_grad_fn(fwd, q, k, gq, gk), lambda o: (W.from_hf(wl, o[0]), W.from_hf(wl, o[1]), o[2], o[3]))
 
     def note(self, wl):
         return self._notes.get(wl.id, "") + " (rotates q/k in place)" if wl.id in self._notes else ""
@@ -605,13 +655,19 @@ class FlashInfer(Peer):
         return _version("flashinfer-python", "flashinfer")
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         if wl.kind != "rope" or wl.mrope_section is not None:
-            raise PeerSkip("n/a", {"mla": "needs (nnz, H*D)-flattenable q; W6 is a strided slice",
-                                   "store": "no fused store with this cache layout",
-                                   "fwdbwd": "no autograd"}.get(wl.kind, "no M-RoPE op"))
+            raise PeerSkip(
+                "n/a",
+                {
+                    "mla": "needs (nnz, H*D)-flattenable q; W6 is a strided slice",
+                    "store": "no fused store with this cache layout",
+                    "fwdbwd": "no autograd",
+                }.get(wl.kind, "no M-RoPE op"),
+            )
         from flashinfer.rope import apply_rope_with_cos_sin_cache as fn
+
         q, k = inp["q"], inp["k"]
         D = q.shape[-1]
         n = q.shape[:-2].numel()
@@ -619,8 +675,9 @@ class FlashInfer(Peer):
         pos = _flat_positions(wl, inp)
         cache = inp["cache"].float()
         neox = not wl.interleaved
-        return Bound(lambda: fn(pos, qf, kf, D, cache, is_neox=neox),
-                     lambda o: (o[0].view(q.shape), o[1].view(k.shape)))
+        return Bound(
+            lambda: fn(pos, qf, kf, D, cache, is_neox=neox), lambda o: (o[0].view(q.shape), o[1].view(k.shape))
+        )
 
     def note(self, wl):
         return "flashinfer.rope.apply_rope_with_cos_sin_cache"
@@ -637,23 +694,30 @@ class VLLM(Peer):
         return _version("vllm")
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         if wl.kind in ("mla", "fwdbwd") or wl.mrope_section is not None:
-            raise PeerSkip("n/a", {"mla": "needs (T, H*D) q; W6 is a strided slice",
-                                   "fwdbwd": "no autograd"}.get(wl.kind, "M-RoPE is a separate Triton path"))
+            raise PeerSkip(
+                "n/a",
+                {"mla": "needs (T, H*D) q; W6 is a strided slice", "fwdbwd": "no autograd"}.get(
+                    wl.kind, "M-RoPE is a separate Triton path"
+                ),
+            )
         from vllm import _custom_ops as ops
+
         q, k = inp["q"], inp["k"]
         D = q.shape[-1]
         n = q.shape[:-2].numel()
         qf, kf = q.view(n, -1), k.view(n, -1)
         pos = _flat_positions(wl, inp)
-        cache = inp["cache"].to(q.dtype)           # vLLM keeps the table in the activation dtype
+        cache = inp["cache"].to(q.dtype)  # vLLM keeps the table in the activation dtype
         neox = not wl.interleaved
         if wl.kind == "rope":
+
             def fn():
                 ops.rotary_embedding(pos, qf, kf, D, cache, neox)
                 return q, k
+
             return Bound(fn, lambda o: o)
         v, kc, vc, slots = inp["v"], inp["k_cache"], inp["v_cache"], inp["slots"]
         ann = inspect.signature(ops.reshape_and_cache_flash).parameters.get("k_scale")
@@ -664,11 +728,15 @@ class VLLM(Peer):
             ops.rotary_embedding(pos, qf, kf, D, cache, neox)
             ops.reshape_and_cache_flash(k, v, kc, vc, slots, "auto", scale, scale)
             return q
+
         return Bound(fn, lambda o: (q, kc, vc))
 
     def note(self, wl):
-        return ("vllm._custom_ops.rotary_embedding" +
-                (" + reshape_and_cache_flash" if wl.kind == "store" else "") + " (in place)")
+        return (
+            "vllm._custom_ops.rotary_embedding"
+            + (" + reshape_and_cache_flash" if wl.kind == "store" else "")
+            + " (in place)"
+        )
 
 
 class FlashAttn(Peer):
@@ -682,37 +750,49 @@ class FlashAttn(Peer):
         return _version("flash-attn", "flash_attn")
 
     def make(self, wl, inp):
-        if wl.kind in W.NORM_KINDS:                   # W9 / W10: see norm_make
+        if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
         if wl.kind == "store" or wl.mrope_section is not None:
             raise PeerSkip("n/a", "no KV-cache store" if wl.kind == "store" else "no M-RoPE")
         from flash_attn.layers.rotary import apply_rotary_emb as rot
+
         dt = inp["q"].dtype
-        cos, sin = _half_table(inp, dt)             # flash-attn wants cos/sin in x's dtype
+        cos, sin = _half_table(inp, dt)  # flash-attn wants cos/sin in x's dtype
         il = wl.interleaved
         if wl.kind == "mla":
             R = inp["k_pe"].shape[-1]
-            xq, xk = inp["q"][..., -R:].unsqueeze(0), inp["k_pe"].unsqueeze(0)   # (1, T, H, 64)
-            return Bound(lambda: (rot(xq, cos, sin, interleaved=il, inplace=True),
-                                  rot(xk, cos, sin, interleaved=il, inplace=True)),
-                         lambda o: (inp["q"], inp["k_pe"]))
+            xq, xk = inp["q"][..., -R:].unsqueeze(0), inp["k_pe"].unsqueeze(0)  # (1, T, H, 64)
+            return Bound(
+                lambda: (
+                    rot(xq, cos, sin, interleaved=il, inplace=True),
+                    rot(xk, cos, sin, interleaved=il, inplace=True),
+                ),
+                lambda o: (inp["q"], inp["k_pe"]),
+            )
         if wl.kind == "fwdbwd":
             q, k = inp["q"].requires_grad_(), inp["k"].requires_grad_()
             fwd = lambda q_, k_: (rot(q_, cos, sin, interleaved=il), rot(k_, cos, sin, interleaved=il))  # noqa: E731
             return Bound(_grad_fn(fwd, q, k, inp["gq"], inp["gk"]), lambda o: tuple(o))
         q, k = inp["q"], inp["k"]
         if wl.layout == "bshd":
-            return Bound(lambda: (rot(q, cos, sin, interleaved=il), rot(k, cos, sin, interleaved=il)),
-                         lambda o: tuple(o))
-        if wl.layout == "decode":                   # T sequences of one token at their positions
+            return Bound(
+                lambda: (rot(q, cos, sin, interleaved=il), rot(k, cos, sin, interleaved=il)), lambda o: tuple(o)
+            )
+        if wl.layout == "decode":  # T sequences of one token at their positions
             off = inp["positions"].to(torch.int32)
             xq, xk = q.unsqueeze(1), k.unsqueeze(1)
-            return Bound(lambda: (rot(xq, cos, sin, interleaved=il, seqlen_offsets=off),
-                                  rot(xk, cos, sin, interleaved=il, seqlen_offsets=off)),
-                         lambda o: (o[0].squeeze(1), o[1].squeeze(1)))
-        xq, xk = q.unsqueeze(0), k.unsqueeze(0)     # prefill from position 0
-        return Bound(lambda: (rot(xq, cos, sin, interleaved=il), rot(xk, cos, sin, interleaved=il)),
-                     lambda o: (o[0].squeeze(0), o[1].squeeze(0)))
+            return Bound(
+                lambda: (
+                    rot(xq, cos, sin, interleaved=il, seqlen_offsets=off),
+                    rot(xk, cos, sin, interleaved=il, seqlen_offsets=off),
+                ),
+                lambda o: (o[0].squeeze(1), o[1].squeeze(1)),
+            )
+        xq, xk = q.unsqueeze(0), k.unsqueeze(0)  # prefill from position 0
+        return Bound(
+            lambda: (rot(xq, cos, sin, interleaved=il), rot(xk, cos, sin, interleaved=il)),
+            lambda o: (o[0].squeeze(0), o[1].squeeze(0)),
+        )
 
     def note(self, wl):
         return "flash_attn.layers.rotary.apply_rotary_emb (one call each for q and k)"
@@ -756,8 +836,7 @@ def _ropekit_rerotate(self, wl, inp):
     op = self._op("rerotate_kv_cache")
     cache, view, slots, delta, table, scale = _rerotate_args(inp, wl)
     ks = None if scale is None else torch.tensor([scale], device=cache.device)
-    return Bound(lambda: op(view, slots, delta, table, interleaved=wl.interleaved, k_scale=ks),
-                 lambda o: (cache,))
+    return Bound(lambda: op(view, slots, delta, table, interleaved=wl.interleaved, k_scale=ks), lambda o: (cache,))
 
 
 def _torch_rerotate(self, wl, inp):
@@ -787,14 +866,26 @@ def _with_rerotate(cls, handler, note=None):
 
 
 _with_rerotate(Ropekit, _ropekit_rerotate, lambda self: f"{self.module}.rerotate_kv_cache (in place)")  # Reference too
-_with_rerotate(TorchEager, _torch_rerotate)                  # TorchCompile too: its wrap() compiles
+_with_rerotate(TorchEager, _torch_rerotate)  # TorchCompile too: its wrap() compiles
 for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn):
     _with_rerotate(_cls, None)
 
 
 def all_peers() -> List[Peer]:
-    return [Ropekit(), RopekitUnfused(), RopekitHF(), Reference(), TorchEager(), TorchCompile(),
-            Liger(), FlashInfer(), VLLM(), FlashAttn(), RopekitCuSeqlens(), TorchCompileGather()]
+    return [
+        Ropekit(),
+        RopekitUnfused(),
+        RopekitHF(),
+        Reference(),
+        TorchEager(),
+        TorchCompile(),
+        Liger(),
+        FlashInfer(),
+        VLLM(),
+        FlashAttn(),
+        RopekitCuSeqlens(),
+        TorchCompileGather(),
+    ]
 
 
 NAMES = [p.name for p in all_peers()]
@@ -811,9 +902,11 @@ def _hf_rmsnorm(weight, eps):
     """Qwen3's RMSNorm module holding `weight` (transformers' class when importable)."""
     try:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
         mod = Qwen3RMSNorm(weight.shape[0], eps=eps)
         note = "transformers Qwen3RMSNorm"
     except Exception:
+
         class _Norm(torch.nn.Module):
             def __init__(self, n, eps):
                 super().__init__()
@@ -824,6 +917,7 @@ def _hf_rmsnorm(weight, eps):
                 h = x.float()
                 h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
                 return self.weight * h.to(x.dtype)
+
         mod, note = _Norm(weight.shape[0], eps), "bench's plain-torch Qwen3 RMSNorm"
     mod = mod.to(device=weight.device, dtype=weight.dtype)
     mod.weight = torch.nn.Parameter(weight, requires_grad=weight.requires_grad)
@@ -832,6 +926,7 @@ def _hf_rmsnorm(weight, eps):
 
 def _liger_rmsnorm(weight, eps):
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
     mod = LigerRMSNorm(weight.shape[0], eps=eps).to(device=weight.device, dtype=weight.dtype)
     mod.weight = torch.nn.Parameter(weight, requires_grad=weight.requires_grad)
     return mod, "liger_kernel LigerRMSNorm"
@@ -842,6 +937,7 @@ def _norm_grad_fn(forward, q, k, wq, wk, gq, gk):
         qo, ko = forward(q, k)
         dq, dk, dwq, dwk = torch.autograd.grad((qo, ko), (q, k, wq, wk), (gq, gk))
         return qo, ko, dq, dk, dwq, dwk
+
     return fn
 
 
@@ -871,8 +967,9 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
         if grad:
             return Bound(_norm_grad_fn(forward_tokens, q, k, *weights, inp["gq"], inp["gk"]), tuple)
         if store:
+
             def put(rows, x):
-                if rows.dtype == torch.float8_e4m3fn:       # no fp8 index_copy: move the bytes
+                if rows.dtype == torch.float8_e4m3fn:  # no fp8 index_copy: move the bytes
                     rows.view(torch.uint8).index_copy_(0, slots, x.float().to(rows.dtype).view(torch.uint8))
                 else:
                     rows.index_copy_(0, slots, x.to(rows.dtype))
@@ -882,21 +979,28 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
                 put(k_rows, ko)
                 put(v_rows, v)
                 return qo
+
             return Bound(fn, lambda o: (o, kc, vc))
         return Bound(lambda: forward_tokens(q, k), tuple)
 
     if name == "ropekit":
         import ropekit
+
         if store:
             _NORM_NOTES[(name, wl.id)] = "ropekit.apply_rope_and_store(q_norm_weight=, k_norm_weight=) (one launch)"
-            return Bound(lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots, q_norm_weight=wq,
-                                                              k_norm_weight=wk, norm_eps=eps),
-                         lambda o: (q, kc, vc))
-        return finish(lambda q_, k_: ropekit.apply_rope(q_, k_, pos, cache, q_norm_weight=wq, k_norm_weight=wk,
-                                                        norm_eps=eps),
-                      "ropekit.apply_rope(q_norm_weight=, k_norm_weight=) (one launch)")
+            return Bound(
+                lambda: ropekit.apply_rope_and_store(
+                    q, k, v, pos, cache, kc, vc, slots, q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps
+                ),
+                lambda o: (q, kc, vc),
+            )
+        return finish(
+            lambda q_, k_: ropekit.apply_rope(q_, k_, pos, cache, q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps),
+            "ropekit.apply_rope(q_norm_weight=, k_norm_weight=) (one launch)",
+        )
     if name == "ropekit-unfused":
         import ropekit
+
         F = torch.nn.functional
         rms = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
         if store:
@@ -911,13 +1015,17 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
                 kn = rms(k.float(), wk.float()) if up else rms(k, wk)
                 ropekit.apply_rope_and_store(qn, kn, v.float() if up else v, pos, cache, kc, vc, slots)
                 return qn
+
             return Bound(fn, lambda o: (o, kc, vc))
-        return finish(lambda q_, k_: ropekit.apply_rope(rms(q_, wq), rms(k_, wk), pos, cache),
-                      "torch.nn.functional.rms_norm, then ropekit.apply_rope")
+        return finish(
+            lambda q_, k_: ropekit.apply_rope(rms(q_, wq), rms(k_, wk), pos, cache),
+            "torch.nn.functional.rms_norm, then ropekit.apply_rope",
+        )
     if name in ("torch-eager", "torch-compile", "liger"):
         F_ = peer.fns(("apply",)) if name != "liger" else None
         if name == "liger":
             from liger_kernel.transformers.rope import liger_rotary_pos_emb as apply
+
             qn_mod, nnote = _liger_rmsnorm(wq, eps)
             kn_mod, _ = _liger_rmsnorm(wk, eps)
             anote = "liger_rotary_pos_emb"
@@ -932,7 +1040,11 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
             qh, kh = W.to_hf(wl, qn_mod(q_)), W.to_hf(wl, kn_mod(k_))
             qo, ko = apply(qh, kh, cos, sin)
             return W.from_hf(wl, qo), W.from_hf(wl, ko)
+
         fwd = peer.wrap(wl, "qknorm", hf_forward) if name == "torch-compile" else hf_forward
-        return finish(fwd, f"{nnote}, then {anote}" + (" (torch.compile)" if name == "torch-compile" else ""),
-                      (qn_mod.weight, kn_mod.weight))
+        return finish(
+            fwd,
+            f"{nnote}, then {anote}" + (" (torch.compile)" if name == "torch-compile" else ""),
+            (qn_mod.weight, kn_mod.weight),
+        )
     raise PeerSkip("n/a", "no fused q/k RMSNorm + RoPE workload for this peer")

@@ -27,7 +27,7 @@ def _us(x: Optional[float]) -> str:
     return f"{x:.0f} us"
 
 
-NOISY = "!"   # marks a figure whose max / min is above timing.SPREAD_FLAG
+NOISY = "!"  # marks a figure whose max / min is above timing.SPREAD_FLAG
 
 
 def _spread(sp: Optional[dict]) -> str:
@@ -45,8 +45,7 @@ def _ratios(value_us: Optional[float], floors: Optional[dict], names: Tuple[str,
     """' (2.1x launch, 3.0x aten)': value over each floor's median."""
     if value_us is None or not floors:
         return ""
-    parts = [f"{value_us / floors[n]['median']:.1f}x {n}" for n in names
-             if floors.get(n) and floors[n]["median"] > 0]
+    parts = [f"{value_us / floors[n]['median']:.1f}x {n}" for n in names if floors.get(n) and floors[n]["median"] > 0]
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -80,14 +79,17 @@ def pivot(res: dict) -> Tuple[List[str], List[List[str]]]:
     for w in res["workloads"]:
         graph = w["graph"] and not res["meta"]["cpu_mode"]
         floors = w.get("host_floors")
-        fwdbwd = floors if (floors and not w["host"]) else None       # W8: its time over the Function floor
+        fwdbwd = floors if (floors and not w["host"]) else None  # W8: its time over the Function floor
         label = f"{w['id']} {w['name']}" + (" (graph)" if graph else "")
-        rows.append([label] + [_cell(by[(w["id"], c["name"])], graph, fwdbwd) if (w["id"], c["name"]) in by
-                               else "–" for c in cols])
+        rows.append(
+            [label]
+            + [_cell(by[(w["id"], c["name"])], graph, fwdbwd) if (w["id"], c["name"]) in by else "–" for c in cols]
+        )
         if w["host"] and any(by.get((w["id"], c["name"]), {}).get("host_us") is not None for c in cols):
-            rows.append([f"{w['id']} host per call"] +
-                        [_host_cell(by[(w["id"], c["name"])], floors) if (w["id"], c["name"]) in by
-                         else "–" for c in cols])
+            rows.append(
+                [f"{w['id']} host per call"]
+                + [_host_cell(by[(w["id"], c["name"])], floors) if (w["id"], c["name"]) in by else "–" for c in cols]
+            )
     return header, rows
 
 
@@ -101,8 +103,11 @@ def _host_cell(rec: dict, floors: Optional[dict]) -> str:
 def floor_lines(res: dict) -> List[str]:
     """One line per workload with host floors: each floor's median and spread, in microseconds."""
     out = []
-    names = {"launch": "empty Triton kernel launch, kernel[(1,)](q)", "aten": "in-place ATen op, q.add_(0)",
-             "autograd": "empty autograd.Function, forward + backward"}
+    names = {
+        "launch": "empty Triton kernel launch, kernel[(1,)](q)",
+        "aten": "in-place ATen op, q.add_(0)",
+        "autograd": "empty autograd.Function, forward + backward",
+    }
     for w in res["workloads"]:
         f = w.get("host_floors")
         if not f:
@@ -126,8 +131,10 @@ def cpu_speed_lines(res: dict) -> List[str]:
     if "skipped" in cs:
         return [f"CPU tensors, ropekit vs HF eager: skipped ({cs['skipped']})"]
     sz = cs.get("sizes", {})
-    head = ("CPU tensors (no interpreter), B={B} S={S} Hq={Hq} Hk={Hk} D={D}, median of single calls "
-            "[min-max], ratio to HF's apply_rotary_pos_emb:").format(**sz)
+    head = (
+        "CPU tensors (no interpreter), B={B} S={S} Hq={Hq} Hk={Hk} D={D}, median of single calls "
+        "[min-max], ratio to HF's apply_rotary_pos_emb:"
+    ).format(**sz)
     out = [head]
     for dt, row in cs.items():
         if dt == "sizes":
@@ -182,10 +189,14 @@ def _heading(res: dict) -> List[str]:
         lines.append("*** PARTIAL RUN: the run stopped before every workload was measured ***")
     if m["cpu_mode"]:
         lines.append("*** " + (res.get("cpu_banner") or "CPU RUN: these are CPU numbers, not GPU numbers") + " ***")
-    lines.append(f"device: {m['device']}   copy bandwidth: {c['gbps']:.0f} GB/s ({c['what']})"
-                 + ("   [CPU]" if m["cpu_mode"] else ""))
-    lines.append(f"sizes: {'quick' if m['quick'] else 'full (WORKLOADS.md)'}   dtype: {m['dtype']}   "
-                 f"oracle: {m.get('oracle') or '-'}")
+    lines.append(
+        f"device: {m['device']}   copy bandwidth: {c['gbps']:.0f} GB/s ({c['what']})"
+        + ("   [CPU]" if m["cpu_mode"] else "")
+    )
+    lines.append(
+        f"sizes: {'quick' if m['quick'] else 'full (WORKLOADS.md)'}   dtype: {m['dtype']}   "
+        f"oracle: {m.get('oracle') or '-'}"
+    )
     if m["cpu_mode"] and m.get("triton_interpret"):
         lines.append("TRITON_INTERPRET=1: ropekit ran its Triton kernels in the interpreter (slow by design)")
     return lines
@@ -195,8 +206,10 @@ def terminal(res: dict) -> str:
     header, rows = pivot(res)
     unit = "CPU memcpy" if res["meta"]["cpu_mode"] else "copy bandwidth"
     parts = _heading(res)
-    parts.append(f"cells: % of {unit} (median time per call)" + (
-        "" if res["meta"]["cpu_mode"] else "; (graph) rows: time per call under CUDA-graph replay"))
+    parts.append(
+        f"cells: % of {unit} (median time per call)"
+        + ("" if res["meta"]["cpu_mode"] else "; (graph) rows: time per call under CUDA-graph replay")
+    )
     parts += ["", _text_table(header, rows), ""]
     parts += floor_lines(res) + cpu_speed_lines(res)
     parts += [f"[min-max]: fastest and slowest call; '{NOISY}': max / min above the noise flag", ""]
@@ -207,8 +220,7 @@ def terminal(res: dict) -> str:
 
 
 def details_rows(res: dict) -> Tuple[List[str], List[List[str]]]:
-    header = ["workload", "implementation", "status", "time", "GB/s", "% copy", "host/call",
-              "max rel err", "timing"]
+    header = ["workload", "implementation", "status", "time", "GB/s", "% copy", "host/call", "max rel err", "timing"]
     label = {p["name"]: p["label"] for p in res["peers"]}
     rows = []
     for r in res["results"]:
@@ -217,12 +229,19 @@ def details_rows(res: dict) -> Tuple[List[str], List[List[str]]]:
         if errs:
             w = max((math.inf if isinstance(v, str) else v) for v in errs)
             worst = "nan" if math.isinf(w) else f"{w:.1e}"
-        rows.append([r["workload"], label.get(r["peer"], r["peer"]), r["status"],
-                     _us(r["time_us"]) if r["time_us"] is not None else "–",
-                     f"{r['gbps']:.0f}" if r["gbps"] is not None else "–",
-                     f"{r['pct_copy']:.1f}%" if r["pct_copy"] is not None else "–",
-                     _us(r["host_us"]) if r["host_us"] is not None else "–",
-                     worst, r["method"] or r["reason"]])
+        rows.append(
+            [
+                r["workload"],
+                label.get(r["peer"], r["peer"]),
+                r["status"],
+                _us(r["time_us"]) if r["time_us"] is not None else "–",
+                f"{r['gbps']:.0f}" if r["gbps"] is not None else "–",
+                f"{r['pct_copy']:.1f}%" if r["pct_copy"] is not None else "–",
+                _us(r["host_us"]) if r["host_us"] is not None else "–",
+                worst,
+                r["method"] or r["reason"],
+            ]
+        )
     return header, rows
 
 
@@ -236,6 +255,7 @@ def write_png(res: dict, path: str) -> Tuple[bool, str]:
     """Grouped bars: % of copy bandwidth per workload and implementation. Needs matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:
@@ -259,11 +279,19 @@ def write_png(res: dict, path: str) -> Tuple[bool, str]:
         bars = ax.bar(xs, ys, width, label=c["label"])
         for b, y in zip(bars, ys):
             ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
-        for i, w in enumerate(wls):                      # mark cells that did not run
+        for i, w in enumerate(wls):  # mark cells that did not run
             r = by.get((w["id"], c["name"]))
             if r and r["status"] in ("wrong", "error"):
-                ax.text(i - 0.4 + width * (j + 0.5), 1, r["status"], rotation=90, ha="center",
-                        va="bottom", fontsize=6, color="red")
+                ax.text(
+                    i - 0.4 + width * (j + 0.5),
+                    1,
+                    r["status"],
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                    color="red",
+                )
     ax.axhline(100, color="gray", linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(wls)))
     ax.set_xticklabels([w["id"] + ("*" if w["graph"] and not cpu else "") for w in wls])
@@ -275,8 +303,7 @@ def write_png(res: dict, path: str) -> Tuple[bool, str]:
         title = "CPU NUMBERS, not GPU: " + title
     ax.set_title(title, fontsize=9)
     if not cpu and any(w["graph"] for w in wls):
-        ax.text(0.0, -0.12, "* launch-bound size, timed with CUDA-graph replay", transform=ax.transAxes,
-                fontsize=7)
+        ax.text(0.0, -0.12, "* launch-bound size, timed with CUDA-graph replay", transform=ax.transAxes, fontsize=7)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -295,18 +322,29 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
         out += ["> **Partial run: it stopped before every workload was measured.**", ""]
     if cpu:
         out += ["> **" + (res.get("cpu_banner") or "CPU numbers, not GPU numbers") + "**", ""]
-    out += [f"Measured on **{m['device']}** on {m['date']}, bf16. Copy bandwidth measured in the same "
-            f"run: **{c['gbps']:.0f} GB/s** ({c['what']}). Sizes: "
-            f"{'quick' if m['quick'] else 'full, as in benchmarks/WORKLOADS.md'}.", "",
-            "Command:", "", "```", m.get("command") or "python -m ropekit.bench", "```", ""]
+    out += [
+        f"Measured on **{m['device']}** on {m['date']}, bf16. Copy bandwidth measured in the same "
+        f"run: **{c['gbps']:.0f} GB/s** ({c['what']}). Sizes: "
+        f"{'quick' if m['quick'] else 'full, as in benchmarks/WORKLOADS.md'}.",
+        "",
+        "Command:",
+        "",
+        "```",
+        m.get("command") or "python -m ropekit.bench",
+        "```",
+        "",
+    ]
     if png:
         out += [f"![percent of copy bandwidth per workload and implementation]({png})", ""]
     unit = "CPU memcpy bandwidth" if cpu else "copy bandwidth"
-    out += [f"Percent of {unit} (higher is better) and median time per call. Every "
-            "implementation's output was checked against a float64 reference before it was timed "
-            "(bf16 tolerance: relative error 1e-2); a wrong one is reported, not timed. Rows marked "
-            "(graph) are launch-bound sizes timed under CUDA-graph replay over input sets larger "
-            "than L2; 'host per call' is wall-clock time per eager call.", ""]
+    out += [
+        f"Percent of {unit} (higher is better) and median time per call. Every "
+        "implementation's output was checked against a float64 reference before it was timed "
+        "(bf16 tolerance: relative error 1e-2); a wrong one is reported, not timed. Rows marked "
+        "(graph) are launch-bound sizes timed under CUDA-graph replay over input sets larger "
+        "than L2; 'host per call' is wall-clock time per eager call.",
+        "",
+    ]
     header, rows = pivot(res)
     out += [_md_table(header, rows), ""]
     extra = floor_lines(res) + cpu_speed_lines(res)
@@ -315,8 +353,9 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
     out += ["## Workloads", "", "| id | what | sizes | minimal bytes | floor |", "|---|---|---|---|---|"]
     for w in res["workloads"]:
         sizes = ", ".join(f"{k}={v}" for k, v in w["sizes"].items())
-        out.append(f"| {w['id']} {w['name']} | {w['what']} | {sizes} | {w['bytes'] / 1e6:.1f} MB | "
-                   f"{_us(w['floor_us'])} |")
+        out.append(
+            f"| {w['id']} {w['name']} | {w['what']} | {sizes} | {w['bytes'] / 1e6:.1f} MB | {_us(w['floor_us'])} |"
+        )
     out += ["", "## Details", ""]
     dh, dr = details_rows(res)
     out += [_md_table(dh, dr), "", "## Notes", ""]
@@ -343,13 +382,18 @@ def write_markdown(res: dict, path: str, png: Optional[str] = None) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ropekit.bench.report",
-                                 description="Regenerate the table / RESULTS.md / plot from a saved JSON run.")
+    ap = argparse.ArgumentParser(
+        prog="python -m ropekit.bench.report",
+        description="Regenerate the table / RESULTS.md / plot from a saved JSON run.",
+    )
     ap.add_argument("json", help="results JSON written by python -m ropekit.bench")
     ap.add_argument("--results-md", metavar="PATH", help="write the markdown here")
-    ap.add_argument("--png", metavar="PATH",
-                    help="where the plot is to live (default: next to the markdown); the run's "
-                         "PNG (the JSON's name with .png) is copied there, or redrawn with --redraw")
+    ap.add_argument(
+        "--png",
+        metavar="PATH",
+        help="where the plot is to live (default: next to the markdown); the run's "
+        "PNG (the JSON's name with .png) is copied there, or redrawn with --redraw",
+    )
     ap.add_argument("--redraw", action="store_true", help="redraw the PNG from the JSON (needs matplotlib)")
     a = ap.parse_args(argv)
     with open(a.json) as f:

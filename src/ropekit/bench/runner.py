@@ -18,15 +18,17 @@ from . import peers as P
 from . import timing
 from . import workloads as W
 
-CPU_BANNER = ("CPU RUN: no CUDA device was used. These are CPU numbers (pure-PyTorch paths at "
-              "quick sizes), not GPU numbers; '% of copy' is against a CPU memcpy.")
+CPU_BANNER = (
+    "CPU RUN: no CUDA device was used. These are CPU numbers (pure-PyTorch paths at "
+    "quick sizes), not GPU numbers; '% of copy' is against a CPU memcpy."
+)
 
 
 @dataclass
 class Config:
     workloads: List[W.Workload]
-    peers: Optional[List[str]] = None       # None: every peer (CPU run: the CPU defaults)
-    checkpoint: Optional[Callable[[dict], None]] = None   # called with the partial results after each workload
+    peers: Optional[List[str]] = None  # None: every peer (CPU run: the CPU defaults)
+    checkpoint: Optional[Callable[[dict], None]] = None  # called with the partial results after each workload
     quick: bool = False
     device: str = "auto"
     warmup_ms: float = 25.0
@@ -35,7 +37,7 @@ class Config:
     progress: bool = True
     command: str = ""
     extra: Dict[str, object] = field(default_factory=dict)
-    cpu_row: bool = True                    # also time ropekit against HF's function on CPU tensors
+    cpu_row: bool = True  # also time ropekit against HF's function on CPU tensors
 
 
 class Progress:
@@ -43,9 +45,10 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool):
         self.total, self.i, self.enabled, self.bar = total, 0, enabled, None
-        if enabled and sys.stderr.isatty():      # a log file gets plain counter lines instead
+        if enabled and sys.stderr.isatty():  # a log file gets plain counter lines instead
             try:
                 from tqdm.auto import tqdm
+
                 self.bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True)
             except Exception:
                 self.bar = None
@@ -85,8 +88,9 @@ def resolve_device(device: str) -> str:
 def _git_commit() -> Optional[str]:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=here, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=here, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None
     except Exception:
         return None
@@ -96,14 +100,16 @@ def _meta(device: str, quick: bool, cfg: Config) -> dict:
     cuda = torch.device(device).type == "cuda"
     try:
         import triton
+
         triton_v = triton.__version__
     except Exception:
         triton_v = None
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": cfg.command,
-        "device": torch.cuda.get_device_name(torch.device(device)) if cuda else
-                  f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device": torch.cuda.get_device_name(torch.device(device))
+        if cuda
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         "cpu_mode": not cuda,
         "quick": quick,
         "dtype": "bfloat16",
@@ -125,7 +131,7 @@ def _sync(device):
 
 
 def _free(device, collect=False):
-    if collect:                          # slow with transformers loaded: once per workload
+    if collect:  # slow with transformers loaded: once per workload
         gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -136,12 +142,22 @@ def _set_bytes(inp: Dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for k, t in inp.items() if k != "cache")
 
 
-def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gbps, device,
-            cfg: Config) -> dict:
-    rec: dict = {"workload": wl.id, "peer": peer.name, "status": None, "reason": "",
-                 "time_us": None, "gbps": None, "pct_copy": None, "host_us": None,
-                 "time_spread": None, "host_spread": None,
-                 "method": "", "rel_err": None, "note": ""}
+def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gbps, device, cfg: Config) -> dict:
+    rec: dict = {
+        "workload": wl.id,
+        "peer": peer.name,
+        "status": None,
+        "reason": "",
+        "time_us": None,
+        "gbps": None,
+        "pct_copy": None,
+        "host_us": None,
+        "time_spread": None,
+        "host_spread": None,
+        "method": "",
+        "rel_err": None,
+        "note": "",
+    }
     cuda = torch.device(device).type == "cuda"
     try:
         peer.begin(wl)
@@ -173,8 +189,9 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
     # timing: min / median / max of every figure, the median shown as the time
     try:
         if not cuda:
-            st = timing.stats(timing.cpu_samples(bound.fn, min_s=cfg.rep_ms / 1e3,
-                                                 warmup=1 if cfg.warmup_ms > 0 else 0))
+            st = timing.stats(
+                timing.cpu_samples(bound.fn, min_s=cfg.rep_ms / 1e3, warmup=1 if cfg.warmup_ms > 0 else 0)
+            )
             method = "CPU wall clock, median"
         elif wl.graph:
             try:
@@ -194,15 +211,15 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
         ms = st["median"]
         rec["time_spread"] = {k: (v * 1e3 if k in ("min", "median", "max") else v) for k, v in st.items()}
         if wl.host:
-            hs = timing.host_us_stats(bound.fn, device, batches=7 if cuda else 3, n=50 if cuda else 3,
-                                      warmup=5 if cuda else 1)
+            hs = timing.host_us_stats(
+                bound.fn, device, batches=7 if cuda else 3, n=50 if cuda else 3, warmup=5 if cuda else 1
+            )
             rec["host_us"], rec["host_spread"] = hs["median"], hs
     except Exception as e:
         rec.update(status="error", reason="timing: " + P._short(e))
         return rec
     gbps = nbytes / (ms * 1e-3) / 1e9
-    rec.update(status="ok", time_us=ms * 1e3, gbps=gbps, pct_copy=100.0 * gbps / copy_gbps,
-               method=method)
+    rec.update(status="ok", time_us=ms * 1e3, gbps=gbps, pct_copy=100.0 * gbps / copy_gbps, method=method)
     return rec
 
 
@@ -222,8 +239,7 @@ def run(cfg: Config, log=None) -> dict:
             info["reason"] = "not selected (--peers)"
         elif cfg.peers is None and not cuda and not p.cpu_default:
             ok, why = p.available(device)
-            info["reason"] = why if not ok else (
-                "CPU run: not run by default (pass --peers " + p.name + ")")
+            info["reason"] = why if not ok else ("CPU run: not run by default (pass --peers " + p.name + ")")
         else:
             ok, why = p.available(device)
             info["available"], info["reason"] = ok, why
@@ -240,8 +256,9 @@ def run(cfg: Config, log=None) -> dict:
     if not cuda:
         say(CPU_BANNER)
     prog.step("copy bandwidth")
-    copy = timing.copy_bandwidth(device, nbytes=(256 << 20) if (quick and cuda) else None,
-                                 warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
+    copy = timing.copy_bandwidth(
+        device, nbytes=(256 << 20) if (quick and cuda) else None, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms
+    )
     prog.done()
     oracle = W.Oracle()
     l2 = timing.l2_bytes(device)
@@ -255,23 +272,56 @@ def run(cfg: Config, log=None) -> dict:
             exp = W.expected(wl, base, oracle)
             n_sets = timing.rotation_sets(_set_bytes(base), l2) if (cuda and wl.graph) else 1
             extra = [W.make_inputs(wl, s, table, device, cfg.seed + 1 + i) for i in range(n_sets - 1)]
-        except Exception as e:                   # inputs or oracle failed: every cell is an error
+        except Exception as e:  # inputs or oracle failed: every cell is an error
             why = "inputs/oracle: " + P._short(e)
             say(f"{wl.id}: {why}")
-            wl_info.append({"id": wl.id, "name": wl.name, "what": wl.what, "sizes": s, "bytes": 0,
-                            "floor_us": 0.0, "graph": wl.graph, "host": wl.host, "input_sets": 0})
+            wl_info.append(
+                {
+                    "id": wl.id,
+                    "name": wl.name,
+                    "what": wl.what,
+                    "sizes": s,
+                    "bytes": 0,
+                    "floor_us": 0.0,
+                    "graph": wl.graph,
+                    "host": wl.host,
+                    "input_sets": 0,
+                }
+            )
             for p in active:
                 prog.step(f"{wl.id} {p.name}")
-                results.append({"workload": wl.id, "peer": p.name, "status": "error", "reason": why,
-                                "time_us": None, "gbps": None, "pct_copy": None, "host_us": None,
-                                "method": "", "rel_err": None, "note": ""})
+                results.append(
+                    {
+                        "workload": wl.id,
+                        "peer": p.name,
+                        "status": "error",
+                        "reason": why,
+                        "time_us": None,
+                        "gbps": None,
+                        "pct_copy": None,
+                        "host_us": None,
+                        "method": "",
+                        "rel_err": None,
+                        "note": "",
+                    }
+                )
                 prog.done()
             _free(device)
             continue
-        wl_info.append({"id": wl.id, "name": wl.name, "what": wl.what, "sizes": s, "bytes": nbytes,
-                        "floor_us": nbytes / (copy["gbps"] * 1e9) * 1e6, "graph": wl.graph,
-                        "host": wl.host, "input_sets": n_sets,
-                        "host_floors": _floors(wl, base, say) if (wl.host or wl.kind == "fwdbwd") else None})
+        wl_info.append(
+            {
+                "id": wl.id,
+                "name": wl.name,
+                "what": wl.what,
+                "sizes": s,
+                "bytes": nbytes,
+                "floor_us": nbytes / (copy["gbps"] * 1e9) * 1e6,
+                "graph": wl.graph,
+                "host": wl.host,
+                "input_sets": n_sets,
+                "host_floors": _floors(wl, base, say) if (wl.host or wl.kind == "fwdbwd") else None,
+            }
+        )
         for p in active:
             prog.step(f"{wl.id} {p.name}")
             rec = run_one(p, wl, base, exp, extra, nbytes, copy["gbps"], device, cfg)
@@ -301,7 +351,7 @@ def _floors(wl, base, say) -> Optional[dict]:
     """Host floors on this workload's own q (and k), measured now: see timing.host_floors."""
     try:
         return timing.host_floors(base["q"], base.get("k"))
-    except Exception as e:                       # a floor that cannot run is reported, not faked
+    except Exception as e:  # a floor that cannot run is reported, not faked
         say(f"{wl.id}: host floors: {P._short(e)}")
         return None
 
@@ -312,11 +362,12 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
     Also reference.rotate_into alone when it exists. Keys: dtype name -> {impl: stats}."""
     import ropekit
     from ropekit import reference
+
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
     except Exception as e:
         return {"skipped": f"transformers not importable ({P._short(e)})"}
-    saved = os.environ.pop("TRITON_INTERPRET", None)        # the CPU path users get
+    saved = os.environ.pop("TRITON_INTERPRET", None)  # the CPU path users get
     out: dict = {"sizes": dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D)}
     try:
         g = torch.Generator().manual_seed(0)
@@ -328,23 +379,32 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
             k = torch.randn(B, Hk, S, D, generator=g).to(dt)
             emb = torch.cat((ang, ang), -1)
             cos, sin = emb.cos().to(dt)[None].expand(B, S, D), emb.sin().to(dt)[None].expand(B, S, D)
-            qs, ks = q.transpose(1, 2), k.transpose(1, 2)          # (B, S, H, D) views, as HF holds them
+            qs, ks = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views, as HF holds them
             row = {
-                "hf": timing.stats([t * 1e3 for t in timing.cpu_samples(lambda: hf_apply(q, k, cos, sin),
-                                                                          min_s=min_s, max_reps=400)]),
-                "ropekit.apply_rope": timing.stats([t * 1e3 for t in timing.cpu_samples(
-                    lambda: ropekit.apply_rope(qs, ks, None, table), min_s=min_s, max_reps=400)]),
+                "hf": timing.stats(
+                    [t * 1e3 for t in timing.cpu_samples(lambda: hf_apply(q, k, cos, sin), min_s=min_s, max_reps=400)]
+                ),
+                "ropekit.apply_rope": timing.stats(
+                    [
+                        t * 1e3
+                        for t in timing.cpu_samples(
+                            lambda: ropekit.apply_rope(qs, ks, None, table), min_s=min_s, max_reps=400
+                        )
+                    ]
+                ),
             }
             rotate_into = getattr(reference, "rotate_into", None)
             if rotate_into is not None:
-                c, s_ = table[:S, :D // 2], table[:S, D // 2:]
+                c, s_ = table[:S, : D // 2], table[:S, D // 2 :]
                 qo, ko = torch.empty_like(qs), torch.empty_like(ks)
 
                 def both():
                     rotate_into(qs, qo, c, s_, interleaved=False, out_interleaved=False, inverse=False)
                     rotate_into(ks, ko, c, s_, interleaved=False, out_interleaved=False, inverse=False)
-                row["reference.rotate_into"] = timing.stats([t * 1e3 for t in timing.cpu_samples(
-                    both, min_s=min_s, max_reps=400)])
+
+                row["reference.rotate_into"] = timing.stats(
+                    [t * 1e3 for t in timing.cpu_samples(both, min_s=min_s, max_reps=400)]
+                )
             out[str(dt).replace("torch.", "")] = row
     finally:
         if saved is not None:
@@ -353,6 +413,11 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
 
 
 def _pack(meta, copy, wl_info, peer_info, results, cuda, partial):
-    return {"meta": {**meta, "partial": partial}, "copy": copy, "workloads": list(wl_info),
-            "peers": peer_info, "results": list(results),
-            "cpu_banner": CPU_BANNER if not cuda else None}
+    return {
+        "meta": {**meta, "partial": partial},
+        "copy": copy,
+        "workloads": list(wl_info),
+        "peers": peer_info,
+        "results": list(results),
+        "cpu_banner": CPU_BANNER if not cuda else None,
+    }

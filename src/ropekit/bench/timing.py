@@ -21,8 +21,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-DEFAULT_L2 = 60 * 1024 * 1024          # H200's 60 MB: used when the device does not say
-SPREAD_FLAG = 1.5                      # max / min above this: the table marks the figure as noisy
+DEFAULT_L2 = 60 * 1024 * 1024  # H200's 60 MB: used when the device does not say
+SPREAD_FLAG = 1.5  # max / min above this: the table marks the figure as noisy
 
 
 def l2_bytes(device) -> int:
@@ -70,7 +70,7 @@ def gpu_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100)
     """Median milliseconds of one call (device time between events)."""
     try:
         from triton.testing import do_bench
-    except Exception:                                   # pragma: no cover - triton is there on GPUs
+    except Exception:  # pragma: no cover - triton is there on GPUs
         return _do_bench_fallback(fn, warmup_ms, rep_ms)
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
@@ -79,14 +79,14 @@ def gpu_stats(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 1
     """`stats` of the per-call milliseconds do_bench measured (median as gpu_ms)."""
     try:
         from triton.testing import do_bench
+
         times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
-    except Exception:                                   # pragma: no cover
+    except Exception:  # pragma: no cover
         return stats([gpu_ms(fn, warmup_ms, rep_ms)])
     return stats([float(t) for t in times])
 
 
-def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms: float = 100,
-             all_stats: bool = False):
+def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms: float = 100, all_stats: bool = False):
     """Median milliseconds per call under CUDA-graph replay.
 
     One graph holds one call per input set, in order; a replay's time over the number of sets is
@@ -133,8 +133,7 @@ def host_us(fn: Callable[[], object], device, n: int = 200, warmup: int = 20) ->
 def stats(samples: Sequence[float]) -> dict:
     """min / median / max of some timings, and whether their spread is above SPREAD_FLAG."""
     lo, mid, hi = min(samples), statistics.median(samples), max(samples)
-    return {"min": lo, "median": mid, "max": hi, "n": len(samples),
-            "noisy": bool(lo > 0 and hi / lo > SPREAD_FLAG)}
+    return {"min": lo, "median": mid, "max": hi, "n": len(samples), "noisy": bool(lo > 0 and hi / lo > SPREAD_FLAG)}
 
 
 def host_us_stats(fn: Callable[[], object], device, batches: int = 7, n: int = 50, warmup: int = 20) -> dict:
@@ -144,8 +143,9 @@ def host_us_stats(fn: Callable[[], object], device, batches: int = 7, n: int = 5
     return stats([host_us(fn, device, n=n, warmup=0) for _ in range(batches)])
 
 
-def cpu_samples(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50,
-                warmup: int = 1) -> List[float]:
+def cpu_samples(
+    fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50, warmup: int = 1
+) -> List[float]:
     """Wall-clock milliseconds of single calls on the CPU (at least min_reps, for about min_s)."""
     for _ in range(warmup):
         fn()
@@ -158,8 +158,14 @@ def cpu_samples(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3,
     return times
 
 
-def cpu_ms(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_reps: int = 50,
-           warmup: int = 1, best: bool = False) -> float:
+def cpu_ms(
+    fn: Callable[[], object],
+    min_s: float = 0.2,
+    min_reps: int = 3,
+    max_reps: int = 50,
+    warmup: int = 1,
+    best: bool = False,
+) -> float:
     """Median (best=True: fastest) wall-clock milliseconds of one call on the CPU."""
     times = cpu_samples(fn, min_s, min_reps, max_reps, warmup)
     return min(times) if best else statistics.median(times)
@@ -167,6 +173,7 @@ def cpu_ms(fn: Callable[[], object], min_s: float = 0.2, min_reps: int = 3, max_
 
 # ------------------------------------------------------------------------------------------
 # host floors: what any eager call pays on this host, measured in the same run
+
 
 def _empty_kernel():
     """A Triton kernel that does nothing. Built under TRITON_INTERPRET=1 when there is no GPU (the
@@ -179,6 +186,7 @@ def _empty_kernel():
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
     try:
+
         @triton.jit
         def empty(x_ptr):
             pass
@@ -218,7 +226,7 @@ def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
     try:
         kern = _empty_kernel()
         out["launch"] = host_us_stats(lambda: kern[(1,)](q), device)
-    except Exception as e:                          # no triton, or no backend for this device
+    except Exception as e:  # no triton, or no backend for this device
         out["launch"] = None
         out["why"]["launch"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     scratch = q.detach().clone()
@@ -227,7 +235,7 @@ def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
     gq, gk = torch.ones_like(qg), torch.ones_like(kg)
 
     def fwd_bwd():
-        qg.grad = kg.grad = None                    # no accumulation: the first backward assigns
+        qg.grad = kg.grad = None  # no accumulation: the first backward assigns
         a, b = _Nothing.apply(qg, kg)
         torch.autograd.backward((a, b), (gq, gk))
 
@@ -235,8 +243,7 @@ def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
     return out
 
 
-def copy_bandwidth(device, nbytes: Optional[int] = None, warmup_ms: float = 25,
-                   rep_ms: float = 100) -> dict:
+def copy_bandwidth(device, nbytes: Optional[int] = None, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     """Bytes read + written per second of a large device-to-device copy (dst.copy_(src))."""
     dev = torch.device(device)
     if nbytes is None:
@@ -245,9 +252,16 @@ def copy_bandwidth(device, nbytes: Optional[int] = None, warmup_ms: float = 25,
     dst = torch.empty_like(src)
     fn = lambda: dst.copy_(src)  # noqa: E731
     ms = gpu_ms(fn, warmup_ms, rep_ms) if dev.type == "cuda" else cpu_ms(fn, min_s=0.3, min_reps=5, best=True)
-    return {"gbps": 2 * nbytes / (ms * 1e-3) / 1e9, "ms": ms, "bytes": 2 * nbytes,
-            "what": ("device-to-device copy (torch copy_), bytes read + written" if dev.type == "cuda"
-                     else "CPU memcpy (torch copy_, fastest of several), bytes read + written")}
+    return {
+        "gbps": 2 * nbytes / (ms * 1e-3) / 1e9,
+        "ms": ms,
+        "bytes": 2 * nbytes,
+        "what": (
+            "device-to-device copy (torch copy_), bytes read + written"
+            if dev.type == "cuda"
+            else "CPU memcpy (torch copy_, fastest of several), bytes read + written"
+        ),
+    }
 
 
 def _sync(device):

@@ -29,22 +29,22 @@ DTYPE = torch.bfloat16
 
 @dataclass(frozen=True)
 class Workload:
-    id: str                    # "W1", "W7-T64"
-    name: str                  # "train_8b"
-    kind: str                  # "rope" | "mla" | "store" | "fwdbwd" | "rerotate"
-    what: str                  # one line for tables
-    full: Dict[str, int]       # sizes as in WORKLOADS.md
-    quick: Dict[str, int]      # small sizes (--quick, and every CPU run)
-    layout: str = "flat"       # "bshd": two token dims, HF passes (B, H, S, D) views;
+    id: str  # "W1", "W7-T64"
+    name: str  # "train_8b"
+    kind: str  # "rope" | "mla" | "store" | "fwdbwd" | "rerotate"
+    what: str  # one line for tables
+    full: Dict[str, int]  # sizes as in WORKLOADS.md
+    quick: Dict[str, int]  # small sizes (--quick, and every CPU run)
+    layout: str = "flat"  # "bshd": two token dims, HF passes (B, H, S, D) views;
     #                            "flat": (T, H, D) prefill; "decode": (T, H, D), one token per sequence
     positions: str = "arange"  # "none" (None: arange over S), "arange", "random", "mrope"
     interleaved: bool = False
     mrope_section: Optional[Tuple[int, int, int]] = None
-    base: float = 500000.0     # rope theta used to build the table
-    graph: bool = False        # launch-bound: time with CUDA-graph replay
-    host: bool = False         # also report host (wall-clock) time per eager call
-    packed: Optional[Tuple[int, int]] = None   # W11: (sequences, cp_size): THD tokens with cu_seqlens
-    cache_dtype: str = ""      # store workloads: "" (the activation dtype) or "fp8" (float8_e4m3fn)
+    base: float = 500000.0  # rope theta used to build the table
+    graph: bool = False  # launch-bound: time with CUDA-graph replay
+    host: bool = False  # also report host (wall-clock) time per eager call
+    packed: Optional[Tuple[int, int]] = None  # W11: (sequences, cp_size): THD tokens with cu_seqlens
+    cache_dtype: str = ""  # store workloads: "" (the activation dtype) or "fp8" (float8_e4m3fn)
 
     @property
     def group(self) -> str:
@@ -60,69 +60,194 @@ def _llama8b(**kw):
 
 
 WORKLOADS: List[Workload] = [
-    Workload("W1", "train_8b", "rope",
-             "Llama-3-8B training step, HF layout (q/k are (B,H,S,D) views of (B,S,H,D))",
-             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
-             layout="bshd", positions="none"),
-    Workload("W2", "prefill_70b", "rope", "Llama-3-70B prefill, positions 0..T-1",
-             full=dict(T=32768, Hq=64, Hk=8, D=128, P=32768),
-             quick=dict(T=256, Hq=64, Hk=8, D=128, P=32768)),
-    Workload("W3", "decode_b64", "rope", "decode, 64 sequences, random positions in [0, 65536)",
-             full=_llama8b(T=64, P=65536), quick=_llama8b(T=64, P=65536),
-             layout="decode", positions="random", graph=True, host=True),
-    Workload("W4", "mrope", "rope", "Qwen2-VL-7B M-RoPE, sections (16, 24, 24), 3-D positions",
-             full=dict(T=16384, Hq=28, Hk=4, D=128, P=32768),
-             quick=dict(T=256, Hq=28, Hk=4, D=128, P=32768),
-             positions="mrope", mrope_section=(16, 24, 24), base=1000000.0),
-    Workload("W5", "llama4", "rope", "Llama-4 interleaved (complex) RoPE",
-             full=dict(T=16384, Hq=40, Hk=8, D=128, P=16384),
-             quick=dict(T=256, Hq=40, Hk=8, D=128, P=16384), interleaved=True),
-    Workload("W6", "mla", "mla",
-             "DeepSeek-V3 MLA: rotate q[..., 128:] of (T,128,192) in place, k_pe (T,1,64), interleaved",
-             full=dict(T=16384, H=128, Dq=192, R=64, P=16384),
-             quick=dict(T=256, H=128, Dq=192, R=64, P=16384), interleaved=True, base=10000.0),
-    Workload("W7", "store", "store",
-             "fused RoPE + paged KV-cache store, Llama-3-8B heads, block 16, shuffled slots",
-             full=_llama8b(T=16384, P=65536, block=16), quick=_llama8b(T=256, P=65536, block=16)),
-    Workload("W7-T64", "store_t64", "store", "W7 at T=64 (decode step), random positions",
-             full=_llama8b(T=64, P=65536, block=16), quick=_llama8b(T=64, P=65536, block=16),
-             positions="random", graph=True, host=True),
-    Workload("W8", "train_8b_fwd_bwd", "fwdbwd", "W1 through autograd, forward then backward",
-             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
-             layout="bshd", positions="none"),
+    Workload(
+        "W1",
+        "train_8b",
+        "rope",
+        "Llama-3-8B training step, HF layout (q/k are (B,H,S,D) views of (B,S,H,D))",
+        full=_llama8b(B=4, S=4096, P=8192),
+        quick=_llama8b(B=2, S=128, P=8192),
+        layout="bshd",
+        positions="none",
+    ),
+    Workload(
+        "W2",
+        "prefill_70b",
+        "rope",
+        "Llama-3-70B prefill, positions 0..T-1",
+        full=dict(T=32768, Hq=64, Hk=8, D=128, P=32768),
+        quick=dict(T=256, Hq=64, Hk=8, D=128, P=32768),
+    ),
+    Workload(
+        "W3",
+        "decode_b64",
+        "rope",
+        "decode, 64 sequences, random positions in [0, 65536)",
+        full=_llama8b(T=64, P=65536),
+        quick=_llama8b(T=64, P=65536),
+        layout="decode",
+        positions="random",
+        graph=True,
+        host=True,
+    ),
+    Workload(
+        "W4",
+        "mrope",
+        "rope",
+        "Qwen2-VL-7B M-RoPE, sections (16, 24, 24), 3-D positions",
+        full=dict(T=16384, Hq=28, Hk=4, D=128, P=32768),
+        quick=dict(T=256, Hq=28, Hk=4, D=128, P=32768),
+        positions="mrope",
+        mrope_section=(16, 24, 24),
+        base=1000000.0,
+    ),
+    Workload(
+        "W5",
+        "llama4",
+        "rope",
+        "Llama-4 interleaved (complex) RoPE",
+        full=dict(T=16384, Hq=40, Hk=8, D=128, P=16384),
+        quick=dict(T=256, Hq=40, Hk=8, D=128, P=16384),
+        interleaved=True,
+    ),
+    Workload(
+        "W6",
+        "mla",
+        "mla",
+        "DeepSeek-V3 MLA: rotate q[..., 128:] of (T,128,192) in place, k_pe (T,1,64), interleaved",
+        full=dict(T=16384, H=128, Dq=192, R=64, P=16384),
+        quick=dict(T=256, H=128, Dq=192, R=64, P=16384),
+        interleaved=True,
+        base=10000.0,
+    ),
+    Workload(
+        "W7",
+        "store",
+        "store",
+        "fused RoPE + paged KV-cache store, Llama-3-8B heads, block 16, shuffled slots",
+        full=_llama8b(T=16384, P=65536, block=16),
+        quick=_llama8b(T=256, P=65536, block=16),
+    ),
+    Workload(
+        "W7-T64",
+        "store_t64",
+        "store",
+        "W7 at T=64 (decode step), random positions",
+        full=_llama8b(T=64, P=65536, block=16),
+        quick=_llama8b(T=64, P=65536, block=16),
+        positions="random",
+        graph=True,
+        host=True,
+    ),
+    Workload(
+        "W8",
+        "train_8b_fwd_bwd",
+        "fwdbwd",
+        "W1 through autograd, forward then backward",
+        full=_llama8b(B=4, S=4096, P=8192),
+        quick=_llama8b(B=2, S=128, P=8192),
+        layout="bshd",
+        positions="none",
+    ),
     # W11: THD packing; positions="packed" gives inputs cu_seqlens (this rank's local lengths) and
     # the same tokens' explicit positions (the `ropekit` peer times those, `ropekit-cu` the cu_seqlens path)
-    Workload("W11", "packed_2401", "rope", "THD packing: 65,536 tokens as 2,401 sequences, Llama-3-8B heads",
-             full=_llama8b(T=65536, N=2401, P=131072), quick=_llama8b(T=512, N=19, P=131072),
-             positions="packed", packed=(2401, 1)),
-    Workload("W11-N64", "packed_64", "rope", "W11 as 64 sequences",
-             full=_llama8b(T=65536, N=64, P=131072), quick=_llama8b(T=512, N=4, P=131072),
-             positions="packed", packed=(64, 1)),
-    Workload("W11-CP2", "packed_2401_cp2", "rope",
-             "W11 on context-parallel rank 0 of 2 (dual-chunk positions of sequences twice as long)",
-             full=_llama8b(T=65536, N=2401, P=131072), quick=_llama8b(T=512, N=19, P=131072),
-             positions="packed", packed=(2401, 2)),
+    Workload(
+        "W11",
+        "packed_2401",
+        "rope",
+        "THD packing: 65,536 tokens as 2,401 sequences, Llama-3-8B heads",
+        full=_llama8b(T=65536, N=2401, P=131072),
+        quick=_llama8b(T=512, N=19, P=131072),
+        positions="packed",
+        packed=(2401, 1),
+    ),
+    Workload(
+        "W11-N64",
+        "packed_64",
+        "rope",
+        "W11 as 64 sequences",
+        full=_llama8b(T=65536, N=64, P=131072),
+        quick=_llama8b(T=512, N=4, P=131072),
+        positions="packed",
+        packed=(64, 1),
+    ),
+    Workload(
+        "W11-CP2",
+        "packed_2401_cp2",
+        "rope",
+        "W11 on context-parallel rank 0 of 2 (dual-chunk positions of sequences twice as long)",
+        full=_llama8b(T=65536, N=2401, P=131072),
+        quick=_llama8b(T=512, N=19, P=131072),
+        positions="packed",
+        packed=(2401, 2),
+    ),
     # q/k RMSNorm + RoPE (Qwen3-8B: 32 q heads, 8 kv heads of 128, per-head norm weights (128,))
-    Workload("W9", "qknorm_8b", "normrope",
-             "Qwen3-8B per-head q/k RMSNorm + RoPE, HF layout (training step shapes of W1)",
-             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
-             layout="bshd", positions="none", base=1000000.0),
-    Workload("W9-FB", "qknorm_8b_fwd_bwd", "normfwdbwd",
-             "W9 through autograd, forward then backward (gradients of q, k and both norm weights)",
-             full=_llama8b(B=4, S=4096, P=8192), quick=_llama8b(B=2, S=128, P=8192),
-             layout="bshd", positions="none", base=1000000.0),
-    Workload("W10", "qknorm_store", "normstore", "W9's norm + RoPE + paged KV store (bf16 cache), block 16",
-             full=_llama8b(T=16384, P=65536, block=16), quick=_llama8b(T=256, P=65536, block=16),
-             base=1000000.0),
-    Workload("W10-FP8", "qknorm_store_fp8", "normstore", "W10 into an fp8 (e4m3) cache, k_scale 1",
-             full=_llama8b(T=16384, P=65536, block=16), quick=_llama8b(T=256, P=65536, block=16),
-             base=1000000.0, cache_dtype="fp8"),
-    Workload("W10-T64", "qknorm_store_t64", "normstore", "W10 at T=64 (decode step), random positions",
-             full=_llama8b(T=64, P=65536, block=16), quick=_llama8b(T=64, P=65536, block=16),
-             positions="random", graph=True, host=True, base=1000000.0),
-    Workload("W10-T64-FP8", "qknorm_store_t64_fp8", "normstore", "W10-T64 into an fp8 (e4m3) cache",
-             full=_llama8b(T=64, P=65536, block=16), quick=_llama8b(T=64, P=65536, block=16),
-             positions="random", graph=True, host=True, base=1000000.0, cache_dtype="fp8"),
+    Workload(
+        "W9",
+        "qknorm_8b",
+        "normrope",
+        "Qwen3-8B per-head q/k RMSNorm + RoPE, HF layout (training step shapes of W1)",
+        full=_llama8b(B=4, S=4096, P=8192),
+        quick=_llama8b(B=2, S=128, P=8192),
+        layout="bshd",
+        positions="none",
+        base=1000000.0,
+    ),
+    Workload(
+        "W9-FB",
+        "qknorm_8b_fwd_bwd",
+        "normfwdbwd",
+        "W9 through autograd, forward then backward (gradients of q, k and both norm weights)",
+        full=_llama8b(B=4, S=4096, P=8192),
+        quick=_llama8b(B=2, S=128, P=8192),
+        layout="bshd",
+        positions="none",
+        base=1000000.0,
+    ),
+    Workload(
+        "W10",
+        "qknorm_store",
+        "normstore",
+        "W9's norm + RoPE + paged KV store (bf16 cache), block 16",
+        full=_llama8b(T=16384, P=65536, block=16),
+        quick=_llama8b(T=256, P=65536, block=16),
+        base=1000000.0,
+    ),
+    Workload(
+        "W10-FP8",
+        "qknorm_store_fp8",
+        "normstore",
+        "W10 into an fp8 (e4m3) cache, k_scale 1",
+        full=_llama8b(T=16384, P=65536, block=16),
+        quick=_llama8b(T=256, P=65536, block=16),
+        base=1000000.0,
+        cache_dtype="fp8",
+    ),
+    Workload(
+        "W10-T64",
+        "qknorm_store_t64",
+        "normstore",
+        "W10 at T=64 (decode step), random positions",
+        full=_llama8b(T=64, P=65536, block=16),
+        quick=_llama8b(T=64, P=65536, block=16),
+        positions="random",
+        graph=True,
+        host=True,
+        base=1000000.0,
+    ),
+    Workload(
+        "W10-T64-FP8",
+        "qknorm_store_t64_fp8",
+        "normstore",
+        "W10-T64 into an fp8 (e4m3) cache",
+        full=_llama8b(T=64, P=65536, block=16),
+        quick=_llama8b(T=64, P=65536, block=16),
+        positions="random",
+        graph=True,
+        host=True,
+        base=1000000.0,
+        cache_dtype="fp8",
+    ),
 ]
 
 # the q/k-norm workloads (W9, W10): norm weights in the inputs, their own oracle and byte counts
@@ -140,13 +265,12 @@ def select(spec: Optional[str]) -> List[Workload]:
     for tok in (t.strip() for t in spec.split(",")):
         if not tok:
             continue
-        hits = [w for w in WORKLOADS
-                if tok.upper() in (w.id.upper(), w.group.upper()) or tok.lower() == w.name.lower()]
+        hits = [w for w in WORKLOADS if tok.upper() in (w.id.upper(), w.group.upper()) or tok.lower() == w.name.lower()]
         if not hits:
             known = ", ".join(w.id for w in WORKLOADS)
             raise ValueError(f"--workloads: unknown workload {tok!r} (known: {known})")
         chosen += [w for w in hits if w not in chosen]
-    return [w for w in WORKLOADS if w in chosen]      # keep the table order
+    return [w for w in WORKLOADS if w in chosen]  # keep the table order
 
 
 # ------------------------------------------------------------------------------------------
@@ -169,8 +293,7 @@ def make_table(wl: Workload, s: Dict[str, int], device) -> torch.Tensor:
     return cos_sin_table(rotary_dim(wl, s), s["P"], wl.base, device)
 
 
-def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
-                seed: int) -> Dict[str, torch.Tensor]:
+def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, seed: int) -> Dict[str, torch.Tensor]:
     """One input set: contiguous base tensors (the table is shared between sets)."""
     if wl.kind == "rerotate":
         return rerotate_inputs(wl, s, table, device, seed)
@@ -178,7 +301,7 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
     if wl.kind in NORM_KINDS:
         g = torch.Generator(device=device)
         g.manual_seed(seed + 7919)
-        for name, n in (("wq", s["D"]), ("wk", s["D"])):      # per-head weights, as trained (around 1)
+        for name, n in (("wq", s["D"]), ("wk", s["D"])):  # per-head weights, as trained (around 1)
             inp[name] = (1 + 0.2 * torch.randn(n, generator=g, device=device)).to(DTYPE)
         if wl.cache_dtype == "fp8":
             for name in ("k_cache", "v_cache"):
@@ -186,8 +309,7 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
     return inp
 
 
-def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
-                 seed: int) -> Dict[str, torch.Tensor]:
+def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, seed: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator(device=device)
     g.manual_seed(seed)
 
@@ -211,7 +333,7 @@ def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
         if wl.kind in ("fwdbwd", "normfwdbwd"):
             inp["gq"] = randn(B, S, s["Hq"], s["D"])
             inp["gk"] = randn(B, S, s["Hk"], s["D"])
-        return inp                                   # positions None: arange over S
+        return inp  # positions None: arange over S
     T = s["T"]
     inp["q"] = randn(T, s["Hq"], s["D"])
     inp["k"] = randn(T, s["Hk"], s["D"])
@@ -226,7 +348,7 @@ def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device,
     if wl.kind in ("store", "normstore"):
         inp["v"] = randn(T, s["Hk"], s["D"])
         block = s["block"]
-        n_blocks = -(-T // block) + max(2, T // block // 16)     # a few blocks stay unused
+        n_blocks = -(-T // block) + max(2, T // block // 16)  # a few blocks stay unused
         inp["k_cache"] = randn(n_blocks, block, s["Hk"], s["D"])
         inp["v_cache"] = randn(n_blocks, block, s["Hk"], s["D"])
         perm = torch.randperm(n_blocks * block, generator=g, device=device)
@@ -238,7 +360,7 @@ def packed_lengths(T: int, n: int, seed: int) -> List[int]:
     """n positive even lengths summing to T (even: valid under context parallelism too)."""
     g = torch.Generator().manual_seed(seed)
     halves = T // 2
-    cuts = torch.randperm(halves - 1, generator=g)[:n - 1].add(1).sort().values.tolist()
+    cuts = torch.randperm(halves - 1, generator=g)[: n - 1].add(1).sort().values.tolist()
     edges = [0] + cuts + [halves]
     return [2 * (b - a) for a, b in zip(edges[:-1], edges[1:])]
 
@@ -252,8 +374,7 @@ def packed_positions(T: int, n: int, cp_size: int, seed: int, device):
     for L in lens:
         chunk = L // 2 if cp_size > 1 else L
         glob = torch.arange(L * cp_size, dtype=torch.int64)
-        pieces.append(glob[:chunk] if cp_size == 1 else
-                      torch.cat((glob[:chunk], glob[(2 * cp_size - 1) * chunk:])))
+        pieces.append(glob[:chunk] if cp_size == 1 else torch.cat((glob[:chunk], glob[(2 * cp_size - 1) * chunk :])))
     return cu.to(device), torch.cat(pieces).to(device)
 
 
@@ -271,7 +392,7 @@ def hf_positions(wl: Workload, inp: Dict[str, torch.Tensor]) -> torch.Tensor:
     pos = inp["positions"]
     if wl.layout == "decode":
         return pos.unsqueeze(1)
-    return pos.unsqueeze(0) if pos.dim() == 1 else pos.unsqueeze(1)   # mrope: (3, 1, T)
+    return pos.unsqueeze(0) if pos.dim() == 1 else pos.unsqueeze(1)  # mrope: (3, 1, T)
 
 
 def to_hf(wl: Workload, x: torch.Tensor) -> torch.Tensor:
@@ -279,8 +400,8 @@ def to_hf(wl: Workload, x: torch.Tensor) -> torch.Tensor:
     if wl.layout == "bshd":
         return x.transpose(1, 2)
     if wl.layout == "decode":
-        return x.unsqueeze(1).transpose(1, 2)        # (T, H, 1, D): T sequences of one token
-    return x.unsqueeze(0).transpose(1, 2)            # (1, H, T, D)
+        return x.unsqueeze(1).transpose(1, 2)  # (T, H, 1, D): T sequences of one token
+    return x.unsqueeze(0).transpose(1, 2)  # (1, H, T, D)
 
 
 def from_hf(wl: Workload, x: torch.Tensor) -> torch.Tensor:
@@ -298,6 +419,7 @@ def from_hf(wl: Workload, x: torch.Tensor) -> torch.Tensor:
 def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
     """Bytes that must move (WORKLOADS.md): q and k read and written once (the rotated part for
     W6); the fused store reads q, k, v and writes q and the k and v rows; W8 is two passes."""
+
     def nb(t):
         return t.numel() * t.element_size()
 
@@ -360,6 +482,7 @@ class Oracle:
 
     Both are computed when ropekit.reference is there; a disagreement is recorded (and printed)
     so a bug in the oracle can't silently mark every implementation wrong or right."""
+
     name: str = ""
     disagreements: List[str] = field(default_factory=list)
 
@@ -367,11 +490,17 @@ class Oracle:
         local = _local_rope64(x, positions, table, interleaved, mrope_section)
         try:
             from ropekit import reference
+
             ref, _ = reference.apply_rope(
-                x.to(torch.float64), None, positions, table.to(torch.float64),
-                interleaved=interleaved, mrope_section=mrope_section)
+                x.to(torch.float64),
+                None,
+                positions,
+                table.to(torch.float64),
+                interleaved=interleaved,
+                mrope_section=mrope_section,
+            )
             ref = ref.to(torch.float64)
-        except Exception as e:                       # not there yet, or no float64: use ours
+        except Exception as e:  # not there yet, or no float64: use ours
             self.name = f"bench-local float64 (ropekit.reference unavailable: {type(e).__name__})"
             return local
         self.name = "ropekit.reference.apply_rope in float64 (cross-checked with the bench's own)"
@@ -414,16 +543,24 @@ def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict
         return {"q": q, "k": k}
     if wl.kind == "fwdbwd":
         half = tab.shape[-1] // 2
-        inv = torch.cat((tab[:, :half], -tab[:, half:]), dim=-1)    # backward: rotate by -angle
-        return {"q": q, "k": k,
-                "dq": oracle.rope(inp["gq"], pos, inv, interleaved=il, label=wl.id + " dq"),
-                "dk": oracle.rope(inp["gk"], pos, inv, interleaved=il, label=wl.id + " dk")}
+        inv = torch.cat((tab[:, :half], -tab[:, half:]), dim=-1)  # backward: rotate by -angle
+        return {
+            "q": q,
+            "k": k,
+            "dq": oracle.rope(inp["gq"], pos, inv, interleaved=il, label=wl.id + " dq"),
+            "dk": oracle.rope(inp["gk"], pos, inv, interleaved=il, label=wl.id + " dk"),
+        }
     # store
     slots, other = _slot_split(inp)
     kc = inp["k_cache"].flatten(0, 1).to(torch.float64)
     vc = inp["v_cache"].flatten(0, 1).to(torch.float64)
-    return {"q": q, "k_cache[slots]": k, "v_cache[slots]": inp["v"].to(torch.float64),
-            "k_cache[other]": kc[other], "v_cache[other]": vc[other]}
+    return {
+        "q": q,
+        "k_cache[slots]": k,
+        "v_cache[slots]": inp["v"].to(torch.float64),
+        "k_cache[other]": kc[other],
+        "v_cache[other]": vc[other],
+    }
 
 
 def _slot_split(inp):
@@ -453,8 +590,13 @@ def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tenso
     q, kc, vc = outs
     slots, other = _slot_split(inp)
     kc, vc = kc.flatten(0, 1), vc.flatten(0, 1)
-    return {"q": q, "k_cache[slots]": kc[slots], "v_cache[slots]": vc[slots],
-            "k_cache[other]": kc[other], "v_cache[other]": vc[other]}
+    return {
+        "q": q,
+        "k_cache[slots]": kc[slots],
+        "v_cache[slots]": vc[slots],
+        "k_cache[other]": kc[other],
+        "v_cache[other]": vc[other],
+    }
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -471,12 +613,12 @@ def tolerance(dtype: torch.dtype) -> float:
 # the whole cache, split into the moved rows and all others (which must not change).
 
 _FP8 = torch.float8_e4m3fn
-W12_K_SCALE = 0.05          # fp8: values / scale stay well inside e4m3's range
+W12_K_SCALE = 0.05  # fp8: values / scale stay well inside e4m3's range
 
 
 def rerotate_view(wl: Workload, cache: torch.Tensor) -> torch.Tensor:
     """The rope part a re-rotation works on: the whole cache, or MLA's last R dims of the joint row."""
-    return cache[..., -wl.full["R"]:] if "R" in wl.full else cache
+    return cache[..., -wl.full["R"] :] if "R" in wl.full else cache
 
 
 def rerotate_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, seed: int):
@@ -491,8 +633,13 @@ def rerotate_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device
     cache = (values / W12_K_SCALE).to(_FP8) if dtype == _FP8 else values.to(dtype)
     slots = torch.randperm(n_blocks * block, generator=g, device=device)[:N].contiguous()
     delta = torch.randint(-s["P"] + 1, s["P"], (N,), generator=g, device=device)
-    return {"cache": table, "k_cache": cache, "slots": slots, "delta": delta,
-            "q": torch.empty(0, dtype=dtype, device=device)}
+    return {
+        "cache": table,
+        "k_cache": cache,
+        "slots": slots,
+        "delta": delta,
+        "q": torch.empty(0, dtype=dtype, device=device),
+    }
 
 
 def rerotate_min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
@@ -514,8 +661,9 @@ def rerotate_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, t
 
     fp8 = inp["k_cache"].dtype == _FP8
     cache = inp["k_cache"].to(torch.float64) * (W12_K_SCALE if fp8 else 1.0)
-    reference.rerotate_kv_cache(rerotate_view(wl, cache), inp["slots"], inp["delta"], inp["cache"].double(),
-                                interleaved=wl.interleaved)
+    reference.rerotate_kv_cache(
+        rerotate_view(wl, cache), inp["slots"], inp["delta"], inp["cache"].double(), interleaved=wl.interleaved
+    )
     moved, other = _rerotate_split(inp, cache)
     return {"k_cache[slots]": moved, "k_cache[other]": other}
 
@@ -523,7 +671,7 @@ def rerotate_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, t
 def rerotate_canon(wl: Workload, inp: Dict[str, torch.Tensor], outs) -> Dict[str, torch.Tensor]:
     cache = outs[0]
     if cache.dtype == _FP8:
-        cache = cache.to(torch.float64) * W12_K_SCALE      # as `rerotate_expected` dequantizes
+        cache = cache.to(torch.float64) * W12_K_SCALE  # as `rerotate_expected` dequantizes
     moved, other = _rerotate_split(inp, cache)
     return {"k_cache[slots]": moved, "k_cache[other]": other}
 
@@ -533,15 +681,35 @@ def _w12(**kw):
 
 
 WORKLOADS += [
-    Workload("W12", "rerotate", "rerotate",
-             "re-rotate 65,536 random rows of a paged bf16 cache (8 heads x 128) by random deltas, in place",
-             full=_w12(N=65536, H=8, D=128), quick=_w12(N=256, H=8, D=128), positions="random"),
-    Workload("W12-fp8", "rerotate_fp8", "rerotate", "W12 on an fp8 (e4m3) cache, k_scale 0.05",
-             full=_w12(N=65536, H=8, D=128, fp8=1), quick=_w12(N=256, H=8, D=128, fp8=1), positions="random"),
-    Workload("W12-mla", "rerotate_mla", "rerotate",
-             "W12 on DeepSeek's MLA joint cache: the 64 rope dims of 576-wide rows, interleaved",
-             full=_w12(N=65536, L=512, R=64), quick=_w12(N=256, L=512, R=64), positions="random",
-             interleaved=True, base=10000.0),
+    Workload(
+        "W12",
+        "rerotate",
+        "rerotate",
+        "re-rotate 65,536 random rows of a paged bf16 cache (8 heads x 128) by random deltas, in place",
+        full=_w12(N=65536, H=8, D=128),
+        quick=_w12(N=256, H=8, D=128),
+        positions="random",
+    ),
+    Workload(
+        "W12-fp8",
+        "rerotate_fp8",
+        "rerotate",
+        "W12 on an fp8 (e4m3) cache, k_scale 0.05",
+        full=_w12(N=65536, H=8, D=128, fp8=1),
+        quick=_w12(N=256, H=8, D=128, fp8=1),
+        positions="random",
+    ),
+    Workload(
+        "W12-mla",
+        "rerotate_mla",
+        "rerotate",
+        "W12 on DeepSeek's MLA joint cache: the 64 rope dims of 576-wide rows, interleaved",
+        full=_w12(N=65536, L=512, R=64),
+        quick=_w12(N=256, L=512, R=64),
+        positions="random",
+        interleaved=True,
+        base=10000.0,
+    ),
 ]
 BY_ID.update({w.id: w for w in WORKLOADS})
 
@@ -556,8 +724,7 @@ def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -
     q64, k64 = d(inp["q"]).requires_grad_(True), d(inp["k"]).requires_grad_(True)
     wq64, wk64 = d(inp["wq"]).requires_grad_(True), d(inp["wk"]).requires_grad_(True)
     with torch.enable_grad():
-        q, k = reference.rms_norm_rope(q64, k64, pos, d(tab), q_norm_weight=wq64, k_norm_weight=wk64,
-                                       norm_eps=NORM_EPS)
+        q, k = reference.rms_norm_rope(q64, k64, pos, d(tab), q_norm_weight=wq64, k_norm_weight=wk64, norm_eps=NORM_EPS)
     qn = reference.rms_norm(d(inp["q"]), d(inp["wq"]), eps=NORM_EPS)
     local = _local_rope64(qn, pos, tab, False, None)
     if not rel_err(q, local) <= 1e-9:
@@ -575,5 +742,10 @@ def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -
         # what a correct kernel stores: the float32 value rounded once to fp8 (scale 1)
         k_rows = k_rows.float().to(torch.float8_e4m3fn).to(torch.float64)
         v_rows = inp["v"].float().to(torch.float8_e4m3fn).to(torch.float64)
-    return {"q": q.detach(), "k_cache[slots]": k_rows, "v_cache[slots]": v_rows,
-            "k_cache[other]": kc[other], "v_cache[other]": vc[other]}
+    return {
+        "q": q.detach(),
+        "k_cache[slots]": k_rows,
+        "v_cache[slots]": v_rows,
+        "k_cache[other]": kc[other],
+        "v_cache[other]": vc[other],
+    }

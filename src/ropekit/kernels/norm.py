@@ -29,8 +29,9 @@ def _weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _load_tail(x_base, stride_x_head, n_heads, head0, tail_len,
-               HALF: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
+def _load_tail(
+    x_base, stride_x_head, n_heads, head0, tail_len, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr
+):
     """The dims past the rotary ones of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
     h = head0 + tl.arange(0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
@@ -39,8 +40,20 @@ def _load_tail(x_base, stride_x_head, n_heads, head0, tail_len,
 
 
 @triton.jit
-def _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps,
-             HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
+def _inv_rms(
+    x1,
+    x2,
+    t,
+    n_heads,
+    head0,
+    tail_len,
+    mode,
+    eps,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
     """rsqrt(mean(x^2) + eps) per head row ((BLOCK_H,) float32) over the head (mode 1) or over all
     heads of the block (mode 2); 1.0 in mode 0. Masked lanes (loaded without `other`) count as 0."""
     h = head0 + tl.arange(0, BLOCK_H)
@@ -49,9 +62,9 @@ def _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps,
     sq = tl.where(m, x1 * x1 + x2 * x2, 0.0)
     ss = tl.sum(sq, axis=1)
     if TAIL_PAD > 0:
-        ss += tl.sum(t * t, axis=1)                          # t is 0 where masked (_load_tail)
+        ss += tl.sum(t * t, axis=1)  # t is 0 where masked (_load_tail)
     d = 2 * HALF + tail_len
-    mode_v = tl.zeros([BLOCK_H], tl.int32) + mode            # a vector: scalar-and-vector selects trip the interpreter
+    mode_v = tl.zeros([BLOCK_H], tl.int32) + mode  # a vector: scalar-and-vector selects trip the interpreter
     total = tl.zeros([BLOCK_H], tl.float32) + tl.sum(ss, axis=0)
     ss = tl.where(mode_v == 2, total, ss)
     count = tl.where(mode_v == 2, n_heads * d, d).to(tl.float32)
@@ -60,16 +73,26 @@ def _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps,
 
 
 @triton.jit
-def _weights(w_ptr, n_heads, head0, tail_len, mode, offset,
-             HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-             INTERLEAVED: tl.constexpr):
+def _weights(
+    w_ptr,
+    n_heads,
+    head0,
+    tail_len,
+    mode,
+    offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
     """(w + offset) at x1's, x2's and the tail's columns, float32 (BLOCK_H, .) tiles; 1.0 in mode 0
     (the weight is then never read). Mode 2 weights are (H*D,): head h starts at h * D."""
     h = head0 + tl.arange(0, BLOCK_H)
     d = 2 * HALF + tail_len
     mode_v = tl.zeros([BLOCK_H, 1], tl.int32) + mode
     on = mode_v != 0
-    row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)      # int64: h * D scaled below 2^63
+    row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)  # int64: h * D scaled below 2^63
     i = tl.arange(0, HALF_PAD)[None, :]
     m = on & (h[:, None] < n_heads) & (i < HALF)
     c1, c2 = _weight_cols(i, HALF, INTERLEAVED)
@@ -87,9 +110,24 @@ def _weights(w_ptr, n_heads, head0, tail_len, mode, offset,
 
 
 @triton.jit
-def _norm_heads(x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, w_ptr, mode, eps, offset,
-                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-                INTERLEAVED: tl.constexpr):
+def _norm_heads(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    x1,
+    x2,
+    w_ptr,
+    mode,
+    eps,
+    offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
     """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
     members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
     x_base points at the token's first element (the tail is read from there)."""
@@ -97,8 +135,7 @@ def _norm_heads(x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, w_ptr, 
     if TAIL_PAD > 0:
         t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
     r = _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)[:, None]
-    w1, w2, wt = _weights(w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD,
-                          INTERLEAVED)
+    w1, w2, wt = _weights(w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED)
     y1 = x1 * r * w1
     y2 = x2 * r * w2
     if TAIL_PAD > 0:
@@ -107,8 +144,26 @@ def _norm_heads(x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, w_ptr, 
 
 
 @triton.jit
-def _norm_backward(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail_len, w1, w2, wt, r, mode,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr):
+def _norm_backward(
+    x1,
+    x2,
+    xt,
+    gz1,
+    gz2,
+    gzt,
+    n_heads,
+    head0,
+    tail_len,
+    w1,
+    w2,
+    wt,
+    r,
+    mode,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
     """Backward of y = n * w', n = x * r over the norm group, given gz = dL/dy (float32 tiles):
     gx = r * (gz*w' - n * mean(gz*w'*n)); also returns the weight-gradient terms gz * n.
     r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz)."""

@@ -31,43 +31,43 @@ def _slot_offset(slot, block_size, stride_block, stride_offset):
 @triton.jit(do_not_specialize=["delta_value"])
 def rerotate_kernel(
     # pointers
-    k_cache_ptr,            # the cache (or a view of it: MLA's rope part); read and written
-    slots_ptr,              # (N,) int32/int64 source slots; < 0 = padding
-    dst_slots_ptr,          # (N,) destination slots (read only when HAS_DST)
-    delta_ptr,              # (N,) int32/int64 shifts (read only when not DELTA_SCALAR)
-    table_ptr,              # [cos | sin] table, (max_position, rotary_dim); sin at table_ptr + sin_offset
-    k_scale_ptr,            # float32 per-tensor scale (read only when SCALED)
+    k_cache_ptr,  # the cache (or a view of it: MLA's rope part); read and written
+    slots_ptr,  # (N,) int32/int64 source slots; < 0 = padding
+    dst_slots_ptr,  # (N,) destination slots (read only when HAS_DST)
+    delta_ptr,  # (N,) int32/int64 shifts (read only when not DELTA_SCALAR)
+    table_ptr,  # [cos | sin] table, (max_position, rotary_dim); sin at table_ptr + sin_offset
+    k_scale_ptr,  # float32 per-tensor scale (read only when SCALED)
     # sizes
-    delta_value,            # the shift of every row when DELTA_SCALAR (a Python int; int64 when large)
-    n_heads,                # H of the cache
-    tail_len,               # head size - rotary_dim (copied to the destination when HAS_DST)
-    max_position,           # rows of the table: |delta| must be below it
-    sin_offset,             # element offset of the sin half from table_ptr
-    block_size,             # slots per cache block (1 for a flat cache)
-    num_slots,              # num_blocks * block_size: slots at or past it are skipped
-    n_rows,                 # N, the rows to re-rotate
+    delta_value,  # the shift of every row when DELTA_SCALAR (a Python int; int64 when large)
+    n_heads,  # H of the cache
+    tail_len,  # head size - rotary_dim (copied to the destination when HAS_DST)
+    max_position,  # rows of the table: |delta| must be below it
+    sin_offset,  # element offset of the sin half from table_ptr
+    block_size,  # slots per cache block (1 for a flat cache)
+    num_slots,  # num_blocks * block_size: slots at or past it are skipped
+    n_rows,  # N, the rows to re-rotate
     # strides (elements)
-    stride_slots,           # between entries of slots
-    stride_dst_slots,       # between entries of dst_slots
-    stride_delta,           # between entries of delta
-    stride_table_row,       # between table rows
-    stride_table_col,       # between table columns
-    stride_k_cache_block,   # between cache blocks (between slots of a flat cache)
+    stride_slots,  # between entries of slots
+    stride_dst_slots,  # between entries of dst_slots
+    stride_delta,  # between entries of delta
+    stride_table_row,  # between table rows
+    stride_table_col,  # between table columns
+    stride_k_cache_block,  # between cache blocks (between slots of a flat cache)
     stride_k_cache_offset,  # between slots of one block (0 for a flat cache)
-    stride_k_cache_head,    # between heads of one slot
+    stride_k_cache_head,  # between heads of one slot
     # meta
-    HALF: tl.constexpr,         # rotary_dim // 2
-    HALF_PAD: tl.constexpr,     # HALF rounded up to a power of two
-    BLOCK_H: tl.constexpr,      # heads per program
-    ROWS: tl.constexpr,         # rows per program
-    TAIL_PAD: tl.constexpr,     # tail length rounded up to a power of two; 0 when nothing is copied
+    HALF: tl.constexpr,  # rotary_dim // 2
+    HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    BLOCK_H: tl.constexpr,  # heads per program
+    ROWS: tl.constexpr,  # rows per program
+    TAIL_PAD: tl.constexpr,  # tail length rounded up to a power of two; 0 when nothing is copied
     INTERLEAVED: tl.constexpr,  # pairs (2i, 2i+1) instead of halves (i, i + HALF)
-    HAS_DST: tl.constexpr,      # write into dst slots (the source rows stay untouched)
-    DELTA_SCALAR: tl.constexpr, # one shift for all rows (delta_value) instead of a tensor
-    SCALED: tl.constexpr,       # the cache holds value / k_scale (fp8): dequantize, rotate, quantize
+    HAS_DST: tl.constexpr,  # write into dst slots (the source rows stay untouched)
+    DELTA_SCALAR: tl.constexpr,  # one shift for all rows (delta_value) instead of a tensor
+    SCALED: tl.constexpr,  # the cache holds value / k_scale (fp8): dequantize, rotate, quantize
 ):
     """Program (p, j): rows [p * ROWS, (p + 1) * ROWS), heads [j * BLOCK_H, (j + 1) * BLOCK_H)."""
-    m = tl.arange(0, ROWS * BLOCK_H)                 # a flat tile of (row, head) pairs
+    m = tl.arange(0, ROWS * BLOCK_H)  # a flat tile of (row, head) pairs
     # int64 before any arithmetic: row and slot products with strides pass 2^31 on big caches
     row = tl.program_id(0).to(tl.int64) * ROWS + m // BLOCK_H
     head = tl.program_id(1) * BLOCK_H + m % BLOCK_H  # int32-ok: a head index, widened before its stride
@@ -101,7 +101,7 @@ def rerotate_kernel(
     head_off = head.to(tl.int64) * stride_k_cache_head
     src_row = k_cache_ptr + (_slot_offset(src, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
     dst_row = k_cache_ptr + (_slot_offset(dst, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
-    src_row = tl.where(live, src_row, k_cache_ptr)[:, None]   # masked-off lanes point at the base (never read)
+    src_row = tl.where(live, src_row, k_cache_ptr)[:, None]  # masked-off lanes point at the base (never read)
     dst_row = tl.where(live, dst_row, k_cache_ptr)[:, None]
     if INTERLEAVED:
         pair = tl.arange(0, 2)[None, None, :]

@@ -52,14 +52,32 @@ def _angle_row(cos_ptr, sin_ptr, row, col, m, other):
 
 @triton.jit
 def _load_angles(
-    cos_ptr, sin_ptr, pos_ptr, b, s, max_pos,
-    stride_pos_row, stride_pos_batch, stride_pos_token,
-    stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-    SEC_T, SEC_H, SEC_W,
-    n_seqs, cp_size, cp_rank,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, MROPE: tl.constexpr, PACKED: tl.constexpr,
-    SEARCH_STRIDE: tl.constexpr, SEARCH_COARSE: tl.constexpr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    b,
+    s,
+    max_pos,
+    stride_pos_row,
+    stride_pos_batch,
+    stride_pos_token,
+    stride_angle_row,
+    stride_angle_batch,
+    stride_angle_token,
+    stride_angle_col,
+    SEC_T,
+    SEC_H,
+    SEC_W,
+    n_seqs,
+    cp_size,
+    cp_rank,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    MROPE: tl.constexpr,
+    PACKED: tl.constexpr,
+    SEARCH_STRIDE: tl.constexpr,
+    SEARCH_COARSE: tl.constexpr,
 ):
     """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
 
@@ -77,13 +95,14 @@ def _load_angles(
     else:
         m0, m1, m2 = fmask, fmask, fmask
     if HAS_POS:
-        pos_tok = pos_ptr + b * stride_pos_batch + s * stride_pos_token          # b, s are int64
+        pos_tok = pos_ptr + b * stride_pos_batch + s * stride_pos_token  # b, s are int64
         # positions as vectors (all lanes one value): scalar-and-vector masks trip the interpreter.
         # A bad position must never address memory: its loads are masked off and yield NaN.
         if PACKED:
             # packed tokens (T,): s is the token index into cu_seqlens' tokens
-            p0 = _packed_position(pos_ptr, n_seqs, s, cp_size, cp_rank, SEARCH_STRIDE, SEARCH_COARSE) \
-                + tl.zeros([HALF_PAD], tl.int64)
+            p0 = _packed_position(pos_ptr, n_seqs, s, cp_size, cp_rank, SEARCH_STRIDE, SEARCH_COARSE) + tl.zeros(
+                [HALF_PAD], tl.int64
+            )
         else:
             p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
         c, sn = _angle_row(cos_ptr, sin_ptr, p0 * stride_angle_token, col, m0 & (p0 >= 0) & (p0 < max_pos), nan)
@@ -135,14 +154,21 @@ def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 
 @triton.jit
 def _load_heads(
-    x_base, stride_x_head, n_heads, head0,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr,
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
     [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
     h = head0 + tl.arange(0, BLOCK_H)
-    x_row = x_base + h.to(tl.int64)[:, None] * stride_x_head         # (BLOCK_H, 1) pointers
+    x_row = x_base + h.to(tl.int64)[:, None] * stride_x_head  # (BLOCK_H, 1) pointers
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
     if IN_INTERLEAVED and PACK != 0:
@@ -160,9 +186,17 @@ def _load_heads(
 
 @triton.jit
 def _store_heads(
-    o_base, stride_o_head, n_heads, head0, o1, o2,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    OUT_INTERLEAVED: tl.constexpr, PACK: tl.constexpr,
+    o_base,
+    stride_o_head,
+    n_heads,
+    head0,
+    o1,
+    o2,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     """Store o1, o2 (float32, (BLOCK_H, HALF_PAD)) as the rotated dims of heads [head0, head0 +
     BLOCK_H) of one token, in o's dtype; o_base points at the token's first element."""
@@ -184,11 +218,28 @@ def _store_heads(
 
 @triton.jit
 def _rotate_store(
-    x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail_len,
-    x1, x2, c, sn, o_scale_ptr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-    OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, SCALED: tl.constexpr, PACK: tl.constexpr,
-    t_given, TAIL_GIVEN: tl.constexpr,
+    x_base,
+    o_base,
+    stride_x_head,
+    stride_o_head,
+    n_heads,
+    head0,
+    tail_len,
+    x1,
+    x2,
+    c,
+    sn,
+    o_scale_ptr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    SCALED: tl.constexpr,
+    PACK: tl.constexpr,
+    t_given,
+    TAIL_GIVEN: tl.constexpr,
 ):
     """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0: read
     from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too)."""
@@ -225,12 +276,31 @@ def _rotate_store(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, o_ptr, x_tok, o_tok, stride_x_head, stride_o_head, n_heads, head0, tail_len,
-    c, sn, o_scale_ptr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    SCALED: tl.constexpr, PACK: tl.constexpr,
-    w_ptr, norm_eps, norm_offset, NORM: tl.constexpr,
+    x_ptr,
+    o_ptr,
+    x_tok,
+    o_tok,
+    stride_x_head,
+    stride_o_head,
+    n_heads,
+    head0,
+    tail_len,
+    c,
+    sn,
+    o_scale_ptr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    SCALED: tl.constexpr,
+    PACK: tl.constexpr,
+    w_ptr,
+    norm_eps,
+    norm_offset,
+    NORM: tl.constexpr,
 ):
     """Rotate heads [head0, head0 + BLOCK_H) of one token; x_tok / o_tok are int64 token offsets.
 
@@ -243,43 +313,151 @@ def _rotate_heads(
     """
     # no default arguments in jit helpers: Triton 3.6 does not apply them when one jit calls another.
     # The store kernel (this helper's user) was measured with the evict_first hint: kept as measured.
-    x1, x2 = _load_heads(x_ptr + x_tok, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK,
-                         "evict_first")
+    x1, x2 = _load_heads(
+        x_ptr + x_tok, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "evict_first"
+    )
     t = x1
     if NORM != 0:
-        x1, x2, t = _norm_heads(x_ptr + x_tok, stride_x_head, n_heads, head0, tail_len, x1, x2, w_ptr, NORM, norm_eps,
-                                norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED)
+        x1, x2, t = _norm_heads(
+            x_ptr + x_tok,
+            stride_x_head,
+            n_heads,
+            head0,
+            tail_len,
+            x1,
+            x2,
+            w_ptr,
+            NORM,
+            norm_eps,
+            norm_offset,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            IN_INTERLEAVED,
+        )
     _rotate_store(
-        x_ptr + x_tok, o_ptr + o_tok, stride_x_head, stride_o_head, n_heads, head0, tail_len, x1, x2, c, sn, o_scale_ptr,
-        HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, SCALED, PACK, t, NORM != 0,
+        x_ptr + x_tok,
+        o_ptr + o_tok,
+        stride_x_head,
+        stride_o_head,
+        n_heads,
+        head0,
+        tail_len,
+        x1,
+        x2,
+        c,
+        sn,
+        o_scale_ptr,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        OUT_INTERLEAVED,
+        INVERSE,
+        SCALED,
+        PACK,
+        t,
+        NORM != 0,
     )
 
 
 @triton.jit
-def _select(blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
-            stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch, stride_ko_token, stride_ko_head, BLOCK_H: tl.constexpr):
+def _select(
+    blk,
+    n_q_blocks,
+    b,
+    s,
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    n_q_heads,
+    n_k_heads,
+    q_tail,
+    k_tail,
+    stride_q_batch,
+    stride_q_token,
+    stride_q_head,
+    stride_k_batch,
+    stride_k_token,
+    stride_k_head,
+    stride_qo_batch,
+    stride_qo_token,
+    stride_qo_head,
+    stride_ko_batch,
+    stride_ko_token,
+    stride_ko_head,
+    BLOCK_H: tl.constexpr,
+):
     """Head block blk (q's blocks, then k's) of token (b, s): its input and output token pointers,
     head strides, head count, first head and tail length. Scalar selects, no branch: q and k
     (one dtype) take one code path."""
     is_q = blk < n_q_blocks
     head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
-    x_base = tl.where(is_q, q_ptr + (b * stride_q_batch + s * stride_q_token), k_ptr + (b * stride_k_batch + s * stride_k_token))
-    o_base = tl.where(is_q, qo_ptr + (b * stride_qo_batch + s * stride_qo_token), ko_ptr + (b * stride_ko_batch + s * stride_ko_token))
-    return (x_base, o_base, tl.where(is_q, stride_q_head, stride_k_head), tl.where(is_q, stride_qo_head, stride_ko_head),
-            tl.where(is_q, n_q_heads, n_k_heads), head0, tl.where(is_q, q_tail, k_tail))
+    x_base = tl.where(
+        is_q, q_ptr + (b * stride_q_batch + s * stride_q_token), k_ptr + (b * stride_k_batch + s * stride_k_token)
+    )
+    o_base = tl.where(
+        is_q, qo_ptr + (b * stride_qo_batch + s * stride_qo_token), ko_ptr + (b * stride_ko_batch + s * stride_ko_token)
+    )
+    return (
+        x_base,
+        o_base,
+        tl.where(is_q, stride_q_head, stride_k_head),
+        tl.where(is_q, stride_qo_head, stride_ko_head),
+        tl.where(is_q, n_q_heads, n_k_heads),
+        head0,
+        tl.where(is_q, q_tail, k_tail),
+    )
 
 
 @triton.jit
-def _norm_select(blk, n_q_blocks, x_base, stride_x_head, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr, norm_eps,
-                 norm_offset, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                 TAIL_PAD: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr):
+def _norm_select(
+    blk,
+    n_q_blocks,
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail,
+    x1,
+    x2,
+    wq_ptr,
+    wk_ptr,
+    norm_eps,
+    norm_offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    NORM_Q: tl.constexpr,
+    NORM_K: tl.constexpr,
+):
     """_norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k)."""
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
-    return _norm_heads(x_base, stride_x_head, n_heads, head0, tail, x1, x2, w_ptr, mode, norm_eps, norm_offset,
-                       HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED)
+    return _norm_heads(
+        x_base,
+        stride_x_head,
+        n_heads,
+        head0,
+        tail,
+        x1,
+        x2,
+        w_ptr,
+        mode,
+        norm_eps,
+        norm_offset,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+    )
 
 
 @triton.jit
@@ -361,73 +539,269 @@ def rope_kernel(
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).
     """
-    t = tl.program_id(0).to(tl.int64)     # one program per token: up to 2^31 - 1 tokens
+    t = tl.program_id(0).to(tl.int64)  # one program per token: up to 2^31 - 1 tokens
     b = t // S
     s = t - b * S
     if HEAD_LOOP:
         # block 0's loads go out before the dependent position -> table-row loads
         x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
-            0, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail,
-            k_tail, stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch, stride_ko_token, stride_ko_head,
-            BLOCK_H)
-        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H,
-                             IN_INTERLEAVED, PACK, "")
+            0,
+            n_q_blocks,
+            b,
+            s,
+            q_ptr,
+            k_ptr,
+            qo_ptr,
+            ko_ptr,
+            n_q_heads,
+            n_k_heads,
+            q_tail,
+            k_tail,
+            stride_q_batch,
+            stride_q_token,
+            stride_q_head,
+            stride_k_batch,
+            stride_k_token,
+            stride_k_head,
+            stride_qo_batch,
+            stride_qo_token,
+            stride_qo_head,
+            stride_ko_batch,
+            stride_ko_token,
+            stride_ko_head,
+            BLOCK_H,
+        )
+        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
         c, sn = _load_angles(
-            cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-            stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-            SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank, HALF, HALF_PAD,
-            HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE,
+            cos_ptr,
+            sin_ptr + sin_off,
+            pos_ptr,
+            b,
+            s,
+            max_pos,
+            stride_pos_row,
+            stride_pos_batch,
+            stride_pos_token,
+            stride_angle_row,
+            stride_angle_batch,
+            stride_angle_token,
+            stride_angle_col,
+            SEC_T,
+            SEC_H,
+            SEC_W,
+            n_seqs,
+            cp_size,
+            cp_rank,
+            HALF,
+            HALF_PAD,
+            HAS_POS,
+            MROPE,
+            PACKED,
+            SEARCH_STRIDE,
+            SEARCH_COARSE,
         )
         for blk in tl.range(0, n_blocks):
             # the next block (past the last one: every lane masked, nothing read)
             nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail = _select(
-                blk + 1, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads,
-                q_tail, k_tail, stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch,
-                stride_ko_token, stride_ko_head, BLOCK_H)
+                blk + 1,
+                n_q_blocks,
+                b,
+                s,
+                q_ptr,
+                k_ptr,
+                qo_ptr,
+                ko_ptr,
+                n_q_heads,
+                n_k_heads,
+                q_tail,
+                k_tail,
+                stride_q_batch,
+                stride_q_token,
+                stride_q_head,
+                stride_k_batch,
+                stride_k_token,
+                stride_k_head,
+                stride_qo_batch,
+                stride_qo_token,
+                stride_qo_head,
+                stride_ko_batch,
+                stride_ko_token,
+                stride_ko_head,
+                BLOCK_H,
+            )
             if PREFETCH:
                 # its loads go out before this block's stores: two blocks in flight. Safe in
                 # place too: blocks are disjoint and validation refuses partial overlaps.
-                n1, n2 = _load_heads(nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
-                                     IN_INTERLEAVED, PACK, "")
+                n1, n2 = _load_heads(
+                    nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
+                )
             t_norm = x1
             if NORM_Q != 0 or NORM_K != 0:
                 x1, x2, t_norm = _norm_select(
-                    blk, n_q_blocks, x_base, stride_x_head, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
-                    norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED,
-                    NORM_Q, NORM_K)
+                    blk,
+                    n_q_blocks,
+                    x_base,
+                    stride_x_head,
+                    n_heads,
+                    head0,
+                    tail,
+                    x1,
+                    x2,
+                    wq_ptr,
+                    wk_ptr,
+                    norm_eps,
+                    norm_offset,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    TAIL_PAD,
+                    IN_INTERLEAVED,
+                    NORM_Q,
+                    NORM_K,
+                )
             _rotate_store(
-                x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
-                HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
-                t_norm, NORM_Q != 0 or NORM_K != 0,
+                x_base,
+                o_base,
+                stride_x_head,
+                stride_o_head,
+                n_heads,
+                head0,
+                tail,
+                x1,
+                x2,
+                c,
+                sn,
+                cos_ptr,
+                HALF,
+                HALF_PAD,
+                BLOCK_H,
+                TAIL_PAD,
+                OUT_INTERLEAVED,
+                INVERSE,
+                False,
+                PACK,
+                t_norm,
+                NORM_Q != 0 or NORM_K != 0,
             )
             if not PREFETCH:
-                n1, n2 = _load_heads(nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H,
-                                     IN_INTERLEAVED, PACK, "")
+                n1, n2 = _load_heads(
+                    nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
+                )
             x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
-                nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail)
+                nx_base,
+                no_base,
+                next_stride_x_head,
+                next_stride_o_head,
+                n_n_heads,
+                n_head0,
+                n_tail,
+            )
             x1, x2 = n1, n2
     else:
         blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
         x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
-            blk, n_q_blocks, b, s, q_ptr, k_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, q_tail, k_tail,
-            stride_q_batch, stride_q_token, stride_q_head, stride_k_batch, stride_k_token, stride_k_head, stride_qo_batch, stride_qo_token, stride_qo_head, stride_ko_batch, stride_ko_token, stride_ko_head, BLOCK_H)
-        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED,
-                             PACK, "")
+            blk,
+            n_q_blocks,
+            b,
+            s,
+            q_ptr,
+            k_ptr,
+            qo_ptr,
+            ko_ptr,
+            n_q_heads,
+            n_k_heads,
+            q_tail,
+            k_tail,
+            stride_q_batch,
+            stride_q_token,
+            stride_q_head,
+            stride_k_batch,
+            stride_k_token,
+            stride_k_head,
+            stride_qo_batch,
+            stride_qo_token,
+            stride_qo_head,
+            stride_ko_batch,
+            stride_ko_token,
+            stride_ko_head,
+            BLOCK_H,
+        )
+        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
         c, sn = _load_angles(
-            cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-            stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-            SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank, HALF, HALF_PAD,
-            HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE,
+            cos_ptr,
+            sin_ptr + sin_off,
+            pos_ptr,
+            b,
+            s,
+            max_pos,
+            stride_pos_row,
+            stride_pos_batch,
+            stride_pos_token,
+            stride_angle_row,
+            stride_angle_batch,
+            stride_angle_token,
+            stride_angle_col,
+            SEC_T,
+            SEC_H,
+            SEC_W,
+            n_seqs,
+            cp_size,
+            cp_rank,
+            HALF,
+            HALF_PAD,
+            HAS_POS,
+            MROPE,
+            PACKED,
+            SEARCH_STRIDE,
+            SEARCH_COARSE,
         )
         t_norm = x1
         if NORM_Q != 0 or NORM_K != 0:
             x1, x2, t_norm = _norm_select(
-                blk, n_q_blocks, x_base, stride_x_head, n_heads, head0, tail, x1, x2, wq_ptr, wk_ptr,
-                norm_eps, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, NORM_Q, NORM_K)
+                blk,
+                n_q_blocks,
+                x_base,
+                stride_x_head,
+                n_heads,
+                head0,
+                tail,
+                x1,
+                x2,
+                wq_ptr,
+                wk_ptr,
+                norm_eps,
+                norm_offset,
+                HALF,
+                HALF_PAD,
+                BLOCK_H,
+                TAIL_PAD,
+                IN_INTERLEAVED,
+                NORM_Q,
+                NORM_K,
+            )
         _rotate_store(
-            x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail, x1, x2, c, sn, cos_ptr,
-            HALF, HALF_PAD, BLOCK_H, TAIL_PAD, OUT_INTERLEAVED, INVERSE, False, PACK,
-            t_norm, NORM_Q != 0 or NORM_K != 0,
+            x_base,
+            o_base,
+            stride_x_head,
+            stride_o_head,
+            n_heads,
+            head0,
+            tail,
+            x1,
+            x2,
+            c,
+            sn,
+            cos_ptr,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            OUT_INTERLEAVED,
+            INVERSE,
+            False,
+            PACK,
+            t_norm,
+            NORM_Q != 0 or NORM_K != 0,
         )
 
 
@@ -435,19 +809,56 @@ def rope_kernel(
 def rope_norm_backward_kernel(
     # pointers: the forward's input x (q or k), the output gradient g, the input gradient gx, the
     # norm weight, the float32 weight-gradient partial sums, and the angle sources as in rope_kernel
-    x_ptr, g_ptr, gx_ptr, w_ptr, dw_ptr, pos_ptr, cos_ptr, sin_ptr,
+    x_ptr,
+    g_ptr,
+    gx_ptr,
+    w_ptr,
+    dw_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
     # sizes; dw_row: elements per partial-sum row (D per head, H*D across heads)
-    n_tokens, S, n_heads, tail, max_pos, n_blocks, sin_off, tokens_per_program, dw_row,
+    n_tokens,
+    S,
+    n_heads,
+    tail,
+    max_pos,
+    n_blocks,
+    sin_off,
+    tokens_per_program,
+    dw_row,
     # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
-    stride_x_batch, stride_x_token, stride_x_head, stride_g_batch, stride_g_token, stride_g_head, stride_gx_batch, stride_gx_token, stride_gx_head,
-    stride_pos_row, stride_pos_batch, stride_pos_token,
-    stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-    SEC_T, SEC_H, SEC_W,
-    norm_eps, norm_offset,
+    stride_x_batch,
+    stride_x_token,
+    stride_x_head,
+    stride_g_batch,
+    stride_g_token,
+    stride_g_head,
+    stride_gx_batch,
+    stride_gx_token,
+    stride_gx_head,
+    stride_pos_row,
+    stride_pos_batch,
+    stride_pos_token,
+    stride_angle_row,
+    stride_angle_batch,
+    stride_angle_token,
+    stride_angle_col,
+    SEC_T,
+    SEC_H,
+    SEC_W,
+    norm_eps,
+    norm_offset,
     # meta
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, MROPE: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    MROPE: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Backward of RMSNorm + rotation for one tensor (q or k): program (p, j) takes tokens
     [p * tokens_per_program, (p + 1) * tokens_per_program) of head block j.
@@ -471,8 +882,9 @@ def rope_norm_backward_kernel(
     if TAIL_PAD > 0:
         acc_t = tl.zeros([BLOCK_H, TAIL_PAD], tl.float32)
     if NORM != 0:
-        w1, w2, wt = _weights(w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD,
-                              IN_INTERLEAVED)
+        w1, w2, wt = _weights(
+            w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
+        )
     else:
         w1, w2, wt = zero + 1.0, zero + 1.0, acc_t + 1.0
     t_first = p * tokens_per_program
@@ -486,26 +898,70 @@ def rope_norm_backward_kernel(
             gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
             g1, g2 = _load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
             c, sn = _load_angles(
-                cos_ptr, sin_ptr + sin_off, pos_ptr, b, s, max_pos,
-                stride_pos_row, stride_pos_batch, stride_pos_token, stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col,
-                SEC_T, SEC_H, SEC_W, 0, 1, 0, HALF, HALF_PAD, HAS_POS, MROPE, False, 1, 1,
+                cos_ptr,
+                sin_ptr + sin_off,
+                pos_ptr,
+                b,
+                s,
+                max_pos,
+                stride_pos_row,
+                stride_pos_batch,
+                stride_pos_token,
+                stride_angle_row,
+                stride_angle_batch,
+                stride_angle_token,
+                stride_angle_col,
+                SEC_T,
+                SEC_H,
+                SEC_W,
+                0,
+                1,
+                0,
+                HALF,
+                HALF_PAD,
+                HAS_POS,
+                MROPE,
+                False,
+                1,
+                1,
             )
             cb = c[None, :]
             sb = sn[None, :]
-            gz1 = g1 * cb + g2 * sb                      # the transpose of the forward rotation
+            gz1 = g1 * cb + g2 * sb  # the transpose of the forward rotation
             gz2 = g2 * cb - g1 * sb
             gzt = gz1
             xt = gz1
             if TAIL_PAD > 0:
                 gzt = _load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
             if NORM != 0:
-                x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0, "")
+                x1, x2 = _load_heads(
+                    x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0, ""
+                )
                 if TAIL_PAD > 0:
                     xt = _load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
-                r = _inv_rms(x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H,
-                             TAIL_PAD)[:, None]
-                gx1, gx2, gxt, d1, d2, dt = _norm_backward(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail,
-                                                           w1, w2, wt, r, NORM, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+                r = _inv_rms(x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)[
+                    :, None
+                ]
+                gx1, gx2, gxt, d1, d2, dt = _norm_backward(
+                    x1,
+                    x2,
+                    xt,
+                    gz1,
+                    gz2,
+                    gzt,
+                    n_heads,
+                    head0,
+                    tail,
+                    w1,
+                    w2,
+                    wt,
+                    r,
+                    NORM,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    TAIL_PAD,
+                )
                 acc1 += d1
                 acc2 += d2
                 if TAIL_PAD > 0:
@@ -516,7 +972,9 @@ def rope_norm_backward_kernel(
             if TAIL_PAD > 0:
                 jt = tl.arange(0, TAIL_PAD)[None, :]
                 mt = (h[:, None] < n_heads) & (jt < tail)
-                tl.store(gx_base + h64[:, None] * stride_gx_head + 2 * HALF + jt, gxt.to(gx_ptr.dtype.element_ty), mask=mt)
+                tl.store(
+                    gx_base + h64[:, None] * stride_gx_head + 2 * HALF + jt, gxt.to(gx_ptr.dtype.element_ty), mask=mt
+                )
     if NORM != 0:
         # one partial row per program: per-head weights sum their heads too, across-heads weights
         # keep each head at its own h * D offset
