@@ -382,19 +382,29 @@ def _save_angles(ctx, inputs, output):
     ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
 
 
-def _rotate_backward(ctx, *grads):
-    """The inverse rotation through the same custom op (so the backward traces and differentiates)."""
-    a, b = ctx.saved_tensors
-    rot, interleaved, out_interleaved, mrope, inverse = ctx.flags
-    gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
-    want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
-    if first is None:
-        return (None,) * 9
-    g = torch.ops.ropekit.rotate(first, second, a, b, rot, out_interleaved, interleaved, mrope, not inverse)
-    return (*pipeline.input_grads(want_q, want_k, g[0], g[1] if second is not None else None),) + (None,) * 7
+def _inverse_backward(op_name: str, inverse_flags):
+    """The backward of an out-of-place rotation custom op: the same op with the flags of the inverse
+    rotation (`inverse_flags` maps the forward's flags to them), so the backward traces under
+    torch.compile and is itself differentiable. One rule for every rotation op: pipeline.Variant.backward."""
+
+    def backward(ctx, *grads):
+        a, b = ctx.saved_tensors
+        n_inputs = 4 + len(ctx.flags)
+        gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
+        want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
+        if first is None:
+            return (None,) * n_inputs
+        g = getattr(torch.ops.ropekit, op_name)(first, second, a, b, *inverse_flags(*ctx.flags))
+        d_second = g[1] if second is not None else None
+        return (*pipeline.input_grads(want_q, want_k, g[0], d_second),) + (None,) * (n_inputs - 2)
+
+    return backward
 
 
-_rotate_op.register_autograd(_rotate_backward, setup_context=_save_angles)
+_rotate_op.register_autograd(
+    _inverse_backward("rotate", lambda rot, il, out_il, mrope, inv: (rot, out_il, il, mrope, not inv)),
+    setup_context=_save_angles,
+)
 
 
 @torch.library.custom_op("ropekit::rotate_packed", mutates_args=())
@@ -424,18 +434,10 @@ def _(q, k, cu_seqlens, table, rotary_dim, interleaved, cp_size, cp_rank, invers
     return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
 
 
-def _rotate_packed_backward(ctx, *grads):
-    a, b = ctx.saved_tensors
-    rot, interleaved, cp_size, cp_rank, inverse = ctx.flags
-    gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
-    want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
-    if first is None:
-        return (None,) * 9
-    g = torch.ops.ropekit.rotate_packed(first, second, a, b, rot, interleaved, cp_size, cp_rank, not inverse)
-    return (*pipeline.input_grads(want_q, want_k, g[0], g[1] if second is not None else None),) + (None,) * 7
-
-
-_rotate_packed_op.register_autograd(_rotate_packed_backward, setup_context=_save_angles)
+_rotate_packed_op.register_autograd(
+    _inverse_backward("rotate_packed", lambda rot, il, cp_size, cp_rank, inv: (rot, il, cp_size, cp_rank, not inv)),
+    setup_context=_save_angles,
+)
 
 
 @torch.library.custom_op("ropekit::rotate_", mutates_args=("q", "k"))
@@ -641,15 +643,7 @@ def _(q, k, cos, sin, interleaved, out_interleaved, mrope, inverse):
     return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
 
 
-def _rotate_angles_backward(ctx, *grads):
-    a, b = ctx.saved_tensors
-    interleaved, out_interleaved, mrope, inverse = ctx.flags
-    gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
-    want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
-    if first is None:
-        return (None,) * 8
-    g = torch.ops.ropekit.rotate_angles(first, second, a, b, out_interleaved, interleaved, mrope, not inverse)
-    return (*pipeline.input_grads(want_q, want_k, g[0], g[1] if second is not None else None),) + (None,) * 6
-
-
-_rotate_angles_op.register_autograd(_rotate_angles_backward, setup_context=_save_angles)
+_rotate_angles_op.register_autograd(
+    _inverse_backward("rotate_angles", lambda il, out_il, mrope, inv: (out_il, il, mrope, not inv)),
+    setup_context=_save_angles,
+)
