@@ -23,9 +23,22 @@ OP = "rerotate_kv_cache"
 Scale = Union[None, float, torch.Tensor]
 
 
-def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+def _extents(*xs) -> tuple:
+    """Bytes from each tensor's first element to one past its last (0 for None or empty)."""
+    return tuple(
+        (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+        if isinstance(x, torch.Tensor) and x.numel()
+        else 0
+        for x in xs
+    )
+
+
+def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots, spec=None) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
-    validate.rerotate_aliasing(OP, k_cache, slots, delta, table, k_scale, dst_slots)
+    extents = None
+    if spec is not None and spec.extents:
+        extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
+    validate.rerotate_aliasing(OP, k_cache, slots, delta, table, k_scale, dst_slots, extents=extents)
     if validate.is_strict():
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
         validate.rerotate_values(
@@ -37,13 +50,19 @@ def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None
 
 def _run(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
     """Checks, then the run step (the kernel, or the reference on CPU)."""
-    _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
+    _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots, spec)
     pipeline.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
 
 
-def _spec(rot, interleaved, door, k_cache) -> Spec:
+def _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, table) -> Spec:
     il = bool(interleaved)
-    return Spec(Variant(il, il, angles="delta"), rot, door, pipeline.triton_runs(k_cache))
+    return Spec(
+        Variant(il, il, angles="delta"),
+        rot,
+        door,
+        pipeline.triton_runs(k_cache),
+        extents=_extents(k_cache, slots, dst_slots, delta, table),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +94,9 @@ def _rerotate_op(
     )
     spec = _MEMO.get(key)
     if spec is None:
-        spec = pipeline.remember(key, _spec(rotary_dim, interleaved, pipeline.DIRECT, k_cache))
+        spec = pipeline.remember(
+            key, _spec(rotary_dim, interleaved, pipeline.DIRECT, k_cache, slots, dst_slots, delta, cos_sin_cache)
+        )
     _run(spec, k_cache, slots, delta, None if delta is not None else delta_int, cos_sin_cache, k_scale, dst_slots)
 
 
@@ -170,7 +191,8 @@ def rerotate_kv_cache(
             k_scale=k_scale,
             dst_slots=dst_slots,
         )
-        spec = pipeline.remember(key, _spec(rot, interleaved, pipeline.door_for(k_cache, False), k_cache))
+        door = pipeline.door_for(k_cache, False)
+        spec = pipeline.remember(key, _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
     is_tensor = isinstance(delta, torch.Tensor)
     ks = pipeline.scale_tensor(k_scale, k_cache.device)
     if spec.door is CUSTOM_OP:

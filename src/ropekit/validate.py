@@ -744,8 +744,10 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     return rotary_dim, num_slots, k_scale, delta_int
 
 
-def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots) -> None:
-    """The cache (written) shares no byte with the slots, shifts, table or scale (read)."""
+def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots, extents=None) -> None:
+    """The cache (written) shares no byte with the slots, shifts, table or scale (read).
+    extents: None, or the byte extents of (k_cache, slots, dst_slots, delta, cos_sin_cache, k_scale)
+    (0 for None), kept per call signature: pairs whose ranges miss each other cost two compares."""
     written_vs_read(
         op,
         (("k_cache", k_cache),),
@@ -756,6 +758,7 @@ def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slo
             ("cos_sin_cache", cos_sin_cache),
             ("k_scale", k_scale),
         ),
+        extents=extents,
     )
 
 
