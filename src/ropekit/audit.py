@@ -14,7 +14,7 @@ The checked code is parsed with :mod:`ast`, never imported; neither torch nor tr
 The bug class
 -------------
 ``tl.program_id``, ``tl.arange`` and loop counters are 32-bit integers, and so is a stride
-argument that fits in 32 bits. ``tl.program_id(0) * row_stride`` is therefore computed in
+argument that fits in 32 bits. ``program_id(0) * row_stride`` is therefore computed in
 int32 and wraps once the tensor holds more than 2**31 elements; widening the *result*
 afterwards (``(pid * stride).to(tl.int64)``) is too late. The fix is to widen an operand
 *before* the multiplication (``pid.to(tl.int64) * stride``): int64 * int32 is computed in
@@ -29,7 +29,7 @@ and gives every value these properties:
 
 * **narrow** -- possibly a 32-bit index. Sources:
 
-  - *unbounded* indices: ``tl.program_id(...)``, ``tl.num_programs(...)``, the variable of a
+  - *unbounded* indices: ``program_id(...)``, ``num_programs(...)`` (of ``triton.language``), the variable of a
     ``for`` over ``range``/``tl.range`` whose bounds are not all compile-time constants, and
     values loaded with ``tl.load``/``tl.atomic_*`` (a gathered index such as a slot mapping
     or a position may be an int32 tensor);

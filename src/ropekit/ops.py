@@ -346,6 +346,24 @@ def _op_spec(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> Spec
     return spec
 
 
+def _rotated_outputs(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> List[torch.Tensor]:
+    """The body of every out-of-place rotation custom op: q and k (unit last stride) rotated into
+    fresh outputs by (a, b) as `pipeline.run_rotate` takes them."""
+    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
+    spec = _op_spec(tag, q, k, a, b, variant, rot, packed)
+    q_out = pipeline.empty_like(q)
+    k_out = None if k is None else pipeline.empty_like(k)
+    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, a, b)
+    return [q_out] if k is None else [q_out, k_out]
+
+
+def _fake_outputs(q, k) -> List[torch.Tensor]:
+    """The fake of every out-of-place rotation custom op: the real op's output layouts (empty_like
+    of the inputs, copied first when their last stride is not 1)."""
+    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
+    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+
+
 @torch.library.custom_op("ropekit::rotate", mutates_args=())
 def _rotate_op(
     q: torch.Tensor,
@@ -358,20 +376,13 @@ def _rotate_op(
     mrope: Optional[List[int]],
     inverse: bool,
 ) -> List[torch.Tensor]:
-    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     variant = _variant_of(interleaved, out_interleaved, mrope, inverse, "table" if positions is not None else "arange")
-    spec = _op_spec("rotate", q, k, positions, table, variant, rotary_dim)
-    q_out = pipeline.empty_like(q)
-    k_out = None if k is None else pipeline.empty_like(k)
-    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, positions, table)
-    return [q_out] if k is None else [q_out, k_out]
+    return _rotated_outputs("rotate", q, k, positions, table, variant, rotary_dim)
 
 
 @_rotate_op.register_fake
 def _(q, k, positions, table, rotary_dim, interleaved, out_interleaved, mrope, inverse):
-    # the real op's output layouts: empty_like of the (possibly copied) inputs
-    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
-    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+    return _fake_outputs(q, k)
 
 
 def _save_angles(ctx, inputs, output):
@@ -419,19 +430,13 @@ def _rotate_packed_op(
     cp_rank: int,
     inverse: bool,
 ) -> List[torch.Tensor]:
-    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     variant = Variant(interleaved, interleaved, angles="packed", inverse=inverse)
-    spec = _op_spec("rotate_packed", q, k, cu_seqlens, table, variant, rotary_dim, (cp_size, cp_rank))
-    q_out = pipeline.empty_like(q)
-    k_out = None if k is None else pipeline.empty_like(k)
-    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, cu_seqlens, table)
-    return [q_out] if k is None else [q_out, k_out]
+    return _rotated_outputs("rotate_packed", q, k, cu_seqlens, table, variant, rotary_dim, (cp_size, cp_rank))
 
 
 @_rotate_packed_op.register_fake
 def _(q, k, cu_seqlens, table, rotary_dim, interleaved, cp_size, cp_rank, inverse):
-    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
-    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+    return _fake_outputs(q, k)
 
 
 _rotate_packed_op.register_autograd(
@@ -626,21 +631,15 @@ def _rotate_angles_op(
     mrope: Optional[List[int]],
     inverse: bool,
 ) -> List[torch.Tensor]:
-    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     variant = _variant_of(interleaved, out_interleaved, mrope, inverse, "tokens")
-    spec = _op_spec("rotate_angles", q, k, cos, sin, variant, 2 * cos.shape[-1])
-    q_out = pipeline.empty_like(q)
-    k_out = None if k is None else pipeline.empty_like(k)
-    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, cos, sin)
-    return [q_out] if k is None else [q_out, k_out]
+    return _rotated_outputs("rotate_angles", q, k, cos, sin, variant, 2 * cos.shape[-1])
 
 
 @_rotate_angles_op.register_fake
 def _(q, k, cos, sin, interleaved, out_interleaved, mrope, inverse):
-    q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
-    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+    return _fake_outputs(q, k)
 
 
 _rotate_angles_op.register_autograd(

@@ -542,64 +542,69 @@ def rope_kernel(
     t = tl.program_id(0).to(tl.int64)  # one program per token: up to 2^31 - 1 tokens
     b = t // S
     s = t - b * S
+    # the first head block of this program (with HEAD_LOOP every program starts at block 0 and walks
+    # them all): its loads go out before the dependent position -> table-row loads
     if HEAD_LOOP:
-        # block 0's loads go out before the dependent position -> table-row loads
-        x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
-            0,
-            n_q_blocks,
-            b,
-            s,
-            q_ptr,
-            k_ptr,
-            qo_ptr,
-            ko_ptr,
-            n_q_heads,
-            n_k_heads,
-            q_tail,
-            k_tail,
-            stride_q_batch,
-            stride_q_token,
-            stride_q_head,
-            stride_k_batch,
-            stride_k_token,
-            stride_k_head,
-            stride_qo_batch,
-            stride_qo_token,
-            stride_qo_head,
-            stride_ko_batch,
-            stride_ko_token,
-            stride_ko_head,
-            BLOCK_H,
-        )
-        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
-        c, sn = _load_angles(
-            cos_ptr,
-            sin_ptr + sin_off,
-            pos_ptr,
-            b,
-            s,
-            max_pos,
-            stride_pos_row,
-            stride_pos_batch,
-            stride_pos_token,
-            stride_angle_row,
-            stride_angle_batch,
-            stride_angle_token,
-            stride_angle_col,
-            SEC_T,
-            SEC_H,
-            SEC_W,
-            n_seqs,
-            cp_size,
-            cp_rank,
-            HALF,
-            HALF_PAD,
-            HAS_POS,
-            MROPE,
-            PACKED,
-            SEARCH_STRIDE,
-            SEARCH_COARSE,
-        )
+        blk0 = 0
+    else:
+        blk0 = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
+    x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
+        blk0,
+        n_q_blocks,
+        b,
+        s,
+        q_ptr,
+        k_ptr,
+        qo_ptr,
+        ko_ptr,
+        n_q_heads,
+        n_k_heads,
+        q_tail,
+        k_tail,
+        stride_q_batch,
+        stride_q_token,
+        stride_q_head,
+        stride_k_batch,
+        stride_k_token,
+        stride_k_head,
+        stride_qo_batch,
+        stride_qo_token,
+        stride_qo_head,
+        stride_ko_batch,
+        stride_ko_token,
+        stride_ko_head,
+        BLOCK_H,
+    )
+    x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
+    c, sn = _load_angles(
+        cos_ptr,
+        sin_ptr + sin_off,
+        pos_ptr,
+        b,
+        s,
+        max_pos,
+        stride_pos_row,
+        stride_pos_batch,
+        stride_pos_token,
+        stride_angle_row,
+        stride_angle_batch,
+        stride_angle_token,
+        stride_angle_col,
+        SEC_T,
+        SEC_H,
+        SEC_W,
+        n_seqs,
+        cp_size,
+        cp_rank,
+        HALF,
+        HALF_PAD,
+        HAS_POS,
+        MROPE,
+        PACKED,
+        SEARCH_STRIDE,
+        SEARCH_COARSE,
+    )
+    if HEAD_LOOP:
         for blk in tl.range(0, n_blocks):
             # the next block (past the last one: every lane masked, nothing read)
             nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail = _select(
@@ -698,63 +703,7 @@ def rope_kernel(
             )
             x1, x2 = n1, n2
     else:
-        blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
-        x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
-            blk,
-            n_q_blocks,
-            b,
-            s,
-            q_ptr,
-            k_ptr,
-            qo_ptr,
-            ko_ptr,
-            n_q_heads,
-            n_k_heads,
-            q_tail,
-            k_tail,
-            stride_q_batch,
-            stride_q_token,
-            stride_q_head,
-            stride_k_batch,
-            stride_k_token,
-            stride_k_head,
-            stride_qo_batch,
-            stride_qo_token,
-            stride_qo_head,
-            stride_ko_batch,
-            stride_ko_token,
-            stride_ko_head,
-            BLOCK_H,
-        )
-        x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
-        c, sn = _load_angles(
-            cos_ptr,
-            sin_ptr + sin_off,
-            pos_ptr,
-            b,
-            s,
-            max_pos,
-            stride_pos_row,
-            stride_pos_batch,
-            stride_pos_token,
-            stride_angle_row,
-            stride_angle_batch,
-            stride_angle_token,
-            stride_angle_col,
-            SEC_T,
-            SEC_H,
-            SEC_W,
-            n_seqs,
-            cp_size,
-            cp_rank,
-            HALF,
-            HALF_PAD,
-            HAS_POS,
-            MROPE,
-            PACKED,
-            SEARCH_STRIDE,
-            SEARCH_COARSE,
-        )
+        blk = blk0
         t_norm = x1
         if NORM_Q != 0 or NORM_K != 0:
             x1, x2, t_norm = _norm_select(
