@@ -74,4 +74,12 @@ final)      # the whole GPU suite, the sanitizer sweep and the workloads changed
         --results-md "$OUT/RESULTS.md" -w W3,W7-T64,W9,W10,W11,W12
     for f in pytest bigmem sanitizer bench; do echo "== $f"; tail -8 "$OUT/$f.txt" 2>/dev/null; done
     ;;
+last)       # after review mends: the whole GPU suite and every workload but W12 (timed in the runs before)
+    stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
+    stage bigmem 60 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
+    CUDA_VISIBLE_DEVICES=0 stage bench 200 python3 -m ropekit.bench --no-progress --no-plot --out "$OUT" \
+        -w W1,W2,W3,W4,W5,W6,W7,W8,W9,W10,W11
+    for f in pytest bigmem; do echo "== $f"; tail -3 "$OUT/$f.txt" 2>/dev/null; done
+    grep -E "^W[0-9]|floors" "$OUT/results.txt" | cut -c1-140
+    ;;
 esac
