@@ -177,7 +177,9 @@ def main():
     def measure(be, nw, name, hl=None, pf=None):
         knobs = {}
         if be is not None:
-            knobs.update(block_elems=be, store_block_elems=be, num_warps=nw)
+            knobs.update(
+                block_elems=be, program_block_elems=be, store_block_elems=be, store_loop_block_elems=be, num_warps=nw
+            )
         if pf is not None:
             knobs["prefetch"] = None if pf < 0 else bool(pf)
         if hl is not None:

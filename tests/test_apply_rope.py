@@ -316,3 +316,36 @@ def test_per_token_mrope_both_program_layouts(device, request, head_loop, interl
         q.double(), k.double(), pos, cache.double(), mrope_section=section, mrope_interleaved=interleaved_sections
     )
     assert rel_err(qo, rq) < TOL[torch.bfloat16] and rel_err(ko, rk) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain-launch", "pdl"])
+def test_gpu_chained_in_place_calls_in_a_graph(pdl):
+    """Twenty in-place decode calls captured back to back, each reading what the one before wrote:
+    with programmatic dependent launch a call's programs start during the previous call, so a
+    missing wait would read stale q / k. The result is q and k rotated twenty times."""
+    from ropekit import tuning
+
+    T, Hq, Hk, D, n = 64, 32, 8, 128, 20
+    cache = make_cache(4096, D, device="cuda")
+    pos = torch.randint(0, 4096, (T,), device="cuda")
+    q = torch.randn(T, Hq, D, device="cuda")
+    k = torch.randn(T, Hk, D, device="cuda")
+    cos, sin = reference.angles_from_table(cache.double(), pos, (T,))
+    want_q, want_k = q.double(), k.double()
+    for _ in range(n):
+        want_q, want_k = reference.rotate(want_q, cos, sin), reference.rotate(want_k, cos, sin)
+    with tuning.override(pdl=pdl):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ropekit.apply_rope(q.clone(), k.clone(), pos, cache, inplace=True)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                ropekit.apply_rope(q, k, pos, cache, inplace=True)
+        g.replay()
+        torch.cuda.synchronize()
+    assert rel_err(q, want_q) < 1e-5 and rel_err(k, want_k) < 1e-5

@@ -352,7 +352,13 @@ def test_backward_directional_finite_difference():
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
 @pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("mode", MODES)
-def test_store_with_norm_bf16_cache(mode, which, interleaved, rot, device):
+@pytest.mark.parametrize("token_programs", [False, True], ids=["block-programs", "token-programs"])
+def test_store_with_norm_bf16_cache(mode, which, interleaved, rot, device, token_programs, request):
+    from ropekit import tuning
+
+    knobs = tuning.override(store_head_loop=token_programs)  # the launcher picks by size: force each
+    knobs.__enter__()
+    request.addfinalizer(lambda: knobs.__exit__(None, None, None))
     T, Hq, Hk, D, NB, BS = 5, 4, 2, 64, 4, 4
     q, k = inputs(T=(T,), Hq=Hq, Hk=Hk, D=D, device=device)
     v = torch.randn(T, Hk, D, device=device)

@@ -216,13 +216,25 @@ def shuffled_slots(n_tokens, num_slots, device, dtype=torch.int64, n_pad=1):
     return s.to(device)
 
 
+@pytest.fixture(params=[False, True], ids=["block-programs", "token-programs"])
+def programs(request):
+    """The store kernel's two grids: a program per head block, or one per token walking its q, k
+    and v blocks. The launcher picks by call size; tests force each."""
+    from ropekit import tuning
+
+    knobs = tuning.override(store_head_loop=request.param)
+    knobs.__enter__()
+    request.addfinalizer(lambda: knobs.__exit__(None, None, None))
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # layouts, head counts, rotations
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_layouts_gqa(device, layout, interleaved):
+def test_layouts_gqa(device, layout, interleaved, programs):
     T, Hq, Hk, D = 6, 4, 2, 64
     q, k, v, pos, table = inputs(T, Hq, Hk, D, D, D, D, torch.bfloat16, device)
     caches = Caches(LAYOUTS[layout], 3, 4, Hk, D, D, torch.bfloat16, device)
@@ -248,7 +260,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_shapes_and_partial_rotary(device, shape, interleaved):
+def test_shapes_and_partial_rotary(device, shape, interleaved, programs):
     Hq, Hk, Dq, Dk, Dv, rot = shape
     T = 4
     q, k, v, pos, table = inputs(T, Hq, Hk, Dq, Dk, Dv, rot, torch.float32, device)
@@ -314,7 +326,7 @@ def test_dtypes(device, dtypes):
     check_store(q, k, v, pos.to(pos_dtype), table, caches, slots)
 
 
-def test_two_token_dims(device):
+def test_two_token_dims(device, programs):
     B, S, Hq, Hk, D = 2, 3, 2, 1, 64
     q, k, v, pos, table = inputs(0, Hq, Hk, D, D, D, D, torch.float32, device, token_shape=(B, S))
     caches = Caches(nhd, 2, 4, Hk, D, D, torch.float32, device)
@@ -375,7 +387,7 @@ def test_empty_tokens(device):
 # bad slots and positions: never out of bounds; flagged (NaN in q) or, in strict mode, refused
 
 
-def test_slot_past_cache_is_skipped_and_flags_q(device):
+def test_slot_past_cache_is_skipped_and_flags_q(device, programs):
     T, H, D, rot = 5, 2, 64, 32
     q, k, v, pos, table = inputs(T, H, H, D, D, D, rot, torch.float32, device)
     caches = Caches(nhd, 2, 4, H, D, D, torch.float32, device)
@@ -463,7 +475,7 @@ def test_fp8_exact_round_trip(device, scale_kind):
 
 
 @pytest.mark.parametrize("layout", ["nhd", "mla"])
-def test_fp8_random_round_trip(device, layout):
+def test_fp8_random_round_trip(device, layout, programs):
     """Rotated k / scale rounded to e4m3: the cache times the scale gives k back to fp8 precision."""
     if INTERPRETED and device == "cpu":
         pytest.skip(
@@ -964,7 +976,7 @@ def test_cache_offsets_past_2_31():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("layout", ["nhd", "hnd", "kv_joint"])
-def test_gpu_w7_shape(layout, cache_dtype):
+def test_gpu_w7_shape(layout, cache_dtype, programs):
     """Llama-3-8B heads, block_size 16, shuffled slots, as W7 (T=1024)."""
     T, Hq, Hk, D = 1024, 32, 8, 128
     q, k, v, pos, table = inputs(T, Hq, Hk, D, D, D, D, torch.bfloat16, "cuda", max_pos=8192)
@@ -1052,3 +1064,40 @@ def test_bigmem_cuda_cache_past_2_31_elements(layout):
 
 if __name__ == "__main__":
     {"big": big_cases}[sys.argv[1]]()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain-launch", "pdl"])
+def test_gpu_chained_stores_in_a_graph(pdl):
+    """Ten decode-sized stores captured back to back on the same q (rotated in place by each): with
+    programmatic dependent launch a call starts during the one before, so a missing wait would
+    read a stale q. q ends rotated ten times; the caches hold k rotated once and v."""
+    from ropekit import tuning
+
+    T, Hq, Hk, D, n = 64, 32, 8, 128, 10
+    q, k, v, pos, table = inputs(T, Hq, Hk, D, D, D, D, torch.float32, "cuda")
+    slots = shuffled_slots(T, 256, "cuda", n_pad=0)
+    kc = torch.full((16, 16, Hk, D), NAN, device="cuda")
+    vc = torch.full_like(kc, NAN)
+    cos, sin = reference.angles_from_table(table.double(), pos, (T,))
+    want_q = q.double()
+    for _ in range(n):
+        want_q = reference.rotate(want_q, cos, sin)
+    want_k = reference.rotate(k.double(), cos, sin)
+    with tuning.override(pdl=pdl):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            apply_rope_and_store(q.clone(), k, v, pos, table, kc.clone(), vc.clone(), slots)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                apply_rope_and_store(q, k, v, pos, table, kc, vc, slots)
+        g.replay()
+        torch.cuda.synchronize()
+    s = slots.long()
+    err = lambda got, want: ((got.double() - want).norm() / want.norm()).item()  # noqa: E731
+    assert err(q, want_q) < 1e-5
+    assert err(kc.view(-1, Hk, D)[s], want_k) < 1e-6 and torch.equal(vc.view(-1, Hk, D)[s], v)

@@ -116,6 +116,22 @@ def _pair_bits(*xs) -> int:
     return 16 * sizes.pop()
 
 
+@functools.lru_cache(maxsize=None)
+def _has_gdc(device_index: int) -> bool:
+    """Programmatic dependent launch and its griddepcontrol instructions: compute capability 9+."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_meta(x: torch.Tensor, big: bool) -> dict:
+    """The PDL constexpr, and Triton's launch option with it: on for decode-sized CUDA calls on
+    Hopper and later (the `pdl` knob), never on CPU (the interpreter has no such launch)."""
+    on = tuning.get("pdl")
+    if on is None:
+        on = not big
+    on = bool(on) and x.is_cuda and _has_gdc(x.device.index if x.device.index is not None else 0)
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
 def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Plan]:
     """rope_kernel's launch for (*T, H, D) tensors (None for an empty call: nothing to launch)."""
     n_tok = q.dim() - 2
@@ -133,7 +149,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     head_loop = tuning.get("head_loop")
     if head_loop is None:
         head_loop = (variant.angles == "table" or mrope) and n_tokens >= tuning.get("head_loop_min_tokens")
-    half_pad, block_h, tail_pad, nqb, nkb = _tiles(half, n_q, n_k, tail, tuning.get("block_elems"))
+    half_pad, block_h, tail_pad, nqb, nkb = _tiles(
+        half, n_q, n_k, tail, tuning.get("block_elems" if head_loop else "program_block_elems")
+    )
     prefetch = tuning.get("prefetch")
     prefetch = head_loop and (not mrope if prefetch is None else prefetch)
     pack = 0
@@ -190,6 +208,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         PACKED=variant.angles == "packed",
         SEARCH_STRIDE=angles.search[0],
         SEARCH_COARSE=angles.search[1],
+        **pdl_meta(q, head_loop),
         num_warps=tuning.warps(head_loop, mrope),
     )
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
@@ -256,8 +275,11 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
     half = rot // 2
     n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
     d_k, d_v = k.shape[-1], v.shape[-1]
+    head_loop = tuning.get("store_head_loop")
+    if head_loop is None:
+        head_loop = n_tokens >= tuning.get("head_loop_min_tokens")
     half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb = _store_tiles(
-        half, n_q, n_k, d_k - rot, n_v, d_v, tuning.get("store_block_elems")
+        half, n_q, n_k, d_k - rot, n_v, d_v, tuning.get("store_loop_block_elems" if head_loop else "store_block_elems")
     )
     row, col = table.stride(0), table.stride(1)
     block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
@@ -276,6 +298,7 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         k_cache.shape[0] * block_size,
         nqb,
         nkb,
+        nqb + nkb + nvb,
         *token_strides(q, n_tok),
         q.stride(-2),
         *token_strides(k, n_tok),
@@ -316,9 +339,11 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         NORM_Q=0,
         NORM_K=0,
         TAIL_PAD_Q=0,
-        num_warps=tuning.warps(False, False, store=True),
+        HEAD_LOOP=head_loop,
+        **pdl_meta(q, head_loop),
+        num_warps=tuning.warps(head_loop, False, store=True),
     )
-    return Plan((n_tokens, nqb + nkb + nvb), args, meta, 0, {})
+    return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 
 
 def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:

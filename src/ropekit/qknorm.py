@@ -42,7 +42,7 @@ STORE_OP = "apply_rope_and_store"
 # rope_kernel's runtime-argument positions that the norm's head blocking changes (see plan_launch)
 _ARG_N_Q_BLOCKS, _ARG_N_BLOCKS = 7, 8
 # rope_store_kernel's: n_q_blocks, n_k_blocks
-_STORE_ARG_N_Q_BLOCKS, _STORE_ARG_N_K_BLOCKS = 10, 11
+_STORE_ARG_N_Q_BLOCKS, _STORE_ARG_N_K_BLOCKS, _STORE_ARG_N_BLOCKS = 10, 11, 12
 # programs of the backward along tokens: each writes one float32 weight-gradient row per head block,
 # summed with torch afterwards (enough to fill an H200; few rows to sum)
 _BWD_PROGRAMS = int(os.environ.get("ROPEKIT_NORM_BWD_PROGRAMS", "1024"))
@@ -735,14 +735,15 @@ def plan_store(
     q_tail = q.shape[-1] - rot
     meta["TAIL_PAD_Q"] = _next_pow2(q_tail) if modes[0] and q_tail > 0 else 0
     grid = base.grid
-    nvb = grid[1] - args[_STORE_ARG_N_Q_BLOCKS] - args[_STORE_ARG_N_K_BLOCKS]
+    nvb = args[_STORE_ARG_N_BLOCKS] - args[_STORE_ARG_N_Q_BLOCKS] - args[_STORE_ARG_N_K_BLOCKS]
     if modes[0] == 2:
         meta["BLOCK_HQ"] = _next_pow2(q.shape[-2])
         args[_STORE_ARG_N_Q_BLOCKS] = 1
     if modes[1] == 2:
         meta["BLOCK_HK"] = _next_pow2(k.shape[-2])
         args[_STORE_ARG_N_K_BLOCKS] = 1
-    grid = (grid[0], args[_STORE_ARG_N_Q_BLOCKS] + args[_STORE_ARG_N_K_BLOCKS] + nvb)
+    args[_STORE_ARG_N_BLOCKS] = args[_STORE_ARG_N_Q_BLOCKS] + args[_STORE_ARG_N_K_BLOCKS] + nvb
+    grid = (grid[0], 1 if meta["HEAD_LOOP"] else args[_STORE_ARG_N_BLOCKS])
     bh = max(meta["BLOCK_HQ"], meta["BLOCK_HK"])
     meta["num_warps"] = _warps(bh, meta["HALF_PAD"], max(meta["TAIL_PAD"], meta["TAIL_PAD_Q"]), meta["num_warps"])
     return NormLaunch(grid, tuple(args), meta, 0, {})

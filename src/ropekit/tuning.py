@@ -24,16 +24,37 @@ KNOBS: Dict[str, Knob] = {
         "rope_kernel elements per program (heads x rotated dims): 2048 fills the "
         "H200's memory pipeline with 2-4 warps; 1024 and 4096 were slower on W1/W2",
     ),
+    "program_block_elems": Knob(
+        2048,
+        "rope_kernel elements per program with a program per head block (decode-sized "
+        "calls, per-token angles): the latency of one dependent position -> table chain per program",
+    ),
     "store_block_elems": Knob(
         1024,
         "rope_store_kernel elements per program: its q, k and v programs "
         "each write scattered cache rows, smaller tiles keep more in flight",
+    ),
+    "store_loop_block_elems": Knob(
+        4096,
+        "rope_store_kernel elements per head block with the head loop (one program per token): "
+        "a block of 32 heads of 128 takes Llama-3-8B's q in one step",
+    ),
+    "store_head_loop": Knob(
+        None,
+        "None: one program per token walking q's, k's and v's head blocks (slot and angles "
+        "read once) from head_loop_min_tokens tokens; decode-sized calls keep a program per block",
     ),
     "rerotate_block_elems": Knob(
         2048,
         "rerotate_kernel rotated elements per program (rows x heads x dims): "
         "rows are gathered by slot, so a program takes several to overlap "
         "their dependent slot -> table -> cache loads",
+    ),
+    "pdl": Knob(
+        None,
+        "None: programmatic dependent launch for decode-sized calls (no head loop) on "
+        "Hopper and later, so a call's launch overlaps the previous kernel's tail; "
+        "large calls gain nothing from it",
     ),
     "num_warps": Knob(0, "0: the rule below; else force this many warps for every launch (sweeps)"),
     "head_loop": Knob(
@@ -72,11 +93,11 @@ def get(name: str):
 
 def warps(head_loop: bool, mrope: bool, store: bool = False) -> int:
     """Warps per program: 4 for the head loop (a program walks many blocks), 2 with M-RoPE's three
-    table rows, without the loop, and for the store (more, smaller programs won on W3 and W7)."""
+    table rows, and without the loop (more, smaller programs won on W3 and W7-T64)."""
     forced = get("num_warps")
     if forced:
         return int(forced)
-    return 4 if head_loop and not mrope and not store else 2
+    return 4 if head_loop and not mrope else 2
 
 
 @contextlib.contextmanager

@@ -29,6 +29,28 @@ import triton.language as tl
 from .norm import _inv_rms, _load_tail, _norm_backward, _norm_heads, _weights
 from .positions import _packed_position
 
+try:  # programmatic dependent launch (Hopper and later); older Tritons lack the intrinsics
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - the launcher never sets PDL there
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+@triton.jit
+def _pdl_prologue(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL), this kernel's programs may start while the
+    previous kernel on the stream still runs: wait for it (and its writes) before touching memory,
+    then let the next kernel start launching. Without PDL: nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
 
 @triton.jit
 def _section_of(i, SEC_T, SEC_H, SEC_W, MROPE: tl.constexpr):
@@ -525,6 +547,7 @@ def rope_kernel(
     PACKED: tl.constexpr,  # positions derived from cu_seqlens (packed sequences, context parallelism)
     SEARCH_STRIDE: tl.constexpr,  # PACKED: cu_seqlens entries per block of the two-level search
     SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -539,6 +562,7 @@ def rope_kernel(
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).
     """
+    _pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)  # one program per token: up to 2^31 - 1 tokens
     b = t // S
     s = t - b * S
