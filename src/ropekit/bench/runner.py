@@ -354,12 +354,18 @@ def _wl_stub(wl: W.Workload, s: Dict[str, int]) -> dict:
         "host": wl.host,
         "input_sets": 0,
         "calls_per_graph": wl.one_set_calls or (1 if wl.graph else None),
-        "same_size_copy_gbps": None,
-        "same_size_copy_pct": None,
-        "same_size_copy_us": None,
-        "same_size_copy_spread": None,
+        **{k: None for k in SAME_SIZE_KEYS},
         "graph_launch_floor": None,
     }
+
+
+SAME_SIZE_KEYS = (
+    "same_size_copy_gbps",
+    "same_size_copy_pct",
+    "same_size_copy_us",
+    "same_size_copy_bytes",
+    "same_size_copy_spread",
+)
 
 
 def _empty_rec(wl: W.Workload, peer: P.Peer, status: str, why: str) -> dict:
@@ -385,7 +391,7 @@ def _same_size(wl: W.Workload, nbytes: int, copy_gbps: float, device, cfg: Confi
     torch's contiguous copy moving the workload's minimal bytes (timing.same_size_copy). Fields:
     same_size_copy_gbps, same_size_copy_pct (of the big copy), same_size_copy_us and its spread;
     None for graph rows, or when it cannot run (same_size_copy_why says why)."""
-    out = {k: None for k in ("same_size_copy_gbps", "same_size_copy_pct", "same_size_copy_us", "same_size_copy_spread")}
+    out = {k: None for k in SAME_SIZE_KEYS}
     if wl.graph or nbytes <= 0:
         return out
     try:
@@ -399,6 +405,7 @@ def _same_size(wl: W.Workload, nbytes: int, copy_gbps: float, device, cfg: Confi
         "same_size_copy_gbps": c["gbps"],
         "same_size_copy_pct": 100.0 * c["gbps"] / copy_gbps,
         "same_size_copy_us": c["time_us"],
+        "same_size_copy_bytes": c["bytes"],
         "same_size_copy_spread": c["spread"],
     }
 
