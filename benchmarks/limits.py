@@ -76,7 +76,7 @@ def first_calls():
     pos = torch.randint(0, 4096, (T,), device=dev)
     kc = torch.zeros(64, 16, 2, D, **bf)
     vc = torch.zeros_like(kc)
-    kc8 = torch.zeros(64, 16, 2, D, dtype=torch.float8_e4m3fn, device=dev)
+    kc8 = torch.zeros(64, 16, 2, D, **bf).to(torch.float8_e4m3fn)
     vc8 = torch.zeros_like(kc8)
     slots = torch.randperm(1024, device=dev)[:T]
     w = torch.ones(D, **bf)

@@ -3,8 +3,10 @@
 GPU: CUDA events around each call with warm-up, L2 flushed before every call, median
 (triton.testing.do_bench, or the same loop written out when Triton is missing); CUDA-graph
 replay for launch-bound sizes, with the graph walking over several input sets so that their
-total size is past the L2; host time per eager call with a wall clock over many calls;
-the copy bandwidth of a large device-to-device copy measured in the same run.
+total size is past the L2, or calling one input set many times (its data in L2, the launch-bound
+floor of a row; beside it the same graph of an empty kernel: `graph_launch_floor`); host time per
+eager call with a wall clock over many calls; the copy bandwidth of a large device-to-device copy
+measured in the same run, and a copy of each workload's own size (`same_size_copy`).
 
 CPU: a wall clock around each call, median of several.
 
