@@ -417,7 +417,8 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
     for w in res["workloads"]:
         sizes = ", ".join(f"{k}={v}" for k, v in w["sizes"].items())
         same = (
-            f"{w['same_size_copy_gbps']:.0f} GB/s, {_us(w['same_size_copy_us'])} ({w['same_size_copy_pct']:.1f}% of copy)"
+            f"{w['same_size_copy_gbps']:.0f} GB/s, {_us(w['same_size_copy_us'])} "
+            f"({w['same_size_copy_pct']:.1f}% of copy)"
             if w.get("same_size_copy_gbps")
             else "–"
         )

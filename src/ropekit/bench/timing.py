@@ -266,7 +266,8 @@ def graph_launch_floor(x: torch.Tensor, calls: int = 100, warmup_ms: float = 25,
     return {
         **{k: (v * 1e3 if k in ("min", "median", "max") else v) for k, v in st.items()},
         "calls_per_graph": calls,
-        "what": f"empty Triton kernel (one pointer argument, grid (1,)), {calls} launches in one CUDA graph, per launch",
+        "what": f"empty Triton kernel (one pointer argument, grid (1,)), {calls} launches in one CUDA graph, "
+        "per launch",
     }
 
 
