@@ -4,6 +4,10 @@
 
 1. First call of each variant on a fresh Triton cache (a new TRITON_CACHE_DIR): the wall time of
    the first call (compile + launch + sync), what a serving engine pays per variant at start-up.
+   Triton's one-time set-up of the process (its launcher helpers built with the host C compiler,
+   the driver loaded) is measured first and apart, as the first call of an empty kernel: it is
+   paid once per process whatever the library, and is not counted against any ropekit variant.
+   The largest first call of a ropekit variant is printed against the 1.0 s target.
 2. The cost of the 64-bit addressing on W2 (T=32768, Hq=64, Hk=8, D=128, bf16): ropekit's kernel
    against a 32-bit build of the same source, made here only (every `.to(tl.int64)` widening
    removed, int64 vectors made int32) and launched with the same plan. W2's tensors hold 268M
@@ -29,6 +33,40 @@ import triton  # noqa: E402
 import ropekit  # noqa: E402
 from ropekit import launcher  # noqa: E402
 
+FIRST_CALL_TARGET_S = 1.0  # issue 17: first call of any variant on the H200 host
+
+
+@triton.jit
+def _noop(x_ptr):
+    # one pointer argument, no body: its first call is Triton's set-up plus a trivial compile
+    pass
+
+
+def _first_second(fn):
+    """Wall seconds of fn's first call and of its second (each followed by a device sync)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return dict(first_s=first, second_s=time.perf_counter() - t)
+
+
+def triton_setup():
+    """The process's first Triton launch (an empty kernel), after the CUDA context exists."""
+    x = torch.empty(1, device="cuda")  # the CUDA context is made here, not in the figure below
+    torch.cuda.synchronize()
+    out = _first_second(lambda: _noop[(1,)](x))
+    print(
+        f"{'Triton one-time set-up (not a ropekit variant)':48s} first call {out['first_s']:6.2f} s   "
+        f"second {out['second_s'] * 1e6:8.1f} us",
+        flush=True,
+    )
+    return out
+
 
 def first_calls():
     dev, bf = "cuda", dict(dtype=torch.bfloat16, device="cuda")
@@ -38,6 +76,8 @@ def first_calls():
     pos = torch.randint(0, 4096, (T,), device=dev)
     kc = torch.zeros(64, 16, 2, D, **bf)
     vc = torch.zeros_like(kc)
+    kc8 = torch.zeros(64, 16, 2, D, **bf).to(torch.float8_e4m3fn)
+    vc8 = torch.zeros_like(kc8)
     slots = torch.randperm(1024, device=dev)[:T]
     w = torch.ones(D, **bf)
     cu = torch.tensor([0, 100, 256], device=dev, dtype=torch.int32)
@@ -51,21 +91,35 @@ def first_calls():
         "apply_rope cu_seqlens": lambda: ropekit.apply_rope(q, k, None, cache, cu_seqlens=cu),
         "apply_rope QK-norm": lambda: ropekit.apply_rope(q, k, pos, cache, q_norm_weight=w, k_norm_weight=w),
         "apply_rope_and_store": lambda: ropekit.apply_rope_and_store(q.clone(), k, v, pos, cache, kc, vc, slots),
+        "apply_rope_and_store fp8 cache": lambda: ropekit.apply_rope_and_store(
+            q.clone(), k, v, pos, cache, kc8, vc8, slots
+        ),
+        "apply_rope_and_store QK-norm": lambda: ropekit.apply_rope_and_store(
+            q.clone(), k, v, pos, cache, kc, vc, slots, q_norm_weight=w, k_norm_weight=w
+        ),
         "rerotate_kv_cache": lambda: ropekit.rerotate_kv_cache(kc, slots[:16], 5, cache),
     }
     out = {}
     for name, fn in variants.items():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out[name] = dict(first_s=first, second_s=time.perf_counter() - t)
-        print(f"{name:28s} first call {first:6.2f} s   second {out[name]['second_s'] * 1e6:8.1f} us", flush=True)
+        out[name] = _first_second(fn)
+        print(
+            f"{name:48s} first call {out[name]['first_s']:6.2f} s   second {out[name]['second_s'] * 1e6:8.1f} us",
+            flush=True,
+        )
     return out
+
+
+def first_call_max(calls):
+    """The slowest first call among the ropekit variants, against FIRST_CALL_TARGET_S."""
+    name = max(calls, key=lambda n: calls[n]["first_s"])
+    worst = calls[name]["first_s"]
+    met = worst <= FIRST_CALL_TARGET_S
+    print(
+        f"max first call over ropekit variants: {worst:.2f} s ({name}); target <= {FIRST_CALL_TARGET_S:.1f} s: "
+        + ("met" if met else f"missed by {worst - FIRST_CALL_TARGET_S:.2f} s"),
+        flush=True,
+    )
+    return dict(variant=name, first_s=worst, target_s=FIRST_CALL_TARGET_S, met=met)
 
 
 def build_int32_kernels():
@@ -124,7 +178,9 @@ def main():
         f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
         f"fresh Triton cache {CACHE}"
     )
-    res = dict(first_calls=first_calls(), w2_64_vs_32=w2_64_vs_32())
+    setup = triton_setup()  # first: the process's first Triton launch pays it
+    calls = first_calls()
+    res = dict(triton_setup=setup, first_calls=calls, first_call_max=first_call_max(calls), w2_64_vs_32=w2_64_vs_32())
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "limits.json"), "w") as f:

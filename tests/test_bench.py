@@ -48,8 +48,22 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
 
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["cpu_mode"] is True and res["meta"]["partial"] is False
-    assert [w["id"] for w in res["workloads"]] == ["W1", "W3"]
+    assert [w["id"] for w in res["workloads"]] == ["W1", "W3", "W3-1"]  # W3 selects W3-1 too
     cells = {(r["workload"], r["peer"]): r for r in res["results"]}
+    # W3-1 is a CUDA-graph measurement: every cell skipped with the reason, nothing timed
+    for peer in ("ropekit", "reference", "torch-eager"):
+        r = cells[("W3-1", peer)]
+        assert r["status"] == "skipped" and "CUDA-graph" in r["reason"] and r["time_us"] is None, r
+    # the same-size copy: measured for the per-call row (W1), none for the graph row (W3)
+    by_wl = {w["id"]: w for w in res["workloads"]}
+    w1 = by_wl["W1"]
+    assert w1["same_size_copy_bytes"] == w1["bytes"] and w1["same_size_copy_gbps"] > 0
+    assert w1["same_size_copy_pct"] == pytest.approx(100 * w1["same_size_copy_gbps"] / res["copy"]["gbps"])
+    assert w1["same_size_copy_spread"]["min"] <= w1["same_size_copy_spread"]["max"]
+    rk = cells[("W1", "ropekit")]
+    assert rk["pct_same_size_copy"] == pytest.approx(100 * rk["gbps"] / w1["same_size_copy_gbps"])
+    assert by_wl["W3"]["same_size_copy_gbps"] is None and cells[("W3", "ropekit")]["pct_same_size_copy"] is None
+    assert report.SAME_HEADER in text and f"ropekit {rk['pct_same_size_copy']:.1f}%" in text
     # the reference and the HF code must run and pass the float64 check everywhere
     for wl in ("W1", "W3"):
         for peer in ("reference", "torch-eager"):
@@ -80,6 +94,7 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
 
     assert "CPU numbers" in (out / "results.txt").read_text()
     assert "CPU" in md.read_text() and "| W1 train_8b |" in md.read_text()
+    assert "% same-size copy" in md.read_text() and "| W3-1 decode_b64_one_set |" in md.read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "results.png").stat().st_size > 1000
     else:
@@ -111,7 +126,13 @@ def test_wrong_output_is_reported_not_timed(cpu_env):
 
 def test_workload_selection_and_bytes():
     assert [w.id for w in workloads.select("W7")] == ["W7", "W7-T64"]
-    assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3"]
+    assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3", "W3-1"]
+    assert [w.id for w in workloads.select("W3-1")] == ["W3-1"]
+    assert [w.id for w in workloads.select("decode_b64_one_set")] == ["W3-1"]
+    w3, w31 = workloads.BY_ID["W3"], workloads.BY_ID["W3-1"]
+    assert w31.one_set_calls == 100 and w31.graph and w3.one_set_calls == 0
+    # W3-1 is W3's problem: the same sizes, layout and positions, hence the same inputs per seed
+    assert (w31.full, w31.quick, w31.layout, w31.positions) == (w3.full, w3.quick, w3.layout, w3.positions)
     with pytest.raises(ValueError):
         workloads.select("W99")
     assert [w.id for w in workloads.select("W10")] == ["W10", "W10-FP8", "W10-T64", "W10-T64-FP8"]
@@ -169,3 +190,107 @@ def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
             got = workloads.canon(w, inp2, bound.canon(bound.fn()))
             errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
             assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), (wid, p.name, errs)
+
+
+def test_one_set_graph_row_plumbing(cpu_env, monkeypatch):
+    """W3-1's CUDA branch of run_one, with the graph timing replaced by a recorder (no GPU here):
+    ONE input set, called wl.one_set_calls times per graph, and the row's figures derived from
+    what the timing returned."""
+    from ropekit.bench import peers as P
+    from ropekit.bench import runner, timing
+
+    seen = {}
+
+    def fake_graph_ms(fns, warmup_ms, rep_ms, all_stats=False, calls_per_set=1):
+        seen.update(n_fns=len(fns), calls=calls_per_set)
+        for f in fns:  # the function handed over must be the peer's call on its inputs
+            f()
+        return {"min": 0.0015, "median": 0.002, "max": 0.003, "n": 10, "noisy": False}
+
+    monkeypatch.setattr(timing, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(runner, "_sync", lambda device: None)
+    wl = workloads.BY_ID["W3-1"]
+    s = dict(wl.sizes(True), T=8)
+    table = workloads.make_table(wl, s, "cpu")
+    base = workloads.make_inputs(wl, s, table, "cpu", 0)
+    exp = workloads.expected(wl, base, workloads.Oracle())
+    nbytes = workloads.min_bytes(wl, base)
+    cfg = runner.Config(workloads=[wl], device="cpu", progress=False)
+    rec = runner.run_one(P.Ropekit(), wl, base, exp, [], nbytes, 100.0, "cuda", cfg)
+    assert rec["status"] == "ok", rec
+    assert seen == {"n_fns": 1, "calls": 100}
+    assert rec["time_us"] == pytest.approx(2.0) and rec["time_spread"]["max"] == pytest.approx(3.0)
+    assert "one input set, 100 calls per graph" in rec["method"]
+    assert rec["host_us"] is None  # W3 measures the host time; W3-1 does not repeat it
+
+
+def test_graph_ms_and_same_size_copy_arguments():
+    from ropekit.bench import timing
+
+    with pytest.raises(ValueError, match="graph_ms: calls_per_set: expected an int >= 1, got 0"):
+        timing.graph_ms([lambda: None], calls_per_set=0)
+    c = timing.same_size_copy("cpu", 1 << 16, rep_ms=5)
+    assert c["bytes"] == 1 << 16 and c["gbps"] > 0
+    assert c["time_us"] == pytest.approx(c["spread"]["min"])  # CPU: the fastest, as the CPU memcpy
+
+
+def test_report_one_set_row_and_floor():
+    """A GPU-shaped result (as the H200 run writes it): the W3-1 row shows its time over the
+    in-graph launch floor, the floor has its own line, and the same-size column reads the JSON."""
+    st = lambda med: {"min": med * 0.9, "median": med, "max": med * 1.1, "n": 9, "noisy": False}  # noqa: E731
+    floor = {**st(0.5), "calls_per_graph": 100, "what": "empty Triton kernel, 100 launches in one CUDA graph"}
+
+    def wl(wid, graph, same=None, gfloor=None):
+        return {
+            "id": wid,
+            "name": wid.lower(),
+            "what": "",
+            "sizes": {"T": 64},
+            "bytes": 1000,
+            "floor_us": 0.1,
+            "graph": graph,
+            "host": False,
+            "input_sets": 1,
+            "same_size_copy_gbps": same,
+            "same_size_copy_pct": None if same is None else 90.0,
+            "same_size_copy_us": None if same is None else 1.0,
+            "graph_launch_floor": gfloor,
+        }
+
+    def rec(wid, t, pct_same=None):
+        return {
+            "workload": wid,
+            "peer": "ropekit",
+            "status": "ok",
+            "reason": "",
+            "time_us": t,
+            "gbps": 1.0,
+            "pct_copy": 80.0,
+            "pct_same_size_copy": pct_same,
+            "host_us": None,
+            "time_spread": st(t),
+            "method": "m",
+            "rel_err": {"q": 0.0},
+            "note": "",
+        }
+
+    res = {
+        "meta": {
+            "cpu_mode": False,
+            "quick": False,
+            "device": "GPU",
+            "dtype": "bfloat16",
+            "date": "d",
+            "partial": False,
+        },
+        "copy": {"gbps": 4000.0, "what": "copy"},
+        "workloads": [wl("W2", False, same=3600.0), wl("W3-1", True, gfloor=floor)],
+        "peers": [{"name": "ropekit", "label": "ropekit", "available": True, "version": "0", "reason": ""}],
+        "results": [rec("W2", 300.0, pct_same=97.5), rec("W3-1", 1.8)],
+    }
+    text = report.terminal(res)
+    assert "90.0%; ropekit 97.5%" in text
+    assert "1.80 us [1.62-1.98] (3.6x in-graph launch)" in text
+    assert "W3-1 graph floor: empty Triton kernel, 100 launches in one CUDA graph: 0.50 us" in text
+    md = report.markdown(res)
+    assert "3600 GB/s, 1.00 us (90.0% of copy)" in md and "97.5%" in md

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads",
         "-w",
         default="all",
-        help="comma list of workload ids or names (W1,W3,...; W7 selects W7 and W7-T64); default: all",
+        help="comma list of workload ids or names (W1,W3,...; W7 selects W7 and W7-T64, W3 selects W3 and "
+        "W3-1); default: all",
     )
     ap.add_argument(
         "--peers",

@@ -50,12 +50,14 @@ def _ratios(value_us: Optional[float], floors: Optional[dict], names: Tuple[str,
 
 
 def _cell(rec: dict, graph: bool, floors: Optional[dict] = None) -> str:
+    """floors: host floors for a fwd+bwd row (ratio to 'autograd'), or {'in-graph launch': stats} for a
+    one-set graph row (ratio to the empty kernel launched inside a graph)."""
     st = rec["status"]
     if st == "ok":
         spread = _spread(rec.get("time_spread"))
-        extra = _ratios(rec["time_us"], floors, ("autograd",)) if floors else ""
+        extra = _ratios(rec["time_us"], floors, ("autograd", "in-graph launch")) if floors else ""
         if graph:
-            return _us(rec["time_us"]) + spread
+            return _us(rec["time_us"]) + spread + extra
         return f"{rec['pct_copy']:.1f}% ({_us(rec['time_us'])}{spread}){extra}"
     if st == "wrong":
         errs = [v for v in (rec.get("rel_err") or {}).values()]
@@ -74,23 +76,42 @@ def pivot(res: dict) -> Tuple[List[str], List[List[str]]]:
     """Rows: workloads (+ a 'host per call' row where measured); columns: implementations."""
     cols = _columns(res)
     by = {(r["workload"], r["peer"]): r for r in res["results"]}
-    header = ["workload"] + [c["label"] for c in cols]
+    same = any(w.get("same_size_copy_gbps") for w in res["workloads"])
+    header = ["workload"] + [c["label"] for c in cols] + ([SAME_HEADER] if same else [])
     rows = []
     for w in res["workloads"]:
         graph = w["graph"] and not res["meta"]["cpu_mode"]
         floors = w.get("host_floors")
         fwdbwd = floors if (floors and not w["host"]) else None  # W8: its time over the Function floor
+        gfloor = w.get("graph_launch_floor")
+        if graph and gfloor and gfloor.get("median"):  # one-set graph row: its time over the in-graph launch
+            fwdbwd = {"in-graph launch": gfloor}
         label = f"{w['id']} {w['name']}" + (" (graph)" if graph else "")
         rows.append(
             [label]
             + [_cell(by[(w["id"], c["name"])], graph, fwdbwd) if (w["id"], c["name"]) in by else "–" for c in cols]
+            + ([_same_cell(w, by.get((w["id"], "ropekit")))] if same else [])
         )
         if w["host"] and any(by.get((w["id"], c["name"]), {}).get("host_us") is not None for c in cols):
             rows.append(
                 [f"{w['id']} host per call"]
                 + [_host_cell(by[(w["id"], c["name"])], floors) if (w["id"], c["name"]) in by else "–" for c in cols]
+                + (["–"] if same else [])
             )
     return header, rows
+
+
+SAME_HEADER = "same-size copy: % of copy; ropekit's % of it"
+
+
+def _same_cell(w: dict, rk: Optional[dict]) -> str:
+    """'92.2%; ropekit 96.4%': the same-size copy against the big copy, ropekit against it."""
+    if not w.get("same_size_copy_gbps"):
+        return "–"
+    cell = f"{w['same_size_copy_pct']:.1f}%"
+    if rk and rk.get("pct_same_size_copy"):
+        cell += f"; ropekit {rk['pct_same_size_copy']:.1f}%"
+    return cell
 
 
 def _host_cell(rec: dict, floors: Optional[dict]) -> str:
@@ -121,6 +142,30 @@ def floor_lines(res: dict) -> List[str]:
         flag = " [TRITON INTERPRETER launch, CPU: not a GPU floor]" if f.get("interpreted") else ""
         out.append(f"{w['id']} host floors{flag}: " + "; ".join(parts))
     return out
+
+
+def graph_floor_lines(res: dict) -> List[str]:
+    """One line per one-set graph row: the in-graph launch floor measured in the same run."""
+    out = []
+    for w in res["workloads"]:
+        f = w.get("graph_launch_floor")
+        if not f:
+            continue
+        if f.get("median") is None:
+            out.append(f"{w['id']} graph floor: not measured ({f.get('why', '')})")
+        else:
+            out.append(f"{w['id']} graph floor: {f['what']}: {_us(f['median'])}{_spread(f)}")
+    return out
+
+
+def same_size_lines(res: dict) -> List[str]:
+    """What the same-size copy column is, once."""
+    if not any(w.get("same_size_copy_gbps") for w in res["workloads"]):
+        return []
+    return [
+        "same-size copy: torch's contiguous copy_ moving each workload's minimal bytes (half read, half "
+        "written), timed like the row in the same run; rows timed under graph replay have none"
+    ]
 
 
 def cpu_speed_lines(res: dict) -> List[str]:
@@ -211,7 +256,7 @@ def terminal(res: dict) -> str:
         + ("" if res["meta"]["cpu_mode"] else "; (graph) rows: time per call under CUDA-graph replay")
     )
     parts += ["", _text_table(header, rows), ""]
-    parts += floor_lines(res) + cpu_speed_lines(res)
+    parts += same_size_lines(res) + graph_floor_lines(res) + floor_lines(res) + cpu_speed_lines(res)
     parts += [f"[min-max]: fastest and slowest call; '{NOISY}': max / min above the noise flag", ""]
     parts += ["notes:"] + ["  - " + n for n in notes(res)]
     if res["meta"]["cpu_mode"]:
@@ -220,7 +265,18 @@ def terminal(res: dict) -> str:
 
 
 def details_rows(res: dict) -> Tuple[List[str], List[List[str]]]:
-    header = ["workload", "implementation", "status", "time", "GB/s", "% copy", "host/call", "max rel err", "timing"]
+    header = [
+        "workload",
+        "implementation",
+        "status",
+        "time",
+        "GB/s",
+        "% copy",
+        "% same-size copy",
+        "host/call",
+        "max rel err",
+        "timing",
+    ]
     label = {p["name"]: p["label"] for p in res["peers"]}
     rows = []
     for r in res["results"]:
@@ -237,6 +293,7 @@ def details_rows(res: dict) -> Tuple[List[str], List[List[str]]]:
                 _us(r["time_us"]) if r["time_us"] is not None else "–",
                 f"{r['gbps']:.0f}" if r["gbps"] is not None else "–",
                 f"{r['pct_copy']:.1f}%" if r["pct_copy"] is not None else "–",
+                f"{r['pct_same_size_copy']:.1f}%" if r.get("pct_same_size_copy") is not None else "–",
                 _us(r["host_us"]) if r["host_us"] is not None else "–",
                 worst,
                 r["method"] or r["reason"],
@@ -342,19 +399,32 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
         "implementation's output was checked against a float64 reference before it was timed "
         "(bf16 tolerance: relative error 1e-2); a wrong one is reported, not timed. Rows marked "
         "(graph) are launch-bound sizes timed under CUDA-graph replay over input sets larger "
-        "than L2; 'host per call' is wall-clock time per eager call.",
+        "than L2 (W3-1: one input set, 100 calls per graph, the data in L2); 'host per call' is "
+        "wall-clock time per eager call.",
         "",
     ]
     header, rows = pivot(res)
     out += [_md_table(header, rows), ""]
-    extra = floor_lines(res) + cpu_speed_lines(res)
+    extra = same_size_lines(res) + graph_floor_lines(res) + floor_lines(res) + cpu_speed_lines(res)
     if extra:
         out += ["```"] + extra + ["```", ""]
-    out += ["## Workloads", "", "| id | what | sizes | minimal bytes | floor |", "|---|---|---|---|---|"]
+    out += [
+        "## Workloads",
+        "",
+        "| id | what | sizes | minimal bytes | floor | same-size copy |",
+        "|---|---|---|---|---|---|",
+    ]
     for w in res["workloads"]:
         sizes = ", ".join(f"{k}={v}" for k, v in w["sizes"].items())
+        same = (
+            f"{w['same_size_copy_gbps']:.0f} GB/s, {_us(w['same_size_copy_us'])} "
+            f"({w['same_size_copy_pct']:.1f}% of copy)"
+            if w.get("same_size_copy_gbps")
+            else "–"
+        )
         out.append(
-            f"| {w['id']} {w['name']} | {w['what']} | {sizes} | {w['bytes'] / 1e6:.1f} MB | {_us(w['floor_us'])} |"
+            f"| {w['id']} {w['name']} | {w['what']} | {sizes} | {w['bytes'] / 1e6:.1f} MB | {_us(w['floor_us'])} "
+            f"| {same} |"
         )
     out += ["", "## Details", ""]
     dh, dr = details_rows(res)

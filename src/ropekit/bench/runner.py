@@ -151,6 +151,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
         "time_us": None,
         "gbps": None,
         "pct_copy": None,
+        "pct_same_size_copy": None,
         "host_us": None,
         "time_spread": None,
         "host_spread": None,
@@ -195,9 +196,15 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
             method = "CPU wall clock, median"
         elif wl.graph:
             try:
-                fns = [bound.fn] + [peer.make(wl, s).fn for s in extra_sets]
-                st = timing.graph_ms(fns, cfg.warmup_ms, cfg.rep_ms, all_stats=True)
-                method = f"CUDA-graph replay over {len(fns)} input sets, median"
+                if wl.one_set_calls:  # the same inputs every call: they stay in L2
+                    st = timing.graph_ms(
+                        [bound.fn], cfg.warmup_ms, cfg.rep_ms, all_stats=True, calls_per_set=wl.one_set_calls
+                    )
+                    method = f"CUDA-graph replay, one input set, {wl.one_set_calls} calls per graph, median"
+                else:
+                    fns = [bound.fn] + [peer.make(wl, s).fn for s in extra_sets]
+                    st = timing.graph_ms(fns, cfg.warmup_ms, cfg.rep_ms, all_stats=True)
+                    method = f"CUDA-graph replay over {len(fns)} input sets, median"
             except Exception as e:
                 try:
                     torch.cuda.synchronize()
@@ -265,46 +272,28 @@ def run(cfg: Config, log=None) -> dict:
     wl_info, results = [], []
     for wl in cfg.workloads:
         s = wl.sizes(quick)
+        if wl.one_set_calls and not cuda:  # a CUDA-graph measurement only: no CPU numbers for it
+            why = "CPU run: a CUDA-graph measurement (one input set, many calls per graph)"
+            wl_info.append({**_wl_stub(wl, s), "skipped": why})
+            for p in active:
+                prog.step(f"{wl.id} {p.name}")
+                results.append(_empty_rec(wl, p, "skipped", why))
+                prog.done()
+            continue
         try:
             table = W.make_table(wl, s, device)
             base = W.make_inputs(wl, s, table, device, cfg.seed)
             nbytes = W.min_bytes(wl, base)
             exp = W.expected(wl, base, oracle)
-            n_sets = timing.rotation_sets(_set_bytes(base), l2) if (cuda and wl.graph) else 1
+            n_sets = timing.rotation_sets(_set_bytes(base), l2) if (cuda and wl.graph and not wl.one_set_calls) else 1
             extra = [W.make_inputs(wl, s, table, device, cfg.seed + 1 + i) for i in range(n_sets - 1)]
         except Exception as e:  # inputs or oracle failed: every cell is an error
             why = "inputs/oracle: " + P._short(e)
             say(f"{wl.id}: {why}")
-            wl_info.append(
-                {
-                    "id": wl.id,
-                    "name": wl.name,
-                    "what": wl.what,
-                    "sizes": s,
-                    "bytes": 0,
-                    "floor_us": 0.0,
-                    "graph": wl.graph,
-                    "host": wl.host,
-                    "input_sets": 0,
-                }
-            )
+            wl_info.append(_wl_stub(wl, s))
             for p in active:
                 prog.step(f"{wl.id} {p.name}")
-                results.append(
-                    {
-                        "workload": wl.id,
-                        "peer": p.name,
-                        "status": "error",
-                        "reason": why,
-                        "time_us": None,
-                        "gbps": None,
-                        "pct_copy": None,
-                        "host_us": None,
-                        "method": "",
-                        "rel_err": None,
-                        "note": "",
-                    }
-                )
+                results.append(_empty_rec(wl, p, "error", why))
                 prog.done()
             _free(device)
             continue
@@ -319,12 +308,17 @@ def run(cfg: Config, log=None) -> dict:
                 "graph": wl.graph,
                 "host": wl.host,
                 "input_sets": n_sets,
+                "calls_per_graph": wl.one_set_calls or (1 if wl.graph else None),
                 "host_floors": _floors(wl, base, say) if (wl.host or wl.kind == "fwdbwd") else None,
+                **_same_size(wl, nbytes, copy["gbps"], device, cfg, say),
+                "graph_launch_floor": _graph_floor(wl, base, cfg, say) if (cuda and wl.one_set_calls) else None,
             }
         )
+        same_gbps = wl_info[-1]["same_size_copy_gbps"]
         for p in active:
             prog.step(f"{wl.id} {p.name}")
             rec = run_one(p, wl, base, exp, extra, nbytes, copy["gbps"], device, cfg)
+            rec["pct_same_size_copy"] = 100.0 * rec["gbps"] / same_gbps if (same_gbps and rec["gbps"]) else None
             results.append(rec)
             if rec["status"] in ("wrong", "error"):
                 say(f"{wl.id} {p.name}: {rec['status']}: {rec['reason']}")
@@ -345,6 +339,88 @@ def run(cfg: Config, log=None) -> dict:
     for d in oracle.disagreements:
         say("WARNING oracle disagreement: " + d)
     return _pack(meta, copy, wl_info, peer_info, results, cuda, partial=False)
+
+
+def _wl_stub(wl: W.Workload, s: Dict[str, int]) -> dict:
+    """A workload's entry when nothing of it was measured (skipped, or its inputs failed)."""
+    return {
+        "id": wl.id,
+        "name": wl.name,
+        "what": wl.what,
+        "sizes": s,
+        "bytes": 0,
+        "floor_us": 0.0,
+        "graph": wl.graph,
+        "host": wl.host,
+        "input_sets": 0,
+        "calls_per_graph": wl.one_set_calls or (1 if wl.graph else None),
+        **{k: None for k in SAME_SIZE_KEYS},
+        "graph_launch_floor": None,
+    }
+
+
+SAME_SIZE_KEYS = (
+    "same_size_copy_gbps",
+    "same_size_copy_pct",
+    "same_size_copy_us",
+    "same_size_copy_bytes",
+    "same_size_copy_spread",
+)
+
+
+def _empty_rec(wl: W.Workload, peer: P.Peer, status: str, why: str) -> dict:
+    """A cell with no measurement: status 'error' or 'skipped' and why."""
+    return {
+        "workload": wl.id,
+        "peer": peer.name,
+        "status": status,
+        "reason": why,
+        "time_us": None,
+        "gbps": None,
+        "pct_copy": None,
+        "pct_same_size_copy": None,
+        "host_us": None,
+        "method": "",
+        "rel_err": None,
+        "note": "",
+    }
+
+
+def _same_size(wl: W.Workload, nbytes: int, copy_gbps: float, device, cfg: Config, say) -> dict:
+    """The same-size copy ceiling of a workload timed per call (not a graph row), measured now:
+    torch's contiguous copy moving the workload's minimal bytes (timing.same_size_copy). Fields:
+    same_size_copy_gbps, same_size_copy_pct (of the big copy), same_size_copy_us and its spread;
+    None for graph rows, or when it cannot run (same_size_copy_why says why)."""
+    out = {k: None for k in SAME_SIZE_KEYS}
+    if wl.graph or nbytes <= 0:
+        return out
+    try:
+        c = timing.same_size_copy(device, nbytes, cfg.warmup_ms, cfg.rep_ms)
+    except Exception as e:  # out of memory, say: reported, not faked
+        say(f"{wl.id}: same-size copy: {P._short(e)}")
+        return {**out, "same_size_copy_why": P._short(e)}
+    finally:
+        _free(device)
+    return {
+        "same_size_copy_gbps": c["gbps"],
+        "same_size_copy_pct": 100.0 * c["gbps"] / copy_gbps,
+        "same_size_copy_us": c["time_us"],
+        "same_size_copy_bytes": c["bytes"],
+        "same_size_copy_spread": c["spread"],
+    }
+
+
+def _graph_floor(wl: W.Workload, base, cfg: Config, say) -> Optional[dict]:
+    """An empty Triton kernel captured wl.one_set_calls times in one graph, per launch (microseconds)."""
+    try:
+        return timing.graph_launch_floor(base["q"], wl.one_set_calls, cfg.warmup_ms, cfg.rep_ms)
+    except Exception as e:
+        say(f"{wl.id}: graph launch floor: {P._short(e)}")
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        return {"why": P._short(e)}
 
 
 def _floors(wl, base, say) -> Optional[dict]:

@@ -3,8 +3,10 @@
 GPU: CUDA events around each call with warm-up, L2 flushed before every call, median
 (triton.testing.do_bench, or the same loop written out when Triton is missing); CUDA-graph
 replay for launch-bound sizes, with the graph walking over several input sets so that their
-total size is past the L2; host time per eager call with a wall clock over many calls;
-the copy bandwidth of a large device-to-device copy measured in the same run.
+total size is past the L2, or calling one input set many times (its data in L2, the launch-bound
+floor of a row; beside it the same graph of an empty kernel: `graph_launch_floor`); host time per
+eager call with a wall clock over many calls; the copy bandwidth of a large device-to-device copy
+measured in the same run, and a copy of each workload's own size (`same_size_copy`).
 
 CPU: a wall clock around each call, median of several.
 
@@ -86,13 +88,22 @@ def gpu_stats(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 1
     return stats([float(t) for t in times])
 
 
-def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms: float = 100, all_stats: bool = False):
+def graph_ms(
+    fns: Sequence[Callable[[], object]],
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    all_stats: bool = False,
+    calls_per_set: int = 1,
+):
     """Median milliseconds per call under CUDA-graph replay.
 
-    One graph holds one call per input set, in order; a replay's time over the number of sets is
-    the time of one call with its inputs not in L2. The calls are warmed up first (Triton JIT,
-    torch.compile, autotuning) on a side stream, as PyTorch asks before a capture. all_stats:
-    return `stats` (per call) instead of the median."""
+    One graph holds `calls_per_set` calls per input set, in order; a replay's time over the number
+    of calls is the time of one call. With one call per set and sets larger than L2 together, the
+    inputs are not in L2; with one set called many times (calls_per_set=100), they are. The calls
+    are warmed up first (Triton JIT, torch.compile, autotuning) on a side stream, as PyTorch asks
+    before a capture. all_stats: return `stats` (per call) instead of the median."""
+    if calls_per_set < 1:
+        raise ValueError(f"graph_ms: calls_per_set: expected an int >= 1, got {calls_per_set!r}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -104,14 +115,16 @@ def graph_ms(fns: Sequence[Callable[[], object]], warmup_ms: float = 25, rep_ms:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for f in fns:
-            f()
+            for _ in range(calls_per_set):
+                f()
     graph.replay()
     torch.cuda.synchronize()
+    calls = len(fns) * calls_per_set
     try:
         if all_stats:
             st = gpu_stats(graph.replay, warmup_ms, rep_ms)
-            return {**st, **{key: st[key] / len(fns) for key in ("min", "median", "max")}}
-        return gpu_ms(graph.replay, warmup_ms, rep_ms) / len(fns)
+            return {**st, **{key: st[key] / calls for key in ("min", "median", "max")}}
+        return gpu_ms(graph.replay, warmup_ms, rep_ms) / calls
     finally:
         del graph
 
@@ -241,6 +254,46 @@ def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
 
     out["autograd"] = host_us_stats(fwd_bwd, device, n=20)
     return out
+
+
+def graph_launch_floor(x: torch.Tensor, calls: int = 100, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """What one launch costs inside a CUDA graph: an empty Triton kernel (one pointer argument,
+    grid (1,)) captured `calls` times in one graph, replayed; `stats` in microseconds per launch.
+    x: any CUDA tensor (the pointer argument). The floor of a launch-bound row timed with
+    graph_ms(..., calls_per_set=calls)."""
+    kern = _empty_kernel()
+    st = graph_ms([lambda: kern[(1,)](x)], warmup_ms, rep_ms, all_stats=True, calls_per_set=calls)
+    return {
+        **{k: (v * 1e3 if k in ("min", "median", "max") else v) for k, v in st.items()},
+        "calls_per_graph": calls,
+        "what": f"empty Triton kernel (one pointer argument, grid (1,)), {calls} launches in one CUDA graph, "
+        "per launch",
+    }
+
+
+def same_size_copy(device, nbytes: int, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """A contiguous torch copy moving `nbytes` in all (nbytes // 2 read, as many written):
+    `dst.copy_(src)` with uint8 src of nbytes // 2, timed like a workload (CUDA events with L2
+    flushed, median; CPU: wall clock, the fastest of several, as copy_bandwidth times the CPU
+    memcpy). Returns gbps (bytes read + written per second), time_us, bytes and the spread
+    (`stats`, microseconds)."""
+    dev = torch.device(device)
+    half = max(1, nbytes // 2)
+    src = torch.empty(half, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    fn = lambda: dst.copy_(src)  # noqa: E731
+    if dev.type == "cuda":
+        st = gpu_stats(fn, warmup_ms, rep_ms)
+        ms = st["median"]
+    else:
+        st = stats(cpu_samples(fn, min_s=rep_ms / 1e3, min_reps=5))
+        ms = st["min"]
+    return {
+        "gbps": 2 * half / (ms * 1e-3) / 1e9,
+        "time_us": ms * 1e3,
+        "bytes": 2 * half,
+        "spread": {k: (v * 1e3 if k in ("min", "median", "max") else v) for k, v in st.items()},
+    }
 
 
 def copy_bandwidth(device, nbytes: Optional[int] = None, warmup_ms: float = 25, rep_ms: float = 100) -> dict:

@@ -45,6 +45,9 @@ class Workload:
     host: bool = False  # also report host (wall-clock) time per eager call
     packed: Optional[Tuple[int, int]] = None  # W11: (sequences, cp_size): THD tokens with cu_seqlens
     cache_dtype: str = ""  # store workloads: "" (the activation dtype) or "fp8" (float8_e4m3fn)
+    # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
+    # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
+    one_set_calls: int = 0
 
     @property
     def group(self) -> str:
@@ -89,6 +92,18 @@ WORKLOADS: List[Workload] = [
         positions="random",
         graph=True,
         host=True,
+    ),
+    Workload(
+        "W3-1",
+        "decode_b64_one_set",
+        "rope",
+        "W3 with one input set: 100 calls per CUDA graph on the same inputs (the data stays in L2)",
+        full=_llama8b(T=64, P=65536),
+        quick=_llama8b(T=64, P=65536),
+        layout="decode",
+        positions="random",
+        graph=True,
+        one_set_calls=100,
     ),
     Workload(
         "W4",
