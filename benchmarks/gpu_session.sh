@@ -74,6 +74,18 @@ final)      # the whole GPU suite, the sanitizer sweep and the workloads changed
         --results-md "$OUT/RESULTS.md" -w W3,W7-T64,W9,W10,W11,W12
     for f in pytest bigmem sanitizer bench; do echo "== $f"; tail -8 "$OUT/$f.txt" 2>/dev/null; done
     ;;
+explore)    # issue 17: GPU tests of the changed kernels, launch sweeps, Nsight Compute profiles, inductor's W7 code
+    export CUDA_VISIBLE_DEVICES=0
+    stage pytest 120 python3 -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/test_store.py \
+        tests/test_apply_rope.py tests/test_qknorm.py tests/test_pipeline.py
+    stage launch 180 python3 benchmarks/tune_launch.py --out "$OUT"
+    stage ncu 150 bash benchmarks/ncu_profile.sh "W7 --knob store_head_loop=0" W7 W7-compile W6 W4 W3 W1
+    TORCH_LOGS=output_code stage inductor 60 python3 benchmarks/profile_kernels.py W7-compile
+    stage bench 70 python3 -m ropekit.bench --no-progress --no-plot --out /tmp/bench -w W3
+    cp /tmp/bench/results.txt "$OUT/bench_results.txt" 2>/dev/null
+    for f in pytest launch ncu inductor bench; do echo "== $f"; tail -4 "$OUT/$f.txt"; done
+    grep -E "^W3|floor" "$OUT/bench_results.txt" | cut -c1-160
+    ;;
 last)       # after review mends: the whole GPU suite and every workload but W12 (timed in the runs before)
     stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
     stage bigmem 60 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
