@@ -86,6 +86,18 @@ explore)    # issue 17: GPU tests of the changed kernels, launch sweeps, Nsight 
     for f in pytest launch ncu inductor bench; do echo "== $f"; tail -4 "$OUT/$f.txt"; done
     grep -E "^W3|floor" "$OUT/bench_results.txt" | cut -c1-160
     ;;
+round)      # issue 17's measurement run: whole GPU suite, every workload with peers, first calls, a W1/W4/W6 sweep
+    stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
+    stage bigmem 70 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
+    export CUDA_VISIBLE_DEVICES=0
+    stage log 270 python3 -m ropekit.bench --no-progress --no-plot --out "$OUT" "${@:2}"
+    stage limits 60 python3 benchmarks/limits.py
+    stage tune 100 python3 benchmarks/tune_core.py --only W1,W4,W6 --blocks 1024,2048,4096 --warps 2,4,8 \
+        --head-loop -1,1
+    for f in pytest bigmem limits; do echo "== $f"; tail -3 "$OUT/$f.txt"; done
+    grep -E "^W[0-9]|floor" "$OUT/results.txt" | cut -c1-170
+    grep -A8 "best per workload" "$OUT/tune.txt"
+    ;;
 last)       # after review mends: the whole GPU suite and every workload but W12 (timed in the runs before)
     stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
     stage bigmem 60 python3 -m pytest -q -m bigmem -p no:cacheprovider tests

@@ -140,6 +140,7 @@ def main():
         action="store_true",
         help="measure the shipped defaults only (every knob untouched), with each workload's same-size copy beside it",
     )
+    ap.add_argument("--only", default="", help="comma list of workload ids (W1,W4,...) to sweep; default: all")
     ap.add_argument("--once", default=None, help="run one call of this workload (for ncu) and exit")
     ap.add_argument("--profile-host", action="store_true", help="cProfile the W3 eager call")
     args = ap.parse_args()
@@ -172,14 +173,14 @@ def main():
         f"torch {torch.__version__} triton {triton.__version__}"
     )
     W = workloads()
+    if args.only:
+        W = {n: w for n, w in W.items() if n.split()[0] in args.only.split(",")}
     rows = []
 
     def measure(be, nw, name, hl=None, pf=None):
         knobs = {}
         if be is not None:
-            knobs.update(
-                block_elems=be, program_block_elems=be, store_block_elems=be, store_loop_block_elems=be, num_warps=nw
-            )
+            knobs.update(block_elems=be, decode_block_elems=be, store_block_elems=be, num_warps=nw)
         if pf is not None:
             knobs["prefetch"] = None if pf < 0 else bool(pf)
         if hl is not None:

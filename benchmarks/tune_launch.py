@@ -5,7 +5,7 @@
 decode: W3 (T=64, Hq=32, Hk=8, D=128, random positions, in place) under CUDA-graph replay, with
         one input set (a graph of 100 calls on the same tensors: the data stays in L2) and with 192
         rotating sets (a graph of one call per set), and W7-T64 (the fused store) likewise with one
-        set; per (program_block_elems / store_block_elems, warps, programmatic dependent launch).
+        set; per (decode_block_elems, warps, programmatic dependent launch).
         The floor beside it: an empty Triton kernel captured 100 times.
 store:  W7 (T=16384, Llama-3-8B heads, block 16, shuffled slots) per (program per head block or
         per token, elements per block, warps): median time and percent of the copy bandwidth.
@@ -84,7 +84,7 @@ def sweep_decode(rows):
     for pdl in (False, True):
         for be in (256, 512, 1024, 2048, 4096):
             for nw in (1, 2, 4, 8):
-                with tuning.override(program_block_elems=be, store_block_elems=be, num_warps=nw, pdl=pdl):
+                with tuning.override(decode_block_elems=be, num_warps=nw, pdl=pdl):
                     r = dict(
                         sweep="decode",
                         elems=be,
@@ -109,8 +109,7 @@ def sweep_store(rows, bw):
     for loop in (False, True):
         for be in (1024, 2048, 4096, 8192):
             for nw in (1, 2, 4, 8):
-                knob = "store_loop_block_elems" if loop else "store_block_elems"
-                with tuning.override(store_head_loop=loop, num_warps=nw, **{knob: be}):
+                with tuning.override(store_head_loop=loop, num_warps=nw, store_block_elems=be):
                     t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
                 r = dict(sweep="store", loop=loop, elems=be, warps=nw, us=t * 1e6, pct=100 * b / t / bw)
                 rows.append(r)

@@ -122,12 +122,12 @@ def _has_gdc(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_meta(x: torch.Tensor, big: bool) -> dict:
+def pdl_meta(x: torch.Tensor, n_tokens: int) -> dict:
     """The PDL constexpr, and Triton's launch option with it: on for decode-sized CUDA calls on
     Hopper and later (the `pdl` knob), never on CPU (the interpreter has no such launch)."""
     on = tuning.get("pdl")
     if on is None:
-        on = not big
+        on = tuning.decode_sized(n_tokens)
     on = bool(on) and x.is_cuda and _has_gdc(x.device.index if x.device.index is not None else 0)
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
@@ -148,9 +148,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     mrope = variant.mrope != 0
     head_loop = tuning.get("head_loop")
     if head_loop is None:
-        head_loop = (variant.angles == "table" or mrope) and n_tokens >= tuning.get("head_loop_min_tokens")
+        head_loop = (variant.angles == "table" or mrope) and not tuning.decode_sized(n_tokens)
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(
-        half, n_q, n_k, tail, tuning.get("block_elems" if head_loop else "program_block_elems")
+        half, n_q, n_k, tail, tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "block_elems")
     )
     prefetch = tuning.get("prefetch")
     prefetch = head_loop and (not mrope if prefetch is None else prefetch)
@@ -208,8 +208,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         PACKED=variant.angles == "packed",
         SEARCH_STRIDE=angles.search[0],
         SEARCH_COARSE=angles.search[1],
-        **pdl_meta(q, head_loop),
-        num_warps=tuning.warps(head_loop, mrope),
+        **pdl_meta(q, n_tokens),
+        num_warps=tuning.warps(head_loop, mrope, n_tokens),
     )
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
 
@@ -277,9 +277,15 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
     d_k, d_v = k.shape[-1], v.shape[-1]
     head_loop = tuning.get("store_head_loop")
     if head_loop is None:
-        head_loop = n_tokens >= tuning.get("head_loop_min_tokens")
+        head_loop = not tuning.decode_sized(n_tokens)
     half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb = _store_tiles(
-        half, n_q, n_k, d_k - rot, n_v, d_v, tuning.get("store_loop_block_elems" if head_loop else "store_block_elems")
+        half,
+        n_q,
+        n_k,
+        d_k - rot,
+        n_v,
+        d_v,
+        tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "store_block_elems"),
     )
     row, col = table.stride(0), table.stride(1)
     block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
@@ -340,8 +346,8 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         NORM_K=0,
         TAIL_PAD_Q=0,
         HEAD_LOOP=head_loop,
-        **pdl_meta(q, head_loop),
-        num_warps=tuning.warps(head_loop, False, store=True),
+        **pdl_meta(q, n_tokens),
+        num_warps=tuning.warps(head_loop, False, n_tokens, store=True),
     )
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 

@@ -24,25 +24,28 @@ KNOBS: Dict[str, Knob] = {
         "rope_kernel elements per program (heads x rotated dims): 2048 fills the "
         "H200's memory pipeline with 2-4 warps; 1024 and 4096 were slower on W1/W2",
     ),
-    "program_block_elems": Knob(
-        2048,
-        "rope_kernel elements per program with a program per head block (decode-sized "
-        "calls, per-token angles): the latency of one dependent position -> table chain per program",
-    ),
-    "store_block_elems": Knob(
+    "decode_tokens": Knob(
         1024,
-        "rope_store_kernel elements per program: its q, k and v programs "
-        "each write scattered cache rows, smaller tiles keep more in flight",
+        "calls with fewer tokens are decode-sized: latency-bound, launched with the decode "
+        "knobs below (a program per head block, programmatic dependent launch); from this "
+        "count on, table-driven calls use one program per token walking its head blocks",
     ),
-    "store_loop_block_elems": Knob(
-        4096,
-        "rope_store_kernel elements per head block with the head loop (one program per token): "
-        "a block of 32 heads of 128 takes Llama-3-8B's q in one step",
+    "decode_block_elems": Knob(
+        1024,
+        "elements per program of decode-sized calls (rope_kernel and the fused store): on W3 "
+        "and W7-T64, 1024 was within noise of the best of 256-4096 under graph replay",
+    ),
+    "decode_warps": Knob(1, "warps per program of decode-sized calls: 1 was within noise of the best of 1-8 on W3"),
+    "store_block_elems": Knob(
+        2048,
+        "rope_store_kernel elements per head block with one program per token (q's, k's "
+        "and v's blocks walked in turn): 2048 with 2 warps led the W7 sweep; 4096 "
+        "(64 registers, half the occupancy) was 7% slower",
     ),
     "store_head_loop": Knob(
         None,
-        "None: one program per token walking q's, k's and v's head blocks (slot and angles "
-        "read once) from head_loop_min_tokens tokens; decode-sized calls keep a program per block",
+        "None: one program per token walking its q, k and v head blocks (slot and angles "
+        "read once) from decode_tokens tokens on; True / False force it (tests, sweeps)",
     ),
     "rerotate_block_elems": Knob(
         2048,
@@ -52,18 +55,17 @@ KNOBS: Dict[str, Knob] = {
     ),
     "pdl": Knob(
         None,
-        "None: programmatic dependent launch for decode-sized calls (no head loop) on "
-        "Hopper and later, so a call's launch overlaps the previous kernel's tail; "
-        "large calls gain nothing from it",
+        "None: programmatic dependent launch for decode-sized calls on Hopper and later: "
+        "a call's programs wait, resident, for the previous kernel instead of being launched "
+        "after it (W3 under graph replay: 2.0 -> 1.3-1.5 us); True / False force it",
     ),
     "num_warps": Knob(0, "0: the rule below; else force this many warps for every launch (sweeps)"),
     "head_loop": Knob(
         None,
         "None: one program per token walking all head blocks when angles come from "
-        "a table (the position -> row chain runs once per token) and the call has "
-        ">= 1024 tokens; decode-sized calls keep a program per head block (parallelism)",
+        "a table (the position -> row chain runs once per token) and the call is not "
+        "decode-sized; decode-sized calls keep a program per head block (parallelism)",
     ),
-    "head_loop_min_tokens": Knob(1024, "the token count from which the head loop is picked"),
     "prefetch": Knob(
         None,
         "None: with the head loop, issue the next head block's loads before this "
@@ -91,13 +93,20 @@ def get(name: str):
     return _values[name]
 
 
-def warps(head_loop: bool, mrope: bool, store: bool = False) -> int:
-    """Warps per program: 4 for the head loop (a program walks many blocks), 2 with M-RoPE's three
-    table rows, and without the loop (more, smaller programs won on W3 and W7-T64)."""
+def decode_sized(n_tokens: int) -> bool:
+    return n_tokens < get("decode_tokens")
+
+
+def warps(head_loop: bool, mrope: bool, n_tokens: int, store: bool = False) -> int:
+    """Warps per program: decode_warps for decode-sized calls; else 4 for rope_kernel's head loop (a
+    program walks many blocks), 2 for the store's (its blocks are smaller), with M-RoPE's three
+    table rows, and for large calls with a program per head block."""
     forced = get("num_warps")
     if forced:
         return int(forced)
-    return 4 if head_loop and not mrope else 2
+    if decode_sized(n_tokens):
+        return get("decode_warps")
+    return 4 if head_loop and not mrope and not store else 2
 
 
 @contextlib.contextmanager
