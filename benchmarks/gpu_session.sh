@@ -86,6 +86,17 @@ explore)    # issue 17: GPU tests of the changed kernels, launch sweeps, Nsight 
     for f in pytest launch ncu inductor bench; do echo "== $f"; tail -4 "$OUT/$f.txt"; done
     grep -E "^W3|floor" "$OUT/bench_results.txt" | cut -c1-160
     ;;
+probe)      # issue 17: the store's block order sweep, the PTX access widths of each workload's kernel, W7's profile
+    export CUDA_VISIBLE_DEVICES=0
+    stage pytest 90 python3 -m pytest -q -m gpu -n 12 -p no:cacheprovider tests/test_store.py tests/test_qknorm.py
+    stage launch 120 python3 benchmarks/tune_launch.py --only store
+    ptx() { for w in W7 W6 W4 W1 W2 W5 W3; do echo "=== $w"; python3 benchmarks/profile_kernels.py $w --ptx; done; }
+    export -f ptx
+    stage ptx 120 bash -c ptx
+    stage ncu 60 bash benchmarks/ncu_profile.sh W7
+    for f in pytest launch ptx; do echo "== $f"; tail -40 "$OUT/$f.txt"; done
+    grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" "$OUT/ncu.txt"
+    ;;
 round)      # issue 17's measurement run: whole GPU suite, every workload with peers, first calls, a W1/W4/W6 sweep
     stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
     stage bigmem 70 python3 -m pytest -q -m bigmem -p no:cacheprovider tests

@@ -57,9 +57,33 @@ def w3():
     return lambda: ropekit.apply_rope(q, k, p, c, inplace=True)
 
 
+def ptx_memory_ops():
+    """Per compiled ropekit kernel (name and constexprs): how many global loads and stores of each
+    width its PTX holds (ld.global.v4.b32 is a 16-byte access per thread)."""
+    import re
+
+    from ropekit.kernels.rope import rope_kernel
+    from ropekit.kernels.store import rope_store_kernel
+
+    for kernel in (rope_kernel, rope_store_kernel):
+        for per_device in kernel.device_caches.values():
+            for compiled in per_device[0].values():
+                ops = re.findall(
+                    r"\b(ld|st)\.global(?:\.[a-zA-Z0-9_:]+)*?(\.v[248])?\.(b16|b32|b64|u16|u32|u64|f32)",
+                    compiled.asm["ptx"],
+                )
+                hist = {}
+                for op, vec, ty in ops:
+                    key = f"{op}{vec or ''}.{ty}"
+                    hist[key] = hist.get(key, 0) + 1
+                regs = getattr(compiled, "n_regs", None)
+                print(f"{compiled.name}: registers {regs}, {dict(sorted(hist.items()))}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
+    ap.add_argument("--ptx", action="store_true", help="print the global load/store widths of the compiled kernels")
     ap.add_argument("--knob", action="append", default=[], help="name=value (ropekit.tuning), repeatable")
     args = ap.parse_args()
     knobs = {}
@@ -80,6 +104,8 @@ def main():
         fn()
         torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()
+    if args.ptx:
+        ptx_memory_ops()
 
 
 if __name__ == "__main__":
