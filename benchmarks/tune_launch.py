@@ -105,18 +105,15 @@ def sweep_decode(rows):
 
 def sweep_store(rows, bw):
     fn, b = store_call(16384)
-    print(f"{'loop':>4s} {'v1':>3s} {'elems':>6s} {'warps':>5s} {'us':>8s} {'% copy':>7s}")
-    for loop, v_first in ((False, False), (True, False), (True, True)):
+    print(f"{'loop':>4s} {'elems':>6s} {'warps':>5s} {'us':>8s} {'% copy':>7s}")
+    for loop in (False, True):
         for be in (1024, 2048, 4096):
             for nw in (1, 2, 4):
-                knobs = dict(store_head_loop=loop, store_v_first=v_first, num_warps=nw, store_block_elems=be)
-                with tuning.override(**knobs):
+                with tuning.override(store_head_loop=loop, num_warps=nw, store_block_elems=be):
                     t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-                r = dict(
-                    sweep="store", loop=loop, v_first=v_first, elems=be, warps=nw, us=t * 1e6, pct=100 * b / t / bw
-                )
+                r = dict(sweep="store", loop=loop, elems=be, warps=nw, us=t * 1e6, pct=100 * b / t / bw)
                 rows.append(r)
-                print(f"{int(loop):4d} {int(v_first):3d} {be:6d} {nw:5d} {r['us']:8.1f} {r['pct']:6.1f}%", flush=True)
+                print(f"{int(loop):4d} {be:6d} {nw:5d} {r['us']:8.1f} {r['pct']:6.1f}%", flush=True)
 
 
 def main():

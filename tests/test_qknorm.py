@@ -352,7 +352,7 @@ def test_backward_directional_finite_difference():
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
 @pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("token_programs", [False, True], ids=["block-programs", "token-programs-v-first"])
+@pytest.mark.parametrize("token_programs", [False, True], ids=["block-programs", "token-programs"])
 def test_store_with_norm_bf16_cache(mode, which, interleaved, rot, device, token_programs, request):
     from ropekit import tuning
 

@@ -216,17 +216,13 @@ def shuffled_slots(n_tokens, num_slots, device, dtype=torch.int64, n_pad=1):
     return s.to(device)
 
 
-@pytest.fixture(
-    params=[(False, False), (True, True), (True, False)],
-    ids=["block-programs", "token-programs", "token-programs-q-first"],
-)
+@pytest.fixture(params=[False, True], ids=["block-programs", "token-programs"])
 def programs(request):
     """The store kernel's two grids: a program per head block, or one per token walking its q, k
-    and v blocks (v's first by default, or q's). The launcher picks by call size; tests force each."""
+    and v blocks. The launcher picks by call size; tests force each."""
     from ropekit import tuning
 
-    loop, v_first = request.param
-    knobs = tuning.override(store_head_loop=loop, store_v_first=v_first)
+    knobs = tuning.override(store_head_loop=request.param)
     knobs.__enter__()
     request.addfinalizer(lambda: knobs.__exit__(None, None, None))
     return request.param

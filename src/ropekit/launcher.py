@@ -346,7 +346,6 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         NORM_K=0,
         TAIL_PAD_Q=0,
         HEAD_LOOP=head_loop,
-        V_FIRST=bool(head_loop and tuning.get("store_v_first")),
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, False, n_tokens, store=True),
     )

@@ -47,11 +47,6 @@ KNOBS: Dict[str, Knob] = {
         "None: one program per token walking its q, k and v head blocks (slot and angles "
         "read once) from decode_tokens tokens on; True / False force it (tests, sweeps)",
     ),
-    "store_v_first": Knob(
-        True,
-        "with the store's head loop, walk the blocks last to first: v's copy needs no "
-        "angles, so its loads overlap the token's position -> table-row chain",
-    ),
     "rerotate_block_elems": Knob(
         2048,
         "rerotate_kernel rotated elements per program (rows x heads x dims): "

@@ -317,13 +317,11 @@ def rope_store_kernel(
     NORM_K: tl.constexpr,  # k's RMSNorm likewise
     TAIL_PAD_Q: tl.constexpr,  # q's normalized tail tile width (0: the tail stays as it is)
     HEAD_LOOP: tl.constexpr,  # one program per token walks all n_blocks head blocks
-    V_FIRST: tl.constexpr,  # HEAD_LOOP: walk the blocks last to first, v's copy (no angles needed) first
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
     """Program (t, j): token t; head block j of q (rotated in place), then of k (rotated into its
     cache row), then of v (copied into its cache row). With HEAD_LOOP program t walks all of the
-    token's blocks itself (V_FIRST: in reverse order): its slot and angles are loaded once instead
-    of once per block.
+    token's blocks itself: its slot and angles are loaded once instead of once per block.
 
     HAS_POS False: token (b, s) takes row s of the table (positions = arange over the last token dim).
     """
@@ -374,8 +372,7 @@ def rope_store_kernel(
             sn = c
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
-            # V_FIRST: v's blocks need no angles, so their loads overlap the position -> table chain
-            blk = n_iter - 1 - i if V_FIRST else i
+            blk = i
         else:
             blk = tl.program_id(1)  # int32-ok: as above
         _store_block(
