@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 import ropekit  # noqa: E402
-from ropekit import pipeline, reference  # noqa: E402
+from ropekit import pipeline, reference, tuning  # noqa: E402
 from ropekit.store import apply_rope_and_store  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -1216,8 +1216,19 @@ def main():
             print(
                 f"... {i} configs, {n_ops} ops, {len(failures)} failures, {time.perf_counter() - t0:.0f} s", flush=True
             )
+        # the launcher picks the program layout by call size (these are all decode-sized): force the
+        # per-token head loops of rope_kernel and the store on a third of the configurations, and
+        # the per-block layout without programmatic dependent launch on another third
+        layout = r.choice(("planned", "token-programs", "block-programs-no-pdl"))
+        cfg["layout"] = layout
+        knobs = {
+            "planned": {},
+            "token-programs": dict(head_loop=True, store_head_loop=True),
+            "block-programs-no-pdl": dict(head_loop=False, store_head_loop=False, pdl=False),
+        }[layout]
         try:
-            n_ops += KINDS[kind][0](r, gen, device, cfg)
+            with tuning.override(**knobs):
+                n_ops += KINDS[kind][0](r, gen, device, cfg)
             if ARGS.verbose:
                 print("ok  ", describe(cfg), flush=True)
         except Exception as e:  # noqa: BLE001 - a failing configuration is reported, the sweep goes on
