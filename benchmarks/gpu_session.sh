@@ -8,6 +8,10 @@
 #        parity run (context and tensor parallelism), the host-time profile with its floors.
 # bench: every workload with every importable peer (python -m ropekit.bench), then the defaults'
 #        same-size copy ceilings and graph replay (tune_core.py --defaults).
+# explore / probe / round: issue 17's calls (the changed kernels' GPU tests with launch sweeps and
+#        Nsight Compute profiles; the store's block order and PTX access widths; the measurement run
+#        with every workload, peer and first-call time). Sweeps of rope_kernel's launch shapes:
+#        tune_core.py --only W1,W2,W4,W5 --blocks 512,1024,2048 --warps 2,4 --head-loop=-1 --prefetch=0,1
 # Each stage has its own time limit, so a slow stage cannot take the others' results with it.
 # Everything lands in $OUT (at most 8 files come back): check.txt / pytest.txt / sanitizer.txt /
 # parity.txt (+ distributed_parity.json); bench: results.json, RESULTS.md, log.txt, tune.txt.
@@ -97,17 +101,14 @@ probe)      # issue 17: the store's block order sweep, the PTX access widths of 
     for f in pytest launch ptx; do echo "== $f"; tail -40 "$OUT/$f.txt"; done
     grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" "$OUT/ncu.txt"
     ;;
-round)      # issue 17's measurement run: whole GPU suite, every workload with peers, first calls, a W1/W4/W6 sweep
+round)      # issue 17's measurement run: whole GPU suite, every workload with peers, first calls
     stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
     stage bigmem 70 python3 -m pytest -q -m bigmem -p no:cacheprovider tests
     export CUDA_VISIBLE_DEVICES=0
     stage log 270 python3 -m ropekit.bench --no-progress --no-plot --out "$OUT" "${@:2}"
     stage limits 60 python3 benchmarks/limits.py
-    stage tune 100 python3 benchmarks/tune_core.py --only W1,W4,W6 --blocks 1024,2048,4096 --warps 2,4,8 \
-        --head-loop -1,1
     for f in pytest bigmem limits; do echo "== $f"; tail -3 "$OUT/$f.txt"; done
     grep -E "^W[0-9]|floor" "$OUT/results.txt" | cut -c1-170
-    grep -A8 "best per workload" "$OUT/tune.txt"
     ;;
 last)       # after review mends: the whole GPU suite and every workload but W12 (timed in the runs before)
     stage pytest 150 python3 -m pytest -q -m "gpu and not bigmem" -n 12 -p no:cacheprovider tests
