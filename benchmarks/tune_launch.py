@@ -24,6 +24,7 @@ from tune_core import cache, copy_bandwidth, nbytes  # noqa: E402
 
 import ropekit  # noqa: E402
 from ropekit import tuning  # noqa: E402
+from ropekit.bench import timing  # noqa: E402
 
 BF = dict(dtype=torch.bfloat16, device="cuda")
 
@@ -35,23 +36,7 @@ def _empty(x_ptr):
 
 def graph_us(calls, reps=1):
     """Microseconds per call: a graph of `calls` (a list of thunks), each repeated reps times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in calls:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    t = triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
-    del g
-    return t * 1e3 / (reps * len(calls))
+    return timing.graph_ms(calls, 20, 200, calls_per_set=reps) * 1e3
 
 
 def decode_sets(n):

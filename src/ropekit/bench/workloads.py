@@ -19,7 +19,7 @@ Canonical outputs, what every implementation's adapter hands back for checking:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,6 +62,19 @@ def _llama8b(**kw):
     return dict(Hq=32, Hk=8, D=128, **kw)
 
 
+_W3 = Workload(
+    "W3",
+    "decode_b64",
+    "rope",
+    "decode, 64 sequences, random positions in [0, 65536)",
+    full=_llama8b(T=64, P=65536),
+    quick=_llama8b(T=64, P=65536),
+    layout="decode",
+    positions="random",
+    graph=True,
+    host=True,
+)
+
 WORKLOADS: List[Workload] = [
     Workload(
         "W1",
@@ -81,28 +94,13 @@ WORKLOADS: List[Workload] = [
         full=dict(T=32768, Hq=64, Hk=8, D=128, P=32768),
         quick=dict(T=256, Hq=64, Hk=8, D=128, P=32768),
     ),
-    Workload(
-        "W3",
-        "decode_b64",
-        "rope",
-        "decode, 64 sequences, random positions in [0, 65536)",
-        full=_llama8b(T=64, P=65536),
-        quick=_llama8b(T=64, P=65536),
-        layout="decode",
-        positions="random",
-        graph=True,
-        host=True,
-    ),
-    Workload(
-        "W3-1",
-        "decode_b64_one_set",
-        "rope",
-        "W3 with one input set: 100 calls per CUDA graph on the same inputs (the data stays in L2)",
-        full=_llama8b(T=64, P=65536),
-        quick=_llama8b(T=64, P=65536),
-        layout="decode",
-        positions="random",
-        graph=True,
+    _W3,
+    replace(
+        _W3,
+        id="W3-1",
+        name="decode_b64_one_set",
+        what="W3 with one input set: 100 calls per CUDA graph on the same inputs (the data stays in L2)",
+        host=False,
         one_set_calls=100,
     ),
     Workload(
