@@ -118,8 +118,9 @@ def _pair_bits(*xs) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _has_gdc(device_index: int) -> bool:
-    """Programmatic dependent launch and its griddepcontrol instructions: compute capability 9+."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Programmatic dependent launch and its griddepcontrol instructions: NVIDIA compute capability
+    9+ (ROCm reports its own architecture numbers there, and has no such launch)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def pdl_meta(x: torch.Tensor, n_tokens: int) -> dict:
