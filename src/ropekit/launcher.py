@@ -353,11 +353,9 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 
 
-def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:
-    if plan is None:
-        return
-    meta = plan.meta
-    # packed pairs need word-aligned base pointers too (a view may start at an odd element)
+def store_inputs(meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs):
+    """(meta, pointer tensors) of one rope_store_kernel launch (plain or with the norm, ropekit.qknorm):
+    packed pairs turned off for base pointers off the word grid (a view may start at an odd element)."""
     if meta["PACK_Q"] and q.data_ptr() % (meta["PACK_Q"] // 8):
         meta = dict(meta, PACK_Q=0)
     if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
@@ -374,6 +372,13 @@ def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache
         table if ks is None else ks,
         table if vs is None else vs,
     )  # scales: never read unless scaled
+    return meta, ptrs
+
+
+def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:
+    if plan is None:
+        return
+    meta, ptrs = store_inputs(plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
     launch_kernel(
         _kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, plan.args, meta
     )

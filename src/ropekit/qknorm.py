@@ -754,25 +754,9 @@ def fire_store(
 ) -> None:
     from .kernels.store import rope_store_kernel
 
-    meta = launch.meta
-    if meta["PACK_Q"] and q.data_ptr() % (meta["PACK_Q"] // 8):
-        meta = dict(meta, PACK_Q=0)
-    if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
-        meta = dict(meta, PACK_K=0)
+    meta, ptrs = launcher.store_inputs(launch.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
     wq_t = wq if wq is not None else wk
     wk_t = wk if wk is not None else wq
-    ptrs = (
-        q,
-        k,
-        v,
-        table if positions is None else positions,
-        table,
-        slot_mapping,
-        k_cache,
-        v_cache,
-        table if ks is None else ks,
-        table if vs is None else vs,
-    )
     variant = (meta["PACK_Q"], meta["PACK_K"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
     launch_kernel(
         rope_store_kernel,

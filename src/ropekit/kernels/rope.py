@@ -628,8 +628,15 @@ def rope_kernel(
         SEARCH_STRIDE,
         SEARCH_COARSE,
     )
+    # one loop body for both layouts: with HEAD_LOOP it walks every head block, next block's loads
+    # in flight; otherwise it runs once for this program's block (a one-trip loop the compiler drops)
     if HEAD_LOOP:
-        for blk in tl.range(0, n_blocks):
+        n_iter = n_blocks
+    else:
+        n_iter = 1
+    for i in tl.range(0, n_iter):
+        if HEAD_LOOP:
+            blk = i
             # the next block (past the last one: every lane masked, nothing read)
             nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail = _select(
                 blk + 1,
@@ -664,70 +671,8 @@ def rope_kernel(
                 n1, n2 = _load_heads(
                     nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
                 )
-            t_norm = x1
-            if NORM_Q != 0 or NORM_K != 0:
-                x1, x2, t_norm = _norm_select(
-                    blk,
-                    n_q_blocks,
-                    x_base,
-                    stride_x_head,
-                    n_heads,
-                    head0,
-                    tail,
-                    x1,
-                    x2,
-                    wq_ptr,
-                    wk_ptr,
-                    norm_eps,
-                    norm_offset,
-                    HALF,
-                    HALF_PAD,
-                    BLOCK_H,
-                    TAIL_PAD,
-                    IN_INTERLEAVED,
-                    NORM_Q,
-                    NORM_K,
-                )
-            _rotate_store(
-                x_base,
-                o_base,
-                stride_x_head,
-                stride_o_head,
-                n_heads,
-                head0,
-                tail,
-                x1,
-                x2,
-                c,
-                sn,
-                cos_ptr,
-                HALF,
-                HALF_PAD,
-                BLOCK_H,
-                TAIL_PAD,
-                OUT_INTERLEAVED,
-                INVERSE,
-                False,
-                PACK,
-                t_norm,
-                NORM_Q != 0 or NORM_K != 0,
-            )
-            if not PREFETCH:
-                n1, n2 = _load_heads(
-                    nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
-                )
-            x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
-                nx_base,
-                no_base,
-                next_stride_x_head,
-                next_stride_o_head,
-                n_n_heads,
-                n_head0,
-                n_tail,
-            )
-            x1, x2 = n1, n2
-    else:
-        blk = blk0
+        else:
+            blk = blk0
         t_norm = x1
         if NORM_Q != 0 or NORM_K != 0:
             x1, x2, t_norm = _norm_select(
@@ -776,6 +721,21 @@ def rope_kernel(
             t_norm,
             NORM_Q != 0 or NORM_K != 0,
         )
+        if HEAD_LOOP:
+            if not PREFETCH:
+                n1, n2 = _load_heads(
+                    nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
+                )
+            x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
+                nx_base,
+                no_base,
+                next_stride_x_head,
+                next_stride_o_head,
+                n_n_heads,
+                n_head0,
+                n_tail,
+            )
+            x1, x2 = n1, n2
 
 
 @triton.jit
