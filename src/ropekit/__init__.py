@@ -4,7 +4,7 @@ Public names only; see README.md for shapes, dtypes and examples.
 """
 
 from . import hf  # noqa: F401  (ropekit.hf: the Hugging Face drop-ins, imported with the package)
-from .freqs import cos_sin_cache, inv_freq
+from .freqs import axial_inv_freq, cos_sin_cache, inv_freq
 from .modules import RotaryEmbedding
 from .ops import apply_rope, rotate_with_angles
 from .packed import positions_from_cu_seqlens
@@ -20,6 +20,7 @@ __all__ = [
     "positions_from_cu_seqlens",
     "cos_sin_cache",
     "inv_freq",
+    "axial_inv_freq",
     "RotaryEmbedding",
     "strict",
 ]

@@ -24,7 +24,7 @@ once for a fixed length instead of per forward call:
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -330,3 +330,35 @@ def cos_sin_cache(
     if attention_factor != 1.0:
         table *= attention_factor
     return table.to(device=target, dtype=dtype)
+
+
+def axial_inv_freq(axes_dim: Sequence[int], theta=10000.0, *, device=None) -> torch.Tensor:
+    """Inverse frequencies of axial (N-D) RoPE: each axis's set from its own width, in axis order.
+
+    Args:
+        axes_dim: rotary dims of each axis (positive even ints), e.g. Flux's (16, 56, 56) for
+            (text / image index, height, width) or Wan 2.1's (44, 42, 42) for (time, height, width).
+        theta: the base, one number for every axis or a sequence of one per axis.
+        device: of the result; None means the current default device.
+
+    Returns a float32 tensor of shape (sum(axes_dim) // 2,): for axis i of width d_i and base
+    theta_i, the d_i // 2 frequencies 1 / theta_i ** (2j / d_i), j = 0 .. d_i/2 - 1 (computed in
+    float64, rounded once), concatenated in axis order: the convention of Flux's EmbedND and of
+    the 3D RoPE of Wan, HunyuanVideo and Qwen-Image. Pass it as `inv_freq` to apply_rope with
+    `axes = tuple(d // 2 for d in axes_dim)`.
+    """
+    op = "axial_inv_freq"
+    if not isinstance(axes_dim, (list, tuple)) or not axes_dim:
+        fail(op, "axes_dim", "a non-empty list or tuple of positive even ints", repr(axes_dim))
+    for d in axes_dim:
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0 or d % 2:
+            fail(op, "axes_dim", "a non-empty list or tuple of positive even ints", repr(axes_dim))
+    if isinstance(theta, (list, tuple)):
+        if len(theta) != len(axes_dim):
+            fail(op, "theta", f"a number or {len(axes_dim)} numbers (one per axis)", repr(theta))
+        bases = [_positive(op, "theta", t) for t in theta]
+    else:
+        bases = [_positive(op, "theta", theta)] * len(axes_dim)
+    freqs = torch.cat([_plain(d, base) for d, base in zip(axes_dim, bases)])
+    device = torch.get_default_device() if device is None else device
+    return freqs.to(device=device, dtype=torch.float32)
