@@ -29,6 +29,7 @@ from .pipeline import (
     tensor_key,
     value_key,
 )
+from .validate import fail
 
 _MEMO = pipeline._MEMO  # the pipeline's memo, read here without a function call per op call
 
@@ -474,10 +475,11 @@ def _(q, k, positions, table, rotary_dim, interleaved, mrope):
 def rotate_with_angles(
     q: torch.Tensor,
     k: Optional[torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
     *,
-    interleaved: bool = False,
+    freqs_cis: Optional[torch.Tensor] = None,
+    interleaved: Optional[bool] = None,
     out_interleaved: Optional[bool] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
@@ -490,7 +492,17 @@ def rotate_with_angles(
     interleaved) is the layout the rotated dims are written in (DeepSeek-V3's HF code reads pairs
     and writes halves). Differentiable in q and k; cos and sin are constants (refused if they
     require grad under grad mode).
+
+    freqs_cis: instead of cos and sin, complex64 e^(i angle) broadcastable to (*T, rotary_dim // 2)
+    (or (3, *T, rotary_dim // 2) with mrope_section), as Meta's Llama code, torchtitan and
+    diffusers' complex path pass it: x viewed as complex pairs times freqs_cis. Its real and
+    imaginary parts are read in place (strided views, no copy). interleaved defaults to True with
+    freqs_cis (pairs (2i, 2i+1) are the complex numbers), to False with cos / sin.
     """
+    if freqs_cis is not None or (cos is None and sin is None):
+        cos, sin = _cis_parts("rotate_with_angles", freqs_cis, cos, sin)
+        if interleaved is None:
+            interleaved = True
     return rotate_angles(
         q,
         k,
@@ -501,6 +513,20 @@ def rotate_with_angles(
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
     )
+
+
+def _cis_parts(op, freqs_cis, cos, sin):
+    """(cos, sin) as strided float32 views of complex freqs_cis (torch.view_as_real: no copy)."""
+    if cos is not None or sin is not None:
+        fail(op, "freqs_cis", "None when cos and sin are given (one angle source)", "a tensor")
+    if not isinstance(freqs_cis, torch.Tensor):
+        raise TypeError(f"{op}: freqs_cis: expected a torch.Tensor (or cos and sin), got {type(freqs_cis).__name__}")
+    if freqs_cis.dtype != torch.complex64:
+        fail(op, "freqs_cis", "dtype complex64", str(freqs_cis.dtype).replace("torch.", ""))
+    if freqs_cis.requires_grad and torch.is_grad_enabled():
+        fail(op, "freqs_cis", "a tensor that does not require grad (angles are constants)", "requires_grad=True")
+    parts = torch.view_as_real(freqs_cis.resolve_conj())
+    return parts[..., 0], parts[..., 1]
 
 
 def rotate_angles(
@@ -523,6 +549,7 @@ def rotate_angles(
     columns: use the first `columns` columns of cos and sin (HF's tables hold [f, f]: pass them
         unsliced with columns = rotary_dim // 2); None: all.
     """
+    interleaved = bool(interleaved)
     out_il = interleaved if out_interleaved is None else out_interleaved
     if torch.compiler.is_compiling():
         spec = _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns)
