@@ -153,3 +153,245 @@ def test_freqs_cis_bad_arguments(kwargs, error, message):
     q = torch.randn(4, 2, 16)
     with pytest.raises(error, match=f"rotate_with_angles: .*{message}"):
         ropekit.rotate_with_angles(q, None, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_rope(..., inv_freq=, axes=): angles computed in the kernel
+
+from ropekit import pipeline, reference  # noqa: E402
+
+AXES_CASES = {
+    "one_set": None,  # positions (*T), every pair
+    "one_axis": (8,),
+    "two_axes_vit": (4, 4),
+    "three_axes_flux": (2, 3, 3),
+    "four_axes": (2, 2, 3, 1),
+    "empty_axis": (0, 5, 3),
+}
+
+
+def _freqs_for(axes, half, theta=100.0):
+    dims = [2 * a for a in axes] if axes else [2 * half]
+    if any(d == 0 for d in dims):  # an axis without pairs: its width contributes nothing
+        dims = [d for d in dims if d]
+    return ropekit.axial_inv_freq(dims, theta)
+
+
+def _positions(axes, token_shape, gen, floats):
+    shape = ((len(axes),) if axes else ()) + tuple(token_shape)
+    if floats:
+        return (torch.rand(*shape, dtype=torch.float64, generator=gen) * 80 - 40).float()
+    return torch.randint(-40, 40, shape, generator=gen)
+
+
+def _oracle(x, positions, inv_freq, axes, interleaved):
+    c, s = reference.angles_from_freqs(positions, inv_freq, axes or (), torch.float64)
+    return reference.rotate(x.double(), c, s, interleaved=interleaved)
+
+
+def _close(out, ref, dtype=torch.float32):
+    tol = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
+@pytest.mark.parametrize("case", list(AXES_CASES))
+def test_freqs_forward_matches_float64(case, interleaved, poison):
+    axes = AXES_CASES[case]
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    token_shape = (2, 3)
+    f = _freqs_for(axes, 8)
+    pos = _positions(axes, token_shape, g, floats=case in ("two_axes_vit", "one_set"))
+    q = torch.randn(*token_shape, 3, 16, generator=g)
+    k = torch.randn(*token_shape, 1, 16, generator=g)
+    qo, ko = ropekit.apply_rope(q, k, pos, None, inv_freq=f, axes=axes, interleaved=interleaved)
+    _close(qo, _oracle(q, pos, f, axes, interleaved))
+    _close(ko, _oracle(k, pos, f, axes, interleaved))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_freqs_partial_rotary_low_precision_strided(dtype, poison):
+    """rotary_dim 2 * len(inv_freq) < head size: the tail is copied; q a slice of a fused buffer."""
+    g = torch.Generator().manual_seed(7)
+    axes = (2, 2, 2)
+    f = _freqs_for(axes, 6)
+    pos = _positions(axes, (5,), g, floats=False)
+    qkv = torch.randn(5, 6, 32, generator=g).to(dtype)
+    q, k = qkv[:, :4], qkv[:, 4:]
+    qo, ko = ropekit.apply_rope(q, k, pos, None, inv_freq=f, axes=axes, interleaved=True, rotary_dim=12)
+    _close(qo, _oracle(q, pos, f, axes, True), dtype)
+    _close(ko, _oracle(k, pos, f, axes, True), dtype)
+    assert torch.equal(qo[..., 12:], q[..., 12:])
+
+
+def test_freqs_inplace(poison):
+    g = torch.Generator().manual_seed(8)
+    axes = (4, 2, 2)
+    f = _freqs_for(axes, 8)
+    pos = _positions(axes, (2, 4), g, floats=True)
+    q = torch.randn(2, 4, 2, 16, generator=g)
+    k = torch.randn(2, 4, 2, 16, generator=g)
+    want_q, want_k = _oracle(q, pos, f, axes, False), _oracle(k, pos, f, axes, False)
+    qo, ko = ropekit.apply_rope(q, k, pos, None, inv_freq=f, axes=axes, inplace=True)
+    assert qo is q and ko is k
+    _close(q, want_q)
+    _close(k, want_k)
+
+
+def test_freqs_cpu_path_without_triton(monkeypatch, poison):
+    """Plain CPU (no interpreter): the pure-PyTorch path gives the same answers."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pipeline.clear()
+    g = torch.Generator().manual_seed(9)
+    axes = (2, 3, 3)
+    f = _freqs_for(axes, 8)
+    pos = _positions(axes, (6,), g, floats=True)
+    q = torch.randn(6, 2, 16, generator=g)
+    try:
+        qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True)
+        qo2, _ = ropekit.apply_rope(q.clone(), None, pos, None, inv_freq=f, axes=axes, interleaved=True, inplace=True)
+    finally:
+        pipeline.clear()
+    _close(qo, _oracle(q, pos, f, axes, True))
+    _close(qo2, _oracle(q, pos, f, axes, True))
+
+
+def _autograd_oracle(q, k, pos, f, axes, interleaved):
+    """Rotation with float64 angles built by differentiable torch ops (inv_freq's gradient too)."""
+    p = reference.pair_positions(pos, axes or (), f.shape[0]).double()
+    angle = p * f
+    c, s = angle.cos(), angle.sin()
+    return [None if x is None else reference.rotate(x, c, s, interleaved=interleaved) for x in (q, k)]
+
+
+@pytest.mark.parametrize("learn_freqs", [False, True], ids=["fixed", "learnable"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
+def test_freqs_backward(interleaved, learn_freqs, poison):
+    g = torch.Generator().manual_seed(10)
+    axes = (3, 2, 3)
+    f64 = _freqs_for(axes, 8).double()
+    pos = _positions(axes, (2, 3), g, floats=True)
+    q64 = torch.randn(2, 3, 2, 20, dtype=torch.float64, generator=g)
+    k64 = torch.randn(2, 3, 1, 20, dtype=torch.float64, generator=g)
+    q, k = q64.float().requires_grad_(), k64.float().requires_grad_()
+    f = f64.float().requires_grad_(learn_freqs)
+    qo, ko = ropekit.apply_rope(q, k, pos, None, inv_freq=f, axes=axes, interleaved=interleaved)
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    inputs = (q, k, f) if learn_freqs else (q, k)
+    grads = torch.autograd.grad((qo, ko), inputs, (gq, gk))
+    r_in = [x.detach().double().requires_grad_() for x in inputs]
+    rq, rk = _autograd_oracle(r_in[0], r_in[1], pos, r_in[2] if learn_freqs else f64, axes, interleaved)
+    want = torch.autograd.grad((rq, rk), r_in, (gq.double(), gk.double()))
+    _close(qo, rq.detach())
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+
+
+def test_freqs_grad_only_for_freqs(poison):
+    """q and k constants, inv_freq learnable (a ViT with learnable RoPE frequencies, frozen input)."""
+    g = torch.Generator().manual_seed(11)
+    f = _freqs_for(None, 4).requires_grad_()
+    pos = _positions(None, (5,), g, floats=True)
+    q = torch.randn(5, 2, 8, generator=g)
+    qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f)
+    (df,) = torch.autograd.grad(qo.square().sum() + qo[..., 0].sum(), f)
+    fr = f.detach().double().requires_grad_()
+    (rq,) = [x for x in _autograd_oracle(q.double(), None, pos, fr, None, False) if x is not None]
+    (want,) = torch.autograd.grad(rq.square().sum() + rq[..., 0].sum(), fr)
+    torch.testing.assert_close(df.double(), want, rtol=2e-5, atol=1e-5)
+
+
+def test_freqs_compile_fullgraph_forward_backward():
+    g = torch.Generator().manual_seed(12)
+    axes = (2, 3, 3)
+    f = _freqs_for(axes, 8).requires_grad_()
+    pos = _positions(axes, (6,), g, floats=True)
+    q = torch.randn(6, 2, 16, generator=g, requires_grad=True)
+
+    def step(q, f):
+        qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True)
+        return (qo * qo[..., :1]).sum()
+
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(q, f)
+    dq, df = torch.autograd.grad(loss, (q, f))
+    q2, f2 = q.detach().double().requires_grad_(), f.detach().double().requires_grad_()
+    (rq,) = [x for x in _autograd_oracle(q2, None, pos, f2, axes, True) if x is not None]
+    want = torch.autograd.grad((rq * rq[..., :1]).sum(), (q2, f2))
+    torch.testing.assert_close(loss.double(), (rq * rq[..., :1]).sum().detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dq.double(), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(df.double(), want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_freqs_compile_inplace():
+    g = torch.Generator().manual_seed(13)
+    f = _freqs_for(None, 8)
+    pos = _positions(None, (4,), g, floats=False)
+    q = torch.randn(4, 2, 16, generator=g)
+    want = _oracle(q, pos, f, None, False)
+
+    def step(q):
+        ropekit.apply_rope(q, None, pos, None, inv_freq=f, inplace=True)
+        return q.sum()
+
+    total = torch.compile(step, fullgraph=True, backend="aot_eager")(q)
+    _close(q, want)
+    torch.testing.assert_close(total.double(), want.sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_freqs_strict_names_a_nan_position():
+    f = _freqs_for(None, 4)
+    pos = torch.tensor([0.0, 1.5, float("nan"), -3.0])
+    q = torch.randn(4, 1, 8)
+    with (
+        ropekit.strict(),
+        pytest.raises(ValueError, match=r"apply_rope: positions: expected finite values, got positions\[2\] = nan"),
+    ):
+        ropekit.apply_rope(q, None, pos, None, inv_freq=f)
+    with ropekit.strict():  # negative and fractional positions are fine
+        ropekit.apply_rope(q, None, pos.nan_to_num(), None, inv_freq=f)
+
+
+def _bad(**over):
+    T = 4
+    args = dict(
+        q=torch.randn(T, 2, 16),
+        k=None,
+        positions=torch.zeros(3, T, dtype=torch.long),
+        cos_sin_cache=None,
+        inv_freq=ropekit.axial_inv_freq((4, 6, 6)),
+        axes=(2, 3, 3),
+    )
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over, error, message",
+    [
+        (dict(cos_sin_cache=torch.ones(8, 16)), ValueError, "cos_sin_cache: expected None with inv_freq"),
+        (dict(mrope_section=(2, 3, 3)), ValueError, "mrope_section: expected None with inv_freq"),
+        (dict(inv_freq=None, cos_sin_cache=torch.ones(8, 16)), ValueError, "inv_freq: expected a tensor when axes"),
+        (dict(inv_freq=torch.ones(8, dtype=torch.float64)), ValueError, "inv_freq: expected dtype in \\(float32\\)"),
+        (dict(inv_freq=[1.0]), TypeError, "inv_freq: expected a torch.Tensor"),
+        (dict(axes=(2, 3, 4)), ValueError, r"axes: expected pairs summing to len\(inv_freq\) = 8, got \(2, 3, 4\)"),
+        (dict(axes=(2, 2, 2, 1, 1)), ValueError, "axes: expected 1 to 4 non-negative ints"),
+        (dict(axes=(2.0, 3, 3)), ValueError, "axes: expected 1 to 4 non-negative ints"),
+        (dict(positions=torch.zeros(4, dtype=torch.long)), ValueError, "positions: expected a 2-D tensor"),
+        (dict(positions=torch.zeros(2, 4, dtype=torch.long)), ValueError, r"positions: expected shape \(3, 4\)"),
+        (dict(positions=torch.zeros(3, 4, dtype=torch.bool)), ValueError, "positions: expected dtype in"),
+        (dict(positions=None), ValueError, r"positions: expected a tensor of shape \(3, 4\)"),
+        (dict(rotary_dim=8), ValueError, r"rotary_dim: expected 2 \* len\(inv_freq\) = 16"),
+        (dict(q=torch.randn(4, 2, 12)), ValueError, r"q: expected a head size >= rotary_dim \(16\)"),
+        (
+            dict(inplace=True, inv_freq=ropekit.axial_inv_freq((4, 6, 6)).requires_grad_()),
+            ValueError,
+            "inplace: expected False when inv_freq requires grad",
+        ),
+    ],
+)
+def test_freqs_bad_arguments(over, error, message):
+    args = _bad(**over)
+    q, q0 = args["q"], args["q"].clone()
+    with pytest.raises(error, match=f"apply_rope: {message}"):
+        ropekit.apply_rope(args.pop("q"), args.pop("k"), args.pop("positions"), args.pop("cos_sin_cache"), **args)
+    assert torch.equal(q, q0)  # nothing written

@@ -46,6 +46,13 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)
     half = rot // 2
     if variant.angles == "tokens":
         return AngleLayout(half, 0, 0, token_strides_of_angles, (0, 0, 0))
+    if variant.angles == "freqs":  # a: positions (*T) or (axes, *T); b: the inverse frequencies
+        axial = len(variant.sections) > 0  # axes given: positions carry an axis dim
+        n_tok = a.dim() - (1 if axial else 0)
+        pos = a[0] if axial else a
+        return AngleLayout(
+            half, 0, 0, (0, 0, 0, b.stride(0)), (a.stride(0) if axial else 0, *token_strides(pos, n_tok))
+        )
     row, col = b.stride(0), b.stride(1)
     if variant.angles == "packed":  # a: cu_seqlens; positions derived in the kernel
         n_seqs = a.shape[0] - 1
@@ -149,7 +156,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     mrope = variant.mrope != 0
     head_loop = tuning.get("head_loop")
     if head_loop is None:
-        head_loop = (variant.angles == "table" or mrope) and not tuning.decode_sized(n_tokens)
+        # one program per token when its angles cost a table read or a cos / sin each: once per token
+        head_loop = (variant.angles in ("table", "freqs") or mrope) and not tuning.decode_sized(n_tokens)
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(
         half, n_q, n_k, tail, tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "block_elems")
     )
@@ -162,7 +170,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         pack = _pair_bits(*ins, *outs)
     sk = (*token_strides(k, n_tok), k.stride(-2)) if k is not None else (0, 0, 0)
     sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
-    sec_t, sec_h, sec_w = variant.sections
+    sec_t, sec_h, sec_w = section_args(variant, half)
     args = (
         n_tokens,
         S,
@@ -207,6 +215,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         NORM_Q=0,
         NORM_K=0,
         PACKED=variant.angles == "packed",
+        FREQS=variant.angles == "freqs",
         SEARCH_STRIDE=angles.search[0],
         SEARCH_COARSE=angles.search[1],
         **pdl_meta(q, n_tokens),
@@ -215,12 +224,21 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
 
 
+def section_args(variant, half: int) -> tuple:
+    """The kernel's SEC_T, SEC_H, SEC_W: M-RoPE's (t, h, w) sections, or for angles computed from
+    inverse frequencies the pairs of the first three axes (one axis: all `half` of them; the
+    fourth axis takes what the first three leave)."""
+    if variant.angles != "freqs":
+        return variant.sections
+    return (tuple(variant.sections[:3]) + (0, 0, 0))[:3] if variant.sections else (half, 0, 0)
+
+
 def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b) -> None:
     """Launch rope_kernel; (a, b) as in pipeline.run_rotate."""
     meta = plan.meta
     if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
-    if meta["HAS_POS"]:
+    if meta["HAS_POS"] or meta["FREQS"]:  # positions; a table, or the inverse frequencies
         pos, cos, sin = a, b, b
     elif a is None:  # arange: the table alone
         pos, cos, sin = b, b, b

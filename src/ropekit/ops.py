@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import distributed, launcher, pipeline, validate
+from . import distributed, launcher, pipeline, reference, validate
 from .pipeline import (
     CUSTOM_OP,
     DIRECT,
@@ -87,7 +87,7 @@ def apply_rope(
     q: torch.Tensor,
     k: Optional[torch.Tensor],
     positions: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
+    cos_sin_cache: Optional[torch.Tensor] = None,
     *,
     interleaved: bool = False,
     rotary_dim: Optional[int] = None,
@@ -101,6 +101,8 @@ def apply_rope(
     cu_seqlens: Optional[torch.Tensor] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    inv_freq: Optional[torch.Tensor] = None,
+    axes: Optional[Sequence[int]] = None,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -126,11 +128,33 @@ def apply_rope(
             through context parallelism's dual-chunk layout (ropekit.positions_from_cu_seqlens
             computes the same positions). Values are checked in strict mode only.
 
+        inv_freq: instead of cos_sin_cache (pass None there), float32 (rotary_dim // 2,) inverse
+            frequencies: the angles are computed in the kernel, positions[axis(j), t] * inv_freq[j]
+            for rotary pair j, in float32 (no table, no size limit; docs/vision.md states the error).
+            positions may then be int32/int64/float32/float64, negative and fractional values
+            included. When inv_freq requires grad (learnable frequencies) it gets a gradient.
+        axes: with inv_freq, the number of rotary pairs of each axis (1 to 4 ints summing to
+            len(inv_freq), e.g. (8, 28, 28) for Flux; ropekit.axial_inv_freq builds the
+            frequencies); positions are then (len(axes), *T). None: positions (*T) drive all pairs.
+
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
     out-of-bounds read); under `ropekit.strict()` it raises ValueError before anything is written.
     Differentiable in q and k (the backward is the inverse rotation, by the same kernel).
     """
+    if inv_freq is not None or axes is not None:
+        return _rope_freqs(
+            q,
+            k,
+            positions,
+            inv_freq,
+            axes,
+            interleaved,
+            rotary_dim,
+            inplace,
+            (q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset),
+            (("cos_sin_cache", cos_sin_cache), ("mrope_section", mrope_section), ("cu_seqlens", cu_seqlens)),
+        )
     if q_norm_weight is not None or k_norm_weight is not None:
         from .qknorm import rope_with_norm
 
@@ -306,12 +330,7 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
         outs = torch.ops.ropekit.rotate_packed(
             q, k, positions, table, spec.rot, v.interleaved, spec.packed[0], spec.packed[1], False
         )
-        if inplace:
-            q.copy_(outs[0])
-            if k is not None:
-                k.copy_(outs[1])
-            return q, k
-        return outs[0], (outs[1] if k is not None else None)
+        return _results(outs, q, k, inplace)
     positions, table = distributed.like(q, positions, table)
     if inplace:
         torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope)
@@ -319,6 +338,16 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
     outs = torch.ops.ropekit.rotate(
         q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse
     )
+    return outs[0], (outs[1] if k is not None else None)
+
+
+def _results(outs, q, k, inplace):
+    """(q_out, k_out) of an out-of-place custom op's outputs; in place: copied into q and k."""
+    if inplace:
+        q.copy_(outs[0])
+        if k is not None:
+            k.copy_(outs[1])
+        return q, k
     return outs[0], (outs[1] if k is not None else None)
 
 
@@ -466,6 +495,182 @@ def _rotate_inplace_op(
 @_rotate_inplace_op.register_fake
 def _(q, k, positions, table, rotary_dim, interleaved, mrope):
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# angles computed in the kernel: positions x inverse frequencies (axial N-D RoPE)
+
+
+def _rope_freqs(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace, norm, exclusive):
+    """apply_rope with inv_freq (see its docstring). norm: (q weight, k weight, eps, offset);
+    exclusive: (name, value) of the arguments that must be None with inv_freq."""
+    op = "apply_rope"
+    if inv_freq is None:
+        fail(op, "inv_freq", "a tensor when axes is given (axes split inv_freq's pairs)", None)
+    for name, value in exclusive:
+        if value is not None:
+            fail(op, name, "None with inv_freq (angles computed from positions x inv_freq)", type(value).__name__)
+    if norm[0] is not None or norm[1] is not None:
+        return _rope_freqs_norm(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace, *norm)
+    if torch.compiler.is_compiling():
+        spec = _freqs_spec(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace)
+        return _freqs_custom_op(spec, q, k, positions, inv_freq, inplace)
+    try:
+        key = (
+            "apply_rope freqs",
+            torch.is_grad_enabled(),
+            tensor_key(q),
+            tensor_key(k),
+            tensor_key(positions),
+            tensor_key(inv_freq),
+            None if axes is None else value_key(axes),
+            type(interleaved),
+            interleaved,
+            type(rotary_dim),
+            rotary_dim,
+            type(inplace),
+            inplace,
+        )
+        spec = _MEMO.get(key)
+    except (AttributeError, TypeError):
+        key = spec = None
+    if spec is None:
+        spec = pipeline.remember(key, _freqs_spec(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace))
+    if validate.is_strict():
+        validate.positions_finite(op, positions)
+    if spec.door is CUSTOM_OP:  # tensor subclasses, and gradients for inv_freq
+        return _freqs_custom_op(spec, q, k, positions, inv_freq, inplace)
+    if inplace and _spans_meet((q, k, positions, inv_freq), spec.extents):
+        validate.inplace_aliasing(op, q, k, (("positions", positions), ("inv_freq", inv_freq)))
+    if spec.door is DIRECT:
+        if inplace:
+            pipeline.run_rotate(spec, spec.variant, q, k, q, k, positions, inv_freq)
+            _bump_versions(q, k)
+            return q, k
+        q_out = pipeline.empty_like(q)
+        k_out = None if k is None else pipeline.empty_like(k)
+        pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, positions, inv_freq)
+        return q_out, k_out
+    return RotateFunction.apply(q, k, positions, inv_freq, spec, spec.variant)
+
+
+def _freqs_spec(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace) -> Spec:
+    rot, axes = validate.freqs_args(
+        "apply_rope", q, k, positions, inv_freq, axes, rotary_dim=rotary_dim, inplace=inplace
+    )
+    il = bool(interleaved)
+    variant = Variant(il, il, 0, axes, "freqs")
+    # autograd's eager door (RotateFunction) treats angles as constants: a gradient for the
+    # frequencies goes through the custom op, whose registered backward computes it
+    if inv_freq.requires_grad and torch.is_grad_enabled():
+        door = CUSTOM_OP
+    else:
+        door = pipeline.door_for(q, pipeline.records_grad(q, k))
+    extents = (_extent(q), _extent(k), _extent(positions), _extent(inv_freq))
+    return Spec(variant, rot, door, pipeline.triton_runs(q), extents=extents)
+
+
+def _freqs_custom_op(spec: Spec, q, k, positions, inv_freq, inplace):
+    v = spec.variant
+    outs = torch.ops.ropekit.rotate_freqs(q, k, positions, inv_freq, v.interleaved, list(v.sections) or None, False)
+    return _results(outs, q, k, inplace)
+
+
+def _rope_freqs_norm(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace, wq, wk, eps, offset):
+    """QK-RMSNorm with angles from positions x inv_freq: per-token cos / sin computed once by torch
+    ops (float64 angles, rounded to float32), then the fused norm + rotation kernel and its backward."""
+    from .qknorm import rotate_angles_with_norm
+
+    op = "apply_rope"
+    _, axes = validate.freqs_args(op, q, k, positions, inv_freq, axes, rotary_dim=rotary_dim, inplace=inplace)
+    if inv_freq.requires_grad and torch.is_grad_enabled():
+        fail(op, "inv_freq", "a tensor that does not require grad with q_norm_weight / k_norm_weight", "requires_grad")
+    if validate.is_strict() and not torch.compiler.is_compiling():
+        validate.positions_finite(op, positions)
+    cos, sin = reference.angles_from_freqs(positions, inv_freq.detach(), axes)
+    return rotate_angles_with_norm(
+        q,
+        k,
+        cos,
+        sin,
+        interleaved=interleaved,
+        q_norm_weight=wq,
+        k_norm_weight=wk,
+        norm_eps=eps,
+        norm_weight_offset=offset,
+        op=op,
+        inplace=inplace,
+    )
+
+
+def _pairs(x, half: int, interleaved: bool):
+    """The two members of each rotated pair of x (*T, H, D) as float32 views (*T, H, half)."""
+    x = x.float()
+    return (
+        (x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2])
+        if interleaved
+        else (x[..., :half], x[..., half : 2 * half])
+    )
+
+
+def _freq_grad(outs, grads, positions, half: int, axes, interleaved: bool, inverse: bool) -> torch.Tensor:
+    """d loss / d inv_freq (float32 (half,)), by torch ops. A pair's output o = R(angle) x moves
+    with its angle as (-o2, o1), so d loss / d angle = g2 o1 - g1 o2 (summed over heads), and
+    angle = position x inv_freq (negated when inverse)."""
+    d_angle = 0.0
+    for o, g in zip(outs, grads):
+        if g is not None:
+            o1, o2 = _pairs(o, half, interleaved)
+            g1, g2 = _pairs(g, half, interleaved)
+            d_angle = d_angle + (g2 * o1 - g1 * o2).sum(-2)
+    p = reference.pair_positions(positions, axes, half).to(torch.float32)
+    d = (p * d_angle).reshape(-1, half).sum(0)
+    return -d if inverse else d
+
+
+@torch.library.custom_op("ropekit::rotate_freqs", mutates_args=())
+def _rotate_freqs_op(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    interleaved: bool,
+    axes: Optional[List[int]],
+    inverse: bool,
+) -> List[torch.Tensor]:
+    variant = Variant(interleaved, interleaved, 0, tuple(axes or ()), "freqs", inverse)
+    return _rotated_outputs("rotate_freqs", q, k, positions, inv_freq, variant, 2 * inv_freq.shape[0])
+
+
+@_rotate_freqs_op.register_fake
+def _(q, k, positions, inv_freq, interleaved, axes, inverse):
+    return _fake_outputs(q, k)
+
+
+def _save_freqs(ctx, inputs, output):
+    """What the backward needs: the angles' inputs, and the outputs when inv_freq wants a gradient."""
+    q, k, positions, inv_freq, *flags = inputs
+    ctx.flags = flags
+    ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
+    ctx.save_for_backward(positions, inv_freq, *(output if inv_freq.requires_grad else ()))
+
+
+def _rotate_freqs_backward(ctx, *grads):
+    """q, k: the inverse rotation by the same op (traceable, differentiable); inv_freq: _freq_grad."""
+    positions, inv_freq, *outs = ctx.saved_tensors
+    interleaved, axes, inverse = ctx.flags
+    gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
+    want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
+    d_q = d_k = d_freq = None
+    if first is not None:
+        g = torch.ops.ropekit.rotate_freqs(first, second, positions, inv_freq, interleaved, axes, not inverse)
+        d_q, d_k = pipeline.input_grads(want_q, want_k, g[0], g[1] if second is not None else None)
+    if ctx.needs_input_grad[3] and outs:
+        d_freq = _freq_grad(outs, (gq, gk), positions, inv_freq.shape[0], axes or (), interleaved, inverse)
+    return d_q, d_k, None, d_freq, None, None, None
+
+
+_rotate_freqs_op.register_autograd(_rotate_freqs_backward, setup_context=_save_freqs)
 
 
 # ---------------------------------------------------------------------------------------------

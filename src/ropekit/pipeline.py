@@ -41,8 +41,10 @@ class Variant(NamedTuple):
     interleaved: bool = False  # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
     out_interleaved: bool = False  # layout the rotated pairs are written in (DeepSeek-V3's HF code differs)
     mrope: int = 0  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
-    sections: Tuple[int, ...] = (0, 0, 0)  # M-RoPE (t, h, w) frequencies per position row
+    sections: Tuple[int, ...] = (0, 0, 0)  # M-RoPE (t, h, w) frequencies per position row;
+    #                                        "freqs": the pairs of each axis, () for one position row
     angles: str = "table"  # "table": rows of a [cos | sin] table picked by positions;
+    #                                 "freqs": positions x inverse frequencies, computed in the kernel;
     #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
     #                                 "delta": row |delta| per cache row, sin negated for delta < 0;
     #                                 "packed": table rows at positions derived from cu_seqlens
@@ -209,6 +211,8 @@ def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) ->
             sec = reference.mrope_sections_of_frequencies(half, sections, il_sections).to(c.device)
             pick = sec.view(1, *([1] * len(token_shape)), -1).expand(1, *c.shape[1:])
             c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
+    elif variant.angles == "freqs":  # a: positions, b: inverse frequencies
+        c, s = reference.angles_from_freqs(a, b, variant.sections)
     else:
         if variant.angles == "packed":  # a: cu_seqlens
             from .packed import positions_from_cu_seqlens

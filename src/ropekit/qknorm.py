@@ -685,11 +685,13 @@ def rotate_angles_with_norm(
     norm_eps=1e-6,
     norm_weight_offset=0.0,
     op="rotate_with_angles",
+    inplace=False,
 ):
     """rotate_with_angles with the norm: per-token cos, sin broadcastable to (*T, rotary_dim // 2)
-    (Hugging Face's cos[..., :half] views), out of place. q (*T, Hq, D), k (*T, Hk, D) or None."""
+    (Hugging Face's cos[..., :half] views). q (*T, Hq, D), k (*T, Hk, D) or None. inplace: written
+    into q and k (the caller has checked their layouts and aliasing), else new tensors."""
     cos, sin, _ = validate.angle_args(op, q, k, cos, sin, mrope_section=None, mrope_interleaved=False)
-    validate.norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    validate.norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace)
     return _dispatch(
         q,
         k,
@@ -702,7 +704,7 @@ def rotate_angles_with_norm(
         k_norm_weight,
         float(norm_eps),
         float(norm_weight_offset),
-        False,
+        inplace,
     )
 
 

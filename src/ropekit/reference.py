@@ -242,6 +242,22 @@ def gather_angles(cos_table, sin_table, positions, token_shape, *, mrope_section
     return cos, sin
 
 
+def pair_positions(positions: torch.Tensor, axes: Sequence[int], half: int) -> torch.Tensor:
+    """(*T, half): the position that drives each rotary pair. positions (*T) drives every pair
+    (axes empty); with axes (pairs per axis), row a of positions (len(axes), *T) drives axis a's pairs."""
+    if not axes:
+        return positions.unsqueeze(-1).expand(*positions.shape, half)
+    rows = torch.repeat_interleave(torch.arange(len(axes)), torch.tensor(axes)).to(positions.device)
+    return positions[rows].movedim(0, -1)
+
+
+def angles_from_freqs(positions, inv_freq, axes: Sequence[int] = (), dtype=torch.float32):
+    """cos, sin (*T, half) of the angles positions x inv_freq (axial: `pair_positions`), computed
+    in float64 and rounded once to dtype."""
+    angle = pair_positions(positions, axes, inv_freq.shape[0]).double() * inv_freq.double()
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
 def apply_rope(
     q: torch.Tensor,
     k: Optional[torch.Tensor],

@@ -241,21 +241,109 @@ def rope_args(
             fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
 
     if inplace:
-        for name, x in (("q", q), ("k", k)):
-            if x is not None and has_internal_overlap(x):
-                fail(
-                    op,
-                    name,
-                    "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
-                    f"strides {tuple(x.stride())}",
-                )
-        # data pointers cannot be traced, nor read from tensor subclasses (DTensor): the in-place
-        # custom op checks its (local) tensors at run time
-        if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
-            inplace_aliasing(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
-        if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
-            fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
+        inplace_args(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
     return rotary_dim, mrope
+
+
+def inplace_args(op, q, k, read) -> None:
+    """inplace=True: q and k without self-overlap, disjoint from each other and from the read-only
+    tensors `read` ((name, tensor) pairs), and not requiring grad."""
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and has_internal_overlap(x):
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
+                f"strides {tuple(x.stride())}",
+            )
+    # data pointers cannot be traced, nor read from tensor subclasses (DTensor): the in-place
+    # custom op checks its (local) tensors at run time
+    if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
+        inplace_aliasing(op, q, k, read)
+    if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+        fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
+
+
+# angles computed from positions x inverse frequencies: positions may be integers or floats
+POSITION_DTYPES = INDEX_DTYPES + (torch.float32, torch.float64)
+MAX_AXES = 4
+
+
+def _rotary_dim_of_freqs(op, rotary_dim, half) -> int:
+    rot = 2 * half
+    if rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+            raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+        if rotary_dim != rot:
+            fail(op, "rotary_dim", f"2 * len(inv_freq) = {rot} (or None)", rotary_dim)
+    return rot
+
+
+def axes_arg(op, axes, half) -> tuple:
+    """() without axes, else the pairs of each axis: 1 to MAX_AXES non-negative ints summing to half."""
+    if axes is None:
+        return ()
+    if (
+        not isinstance(axes, (list, tuple))
+        or not 1 <= len(axes) <= MAX_AXES
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in axes)
+    ):
+        fail(op, "axes", f"1 to {MAX_AXES} non-negative ints (rotary pairs of each axis)", repr(axes))
+    if sum(axes) != half:
+        fail(op, "axes", f"pairs summing to len(inv_freq) = {half}", f"{tuple(axes)} (sum {sum(axes)})")
+    return tuple(axes)
+
+
+def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace) -> tuple:
+    """Checks of apply_rope with angles computed from positions x inv_freq. Returns
+    (rotary_dim, axes) with axes () when not given."""
+    token_shape = qk_args(op, q, k)
+    tensor(
+        op,
+        "inv_freq",
+        inv_freq,
+        ndims=(1,),
+        dtypes=(torch.float32,),
+        device=q.device,
+        shape_hint="(rotary_dim // 2,)",
+        last_stride_one=False,
+    )
+    half = inv_freq.shape[0]
+    if half < 1:
+        fail(op, "inv_freq", "at least one frequency", f"shape {tuple(inv_freq.shape)}")
+    rot = _rotary_dim_of_freqs(op, rotary_dim, half)
+    head_sizes(op, q, k, rot)
+    axes = axes_arg(op, axes, half)
+    want = ((len(axes),) if axes else ()) + token_shape
+    what = "(len(axes), *T)" if axes else "*T, the token dims of q"
+    if positions is None:
+        fail(op, "positions", f"a tensor of shape {want} ({what}) with inv_freq", None)
+    tensor(
+        op,
+        "positions",
+        positions,
+        ndims=(len(want),),
+        dtypes=POSITION_DTYPES,
+        device=q.device,
+        shape_hint=str(want),
+        last_stride_one=False,
+    )
+    if tuple(positions.shape) != want:
+        fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
+    if inplace:
+        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)))
+        if inv_freq.requires_grad and torch.is_grad_enabled():
+            fail(op, "inplace", "False when inv_freq requires grad (its gradient needs the outputs)", True)
+    return rot, axes
+
+
+def positions_finite(op: str, positions: torch.Tensor) -> None:
+    """Strict mode, float positions: name the first that is not finite (one device sync)."""
+    if positions.is_floating_point():
+        bad = ~torch.isfinite(positions)
+        if bool(bad.any()):
+            index = first_index(bad)
+            fail(op, "positions", "finite values", f"positions{list(index)} = {float(positions[index])}")
 
 
 def no_grad_table(op, table):
@@ -341,12 +429,17 @@ def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
         fail(op, "cu_seqlens", f"cu_seqlens[-1] == {n_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}")
 
 
+def first_index(bad: torch.Tensor) -> tuple:
+    """The index of the first True element of a bool tensor (row-major order)."""
+    flat = int(bad.flatten().nonzero()[0, 0])
+    return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), tuple(bad.shape)))
+
+
 def positions_in_range(op: str, positions: torch.Tensor, max_position: int) -> None:
     """Strict mode: name the first out-of-range position (one device sync)."""
     bad = (positions < 0) | (positions >= max_position)
     if bool(bad.any()):
-        flat = int(bad.flatten().nonzero()[0, 0])
-        index = tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), tuple(positions.shape)))
+        index = first_index(bad)
         value = int(positions[index])
         fail(
             op,

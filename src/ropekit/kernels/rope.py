@@ -5,7 +5,9 @@ Every variant is the same program with different compile-time flags:
     rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1)
     partial rotary    HALF < head size / 2, tail copied when COPY_TAIL
     angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
-                      otherwise per-token cos/sin rows addressed by their own strides
+                      FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
+                      float positions, no table); otherwise per-token cos/sin rows addressed by
+                      their own strides
     M-RoPE            MROPE: 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
     inverse           INVERSE: rotate by -angle (the backward pass)
     q/k RMSNorm       NORM_Q / NORM_K: 0 none, 1 per head, 2 across the token's heads, applied
@@ -73,6 +75,36 @@ def _angle_row(cos_ptr, sin_ptr, row, col, m, other):
 
 
 @triton.jit
+def _axis_of(i, SEC_T, SEC_H, SEC_W):
+    """Axial RoPE: the axis (0 to 3) whose position drives frequency i; the first three axes hold
+    SEC_T, SEC_H, SEC_W frequencies, the fourth the rest (sections of an absent axis are 0)."""
+    return (i >= SEC_T).to(tl.int64) + (i >= SEC_T + SEC_H).to(tl.int64) + (i >= SEC_T + SEC_H + SEC_W).to(tl.int64)
+
+
+@triton.jit
+def _cos_sin(p, f):
+    """cos and sin of the angle p * f (float32 vectors), corrected for the product's rounding: with
+    a = fl(p * f), e = fma(p, f, -a) is exact (p * f == a + e), and cos(a + e) = cos(a) - e sin(a)
+    to first order (|e| <= ulp(a) / 2), so the error does not grow with |p * f| beyond cos / sin's own."""
+    a = p * f
+    e = tl.fma(p, f, -a)
+    ca = tl.cos(a)
+    sa = tl.sin(a)
+    return ca - e * sa, sa + e * ca
+
+
+@triton.jit
+def _freq_angles(freq_ptr, pos_tok, stride_pos_row, col, fmask, SEC_T, SEC_H, SEC_W, HALF_PAD: tl.constexpr):
+    """cos and sin of one token computed from positions (int or float, any of up to four axis rows
+    at pos_tok) and float32 inverse frequencies (at freq_ptr, element stride in col)."""
+    i = tl.arange(0, HALF_PAD)
+    axis = _axis_of(i, SEC_T, SEC_H, SEC_W)
+    p = tl.load(pos_tok + axis * stride_pos_row, mask=fmask, other=0).to(tl.float32)
+    f = tl.load(freq_ptr + col, mask=fmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    return _cos_sin(p, f)
+
+
+@triton.jit
 def _load_angles(
     cos_ptr,
     sin_ptr,
@@ -100,8 +132,12 @@ def _load_angles(
     PACKED: tl.constexpr,
     SEARCH_STRIDE: tl.constexpr,
     SEARCH_COARSE: tl.constexpr,
+    FREQS: tl.constexpr,
 ):
     """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
+
+    FREQS: computed from positions (stride_pos_row apart per axis) and the inverse frequencies at
+    cos_ptr, SEC_T / SEC_H / SEC_W the axis sections (_freq_angles).
 
     M-RoPE reads, from each of the three positions' rows, only the frequencies of that row's
     section (masked vector loads: a third of the table traffic of whole rows) and merges them with
@@ -116,7 +152,10 @@ def _load_angles(
         m0, m1, m2 = fmask & (sec == 0), fmask & (sec == 1), fmask & (sec == 2)
     else:
         m0, m1, m2 = fmask, fmask, fmask
-    if HAS_POS:
+    if FREQS:
+        pos_tok = pos_ptr + b * stride_pos_batch + s * stride_pos_token  # b, s are int64
+        c, sn = _freq_angles(cos_ptr, pos_tok, stride_pos_row, col, fmask, SEC_T, SEC_H, SEC_W, HALF_PAD)
+    elif HAS_POS:
         pos_tok = pos_ptr + b * stride_pos_batch + s * stride_pos_token  # b, s are int64
         # positions as vectors (all lanes one value): scalar-and-vector masks trip the interpreter.
         # A bad position must never address memory: its loads are masked off and yield NaN.
@@ -488,8 +527,8 @@ def rope_kernel(
     k_ptr,  # k, (*T, Hk, Dk): read (q_ptr again when there is no k: never read then)
     qo_ptr,  # q's output (q_ptr in place)
     ko_ptr,  # k's output (k_ptr in place)
-    pos_ptr,  # positions (*T) or (3, *T); cu_seqlens when PACKED; unused without HAS_POS
-    cos_ptr,  # cos rows: a [cos | sin] table, or per-token cos
+    pos_ptr,  # positions (*T) or (3, *T); (axes, *T) int or float when FREQS; cu_seqlens when PACKED
+    cos_ptr,  # cos rows: a [cos | sin] table, or per-token cos; the inverse frequencies when FREQS
     sin_ptr,  # sin rows: the table again (sin at sin_off), or per-token sin
     n_tokens,  # tokens in *T (the grid's first axis)
     S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
@@ -513,16 +552,16 @@ def rope_kernel(
     stride_ko_batch,  # k output's strides
     stride_ko_token,
     stride_ko_head,
-    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w)
+    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w) or FREQS axes
     stride_pos_batch,  # positions' stride of b
     stride_pos_token,  # positions' stride of s
     stride_angle_row,  # per-token angles' stride between M-RoPE rows
     stride_angle_batch,  # per-token angles' stride of b
     stride_angle_token,  # table row stride, or per-token angles' stride of s
     stride_angle_col,  # stride between frequencies (2 for Llama 4's complex view)
-    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row
-    SEC_H,  # ... by the height row
-    SEC_W,  # ... by the width row
+    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row (FREQS: by axis 0)
+    SEC_H,  # ... by the height row (FREQS: axis 1)
+    SEC_W,  # ... by the width row (FREQS: axis 2; axis 3 takes the rest)
     n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
     cp_size,  # PACKED: context-parallel size (1: none)
     cp_rank,  # PACKED: this rank
@@ -547,6 +586,7 @@ def rope_kernel(
     PACKED: tl.constexpr,  # positions derived from cu_seqlens (packed sequences, context parallelism)
     SEARCH_STRIDE: tl.constexpr,  # PACKED: cu_seqlens entries per block of the two-level search
     SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
+    FREQS: tl.constexpr,  # angles computed from positions (any axis rows) x inverse frequencies at cos_ptr
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
@@ -627,6 +667,7 @@ def rope_kernel(
         PACKED,
         SEARCH_STRIDE,
         SEARCH_COARSE,
+        FREQS,
     )
     # one loop body for both layouts: with HEAD_LOOP it walks every head block, next block's loads
     # in flight; otherwise it runs once for this program's block (a one-trip loop the compiler drops)
@@ -857,6 +898,7 @@ def rope_norm_backward_kernel(
                 False,
                 1,
                 1,
+                False,
             )
             cb = c[None, :]
             sb = sn[None, :]

@@ -97,6 +97,7 @@ def _store_angles(
         False,
         1,
         1,
+        False,
     )
 
 
