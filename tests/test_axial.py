@@ -395,3 +395,69 @@ def test_freqs_bad_arguments(over, error, message):
     with pytest.raises(error, match=f"apply_rope: {message}"):
         ropekit.apply_rope(args.pop("q"), args.pop("k"), args.pop("positions"), args.pop("cos_sin_cache"), **args)
     assert torch.equal(q, q0)  # nothing written
+
+
+# ---------------------------------------------------------------------------------------------
+# QK-RMSNorm + axial RoPE (per head: Flux, HunyuanVideo, Qwen-Image; across heads: Wan)
+
+
+def _norm_oracle(x, w, pos, f, axes, interleaved, eps=1e-6):
+    y = x.double() if w is None else reference.rms_norm(x.double(), w.double(), eps=eps)
+    c, s = reference.angles_from_freqs(pos, f, axes or (), torch.float64)
+    return reference.rotate(y, c, s, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("norm", ["per_head", "across_heads", "q_only"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
+def test_freqs_with_qk_norm_forward_backward(norm, interleaved, poison):
+    g = torch.Generator().manual_seed(20)
+    axes, Hq, Hk, D = (2, 3, 3), 5, 3, 20  # head counts not powers of two; partial rotary (16 of 20)
+    f = _freqs_for(axes, 8)
+    pos = _positions(axes, (2, 3), g, floats=False)
+    q64 = torch.randn(2, 3, Hq, D, dtype=torch.float64, generator=g)
+    k64 = torch.randn(2, 3, Hk, D, dtype=torch.float64, generator=g)
+    across = norm == "across_heads"
+    wq64 = torch.randn(Hq * D if across else D, dtype=torch.float64, generator=g)
+    wk64 = None if norm == "q_only" else torch.randn(Hk * D if across else D, dtype=torch.float64, generator=g)
+    leaves = [q64.float().requires_grad_(), k64.float().requires_grad_(), wq64.float().requires_grad_()]
+    if wk64 is not None:
+        leaves.append(wk64.float().requires_grad_())
+    q, k, wq = leaves[:3]
+    wk = leaves[3] if wk64 is not None else None
+    qo, ko = ropekit.apply_rope(
+        q, k, pos, None, inv_freq=f, axes=axes, interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk
+    )
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    grads = torch.autograd.grad((qo, ko), leaves, (gq, gk))
+    r = [x.detach().double().requires_grad_() for x in leaves]
+    rq = _norm_oracle(r[0], r[2], pos, f, axes, interleaved)
+    rk = _norm_oracle(r[1], r[3] if wk is not None else None, pos, f, axes, interleaved)
+    want = torch.autograd.grad((rq, rk), r, (gq.double(), gk.double()))
+    _close(qo, rq.detach())
+    _close(ko, rk.detach())
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref, rtol=5e-5, atol=5e-5 * ref.abs().max().item())
+
+
+def test_freqs_with_qk_norm_inplace_bf16(poison):
+    g = torch.Generator().manual_seed(21)
+    axes = (4, 2, 2)
+    f = _freqs_for(axes, 8)
+    pos = _positions(axes, (6,), g, floats=False)
+    q = torch.randn(6, 3, 16, generator=g).bfloat16()
+    w = torch.randn(16, generator=g)
+    want = _norm_oracle(q, w, pos, f, axes, True)
+    out, _ = ropekit.apply_rope(
+        q, None, pos, None, inv_freq=f, axes=axes, interleaved=True, q_norm_weight=w, inplace=True
+    )
+    assert out is q
+    _close(q, want, torch.bfloat16)
+
+
+def test_freqs_with_qk_norm_refuses_learnable_freqs():
+    f = _freqs_for(None, 4).requires_grad_()
+    q = torch.randn(3, 1, 8)
+    with pytest.raises(
+        ValueError, match="apply_rope: inv_freq: expected a tensor that does not require grad with q_norm"
+    ):
+        ropekit.apply_rope(q, None, torch.arange(3), None, inv_freq=f, q_norm_weight=torch.ones(8))
