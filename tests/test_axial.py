@@ -461,3 +461,15 @@ def test_freqs_with_qk_norm_refuses_learnable_freqs():
         ValueError, match="apply_rope: inv_freq: expected a tensor that does not require grad with q_norm"
     ):
         ropekit.apply_rope(q, None, torch.arange(3), None, inv_freq=f, q_norm_weight=torch.ones(8))
+
+
+def test_rotate_with_angles_norm_weights(poison):
+    """rotate_with_angles takes the norm weights too (the seam ropekit.diffusers uses)."""
+    g = torch.Generator().manual_seed(22)
+    fc = _polar((5, 8), g)
+    q = torch.randn(5, 3, 16, generator=g)
+    w = torch.randn(16, generator=g)
+    out, _ = ropekit.rotate_with_angles(q, None, freqs_cis=fc, q_norm_weight=w)
+    _close(out, _complex_rotate64(reference.rms_norm(q.double(), w.double()), fc))
+    with pytest.raises(ValueError, match="rotate_with_angles: out_interleaved: expected None with q_norm_weight"):
+        ropekit.rotate_with_angles(q, None, freqs_cis=fc, q_norm_weight=w, out_interleaved=False)

@@ -688,6 +688,10 @@ def rotate_with_angles(
     out_interleaved: Optional[bool] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
 ):
     """Rotate q and k by per-token angles (the form Hugging Face models pass). Out of place.
 
@@ -703,11 +707,33 @@ def rotate_with_angles(
     diffusers' complex path pass it: x viewed as complex pairs times freqs_cis. Its real and
     imaginary parts are read in place (strided views, no copy). interleaved defaults to True with
     freqs_cis (pairs (2i, 2i+1) are the complex numbers), to False with cos / sin.
+
+    q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of q / k before the
+    rotation, fused, as apply_rope takes them (per head (D,) or across heads (H * D,); gradients to
+    the weights); not with out_interleaved or mrope_section.
     """
+    op = "rotate_with_angles"
     if freqs_cis is not None or (cos is None and sin is None):
-        cos, sin = _cis_parts("rotate_with_angles", freqs_cis, cos, sin)
+        cos, sin = _cis_parts(op, freqs_cis, cos, sin)
         if interleaved is None:
             interleaved = True
+    if q_norm_weight is not None or k_norm_weight is not None:
+        from .qknorm import rotate_angles_with_norm
+
+        for name, value in (("out_interleaved", out_interleaved), ("mrope_section", mrope_section)):
+            if value is not None:
+                fail(op, name, "None with q_norm_weight / k_norm_weight", value)
+        return rotate_angles_with_norm(
+            q,
+            k,
+            cos,
+            sin,
+            interleaved=bool(interleaved),
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            norm_eps=norm_eps,
+            norm_weight_offset=norm_weight_offset,
+        )
     return rotate_angles(
         q,
         k,

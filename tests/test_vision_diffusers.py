@@ -1,0 +1,279 @@
+"""ropekit.diffusers: the QK-norm + rotary embedding of diffusers' Flux, Wan, HunyuanVideo and
+Qwen-Image attention processors through ropekit, against the unpatched model.
+
+Tiny random-weight configs built here (no downloads); outputs and parameter gradients of one
+forward + backward, fp32 within 1e-5 relative, bf16 within the unpatched model's own bf16 error
+against fp32. Skipped when diffusers is not installed (CI installs the `diffusers` extra).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+import ropekit.diffusers as rd  # noqa: E402
+
+
+def _flux():
+    from diffusers import FluxTransformer2DModel
+
+    m = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=8,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    )
+    S_img, S_txt = 6, 3
+    img_ids = torch.stack([torch.zeros(S_img), torch.arange(S_img) // 3, torch.arange(S_img) % 3], -1).float()
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(1, S_img, 4, generator=g),
+            encoder_hidden_states=torch.randn(1, S_txt, 32, generator=g),
+            pooled_projections=torch.randn(1, 8, generator=g),
+            timestep=torch.rand(1, generator=g),
+            img_ids=img_ids,
+            txt_ids=torch.zeros(S_txt, 3),
+        )
+
+    return m, inputs
+
+
+def _wan():
+    from diffusers import WanTransformer3DModel
+
+    m = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=3,  # not a power of two: the across-heads norm takes any head count
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=16,
+        num_layers=1,
+        rope_max_seq_len=32,
+    )
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(1, 4, 2, 4, 4, generator=g),
+            timestep=torch.rand(1, generator=g) * 1000,
+            encoder_hidden_states=torch.randn(1, 5, 16, generator=g),
+        )
+
+    return m, inputs
+
+
+def _hunyuan_video():
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    m = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=False,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(4, 6, 6),
+    )
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(1, 4, 2, 2, 2, generator=g),
+            timestep=torch.rand(1, generator=g) * 1000,
+            encoder_hidden_states=torch.randn(1, 3, 16, generator=g),
+            encoder_attention_mask=torch.ones(1, 3),
+            pooled_projections=torch.randn(1, 8, generator=g),
+        )
+
+    return m, inputs
+
+
+def _qwen_image():
+    from diffusers import QwenImageTransformer2DModel
+
+    m = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=8,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(1, 6, 8, generator=g),
+            encoder_hidden_states=torch.randn(1, 3, 16, generator=g),
+            encoder_hidden_states_mask=torch.ones(1, 3),
+            timestep=torch.rand(1, generator=g),
+            img_shapes=[(1, 2, 3)],
+        )
+
+    return m, inputs
+
+
+BUILDERS = {"flux": _flux, "wan": _wan, "hunyuan_video": _hunyuan_video, "qwen_image": _qwen_image}
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    rd.unpatch()
+    yield
+    rd.unpatch()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts ropekit's rotations inside the patched norms (a patch that silently did nothing
+    would otherwise pass the parity checks)."""
+    seen = []
+    real = rd.rotate_with_angles
+
+    def counting(*args, **kwargs):
+        seen.append(kwargs.get("q_norm_weight") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rd, "rotate_with_angles", counting)
+    return seen
+
+
+def _run(model, kwargs, dtype):
+    """One forward + backward: the output and every parameter's gradient (float64 copies)."""
+    model.zero_grad(set_to_none=True)
+    floats = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+    out = model(**floats, return_dict=False)[0]
+    out.float().square().mean().backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().double(), grads
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _grads_close(grads, want, rtol, base=None):
+    """Every parameter's gradient within rtol relative (or, with base, within the unpatched
+    model's own error times 1.5 plus rtol); gradients that are zero in exact arithmetic (a key
+    bias under softmax) are rounding noise: measured against the largest gradient instead."""
+    assert grads.keys() == want.keys()
+    scale = max(g.norm().item() for g in want.values())
+    for name in grads:
+        err = (grads[name] - want[name]).norm().item()
+        bound = rtol * want[name].norm().item() + 1e-7 * scale
+        if base is not None:
+            bound += 1.5 * (base[name] - want[name]).norm().item()
+        assert err <= bound, f"{name}: {err} > {bound}"
+
+
+def _model(family, dtype=torch.float32):
+    torch.manual_seed(0)
+    model, inputs = BUILDERS[family]()
+    return model.to(dtype), inputs(torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_patch_fp32_parity(family, calls):
+    model, kwargs = _model(family)
+    want_out, want_grads = _run(model, kwargs, torch.float32)
+    counts = rd.patch(model)
+    assert counts[family] > 0
+    out, grads = _run(model, kwargs, torch.float32)
+    assert calls and all(calls), "ropekit's fused norm + rotation did not run"
+    assert _rel(out, want_out) < 1e-5
+    _grads_close(grads, want_grads, 1e-5)
+    rd.unpatch()
+    n = len(calls)
+    again, _ = _run(model, kwargs, torch.float32)
+    assert len(calls) == n and torch.equal(again, want_out)  # unpatched: diffusers' own code again
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_patch_bf16_within_unpatched_error(family, calls):
+    model, kwargs = _model(family)
+    ref_out, ref_grads = _run(model, kwargs, torch.float32)
+    model = model.to(torch.bfloat16)
+    base_out, base_grads = _run(model, kwargs, torch.bfloat16)
+    rd.patch(model)
+    out, grads = _run(model, kwargs, torch.bfloat16)
+    assert calls
+    # ropekit rounds once where diffusers rounds after the norm and again after the rotation:
+    # its error against fp32 stays within the unpatched bf16 model's own (with a margin for noise)
+    assert _rel(out, ref_out) <= 1.5 * _rel(base_out, ref_out) + 1e-3
+    _grads_close(grads, ref_grads, 1e-3, base=base_grads)
+
+
+def test_patch_none_prepares_on_first_call(calls):
+    model, kwargs = _model("wan")
+    want, _ = _run(model, kwargs, torch.float32)
+    counts = rd.patch()
+    assert counts["wan"] == 0  # nothing prepared yet
+    out, _ = _run(model, kwargs, torch.float32)
+    assert calls and _rel(out, want) < 1e-5
+
+
+def test_patch_keeps_state_dict_and_signature():
+    import inspect
+
+    model, _ = _model("flux")
+    keys = list(model.state_dict())
+    attn = model.transformer_blocks[0].attn
+    before = inspect.signature(attn.processor.__call__)
+    rd.patch(model)
+    assert list(model.state_dict()) == keys
+    assert inspect.signature(attn.processor.__call__) == before  # diffusers filters kwargs by it
+
+
+def test_patch_refuses_a_non_module():
+    with pytest.raises(TypeError, match="ropekit.diffusers: model: expected a torch.nn.Module or None, got str"):
+        rd.patch("flux")
+
+
+def test_rows_rule_mismatch_is_named():
+    cos = torch.ones(4, 2)
+    with pytest.raises(
+        ValueError, match=r"ropekit.diffusers: rotary embedding: expected rows for 6 tokens \(tail rule\), got 4 rows"
+    ):
+        rd._rows((cos, cos), 6, "tail")
+
+
+def test_patched_block_compiles_fullgraph(calls):
+    """One Flux double-stream block, patched, under torch.compile(fullgraph=True): same output and
+    gradients as eager."""
+    model, kwargs = _model("flux")
+    rd.patch(model)
+    block = model.transformer_blocks[0]
+    g = torch.Generator().manual_seed(3)
+    hs = torch.randn(1, 6, 32, generator=g, requires_grad=True)
+    ehs = torch.randn(1, 3, 32, generator=g)
+    temb = torch.randn(1, 32, generator=g)
+    emb = model.pos_embed(torch.cat((kwargs["txt_ids"], kwargs["img_ids"])))
+
+    def step(hs):
+        e, h = block(hidden_states=hs, encoder_hidden_states=ehs, temb=temb, image_rotary_emb=emb)
+        return h.square().sum() + e.sum()
+
+    eager = step(hs)
+    (d_eager,) = torch.autograd.grad(eager, hs)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(hs)
+    (d_compiled,) = torch.autograd.grad(compiled, hs)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_compiled, d_eager, rtol=1e-5, atol=1e-5)
+    assert calls
