@@ -473,3 +473,32 @@ def test_rotate_with_angles_norm_weights(poison):
     _close(out, _complex_rotate64(reference.rms_norm(q.double(), w.double()), fc))
     with pytest.raises(ValueError, match="rotate_with_angles: out_interleaved: expected None with q_norm_weight"):
         ropekit.rotate_with_angles(q, None, freqs_cis=fc, q_norm_weight=w, out_interleaved=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_freqs_angle_error_does_not_grow_with_position(device):
+    """Angles computed in the kernel: error against float64 stays at float32 cos / sin rounding for
+    positions up to 2^24 (exact in float32), where a float32 product p * f alone is off by up to
+    |p * f| * 2^-24 radians (docs/vision.md has the table)."""
+    f = ropekit.inv_freq(64, 10000.0)[0].to(device)
+    half = f.shape[0]
+    pos = torch.tensor([7, 1000, 99_991, 1_000_003, 4_000_037, 16_777_215], device=device)
+    q = torch.zeros(pos.shape[0], 1, 2 * half, device=device)
+    q[..., :half] = 1.0  # unit pairs (1, 0): the output is (cos, sin)
+    out, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f)
+    angle = pos.double()[:, None] * f.double()[None]
+    want = torch.cat((angle.cos(), angle.sin()), -1)
+    assert (out[:, 0].double() - want).abs().max().item() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_freqs_gpu_matches_float64(interleaved):
+    """The compiled kernel (sin / cos as the GPU computes them), W14-like shape in miniature."""
+    g = torch.Generator().manual_seed(30)
+    axes = (22, 21, 21)
+    f = ropekit.axial_inv_freq((44, 42, 42)).cuda()
+    pos = _positions(axes, (2, 300), g, floats=False).cuda()
+    q = torch.randn(2, 300, 40, 128, generator=g).cuda().bfloat16()
+    qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=interleaved)
+    _close(qo.cpu(), _oracle(q.cpu(), pos.cpu(), f.cpu(), axes, interleaved), torch.bfloat16)

@@ -83,14 +83,18 @@ def _axis_of(i, SEC_T, SEC_H, SEC_W):
 
 @triton.jit
 def _cos_sin(p, f):
-    """cos and sin of the angle p * f (float32 vectors), corrected for the product's rounding: with
-    a = fl(p * f), e = fma(p, f, -a) is exact (p * f == a + e), and cos(a + e) = cos(a) - e sin(a)
-    to first order (|e| <= ulp(a) / 2), so the error does not grow with |p * f| beyond cos / sin's own."""
+    """cos and sin of the angle p * f (float32 vectors) without the product's rounding error: with
+    a = fl(p * f), e = fma(p, f, -a) is exact (p * f == a + e), and cos / sin of a + e follow from
+    those of a and of the small e by the angle-sum formulas. The result is then as accurate as
+    float32 cos / sin themselves at any |p * f| (a float32 product alone is off by up to
+    |p * f| * 2^-24 radians: 0.03 at a million)."""
     a = p * f
     e = tl.fma(p, f, -a)
     ca = tl.cos(a)
     sa = tl.sin(a)
-    return ca - e * sa, sa + e * ca
+    ce = tl.cos(e)
+    se = tl.sin(e)
+    return ca * ce - sa * se, sa * ce + ca * se
 
 
 @triton.jit
