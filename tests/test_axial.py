@@ -502,3 +502,16 @@ def test_freqs_gpu_matches_float64(interleaved):
     q = torch.randn(2, 300, 40, 128, generator=g).cuda().bfloat16()
     qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=interleaved)
     _close(qo.cpu(), _oracle(q.cpu(), pos.cpu(), f.cpu(), axes, interleaved), torch.bfloat16)
+
+
+def test_freqs_inverse_undoes_the_rotation(poison):
+    g = torch.Generator().manual_seed(31)
+    axes = (2, 3, 3)
+    f = _freqs_for(axes, 8)
+    pos = _positions(axes, (5,), g, floats=True)
+    q = torch.randn(5, 2, 16, generator=g)
+    qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True)
+    back, _ = ropekit.apply_rope(qo, None, pos, None, inv_freq=f, axes=axes, interleaved=True, inverse=True)
+    torch.testing.assert_close(back, q, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="apply_rope: out_dtype: expected None with inv_freq"):
+        ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, out_dtype=torch.bfloat16)
