@@ -294,3 +294,30 @@ def test_report_one_set_row_and_floor():
     assert "W3-1 graph floor: empty Triton kernel, 100 launches in one CUDA graph: 0.50 us" in text
     md = report.markdown(res)
     assert "3600 GB/s, 1.00 us (90.0% of copy)" in md and "97.5%" in md
+
+
+def test_axial_workloads_bytes_and_quick_cpu_run(cpu_env):
+    """W13-W15: minimal bytes, and a quick CPU run of ropekit (angles from positions x frequencies,
+    the norm fused) and of diffusers' code (torch eager) against float64."""
+    from ropekit.bench import peers
+
+    w14 = workloads.BY_ID["W14"]
+    full = w14.sizes(False)
+    q = torch.empty(1, 21 * 45 * 80, full["H"], full["D"], dtype=torch.bfloat16, device="meta")
+    assert workloads.min_bytes(w14, {"q": q, "k": q}) == 2 * 2 * q.numel() * 2
+    assert workloads.min_bytes(workloads.BY_ID["W14-FB"], {"q": q, "k": q}) == 5 * 2 * q.numel() * 2
+    assert [w.id for w in workloads.select("W13")] == ["W13", "W13-FB"]
+    for wid in ("W13", "W13-FB", "W14", "W14-FB", "W15"):
+        w = workloads.BY_ID[wid]
+        s = w.sizes(True)
+        table = workloads.make_table(w, s, "cpu")
+        base = workloads.make_inputs(w, s, table, "cpu", 0)
+        exp = workloads.expected(w, base, workloads.Oracle())
+        for p in (peers.Ropekit(), peers.TorchEager()):
+            inp2 = workloads.clone_inputs(base)
+            bound = p.make(w, inp2)
+            got = workloads.canon(w, inp2, bound.canon(bound.fn()))
+            errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
+            assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), (wid, p.name, errs)
+        with pytest.raises(peers.PeerSkip):
+            peers.Liger().make(w, base)

@@ -1046,3 +1046,87 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
             (qn_mod.weight, kn_mod.weight),
         )
     raise PeerSkip("n/a", "no fused q/k RMSNorm + RoPE workload for this peer")
+
+
+# ------------------------------------------------------------------------------------------
+# W13-W15 (axial RoPE of image / video transformers): ropekit computes the angles in the kernel from
+# positions x frequencies (the norm fused); torch eager runs diffusers' code on the cos / sin its
+# position embedding computed (torch's RMSNorm, then apply_rotary_emb), torch.compile compiles
+# that; every other peer has no such op (n/a).
+
+
+def diffusers_prologue(q, k, cos, sin, wq, wk, eps: float):
+    """diffusers' attention prologue: RMSNorm of q and k (per head, or across heads on the
+    (B, S, H * D) view as Wan does), then apply_rotary_emb on each."""
+    outs = []
+    for x, w in ((q, wq), (k, wk)):
+        if w is not None:
+            shape = x.shape if w.shape[0] == x.shape[-1] else (*x.shape[:-2], w.shape[0])
+            x = torch.nn.functional.rms_norm(x.reshape(shape), (w.shape[0],), w, eps).view(x.shape)
+        outs.append(W.diffusers_rotate(x, cos, sin))
+    return tuple(outs)
+
+
+def _axial_grad_fn(forward, leaves, gq, gk):
+    def fn():
+        qo, ko = forward(*leaves)
+        return (qo, ko, *torch.autograd.grad((qo, ko), leaves, (gq, gk)))
+
+    return fn
+
+
+def _axial_bound(wl, inp, forward):
+    """Bound of an axial workload: forward(q, k, wq, wk) -> (q_out, k_out); fb: through autograd."""
+    q, k, wq, wk = inp["q"], inp["k"], inp.get("wq"), inp.get("wk")
+    ident = lambda o: tuple(o)  # noqa: E731
+    if wl.kind == "axial":
+        return Bound(lambda: forward(q, k, wq, wk), ident)
+    leaves = [x.requires_grad_() for x in (q, k, wq, wk) if x is not None]
+    fwd = (
+        (lambda q_, k_, wq_, wk_: forward(q_, k_, wq_, wk_))
+        if wq is not None
+        else (lambda q_, k_: forward(q_, k_, None, None))
+    )
+    return Bound(_axial_grad_fn(fwd, leaves, inp["gq"], inp["gk"]), ident)
+
+
+def _ropekit_axial(self, wl, inp):
+    op = self._op("apply_rope")
+    pos, freqs, axes = inp["positions"], inp["cache"], tuple(d // 2 for d in wl.axes_dim)
+
+    def forward(q, k, wq, wk):
+        return op(q, k, pos, None, inv_freq=freqs, axes=axes, interleaved=True, q_norm_weight=wq, k_norm_weight=wk)
+
+    return _axial_bound(wl, inp, forward)
+
+
+def _torch_axial(self, wl, inp):
+    fn = self.wrap(wl, "axial", diffusers_prologue)
+    self._notes[wl.id] = "diffusers' code: torch RMSNorm, then apply_rotary_emb (use_real, pairs)"
+    cos, sin = inp["cos"], inp["sin"]
+    return _axial_bound(wl, inp, lambda q, k, wq, wk: fn(q, k, cos, sin, wq, wk, W.NORM_EPS))
+
+
+def _with_axial(cls, handler, note=None):
+    """cls.make, with axial workloads sent to handler (None: the peer has no such op)."""
+    make, note_of = cls.make, cls.note
+
+    def make_(self, wl, inp):
+        if wl.kind not in W.AXIAL_KINDS:
+            return make(self, wl, inp)
+        if handler is None:
+            raise PeerSkip("n/a", "no axial RoPE from positions x frequencies")
+        return handler(self, wl, inp)
+
+    def note_(self, wl):
+        if wl.kind in W.AXIAL_KINDS and note is not None:
+            return note(self)
+        return note_of(self, wl)
+
+    cls.make, cls.note = make_, note_
+
+
+_with_axial(Ropekit, _ropekit_axial, lambda self: f"{self.module}.apply_rope(inv_freq=, axes=, norm weights)")
+_with_axial(TorchEager, _torch_axial)  # TorchCompile too: its wrap() compiles
+for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn, RopekitCuSeqlens, TorchCompileGather):
+    _with_axial(_cls, None)

@@ -48,6 +48,9 @@ class Workload:
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
     one_set_calls: int = 0
+    # axial workloads (W13-W15): rotary dims per axis, and the QK norm ("" none, "head", "heads")
+    axes_dim: Tuple[int, ...] = ()
+    norm: str = ""
 
     @property
     def group(self) -> str:
@@ -303,6 +306,8 @@ def rotary_dim(wl: Workload, s: Dict[str, int]) -> int:
 
 
 def make_table(wl: Workload, s: Dict[str, int], device) -> torch.Tensor:
+    if wl.kind in AXIAL_KINDS:  # no table: the frequencies take its place in the inputs
+        return axial_freqs(wl, device)
     return cos_sin_table(rotary_dim(wl, s), s["P"], wl.base, device)
 
 
@@ -310,6 +315,8 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, se
     """One input set: contiguous base tensors (the table is shared between sets)."""
     if wl.kind == "rerotate":
         return rerotate_inputs(wl, s, table, device, seed)
+    if wl.kind in AXIAL_KINDS:
+        return axial_inputs(wl, s, table, device, seed)
     inp = _make_inputs(wl, s, table, device, seed)
     if wl.kind in NORM_KINDS:
         g = torch.Generator(device=device)
@@ -438,13 +445,13 @@ def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
 
     if wl.kind == "rerotate":
         return rerotate_min_bytes(wl, inp)
-    if wl.kind in NORM_KINDS:
+    if wl.kind in NORM_KINDS or wl.kind in AXIAL_KINDS:
         # q and k read and written once (weights negligible); the store writes k and v rows in the
         # cache's dtype; the backward reads x and g and writes gx, for q and for k
         qk = nb(inp["q"]) + nb(inp["k"])
-        if wl.kind == "normrope":
+        if wl.kind in ("normrope", "axial"):
             return 2 * qk
-        if wl.kind == "normfwdbwd":
+        if wl.kind in ("normfwdbwd", "axialfb"):
             return 2 * qk + 3 * qk
         rows = (inp["k"].numel() + inp["v"].numel()) * inp["k_cache"].element_size()
         return 2 * nb(inp["q"]) + nb(inp["k"]) + nb(inp["v"]) + rows
@@ -540,6 +547,8 @@ def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict
     """float64 expected outputs, named as `canon` names them. Call on pristine inputs."""
     if wl.kind == "rerotate":
         return rerotate_expected(wl, inp)
+    if wl.kind in AXIAL_KINDS:
+        return axial_expected(wl, inp)
     if wl.kind in NORM_KINDS:
         return _expected_norm(wl, inp, oracle)
     tab = inp["cache"]
@@ -588,9 +597,9 @@ def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tenso
     """Name an implementation's canonical outputs the way `expected` names them."""
     if wl.kind == "rerotate":
         return rerotate_canon(wl, inp, outs)
-    if wl.kind == "normrope":
+    if wl.kind in ("normrope", "axial"):
         return {"q": outs[0], "k": outs[1]}
-    if wl.kind == "normfwdbwd":
+    if wl.kind in ("normfwdbwd", "axialfb"):
         return dict(zip(("q", "k", "dq", "dk", "dwq", "dwk"), outs))
     if wl.kind == "normstore":
         return canon(Workload("", "", "store", "", {}, {}), inp, outs)
@@ -765,3 +774,187 @@ def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -
         "k_cache[other]": kc[other],
         "v_cache[other]": vc[other],
     }
+
+
+# ------------------------------------------------------------------------------------------
+# W13-W15: axial (N-D) RoPE of image and video transformers, angles from positions x frequencies
+#
+# Inputs: "q", "k" (B, S, H, D) bf16; "positions" (axes, B, S) (int grids, broadcast over the
+# batch, or float ViT coordinates per image); "cache" the float32 frequencies (no table);
+# "cos", "sin" (S, D) or (B, S, D) float32 with every frequency repeated in pairs, as diffusers'
+# position embeddings hand them to its attention processors (computed once per forward: not timed);
+# norm weights "wq", "wk" ((D,) per head, (H * D,) across heads); "gq", "gk" for forward+backward.
+
+AXIAL_KINDS = ("axial", "axialfb")
+
+
+def axial_freqs(wl: Workload, device) -> torch.Tensor:
+    """float32 frequencies: each axis's 1 / theta ** (2j / d) from its own width d (float64, rounded)."""
+    parts = [1.0 / wl.base ** (torch.arange(0, d, 2, dtype=torch.float64) / d) for d in wl.axes_dim]
+    return torch.cat(parts).to(torch.float32).to(device)
+
+
+def _grid(shape, device) -> torch.Tensor:
+    """(len(shape), prod(shape)) integer coordinates of a row-major grid."""
+    axes = [torch.arange(n, device=device) for n in shape]
+    return torch.stack([a.flatten() for a in torch.meshgrid(*axes, indexing="ij")])
+
+
+def axial_positions(wl: Workload, s: Dict[str, int], device, g) -> torch.Tensor:
+    B = s["B"]
+    if "F" in s:  # video (frames, rows, columns)
+        pos = _grid((s["F"], s["Hp"], s["Wp"]), device)
+    elif "Txt" in s:  # Flux: text ids (0, 0, 0), then the image's (0, row, column)
+        img = _grid((1, s["Hp"], s["Wp"]), device)
+        pos = torch.cat((torch.zeros(3, s["Txt"], dtype=img.dtype, device=device), img), dim=1)
+    else:  # ViT: patch centres in [-1, 1], jittered per image (float coordinates)
+        side = s["Hp"]
+        c = (torch.arange(side, device=device, dtype=torch.float32) + 0.5) / side * 2 - 1
+        grid = torch.stack(torch.meshgrid(c, c, indexing="ij")).flatten(1)  # (2, N)
+        jitter = 1 + 0.1 * torch.randn(2, B, 1, generator=g, device=device)
+        return (grid[:, None, :] * jitter).contiguous()
+    return pos[:, None, :].expand(pos.shape[0], B, pos.shape[1])
+
+
+def axial_inputs(wl: Workload, s: Dict[str, int], freqs: torch.Tensor, device, seed: int):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(DTYPE)
+
+    pos = axial_positions(wl, s, device, g)
+    B, S, H, D = s["B"], pos.shape[-1], s["H"], s["D"]
+    angle = pos.double()[..., None] * freqs.double()  # (axes, B, S, half): pick each pair's axis
+    rows = torch.repeat_interleave(
+        torch.arange(len(wl.axes_dim), device=device), torch.tensor(wl.axes_dim, device=device) // 2
+    )
+    angle = angle[rows, :, :, torch.arange(rows.shape[0], device=device)].permute(1, 2, 0)  # (B, S, half)
+    if pos.stride(1) == 0:
+        angle = angle[0]  # one grid for the batch: (S, half), as diffusers holds it
+    inp = {
+        "cache": freqs,
+        "positions": pos,
+        "q": randn(B, S, H, D),
+        "k": randn(B, S, H, D),
+        "cos": angle.cos().float().repeat_interleave(2, dim=-1),
+        "sin": angle.sin().float().repeat_interleave(2, dim=-1),
+    }
+    if wl.norm:
+        n = D if wl.norm == "head" else H * D
+        inp["wq"] = (1 + 0.2 * torch.randn(n, generator=g, device=device)).to(DTYPE)
+        inp["wk"] = (1 + 0.2 * torch.randn(n, generator=g, device=device)).to(DTYPE)
+    if wl.kind == "axialfb":
+        inp["gq"], inp["gk"] = randn(B, S, H, D), randn(B, S, H, D)
+    return inp
+
+
+def axial_rms_norm(x, w, eps: float = NORM_EPS):
+    """RMSNorm in float32 (float64 for float64 x) over each head, or all heads for (H * D,) weights."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs = x.to(ct) if w.shape[0] == x.shape[-1] else x.to(ct).flatten(-2)
+    y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) * w.to(ct)
+    return y.view(x.shape)
+
+
+def diffusers_rotate(x, cos, sin):
+    """diffusers' apply_rotary_emb (use_real, pairs (2i, 2i+1)): x * cos + rotated * sin in float32,
+    cos / sin (S, D) or (B, S, D) with every frequency repeated in pairs."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack((-imag, real), dim=-1).flatten(-2)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # over heads
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def axial_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """float64: norm (if any) then the rotation by float64 angles; gradients by float64 autograd."""
+    d = lambda t: t.detach().to(torch.float64)  # noqa: E731
+    q64, k64 = d(inp["q"]).requires_grad_(True), d(inp["k"]).requires_grad_(True)
+    leaves = [q64, k64]
+    ws = [None, None]
+    if wl.norm:
+        ws = [d(inp["wq"]).requires_grad_(True), d(inp["wk"]).requires_grad_(True)]
+        leaves += ws
+    cos, sin = d(inp["cos"]), d(inp["sin"])
+    with torch.enable_grad():
+        outs = [diffusers_rotate(x if w is None else axial_rms_norm(x, w), cos, sin) for x, w in zip((q64, k64), ws)]
+    if wl.kind == "axial":
+        return {"q": outs[0].detach(), "k": outs[1].detach()}
+    grads = torch.autograd.grad(outs, leaves, (d(inp["gq"]), d(inp["gk"])))
+    names = ("q", "k", "dq", "dk", "dwq", "dwk")
+    return dict(zip(names, (outs[0].detach(), outs[1].detach(), *grads)))
+
+
+def _flux(**kw):
+    return dict(B=1, Txt=512, Hp=64, Wp=64, H=24, D=128, **kw)
+
+
+def _wan(**kw):
+    return dict(B=1, F=21, Hp=45, Wp=80, H=40, D=128, **kw)
+
+
+_FLUX_Q = dict(B=1, Txt=16, Hp=8, Wp=8, H=24, D=128)
+_WAN_Q = dict(B=1, F=3, Hp=4, Wp=6, H=40, D=128)
+
+WORKLOADS += [
+    Workload(
+        "W13",
+        "flux",
+        "axial",
+        "Flux.1 prologue: per-head QK-RMSNorm + axial RoPE (16, 56, 56), 4096 image + 512 text tokens",
+        full=_flux(),
+        quick=_FLUX_Q,
+        interleaved=True,
+        base=10000.0,
+        axes_dim=(16, 56, 56),
+        norm="head",
+    ),
+    Workload(
+        "W13-FB",
+        "flux_fwd_bwd",
+        "axialfb",
+        "W13 through autograd, forward then backward (q, k and both norm weights)",
+        full=_flux(),
+        quick=_FLUX_Q,
+        interleaved=True,
+        base=10000.0,
+        axes_dim=(16, 56, 56),
+        norm="head",
+    ),
+    Workload(
+        "W14",
+        "wan",
+        "axial",
+        "Wan 2.1 14B prologue: QK-RMSNorm across 40 heads + 3D RoPE (44, 42, 42), 21x45x80 tokens",
+        full=_wan(),
+        quick=_WAN_Q,
+        interleaved=True,
+        base=10000.0,
+        axes_dim=(44, 42, 42),
+        norm="heads",
+    ),
+    Workload(
+        "W14-FB",
+        "wan_fwd_bwd",
+        "axialfb",
+        "W14 through autograd, forward then backward (q, k and both norm weights)",
+        full=_wan(),
+        quick=_WAN_Q,
+        interleaved=True,
+        base=10000.0,
+        axes_dim=(44, 42, 42),
+        norm="heads",
+    ),
+    Workload(
+        "W15",
+        "vit2d",
+        "axial",
+        "2D ViT, float (rescaled, jittered) patch coordinates, angles in the kernel: 64 images x 1024 patches",
+        full=dict(B=64, Hp=32, H=16, D=64),
+        quick=dict(B=2, Hp=4, H=16, D=64),
+        interleaved=True,
+        base=100.0,
+        axes_dim=(32, 32),
+    ),
+]
+BY_ID.update({w.id: w for w in WORKLOADS})
