@@ -85,3 +85,27 @@ def test_bigmem_cuda_mrope_past_2_31_elements(interleaved_sections):
     torch.cuda.synchronize()
     err = ((qo[tail].double().cpu() - rq).norm() / rq.norm()).item()
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.bigmem
+def test_bigmem_cuda_axial_freqs_past_2_31_elements():
+    """Angles computed in the kernel (Wan's 3 axes) on a q above 2^31 elements (T=262,145, H=64,
+    D=128, bf16: 4.3 GB): the last tokens against float64, out of place and in place."""
+    import ropekit
+    from ropekit import reference
+
+    T, H, D = 262_145, 64, 128
+    axes = (22, 21, 21)
+    f = ropekit.axial_inv_freq((44, 42, 42), device="cuda")
+    q = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    pos = torch.randint(-1000, 100_000, (3, T), device="cuda")
+    tail = slice(T - 3, T)
+    c, s = reference.angles_from_freqs(pos[:, tail].cpu(), f.cpu(), axes, torch.float64)
+    rq = reference.rotate(q[tail].double().cpu(), c, s, interleaved=True)
+    qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True)
+    torch.cuda.synchronize()
+    assert ((qo[tail].double().cpu() - rq).norm() / rq.norm()).item() < 1e-2
+    del qo
+    ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True, inplace=True)
+    assert ((q[tail].double().cpu() - rq).norm() / rq.norm()).item() < 1e-2

@@ -177,19 +177,25 @@ def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
     assert workloads.min_bytes(wl, inp) == 5 * qk  # forward 2x, backward: x and g read, gx written
     from ropekit.bench import peers, runner  # noqa: F401
 
-    table = workloads.make_table(workloads.BY_ID["W10-FP8"], workloads.BY_ID["W10-FP8"].sizes(True), "cpu")
     for wid in ("W9", "W9-FB", "W10", "W10-FP8"):
         w = workloads.BY_ID[wid]
         s = w.sizes(True)
         s.update(B=1, S=16, T=16) if "B" in s else s.update(T=16)
-        base = workloads.make_inputs(w, s, table, "cpu", 0)
-        exp = workloads.expected(w, base, workloads.Oracle())
-        for p in (peers.Ropekit(), peers.RopekitUnfused()):
-            inp2 = workloads.clone_inputs(base)
-            bound = p.make(w, inp2)
-            got = workloads.canon(w, inp2, bound.canon(bound.fn()))
-            errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
-            assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), (wid, p.name, errs)
+        _peers_match_float64(w, s, (peers.Ropekit(), peers.RopekitUnfused()))
+
+
+def _peers_match_float64(w, s, peer_list):
+    """Each peer's outputs on one quick CPU input set within the bf16 tolerance of the oracle."""
+    table = workloads.make_table(w, s, "cpu")
+    base = workloads.make_inputs(w, s, table, "cpu", 0)
+    exp = workloads.expected(w, base, workloads.Oracle())
+    for p in peer_list:
+        inp2 = workloads.clone_inputs(base)
+        bound = p.make(w, inp2)
+        got = workloads.canon(w, inp2, bound.canon(bound.fn()))
+        errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
+        assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), (w.id, p.name, errs)
+    return base
 
 
 def test_one_set_graph_row_plumbing(cpu_env, monkeypatch):
@@ -309,15 +315,6 @@ def test_axial_workloads_bytes_and_quick_cpu_run(cpu_env):
     assert [w.id for w in workloads.select("W13")] == ["W13", "W13-FB"]
     for wid in ("W13", "W13-FB", "W14", "W14-FB", "W15"):
         w = workloads.BY_ID[wid]
-        s = w.sizes(True)
-        table = workloads.make_table(w, s, "cpu")
-        base = workloads.make_inputs(w, s, table, "cpu", 0)
-        exp = workloads.expected(w, base, workloads.Oracle())
-        for p in (peers.Ropekit(), peers.TorchEager()):
-            inp2 = workloads.clone_inputs(base)
-            bound = p.make(w, inp2)
-            got = workloads.canon(w, inp2, bound.canon(bound.fn()))
-            errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
-            assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), (wid, p.name, errs)
+        base = _peers_match_float64(w, w.sizes(True), (peers.Ropekit(), peers.TorchEager()))
         with pytest.raises(peers.PeerSkip):
             peers.Liger().make(w, base)

@@ -277,3 +277,25 @@ def test_patched_block_compiles_fullgraph(calls):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_compiled, d_eager, rtol=1e-5, atol=1e-5)
     assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_patch_cuda_fp32_and_bf16(family):
+    """The compiled kernels on CUDA: fp32 parity, and bf16 within the unpatched bf16 error."""
+    model, kwargs = _model(family)
+    model = model.cuda()
+    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    want_out, want_grads = _run(model, kwargs, torch.float32)
+    model = model.to(torch.bfloat16)
+    base_out, base_grads = _run(model, kwargs, torch.bfloat16)
+    rd.patch(model)
+    out, grads = _run(model, kwargs, torch.bfloat16)
+    assert _rel(out, want_out) <= 1.5 * _rel(base_out, want_out) + 1e-3
+    _grads_close(grads, want_grads, 1e-3, base=base_grads)
+    rd.unpatch()
+    model = model.float()
+    rd.patch(model)
+    out, grads = _run(model, kwargs, torch.float32)
+    assert _rel(out, want_out) < 1e-5
+    _grads_close(grads, want_grads, 1e-5)
