@@ -724,8 +724,8 @@ def _freqs_custom_op(spec: Spec, q, k, positions, inv_freq, inplace):
 
 
 def _rope_freqs_norm(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace, wq, wk, eps, offset):
-    """QK-RMSNorm with angles from positions x inv_freq: per-token cos / sin computed once by torch
-    ops (float64 angles, rounded to float32), then the fused norm + rotation kernel and its backward."""
+    """QK-RMSNorm with angles from positions x inv_freq: per-token cos / sin computed once
+    (`_freq_angles`), then the fused norm + rotation kernel and its backward."""
     from .qknorm import rotate_angles_with_norm
 
     op = "apply_rope"
@@ -734,7 +734,7 @@ def _rope_freqs_norm(q, k, positions, inv_freq, axes, interleaved, rotary_dim, i
         fail(op, "inv_freq", "a tensor that does not require grad with q_norm_weight / k_norm_weight", "requires_grad")
     if validate.is_strict() and not torch.compiler.is_compiling():
         validate.positions_finite(op, positions)
-    cos, sin = reference.angles_from_freqs(positions, inv_freq.detach(), axes)
+    cos, sin = _freq_angles(positions, inv_freq, axes, tuple(q.shape[:-2]))
     return rotate_angles_with_norm(
         q,
         k,
@@ -748,6 +748,23 @@ def _rope_freqs_norm(q, k, positions, inv_freq, axes, interleaved, rotary_dim, i
         op=op,
         inplace=inplace,
     )
+
+
+def _freq_angles(positions, inv_freq, axes, token_shape):
+    """Per-token cos and sin (*T, half) float32 of positions x inv_freq, by one launch of the kernel's
+    own angle source: the rotation of the unit pairs (1, 0) of a broadcast (*T, 1, 2 * half) view is
+    (cos, sin). Returned as strided views of that output."""
+    half = inv_freq.shape[0]
+    key = ("unit pairs", half, inv_freq.device)
+    unit = _MEMO.get(key)
+    if unit is None or torch.compiler.is_compiling():
+        unit = torch.cat((torch.ones(half, device=inv_freq.device), torch.zeros(half, device=inv_freq.device)))
+        if not torch.compiler.is_compiling():
+            pipeline.remember(key, unit)
+    unit = unit.expand(*token_shape, 1, 2 * half)
+    with torch.no_grad():
+        cs, _ = apply_rope(unit, None, positions, None, inv_freq=inv_freq.detach(), axes=axes or None)
+    return cs[..., 0, :half], cs[..., 0, half:]
 
 
 def _pairs(x, half: int, interleaved: bool):
