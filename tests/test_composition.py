@@ -76,8 +76,8 @@ def verdict(layout, norm, angles, write, mode):
         return "gap", "the fused store has no M-RoPE sections"
     if write == "inplace" and angles == "per_token":
         return "gap", "rotate_with_angles is out of place only"
-    if angles == "per_token" and norm != "none":
-        return "gap", "rotate_with_angles takes no norm weights"
+    if angles == "per_token" and norm != "none" and layout == "mrope":
+        return "gap", "rotate_with_angles takes norm weights, but not with M-RoPE sections"
     if store and mode == "grad":
         return "refused", "a gradient through the KV-cache store"
     if layout == "mrope" and angles.startswith("packed"):
