@@ -168,6 +168,23 @@ def _angles(device):
     return [(qo, rq), (ko, rk)]
 
 
+def _axial(device):
+    """apply_rope with angles computed in the kernel: Flux's axial frequencies, (3, T) positions
+    (text rows at 0, an image grid), against float64 angles."""
+    g = _gen()
+    T, H, D = 48, 4, 128
+    axes_dim = (16, 56, 56)
+    f = ropekit.axial_inv_freq(axes_dim, device=device)
+    pos = torch.randint(-64, 64, (3, T), generator=g).to(device)
+    q, k = _rnd(g, T, H, D, device=device), _rnd(g, T, 2, D, device=device)
+    axes = tuple(d // 2 for d in axes_dim)
+    c, s = reference.angles_from_freqs(pos.cpu(), f.cpu(), axes, torch.float64)
+    rq = reference.rotate(q.double().cpu(), c, s, interleaved=True)
+    rk = reference.rotate(k.double().cpu(), c, s, interleaved=True)
+    qo, ko = ropekit.apply_rope(q, k, pos, None, inv_freq=f, axes=axes, interleaved=True)
+    return [(qo.cpu(), rq), (ko.cpu(), rk)]
+
+
 def _backward(device):
     """Gradients through apply_rope (autograd) against the float64 inverse rotation of the
     incoming gradient (a rotation's transpose is its inverse)."""
@@ -328,6 +345,7 @@ CHECKS: List[Check] = [
     Check("apply_rope strided MLA slice, in place", "bf16", BF16, ("apply_rope",), _mla),
     Check("apply_rope backward (autograd)", "fp32", FP32, ("apply_rope",), _backward),
     Check("rotate_with_angles (HF cos/sin)", "bf16", BF16, ("rotate_with_angles",), _angles),
+    Check("apply_rope axial (Flux axes), angles in the kernel", "bf16", BF16, ("apply_rope", "axial_inv_freq"), _axial),
     Check("apply_rope_and_store, bf16 cache", "bf16", BF16, ("apply_rope_and_store",), _store(torch.bfloat16, None)),
     Check(
         "apply_rope_and_store, fp8 e4m3 cache, scale 0.5",
