@@ -284,6 +284,10 @@ def apply_rope(
         if k is not None:
             RotateViewFunction.apply(k, a, cos_sin_cache, spec_k, spec.variant)
         return q, k
+    if inplace:
+        # marked dirty, q and k now carry the Function's history: return the caller's own objects
+        RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
+        return q, k
     return RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
 
 
