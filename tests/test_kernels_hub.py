@@ -129,16 +129,32 @@ def test_kernels_loads_the_build_beside_the_installed_ropekit(repo):
     assert out["kinds"] == ref, transformers.__version__  # kernels compares these before swapping
 
 
-KERNELIZE = r"""
+SWAP_IN = r"""
 import json, sys
 from pathlib import Path
 import torch
-from torch import nn
-from kernels import Mode, get_local_kernel, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
-from kernels import use_kernelized_func
+from kernels import Mode, get_local_kernel, kernelize, use_kernel_mapping
 import ropekit.hub
 
 path, device = sys.argv[1], sys.argv[2]
+
+
+def swap_in_ropekit(model, path, device):
+    # kernelize `model` with the repository at `path`; `calls` counts the layer's calls of the
+    # build's drop-in (the layer looks the function up at call time)
+    module = get_local_kernel(Path(path))
+    calls = []
+    real = module.layers.hf.apply_rotary_pos_emb
+    module.layers.hf.apply_rotary_pos_emb = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    with use_kernel_mapping(ropekit.hub.kernel_mapping(path, device=device)):
+        return kernelize(model, mode=Mode.TRAINING, device=device), calls
+"""
+
+KERNELIZE = (
+    SWAP_IN
+    + r"""
+from torch import nn
+from kernels import use_kernel_forward_from_hub, use_kernelized_func
 
 
 @use_kernel_forward_from_hub("rotary_pos_emb")
@@ -170,16 +186,12 @@ def run(model):
 
 model = Attention()
 want = run(model)
-module = get_local_kernel(Path(path))
-calls = []
-real = module.layers.hf.apply_rotary_pos_emb
-module.layers.hf.apply_rotary_pos_emb = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-with use_kernel_mapping(ropekit.hub.kernel_mapping(path, device=device)):
-    model = kernelize(model, mode=Mode.TRAINING, device=device)
+model, calls = swap_in_ropekit(model, path, device)
 got = run(model)
 err = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
 print(json.dumps({"calls": len(calls), "err": err}))
 """
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -211,14 +223,11 @@ def transformers_gate_skip_reason():
     )
 
 
-LLAMA = r"""
-import json, sys
-from pathlib import Path
-import torch, transformers
-from kernels import Mode, get_local_kernel, kernelize, use_kernel_mapping
-import ropekit.hub
+LLAMA = (
+    SWAP_IN
+    + r"""
+import transformers
 
-path, device = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -232,17 +241,13 @@ def run():
     return logits.detach().double(), {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
 
 want_logits, want_grads = run()
-module = get_local_kernel(Path(path))
-calls = []
-real = module.layers.hf.apply_rotary_pos_emb
-module.layers.hf.apply_rotary_pos_emb = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-with use_kernel_mapping(ropekit.hub.kernel_mapping(path, device=device)):
-    model = kernelize(model, mode=Mode.TRAINING, device=device)
+model, calls = swap_in_ropekit(model, path, device)
 got_logits, got_grads = run()
 rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))
 print(json.dumps({"calls": len(calls), "logits": rel(got_logits, want_logits),
                   "grads": max(rel(got_grads[n], want_grads[n]) for n in want_grads)}))
 """
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
