@@ -84,7 +84,7 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
     floors = w3["host_floors"]
     assert floors["interpreted"] is True
     for name in ("launch", "aten", "autograd"):
-        assert floors[name]["median"] > 0, (name, floors)
+        assert floors[name] and floors[name]["median"] > 0, (name, floors)
     assert cells[("W3", "ropekit")]["host_us"] > 0
     assert "W3 host floors [TRITON INTERPRETER" in text and "x launch" in text and "x aten" in text
     assert "[min-max]" in text
