@@ -166,3 +166,26 @@ def test_device_guard_launches_on_the_tensors_device():
         assert rel_err(qo, rq) < TOL[torch.float32] and rel_err(ko, rk) < TOL[torch.float32]
     with pytest.raises(ValueError, match="apply_rope: k: expected a tensor on cuda:1 .*got one on cuda:0"):
         ropekit.apply_rope(q, k.to("cuda:0"), positions, cache)
+
+
+@pytest.mark.gpu
+def test_at_most_two_compilations_per_variant_across_shapes():
+    """docs/core.md's bound: one variant (bf16, 8 q heads, 2 k heads, D 128, half-split) over batch
+    sizes and sequence lengths from 1 to 4096 compiles rope_kernel at most twice."""
+    from ropekit.kernels.rope import rope_kernel
+
+    caches = getattr(rope_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its kernel cache elsewhere")
+    compiled = caches[torch.cuda.current_device()][0]
+    table = make_cache(8192, 128, device="cuda")
+    # heads chosen so that no other test of the session compiles this variant first
+    hq, hk = 12, 3
+    before = len(compiled)
+    for batch in (1, 3):
+        for seqlen in (1, 5, 16, 217, 1000, 1024, 2049, 4096):
+            q = torch.randn(batch, seqlen, hq, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(batch, seqlen, hk, 128, device="cuda", dtype=torch.bfloat16)
+            ropekit.apply_rope(q, k, None, table)
+    torch.cuda.synchronize()
+    assert len(compiled) - before <= 2, len(compiled) - before

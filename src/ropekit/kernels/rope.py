@@ -494,7 +494,11 @@ def _norm_select(
     )
 
 
-@triton.jit
+# Sizes that change with the batch or the sequence length are not specialized on (Triton would
+# otherwise compile again when one becomes 1 or a multiple of 16): a variant compiles at most twice
+# whatever the token count, once decode-sized and once large (docs/core.md, "Compilations").
+# Strides stay specialized: their divisibility by 16 is what lets rows move in 16-byte accesses.
+@triton.jit(do_not_specialize=["n_tokens", "S", "max_pos", "n_seqs"])
 def rope_kernel(
     q_ptr,  # q, (*T, Hq, Dq): read
     k_ptr,  # k, (*T, Hk, Dk): read (q_ptr again when there is no k: never read then)
