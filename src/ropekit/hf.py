@@ -349,7 +349,8 @@ def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim
     if plan is None or k.dtype != q.dtype:
         return _math_cohere(q, k, cos, sin, ud)
     hd, _ = plan
-    return _rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True)
+    half = cos.shape[-1] // 2  # the stride-2 views hold every frequency once: read them all
+    return _rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
 
 
 def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -440,7 +441,7 @@ def llama4_apply_rotary_emb(xq, xk, freqs_cis):
         )
     if not ok:
         return _math_llama4(xq, xk, freqs_cis)
-    return ops.rotate_with_angles(xq, xk, cos, sin, interleaved=True)
+    return ops.rotate_angles(xq, xk, cos, sin, interleaved=True, columns=cos.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------
