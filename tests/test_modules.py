@@ -222,7 +222,7 @@ def test_meta_construction_builds_lazily_on_query_device():
 
 
 def test_extra_repr():
-    text = repr(RotaryEmbedding(128, 64, 4096, 500000.0, False, {"rope_type": "linear", "factor": 2.0}))
+    text = repr(RotaryEmbedding(128, 64, 4096, 500000.0, False, rope_scaling={"rope_type": "linear", "factor": 2.0}))
     for part in (
         "head_size=128",
         "rotary_dim=64",
