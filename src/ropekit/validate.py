@@ -889,11 +889,9 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
         _slot_vector(op, "delta", delta, n, device)
         delta_int = None
     elif isinstance(delta, int) and not isinstance(delta, bool):
-        if not -(2**63) < delta < 2**63:
-            fail(op, "delta", "an int in (-2^63, 2^63)", delta)
         delta_int = int(delta)
     else:
-        raise TypeError(f"{op}: delta: expected a (N,) int32/int64 tensor or an int, got {type(delta).__name__}")
+        raise TypeError(f"{op}: delta: expected a (N,) or 0-d int32/int64 tensor or an int, got {type(delta).__name__}")
 
     _on_device(op, "cos_sin_cache", cos_sin_cache, device)
     tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
@@ -913,7 +911,15 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     _on_device(op, "k_scale", k_scale, device)
     k_scale = scale_arg(op, "k_scale", k_scale, device)
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    if delta_int is not None:
+        int_shift(op, delta_int, cos_sin_cache.shape[0])
     return rotary_dim, num_slots, k_scale, delta_int
+
+
+def int_shift(op, delta: int, max_position: int) -> None:
+    """A Python int delta is a host value: |delta| < max_position is checked for free, every call."""
+    if not -max_position < delta < max_position:
+        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
 
 
 def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots, extents=None) -> None:
@@ -969,8 +975,8 @@ def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> Non
             delta,
             f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0",
         )
-    elif bool(live.any()) and abs(delta) >= max_position:
-        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
+    else:
+        int_shift(op, delta, max_position)
     if dst_slots is not None:
         sources = slots[live]
         _first(
