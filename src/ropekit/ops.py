@@ -145,9 +145,9 @@ def apply_rope(
             q, k = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
         if cu_seqlens is not None:  # the norm path takes positions: derive them (no sync)
             validate.packed_args("apply_rope", q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
-            from .packed import positions_from_cu_seqlens
+            from .packed import packed_positions
 
-            positions = positions_from_cu_seqlens(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, total_tokens=q.shape[0])
+            positions = packed_positions("apply_rope", cu_seqlens, cp_size, cp_rank, q.shape[0])
         q_out, k_out = rope_with_norm(
             q,
             k,

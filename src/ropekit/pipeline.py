@@ -211,9 +211,9 @@ def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) ->
             c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
     else:
         if variant.angles == "packed":  # a: cu_seqlens
-            from .packed import positions_from_cu_seqlens
+            from .packed import packed_positions
 
-            a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
+            a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], q.shape[0])
         c, s = reference.gather_angles(
             b[:, :half], b[:, half : spec.rot], a, token_shape, mrope_section=sections, mrope_interleaved=il_sections
         )
