@@ -198,6 +198,7 @@ def rerotate_kv_cache(
             k_scale=k_scale,
             dst_slots=dst_slots,
         )
+        validate.table_not_hf_cos(OP, cos_sin_cache)
         door = pipeline.door_for(k_cache, False)
         spec = pipeline.remember(key, _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
     is_tensor = isinstance(delta, torch.Tensor)
