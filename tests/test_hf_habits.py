@@ -216,6 +216,19 @@ def test_hf_cos_as_table_is_refused(which):
     assert torch.equal(q, q0)
 
 
+def test_hf_cos_after_a_real_table_of_the_same_signature_is_refused():
+    """The table is read per new tensor, not per call signature: HF's cos with the shape, strides
+    and dtype of a table used before is still refused."""
+    q = _rand(S, HQ, D)
+    cache = make_cache(S, D)
+    ropekit.apply_rope(q, None, torch.arange(S), cache)
+    cos, _ = _hf_cos_sin(torch.arange(S))
+    assert cos.shape == cache.shape and cos.stride() == cache.stride()
+    with pytest.raises(ValueError, match=r"apply_rope: cos_sin_cache: expected a \[cos \| sin\] table"):
+        ropekit.apply_rope(q, None, torch.arange(S), cos)
+    ropekit.apply_rope(q, None, torch.arange(S), cache)  # the real one again
+
+
 def test_real_tables_are_not_refused():
     """Row 0 of a table is [cos 0 | sin 0] = [1 | 0]: never [f, f]. Offset tables (rows from p0),
     bf16 tables, tables of one frequency and placeholder zero tables pass."""

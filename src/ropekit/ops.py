@@ -231,6 +231,8 @@ def apply_rope(
                 layout,
             ),
         )
+    if spec.table is None or spec.table() is not cos_sin_cache:  # a new table: HF's cos is refused
+        validate.read_new_table(spec, "apply_rope", cos_sin_cache)
     if spec.angle_shape is not None:  # positions with size-1 dims: an expand view
         a = positions = positions.expand(spec.angle_shape)
     if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
@@ -295,7 +297,6 @@ def _rope_spec(
         broadcast=True,
     )
     validate.no_grad_table(op, cos_sin_cache)
-    validate.table_not_hf_cos(op, cos_sin_cache)
     if layout is None:
         validate.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None)
     if cu_seqlens is not None:

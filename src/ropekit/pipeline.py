@@ -72,6 +72,7 @@ class Spec:
         "packed",
         "plans",
         "alias",
+        "table",
     )
 
     def __init__(
@@ -98,6 +99,7 @@ class Spec:
         self.packed = packed  # packed angles: (cp_size, cp_rank)
         self.plans: dict = {}  # launch plans by (variant, output / gradient layouts)
         self.alias: dict = {}  # the store's aliasing verdicts by byte distance
+        self.table = None  # a weak reference to the last [cos | sin] table whose values were read
 
 
 # ---------------------------------------------------------------------------------------------

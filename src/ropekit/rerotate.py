@@ -198,9 +198,10 @@ def rerotate_kv_cache(
             k_scale=k_scale,
             dst_slots=dst_slots,
         )
-        validate.table_not_hf_cos(OP, cos_sin_cache)
         door = pipeline.door_for(k_cache, False)
         spec = pipeline.remember(key, _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
+    if spec.table is None or spec.table() is not cos_sin_cache:  # a new table: HF's cos is refused
+        validate.read_new_table(spec, OP, cos_sin_cache)
     is_tensor = isinstance(delta, torch.Tensor)
     ks = pipeline.scale_tensor(k_scale, k_cache.device)
     if spec.door is CUSTOM_OP:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import threading
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -490,16 +491,23 @@ def halves_repeat(x: torch.Tensor) -> bool:
     return n % 2 == 0 and torch.equal(x[..., : n // 2], x[..., n // 2 :])
 
 
+# tables whose values were read, while they live (by identity: an address can be reused by a new tensor)
+_READ_TABLES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def read_new_table(spec, op, table) -> None:
+    """A table that is not the last one this call signature's spec read (the caller tests that by
+    identity on every call: a known signature can come with a new tensor): table_not_hf_cos, then
+    remember it (weakly)."""
+    table_not_hf_cos(op, table)
+    spec.table = weakref.ref(table)
+
+
 def table_not_hf_cos(op, table) -> None:
     """Refuse HF's cos (or sin) given as a [cos | sin] table: their rows are [f, f], while row 0 of a
-    table is [cos 0 | sin 0] = [1 | 0] (times the attention factor). Read once per table (a device
-    sync; row 0 settles it for every real table), remembered in ropekit's memo."""
-    if not data_readable(table) or table.shape[-1] % 2:
-        return
-    from . import pipeline
-
-    key = ("table halves", table.data_ptr(), tuple(table.shape), table.stride(), table.dtype, table.device)
-    if pipeline.lookup(key) is not None:
+    table is [cos 0 | sin 0] = [1 | 0] (times the attention factor). Reads a table once while it
+    lives: one device sync, row 0 settling it for every real table."""
+    if not data_readable(table) or table.shape[-1] % 2 or _READ_TABLES.get(id(table)) is table:
         return
     if halves_repeat(table[0]) and halves_repeat(table) and bool(table.any()):
         fail(
@@ -510,7 +518,7 @@ def table_not_hf_cos(op, table) -> None:
             "the table with ropekit.cos_sin_cache, or pass HF's cos and sin to "
             "ropekit.rotate_with_angles(q, k, cos, sin, layout='bhsd')",
         )
-    pipeline.remember(key, True)
+    _READ_TABLES[id(table)] = table
 
 
 def full_width_angles(op, q, k, half) -> None:
