@@ -216,6 +216,13 @@ def test_hf_cos_as_table_is_refused(which):
     assert torch.equal(q, q0)
 
 
+def test_hf_cos_as_table_is_refused_on_the_norm_path():
+    q = _rand(S, HQ, D)
+    cos, _ = _hf_cos_sin(torch.arange(S))
+    with pytest.raises(ValueError, match=r"apply_rope: cos_sin_cache: expected a \[cos \| sin\] table"):
+        ropekit.apply_rope(q, None, torch.arange(S), cos, q_norm_weight=torch.ones(D))
+
+
 def test_hf_cos_after_a_real_table_of_the_same_signature_is_refused():
     """The table is read per new tensor, not per call signature: HF's cos with the shape, strides
     and dtype of a table used before is still refused."""

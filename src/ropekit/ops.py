@@ -141,6 +141,7 @@ def apply_rope(
         from .qknorm import rope_with_norm
 
         hf = validate.layout_arg("apply_rope", layout, q)
+        validate.table_not_hf_cos("apply_rope", cos_sin_cache)  # read once per table object
         if hf:  # the norm path takes tokens-first views; results are transposed back below
             q, k = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
         if cu_seqlens is not None:  # the norm path takes positions: derive them (no sync)
@@ -359,17 +360,16 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
             pipeline.heads_first(q, hf), pipeline.heads_first(k, hf), positions, table, spec.rot, v.interleaved, mrope
         )
         return q, k
-    outs = torch.ops.ropekit.rotate(
-        pipeline.heads_first(q, hf),
-        pipeline.heads_first(k, hf),
-        positions,
-        table,
-        spec.rot,
-        v.interleaved,
-        v.out_interleaved,
-        mrope,
-        v.inverse,
+    rotate = torch.ops.ropekit.rotate
+    return _tokens_first_call(
+        rotate, hf, q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse
     )
+
+
+def _tokens_first_call(op, hf: bool, q, k, *args):
+    """An out-of-place rotation custom op on tokens-first views of q and k ((B, H, S, D) transposed
+    when hf); its outputs returned in the layout of q and k (k's None when k is None)."""
+    outs = op(pipeline.heads_first(q, hf), pipeline.heads_first(k, hf), *args)
     return pipeline.heads_first(outs[0], hf), (pipeline.heads_first(outs[1], hf) if k is not None else None)
 
 
@@ -693,19 +693,10 @@ def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_inter
 def _angles_custom_op(spec: Spec, q, k, cos, sin):
     v = spec.variant
     cos, sin = distributed.like(q, *pipeline.angle_views(spec, cos, sin))
-    hf = v.heads_first
-    outs = torch.ops.ropekit.rotate_angles(
-        pipeline.heads_first(q, hf),
-        pipeline.heads_first(k, hf),
-        cos,
-        sin,
-        v.interleaved,
-        v.out_interleaved,
-        _mrope_list(v),
-        False,
+    rotate = torch.ops.ropekit.rotate_angles
+    return _tokens_first_call(
+        rotate, v.heads_first, q, k, cos, sin, v.interleaved, v.out_interleaved, _mrope_list(v), False
     )
-    qo = pipeline.heads_first(outs[0], hf)
-    return qo, (pipeline.heads_first(outs[1], hf) if k is not None else None)
 
 
 @torch.library.custom_op("ropekit::rotate_angles", mutates_args=())

@@ -507,7 +507,7 @@ def table_not_hf_cos(op, table) -> None:
     """Refuse HF's cos (or sin) given as a [cos | sin] table: their rows are [f, f], while row 0 of a
     table is [cos 0 | sin 0] = [1 | 0] (times the attention factor). Reads a table once while it
     lives: one device sync, row 0 settling it for every real table."""
-    if not data_readable(table) or table.shape[-1] % 2 or _READ_TABLES.get(id(table)) is table:
+    if not data_readable(table) or table.dim() != 2 or table.shape[-1] % 2 or _READ_TABLES.get(id(table)) is table:
         return
     if halves_repeat(table[0]) and halves_repeat(table) and bool(table.any()):
         fail(
