@@ -634,22 +634,28 @@ def rotate_angles(
 
 
 def _angle_columns(q, k, cos, sin, rotary_dim, columns):
-    """(columns of cos / sin to read, settled): settled False when the values could not tell HF's
-    full-width [f, f] form from rotary_dim // 2 columns (all angles zero, or not readable now):
-    that verdict is then not remembered for the signature."""
+    """(columns of cos / sin to read, settled): HF's full-width [f, f] form reads half of them.
+    settled False when the values could not tell the forms apart (all angles zero): that verdict
+    is then not remembered for the signature."""
     if columns is not None:
         return columns, True
     if rotary_dim is not None:
         return validate.angle_rotary_dim("rotate_with_angles", cos, rotary_dim), True
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dim() == 0:
+        return None, True  # validation names them
+    if not (validate.data_readable(cos) and validate.data_readable(sin)):
+        return _columns_by_width(q, k, cos), True  # tracing, capturing, a subclass: shapes decide
     duplicated = validate.duplicated_angles(cos, sin)
-    if duplicated is not None:
-        return (cos.shape[-1] // 2 if duplicated else None), True
-    if not isinstance(cos, torch.Tensor) or cos.dim() == 0:
-        return None, False
-    # undecided: HF's form only where rotary_dim // 2 columns could not fit the heads
+    if duplicated is None:
+        return _columns_by_width(q, k, cos), False
+    return (cos.shape[-1] // 2 if duplicated else None), True
+
+
+def _columns_by_width(q, k, cos):
+    """Without values: HF's form only where rotary_dim // 2 columns could not fit the heads."""
     width = cos.shape[-1]
     too_wide = any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] < 2 * width for x in (q, k))
-    return (width // 2 if too_wide and width % 2 == 0 else None), False
+    return width // 2 if too_wide and width % 2 == 0 else None
 
 
 def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns):

@@ -555,14 +555,12 @@ def angle_rotary_dim(op, cos, rotary_dim) -> int:
 
 
 def duplicated_angles(cos, sin):
-    """Are cos and sin HF's [f, f] form? True / False, or None when the data cannot tell: unreadable
-    now (see data_readable), or all angles zero (both readings then rotate by nothing)."""
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
+    """Are cos and sin (readable: see data_readable) HF's [f, f] form? True / False, or None when
+    all angles are zero (both readings then rotate by nothing). One device sync."""
+    if cos.shape != sin.shape or cos.dim() == 0 or cos.shape[-1] % 2:
         return False
-    if cos.dim() == 0 or cos.shape[-1] % 2 or cos.dtype not in TABLE_DTYPES or sin.dtype != cos.dtype:
+    if cos.dtype not in TABLE_DTYPES or sin.dtype != cos.dtype or sin.device != cos.device:
         return False
-    if not (data_readable(cos) and data_readable(sin)) or sin.device != cos.device:
-        return None
     if not bool(sin.any()):
         return None if halves_repeat(cos) else False
     return halves_repeat(cos) and halves_repeat(sin)
