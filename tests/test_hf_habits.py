@@ -26,14 +26,15 @@ pytestmark = pytest.mark.usefixtures("poison")
 B, S, HQ, HK, D = 2, 5, 4, 2, 32
 
 
-def _rand(*shape, seed=0):
+def _rand(*shape, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g)
+    return torch.randn(*shape, generator=g).to(device)
 
 
-def _hf_qk(h=HQ, s=S, seed=0):
+def _hf_qk(h=HQ, s=S, seed=0, device="cpu"):
     """q, k as HF holds them: (B, H, S, D) transposed views of (B, S, H, D) projections."""
-    return _rand(B, s, h, D, seed=seed).transpose(1, 2), _rand(B, s, HK, D, seed=seed + 1).transpose(1, 2)
+    q = _rand(B, s, h, D, seed=seed, device=device).transpose(1, 2)
+    return q, _rand(B, s, HK, D, seed=seed + 1, device=device).transpose(1, 2)
 
 
 def _hf_cos_sin(positions, dim=D, base=10000.0):
@@ -61,11 +62,11 @@ def _no_layout_warning():
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_apply_rope_takes_hf_layout(inplace):
-    q, k = _hf_qk()
+def test_apply_rope_takes_hf_layout(inplace, device):
+    q, k = _hf_qk(device=device)
     q0, k0 = q.clone(), k.clone()
-    pos = torch.randint(0, 32, (B, S))
-    cache = make_cache(32, D)
+    pos = torch.randint(0, 32, (B, S), device=device)
+    cache = make_cache(32, D, device=device)
     rq, rk = reference.apply_rope(q0.transpose(1, 2).double(), k0.transpose(1, 2).double(), pos, cache.double())
     qo, ko = ropekit.apply_rope(q, k, pos, cache, layout="bhsd", inplace=inplace)
     assert qo.shape == (B, HQ, S, D) and ko.shape == (B, HK, S, D)
@@ -202,14 +203,14 @@ def test_layout_argument_is_checked():
 
 
 @pytest.mark.parametrize("which", ["cos", "sin", "cos at later positions"])
-def test_hf_cos_as_table_is_refused(which):
-    q, k = _rand(S, HQ, D), _rand(S, HK, D)
+def test_hf_cos_as_table_is_refused(which, device):
+    q, k = _rand(S, HQ, D, device=device), _rand(S, HK, D, device=device)
     q0 = q.clone()
     pos = torch.arange(S) + (7 if which == "cos at later positions" else 0)
     cos, sin = _hf_cos_sin(pos)
-    table = sin if which == "sin" else cos
+    table = (sin if which == "sin" else cos).to(device)
     with pytest.raises(ValueError) as info:
-        ropekit.apply_rope(q, k, torch.arange(S), table, inplace=True)
+        ropekit.apply_rope(q, k, torch.arange(S, device=device), table, inplace=True)
     message = str(info.value)
     assert message.startswith("apply_rope: cos_sin_cache: expected a [cos | sin] table"), message
     assert "rows are [f, f]" in message and "rotate_with_angles" in message
@@ -264,13 +265,13 @@ def test_hf_cos_as_rerotation_table_is_refused():
 
 @pytest.mark.parametrize("rot", [D, D // 2, D // 4], ids=["full", "half", "quarter"])
 @pytest.mark.parametrize("say", [False, True], ids=["recognised", "rotary_dim"])
-def test_rotate_with_angles_takes_hf_full_width_angles(rot, say):
+def test_rotate_with_angles_takes_hf_full_width_angles(rot, say, device):
     """HF's cos / sin (B, S, R), halves [f, f], R <= D: dims [0, R) rotated as HF does (partial
     rotary included: R = D/2 and D/4 fit rotary_dim // 2 columns too, and read that way would be
     silently wrong), recognised from their values or said with rotary_dim=R."""
-    q, k = _hf_qk()
+    q, k = _hf_qk(device=device)
     pos = torch.randint(1, 64, (1, S))
-    cos, sin = _hf_cos_sin(pos, rot)
+    cos, sin = (t.to(device) for t in _hf_cos_sin(pos, rot))
     kw = {"rotary_dim": rot} if say else {}
     pipeline.clear()
     qo, ko = ropekit.rotate_with_angles(q, k, cos, sin, layout="bhsd", **kw)
@@ -321,10 +322,10 @@ def test_full_width_angles_that_are_not_hf_say_what_to_pass():
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_positions_broadcast_over_the_batch(inplace):
-    q, k = _rand(B, S, HQ, D), _rand(B, S, HK, D, seed=1)
-    pos = torch.randint(0, 32, (1, S))
-    cache = make_cache(32, D)
+def test_positions_broadcast_over_the_batch(inplace, device):
+    q, k = _rand(B, S, HQ, D, device=device), _rand(B, S, HK, D, seed=1, device=device)
+    pos = torch.randint(0, 32, (1, S), device=device)
+    cache = make_cache(32, D, device=device)
     rq, rk = reference.apply_rope(q.double(), k.double(), pos.expand(B, S), cache.double())
     qo, ko = ropekit.apply_rope(q, k, pos, cache, inplace=inplace)
     assert rel_err(qo, rq) < 1e-6 and rel_err(ko, rk) < 1e-6
