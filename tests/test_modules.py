@@ -772,13 +772,20 @@ def test_forward_offsets_are_checked():
 
 
 def test_in_place_default_under_autograd_says_what_to_construct():
+    """In place under autograd works on activations (autograd's in-place rules); where autograd
+    refuses it (a leaf that requires grad, or q/k norm weights that require grad), the error says
+    to construct the module with inplace=False."""
     rope = RotaryEmbedding(16, 16, 64, 10000.0)
     q = _rand(4, 16).requires_grad_()
     with pytest.raises(ValueError) as info:
         rope(torch.arange(4), q)
     message = str(info.value)
-    assert message.startswith("RotaryEmbedding.forward: inplace: expected False when query or key requires grad")
+    assert message.startswith("RotaryEmbedding.forward: query: ") and "when inplace=True" in message, message
     assert "construct it with RotaryEmbedding(..., inplace=False)" in message
-    out, _ = RotaryEmbedding(16, 16, 64, 10000.0, inplace=False)(torch.arange(4), q)
+    w = torch.ones(16, requires_grad=True)
+    with pytest.raises(ValueError) as info:
+        rope(torch.arange(4), q * 1.0, q_norm_weight=w)
+    assert "construct it with RotaryEmbedding(..., inplace=False)" in str(info.value), str(info.value)
+    out, _ = RotaryEmbedding(16, 16, 64, 10000.0, inplace=False)(torch.arange(4), q, q_norm_weight=w)
     out.sum().backward()
-    assert q.grad is not None
+    assert q.grad is not None and w.grad is not None

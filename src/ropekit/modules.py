@@ -339,10 +339,10 @@ class RotaryEmbedding(nn.Module):
             )
         except (ValueError, TypeError) as e:
             error = _in_callers_words(e, "apply_rope", "RotaryEmbedding.forward", self.max_position)
-            if str(error).startswith("RotaryEmbedding.forward: inplace:"):
+            if str(error).startswith("RotaryEmbedding.forward: inplace:") or "when inplace=True" in str(error):
                 error = type(error)(
                     f"{error}; this module rotates in place (inplace=True, the default): construct it "
-                    "with RotaryEmbedding(..., inplace=False) to train through it"
+                    "with RotaryEmbedding(..., inplace=False) to keep its inputs"
                 )
             raise error from None
         if self.inplace:
