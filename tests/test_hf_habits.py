@@ -117,6 +117,26 @@ def test_apply_rope_hf_layout_with_norm_and_broadcast_positions():
     assert torch.allclose(ko.transpose(1, 2), kt, atol=1e-6)
 
 
+def test_hf_layout_composes_with_inverse_out_dtype_and_in_place_grad():
+    q, _ = _hf_qk()
+    pos = torch.arange(S)[None]
+    cache = make_cache(16, D)
+    rotated, _ = ropekit.apply_rope(q, None, pos, cache, layout="bhsd")
+    back, _ = ropekit.apply_rope(rotated, None, pos, cache, layout="bhsd", inverse=True)
+    assert back.shape == q.shape and torch.allclose(back, q, atol=1e-5)
+    low, _ = ropekit.apply_rope(q, None, pos, cache, layout="bhsd", out_dtype=torch.bfloat16)
+    assert low.dtype == torch.bfloat16 and rel_err(low, rotated) < 8e-3
+    # in place under autograd, on HF's (B, H, S, D) view of an activation
+    w = _rand(B, S, HQ, D).requires_grad_()
+    x = (w * 2.0).transpose(1, 2)
+    ropekit.apply_rope(x, None, pos, cache, layout="bhsd", inplace=True)
+    assert torch.allclose(x, 2.0 * rotated, atol=1e-5)
+    g = _rand(*x.shape, seed=7)
+    (x * g).sum().backward()
+    want, _ = ropekit.apply_rope(g, None, pos, cache, layout="bhsd", inverse=True)
+    assert torch.allclose(w.grad, 2.0 * want.transpose(1, 2), atol=1e-5)
+
+
 def test_rotate_with_angles_takes_hf_layout_and_hf_tables():
     """HF's call as HF makes it: (B, H, S, D) q / k, (B, S, D) cos / sin with halves [f, f]."""
     q, k = _hf_qk()
