@@ -500,13 +500,17 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace, scales=None):
         return q, k
     rotate = torch.ops.ropekit.rotate
     args = (positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse, spec.out_dtype, qs, ks)
-    q_out, k_out = _tokens_first_call(rotate, hf, q, k, *args)
+    return _results(_tokens_first_call(rotate, hf, q, k, *args), q, k, inplace)
+
+
+def _results(outs, q, k, inplace):
+    """(q_out, k_out) of an out-of-place custom op's outputs; in place: copied into q and k."""
     if inplace:
-        q.copy_(q_out)
+        q.copy_(outs[0])
         if k is not None:
-            k.copy_(k_out)
+            k.copy_(outs[1])
         return q, k
-    return q_out, k_out
+    return outs[0], (outs[1] if k is not None else None)
 
 
 def _tokens_first_call(op, hf: bool, q, k, *args):
