@@ -22,9 +22,10 @@ import pytest
 import torch
 from test_store import NAN, TOL, Caches, bits, flat, hnd, inputs, kv_joint, mla, nhd, shuffled_slots
 
-from conftest import make_cache
 from ropekit import pipeline, reference, tuning, validate
 from ropekit.store import apply_rope_and_store
+
+from conftest import make_cache
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = (E4M3, E5M2)
