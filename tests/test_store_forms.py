@@ -591,7 +591,7 @@ CASES = [
         good(),
         {},
         ValueError,
-        OP + "q_out: expected memory disjoint from k_cache (which is written), got a tensor overlapping k_cache",
+        OP + "k_cache: expected memory disjoint from q_out (which is written), got a tensor overlapping q_out",
     ),
     (
         "q-scale-without-q-out",

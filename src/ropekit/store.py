@@ -41,41 +41,28 @@ def checks(
         q_out=q_out,
         write_key=write_key,
     )
-    in_place = q_out is None
+    # written (q's place taken by q_out when given; k with write_key) against the read-only inputs
+    written = [("q", q) if q_out is None else ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache)]
+    read = [
+        ("positions", positions),
+        ("cos_sin_cache", cos_sin_cache),
+        ("slot_mapping", slot_mapping),
+        ("k_scale", k_scale),
+        ("v_scale", v_scale),
+    ]
     extents = None
-    if ext is not None:
-        extents = (
-            ext[0] if in_place else 0,
-            ext[1],
-            ext[2],
-            ext[8],
-            ext[3] if write_key else 0,
-            ext[5],
-            ext[6],
-            ext[7],
-            0 if k_scale is None else 4,
-            0 if v_scale is None else 4,
-            0 if q_scale is None else 4,
-        )  # scales: one float32
-    validate.written_vs_read(
-        OP,
-        (
-            ("q", q if in_place else None),
-            ("k_cache", k_cache),
-            ("v_cache", v_cache),
-            ("q_out", q_out),
-            ("k", k if write_key else None),
-        ),
-        (
-            ("positions", positions),
-            ("cos_sin_cache", cos_sin_cache),
-            ("slot_mapping", slot_mapping),
-            ("k_scale", k_scale),
-            ("v_scale", v_scale),
-            ("q_scale", q_scale),
-        ),
-        extents=extents,
-    )
+    if ext is not None:  # scales: one float32
+        extents = [ext[0] if q_out is None else ext[8], ext[1], ext[2]]
+        tail = [ext[5], ext[6], ext[7], 0 if k_scale is None else 4, 0 if v_scale is None else 4]
+    if write_key:
+        written.append(("k", k))
+        if ext is not None:
+            extents.append(ext[3])
+    if q_scale is not None:
+        read.append(("q_scale", q_scale))
+        if ext is not None:
+            tail.append(4)
+    validate.written_vs_read(OP, written, read, extents=None if ext is None else extents + tail)
     if validate.is_strict():
         if positions is not None:
             validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
@@ -472,8 +459,8 @@ def apply_rope_and_store(
             scale_key(v_scale),
             type(write_key),
             write_key,
-            tensor_key(q_out),
-            scale_key(q_scale),
+            None if q_out is None else tensor_key(q_out),
+            None if q_scale is None else scale_key(q_scale),
         )
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them

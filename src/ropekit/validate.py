@@ -630,21 +630,24 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out
     decided by may_alias. `extents` (store_extents of these tensors) and `memo` (a dict kept per
     call signature: verdicts by pair and byte distance) let repeated calls skip the work.
     """
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("q_out", q_out))
-    written = (q_out is None, True, True, bool(write_key), False, q_out is not None)
     if extents is None:
         extents = store_extents(q, k, v, k_cache, v_cache, q_out=q_out)
-    ext = (*extents[:5], extents[8])
-    ptrs = [0 if x is None else x.data_ptr() for _, x in named]
-    for i in range(6):
-        if not written[i]:
-            continue
-        for j in range(6):
-            # each pair once: a written j before i was its own i already
-            if j == i or not ext[j] or (written[j] and j < i):
-                continue
+    # the written ones first (q's place taken by q_out when given, q then read last), then the read ones
+    named = [
+        ("q", q, extents[0]) if q_out is None else ("q_out", q_out, extents[8]),
+        ("k_cache", k_cache, extents[1]),
+        ("v_cache", v_cache, extents[2]),
+        ("k", k, extents[3]),
+        ("v", v, extents[4]),
+    ]
+    if q_out is not None:
+        named.append(("q", q, extents[0]))
+    n = len(named)
+    ptrs = [x.data_ptr() for _, x, _ in named]
+    for i in range(4 if write_key else 3):  # the written ones, against all that follow
+        for j in range(i + 1, n):
             a, b = ptrs[i], ptrs[j]
-            if not (a < b + ext[j] and b < a + ext[i]):
+            if not (a < b + named[j][2] and b < a + named[i][2]):
                 continue
             key = (i, j, b - a)
             verdict = None if memo is None else memo.get(key)
