@@ -891,3 +891,37 @@ def test_gpu_cuda_graph_forms():
     torch.cuda.synchronize()
     for got, want in ((q_out, want_qo), (k, want_k), (kc, want_kc), (vc, want_vc)):
         assert torch.equal(bits(got), bits(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# the bench rows of the forms (W7-WK, W7-WK-E5M2, W7-T64-WK, W10-FP8Q, W10-T64-FP8Q)
+
+
+@pytest.mark.parametrize("wid", ["W7-WK", "W7-WK-E5M2", "W7-T64-WK", "W10-FP8Q", "W10-T64-FP8Q"])
+def test_bench_rows_check_and_bytes(monkeypatch, wid):
+    """Each row's ropekit call passes its own float64 check (pure-PyTorch CPU path, as the bench's
+    CPU mode runs); the bytes are the plain row's plus the form's extra traffic; other peers are n/a."""
+    from ropekit.bench import peers, workloads
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pipeline.clear()
+    w = workloads.BY_ID[wid]
+    s = dict(w.sizes(True), T=16)
+    table = workloads.make_table(w, s, "cpu")
+    base = workloads.make_inputs(w, s, table, "cpu", 0)
+    exp = workloads.expected(w, base, workloads.Oracle())
+    inp = workloads.clone_inputs(base)
+    bound = peers.Ropekit().make(w, inp)
+    got = workloads.canon(w, inp, bound.canon(bound.fn()))
+    assert set(got) == set(exp)
+    errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
+    assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
+    pipeline.clear()
+    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
+    q, k, v, kc = base["q"], base["k"], base["v"], base["k_cache"]
+    rows = (k.numel() + v.numel()) * kc.element_size()
+    extra = nb(k) if "write_key" in w.store_forms else 0
+    q_written = q.numel() if "fp8_q_out" in w.store_forms else nb(q)
+    assert workloads.min_bytes(w, base) == nb(q) + q_written + nb(k) + nb(v) + rows + extra
+    with pytest.raises(peers.PeerSkip):
+        peers.forms_only_ropekit(peers.RopekitUnfused(), w)
