@@ -271,12 +271,6 @@ def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int,
     return half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb
 
 
-def fp8_limit(dtype: torch.dtype) -> float:
-    """The saturation bound of an output dtype: its largest finite value for fp8 formats (448 for
-    e4m3, 57344 for e5m2), 0.0 (none) for the others."""
-    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
-
-
 def plan_store(
     q,
     k,
@@ -382,9 +376,6 @@ def plan_store(
         TAIL_PAD_Q=next_pow2(q_tail) if q_out is not None and q_tail > 0 else 0,
         Q_SCALED=q_scaled,
         WRITE_K=bool(write_key),
-        LIMIT_Q=fp8_limit(qo.dtype),
-        LIMIT_K=fp8_limit(k_cache.dtype),
-        LIMIT_V=fp8_limit(v_cache.dtype),
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, False, n_tokens, store=True),

@@ -450,9 +450,6 @@ import math  # noqa: E402  (kept in this section so the section stands alone)
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
-# the fused store's outputs (caches, q_out) also take e5m2 (saturated at 57344, see ropekit.store)
-STORE_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-STORE_OUT_DTYPES = FLOAT_DTYPES + STORE_FP8_DTYPES
 _CACHE_HINT = "(num_blocks, block_size, H, D) or (num_slots, H, D)"
 
 
@@ -530,7 +527,7 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
         fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
 
     for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
-        tensor(op, name, cache, ndims=(3, 4), dtypes=STORE_OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
+        tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
         want = tuple(x.shape[-2:])
         if tuple(cache.shape[-2:]) != want:
             hint = ""
@@ -741,7 +738,7 @@ def store_outputs(op, q, k, q_out, q_scale, write_key):
         "q_out",
         q_out,
         ndims=(q.dim(),),
-        dtypes=STORE_OUT_DTYPES,
+        dtypes=OUT_DTYPES,
         device=q.device,
         shape_hint=f"of q's shape {tuple(q.shape)}",
     )

@@ -17,24 +17,16 @@ elements). Slots < 0 (padding) write nothing; slots >= num_slots write nothing e
 token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.store).
 
 fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its scale, saturated to
-the format's largest finite value (LIMIT_*: 448 for e4m3, 57344 for e5m2; NaN stays NaN) and cast
-once, so the result does not depend on how a backend's cast treats values out of range.
+the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .rope's
+`_saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
+backend's cast treats values out of range.
 """
 
 import triton
 import triton.language as tl
 
 from .norm import _load_tail, _norm_heads
-from .rope import _load_angles, _load_heads, _pdl_prologue, _store_heads
-
-
-@triton.jit
-def _saturate(x, LIMIT: tl.constexpr):
-    """x clamped to [-LIMIT, LIMIT] when LIMIT > 0 (an fp8 output); NaN compares false and stays NaN,
-    so a flagged row keeps its signal."""
-    if LIMIT > 0:
-        x = tl.where(x > LIMIT, LIMIT, tl.where(x < -LIMIT, -LIMIT, x))
-    return x
+from .rope import _load_angles, _load_heads, _pdl_prologue, _saturate, _store_heads
 
 
 @triton.jit
@@ -53,13 +45,12 @@ def _copy_heads(
     BLOCK_H: tl.constexpr,
     D_PAD: tl.constexpr,
     SCALED: tl.constexpr,
-    LIMIT: tl.constexpr,
 ):
     """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each); x_tok / o_tok are int64.
 
     stride_x_dim: x's last-dim stride (Triton specializes the usual 1, so a unit stride costs
     nothing). SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast
-    (fp8 caches); LIMIT: saturation (see _saturate).
+    (fp8 caches); fp8 outputs saturate (see .rope's _saturate).
     """
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
@@ -69,8 +60,8 @@ def _copy_heads(
     x = tl.load(x_ptr + x_tok + h64[:, None] * stride_x_head + j.to(tl.int64) * stride_x_dim, mask=m).to(tl.float32)
     if SCALED:
         x = x / tl.load(o_scale_ptr).to(tl.float32)
-    x = _saturate(x, LIMIT)
-    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, x.to(o_ptr.dtype.element_ty), mask=m)
+    out_ty = o_ptr.dtype.element_ty
+    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, _saturate(x, out_ty).to(out_ty), mask=m)
 
 
 @triton.jit
@@ -146,25 +137,25 @@ def _put_heads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     SCALED: tl.constexpr,
-    LIMIT: tl.constexpr,
 ):
     """Store _rope_heads' tiles at o_base (a token's first element) in o's dtype: the rotated pairs,
     and the tail t when TAIL_PAD > 0. SCALED: divided by the float32 scalar at o_scale_ptr first;
-    LIMIT: saturated (an fp8 output)."""
+    an fp8 output saturates."""
     if SCALED:
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = o1 * inv
         o2 = o2 * inv
         t = t * inv
-    o1 = _saturate(o1, LIMIT)
-    o2 = _saturate(o2, LIMIT)
+    out_ty = o_base.dtype.element_ty
+    o1 = _saturate(o1, out_ty)
+    o2 = _saturate(o2, out_ty)
     _store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(o_row + 2 * HALF + j, _saturate(t, LIMIT).to(o_base.dtype.element_ty), mask=mt)
+        tl.store(o_row + 2 * HALF + j, _saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -282,9 +273,6 @@ def _store_block(
     TAIL_PAD_Q: tl.constexpr,
     Q_SCALED: tl.constexpr,
     WRITE_K: tl.constexpr,
-    LIMIT_Q: tl.constexpr,
-    LIMIT_K: tl.constexpr,
-    LIMIT_V: tl.constexpr,
 ):
     """Head block blk of token (b, s): q's blocks (rotated in place or into q_out), then k's
     (rotated into the slot's cache row, and back into k with WRITE_K), then v's (copied into the
@@ -337,7 +325,6 @@ def _store_block(
             INTERLEAVED,
             PACK_Q,
             Q_SCALED,
-            LIMIT_Q,
         )
     elif blk < n_q_blocks + n_k_blocks:
         if store or WRITE_K:
@@ -380,7 +367,6 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     K_SCALED,
-                    LIMIT_K,
                 )
             if WRITE_K:
                 # after the cache row: the row's tail was read from k. k's own tail changes only
@@ -402,7 +388,6 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     False,
-                    0.0,
                 )
     elif store:
         _copy_heads(
@@ -420,7 +405,6 @@ def _store_block(
             BLOCK_HV,
             DV_PAD,
             V_SCALED,
-            LIMIT_V,
         )
 
 
@@ -499,9 +483,6 @@ def rope_store_kernel(
     TAIL_PAD_Q: tl.constexpr,  # q's tail tile width when written (0: the tail stays as it is)
     Q_SCALED: tl.constexpr,  # q_out written divided by q's scale
     WRITE_K: tl.constexpr,  # rotated (normalized) k written back into k, every token
-    LIMIT_Q: tl.constexpr,  # q_out's saturation bound (its fp8 format's largest value; 0: none)
-    LIMIT_K: tl.constexpr,  # the k cache's likewise
-    LIMIT_V: tl.constexpr,  # the v cache's likewise
     HEAD_LOOP: tl.constexpr,  # one program per token walks all n_blocks head blocks
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
@@ -628,7 +609,4 @@ def rope_store_kernel(
             TAIL_PAD_Q,
             Q_SCALED,
             WRITE_K,
-            LIMIT_Q,
-            LIMIT_K,
-            LIMIT_V,
         )
