@@ -440,6 +440,10 @@ def run_rope(r, gen, device, cfg):
         b.check()
     if qo.data_ptr() == q.data_ptr():
         raise Failure("out of place returned q itself")
+    if r.random() < 0.3:
+        n_ops += run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw)
+        for b in bufs:
+            b.check()
 
     # in place on the same inputs: the rotated dims change, the tails and all else stay
     qb.expect(qs, rq, cols=slice(0, rot))
@@ -453,6 +457,39 @@ def run_rope(r, gen, device, cfg):
     for b in bufs:
         b.check()
     return n_ops
+
+
+def run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw):
+    """The core's output flags on the same inputs: inverse=True, or fp8 outputs with scales."""
+    if r.random() < 0.5:
+        cfg.update(extra="inverse")
+        qi, ki = ropekit.apply_rope(q, k, pos_d, table_d, inverse=True, **kw)
+        sync(device)
+        c, s = reference.angles_from_table(
+            tab64,
+            pos,
+            lead,
+            rotary_dim=kw["rotary_dim"],
+            mrope_section=kw["mrope_section"],
+            mrope_interleaved=kw["mrope_interleaved"],
+        )
+        il = kw["interleaved"]
+        close(qi, reference.rotate(q64, c, s, interleaved=il, inverse=True), dtype, "q_out (inverse)")
+        if k is not None:
+            close(ki, reference.rotate(k64, c, s, interleaved=il, inverse=True), dtype, "k_out (inverse)")
+        return 1
+    f8 = r.choice(FP8S)
+    qs, kscale = r.choice((0.25, 1.0, 3.0)), r.choice((0.5, 2.0))
+    cfg.update(extra=f"{str(f8)[6:]} q_scale {qs} k_scale {kscale}")
+    big = torch.finfo(f8).max
+    q8, k8 = ropekit.apply_rope(
+        q, k, pos_d, table_d, out_dtype=f8, q_scale=qs, k_scale=torch.tensor([kscale], device=device), **kw
+    )
+    sync(device)
+    close(q8, (rq / qs).clamp(-big, big), f8, "q_out (fp8)")
+    if k is not None:
+        close(k8, (rk / kscale).clamp(-big, big), f8, "k_out (fp8)")
+    return 1
 
 
 def _angles_template(r):
