@@ -118,9 +118,12 @@ OPS = {
             ("rotary_dim", None),
             ("k_scale", SCALE),
             ("v_scale", SCALE),
+            ("write_key", None),
+            ("q_out", HEADS),
+            ("q_scale", SCALE),
         ),
         outputs=(),
-        written=("q", "k_cache", "v_cache"),
+        written=("q", "k", "k_cache", "v_cache", "q_out"),
     ),
 }
 

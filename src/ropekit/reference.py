@@ -291,11 +291,27 @@ def apply_rope(
 
 
 def store_rows(
-    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, interleaved, rotary_dim, k_scale, v_scale
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    interleaved,
+    rotary_dim,
+    k_scale,
+    v_scale,
+    q_out=None,
+    q_scale=None,
+    write_key=False,
 ):
     """The fused store's CPU path, with the kernel's semantics: float32 math, one rounding into the
-    cache dtype (no detour through k's dtype), slots past the cache skipped and flagged in q (NaN).
-    k_scale / v_scale: None or 1-element float32 tensors."""
+    cache dtype (no detour through k's dtype), fp8 outputs saturated, slots past the cache skipped
+    and flagged in q (NaN). k_scale / v_scale / q_scale: None or 1-element float32 tensors. q_out:
+    None (q rotated in place) or where rotated q / q_scale goes; write_key: rotated k back into k."""
     n_tok = q.dim() - 2
     block_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
     slots = slot_mapping.long()
@@ -303,20 +319,31 @@ def store_rows(
     keep = (slots >= 0) & ~bad
     rot = rotary_dim
     cos, sin = angles_from_table(cos_sin_cache, positions, tuple(q.shape[:n_tok]), rotary_dim=rot)
-    q.copy_(rotate(q, cos, sin, interleaved=interleaved))
+    q_rot = rotate(q.float(), cos, sin, interleaved=interleaved)
     if bool(bad.any()):
-        q[..., :rot][bad] = float("nan")
+        q_rot[..., :rot][bad] = float("nan")
+    (q if q_out is None else q_out).copy_(_scaled_for(q_rot, q_scale, q if q_out is None else q_out))
     idx = slots[keep]
     k_rot = rotate(k.float(), cos, sin, interleaved=interleaved)
+    if write_key:
+        k[..., :rot] = k_rot[..., :rot].to(k.dtype)
     for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v.float(), v_scale)):
-        vals = rows[keep]
-        if scale is not None:
-            vals = vals / scale.reshape(()).float()
-        vals = vals.to(cache.dtype)
+        vals = _scaled_for(rows[keep], scale, cache)
         if cache.dim() == 4:
             cache[idx // block_size, idx % block_size] = vals
         else:
             cache[idx] = vals
+
+
+def _scaled_for(vals, scale, out):
+    """float32 values divided by scale (None: 1) and rounded once into out's dtype, saturated to
+    the fp8 range (NaN kept) when out is fp8."""
+    if scale is not None:
+        vals = vals / scale.reshape(()).float()
+    if out.element_size() == 1:
+        limit = torch.finfo(out.dtype).max
+        vals = vals.clamp(-limit, limit)
+    return vals.to(out.dtype)
 
 
 def apply_rope_and_store(
