@@ -4,17 +4,17 @@
                other arguments with their types, plus grad mode: a hashable key. Types are part of
                it, so `rotary_dim=16.0` never reuses the verdict on `rotary_dim=16`.
     spec       what validation concluded about that signature (a `Variant`: the frozen record of
-               every flag a kernel or the reference branches on; the rotary width; which door), and
+               every flag a kernel or the CPU path branches on; the rotary width; which door), and
                the launch plans once made. One bounded memo holds every spec (`remember`, `clear`).
     doors      torch.compile -> the torch.library custom op (ops.py / store.py register them with
                their fakes); eager with grad -> `RotateFunction`; eager without grad -> a direct
                run. Tensor subclasses (DTensor) take the custom-op door: the dispatcher handles them.
     run        `run_rotate` / `run_store`: the Triton launch (CUDA tensors, or CPU tensors under
-               TRITON_INTERPRET=1) or the pure-PyTorch reference on CPU. The backward of every door
+               TRITON_INTERPRET=1) or ropekit.cpu's PyTorch ops on CPU tensors. The backward of every door
                is the same run with `Variant.backward()`: the inverse rotation.
 
 Adding a variant flag: a field of `Variant` (and its kernel constexpr in launcher.py's table), its
-check in validate.py, its branch in the kernel and in reference.py.
+check in validate.py, its branch in the kernel, in cpu.py and in the oracle reference.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import launcher, reference
+from . import cpu, launcher
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
 # must fail a test, which memory that happens to be zero would hide).
@@ -35,7 +35,7 @@ DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
 
 
 class Variant(NamedTuple):
-    """The compile-time description of one rotation: every flag the kernels and the reference
+    """The compile-time description of one rotation: every flag the kernels and the CPU path
     branch on. Frozen and hashable: plans are keyed by it."""
 
     interleaved: bool = False  # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
@@ -191,43 +191,34 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
         if plan is not None:
             launcher.fire_rotate(plan, q, k, q_out, k_out, a, b)
         return
-    _reference_rotate(spec, variant, q, k, q_out, k_out, a, b)
+    _cpu_rotate(spec, variant, q, k, q_out, k_out, a, b)
 
 
-def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
-    hf = variant.heads_first
-    q, k, q_out, k_out = (heads_first(x, hf) for x in (q, k, q_out, k_out))
-    if q.shape[:-2].numel() == 0:
-        return
-    token_shape = tuple(q.shape[:-2])
-    half = spec.rot // 2
-    sections = variant.sections if variant.mrope else None
-    il_sections = variant.mrope == MROPE_INTERLEAVED
+def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
+    """CPU tensors without Triton: ropekit.cpu, with per-token angles as validation saw them and
+    packed positions derived here."""
     if variant.angles == "tokens":
-        c, s = angle_views(spec, a, b)
-        if variant.mrope:
-            sec = reference.mrope_sections_of_frequencies(half, sections, il_sections).to(c.device)
-            pick = sec.view(1, *([1] * len(token_shape)), -1).expand(1, *c.shape[1:])
-            c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
-    else:
-        if variant.angles == "packed":  # a: cu_seqlens
-            from .packed import positions_from_cu_seqlens
+        a, b = angle_views(spec, a, b)
+    elif variant.angles == "packed":  # a: cu_seqlens
+        from .packed import positions_from_cu_seqlens
 
-            a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
-        c, s = reference.gather_angles(
-            b[:, :half], b[:, half : spec.rot], a, token_shape, mrope_section=sections, mrope_interleaved=il_sections
-        )
-    for x, out in ((q, q_out), (k, k_out)):
-        if x is not None:
-            reference.rotate_into(
-                x,
-                out,
-                c,
-                s,
-                interleaved=variant.interleaved,
-                out_interleaved=variant.out_interleaved,
-                inverse=variant.inverse,
-            )
+        a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
+    cpu.rope(
+        q,
+        k,
+        q_out,
+        k_out,
+        a,
+        b,
+        rot=spec.rot,
+        table=variant.angles != "tokens",
+        interleaved=variant.interleaved,
+        out_interleaved=variant.out_interleaved,
+        inverse=variant.inverse,
+        sections=variant.sections if variant.mrope else None,
+        il_sections=variant.mrope == MROPE_INTERLEAVED,
+        heads_first=variant.heads_first,
+    )
 
 
 def angle_views(spec: Spec, cos, sin):
@@ -276,7 +267,7 @@ def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapp
             )
         launcher.fire_store(plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.store_rows(
+        cpu.store_rows(
             q,
             k,
             v,
@@ -302,7 +293,7 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
             )
         launcher.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
     elif slots.shape[0]:
-        reference.rerotate_kv_cache(
+        cpu.rerotate_rows(
             k_cache,
             slots,
             delta if delta is not None else delta_int,
