@@ -13,6 +13,10 @@ import threading
 import pytest
 import torch
 
+# Triton loaded while conftest's TRITON_INTERPRET=1 is set: its own jit helpers keep the mode they
+# were made in, and tests here remove the variable
+import triton.language  # noqa: F401
+
 import ropekit
 import ropekit.hf
 from ropekit import cpu, pipeline, reference
@@ -357,6 +361,7 @@ def test_calls_after_inference_mode(cpu_path, first):
 
 def test_training_step_after_inference_mode(cpu_path):
     """A patched model evaluated under inference_mode, then trained: bf16 with autograd."""
+    cpu.forget_scratch()
     cache = make_cache(16, 32)
     with torch.inference_mode():
         ropekit.apply_rope(rnd(4, 2, 32, dtype=torch.bfloat16), None, torch.arange(4), cache)
