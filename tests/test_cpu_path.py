@@ -49,7 +49,7 @@ def rnd(*shape, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("where", ["out", "inplace"])
 @pytest.mark.parametrize("layout", ["bshd_view", "thd", "big"])
-def test_rotate_matches_oracle(dtype, in_il, out_il, inverse, where, layout):
+def test_rotate_matches_oracle(monkeypatch, dtype, in_il, out_il, inverse, where, layout):
     D, rot = 48, 32
     if layout == "bshd_view":  # HF's (B, S, H, D) view of (B, H, S, D) storage, partial rotary
         x = rnd(2, 3, 5, D, dtype=dtype).transpose(1, 2)
@@ -57,9 +57,11 @@ def test_rotate_matches_oracle(dtype, in_il, out_il, inverse, where, layout):
     elif layout == "thd":
         x = rnd(7, 3, D, dtype=dtype)
         cos = rnd(7, rot // 2, seed=1)
-    else:  # past one scratch block per thread: the blocked path
-        n = cpu._BLOCK_ELEMS * torch.get_num_threads() // (8 * D) + 50
-        x = rnd(1, 8, n, D, dtype=dtype).transpose(1, 2)  # (1, n, 8, D)
+    else:  # blocks made small: the blocked paths, several blocks and a short last one
+        monkeypatch.setattr(cpu, "_BLOCK_ELEMS", 1 << 10)
+        monkeypatch.setattr(cpu, "_PARALLEL_BLOCK_ELEMS", 1 << 11)
+        n = 3 * cpu._block_elems() // (8 * rot) + 5
+        x = rnd(2, 8, n, D, dtype=dtype).transpose(1, 2)  # (2, n, 8, D)
         cos = rnd(n, rot // 2, seed=1)  # broadcast over B
     sin = rnd(*cos.shape, seed=2)
     want = reference.rotate(
@@ -131,6 +133,24 @@ def test_apply_rope(cpu_path, dtype, case, inplace):
     assert rel_err(qo, rq) < TOL[dtype] and rel_err(ko, rk) < TOL[dtype]
     if not inplace:
         assert torch.equal(qi, q) and torch.equal(ki, k), "inputs untouched"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rope_in_blocks(cpu_path, monkeypatch, dtype, inplace, interleaved):
+    """q and k (other head counts and head sizes, partial rotary) staged together in several
+    blocks of tokens, and rotated directly in blocks."""
+    monkeypatch.setattr(cpu, "_BLOCK_ELEMS", 1 << 9)
+    monkeypatch.setattr(cpu, "_PARALLEL_BLOCK_ELEMS", 1 << 10)
+    B, S, rot = 2, 37, 16
+    q, k = rnd(B, S, 4, 32, dtype=dtype), rnd(B, S, 1, 24, dtype=dtype, seed=1)
+    cache = make_cache(64, rot)
+    pos = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(2))
+    kw = dict(interleaved=interleaved, rotary_dim=rot)
+    rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double(), **kw)
+    qo, ko = ropekit.apply_rope(q.clone(), k.clone(), pos, cache, inplace=inplace, **kw)
+    assert rel_err(qo, rq) < TOL[dtype] and rel_err(ko, rk) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 from typing import Optional, Sequence, Tuple
 
@@ -79,8 +80,9 @@ def scratch(shape, dtype: torch.dtype, slot: int) -> torch.Tensor:
 
 
 def forget_scratch() -> None:
-    """Drop this thread's scratch buffers (their memory returns to the allocator)."""
+    """Drop this thread's scratch buffers and prepared angles (their memory returns to the allocator)."""
     _local.views = None
+    _local.angles = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +157,8 @@ def table_angles(cos_sin_cache, positions, token_shape, rot: int, sections=None,
 # the rotation
 
 
-_BLOCK_ELEMS = 1 << 18  # elements of one scratch block per thread (1 MB in float32): half an L2
+_BLOCK_ELEMS = 1 << 18  # elements of one block per thread (1 MB in float32): a core's L2
+_PARALLEL_BLOCK_ELEMS = 1 << 22  # the smallest block when several threads share the passes
 
 
 class _Angles:
@@ -177,6 +180,30 @@ class _Angles:
         if self._e is None:
             self._e = torch.complex(self.c, self.s)
         return self._e
+
+
+_ANGLE_ENTRIES = 8  # prepared angles kept per thread: a model's tables and one forward's cos / sin
+
+
+def _cached_angles(srcs, key, make) -> _Angles:
+    """The prepared angles of srcs (the tensors they are read from) under key, made again when
+    one of them is another tensor or was written in place (its version counter). The entry holds
+    srcs, so their ids in the key cannot be reused while it lives. Inference tensors have no
+    version counter: their angles are made per call."""
+    if any(t.is_inference() for t in srcs):
+        return make()
+    store = getattr(_local, "angles", None)
+    if store is None:
+        store = _local.angles = {}
+    versions = tuple(t._version for t in srcs)
+    entry = store.get(key)
+    if entry is not None and entry[1] == versions and all(x is y for x, y in zip(entry[0], srcs)):
+        return entry[2]
+    ang = make()
+    if len(store) >= _ANGLE_ENTRIES:
+        store.clear()
+    store[key] = (srcs, versions, ang)
+    return ang
 
 
 def _prepare(cos, sin, ct, inverse: bool, heads_dim: int) -> _Angles:
@@ -257,7 +284,7 @@ def _rotate_blocked(x, out, ang: _Angles, interleaved, out_interleaved, same) ->
     if perm != list(range(nd)):
         x, out = x.permute(*perm, nd), out.permute(*perm, nd)
         c, s = c.permute(*perm, nd), s.permute(*perm, nd)
-    rows = _BLOCK_ELEMS * torch.get_num_threads() // max(x.shape[-1], 1)
+    rows = _block_elems() // max(x.shape[-1], 1)
     for index in _blocks(tuple(x.shape[:-1]), rows):
         _rotate_block(x[index], out[index], _Angles(c[index], s[index], ang.ct), interleaved, out_interleaved, same)
 
@@ -279,10 +306,9 @@ def _staging(token_shape, heads, rot: int, ct) -> tuple:
     return got
 
 
-def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
-    """Rotate (x, out) pairs of one token shape, in place or of a dtype other than the compute
-    dtype, through one compute-dtype copy of all their heads: a copy in per tensor, two passes
-    (one complex multiply when interleaved), a copy out per tensor (the one rounding)."""
+def _stage_block(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
+    """One block of _rotate_staged: every pair's heads copied side by side into a compute-dtype
+    scratch, two passes (one complex multiply when interleaved), a copy out per pair."""
     x0 = pairs[0][0]
     y, r, y_parts, r_parts, (y1, y2), (r1, r2) = _staging(
         tuple(x0.shape[:-2]), tuple(x.shape[-2] for x, _ in pairs), rot, ang.ct
@@ -300,6 +326,31 @@ def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
         out.copy_(part)
 
 
+def _block_elems() -> int:
+    """Elements of one block. One thread: about its core's L2, so that the passes over a block
+    stay in cache. More threads: each pass is a parallel region whose threads wait for each other,
+    so blocks are larger (fewer regions; a busy host deschedules one of them less often)."""
+    threads = torch.get_num_threads()
+    return _BLOCK_ELEMS if threads == 1 else max(_BLOCK_ELEMS * threads, _PARALLEL_BLOCK_ELEMS)
+
+
+def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
+    """Rotate (x, out) pairs of one token shape, in place or of a dtype other than the compute
+    dtype, through one compute-dtype copy of all their heads (copies in, two passes, copies out:
+    the one rounding), in blocks of tokens when they are large."""
+    token_shape = tuple(pairs[0][0].shape[:-2])
+    per_token = rot * sum(x.shape[-2] for x, _ in pairs)
+    rows = max(1, _block_elems() // per_token)
+    if math.prod(token_shape) <= rows:
+        _stage_block(pairs, ang, rot, interleaved)
+        return
+    full = (*token_shape, 1, rot // 2)
+    c, s = ang.c.expand(full), ang.s.expand(full)
+    for index in _blocks(token_shape, rows):
+        block = [(x[index], out[index]) for x, out in pairs]
+        _stage_block(block, _Angles(c[index], s[index], ang.ct), rot, interleaved)
+
+
 def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleaved: bool) -> None:
     """Rotate the first rot dims of each (x, out) pair (tensors (*T, H, D) of one token shape; out
     may be x), copying the tail when out is not x. Small tensors with one layout in and out that
@@ -307,15 +358,14 @@ def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleave
     place writes out directly; large tensors go through in blocks."""
     ct = ang.ct
     staged = []
-    small = sum(x.numel() for x, _ in pairs) <= _BLOCK_ELEMS * torch.get_num_threads()
     for x, out in pairs:
         same = out.data_ptr() == x.data_ptr()
         full = x.shape[-1] == rot
         xr, outr = (x, out) if full else (x[..., :rot], out[..., :rot])
-        if not small:
-            _rotate_blocked(xr, outr, ang, interleaved, out_interleaved, same)
-        elif interleaved == out_interleaved and (same or x.dtype != ct or out.dtype != ct):
+        if interleaved == out_interleaved and (same or x.dtype != ct or out.dtype != ct):
             staged.append((xr, outr))
+        elif x.numel() > _block_elems():
+            _rotate_blocked(xr, outr, ang, interleaved, out_interleaved, same)
         else:
             _rotate_block(xr, outr, ang, interleaved, out_interleaved, same)
         if not same and not full:
@@ -378,14 +428,25 @@ def rope(
     token_shape = tuple(q.shape[:-2])
     if 0 in token_shape:
         return
+    ct = compute_dtype(q)
     if table:
-        cos, sin = table_angles(b, a, token_shape, rot, sections, il_sections)
+        srcs = (b,) if a is None else None  # rows 0..S-1: the same angles while the table is unchanged
+        key = ("arange", id(b), token_shape[-1], rot, inverse, ct)
     else:
-        half = rot // 2
-        cos, sin = (a, b) if a.shape[-1] == half else (a[..., :half], b[..., :half])
-        if sections is not None:
-            cos, sin = pick_sections(cos, sin, sections, il_sections)
-    ang = _prepare(cos, sin, compute_dtype(q), inverse, -2)
+        srcs = (a, b)  # a model passes one forward's cos / sin to every layer
+        key = ("tokens", id(a), id(b), rot, inverse, ct, sections, il_sections)
+
+    def make():
+        if table:
+            cos, sin = table_angles(b, a, token_shape, rot, sections, il_sections)
+        else:
+            half = rot // 2
+            cos, sin = (a, b) if a.shape[-1] == half else (a[..., :half], b[..., :half])
+            if sections is not None:
+                cos, sin = pick_sections(cos, sin, sections, il_sections)
+        return _prepare(cos, sin, ct, inverse, -2)
+
+    ang = make() if srcs is None else _cached_angles(srcs, key, make)
     pairs = ((q, q_out),) if k is None or k.numel() == 0 else ((q, q_out), (k, k_out))
     _rotate_all(pairs, ang, rot, interleaved, out_interleaved)
 

@@ -195,11 +195,9 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
 
 
 def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
-    """CPU tensors without Triton: ropekit.cpu, with per-token angles as validation saw them and
-    packed positions derived here."""
-    if variant.angles == "tokens":
-        a, b = angle_views(spec, a, b)
-    elif variant.angles == "packed":  # a: cu_seqlens
+    """CPU tensors without Triton: ropekit.cpu (per-token angles as given: it broadcasts them),
+    with packed positions derived here."""
+    if variant.angles == "packed":  # a: cu_seqlens
         from .packed import positions_from_cu_seqlens
 
         a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
