@@ -58,9 +58,9 @@ def test_rotate_matches_oracle(monkeypatch, dtype, in_il, out_il, inverse, where
         x = rnd(7, 3, D, dtype=dtype)
         cos = rnd(7, rot // 2, seed=1)
     else:  # blocks made small: the blocked paths, several blocks and a short last one
-        monkeypatch.setattr(cpu, "_BLOCK_ELEMS", 1 << 10)
-        monkeypatch.setattr(cpu, "_PARALLEL_BLOCK_ELEMS", 1 << 11)
-        n = 3 * cpu._block_elems() // (8 * rot) + 5
+        monkeypatch.setattr(cpu, "BLOCK_ELEMS", 1 << 10)
+        monkeypatch.setattr(cpu, "PARALLEL_BLOCK_ELEMS", 1 << 11)
+        n = 3 * cpu.block_elems() // (8 * rot) + 5
         x = rnd(2, 8, n, D, dtype=dtype).transpose(1, 2)  # (2, n, 8, D)
         cos = rnd(n, rot // 2, seed=1)  # broadcast over B
     sin = rnd(*cos.shape, seed=2)
@@ -141,8 +141,8 @@ def test_apply_rope(cpu_path, dtype, case, inplace):
 def test_apply_rope_in_blocks(cpu_path, monkeypatch, dtype, inplace, interleaved):
     """q and k (other head counts and head sizes, partial rotary) staged together in several
     blocks of tokens, and rotated directly in blocks."""
-    monkeypatch.setattr(cpu, "_BLOCK_ELEMS", 1 << 9)
-    monkeypatch.setattr(cpu, "_PARALLEL_BLOCK_ELEMS", 1 << 10)
+    monkeypatch.setattr(cpu, "BLOCK_ELEMS", 1 << 9)
+    monkeypatch.setattr(cpu, "PARALLEL_BLOCK_ELEMS", 1 << 10)
     B, S, rot = 2, 37, 16
     q, k = rnd(B, S, 4, 32, dtype=dtype), rnd(B, S, 1, 24, dtype=dtype, seed=1)
     cache = make_cache(64, rot)
@@ -163,6 +163,26 @@ def test_apply_rope_two_token_dims_arange(cpu_path, dtype):
     rq, rk = reference.apply_rope(q.double(), k.double(), None, cache.double())
     qo, ko = ropekit.apply_rope(q, k, None, cache)
     assert rel_err(qo, rq) < TOL[dtype] and rel_err(ko, rk) < TOL[dtype]
+
+
+def test_angles_kept_between_calls_follow_in_place_writes(cpu_path):
+    """Prepared angles are reused for the same table (positions None) or the same cos / sin, and
+    made again when that tensor is written in place or is another tensor at the same address."""
+    q = rnd(2, 8, 2, 32, dtype=torch.bfloat16)
+    table = make_cache(8, 32)
+    for step in range(3):
+        rq, _ = reference.apply_rope(q.double(), None, None, table.double())
+        assert rel_err(ropekit.apply_rope(q, None, None, table)[0], rq) < 8e-3, step
+        table[:, :16] = table[:, :16].roll(1, 0)  # written in place: a new version
+    ang = torch.rand(2, 8, 16, dtype=torch.float64) * 9
+    cos, sin = ang.cos().float(), ang.sin().float()
+    for step in range(3):
+        want = reference.rotate(q.double(), cos.double(), sin.double())
+        assert rel_err(ropekit.rotate_with_angles(q, None, cos, sin)[0], want) < 8e-3, step
+        cos.mul_(-1.0)
+        if step == 1:  # a new tensor, possibly at the freed one's address
+            del cos
+            cos = (-ang).cos().float()
 
 
 def test_table_angles_past_the_table_are_nan():

@@ -8,14 +8,21 @@
     store_rows(q, k, v, positions, table, k_cache, v_cache, slot_mapping, ...)   the fused store
     rerotate_rows(k_cache, slots, delta, table, ...)                        re-rotation of cache rows
     norm_rotate(x, weight, cos, sin, *, interleaved, eps, offset)          RMSNorm then rotation
+    rms_norm(x, weight, *, eps, offset)                                     the norm alone (float32)
+    scratch(shape, dtype, slot), forget_scratch(), block_elems()           memory and blocking
 
 Semantics are the kernels': float32 math (float64 for float64 inputs), one rounding into the
 output dtype, a position outside the table gives NaN in that token's rotated dims. Written for
-speed with PyTorch's own CPU ops: each tensor is a few passes over memory that write into
-preallocated outputs (no temporaries of the tensor's size on the float32 out-of-place path),
-interleaved pairs rotate as one complex multiply, angles are gathered once for q and k, and large
-tensors go through in cache-sized blocks. ropekit.reference is the float64 oracle this module is
-tested against; nothing here imports it.
+speed with PyTorch's own CPU ops, where per-op overhead and passes over memory are the cost:
+float32 out of place is three passes per tensor written straight into the output (one multiply
+by [cos | cos], one multiply-add of sin into each half); in place or other dtypes, q's and k's
+heads are staged side by side in one float32 scratch (a copy in per tensor, the same passes once
+for both, a copy out: the one rounding); interleaved pairs rotate as one complex multiply; angles
+are prepared once per call and kept between calls with the same table or cos / sin tensors
+(checked by identity and version counter; a write through `.data` is not seen); large tensors go
+through in blocks of tokens sized for the cache. Scratch memory is per thread and usable inside
+and outside inference mode. ropekit.reference is the float64 oracle this module is tested
+against; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -157,8 +164,8 @@ def table_angles(cos_sin_cache, positions, token_shape, rot: int, sections=None,
 # the rotation
 
 
-_BLOCK_ELEMS = 1 << 18  # elements of one block per thread (1 MB in float32): a core's L2
-_PARALLEL_BLOCK_ELEMS = 1 << 22  # the smallest block when several threads share the passes
+BLOCK_ELEMS = 1 << 18  # elements of one block per thread (1 MB in float32): a core's L2
+PARALLEL_BLOCK_ELEMS = 1 << 22  # the smallest block when several threads share the passes
 
 
 class _Angles:
@@ -284,7 +291,7 @@ def _rotate_blocked(x, out, ang: _Angles, interleaved, out_interleaved, same) ->
     if perm != list(range(nd)):
         x, out = x.permute(*perm, nd), out.permute(*perm, nd)
         c, s = c.permute(*perm, nd), s.permute(*perm, nd)
-    rows = _block_elems() // max(x.shape[-1], 1)
+    rows = block_elems() // max(x.shape[-1], 1)
     for index in _blocks(tuple(x.shape[:-1]), rows):
         _rotate_block(x[index], out[index], _Angles(c[index], s[index], ang.ct), interleaved, out_interleaved, same)
 
@@ -326,12 +333,12 @@ def _stage_block(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
         out.copy_(part)
 
 
-def _block_elems() -> int:
+def block_elems() -> int:
     """Elements of one block. One thread: about its core's L2, so that the passes over a block
     stay in cache. More threads: each pass is a parallel region whose threads wait for each other,
     so blocks are larger (fewer regions; a busy host deschedules one of them less often)."""
     threads = torch.get_num_threads()
-    return _BLOCK_ELEMS if threads == 1 else max(_BLOCK_ELEMS * threads, _PARALLEL_BLOCK_ELEMS)
+    return BLOCK_ELEMS if threads == 1 else max(BLOCK_ELEMS * threads, PARALLEL_BLOCK_ELEMS)
 
 
 def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
@@ -340,7 +347,7 @@ def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
     the one rounding), in blocks of tokens when they are large."""
     token_shape = tuple(pairs[0][0].shape[:-2])
     per_token = rot * sum(x.shape[-2] for x, _ in pairs)
-    rows = max(1, _block_elems() // per_token)
+    rows = max(1, block_elems() // per_token)
     if math.prod(token_shape) <= rows:
         _stage_block(pairs, ang, rot, interleaved)
         return
@@ -364,7 +371,7 @@ def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleave
         xr, outr = (x, out) if full else (x[..., :rot], out[..., :rot])
         if interleaved == out_interleaved and (same or x.dtype != ct or out.dtype != ct):
             staged.append((xr, outr))
-        elif x.numel() > _block_elems():
+        elif x.numel() > block_elems():
             _rotate_blocked(xr, outr, ang, interleaved, out_interleaved, same)
         else:
             _rotate_block(xr, outr, ang, interleaved, out_interleaved, same)
