@@ -335,12 +335,12 @@ ROWS = [
         lambda: rope_args(k=lambda a: a["q"]),
     ),
     R(
-        "rope-inplace-grad",
+        "rope-inplace-grad-leaf",
         "apply_rope",
-        "in place on a tensor that requires grad",
+        "in place on a leaf tensor that requires grad",
         "q.requires_grad_()",
         ValueError,
-        "inplace: expected False when q or k requires grad",
+        "q: expected a tensor that is not a leaf requiring grad (nor a view of one) when inplace=True",
         lambda: rope_args(q=lambda a: a["q"].requires_grad_()),
     ),
     # ---- rotate_with_angles ------------------------------------------------------------------
@@ -830,8 +830,11 @@ def _duplicate_slots():
 
 def _no_grad_mode():
     a = store_args(q=lambda a: a["q"].requires_grad_())
+    want = ropekit.apply_rope(a["q"].detach(), a["k"], a["positions"], a["cos_sin_cache"])
     with torch.no_grad():
         apply_rope_and_store(**a)
+    assert torch.allclose(a["q"].detach(), want[0], atol=1e-6)
+    assert torch.allclose(a["k_cache"][0, 3], want[1][1], atol=1e-6)  # token 1 -> slot 3
 
 
 def _empty():
@@ -847,7 +850,12 @@ def _fused_in_place_decode_batch():
     q = qkv[..., : HQ * D].unflatten(-1, (HQ, D))
     k = qkv[..., HQ * D : (HQ + HK) * D].unflatten(-1, (HK, D))
     assert q.stride(1) != k.stride(1)
-    ropekit.apply_rope(q, k, torch.zeros(2, 1, dtype=torch.long), make_cache(16, D), inplace=True)
+    q0, k0, v0 = q.clone(), k.clone(), qkv[..., (HQ + HK) * D :].clone()
+    pos = torch.tensor([[3], [5]])
+    want_q, want_k = ropekit.apply_rope(q0, k0, pos, make_cache(16, D))
+    ropekit.apply_rope(q, k, pos, make_cache(16, D), inplace=True)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[..., (HQ + HK) * D :], v0)
 
 
 HANDLED = {

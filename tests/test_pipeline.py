@@ -143,9 +143,13 @@ def test_tuning_override_replans():
     pipeline.clear()
     ropekit.apply_rope(_q(), None, torch.tensor([0, 1, 2]), c)
     assert pipeline._MEMO
+    q = _q()
     with tuning.override(block_elems=64):
         assert not pipeline._MEMO
-        out, _ = ropekit.apply_rope(_q(), None, torch.tensor([0, 1, 2]), c)
+        out, _ = ropekit.apply_rope(q, None, torch.tensor([0, 1, 2]), c)
+        assert pipeline._MEMO  # planned again under the new knob
+    want = reference.rotate(q.double(), *reference.angles_from_table(c.double(), torch.tensor([0, 1, 2]), (3,)))
+    assert rel_err(out, want) < TOL[torch.float32]
     with pytest.raises(ValueError, match="knobs"):
         with tuning.override(no_such_knob=1):
             pass

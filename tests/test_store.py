@@ -749,10 +749,19 @@ def test_q_inside_a_cache_is_refused():
 def test_grad_mode_off_accepts_requires_grad():
     args = good()
     args["q"].requires_grad_()
+    c, s = reference.angles_from_table(args["cos_sin_cache"].double(), args["positions"], (T_,))
+    want_q = reference.rotate(args["q"].detach().double(), c, s)
+    want_k = reference.rotate(args["k"].double(), c, s)
     with torch.no_grad():
         apply_rope_and_store(
             *(args[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache", "v_cache", "slot_mapping"))
         )
+    assert torch.allclose(args["q"].detach().double(), want_q, atol=1e-5)
+    rows = args["k_cache"].reshape(-1, HK_, D_)
+    for t, slot in enumerate(args["slot_mapping"].tolist()):
+        if slot >= 0:
+            assert torch.allclose(rows[slot].double(), want_k[t], atol=1e-5)
+            assert torch.equal(args["v_cache"].reshape(-1, HK_, D_)[slot], args["v"][t])
 
 
 def test_may_alias_against_brute_force():

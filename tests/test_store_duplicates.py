@@ -54,6 +54,14 @@ def test_strict_accepts_distinct_slots_and_repeated_padding(device):
     v_cache = torch.zeros(4, 4, H, D, device=device)
     with validate.strict():
         apply_rope_and_store(q, k, v, pos, table, k_cache, v_cache, torch.tensor([5, -1, 2, -1], device=device))
+    c, s = reference.angles_from_table(table.double(), pos, (T,))
+    want_k = reference.rotate(k.double(), c, s)
+    k_rows, v_rows = k_cache.view(-1, H, D), v_cache.view(-1, H, D)
+    for t, slot in ((0, 5), (2, 2)):
+        assert torch.allclose(k_rows[slot].double(), want_k[t], atol=1e-5)
+        assert torch.equal(v_rows[slot], v[t])
+    untouched = [i for i in range(16) if i not in (5, 2)]
+    assert not k_rows[untouched].any() and not v_rows[untouched].any()
 
 
 def _check_mix(device, T=64, H=8, D=64, dup_every=4):

@@ -105,11 +105,11 @@ CASES = [
         "q: expected a tensor without broadcast",
     ),
     (
-        "inplace-requires-grad",
+        "inplace-leaf-requires-grad",
         bad(q=lambda a: a["q"].requires_grad_()),
         {},
         ValueError,
-        "inplace: expected False when q or k requires grad",
+        "q: expected a tensor that is not a leaf requiring grad",
     ),
     (
         "cache-requires-grad",
@@ -139,7 +139,11 @@ def test_fused_qkv_slices_are_not_overlap():
     qkv = torch.randn(T, (HQ + 2 * HK) * D)
     q = qkv[:, : HQ * D].view(T, HQ, D)
     k = qkv[:, HQ * D : (HQ + HK) * D].view(T, HK, D)
+    v0 = qkv[:, (HQ + HK) * D :].clone()
+    want_q, want_k = ropekit.apply_rope(q.clone(), k.clone(), torch.arange(T), make_cache(16, D))
     ropekit.apply_rope(q, k, torch.arange(T), make_cache(16, D), inplace=True)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (HQ + HK) * D :], v0)
 
 
 def test_out_of_place_accepts_overlap_and_grad():

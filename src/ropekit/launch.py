@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+_current_device = torch.cuda.current_device
+
 # how each launch went (the benchmarks print it); "ok" turns off for a Triton whose launcher differs
 COUNTS = {"direct": 0, "generic": 0}
 _STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None}
@@ -23,9 +27,21 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
     meta that may change from call to call under one plan (a fallback for a misaligned pointer).
     Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
     """
-    if not ptrs[0].is_cuda:
+    x = ptrs[0]
+    if not x.is_cuda:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
+    device = x.get_device()
+    if device != _current_device():
+        # the device guard: launch on the device of the tensors (validation put every tensor of the
+        # call on q's), not on whichever device is current, and on that device's current stream
+        with torch.cuda.device(device):
+            _launch(kernel, compiled, variant, grid, ptrs, args, meta)
+        return
+    _launch(kernel, compiled, variant, grid, ptrs, args, meta)
+
+
+def _launch(kernel, compiled, variant, grid, ptrs, args, meta) -> None:
     addrs = [p.data_ptr() for p in ptrs]
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
     any_bits = 0

@@ -201,6 +201,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         IN_INTERLEAVED=variant.interleaved,
         OUT_INTERLEAVED=variant.out_interleaved,
         INVERSE=variant.inverse,
+        SCALED=variant.scaled,
         PACK=pack,
         HEAD_LOOP=head_loop,
         PREFETCH=prefetch,
@@ -215,8 +216,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
 
 
-def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b) -> None:
-    """Launch rope_kernel; (a, b) as in pipeline.run_rotate."""
+def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None) -> None:
+    """Launch rope_kernel; (a, b) as in pipeline.run_rotate; scales: (q's, k's) float32 scalar
+    tensors when the variant is scaled (k's may be None without k)."""
     meta = plan.meta
     if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
@@ -226,7 +228,9 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b) -> None:
         pos, cos, sin = b, b, b
     else:  # per-token angles
         pos, cos, sin = a, a, b
-    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin)
+    # unscaled: the scale slots get the sin tensor, never read (one pointer type for both slots)
+    qs, ks = (sin, sin) if scales is None else (scales[0], scales[0] if scales[1] is None else scales[1])
+    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
     launch_kernel(_kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
 
 

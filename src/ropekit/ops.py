@@ -12,7 +12,7 @@ autograd Function when autograd records the call, else a direct run.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from .pipeline import (
     MROPE_CHUNKED,
     MROPE_INTERLEAVED,
     RotateFunction,
+    RotateViewFunction,
     Spec,
     Variant,
     tensor_key,
@@ -31,6 +32,7 @@ from .pipeline import (
 )
 
 _MEMO = pipeline._MEMO  # the pipeline's memo, read here without a function call per op call
+Scale = Union[None, float, torch.Tensor]
 
 
 def _mrope_code(mrope_section, mrope_interleaved) -> tuple:
@@ -100,6 +102,10 @@ def apply_rope(
     cu_seqlens: Optional[torch.Tensor] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    inverse: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    q_scale: Scale = None,
+    k_scale: Scale = None,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -124,13 +130,28 @@ def apply_rope(
             derived inside the kernel (no positions tensor, no sync); cp_size / cp_rank map them
             through context parallelism's dual-chunk layout (ropekit.positions_from_cu_seqlens
             computes the same positions). Values are checked in strict mode only.
+        inverse: rotate by -angle (R(-angle)): undoes a rotation by the same positions (the
+            de-rotation of an attention output, DeepSeek-V4 style). Differentiable like the forward.
+        out_dtype: dtype of the outputs (out of place only): None (q's dtype), a float dtype, or
+            float8_e4m3fn / float8_e5m2 for the prologue of FP8 attention. With an fp8 out_dtype
+            the stored value is saturate(rotated / scale) in float32, then one cast (round to
+            nearest even): saturate clamps to the fp8 type's finite range (448 for e4m3fn, 57344
+            for e5m2). Inference only: refused while q or k requires grad under grad mode.
+        q_scale, k_scale: None (1.0), a float > 0, or a 0-d / 1-element float32 tensor on q's
+            device (read in the kernel: no sync, safe in CUDA graphs): the per-tensor scale of
+            q's / k's outputs. Given with out_dtype only.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
     out-of-bounds read); under `ropekit.strict()` it raises ValueError before anything is written.
-    Differentiable in q and k (the backward is the inverse rotation, by the same kernel).
+    Differentiable in q and k (the backward is the inverse rotation, by the same kernel), in
+    place too (autograd's in-place rules: q and k are marked dirty; a leaf that requires grad
+    cannot be rotated in place, as with any in-place torch op).
     """
     if q_norm_weight is not None or k_norm_weight is not None:
+        if inverse is not False or out_dtype is not None or q_scale is not None or k_scale is not None:
+            name = "inverse" if inverse is not False else ("out_dtype" if out_dtype is not None else "q_scale/k_scale")
+            validate.fail("apply_rope", name, "its default with q_norm_weight / k_norm_weight", "a value given")
         from .qknorm import rope_with_norm
 
         if cu_seqlens is not None:  # the norm path takes positions: derive them (no sync)
@@ -169,8 +190,12 @@ def apply_rope(
             cu_seqlens,
             cp_size,
             cp_rank,
+            inverse,
+            out_dtype,
+            q_scale,
+            k_scale,
         )
-        return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace)
+        return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace, _scales(spec, q, q_scale, k_scale))
     try:
         key = (
             "apply_rope",
@@ -193,6 +218,11 @@ def apply_rope(
             cp_size,
             type(cp_rank),
             cp_rank,
+            type(inverse),
+            inverse,
+            out_dtype,
+            _scale_key(q_scale),
+            _scale_key(k_scale),
         )
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
@@ -213,10 +243,15 @@ def apply_rope(
                 cu_seqlens,
                 cp_size,
                 cp_rank,
+                inverse,
+                out_dtype,
+                q_scale,
+                k_scale,
             ),
         )
+    scales = _scales(spec, q, q_scale, k_scale)
     if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
-        return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace)
+        return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace, scales)
     if inplace and _spans_meet((q, k, a, cos_sin_cache), spec.extents):
         # the checks that depend on addresses, not on the signature: exact ones only when the
         # written tensors' byte ranges meet another argument's (a cheap range test first)
@@ -235,11 +270,53 @@ def apply_rope(
             pipeline.run_rotate(spec, spec.variant, q, k, q, k, a, cos_sin_cache)
             _bump_versions(q, k)
             return q, k
-        q_out = pipeline.empty_like(q)
-        k_out = None if k is None else pipeline.empty_like(k)
-        pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, a, cos_sin_cache)
+        q_out = pipeline.empty_like(q, dtype=spec.out_dtype)
+        k_out = None if k is None else pipeline.empty_like(k, dtype=spec.out_dtype)
+        pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, a, cos_sin_cache, scales=scales)
         return q_out, k_out
+    if inplace:
+        _no_leaf_written(q, k)
+    if inplace and (q._is_view() or (k is not None and k._is_view())):
+        # autograd lets a Function that writes into a view return that one tensor only: one
+        # Function call (one launch) for q and one for k
+        spec_q, spec_k = spec.split()
+        RotateViewFunction.apply(q, a, cos_sin_cache, spec_q, spec.variant)
+        if k is not None:
+            RotateViewFunction.apply(k, a, cos_sin_cache, spec_k, spec.variant)
+        return q, k
     return RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
+
+
+def _no_leaf_written(q, k) -> None:
+    """Autograd's in-place rule, checked before the kernel writes (autograd itself would raise only
+    after the forward ran): a leaf that requires grad, or a view of one, is never written."""
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and x.requires_grad and (x.is_leaf or (x._base is not None and x._base.is_leaf)):
+            validate.fail(
+                "apply_rope",
+                name,
+                "a tensor that is not a leaf requiring grad (nor a view of one) when inplace=True under "
+                "autograd: pass a clone, or inplace=False",
+                "a leaf tensor that requires grad",
+            )
+
+
+def _scale_key(scale):
+    """A scale's part of a signature: a tensor's layout, or a float's value (validation depends on it)."""
+    if isinstance(scale, torch.Tensor):
+        return tensor_key(scale)
+    return type(scale), scale
+
+
+def _scales(spec: Spec, q, q_scale, k_scale):
+    """(q's, k's) float32 scale tensors for a scaled variant (floats become cached device
+    tensors, None becomes 1.0), else None."""
+    if not spec.variant.scaled:
+        return None
+    return (
+        pipeline.scale_tensor(1.0 if q_scale is None else q_scale, q.device, unit=True),
+        pipeline.scale_tensor(1.0 if k_scale is None else k_scale, q.device, unit=True),
+    )
 
 
 def _rope_spec(
@@ -255,6 +332,10 @@ def _rope_spec(
     cu_seqlens=None,
     cp_size=1,
     cp_rank=0,
+    inverse=False,
+    out_dtype=None,
+    q_scale=None,
+    k_scale=None,
 ) -> Spec:
     op = "apply_rope"
     packed = (1, 0)
@@ -271,8 +352,11 @@ def _rope_spec(
         mrope_interleaved=mrope_interleaved,
         inplace=inplace,
         packed=cu_seqlens is not None,
+        inplace_grad=True,
     )
     validate.no_grad_table(op, cos_sin_cache)
+    grad = pipeline.records_grad(q, k)
+    scaled = validate.out_args(op, q, out_dtype, q_scale, k_scale, inverse, inplace=inplace, grad=grad)
     if cu_seqlens is not None:
         if inplace and type(q) is torch.Tensor and not torch.compiler.is_compiling():
             validate.inplace_aliasing(op, q, k, (("cu_seqlens", cu_seqlens),))
@@ -281,18 +365,29 @@ def _rope_spec(
         angles = "table" if positions is not None else "arange"
     mode, sections = _mrope_code(mrope if positions is not None and cu_seqlens is None else None, mrope_interleaved)
     il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, angles)
-    door = pipeline.door_for(q, pipeline.records_grad(q, k))
+    variant = Variant(il, il, mode, sections, angles, inverse, scaled=scaled)
+    door = pipeline.door_for(q, grad)
     source = cu_seqlens if cu_seqlens is not None else positions
     extents = (_extent(q), _extent(k), _extent(source), _extent(cos_sin_cache))
-    return Spec(variant, rot, door, pipeline.triton_runs(q), extents=extents, packed=packed)
+    return Spec(
+        variant,
+        rot,
+        door,
+        pipeline.triton_runs(q),
+        extents=extents,
+        packed=packed,
+        inplace=bool(inplace),
+        out_dtype=None if out_dtype == q.dtype else out_dtype,
+    )
 
 
-def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
+def _rope_custom_op(spec: Spec, q, k, positions, table, inplace, scales=None):
     """The dispatcher's door: torch.compile traces it, DTensor shards it, autograd through the
-    custom op's registered backward."""
+    custom op's registered backward. In place under autograd: the out-of-place op, then copy_
+    into q and k (autograd's own in-place op: versions, views and the backward follow)."""
     v = spec.variant
     mrope = _mrope_list(v)
+    qs, ks = (None, None) if scales is None else scales
     if v.angles == "packed":
         if type(q) is not torch.Tensor and not torch.compiler.is_compiling():
             validate.fail(
@@ -303,7 +398,18 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
                 f"q of type {type(q).__name__}",
             )
         outs = torch.ops.ropekit.rotate_packed(
-            q, k, positions, table, spec.rot, v.interleaved, spec.packed[0], spec.packed[1], False
+            q,
+            k,
+            positions,
+            table,
+            spec.rot,
+            v.interleaved,
+            spec.packed[0],
+            spec.packed[1],
+            v.inverse,
+            spec.out_dtype,
+            qs,
+            ks,
         )
         if inplace:
             q.copy_(outs[0])
@@ -311,13 +417,18 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace):
                 k.copy_(outs[1])
             return q, k
         return outs[0], (outs[1] if k is not None else None)
-    positions, table = distributed.like(q, positions, table)
-    if inplace:
-        torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope)
+    positions, table, qs, ks = distributed.like(q, positions, table, qs, ks)
+    if inplace and not pipeline.records_grad(q, k):
+        torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope, v.inverse)
         return q, k
     outs = torch.ops.ropekit.rotate(
-        q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse
+        q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse, spec.out_dtype, qs, ks
     )
+    if inplace:
+        q.copy_(outs[0])
+        if k is not None:
+            k.copy_(outs[1])
+        return q, k
     return outs[0], (outs[1] if k is not None else None)
 
 
@@ -346,22 +457,33 @@ def _op_spec(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> Spec
     return spec
 
 
-def _rotated_outputs(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> List[torch.Tensor]:
+def _rotated_outputs(
+    tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0), out_dtype=None, q_scale=None, k_scale=None
+) -> List[torch.Tensor]:
     """The body of every out-of-place rotation custom op: q and k (unit last stride) rotated into
-    fresh outputs by (a, b) as `pipeline.run_rotate` takes them."""
+    fresh outputs (of out_dtype, None: the inputs') by (a, b) as `pipeline.run_rotate` takes them;
+    scaled when out_dtype is an fp8 type or a scale is given."""
     q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
+    scaled = validate.is_scaled(out_dtype, q_scale, k_scale)
+    if scaled:
+        variant = variant._replace(scaled=True)
     spec = _op_spec(tag, q, k, a, b, variant, rot, packed)
-    q_out = pipeline.empty_like(q)
-    k_out = None if k is None else pipeline.empty_like(k)
-    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, a, b)
+    q_out = pipeline.empty_like(q, dtype=out_dtype)
+    k_out = None if k is None else pipeline.empty_like(k, dtype=out_dtype)
+    scales = None
+    if scaled:
+        one = pipeline.scale_tensor(1.0, q.device, unit=True)
+        scales = (one if q_scale is None else q_scale, one if k_scale is None else k_scale)
+    pipeline.run_rotate(spec, variant, q, k, q_out, k_out, a, b, scales=scales)
     return [q_out] if k is None else [q_out, k_out]
 
 
-def _fake_outputs(q, k) -> List[torch.Tensor]:
+def _fake_outputs(q, k, out_dtype=None) -> List[torch.Tensor]:
     """The fake of every out-of-place rotation custom op: the real op's output layouts (empty_like
     of the inputs, copied first when their last stride is not 1)."""
     q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
-    return [torch.empty_like(q)] if k is None else [torch.empty_like(q), torch.empty_like(k)]
+    outs = [torch.empty_like(q, dtype=out_dtype)]
+    return outs if k is None else outs + [torch.empty_like(k, dtype=out_dtype)]
 
 
 @torch.library.custom_op("ropekit::rotate", mutates_args=())
@@ -375,14 +497,17 @@ def _rotate_op(
     out_interleaved: bool,
     mrope: Optional[List[int]],
     inverse: bool,
+    out_dtype: Optional[torch.dtype] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
     variant = _variant_of(interleaved, out_interleaved, mrope, inverse, "table" if positions is not None else "arange")
-    return _rotated_outputs("rotate", q, k, positions, table, variant, rotary_dim)
+    return _rotated_outputs("rotate", q, k, positions, table, variant, rotary_dim, (1, 0), out_dtype, q_scale, k_scale)
 
 
 @_rotate_op.register_fake
-def _(q, k, positions, table, rotary_dim, interleaved, out_interleaved, mrope, inverse):
-    return _fake_outputs(q, k)
+def _(q, k, positions, table, rotary_dim, interleaved, out_interleaved, mrope, inverse, out_dtype=None, *scales):
+    return _fake_outputs(q, k, out_dtype)
 
 
 def _save_angles(ctx, inputs, output):
@@ -400,7 +525,7 @@ def _inverse_backward(op_name: str, inverse_flags):
 
     def backward(ctx, *grads):
         a, b = ctx.saved_tensors
-        n_inputs = 4 + len(ctx.flags)
+        n_inputs = len(ctx.needs_input_grad)  # one gradient slot per argument, as autograd counts them
         gq, gk = grads[0][0], (grads[0][1] if len(grads[0]) > 1 else None)
         want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
         if first is None:
@@ -413,7 +538,10 @@ def _inverse_backward(op_name: str, inverse_flags):
 
 
 _rotate_op.register_autograd(
-    _inverse_backward("rotate", lambda rot, il, out_il, mrope, inv: (rot, out_il, il, mrope, not inv)),
+    # out_dtype and scales are refused under autograd: the backward's are None
+    _inverse_backward(
+        "rotate", lambda rot, il, out_il, mrope, inv, *_: (rot, out_il, il, mrope, not inv, None, None, None)
+    ),
     setup_context=_save_angles,
 )
 
@@ -429,18 +557,26 @@ def _rotate_packed_op(
     cp_size: int,
     cp_rank: int,
     inverse: bool,
+    out_dtype: Optional[torch.dtype] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> List[torch.Tensor]:
     variant = Variant(interleaved, interleaved, angles="packed", inverse=inverse)
-    return _rotated_outputs("rotate_packed", q, k, cu_seqlens, table, variant, rotary_dim, (cp_size, cp_rank))
+    return _rotated_outputs(
+        "rotate_packed", q, k, cu_seqlens, table, variant, rotary_dim, (cp_size, cp_rank), out_dtype, q_scale, k_scale
+    )
 
 
 @_rotate_packed_op.register_fake
-def _(q, k, cu_seqlens, table, rotary_dim, interleaved, cp_size, cp_rank, inverse):
-    return _fake_outputs(q, k)
+def _(q, k, cu_seqlens, table, rotary_dim, interleaved, cp_size, cp_rank, inverse, out_dtype=None, *scales):
+    return _fake_outputs(q, k, out_dtype)
 
 
 _rotate_packed_op.register_autograd(
-    _inverse_backward("rotate_packed", lambda rot, il, cp_size, cp_rank, inv: (rot, il, cp_size, cp_rank, not inv)),
+    _inverse_backward(
+        "rotate_packed",
+        lambda rot, il, cp_size, cp_rank, inv, *_: (rot, il, cp_size, cp_rank, not inv, None, None, None),
+    ),
     setup_context=_save_angles,
 )
 
@@ -454,16 +590,17 @@ def _rotate_inplace_op(
     rotary_dim: int,
     interleaved: bool,
     mrope: Optional[List[int]],
+    inverse: bool = False,
 ) -> None:
     # the address checks validation skips while tracing (torch.compile), made before any write
     validate.inplace_aliasing("apply_rope", q, k, (("positions", positions), ("cos_sin_cache", table)))
-    variant = _variant_of(interleaved, interleaved, mrope, False, "table" if positions is not None else "arange")
+    variant = _variant_of(interleaved, interleaved, mrope, inverse, "table" if positions is not None else "arange")
     spec = _op_spec("rotate_", q, k, positions, table, variant, rotary_dim)
     pipeline.run_rotate(spec, variant, q, k, q, k, positions, table)
 
 
 @_rotate_inplace_op.register_fake
-def _(q, k, positions, table, rotary_dim, interleaved, mrope):
+def _(q, k, positions, table, rotary_dim, interleaved, mrope, inverse=False):
     return None
 
 

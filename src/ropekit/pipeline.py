@@ -46,8 +46,9 @@ class Variant(NamedTuple):
     #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
     #                                 "delta": row |delta| per cache row, sin negated for delta < 0;
     #                                 "packed": table rows at positions derived from cu_seqlens
-    inverse: bool = False  # rotate by -angle: the backward pass
+    inverse: bool = False  # rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))
     heads_first: bool = False  # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
+    scaled: bool = False  # outputs divided by a per-tensor scale, saturated to an fp8 output's range
 
     def backward(self) -> "Variant":
         """The rotation that maps output gradients to input gradients: the inverse, reading the
@@ -72,6 +73,10 @@ class Spec:
         "packed",
         "plans",
         "alias",
+        "inplace",
+        "out_dtype",
+        "twin",
+        "halves",
     )
 
     def __init__(
@@ -86,6 +91,8 @@ class Spec:
         angle_strides=None,
         copy_angles=False,
         packed=(1, 0),
+        inplace=False,
+        out_dtype=None,
     ):
         self.variant = variant
         self.rot = rot  # rotated dims
@@ -98,6 +105,39 @@ class Spec:
         self.packed = packed  # packed angles: (cp_size, cp_rank)
         self.plans: dict = {}  # launch plans by (variant, output / gradient layouts)
         self.alias: dict = {}  # the store's aliasing verdicts by byte distance
+        self.inplace = inplace  # the rotation writes into q and k (autograd: marked dirty)
+        self.out_dtype = out_dtype  # dtype of fresh outputs (None: the input's)
+        self.twin = None  # an in-place spec's out-of-place twin (its backward writes fresh tensors)
+        self.halves = None  # specs for q alone and k alone (in-place views under autograd)
+
+    def _copy(self, inplace: bool) -> "Spec":
+        return Spec(
+            self.variant,
+            self.rot,
+            self.door,
+            self.triton,
+            extents=self.extents,
+            angle_shape=self.angle_shape,
+            angle_strides=self.angle_strides,
+            copy_angles=self.copy_angles,
+            packed=self.packed,
+            inplace=inplace,
+            out_dtype=self.out_dtype,
+        )
+
+    def out_of_place(self) -> "Spec":
+        """This spec, or for an in-place one its out-of-place twin (made once)."""
+        if not self.inplace:
+            return self
+        if self.twin is None:
+            self.twin = self._copy(False)
+        return self.twin
+
+    def split(self) -> tuple:
+        """Two specs like this one, for q alone and for k alone (each keeps its own launch plans)."""
+        if self.halves is None:
+            self.halves = (self._copy(self.inplace), self._copy(self.inplace))
+        return self.halves
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,13 +207,14 @@ def heads_first(x, yes: bool):
     return x.transpose(1, 2) if yes and x is not None else x
 
 
-def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None) -> None:
+def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None, scales=None) -> None:
     """q -> q_out and k -> k_out (outputs may be the inputs: in place), rotated as `variant` says.
 
     (a, b): (positions or None, [cos | sin] table) for table / arange angles, (cos, sin) for
     per-token angles. layout_key: None when the outputs' layout follows from the spec's signature
     (forward calls), else a key of the tensors' layouts (gradients). With variant.heads_first the
     tensors are Hugging Face's (B, H, S, D) views; a launch needs only their addresses.
+    scales: with variant.scaled, (q's, k's) float32 scalar tensors the outputs are divided by.
     """
     if spec.triton:
         key = (variant, layout_key)
@@ -189,9 +230,29 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
                 variant,
             )
         if plan is not None:
-            launcher.fire_rotate(plan, q, k, q_out, k_out, a, b)
+            launcher.fire_rotate(plan, q, k, q_out, k_out, a, b, scales)
+        return
+    if variant.scaled:
+        _cpu_rotate_scaled(spec, variant, q, k, q_out, k_out, a, b, scales)
         return
     _cpu_rotate(spec, variant, q, k, q_out, k_out, a, b)
+
+
+def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32) clamped to an fp8 dtype's finite range in place (the kernels' rule); x otherwise."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        x.clamp_(-big, big)
+    return x
+
+
+def _cpu_rotate_scaled(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, scales) -> None:
+    """Scaled outputs on the CPU path: rotate into float32, divide by the scale, saturate, cast."""
+    wide = [None if x is None else torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k)]
+    _cpu_rotate(spec, variant._replace(scaled=False), q, k, wide[0], wide[1], a, b)
+    for w, out, scale in zip(wide, (q_out, k_out), (scales[0], scales[1] if scales[1] is not None else scales[0])):
+        if w is not None:
+            out.copy_(saturate(w.div_(scale), out.dtype))
 
 
 def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
@@ -356,12 +417,18 @@ class RotateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, a, b, spec, variant):
+        ctx.save_for_backward(a, b)  # autograd's version check covers the angles
+        ctx.spec, ctx.variant = spec.out_of_place(), variant
+        ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
+        if spec.inplace:
+            # autograd's in-place rules: q and k are marked dirty (their version counters move; a
+            # leaf that requires grad is refused by autograd itself, views are rebased on their base)
+            run_rotate(spec, variant, q, k, q, k, a, b)
+            ctx.mark_dirty(*(x for x in (q, k) if x is not None))
+            return q, k
         q_out = empty_like(q)
         k_out = None if k is None else empty_like(k)
         run_rotate(spec, variant, q, k, q_out, k_out, a, b)
-        ctx.save_for_backward(a, b)  # autograd's version check covers the angles
-        ctx.spec, ctx.variant = spec, variant
-        ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
         return q_out, k_out
 
     @staticmethod
@@ -379,3 +446,17 @@ class RotateFunction(torch.autograd.Function):
             layout = (want_q, first.shape, first.stride(), None if second is None else second.stride())
             run_rotate(ctx.spec, inverse, first, second, d_first, d_second, a, b, layout)
         return (*input_grads(want_q, want_k, d_first, d_second), None, None, None, None)
+
+
+class RotateViewFunction(torch.autograd.Function):
+    """RotateFunction for one tensor rotated in place that is a view: autograd lets a Function that
+    writes into a view return that tensor alone. Same forward and backward bodies."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, spec, variant):
+        RotateFunction.forward(ctx, x, None, a, b, spec, variant)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return RotateFunction.backward(ctx, g, None)[0], None, None, None, None

@@ -112,6 +112,8 @@ def fire_forward(launch: NormLaunch, q, k, q_out, k_out, angles_tensors, wq, wk,
         cos if positions is None else positions,
         cos,
         sin,
+        sin,  # the scale slots: unscaled, never read
+        sin,
     )
     # weights are passed after the ints (kernel order): their 16-byte alignment is part of the key
     variant = (meta["PACK"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)

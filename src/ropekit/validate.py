@@ -186,9 +186,22 @@ def head_sizes(op, q, k, rotary_dim):
 
 
 def rope_args(
-    op, q, k, positions, cos_sin_cache, *, rotary_dim, mrope_section, mrope_interleaved, inplace, packed=False
+    op,
+    q,
+    k,
+    positions,
+    cos_sin_cache,
+    *,
+    rotary_dim,
+    mrope_section,
+    mrope_interleaved,
+    inplace,
+    packed=False,
+    inplace_grad=False,
 ):
-    """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w)."""
+    """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w).
+    inplace_grad: in place is allowed while q or k requires grad (the plain rotation: its backward
+    needs no input; the norm's does)."""
     token_shape = qk_args(op, q, k)
     device = q.device
     tensor(
@@ -253,9 +266,49 @@ def rope_args(
         # custom op checks its (local) tensors at run time
         if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
             inplace_aliasing(op, q, k, (("positions", positions), ("cos_sin_cache", cos_sin_cache)))
-        if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+        if not inplace_grad and torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
             fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
     return rotary_dim, mrope
+
+
+OUT_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_scaled(out_dtype, q_scale, k_scale) -> bool:
+    """Do outputs of this dtype, with these scales, take the kernel's scaled path? (fp8 outputs
+    always do: the kernel casts to fp8 from float32 only, after saturating)"""
+    fp8 = out_dtype is not None and out_dtype.itemsize == 1
+    return fp8 or q_scale is not None or k_scale is not None
+
+
+def out_args(op, q, out_dtype, q_scale, k_scale, inverse, *, inplace, grad) -> bool:
+    """Checks of apply_rope's output options (out_dtype, q_scale, k_scale, inverse). Returns
+    whether the outputs are scaled (see is_scaled)."""
+    if not isinstance(inverse, bool):
+        raise TypeError(f"{op}: inverse: expected a bool, got {type(inverse).__name__}")
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"{op}: out_dtype: expected a torch.dtype or None, got {type(out_dtype).__name__}")
+        if out_dtype not in OUT_DTYPES:
+            fail(op, "out_dtype", f"None or one of ({', '.join(_dtype_name(d) for d in OUT_DTYPES)})", out_dtype)
+        if inplace:
+            fail(op, "out_dtype", "None when inplace=True (in place writes q's own dtype)", _dtype_name(out_dtype))
+        if grad and out_dtype != q.dtype:
+            fail(
+                op,
+                "out_dtype",
+                "None or q's dtype while q or k requires grad (no gradient through a cast to another dtype)",
+                _dtype_name(out_dtype),
+            )
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is None:
+            continue
+        if out_dtype is None:
+            fail(op, name, "None without out_dtype (a scale quantizes outputs of another dtype)", "a scale")
+        scale_arg(op, name, scale, q.device)
+        if grad:
+            fail(op, name, "None while q or k requires grad (no gradient through a quantization)", "a scale")
+    return is_scaled(out_dtype, q_scale, k_scale)
 
 
 def no_grad_table(op, table):

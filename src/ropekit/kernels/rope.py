@@ -239,6 +239,18 @@ def _store_heads(
 
 
 @triton.jit
+def _saturate(x, out_ty: tl.constexpr):
+    """x (float32) clamped to the finite range of an fp8 output type, so that a scaled value past
+    it stores the largest finite value instead of what the backend's cast makes of it (NaN for
+    e4m3fn, inf for e5m2); other output types: x unchanged. NaN stays NaN (an out-of-range position)."""
+    if out_ty == tl.float8e4nv:
+        x = tl.where(x > 448.0, 448.0, tl.where(x < -448.0, -448.0, x))
+    elif out_ty == tl.float8e5:
+        x = tl.where(x > 57344.0, 57344.0, tl.where(x < -57344.0, -57344.0, x))
+    return x
+
+
+@triton.jit
 def _rotate_store(
     x_base,
     o_base,
@@ -277,8 +289,8 @@ def _rotate_store(
     o2 = x2 * cb + x1 * sb
     if SCALED:
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
-        o1 = o1 * inv
-        o2 = o2 * inv
+        o1 = _saturate(o1 * inv, o_base.dtype.element_ty)
+        o2 = _saturate(o2 * inv, o_base.dtype.element_ty)
     _store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
 
     if TAIL_PAD > 0:
@@ -292,7 +304,7 @@ def _rotate_store(
         else:
             t = tl.load(x_row + 2 * HALF + j, mask=mt)
         if SCALED:
-            t = t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32)
+            t = _saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
         tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
 
 
@@ -482,7 +494,11 @@ def _norm_select(
     )
 
 
-@triton.jit
+# Sizes that change with the batch or the sequence length are not specialized on (Triton would
+# otherwise compile again when one becomes 1 or a multiple of 16): a variant compiles at most twice
+# whatever the token count, once decode-sized and once large (docs/core.md, "Compilations").
+# Strides stay specialized: their divisibility by 16 is what lets rows move in 16-byte accesses.
+@triton.jit(do_not_specialize=["n_tokens", "S", "max_pos", "n_seqs"])
 def rope_kernel(
     q_ptr,  # q, (*T, Hq, Dq): read
     k_ptr,  # k, (*T, Hk, Dk): read (q_ptr again when there is no k: never read then)
@@ -491,6 +507,8 @@ def rope_kernel(
     pos_ptr,  # positions (*T) or (3, *T); cu_seqlens when PACKED; unused without HAS_POS
     cos_ptr,  # cos rows: a [cos | sin] table, or per-token cos
     sin_ptr,  # sin rows: the table again (sin at sin_off), or per-token sin
+    q_scale_ptr,  # SCALED: float32 scalar q's outputs are divided by (fp8 outputs); else unused
+    k_scale_ptr,  # SCALED: k's likewise
     n_tokens,  # tokens in *T (the grid's first axis)
     S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
     n_q_heads,  # Hq
@@ -538,7 +556,8 @@ def rope_kernel(
     MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
     IN_INTERLEAVED: tl.constexpr,  # inputs hold pairs (2i, 2i+1); else halves (i, i + HALF)
     OUT_INTERLEAVED: tl.constexpr,  # outputs written as pairs
-    INVERSE: tl.constexpr,  # rotate by -angle (the backward)
+    INVERSE: tl.constexpr,  # rotate by -angle (the backward, or a de-rotation)
+    SCALED: tl.constexpr,  # outputs divided by their scale and saturated to an fp8 output's range
     PACK: tl.constexpr,  # 0, or bits of a (2i, 2i+1) pair moved as one word (aligned rows)
     HEAD_LOOP: tl.constexpr,  # one program per token walks all head blocks (angles read once)
     PREFETCH: tl.constexpr,  # with HEAD_LOOP: next block's loads before this block's stores
@@ -709,14 +728,14 @@ def rope_kernel(
             x2,
             c,
             sn,
-            cos_ptr,
+            tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr),
             HALF,
             HALF_PAD,
             BLOCK_H,
             TAIL_PAD,
             OUT_INTERLEAVED,
             INVERSE,
-            False,
+            SCALED,
             PACK,
             t_norm,
             NORM_Q != 0 or NORM_K != 0,

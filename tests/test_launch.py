@@ -1,0 +1,191 @@
+"""ropekit.launch: the direct launch is taken once a kernel is compiled, its fallback (Triton's
+generic launch) gives the same result, and the device guard launches on the tensors' device.
+
+On CPU the launch logic runs against stand-in kernel objects (the shapes of Triton's objects that
+launch.py relies on); on CUDA (marked gpu) against the real kernels.
+"""
+
+import pytest
+import torch
+
+import ropekit
+from ropekit import launch, reference
+
+from conftest import TOL, make_cache, rel_err
+
+
+class FakePointer:
+    """What launch reads of a CUDA tensor: is_cuda, its device and its address."""
+
+    is_cuda = True
+
+    def __init__(self, addr):
+        self.addr = addr
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return self.addr
+
+
+class FakeCompiled:
+    """Triton's compiled kernel as the generic launch returns it: `run` and its launch fields."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+        self.log.append(("direct", (gx, gy, gz), stream, args))
+
+
+class FakeParam:
+    def __init__(self, name, is_constexpr):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+class FakeKernel:
+    """kernel[grid](*args, **meta): records the generic launch and returns a compiled kernel."""
+
+    params = [FakeParam("x", False), FakeParam("n", False), FakeParam("BLOCK", True)]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("generic", grid, args, meta))
+            return FakeCompiled(self.log)
+
+        return run
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Device 0 current, stream 7 on it; the direct launch on and its counters reset."""
+
+    class Runtime:  # Triton's knobs.runtime with no launch hooks registered
+        launch_enter_hook = launch_exit_hook = None
+
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setitem(launch._STATE, "ok", True)
+    monkeypatch.setitem(launch._STATE, "tools", (lambda: 0, lambda device: 7, Runtime))
+    monkeypatch.setattr(launch, "COUNTS", {"direct": 0, "generic": 0})
+
+
+def test_first_call_generic_then_direct_with_addresses(fake_cuda):
+    kernel, compiled = FakeKernel(), {}
+    ptrs = (FakePointer(4096),)
+    launch.launch(kernel, compiled, 0, (3,), ptrs, (5,), {"BLOCK": 16})
+    launch.launch(kernel, compiled, 0, (3,), ptrs, (5,), {"BLOCK": 16})
+    assert [e[0] for e in kernel.log] == ["generic", "direct"]
+    # the direct launch: grid padded to 3-D, the current stream, addresses then ints then constexprs
+    assert kernel.log[1][1:] == ((3, 1, 1), 7, (4096, 5, 16))
+    assert launch.COUNTS == {"direct": 1, "generic": 1}
+
+
+def test_misaligned_pointer_gets_its_own_compiled_entry(fake_cuda):
+    kernel, compiled = FakeKernel(), {}
+    launch.launch(kernel, compiled, 0, (1,), (FakePointer(4096),), (), {"BLOCK": 16})
+    launch.launch(kernel, compiled, 0, (1,), (FakePointer(4098),), (), {"BLOCK": 16})
+    assert [e[0] for e in kernel.log] == ["generic", "generic"]
+    assert len(compiled) == 2
+
+
+def test_a_triton_whose_launcher_differs_falls_back_for_good(fake_cuda, monkeypatch):
+    kernel, compiled = FakeKernel(), {}
+    ptrs = (FakePointer(4096),)
+    launch.launch(kernel, compiled, 0, (1,), ptrs, (), {"BLOCK": 16})
+
+    def broken(*args):
+        raise TypeError("run() takes other arguments")
+
+    monkeypatch.setattr(FakeCompiled, "run", broken)
+    launch.launch(kernel, compiled, 0, (1,), ptrs, (), {"BLOCK": 16})
+    launch.launch(kernel, compiled, 0, (1,), ptrs, (), {"BLOCK": 16})
+    assert [e[0] for e in kernel.log] == ["generic", "generic", "generic"]
+    assert launch._STATE["ok"] is False
+
+
+@pytest.mark.gpu
+def test_direct_launch_taken_on_cuda_and_fallback_gives_the_same_result(monkeypatch):
+    cache = make_cache(256, 128, device="cuda")
+    q = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    positions = torch.randint(0, 256, (64,), device="cuda")
+    ropekit.apply_rope(q, k, positions, cache)  # compiles; the generic launch records the kernel
+    monkeypatch.setattr(launch, "COUNTS", {"direct": 0, "generic": 0})
+    direct = ropekit.apply_rope(q, k, positions, cache)
+    assert launch.COUNTS == {"direct": 1, "generic": 0}
+    monkeypatch.setitem(launch._STATE, "ok", False)
+    generic = ropekit.apply_rope(q, k, positions, cache)
+    assert launch.COUNTS["generic"] == 1
+    for a, b in zip(direct, generic):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_device_guard_path_on_one_gpu(monkeypatch):
+    """The guard's branch (the current device differs from the tensors'), runnable on one GPU: the
+    launch enters torch.cuda.device(tensor's device) and gives the unguarded result."""
+    cache = make_cache(128, 64, device="cuda")
+    q = torch.randn(9, 4, 64, device="cuda")
+    positions = torch.randint(0, 128, (9,), device="cuda")
+    want, _ = ropekit.apply_rope(q, None, positions, cache)
+    entered = []
+    real = torch.cuda.device
+
+    def spy(index):
+        entered.append(index)
+        return real(index)
+
+    monkeypatch.setattr(launch, "_current_device", lambda: -1)
+    monkeypatch.setattr(torch.cuda, "device", spy)
+    got, _ = ropekit.apply_rope(q, None, positions, cache)
+    assert entered == [q.get_device()]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_device_guard_launches_on_the_tensors_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert torch.cuda.current_device() == 0
+    dev = torch.device("cuda", 1)
+    cache = make_cache(128, 64, device=dev)
+    q = torch.randn(33, 4, 64, device=dev)
+    k = torch.randn(33, 2, 64, device=dev)
+    positions = torch.randint(0, 128, (33,), device=dev)
+    for inplace in (False, True):
+        qo, ko = ropekit.apply_rope(q.clone(), k.clone(), positions, cache, inplace=inplace)
+        torch.cuda.synchronize(dev)
+        assert qo.device == dev
+        rq, rk = reference.apply_rope(q.double(), k.double(), positions, cache.double())
+        assert rel_err(qo, rq) < TOL[torch.float32] and rel_err(ko, rk) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="apply_rope: k: expected a tensor on cuda:1 .*got one on cuda:0"):
+        ropekit.apply_rope(q, k.to("cuda:0"), positions, cache)
+
+
+@pytest.mark.gpu
+def test_at_most_two_compilations_per_variant_across_shapes():
+    """docs/core.md's bound: one variant (bf16, 8 q heads, 2 k heads, D 128, half-split) over batch
+    sizes and sequence lengths from 1 to 4096 compiles rope_kernel at most twice."""
+    from ropekit.kernels.rope import rope_kernel
+
+    caches = getattr(rope_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its kernel cache elsewhere")
+    compiled = caches[torch.cuda.current_device()][0]
+    table = make_cache(8192, 128, device="cuda")
+    # heads chosen so that no other test of the session compiles this variant first
+    hq, hk = 12, 3
+    before = len(compiled)
+    for batch in (1, 3):
+        for seqlen in (1, 5, 16, 217, 1000, 1024, 2049, 4096):
+            q = torch.randn(batch, seqlen, hq, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(batch, seqlen, hk, 128, device="cuda", dtype=torch.bfloat16)
+            ropekit.apply_rope(q, k, None, table)
+    torch.cuda.synchronize()
+    assert len(compiled) - before <= 2, len(compiled) - before
