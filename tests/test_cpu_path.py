@@ -262,6 +262,53 @@ def test_backward_is_the_inverse_rotation(cpu_path, interleaved):
     assert rel_err(k.grad, reference.rotate(gk.double(), c, s, interleaved=interleaved, inverse=True)) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["halves", "interleaved", "partial", "mrope"])
+def test_inverse(cpu_path, dtype, case):
+    """apply_rope(inverse=True): rotation by the negative angle, and back to the inputs in place."""
+    kw = CASES[case]
+    rot = kw.get("rotary_dim", 64)
+    q, k = rnd(2, 7, 4, 64, dtype=dtype), rnd(2, 7, 2, 64, dtype=dtype, seed=1)
+    cache = make_cache(64, rot)
+    pos = torch.randint(
+        0, 64, (3, 2, 7) if "mrope_section" in kw else (2, 7), generator=torch.Generator().manual_seed(2)
+    )
+    half = rot // 2
+    if "mrope_section" in kw:
+        c, s = reference.angles_from_table(cache.double(), pos, (2, 7), mrope_section=kw["mrope_section"])
+    else:
+        c, s = reference.angles_from_table(cache.double(), pos, (2, 7))
+    il = kw.get("interleaved", False)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, inverse=True, **kw)
+    assert c.shape[-1] == half
+    assert rel_err(qo, reference.rotate(q.double(), c, s, interleaved=il, inverse=True)) < TOL[dtype]
+    assert rel_err(ko, reference.rotate(k.double(), c, s, interleaved=il, inverse=True)) < TOL[dtype]
+    ropekit.apply_rope(qo, ko, pos, cache, inplace=True, **kw)
+    assert rel_err(qo, q) < 2 * TOL[dtype] and rel_err(ko, k) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_in_place_under_autograd_on_views_of_one_projection(cpu_path, interleaved):
+    """q and k, non-leaf views of one qkv projection, rotated in place (staged together, copied
+    back into the shared buffer): output and gradients match the out-of-place rotation."""
+    cache = make_cache(32, 32)
+    pos = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+    w, g = rnd(2, 5, 16, seed=2), rnd(2, 5, 6, 48, seed=3)
+    proj = rnd(16, 6 * 48, seed=4).requires_grad_()
+
+    def run(inplace):
+        proj.grad = None
+        qkv = (w @ proj).view(2, 5, 6, 48)
+        q, k = qkv[:, :, :4], qkv[:, :, 4:]
+        qo, ko = ropekit.apply_rope(q, k, pos, cache, interleaved=interleaved, inplace=inplace, rotary_dim=32)
+        out = qkv if inplace else torch.cat((qo, ko), dim=2)
+        (out * g).sum().backward()
+        return out.detach(), proj.grad.clone()
+
+    (out_in, grad_in), (out_ref, grad_ref) = run(True), run(False)
+    assert rel_err(out_in, out_ref) < 1e-6 and rel_err(grad_in, grad_ref) < 1e-6
+
+
 @pytest.mark.parametrize("cache_dtype, scale", [(torch.bfloat16, None), (torch.float8_e4m3fn, 0.5)])
 @pytest.mark.parametrize("paged", [True, False])
 def test_store(cpu_path, cache_dtype, scale, paged):
