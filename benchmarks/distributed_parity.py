@@ -19,7 +19,7 @@ LlamaConfig, no download; SDPA attention, ropekit.hf.patch) for a few SGD steps 
           rotation receives DTensors (needs ropekit's DTensor routing).
 
 and compares every step's loss and every parameter's gradient of cp and tp with single. Prints a
-table on rank 0 and writes $OUT/distributed_parity.json when OUT is set. Exit status 1 if a
+table on rank 0 and writes DIR/distributed_parity.json with --out DIR. Exit status 1 if a
 comparison is over its tolerance.
 
 Positions under CP: HF builds a block-diagonal mask when position_ids jump (packed-sequence
@@ -46,6 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--out", default=None, help="folder for distributed_parity.json (rank 0)")
     p.add_argument("--backend", default=None, help="nccl (cuda) or gloo (cpu) by default")
     p.add_argument("--modes", default="cp,tp", help="comma list of cp, tp")
     p.add_argument("--seeds", default="0,1")
@@ -317,10 +318,9 @@ def main():
                 f"  (worst: {r['worst']})"
             )
         print("ALL PASS" if ok else "SOME FAILED")
-        out = os.environ.get("OUT")
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "distributed_parity.json"), "w") as f:
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "distributed_parity.json"), "w") as f:
                 json.dump(
                     dict(
                         world=world,

@@ -1,4 +1,4 @@
-"""Two measurements of the kernels' limits (issue: kernels at the limit), in one GPU call.
+"""Two measurements of the kernels' limits, in one GPU process.
 
     PYTHONPATH=src python3 benchmarks/limits.py [--out DIR]
 
@@ -33,7 +33,7 @@ import triton  # noqa: E402
 import ropekit  # noqa: E402
 from ropekit import launcher  # noqa: E402
 
-FIRST_CALL_TARGET_S = 1.0  # issue 17: first call of any variant on the H200 host
+FIRST_CALL_TARGET_S = 1.0  # the target for the first call of any variant (WORKLOADS.md), on the H200
 
 
 @triton.jit
@@ -172,7 +172,7 @@ def w2_64_vs_32():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--out", default=None, help="folder for limits.json")
     args = ap.parse_args()
     print(
         f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "

@@ -1,4 +1,4 @@
-"""Host time of one eager call, step by step, beside the same-run floors (issue: host time per call).
+"""Host time of one eager call, step by step, beside the host floors measured in the same run.
 
     PYTHONPATH=src python3 benchmarks/profile_host.py [--cpu-dry]
 

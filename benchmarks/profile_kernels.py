@@ -1,4 +1,4 @@
-"""One profiled call of a workload, for Nsight Compute (issue 17: what is in the kernels' way).
+"""One profiled call of a workload, for Nsight Compute: what stands between the kernels and the copy speed.
 
     ncu --clock-control none --nvtx --nvtx-include "profiled/" --section SpeedOfLight ... \
         python3 benchmarks/profile_kernels.py W7 [--knob store_head_loop=1]

@@ -1,4 +1,4 @@
-"""The access-pattern ceiling of W6 (issue 17): how fast can any kernel read and write back W6's
+"""The access-pattern ceiling of W6: how fast can any kernel read and write back W6's
 bytes, the last 64 of every 192 bf16 elements of q (T=16384, 128 heads), without rotating them?
 
     PYTHONPATH=src python3 benchmarks/strided_ceiling.py

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/tune_core.py [--out DIR]
 
-For each workload of shared/WORKLOADS.md that apply_rope serves (W1, W2, W4, W5, W6) and each
+For each workload of benchmarks/WORKLOADS.md that apply_rope serves (W1, W2, W4, W5, W6) and each
 (block elements, warps) setting: median time (triton.testing.do_bench) and percent of the copy
 bandwidth measured in the same run. W3 (decode) is timed under CUDA-graph replay, and its host
 time per eager call with a wall clock. Prints a table; writes JSON when --out is given.
@@ -208,7 +208,7 @@ def main():
     if args.defaults:
         # the same bytes moved by torch's contiguous copy: the ceiling at each workload's size
         # and the same call under CUDA-graph replay: do_bench's per-call events also count host time
-        # whenever the call's Python outlasts the L2 flush before it (seen on W7, run 9)
+        # whenever the call's Python outlasts the L2 flush before it (seen on W7)
         print(
             f"{'workload (defaults)':20s} {'us':>8s} {'% copy':>7s} {'graph us':>9s} {'% copy':>7s} "
             f"{'same-size copy':>15s}"

@@ -1,4 +1,4 @@
-"""Launch-shape sweeps for the two launch-bound or layout-bound cases of issue 17, on one GPU.
+"""Launch-shape sweeps for the launch-bound decode calls and the fused store, on one GPU.
 
     PYTHONPATH=src python3 benchmarks/tune_launch.py [--out DIR] [--only decode,store]
 

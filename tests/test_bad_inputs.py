@@ -343,7 +343,64 @@ ROWS = [
         "q: expected a tensor that is not a leaf requiring grad (nor a view of one) when inplace=True",
         lambda: rope_args(q=lambda a: a["q"].requires_grad_()),
     ),
+    R(
+        "rope-layout-value",
+        "apply_rope",
+        "layout not one of 'thd', 'bshd', 'bhsd'",
+        "layout='BHSD'",
+        ValueError,
+        "layout: expected 'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)) or None, got 'BHSD'",
+        lambda: rope_args(layout="BHSD"),
+    ),
+    R(
+        "rope-layout-rank",
+        "apply_rope",
+        "layout that does not match q's rank",
+        "layout='bshd', q of shape (4, 3, 64)",
+        ValueError,
+        "q: expected a 4-D tensor with layout='bshd', got shape (4, 3, 64)",
+        lambda: rope_args(layout="bshd"),
+    ),
+    R(
+        "rope-hf-layout",
+        "apply_rope",
+        "Hugging Face's (B, H, S, D) q without layout='bhsd' (H != S)",
+        "q of shape (1, 3, 4, 64), positions (1, 4)",
+        ValueError,
+        "positions: expected shape (1, 3) (*T, the token dims of q), got shape (1, 4) (they fit q read as "
+        "Hugging Face's (B, H, S, D): pass layout='bhsd')",
+        lambda: rope_args(q=torch.randn(1, T, HQ, D).transpose(1, 2), k=None, positions=torch.arange(T)[None]),
+    ),
+    R(
+        "rope-table-hf-cos",
+        "apply_rope",
+        "Hugging Face's cos (rows [f, f]) as cos_sin_cache",
+        "cos_sin_cache = cat(f, f).cos() of 16 positions",
+        ValueError,
+        "got a (16, 64) tensor whose rows are [f, f], as Hugging Face's cos (and sin) are",
+        lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"][:, : D // 2].acos().repeat(1, 2).cos()),
+    ),
     # ---- rotate_with_angles ------------------------------------------------------------------
+    R(
+        "angles-rotary-dim",
+        "rotate_with_angles",
+        "rotary_dim neither cos's width nor twice it",
+        "rotary_dim=16, cos of width 32",
+        ValueError,
+        "rotary_dim: expected the width of cos (32: rotary_dim // 2, or rotary_dim for HF's [f, f] form) "
+        "or twice it, got 16",
+        lambda: angles_args(rotary_dim=16),
+    ),
+    R(
+        "angles-full-width",
+        "rotate_with_angles",
+        "cos / sin of the head's width whose halves differ (not HF's [f, f])",
+        "cos, sin of shape (4, 64), head size 64",
+        ValueError,
+        "q: expected a head size >= rotary_dim (128), got head size 64 (cos and sin are rotary_dim // 2 = 64 "
+        "wide; Hugging Face's hold [f, f] over rotary_dim: pass rotary_dim=64, or cos[..., :32] and sin[..., :32])",
+        lambda: angles_args(cos=torch.rand(T, D) + 0.1, sin=torch.rand(T, D) + 0.1),
+    ),
     R(
         "angles-cos-type",
         "rotate_with_angles",
@@ -396,7 +453,7 @@ ROWS = [
         "cos of shape (4, 40), head size 64",
         ValueError,
         "q: expected a head size >= rotary_dim (80), got head size 64",
-        lambda: angles_args(cos=torch.ones(T, 40), sin=torch.zeros(T, 40)),
+        lambda: angles_args(cos=torch.rand(T, 40), sin=torch.rand(T, 40)),
     ),
     R(
         "angles-grad",

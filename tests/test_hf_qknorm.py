@@ -144,3 +144,42 @@ def test_unpatch_fuse_only_keeps_the_rotary_dropin():
     finally:
         hf.unpatch()
     assert module.apply_rotary_pos_emb is not hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+
+
+def test_patch_and_unpatch_report_each_name_once_and_truthfully():
+    """patch lists the rotary function once (the fusion swaps it a second time); unpatch with
+    fuse_qk_norm=True lists only what is HF's again: the norm and attention forwards, not the
+    rotary function, which stays ropekit's drop-in; the full unpatch then lists it, once."""
+    model = _build("olmo2").float().eval()
+    module = importlib.import_module("transformers.models.olmo2.modeling_olmo2")
+    hf_function = module.apply_rotary_pos_emb
+    done = hf.patch(model, fuse_qk_norm=True)
+    try:
+        assert done == {"olmo2": ["apply_rotary_pos_emb", "Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
+        fusion_undone = hf.unpatch(fuse_qk_norm=True)
+        assert fusion_undone == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
+        assert module.apply_rotary_pos_emb is hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+        hf.patch(model, fuse_qk_norm=True)
+    finally:
+        restored = hf.unpatch()
+    assert restored == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward", "apply_rotary_pos_emb"]}
+    assert module.apply_rotary_pos_emb is hf_function
+
+
+def test_fuse_qk_norm_on_a_family_without_qk_norm():
+    """Llama has no q/k norm: fuse_qk_norm=True for it alone raises (nothing patched); next to a
+    family that has one, it warns and patches both (the fusion only where it applies)."""
+    module = importlib.import_module("transformers.models.llama.modeling_llama")
+    hf_function = module.apply_rotary_pos_emb
+    config = transformers.LlamaConfig(**COMMON)
+    for kwargs in ({"families": ["llama"]}, {"model": transformers.LlamaForCausalLM(config)}):
+        with pytest.raises(ValueError, match=r"ropekit.hf.patch: fuse_qk_norm: expected families with q/k RMSNorm"):
+            hf.patch(fuse_qk_norm=True, **kwargs)
+        assert module.apply_rotary_pos_emb is hf_function, "nothing may be patched when it raises"
+    try:
+        with pytest.warns(UserWarning, match=r"\['llama'\] have no q/k RMSNorm"):
+            done = hf.patch(families=["llama", "qwen3"], fuse_qk_norm=True)
+        assert done["llama"] == ["apply_rotary_pos_emb"] and "Qwen3Attention.forward" in done["qwen3"]
+    finally:
+        hf.unpatch()
+    assert module.apply_rotary_pos_emb is hf_function

@@ -222,7 +222,7 @@ def test_meta_construction_builds_lazily_on_query_device():
 
 
 def test_extra_repr():
-    text = repr(RotaryEmbedding(128, 64, 4096, 500000.0, False, {"rope_type": "linear", "factor": 2.0}))
+    text = repr(RotaryEmbedding(128, 64, 4096, 500000.0, False, rope_scaling={"rope_type": "linear", "factor": 2.0}))
     for part in (
         "head_size=128",
         "rotary_dim=64",
@@ -706,3 +706,86 @@ def test_store_errors_through_the_module_name_the_callers_arguments():
     k_cache, v_cache = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
     with pytest.raises(ValueError, match=r"^RotaryEmbedding.forward_and_store: value: expected dtype"):
         rope.forward_and_store(torch.arange(3), q, k, v.double(), k_cache, v_cache, torch.arange(3))
+
+
+# --- vLLM's and SGLang's conventions, as their documented signatures give them --------------------
+# vLLM / SGLang: RotaryEmbedding(head_size, rotary_dim, max_position_embeddings, base, is_neox_style,
+# dtype); forward(positions, query, key, offsets=None) (SGLang, vLLM before 0.9), offsets added to
+# positions.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_constructor_positional_dtype(dtype):
+    rope = RotaryEmbedding(16, 16, 32, 10000.0, True, dtype)
+    assert rope.cos_sin_cache.dtype == dtype and rope.cos_sin_cache.shape == (32, 16)
+    by_keyword = RotaryEmbedding(
+        head_size=16, rotary_dim=16, max_position_embeddings=32, base=10000.0, is_neox_style=True, dtype=dtype
+    )
+    assert torch.equal(by_keyword.cos_sin_cache, rope.cos_sin_cache) and by_keyword.max_position == 32
+
+
+def test_rope_scaling_is_keyword_only():
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(
+        TypeError, match=r"RotaryEmbedding: dtype: expected a torch.dtype or None .*got dict .*rope_scaling="
+    ) as info:
+        RotaryEmbedding(16, 16, 32, 10000.0, True, scaling)
+    assert "6th positional argument" in str(info.value)
+    rope = RotaryEmbedding(16, 16, 32, 10000.0, True, rope_scaling=scaling)
+    assert rope.rope_type == "linear"
+    with pytest.raises(TypeError, match=r"RotaryEmbedding: device: expected a device, got torch.dtype"):
+        RotaryEmbedding(16, 16, 32, 10000.0, True, None, torch.float32)
+    with pytest.raises(ValueError, match=r"max_position_embeddings: expected None when max_position is given"):
+        RotaryEmbedding(16, 16, 32, max_position_embeddings=32)
+    with pytest.raises(TypeError, match=r"RotaryEmbedding: max_position: expected a positive integer"):
+        RotaryEmbedding(16, 16)
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_forward_offsets_are_added_to_positions(as_keyword):
+    rope = RotaryEmbedding(16, 16, 64, 10000.0, True, torch.float32, inplace=False)
+    positions = torch.tensor([0, 1, 2, 5])
+    offsets = torch.tensor([7, 7, 3, 0])
+    q, k = _rand(4, 2 * 16), _rand(4, 16, seed=1)
+    got = rope(positions, q, k, offsets=offsets) if as_keyword else rope(positions, q, k, offsets)
+    want = rope(positions + offsets, q, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[0], rope(positions, q, k)[0]), "offsets were ignored"
+    # one offset for every token broadcasts
+    one = rope(positions, q, k, torch.tensor(4))
+    assert torch.equal(one[0], rope(positions + 4, q, k)[0])
+
+
+def test_forward_offsets_are_checked():
+    rope = RotaryEmbedding(16, 16, 64, 10000.0, inplace=False)
+    positions, q = torch.arange(4), _rand(4, 16)
+    with pytest.raises(
+        ValueError, match=r"RotaryEmbedding.forward: offsets: expected dtype in \(int32, int64\), got float32"
+    ):
+        rope(positions, q, None, torch.zeros(4))
+    with pytest.raises(
+        ValueError, match=r"offsets: expected a shape broadcastable to positions' \(4,\), got shape \(3,\)"
+    ):
+        rope(positions, q, None, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"RotaryEmbedding.forward: offsets: expected a torch.Tensor or None, got int"):
+        rope(positions, q, None, 3)
+
+
+def test_in_place_default_under_autograd_says_what_to_construct():
+    """In place under autograd works on activations (autograd's in-place rules); where autograd
+    refuses it (a leaf that requires grad, or q/k norm weights that require grad), the error says
+    to construct the module with inplace=False."""
+    rope = RotaryEmbedding(16, 16, 64, 10000.0)
+    q = _rand(4, 16).requires_grad_()
+    with pytest.raises(ValueError) as info:
+        rope(torch.arange(4), q)
+    message = str(info.value)
+    assert message.startswith("RotaryEmbedding.forward: query: ") and "when inplace=True" in message, message
+    assert "construct it with RotaryEmbedding(..., inplace=False)" in message
+    w = torch.ones(16, requires_grad=True)
+    with pytest.raises(ValueError) as info:
+        rope(torch.arange(4), q * 1.0, q_norm_weight=w)
+    assert "construct it with RotaryEmbedding(..., inplace=False)" in str(info.value), str(info.value)
+    out, _ = RotaryEmbedding(16, 16, 64, 10000.0, inplace=False)(torch.arange(4), q, q_norm_weight=w)
+    out.sum().backward()
+    assert q.grad is not None and w.grad is not None

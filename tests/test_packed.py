@@ -408,3 +408,37 @@ def test_cu_seqlens_under_torch_compile_forward_and_backward():
         grads.append((loss.detach(), qq.grad, kk.grad))
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- errors in the words of the op the user called ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cu, fragment",
+    [
+        ([0, 4, 10], "cu_seqlens: expected cu_seqlens[-1] <= 8 (the tokens of q), got cu_seqlens[-1] = 10"),
+        ([1, 4, 8], "cu_seqlens: expected cu_seqlens[0] == 0, got cu_seqlens[0] = 1"),
+        ([0, 5, 3], "cu_seqlens: expected non-decreasing values"),
+    ],
+)
+@pytest.mark.parametrize("path", ["norm", "reference"])
+def test_apply_rope_cu_seqlens_errors_name_apply_rope(monkeypatch, cu, fragment, path):
+    """Bad cu_seqlens values read where they are free (CPU) are reported as apply_rope's
+    cu_seqlens, never as positions_from_cu_seqlens' total_tokens (arguments the user never passed):
+    on the norm path, which derives positions first, and on the CPU reference path."""
+    from ropekit import pipeline
+
+    q = torch.randn(8, 2, 16)
+    kw = {"q_norm_weight": torch.ones(16)} if path == "norm" else {}
+    if path == "reference":  # the pure-PyTorch CPU path, not the interpreted kernel
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        pipeline.clear()
+    try:
+        with pytest.raises(ValueError) as info:
+            ropekit.apply_rope(q, None, None, make_cache(16, 16), cu_seqlens=torch.tensor(cu), **kw)
+    finally:
+        pipeline.clear()
+    message = str(info.value)
+    assert message.startswith("apply_rope: cu_seqlens: "), message
+    assert fragment in message, message
+    assert "total_tokens" not in message and "positions_from_cu_seqlens" not in message

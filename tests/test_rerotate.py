@@ -232,7 +232,14 @@ def test_fuzz_layouts(device, layout, mode):
             delta = int(delta[0])
         elif r.random() < 0.5:
             delta = delta.clamp(-(2**31) + 1, 2**31 - 1).to(torch.int32)
-        check(cache, slots, delta, make_cache(64, rot, device=device), interleaved=r.random() < 0.5, dst_slots=dsts)
+        table = make_cache(64, rot, device=device)
+        if isinstance(delta, int) and not -64 < delta < 64:  # an int past the table: refused, nothing written
+            before = cache.base.clone()
+            with pytest.raises(ValueError, match="delta: expected an int in"):
+                rerotate_kv_cache(cache.k, slots, delta, table, dst_slots=dsts)
+            assert torch.equal(bits(cache.base), bits(before))
+            continue
+        check(cache, slots, delta, table, interleaved=r.random() < 0.5, dst_slots=dsts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -268,13 +275,41 @@ def test_zero_delta_is_the_identity(device):
     assert torch.equal(bits(cache.k[0, 0]), bits(before[0, 1])) and torch.equal(bits(cache.k[1, 3]), bits(before[1, 2]))
 
 
-def test_big_int_delta_is_nan(device):
-    """An int delta past int32 (and a tensor one past the table) rotates by NaN; the tail is kept."""
+@pytest.mark.parametrize("delta", [16, -16, 2**40, -(2**63) + 1, 2**70])
+def test_int_delta_past_the_table_is_refused(device, delta):
+    """A Python int shift is a host value: |delta| >= max_position is refused for free, in any mode,
+    on every call (also after a valid int delta made the same signature), and nothing is written."""
     cache = Cache(flat, 1, 6, 2, 64, torch.float32, device)
-    check(cache, torch.tensor([1, 4], device=device), 2**40, make_cache(16, 32, device=device))
-    check(cache, torch.tensor([2, 3], device=device), -(2**63) + 1, make_cache(16, 32, device=device))
-    rows = cache.k[[1, 4, 2, 3]]
+    table = make_cache(16, 32, device=device)
+    slots = torch.tensor([1, 4], device=device)
+    rerotate_kv_cache(cache.k, slots, 15, table)  # the signature is validated and remembered
+    before = cache.base.clone()
+    with pytest.raises(ValueError, match=r"rerotate_kv_cache: delta: expected an int in \(-16, 16\)"):
+        rerotate_kv_cache(cache.k, slots, delta, table)
+    assert torch.equal(bits(cache.base), bits(before))
+
+
+def test_tensor_delta_past_the_table_is_nan(device):
+    """A tensor delta past the table rotates by NaN (no sync to check it); the tail is kept."""
+    cache = Cache(flat, 1, 6, 2, 64, torch.float32, device)
+    big = torch.tensor([16, -(2**31) + 1], device=device)
+    check(cache, torch.tensor([1, 4], device=device), big, make_cache(16, 32, device=device))
+    rows = cache.k[[1, 4]]
     assert rows[..., :32].isnan().all() and not rows[..., 32:].isnan().any()
+
+
+def test_0d_delta_is_one_shift_for_every_row(device):
+    """A 0-d tensor delta (as a 0-d k_scale is one scale) shifts every row, read on the device."""
+    table = make_cache(32, 64, device=device)
+    slots = torch.tensor([5, 0, -1, 7], device=device)
+    one = Cache(hnd, 2, 4, 2, 64, torch.float32, device)
+    two = Cache(hnd, 2, 4, 2, 64, torch.float32, device)
+    two.base.copy_(one.base)
+    before = one.base.clone()
+    rerotate_kv_cache(one.k, slots, torch.tensor(-9, device=device), table)
+    rerotate_kv_cache(two.k, slots, -9, table)
+    assert torch.equal(bits(one.base), bits(two.base))
+    assert not torch.equal(bits(one.base), bits(before)), "the 0-d shift rotated nothing"
 
 
 def test_all_padding_and_empty(device):
@@ -629,7 +664,7 @@ BAD_ROWS = [
     Row(
         "rerotate-delta-type",
         TypeError,
-        "delta: expected a (N,) int32/int64 tensor or an int, got float",
+        "delta: expected a (N,) or 0-d int32/int64 tensor or an int, got float",
         lambda: rr_args(delta=1.0),
     ),
     Row(
@@ -637,6 +672,12 @@ BAD_ROWS = [
         ValueError,
         "delta: expected dtype in (int32, int64), got float32",
         lambda: rr_args(delta=torch.ones(4)),
+    ),
+    Row(
+        "rerotate-delta-int-range",
+        ValueError,
+        "delta: expected an int in (-16, 16) (the rows of cos_sin_cache), got 16",
+        lambda: rr_args(delta=16),
     ),
     Row(
         "rerotate-delta-shape",
@@ -748,9 +789,6 @@ def test_handled_rows():
     k = a["k_cache"].flatten(0, 1)
     assert k[[0, 6], :, :32].isnan().all() and torch.equal(k[[0, 6], :, 32:], before.flatten(0, 1)[[0, 6], :, 32:])
     assert not k[3].isnan().any()
-    a = rr_args(cos_sin_cache=table, delta=-16)
-    rerotate_kv_cache(**a)
-    assert a["k_cache"].flatten(0, 1)[[0, 3, 6], :, :32].isnan().all()
     # ok-rerotate-slot-padding and ok-rerotate-slot-past-cache: nothing written for those rows
     for slots, dsts in (
         (torch.tensor([-1, -7, 8, 99]), None),

@@ -23,7 +23,7 @@ __all__ = [
     "RotaryEmbedding",
     "strict",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # DTensor sharding rules for the custom ops: registered when torch.distributed.tensor is imported
 from . import distributed as _distributed  # noqa: E402

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -349,7 +350,8 @@ def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim
     if plan is None or k.dtype != q.dtype:
         return _math_cohere(q, k, cos, sin, ud)
     hd, _ = plan
-    return _rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True)
+    half = cos.shape[-1] // 2  # the stride-2 views hold every frequency once: read them all
+    return _rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
 
 
 def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -440,7 +442,7 @@ def llama4_apply_rotary_emb(xq, xk, freqs_cis):
         )
     if not ok:
         return _math_llama4(xq, xk, freqs_cis)
-    return ops.rotate_with_angles(xq, xk, cos, sin, interleaved=True)
+    return ops.rotate_angles(xq, xk, cos, sin, interleaved=True, columns=cos.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +554,9 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
 
     fuse_qk_norm: also fuse q/k RMSNorm into the rotation for Qwen3, Qwen3-MoE, Gemma 3 and OLMo 2
     (their attention then normalizes and rotates in one launch with its own norm weights; see
-    ropekit.hf_qknorm).
+    ropekit.hf_qknorm). With a model or families, a family without q/k norm is not silently
+    skipped: ValueError when none of them has one (nothing patched), a warning naming those
+    without when some have. Without both, it fuses every family that can be.
     """
     explicit = families is not None
     names = _check_families(families) if explicit else list(FAMILIES)
@@ -565,6 +569,8 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
                 f"family {sorted(FAMILIES)}, got modules from {kinds}"
             )
         names = [f for f in in_model if f in names]
+    if fuse_qk_norm and (explicit or model is not None):
+        _check_fusable(names)
     if fuse_qk_norm:
         from . import hf_qknorm
 
@@ -591,28 +597,67 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
             done[family] = attrs
     if fuse_qk_norm:
         for family, swapped in hf_qknorm.patch(list(done)).items():
-            done[family] = done[family] + swapped
+            _add_names(done, family, swapped)
     return done
+
+
+def _add_names(report: Dict[str, List[str]], family: str, names) -> None:
+    """Append names to report[family], each once (the fusion swaps the rotary function again)."""
+    listed = report.setdefault(family, [])
+    listed.extend(n for n in names if n not in listed)
+
+
+def _check_fusable(names) -> None:
+    """fuse_qk_norm asked for named families or a model: refuse when none of them has q/k norm,
+    warn naming those that have none."""
+    from . import hf_qknorm
+
+    without = [f for f in names if f not in hf_qknorm.FAMILIES]
+    if names and len(without) == len(names):
+        raise ValueError(
+            f"ropekit.hf.patch: fuse_qk_norm: expected families with q/k RMSNorm "
+            f"({', '.join(sorted(hf_qknorm.FAMILIES))}), got {without} (no q/k norm to fuse: "
+            "patch without fuse_qk_norm)"
+        )
+    if without:
+        warnings.warn(
+            f"ropekit.hf.patch: fuse_qk_norm: {without} have no q/k RMSNorm; only their rotary functions are patched",
+            stacklevel=3,
+        )
+
+
+def _ropekit_now(mod_name: str, attr: str) -> bool:
+    """Is module attribute `attr` (not Class.forward) one of ropekit's drop-ins right now?"""
+    if "." in attr:
+        return False
+    family = mod_name.split(".")[2]
+    current = getattr(importlib.import_module(mod_name), attr, None)
+    return current is not None and current is FAMILIES.get(family, {}).get(attr)
 
 
 def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
     """Restore HF's functions replaced by `patch()` (all of them, or those of `families`).
-    Returns {family: [restored attribute names]}. fuse_qk_norm=True undoes only the q/k norm
-    fusion (the rotary drop-ins stay); by default the fusion is undone too, first."""
+    Returns {family: [names that are HF's again]}, each name once. fuse_qk_norm=True undoes only
+    the q/k norm fusion: HF's norm and attention forwards come back, the rotary function stays
+    ropekit's (unfused) drop-in and is therefore not listed; by default the fusion is undone too,
+    first."""
     wanted = None if families is None else set(_check_families(families))
     from . import hf_qknorm
 
-    restored: Dict[str, List[str]] = hf_qknorm.unpatch(wanted)
+    restored: Dict[str, List[str]] = {}
+    for family, names in hf_qknorm.unpatch(wanted).items():
+        module = _module_name(family)
+        _add_names(restored, family, [n for n in names if not _ropekit_now(module, n)])
     if fuse_qk_norm:
-        return restored
+        return {family: names for family, names in restored.items() if names}
     for (mod_name, attr), original in list(_ORIGINALS.items()):
         family = mod_name.split(".")[2]
         if wanted is not None and family not in wanted:
             continue
         setattr(importlib.import_module(mod_name), attr, original)
         del _ORIGINALS[(mod_name, attr)]
-        restored.setdefault(family, []).append(attr)
-    return restored
+        _add_names(restored, family, [attr])
+    return {family: names for family, names in restored.items() if names}
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from torch import nn
 from .freqs import cos_sin_cache, parse_scaling
 from .ops import apply_rope
 from .store import apply_rope_and_store
-from .validate import fail
+from .validate import INDEX_DTYPES, fail
 
 # families whose checkpoints rotate pairs (2i, 2i+1) rather than halves (i, i + rotary_dim/2);
 # configs with a `rope_interleave` field (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4, ...) say it there
@@ -54,30 +54,62 @@ def _int_arg(op: str, name: str, value) -> int:
     return value
 
 
+def _table_length(op: str, max_position, max_position_embeddings) -> int:
+    """The table length, given by ropekit's name or by vLLM's / SGLang's (not both)."""
+    if max_position is None and max_position_embeddings is None:
+        raise TypeError(f"{op}: max_position: expected a positive integer (or max_position_embeddings=), got None")
+    if max_position is not None and max_position_embeddings is not None:
+        fail(
+            op,
+            "max_position_embeddings",
+            "None when max_position is given (two names of one length)",
+            repr(max_position_embeddings),
+        )
+    name = "max_position" if max_position is not None else "max_position_embeddings"
+    return _int_arg(op, name, max_position if max_position is not None else max_position_embeddings)
+
+
+def _dtype_and_device(op: str, dtype, device) -> None:
+    """dtype (the 6th positional argument, as in vLLM / SGLang) and device have the right types;
+    a dict there is a rope_scaling passed positionally (ropekit 0.1's 6th argument)."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        moved = " (rope_scaling is keyword-only: pass rope_scaling=...)" if isinstance(dtype, dict) else ""
+        raise TypeError(
+            f"{op}: dtype: expected a torch.dtype or None (the 6th positional argument, as in vLLM and "
+            f"SGLang), got {type(dtype).__name__}{moved}"
+        )
+    if isinstance(device, torch.dtype):
+        raise TypeError(f"{op}: device: expected a device, got torch.dtype {device} (dtype is the 6th argument)")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with the vLLM / SGLang calling convention.
 
-        rope = RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling)
-        query, key = rope(positions, query, key)
+        rope = RotaryEmbedding(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
+        query, key = rope(positions, query, key)            # or rope(positions, query, key, offsets)
 
     Args:
         head_size: D, the size of each query/key head.
         rotary_dim: dims [0, rotary_dim) of each head are rotated, the rest kept (partial rotary);
             even, at most head_size.
-        max_position: length of the cos/sin table. Positions must lie in [0, max_position): this
+        max_position: length of the cos/sin table (vLLM's `max_position_embeddings`, accepted by
+            that keyword too). Positions must lie in [0, max_position): this
             is a hard limit (checking it would cost a device sync per call). An out-of-range
             position follows apply_rope's contract: NaN in that token's rotated dims, or a
             ValueError under `ropekit.strict()`. For scaled rope types pass the extended length.
         base: rope theta; None means rope_scaling["rope_theta"] if present, else 10000.0.
         is_neox_style: True rotates halves (Llama, NeoX); False rotates pairs (2i, 2i+1)
             (GPT-J, DeepSeek, Llama 4), i.e. apply_rope's interleaved=True.
-        rope_scaling: None or an HF rope_scaling / rope_parameters dict; see ropekit.inv_freq.
         dtype: dtype of the table (default float32, recommended whatever the model dtype;
-            `module.to(dtype)` / `.half()` leave it unchanged).
+            `module.to(dtype)` / `.half()` leave it unchanged). The 6th positional argument, as
+            in vLLM and SGLang.
         device: where the table is built (default: the current default device). Under a meta
             device it is built lazily, on the device of the first query.
+        rope_scaling: (keyword only) None or an HF rope_scaling / rope_parameters dict; see
+            ropekit.inv_freq.
         inplace: True (default) rotates query and key in place and returns them; False returns
-            new tensors and leaves the inputs untouched.
+            new tensors and leaves the inputs untouched (what training needs: autograd keeps the
+            inputs).
 
     LongRoPE tables longer than original_max_position_embeddings hold two segments, the short
     factors' rows then the long factors' rows, and each call picks one for the whole batch as HF
@@ -89,19 +121,22 @@ class RotaryEmbedding(nn.Module):
         self,
         head_size: int,
         rotary_dim: int,
-        max_position: int,
+        max_position: Optional[int] = None,
         base: Optional[float] = None,
         is_neox_style: bool = True,
-        rope_scaling: Optional[dict] = None,
         dtype: Optional[torch.dtype] = None,
         device=None,
         *,
+        rope_scaling: Optional[dict] = None,
         inplace: bool = True,
         mrope_section=None,
         mrope_interleaved: Optional[bool] = None,
+        max_position_embeddings: Optional[int] = None,
     ):
         super().__init__()
         op = "RotaryEmbedding"
+        max_position = _table_length(op, max_position, max_position_embeddings)
+        _dtype_and_device(op, dtype, device)
         self.head_size = _int_arg(op, "head_size", head_size)
         if (
             isinstance(rotary_dim, bool)
@@ -254,6 +289,7 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,
         query: torch.Tensor,
         key: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
         *,
         q_norm_weight=None,
         k_norm_weight=None,
@@ -265,11 +301,15 @@ class RotaryEmbedding(nn.Module):
         positions: (T,) or (B, S) int32/int64; with mrope_section also (3, T) or (3, B, S)
         (temporal, height, width rows; text-only tokens may pass plain positions). query:
         (*T, Hq * D) or (*T, Hq, D); key: the same with Hk heads, or None. Any strides with a unit
-        last stride (views of a fused qkv buffer are fine). Returns (query, key) in their input
-        shapes: the inputs themselves when inplace (the default), new tensors otherwise; key None
-        when key is None. q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of
-        query / key first, in the same launch (apply_rope's keywords).
+        last stride (views of a fused qkv buffer are fine). offsets: None, or int32/int64 added to
+        positions (SGLang's and older vLLM's argument; positions' shape, or broadcastable to it).
+        Returns (query, key) in their input shapes: the inputs themselves when inplace (the
+        default), new tensors otherwise; key None when key is None. q_norm_weight, k_norm_weight,
+        norm_eps, norm_weight_offset: RMSNorm of query / key first, in the same launch
+        (apply_rope's keywords).
         """
+        if offsets is not None:
+            positions = _offset_positions("RotaryEmbedding.forward", positions, offsets)
         mrope = self._is_mrope(positions, query)
         if not isinstance(positions, torch.Tensor) or positions.dim() - mrope not in (1, 2):
             got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
@@ -298,7 +338,13 @@ class RotaryEmbedding(nn.Module):
                 norm_weight_offset=norm_weight_offset,
             )
         except (ValueError, TypeError) as e:
-            raise _in_callers_words(e, "apply_rope", "RotaryEmbedding.forward", self.max_position) from None
+            error = _in_callers_words(e, "apply_rope", "RotaryEmbedding.forward", self.max_position)
+            if str(error).startswith("RotaryEmbedding.forward: inplace:") or "when inplace=True" in str(error):
+                error = type(error)(
+                    f"{error}; this module rotates in place (inplace=True, the default): construct it "
+                    "with RotaryEmbedding(..., inplace=False) to keep its inputs"
+                )
+            raise error from None
         if self.inplace:
             return query, key
         return q_out.reshape(query.shape), (None if key is None else k_out.reshape(key.shape))
@@ -478,6 +524,31 @@ class RotaryEmbedding(nn.Module):
             k_scale=k_scale,
             dst_slots=dst_slots,
         )
+
+
+def _offset_positions(op: str, positions, offsets) -> torch.Tensor:
+    """positions + offsets (SGLang / older vLLM): integer tensors on one device, offsets
+    broadcastable to positions' shape."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{op}: offsets: expected a torch.Tensor or None, got {type(offsets).__name__}")
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{op}: positions: expected a torch.Tensor, got {type(positions).__name__}")
+    if offsets.dtype not in INDEX_DTYPES:
+        fail(op, "offsets", "dtype in (int32, int64)", str(offsets.dtype).replace("torch.", ""))
+    if offsets.device != positions.device:
+        fail(op, "offsets", f"a tensor on {positions.device} (the device of positions)", f"one on {offsets.device}")
+    try:
+        fits = torch.broadcast_shapes(positions.shape, offsets.shape) == positions.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        fail(
+            op,
+            "offsets",
+            f"a shape broadcastable to positions' {tuple(positions.shape)}",
+            f"shape {tuple(offsets.shape)}",
+        )
+    return positions + offsets
 
 
 # config.json spellings that HF config classes map through attribute_map (GPT-2 / GPT-J lineage)

@@ -106,14 +106,18 @@ def apply_rope(
     out_dtype: Optional[torch.dtype] = None,
     q_scale: Scale = None,
     k_scale: Scale = None,
+    layout: Optional[str] = None,
 ):
     """Rotate q and k by the angles of their positions.
 
     Args:
-        q: (*T, Hq, Dq) fp16/bf16/fp32, *T = (T,) or (B, S); any strides, last stride 1.
+        q: (*T, Hq, Dq) fp16/bf16/fp32, *T = (T,) or (B, S); any strides, last stride 1. With
+            layout='bhsd': (B, Hq, S, Dq), Hugging Face's layout (results come back in it).
         k: (*T, Hk, Dk) or None; Dk may differ from Dq; its own strides.
         positions: (*T) int32/int64; (3, *T) for M-RoPE; None means arange over the last token dim.
+            Dims of size 1 broadcast over the token dims (HF's (1, S) position_ids; an expand view).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended, bf16/fp16 ok.
+            HF's cos (rows [f, f]) is refused, checked once per table.
         interleaved: False rotates halves (i, i + rotary_dim/2) (Llama/NeoX); True rotates pairs
             (2i, 2i+1) (GPT-J, Llama 4, DeepSeek).
         rotary_dim: dims [0, rotary_dim) are rotated, the rest kept; must equal the cache width.
@@ -140,6 +144,9 @@ def apply_rope(
         q_scale, k_scale: None (1.0), a float > 0, or a 0-d / 1-element float32 tensor on q's
             device (read in the kernel: no sync, safe in CUDA graphs): the per-tensor scale of
             q's / k's outputs. Given with out_dtype only.
+        layout: None or 'thd' / 'bshd' (tokens first, by q's rank), or 'bhsd' (HF's (B, H, S, D)).
+            None warns (ropekit.validate.LayoutWarning, once per call signature) when a 4-D q has
+            the strides of HF's (B, H, S, D) view and the positions fit either reading.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -154,15 +161,19 @@ def apply_rope(
             validate.fail("apply_rope", name, "its default with q_norm_weight / k_norm_weight", "a value given")
         from .qknorm import rope_with_norm
 
+        hf = validate.layout_arg("apply_rope", layout, q)
+        validate.table_not_hf_cos("apply_rope", cos_sin_cache)  # read once per table object
+        if hf:  # the norm path takes tokens-first views; results are transposed back below
+            q, k = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
         if cu_seqlens is not None:  # the norm path takes positions: derive them (no sync)
             validate.packed_args("apply_rope", q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
-            from .packed import positions_from_cu_seqlens
+            from .packed import packed_positions
 
-            positions = positions_from_cu_seqlens(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, total_tokens=q.shape[0])
-        return rope_with_norm(
+            positions = packed_positions("apply_rope", cu_seqlens, cp_size, cp_rank, q.shape[0])
+        q_out, k_out = rope_with_norm(
             q,
             k,
-            positions,
+            _expanded_positions(q, positions, mrope_section),
             cos_sin_cache,
             interleaved=interleaved,
             rotary_dim=rotary_dim,
@@ -174,6 +185,7 @@ def apply_rope(
             norm_eps=norm_eps,
             norm_weight_offset=norm_weight_offset,
         )
+        return pipeline.heads_first(q_out, hf), pipeline.heads_first(k_out, hf)
     # the angle source: positions, or cu_seqlens (positions derived from it in the kernel)
     a = positions if cu_seqlens is None else cu_seqlens
     if torch.compiler.is_compiling():
@@ -194,7 +206,10 @@ def apply_rope(
             out_dtype,
             q_scale,
             k_scale,
+            layout,
         )
+        if spec.angle_shape is not None:  # positions with size-1 dims: an expand view
+            a = positions.expand(spec.angle_shape)
         return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace, _scales(spec, q, q_scale, k_scale))
     try:
         key = (
@@ -223,6 +238,7 @@ def apply_rope(
             out_dtype,
             _scale_key(q_scale),
             _scale_key(k_scale),
+            layout,
         )
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
@@ -247,8 +263,13 @@ def apply_rope(
                 out_dtype,
                 q_scale,
                 k_scale,
+                layout,
             ),
         )
+    if spec.table is None or spec.table() is not cos_sin_cache:  # a new table: HF's cos is refused
+        validate.read_new_table(spec, "apply_rope", cos_sin_cache)
+    if spec.angle_shape is not None:  # positions with size-1 dims: an expand view
+        a = positions = positions.expand(spec.angle_shape)
     scales = _scales(spec, q, q_scale, k_scale)
     if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
         return _rope_custom_op(spec, q, k, a, cos_sin_cache, inplace, scales)
@@ -283,6 +304,10 @@ def apply_rope(
         RotateViewFunction.apply(q, a, cos_sin_cache, spec_q, spec.variant)
         if k is not None:
             RotateViewFunction.apply(k, a, cos_sin_cache, spec_k, spec.variant)
+        return q, k
+    if inplace:
+        # marked dirty, q and k now carry the Function's history: return the caller's own objects
+        RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
         return q, k
     return RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
 
@@ -336,15 +361,18 @@ def _rope_spec(
     out_dtype=None,
     q_scale=None,
     k_scale=None,
+    layout=None,
 ) -> Spec:
     op = "apply_rope"
     packed = (1, 0)
+    hf = validate.layout_arg(op, layout, q)
+    q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)  # tokens first
     if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
-        packed = validate.packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
+        packed = validate.packed_args(op, q_t, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
     rot, mrope = validate.rope_args(
         op,
-        q,
-        k,
+        q_t,
+        k_t,
         positions,
         cos_sin_cache,
         rotary_dim=rotary_dim,
@@ -353,8 +381,11 @@ def _rope_spec(
         inplace=inplace,
         packed=cu_seqlens is not None,
         inplace_grad=True,
+        broadcast=True,
     )
     validate.no_grad_table(op, cos_sin_cache)
+    if layout is None:
+        validate.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None)
     grad = pipeline.records_grad(q, k)
     scaled = validate.out_args(op, q, out_dtype, q_scale, k_scale, inverse, inplace=inplace, grad=grad)
     if cu_seqlens is not None:
@@ -365,10 +396,14 @@ def _rope_spec(
         angles = "table" if positions is not None else "arange"
     mode, sections = _mrope_code(mrope if positions is not None and cu_seqlens is None else None, mrope_interleaved)
     il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, angles, inverse, scaled=scaled)
+    variant = Variant(il, il, mode, sections, angles, inverse, hf, scaled=scaled)
     door = pipeline.door_for(q, grad)
     source = cu_seqlens if cu_seqlens is not None else positions
     extents = (_extent(q), _extent(k), _extent(source), _extent(cos_sin_cache))
+    expand = None  # positions with size-1 dims (HF's (1, S)): the shape each call expands them to
+    if angles == "table":
+        want = ((3,) if mode else ()) + tuple(q_t.shape[:-2])
+        expand = want if tuple(positions.shape) != want else None
     return Spec(
         variant,
         rot,
@@ -376,9 +411,21 @@ def _rope_spec(
         pipeline.triton_runs(q),
         extents=extents,
         packed=packed,
+        angle_shape=expand,
         inplace=bool(inplace),
         out_dtype=None if out_dtype == q.dtype else out_dtype,
     )
+
+
+def _expanded_positions(q, positions, mrope_section):
+    """positions with size-1 dims expanded to q's token dims ((3, *T) with M-RoPE); anything else
+    as given (validation names it)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(positions, torch.Tensor)):
+        return positions
+    want = ((3,) if mrope_section is not None else ()) + tuple(q.shape[:-2])
+    if tuple(positions.shape) != want and validate.broadcasts_to(tuple(positions.shape), want):
+        return positions.expand(want)
+    return positions
 
 
 def _rope_custom_op(spec: Spec, q, k, positions, table, inplace, scales=None):
@@ -418,18 +465,27 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace, scales=None):
             return q, k
         return outs[0], (outs[1] if k is not None else None)
     positions, table, qs, ks = distributed.like(q, positions, table, qs, ks)
+    hf = v.heads_first  # the ops take tokens-first views; results go back to HF's layout
     if inplace and not pipeline.records_grad(q, k):
-        torch.ops.ropekit.rotate_(q, k, positions, table, spec.rot, v.interleaved, mrope, v.inverse)
+        q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
+        torch.ops.ropekit.rotate_(q_t, k_t, positions, table, spec.rot, v.interleaved, mrope, v.inverse)
         return q, k
-    outs = torch.ops.ropekit.rotate(
-        q, k, positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse, spec.out_dtype, qs, ks
-    )
+    rotate = torch.ops.ropekit.rotate
+    args = (positions, table, spec.rot, v.interleaved, v.out_interleaved, mrope, v.inverse, spec.out_dtype, qs, ks)
+    q_out, k_out = _tokens_first_call(rotate, hf, q, k, *args)
     if inplace:
-        q.copy_(outs[0])
+        q.copy_(q_out)
         if k is not None:
-            k.copy_(outs[1])
+            k.copy_(k_out)
         return q, k
-    return outs[0], (outs[1] if k is not None else None)
+    return q_out, k_out
+
+
+def _tokens_first_call(op, hf: bool, q, k, *args):
+    """An out-of-place rotation custom op on tokens-first views of q and k ((B, H, S, D) transposed
+    when hf); its outputs returned in the layout of q and k (k's None when k is None)."""
+    outs = op(pipeline.heads_first(q, hf), pipeline.heads_first(k, hf), *args)
+    return pipeline.heads_first(outs[0], hf), (pipeline.heads_first(outs[1], hf) if k is not None else None)
 
 
 def _op_spec(tag, q, k, a, b, variant: Variant, rot: int, packed=(1, 0)) -> Spec:
@@ -618,16 +674,22 @@ def rotate_with_angles(
     out_interleaved: Optional[bool] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    layout: Optional[str] = None,
+    rotary_dim: Optional[int] = None,
 ):
     """Rotate q and k by per-token angles (the form Hugging Face models pass). Out of place.
 
-    q: (*T, Hq, Dq), k: (*T, Hk, Dk) or None, as in apply_rope. cos, sin: broadcastable to
-    (*T, rotary_dim // 2), or (3, *T, rotary_dim // 2) with mrope_section; any strides (views of
-    Hugging Face's duplicated-half tensors are fine); fp32/bf16/fp16. out_interleaved (default:
-    interleaved) is the layout the rotated dims are written in (DeepSeek-V3's HF code reads pairs
-    and writes halves). Differentiable in q and k; cos and sin are constants (refused if they
-    require grad under grad mode).
+    q: (*T, Hq, Dq), k: (*T, Hk, Dk) or None, as in apply_rope; with layout='bhsd' (B, H, S, D),
+    HF's layout, and the results come back in it. cos, sin: broadcastable to (*T, rotary_dim // 2),
+    or (3, *T, rotary_dim // 2) with mrope_section; any strides; fp32/bf16/fp16. HF's cos / sin as
+    HF returns them ((B, S, R) with halves [f, f]) are taken as they are: pass rotary_dim=R to say
+    so, else they are recognised from their values (once per call signature, one device sync;
+    not under torch.compile, where rotary_dim says it). out_interleaved (default: interleaved) is
+    the layout the rotated dims are written in (DeepSeek-V3's HF code reads pairs and writes
+    halves). layout: as apply_rope's. Differentiable in q and k; cos and sin are constants
+    (refused if they require grad under grad mode).
     """
+    hf = None if layout is None else validate.layout_arg("rotate_with_angles", layout, q)
     return rotate_angles(
         q,
         k,
@@ -637,6 +699,8 @@ def rotate_with_angles(
         out_interleaved=out_interleaved,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        heads_first=hf,
+        rotary_dim=rotary_dim,
     )
 
 
@@ -652,16 +716,20 @@ def rotate_angles(
     mrope_interleaved=False,
     heads_first=False,
     columns=None,
+    rotary_dim=None,
 ):
     """rotate_with_angles with two more options, the seam ropekit.hf calls:
 
     heads_first: q and k are (B, H, S, D) (Hugging Face's layout, views of (B, S, H, D)
-        projections); results come back in that layout, and no view is made per call.
+        projections); results come back in that layout, and no view is made per call. None:
+        tokens first, not said by the caller (an ambiguous layout warns).
     columns: use the first `columns` columns of cos and sin (HF's tables hold [f, f]: pass them
-        unsliced with columns = rotary_dim // 2); None: all.
+        unsliced with columns = rotary_dim // 2); None: decided by rotary_dim, else by the values
+        (`_angle_columns`).
     """
     out_il = interleaved if out_interleaved is None else out_interleaved
     if torch.compiler.is_compiling():
+        columns, _ = _angle_columns(q, k, cos, sin, rotary_dim, columns)
         spec = _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns)
         return _angles_custom_op(spec, q, k, cos, sin)
     try:
@@ -681,13 +749,16 @@ def rotate_angles(
             mrope_interleaved,
             heads_first,
             columns,
+            type(rotary_dim),
+            rotary_dim,
         )
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):
         key = spec = None
     if spec is None:
+        columns, settled = _angle_columns(q, k, cos, sin, rotary_dim, columns)
         spec = pipeline.remember(
-            key,
+            key if settled else None,
             _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns),
         )
     door = spec.door
@@ -701,6 +772,31 @@ def rotate_angles(
     if door is FUNCTION:
         return RotateFunction.apply(q, k, cos, sin, spec, spec.variant)
     return _angles_custom_op(spec, q, k, cos, sin)
+
+
+def _angle_columns(q, k, cos, sin, rotary_dim, columns):
+    """(columns of cos / sin to read, settled): HF's full-width [f, f] form reads half of them.
+    settled False when the values could not tell the forms apart (all angles zero): that verdict
+    is then not remembered for the signature."""
+    if columns is not None:
+        return columns, True
+    if rotary_dim is not None:
+        return validate.angle_rotary_dim("rotate_with_angles", cos, rotary_dim), True
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dim() == 0:
+        return None, True  # validation names them
+    if not (validate.data_readable(cos) and validate.data_readable(sin)):
+        return _columns_by_width(q, k, cos), True  # tracing, capturing, a subclass: shapes decide
+    duplicated = validate.duplicated_angles(cos, sin)
+    if duplicated is None:
+        return _columns_by_width(q, k, cos), False
+    return (cos.shape[-1] // 2 if duplicated else None), True
+
+
+def _columns_by_width(q, k, cos):
+    """Without values: HF's form only where rotary_dim // 2 columns could not fit the heads."""
+    width = cos.shape[-1]
+    too_wide = any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] < 2 * width for x in (q, k))
+    return width // 2 if too_wide and width % 2 == 0 else None
 
 
 def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns):
@@ -717,6 +813,8 @@ def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_inter
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
     )
+    if heads_first is None:
+        validate.warn_ambiguous_layout(op, q, False, stacklevel=5)
     mode, sections = _mrope_code(mrope, mrope_interleaved)
     variant = Variant(bool(interleaved), bool(out_il), mode, sections, "tokens", False, hf)
     door = pipeline.door_for(q, pipeline.records_grad(q, k))
@@ -742,19 +840,10 @@ def _angles_spec(q, k, cos, sin, interleaved, out_il, mrope_section, mrope_inter
 def _angles_custom_op(spec: Spec, q, k, cos, sin):
     v = spec.variant
     cos, sin = distributed.like(q, *pipeline.angle_views(spec, cos, sin))
-    hf = v.heads_first
-    outs = torch.ops.ropekit.rotate_angles(
-        pipeline.heads_first(q, hf),
-        pipeline.heads_first(k, hf),
-        cos,
-        sin,
-        v.interleaved,
-        v.out_interleaved,
-        _mrope_list(v),
-        False,
+    rotate = torch.ops.ropekit.rotate_angles
+    return _tokens_first_call(
+        rotate, v.heads_first, q, k, cos, sin, v.interleaved, v.out_interleaved, _mrope_list(v), False
     )
-    qo = pipeline.heads_first(outs[0], hf)
-    return qo, (pipeline.heads_first(outs[1], hf) if k is not None else None)
 
 
 @torch.library.custom_op("ropekit::rotate_angles", mutates_args=())

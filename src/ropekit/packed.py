@@ -50,29 +50,34 @@ def _int_arg(name: str, value, lowest: int) -> int:
     return value
 
 
-def _check_values(cu: torch.Tensor, cp_size: int, total_tokens: Optional[int], start: Optional[torch.Tensor]):
-    """The data-dependent checks (read cu_seqlens' values: free on CPU, one sync on a device)."""
+def _check_values(cu: torch.Tensor, cp_size: int, total_tokens: Optional[int], start: Optional[torch.Tensor], op=_OP):
+    """The data-dependent checks (read cu_seqlens' values: free on CPU, one sync on a device).
+    op: the op the user called; another op than positions_from_cu_seqlens took q, not total_tokens."""
     vals = cu.tolist()
     if vals[0] != 0:
-        validate.fail(_OP, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
+        validate.fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
     for i in range(1, len(vals)):
         if vals[i] < vals[i - 1]:
             validate.fail(
-                _OP,
+                op,
                 "cu_seqlens",
                 "non-decreasing values (cumulative lengths)",
                 f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}",
             )
         if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
             validate.fail(
-                _OP,
+                op,
                 "cu_seqlens",
                 f"even local lengths when cp_size > 1 (cp_size = {cp_size}: "
                 "each local sequence holds two equal half-chunks)",
                 f"length {vals[i] - vals[i - 1]} for sequence {i - 1}",
             )
     if total_tokens is not None and total_tokens < vals[-1]:
-        validate.fail(_OP, "total_tokens", f"an int >= cu_seqlens[-1] = {vals[-1]}", total_tokens)
+        if op != _OP:
+            validate.fail(
+                op, "cu_seqlens", f"cu_seqlens[-1] <= {total_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}"
+            )
+        validate.fail(op, "total_tokens", f"an int >= cu_seqlens[-1] = {vals[-1]}", total_tokens)
     if start is not None:
         low = start.min().item() if start.numel() else 0
         if low < 0:
@@ -167,7 +172,20 @@ def positions_from_cu_seqlens(
         _check_values(cu_seqlens, cp_size, total_tokens, start_positions)
     if total_tokens is None:
         total_tokens = int(cu_seqlens[-1])  # the one host read (a sync on a device)
+    return _positions(cu_seqlens, cp_size, cp_rank, start_positions, total_tokens)
 
+
+def packed_positions(op: str, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, n_tokens: int) -> torch.Tensor:
+    """positions_from_cu_seqlens for an op that took cu_seqlens with q of n_tokens tokens (its
+    arguments already checked by the op): errors about the values name that op and cu_seqlens."""
+    if cu_seqlens.device.type == "cpu" or validate.is_strict():
+        _check_values(cu_seqlens, cp_size, n_tokens, None, op=op)
+    return _positions(cu_seqlens, cp_size, cp_rank, None, n_tokens)
+
+
+def _positions(cu_seqlens, cp_size: int, cp_rank: int, start_positions, total_tokens: int) -> torch.Tensor:
+    """The (total_tokens,) positions of checked arguments; vectorized, no sync."""
+    n_seq = cu_seqlens.shape[0] - 1
     device = cu_seqlens.device
     cu = cu_seqlens.to(torch.int64)
     token = torch.arange(total_tokens, device=device, dtype=torch.int64)

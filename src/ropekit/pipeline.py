@@ -77,6 +77,7 @@ class Spec:
         "out_dtype",
         "twin",
         "halves",
+        "table",
     )
 
     def __init__(
@@ -99,12 +100,14 @@ class Spec:
         self.door = door
         self.triton = triton  # the Triton kernel runs (CUDA, or the interpreter on CPU)
         self.extents = extents  # bytes spanned by the call's tensors (cheap overlap tests)
-        self.angle_shape = angle_shape  # per-token angles: the shape cos / sin broadcast to
+        self.angle_shape = angle_shape  # per-token angles: the shape cos / sin broadcast to;
+        #                                 table angles: the shape positions expand to (None: as given)
         self.angle_strides = angle_strides  # per-token angles: the kernel's (sec, b, s, col) strides
         self.copy_angles = copy_angles  # per-token angles whose strides differ: copied per call
         self.packed = packed  # packed angles: (cp_size, cp_rank)
         self.plans: dict = {}  # launch plans by (variant, output / gradient layouts)
         self.alias: dict = {}  # the store's aliasing verdicts by byte distance
+        self.table = None  # a weak reference to the last [cos | sin] table whose values were read
         self.inplace = inplace  # the rotation writes into q and k (autograd: marked dirty)
         self.out_dtype = out_dtype  # dtype of fresh outputs (None: the input's)
         self.twin = None  # an in-place spec's out-of-place twin (its backward writes fresh tensors)
@@ -259,9 +262,9 @@ def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
     """CPU tensors without Triton: ropekit.cpu (per-token angles as given: it broadcasts them),
     with packed positions derived here."""
     if variant.angles == "packed":  # a: cu_seqlens
-        from .packed import positions_from_cu_seqlens
+        from .packed import packed_positions
 
-        a = positions_from_cu_seqlens(a, cp_size=spec.packed[0], cp_rank=spec.packed[1], total_tokens=q.shape[0])
+        a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], q.shape[0])
     cpu.rope(
         q,
         k,

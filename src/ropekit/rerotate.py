@@ -34,7 +34,10 @@ def _extents(*xs) -> tuple:
 
 
 def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots, spec=None) -> None:
-    """The checks that need real tensors (addresses; data in strict mode), before any write."""
+    """The checks that need real tensors (addresses; data in strict mode), before any write. An int
+    shift is a host value: its range is checked on every call (free), in any mode."""
+    if delta_int is not None:
+        validate.int_shift(OP, delta_int, table.shape[0])
     extents = None
     if spec is not None and spec.extents:
         extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
@@ -129,8 +132,10 @@ def rerotate_kv_cache(
             Written in place.
         slots: (N,) int32/int64 rows to re-rotate (slot = block * block_size + offset); < 0 is padding
             (skipped).
-        delta: (N,) int32/int64 shifts, or one Python int for all rows; negative allowed (the inverse
-            rotation). Row i is rotated by the angle of table row |delta[i]|.
+        delta: (N,) int32/int64 shifts, or one shift for all rows: a Python int (|delta| <
+            max_position, else ValueError) or a 0-d int32/int64 tensor (read on the device, no
+            sync); negative allowed (the inverse rotation). Row i is rotated by the angle of table
+            row |delta[i]|.
         cos_sin_cache: (max_position, rotary_dim) [cos | sin], the table the keys were rotated with.
         interleaved: False rotates halves (Llama/NeoX), True pairs (2i, 2i+1) (GPT-J, DeepSeek).
         rotary_dim: must equal the table's width (default); dims past it are not rotated.
@@ -143,14 +148,16 @@ def rerotate_kv_cache(
 
     Returns k_cache. Rows that no (slot, dst slot) pair writes are never touched.
 
-    Bad values never cause an out-of-bounds access, and nothing is synced by default: a |delta|
-    outside [0, max_position) makes that row's rotated dims NaN (its tail and every other row kept);
+    Bad values never cause an out-of-bounds access, and nothing is synced by default: a tensor
+    |delta| outside [0, max_position) makes that row's rotated dims NaN (its tail and every other row kept);
     a slot or dst slot >= num_slots writes nothing. Under `ropekit.strict()` (or ROPEKIT_STRICT=1)
     these, destination rows that are source rows and non-finite or non-positive tensor scales raise
     ValueError before anything is written (one device sync).
 
     fp8: keep |value / k_scale| <= 448 (e4m3's range); nothing is clamped. Inference only.
     """
+    if isinstance(delta, torch.Tensor) and delta.dim() == 0 and isinstance(slots, torch.Tensor) and slots.dim() == 1:
+        delta = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
     if torch.compiler.is_compiling():
         rot, _, k_scale, delta_int = validate.rerotate_args(
             OP,
@@ -193,6 +200,8 @@ def rerotate_kv_cache(
         )
         door = pipeline.door_for(k_cache, False)
         spec = pipeline.remember(key, _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
+    if spec.table is None or spec.table() is not cos_sin_cache:  # a new table: HF's cos is refused
+        validate.read_new_table(spec, OP, cos_sin_cache)
     is_tensor = isinstance(delta, torch.Tensor)
     ks = pipeline.scale_tensor(k_scale, k_cache.device)
     if spec.door is CUSTOM_OP:

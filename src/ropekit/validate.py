@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -151,7 +153,8 @@ def qk_args(op, q, k) -> tuple:
             shape_hint=f"with the token dims of q {token_shape}",
         )
         if tuple(k.shape[:-2]) != token_shape:
-            fail(op, "k", f"token dims {token_shape} (those of q)", f"shape {tuple(k.shape)}")
+            hint = heads_first_hint(q, (k.shape[0], k.shape[2])) if k.dim() == 4 else ""
+            fail(op, "k", f"token dims {token_shape} (those of q)", f"shape {tuple(k.shape)}{hint}")
         if k.dtype != q.dtype:
             fail(op, "k", f"the dtype of q ({_dtype_name(q.dtype)})", _dtype_name(k.dtype))
     return token_shape
@@ -198,10 +201,12 @@ def rope_args(
     inplace,
     packed=False,
     inplace_grad=False,
+    broadcast=False,
 ):
     """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w).
     inplace_grad: in place is allowed while q or k requires grad (the plain rotation: its backward
-    needs no input; the norm's does)."""
+    needs no input; the norm's does). broadcast: positions may have size-1 dims where the token
+    dims have more (Hugging Face's (1, S) position_ids); the caller expands them."""
     token_shape = qk_args(op, q, k)
     device = q.device
     tensor(
@@ -249,9 +254,10 @@ def rope_args(
             shape_hint=str(want),
             last_stride_one=False,
         )
-        if tuple(positions.shape) != want:
+        shape = tuple(positions.shape)
+        if shape != want and not (broadcast and broadcasts_to(shape, want)):
             what = "(3, *T) for M-RoPE" if mrope is not None else "*T, the token dims of q"
-            fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
+            fail(op, "positions", f"shape {want} ({what})", f"shape {shape}{heads_first_hint(q, shape[-2:])}")
 
     if inplace:
         for name, x in (("q", q), ("k", k)):
@@ -429,16 +435,176 @@ def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
     half = cos.shape[-1]
     if half < 1:
         fail(op, "cos", "a last dim of rotary_dim // 2 >= 1", f"shape {tuple(cos.shape)}")
+    full_width_angles(op, q, k, half)
     head_sizes(op, q, k, 2 * half)
     mrope = mrope_args(op, mrope_section, mrope_interleaved, half)
     want = ((3,) if mrope is not None else ()) + token_shape + (half,)
     try:
         cos, sin = cos.broadcast_to(want), sin.broadcast_to(want)
     except RuntimeError:
-        fail(op, "cos", f"a shape broadcastable to {want}", f"shape {tuple(cos.shape)}")
+        hint = heads_first_hint(q, tuple(cos.shape[-3:-1])) if cos.dim() >= 3 else ""
+        fail(op, "cos", f"a shape broadcastable to {want}", f"shape {tuple(cos.shape)}{hint}")
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     return cos, sin, mrope
+
+
+# --- habits from Hugging Face ---
+# Calls that HF's conventions would make silently wrong are told apart here, at validation (once per
+# call signature) or once per table: HF's (B, H, S, D) layout, HF's cos given as a [cos | sin]
+# table, HF's full-width [f, f] cos / sin, and HF's (1, S) position_ids.
+
+LAYOUTS = ("thd", "bshd", "bhsd")
+
+
+class LayoutWarning(UserWarning):
+    """A 4-D q whose layout reads both as (B, S, H, D) and as Hugging Face's (B, H, S, D)."""
+
+
+def layout_arg(op, layout, q) -> bool:
+    """layout: None or 'thd' / 'bshd' (tokens first: (T, H, D) / (B, S, H, D)) or 'bhsd' (Hugging
+    Face's (B, H, S, D)). Returns True for 'bhsd' (the pipeline's heads_first)."""
+    if layout is None:
+        return False
+    if not isinstance(layout, str):
+        raise TypeError(f"{op}: layout: expected a str or None, got {type(layout).__name__}")
+    if layout not in LAYOUTS:
+        fail(op, "layout", "'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)) or None", repr(layout))
+    rank = 3 if layout == "thd" else 4
+    if isinstance(q, torch.Tensor) and q.dim() != rank:
+        fail(op, "q", f"a {rank}-D tensor with layout={layout!r}", f"shape {tuple(q.shape)}")
+    return layout == "bhsd"
+
+
+def broadcasts_to(shape, want) -> bool:
+    """shape has want's rank and each dim is want's or 1 (an expand view reaches want)."""
+    return len(shape) == len(want) and all(s == w or s == 1 for s, w in zip(shape, want))
+
+
+def heads_first_hint(q, tokens) -> str:
+    """A note for a shape error: `tokens` (the token dims an argument has) would fit q read as
+    Hugging Face's (B, H, S, D), i.e. (B, S)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and broadcasts_to(tuple(tokens), (q.shape[0], q.shape[2])):
+        return " (they fit q read as Hugging Face's (B, H, S, D): pass layout='bhsd')"
+    return ""
+
+
+def looks_heads_first(q) -> bool:
+    """A 4-D q whose dim 1 lies inside dim 2 in memory (stride(1) < stride(2)): how HF's (B, H, S, D)
+    views of (B, S, H, D) projections look, and equally how (B, S, H, D) views of head-major
+    buffers look (the strides are the same), so this can only warn, never refuse."""
+    return q.dim() == 4 and q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
+
+
+def warn_ambiguous_layout(op, q, positions_none: bool, stacklevel: int = 4) -> None:
+    """layout not given: warn (once per signature, from validation) when a q laid out like HF's
+    (B, H, S, D) view would be read as (B, S, H, D) with angles that fit either reading."""
+    if not looks_heads_first(q):
+        return
+    if positions_none:
+        why = "positions=None is arange over dim 1"
+    elif q.shape[1] == q.shape[2]:
+        why = f"dims 1 and 2 are both {q.shape[1]}, so the angles fit either reading"
+    else:
+        return
+    warnings.warn(
+        f"{op}: q: shape {tuple(q.shape)} with strides {tuple(q.stride())} is read as (B, S, H, D), "
+        f"and {why}; it is laid out as Hugging Face's (B, H, S, D) views are: pass layout='bhsd' if "
+        "it is (B, H, S, D), or layout='bshd' to say it is (B, S, H, D) (and silence this warning)",
+        LayoutWarning,
+        stacklevel=stacklevel,  # the caller of the public op
+    )
+
+
+def data_readable(x) -> bool:
+    """Can a check read x's values now? (not while tracing, capturing a CUDA graph, on meta or
+    through a tensor subclass)"""
+    if type(x) is not torch.Tensor or x.numel() == 0 or x.device.type == "meta":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def halves_repeat(x: torch.Tensor) -> bool:
+    """x's last dim is [a, a] (one device sync)."""
+    n = x.shape[-1]
+    return n % 2 == 0 and torch.equal(x[..., : n // 2], x[..., n // 2 :])
+
+
+# tables whose values were read, while they live (by identity: an address can be reused by a new tensor)
+_READ_TABLES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def read_new_table(spec, op, table) -> None:
+    """A table that is not the last one this call signature's spec read (the caller tests that by
+    identity on every call: a known signature can come with a new tensor): table_not_hf_cos, then
+    remember it (weakly)."""
+    table_not_hf_cos(op, table)
+    spec.table = weakref.ref(table)
+
+
+def table_not_hf_cos(op, table) -> None:
+    """Refuse HF's cos (or sin) given as a [cos | sin] table: their rows are [f, f], while row 0 of a
+    table is [cos 0 | sin 0] = [1 | 0] (times the attention factor). Reads a table once while it
+    lives: one device sync, row 0 settling it for every real table."""
+    if not data_readable(table) or table.dim() != 2 or table.shape[-1] % 2 or _READ_TABLES.get(id(table)) is table:
+        return
+    if halves_repeat(table[0]) and halves_repeat(table) and bool(table.any()):
+        fail(
+            op,
+            "cos_sin_cache",
+            "a [cos | sin] table (row p = [cos(p*f) | sin(p*f)], as ropekit.cos_sin_cache builds it)",
+            f"a {tuple(table.shape)} tensor whose rows are [f, f], as Hugging Face's cos (and sin) are; build "
+            "the table with ropekit.cos_sin_cache, or pass HF's cos and sin to "
+            "ropekit.rotate_with_angles(q, k, cos, sin, layout='bhsd')",
+        )
+    _READ_TABLES[id(table)] = table
+
+
+def full_width_angles(op, q, k, half) -> None:
+    """cos / sin of width `half` too wide for the heads but fitting them as Hugging Face's full-width
+    [f, f] form: say what to pass (a head-size error otherwise)."""
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and half % 2 == 0 and half <= x.shape[-1] < 2 * half:
+            fail(
+                op,
+                name,
+                f"a head size >= rotary_dim ({2 * half})",
+                f"head size {x.shape[-1]} (cos and sin are rotary_dim // 2 = {half} wide; Hugging Face's "
+                f"hold [f, f] over rotary_dim: pass rotary_dim={half}, or cos[..., :{half // 2}] and "
+                f"sin[..., :{half // 2}])",
+            )
+
+
+def angle_rotary_dim(op, cos, rotary_dim) -> int:
+    """rotate_with_angles' rotary_dim: the number of cos / sin columns to read (rotary_dim // 2);
+    cos may be rotary_dim // 2 wide or rotary_dim wide with halves [f, f] (HF's form)."""
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        fail(op, "rotary_dim", "a positive even int", rotary_dim)
+    width = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() > 0 else None
+    if width not in (rotary_dim, rotary_dim // 2):
+        fail(
+            op,
+            "rotary_dim",
+            f"the width of cos ({width}: rotary_dim // 2, or rotary_dim for HF's [f, f] form) or twice it",
+            rotary_dim,
+        )
+    return rotary_dim // 2
+
+
+def duplicated_angles(cos, sin):
+    """Are cos and sin (readable: see data_readable) HF's [f, f] form? True / False, or None when
+    all angles are zero (both readings then rotate by nothing). One device sync."""
+    if cos.shape != sin.shape or cos.dim() == 0 or cos.shape[-1] % 2:
+        return False
+    if cos.dtype not in TABLE_DTYPES or sin.dtype != cos.dtype or sin.device != cos.device:
+        return False
+    if not bool(sin.any()):
+        return None if halves_repeat(cos) else False
+    return halves_repeat(cos) and halves_repeat(sin)
 
 
 # --- fused store ---
@@ -770,11 +936,9 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
         _slot_vector(op, "delta", delta, n, device)
         delta_int = None
     elif isinstance(delta, int) and not isinstance(delta, bool):
-        if not -(2**63) < delta < 2**63:
-            fail(op, "delta", "an int in (-2^63, 2^63)", delta)
         delta_int = int(delta)
     else:
-        raise TypeError(f"{op}: delta: expected a (N,) int32/int64 tensor or an int, got {type(delta).__name__}")
+        raise TypeError(f"{op}: delta: expected a (N,) or 0-d int32/int64 tensor or an int, got {type(delta).__name__}")
 
     _on_device(op, "cos_sin_cache", cos_sin_cache, device)
     tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
@@ -794,7 +958,15 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     _on_device(op, "k_scale", k_scale, device)
     k_scale = scale_arg(op, "k_scale", k_scale, device)
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    if delta_int is not None:
+        int_shift(op, delta_int, cos_sin_cache.shape[0])
     return rotary_dim, num_slots, k_scale, delta_int
+
+
+def int_shift(op, delta: int, max_position: int) -> None:
+    """A Python int delta is a host value: |delta| < max_position is checked for free, every call."""
+    if not -max_position < delta < max_position:
+        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
 
 
 def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots, extents=None) -> None:
@@ -850,8 +1022,8 @@ def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> Non
             delta,
             f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0",
         )
-    elif bool(live.any()) and abs(delta) >= max_position:
-        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
+    else:
+        int_shift(op, delta, max_position)
     if dst_slots is not None:
         sources = slots[live]
         _first(

@@ -5,7 +5,9 @@ device-to-device copy bandwidth; for each implementation: a float64 correctness 
 then median time, GB/s and percent of copy bandwidth. Writes a terminal table, a JSON file, a
 PNG bar chart and (with --results-md) the markdown of benchmarks/RESULTS.md.
 
-Without a GPU it runs at the quick sizes on the CPU and says that these are CPU numbers.
+Without a GPU it runs at the quick sizes on the CPU and says that these are CPU numbers; its cells
+are then times and their ratio to Hugging Face's code in torch eager (a CPU has no copy bandwidth
+worth comparing against).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m ropekit.bench",
         description="RoPE benchmarks: ropekit against torch eager (HF code), torch.compile, "
-        "Liger-Kernel, FlashInfer, vLLM and flash-attn, as percent of copy bandwidth.",
+        "Liger-Kernel, FlashInfer, vLLM and flash-attn, as percent of copy bandwidth (on a CPU: times and "
+        "ratios to HF's code).",
     )
     ap.add_argument(
         "--workloads",

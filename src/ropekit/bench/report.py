@@ -52,13 +52,44 @@ def _ratios(value_us: Optional[float], floors: Optional[dict], names: Tuple[str,
 def _cell(rec: dict, graph: bool, floors: Optional[dict] = None) -> str:
     """floors: host floors for a fwd+bwd row (ratio to 'autograd'), or {'in-graph launch': stats} for a
     one-set graph row (ratio to the empty kernel launched inside a graph)."""
+    if rec["status"] != "ok":
+        return _status_cell(rec)
+    spread = _spread(rec.get("time_spread"))
+    extra = _ratios(rec["time_us"], floors, ("autograd", "in-graph launch")) if floors else ""
+    if graph:
+        return _us(rec["time_us"]) + spread + extra
+    return f"{rec['pct_copy']:.1f}% ({_us(rec['time_us'])}{spread}){extra}"
+
+
+HF_PEER = "torch-eager"  # the CPU table's yardstick: Hugging Face's code (or plain torch) in eager mode
+CPU_CELLS = (
+    "cells: median time per call [fastest-slowest] (time / the torch eager (HF code) column's time: "
+    "below 1.00x is faster than HF)"
+)
+
+
+def _cpu_cell(rec: dict, hf_us: Optional[float]) -> str:
+    """CPU run: '812 us [790-905] (0.62x HF)': the time and its ratio to the HF-code column."""
+    if rec["status"] != "ok":
+        return _status_cell(rec)
+    cell = _us(rec["time_us"]) + _spread(rec.get("time_spread"))
+    if hf_us:
+        cell += f" ({rec['time_us'] / hf_us:.2f}x HF)"
+    return cell
+
+
+def _hf_times(res: dict) -> Dict[str, float]:
+    """Workload id -> the HF-code column's median time, where it ran and passed the check."""
+    return {
+        r["workload"]: r["time_us"]
+        for r in res["results"]
+        if r["peer"] == HF_PEER and r["status"] == "ok" and r["time_us"]
+    }
+
+
+def _status_cell(rec: dict) -> str:
+    """A cell that was not timed: wrong (with its error), n/a, skipped or error."""
     st = rec["status"]
-    if st == "ok":
-        spread = _spread(rec.get("time_spread"))
-        extra = _ratios(rec["time_us"], floors, ("autograd", "in-graph launch")) if floors else ""
-        if graph:
-            return _us(rec["time_us"]) + spread + extra
-        return f"{rec['pct_copy']:.1f}% ({_us(rec['time_us'])}{spread}){extra}"
     if st == "wrong":
         errs = [v for v in (rec.get("rel_err") or {}).values()]
         worst = max((math.inf if isinstance(v, str) else v) for v in errs) if errs else math.inf
@@ -76,20 +107,23 @@ def pivot(res: dict) -> Tuple[List[str], List[List[str]]]:
     """Rows: workloads (+ a 'host per call' row where measured); columns: implementations."""
     cols = _columns(res)
     by = {(r["workload"], r["peer"]): r for r in res["results"]}
-    same = any(w.get("same_size_copy_gbps") for w in res["workloads"])
+    cpu = res["meta"]["cpu_mode"]
+    hf = _hf_times(res) if cpu else {}
+    same = not cpu and any(w.get("same_size_copy_gbps") for w in res["workloads"])
     header = ["workload"] + [c["label"] for c in cols] + ([SAME_HEADER] if same else [])
     rows = []
     for w in res["workloads"]:
-        graph = w["graph"] and not res["meta"]["cpu_mode"]
+        graph = w["graph"] and not cpu
         floors = w.get("host_floors")
         fwdbwd = floors if (floors and not w["host"]) else None  # W8: its time over the Function floor
         gfloor = w.get("graph_launch_floor")
         if graph and gfloor and gfloor.get("median"):  # one-set graph row: its time over the in-graph launch
             fwdbwd = {"in-graph launch": gfloor}
         label = f"{w['id']} {w['name']}" + (" (graph)" if graph else "")
+        cell = (lambda rec: _cpu_cell(rec, hf.get(w["id"]))) if cpu else (lambda rec: _cell(rec, graph, fwdbwd))
         rows.append(
             [label]
-            + [_cell(by[(w["id"], c["name"])], graph, fwdbwd) if (w["id"], c["name"]) in by else "–" for c in cols]
+            + [cell(by[(w["id"], c["name"])]) if (w["id"], c["name"]) in by else "–" for c in cols]
             + ([_same_cell(w, by.get((w["id"], "ropekit")))] if same else [])
         )
         if w["host"] and any(by.get((w["id"], c["name"]), {}).get("host_us") is not None for c in cols):
@@ -159,8 +193,8 @@ def graph_floor_lines(res: dict) -> List[str]:
 
 
 def same_size_lines(res: dict) -> List[str]:
-    """What the same-size copy column is, once."""
-    if not any(w.get("same_size_copy_gbps") for w in res["workloads"]):
+    """What the same-size copy column is, once (GPU runs: a CPU table has no such column)."""
+    if res["meta"]["cpu_mode"] or not any(w.get("same_size_copy_gbps") for w in res["workloads"]):
         return []
     return [
         "same-size copy: torch's contiguous copy_ moving each workload's minimal bytes (half read, half "
@@ -233,11 +267,10 @@ def _heading(res: dict) -> List[str]:
     if m.get("partial"):
         lines.append("*** PARTIAL RUN: the run stopped before every workload was measured ***")
     if m["cpu_mode"]:
-        lines.append("*** " + (res.get("cpu_banner") or "CPU RUN: these are CPU numbers, not GPU numbers") + " ***")
-    lines.append(
-        f"device: {m['device']}   copy bandwidth: {c['gbps']:.0f} GB/s ({c['what']})"
-        + ("   [CPU]" if m["cpu_mode"] else "")
-    )
+        lines.append("*** " + CPU_BANNER + " ***")
+        lines.append(f"device: {m['device']}   [CPU]")
+    else:
+        lines.append(f"device: {m['device']}   copy bandwidth: {c['gbps']:.0f} GB/s ({c['what']})")
     lines.append(
         f"sizes: {'quick' if m['quick'] else 'full (WORKLOADS.md)'}   dtype: {m['dtype']}   "
         f"oracle: {m.get('oracle') or '-'}"
@@ -247,14 +280,21 @@ def _heading(res: dict) -> List[str]:
     return lines
 
 
+CPU_BANNER = (
+    "CPU RUN: no CUDA device was used. These are CPU numbers (pure-PyTorch paths at quick sizes), "
+    "not GPU numbers: times, and ratios to Hugging Face's code in torch eager"
+)
+
+
 def terminal(res: dict) -> str:
     header, rows = pivot(res)
-    unit = "CPU memcpy" if res["meta"]["cpu_mode"] else "copy bandwidth"
     parts = _heading(res)
-    parts.append(
-        f"cells: % of {unit} (median time per call)"
-        + ("" if res["meta"]["cpu_mode"] else "; (graph) rows: time per call under CUDA-graph replay")
-    )
+    if res["meta"]["cpu_mode"]:
+        parts.append(CPU_CELLS)
+    else:
+        parts.append(
+            "cells: % of copy bandwidth (median time per call); (graph) rows: time per call under CUDA-graph replay"
+        )
     parts += ["", _text_table(header, rows), ""]
     parts += same_size_lines(res) + graph_floor_lines(res) + floor_lines(res) + cpu_speed_lines(res)
     parts += [f"[min-max]: fastest and slowest call; '{NOISY}': max / min above the noise flag", ""]
@@ -264,40 +304,41 @@ def terminal(res: dict) -> str:
     return "\n".join(parts)
 
 
+def _worst_err(rec: dict) -> str:
+    errs = list((rec.get("rel_err") or {}).values())
+    if not errs:
+        return "–"
+    w = max((math.inf if isinstance(v, str) else v) for v in errs)
+    return "nan" if math.isinf(w) else f"{w:.1e}"
+
+
+def _maybe(x: Optional[float], fmt: str) -> str:
+    return "–" if x is None else fmt.format(x)
+
+
 def details_rows(res: dict) -> Tuple[List[str], List[List[str]]]:
-    header = [
-        "workload",
-        "implementation",
-        "status",
-        "time",
-        "GB/s",
-        "% copy",
-        "% same-size copy",
-        "host/call",
-        "max rel err",
-        "timing",
-    ]
+    """One row per (workload, implementation). GPU runs: bandwidth columns; CPU runs: the ratio
+    to the HF-code column instead."""
+    cpu = res["meta"]["cpu_mode"]
+    hf = _hf_times(res) if cpu else {}
+    middle = ["time / HF"] if cpu else ["GB/s", "% copy", "% same-size copy"]
+    header = ["workload", "implementation", "status", "time"] + middle + ["host/call", "max rel err", "timing"]
     label = {p["name"]: p["label"] for p in res["peers"]}
     rows = []
     for r in res["results"]:
-        errs = list((r.get("rel_err") or {}).values())
-        worst = "–"
-        if errs:
-            w = max((math.inf if isinstance(v, str) else v) for v in errs)
-            worst = "nan" if math.isinf(w) else f"{w:.1e}"
-        rows.append(
-            [
-                r["workload"],
-                label.get(r["peer"], r["peer"]),
-                r["status"],
-                _us(r["time_us"]) if r["time_us"] is not None else "–",
-                f"{r['gbps']:.0f}" if r["gbps"] is not None else "–",
-                f"{r['pct_copy']:.1f}%" if r["pct_copy"] is not None else "–",
-                f"{r['pct_same_size_copy']:.1f}%" if r.get("pct_same_size_copy") is not None else "–",
-                _us(r["host_us"]) if r["host_us"] is not None else "–",
-                worst,
-                r["method"] or r["reason"],
+        if cpu:
+            hf_us = hf.get(r["workload"])
+            middle = [_maybe(r["time_us"] / hf_us if (hf_us and r["time_us"]) else None, "{:.2f}x")]
+        else:
+            middle = [
+                _maybe(r["gbps"], "{:.0f}"),
+                _maybe(r["pct_copy"], "{:.1f}%"),
+                _maybe(r.get("pct_same_size_copy"), "{:.1f}%"),
             ]
+        rows.append(
+            [r["workload"], label.get(r["peer"], r["peer"]), r["status"], _us(r["time_us"])]
+            + middle
+            + [_us(r["host_us"]), _worst_err(r), r["method"] or r["reason"]]
         )
     return header, rows
 
@@ -308,61 +349,99 @@ def write_json(res: dict, path: str) -> None:
         json.dump(res, f, indent=1, default=str)
 
 
-def write_png(res: dict, path: str) -> Tuple[bool, str]:
-    """Grouped bars: % of copy bandwidth per workload and implementation. Needs matplotlib."""
+PANEL_WORKLOADS = 8  # workloads per panel: at most 8 groups of bars in a row stay readable
+PLOT_SIZE = dict(width_in=12.0, panel_in=3.0, dpi=110)  # about 1320 px wide, 330 px a panel
+
+
+def _bar_value(rec: Optional[dict], hf_us: Optional[float], cpu: bool) -> Optional[float]:
+    """The plotted value of a cell: % of copy (GPU), HF's time over this time (CPU); None if not timed."""
+    if not rec or rec["status"] != "ok":
+        return None
+    if cpu:
+        return hf_us / rec["time_us"] if (hf_us and rec["time_us"]) else None
+    return rec["pct_copy"]
+
+
+def _draw_panel(ax, wls: List[dict], cols: List[dict], by: dict, hf: Dict[str, float], cpu: bool) -> None:
+    """One row of the chart: grouped bars for `wls`, one bar per implementation, values on top."""
+    width = 0.8 / max(1, len(cols))
+    for j, c in enumerate(cols):
+        for i, w in enumerate(wls):
+            rec = by.get((w["id"], c["name"]))
+            x = i - 0.4 + width * (j + 0.5)
+            y = _bar_value(rec, hf.get(w["id"]), cpu)
+            if y is None:
+                if rec and rec["status"] in ("wrong", "error"):
+                    ax.text(
+                        x,
+                        0.02,
+                        rec["status"],
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color="red",
+                        transform=ax.get_xaxis_transform(),
+                    )
+                continue
+            ax.bar(x, y, width, color=f"C{j}")
+            ax.text(x, y, f"{y:.2g}x" if cpu else f"{y:.0f}", ha="center", va="bottom", fontsize=7)
+    if cpu:
+        ax.set_yscale("log")
+    ax.axhline(1.0 if cpu else 100.0, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(wls)))
+    star = lambda w: "*" if w["graph"] and not cpu else ""  # noqa: E731
+    ax.set_xticklabels([f"{w['id']}{star(w)}\n{w['name']}" for w in wls], fontsize=8)
+    ax.set_xlim(-0.6, max(len(wls), PANEL_WORKLOADS) - 0.4)
+    ax.margins(y=0.15)
+    ax.set_ylabel("HF's time / time" if cpu else "% of copy bandwidth", fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
+
+
+def write_png(res: dict, path: str, peers: Optional[List[str]] = None) -> Tuple[bool, str]:
+    """Grouped bars per workload and implementation, PANEL_WORKLOADS workloads a panel: % of copy
+    bandwidth on a GPU run; on a CPU run, how many times faster than the HF-code column (log
+    scale). `peers`: only these implementations (names), in that order. Needs matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except Exception as e:
         return False, f"no PNG: matplotlib is not importable ({type(e).__name__}); pip install matplotlib"
-    cols = _columns(res)
-    wls = [w for w in res["workloads"]]
-    by = {(r["workload"], r["peer"]): r for r in res["results"]}
     cpu = res["meta"]["cpu_mode"]
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(wls) + 3), 5), dpi=120)
-    n = max(1, len(cols))
-    width = 0.8 / n
-    top = 100.0
-    for j, c in enumerate(cols):
-        xs, ys = [], []
-        for i, w in enumerate(wls):
-            r = by.get((w["id"], c["name"]))
-            if r and r["status"] == "ok":
-                xs.append(i - 0.4 + width * (j + 0.5))
-                ys.append(r["pct_copy"])
-        top = max([top] + ys)
-        bars = ax.bar(xs, ys, width, label=c["label"])
-        for b, y in zip(bars, ys):
-            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
-        for i, w in enumerate(wls):  # mark cells that did not run
-            r = by.get((w["id"], c["name"]))
-            if r and r["status"] in ("wrong", "error"):
-                ax.text(
-                    i - 0.4 + width * (j + 0.5),
-                    1,
-                    r["status"],
-                    rotation=90,
-                    ha="center",
-                    va="bottom",
-                    fontsize=6,
-                    color="red",
-                )
-    ax.axhline(100, color="gray", linestyle="--", linewidth=0.8)
-    ax.set_xticks(range(len(wls)))
-    ax.set_xticklabels([w["id"] + ("*" if w["graph"] and not cpu else "") for w in wls])
-    ax.set_ylim(0, top * 1.12)
-    unit = "CPU memcpy" if cpu else "copy bandwidth"
-    ax.set_ylabel(f"% of {unit} ({res['copy']['gbps']:.0f} GB/s)")
-    title = f"RoPE, % of {unit} (higher is better): {res['meta']['device']}"
+    cols = _columns(res)
+    if peers is not None:
+        cols = [c for name in peers for c in cols if c["name"] == name]
+    by = {(r["workload"], r["peer"]): r for r in res["results"]}
+    hf = _hf_times(res) if cpu else {}
+    wls = [
+        w
+        for w in res["workloads"]
+        if any(_bar_value(by.get((w["id"], c["name"])), hf.get(w["id"]), cpu) is not None for c in cols)
+    ]
+    panels = [wls[i : i + PANEL_WORKLOADS] for i in range(0, len(wls), PANEL_WORKLOADS)] or [[]]
+    size = PLOT_SIZE
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(size["width_in"], size["panel_in"] * len(panels) + 1.0), dpi=size["dpi"], squeeze=False
+    )
+    for ax, group in zip(axes[:, 0], panels):
+        _draw_panel(ax, group, cols, by, hf, cpu)
+    what = (
+        "times faster than HF's code in torch eager (higher is better)"
+        if cpu
+        else "% of copy bandwidth (higher is better)"
+    )
+    title = f"RoPE, {what}: {res['meta']['device']}, {res['meta'].get('date', '')[:10]}"
     if cpu:
         title = "CPU NUMBERS, not GPU: " + title
-    ax.set_title(title, fontsize=9)
     if not cpu and any(w["graph"] for w in wls):
-        ax.text(0.0, -0.12, "* launch-bound size, timed with CUDA-graph replay", transform=ax.transAxes, fontsize=7)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+        title += "\n* launch-bound size, timed with CUDA-graph replay"
+    fig.suptitle(title, fontsize=10)
+    handles = [Patch(color=f"C{j}", label=c["label"]) for j, c in enumerate(cols)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(cols), 5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 if len(cols) <= 5 else 0.1, 1, 0.95))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
@@ -378,10 +457,10 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
     if m.get("partial"):
         out += ["> **Partial run: it stopped before every workload was measured.**", ""]
     if cpu:
-        out += ["> **" + (res.get("cpu_banner") or "CPU numbers, not GPU numbers") + "**", ""]
+        out += ["> **" + CPU_BANNER + "**", ""]
+    copy = "" if cpu else f" Copy bandwidth measured in the same run: **{c['gbps']:.0f} GB/s** ({c['what']})."
     out += [
-        f"Measured on **{m['device']}** on {m['date']}, bf16. Copy bandwidth measured in the same "
-        f"run: **{c['gbps']:.0f} GB/s** ({c['what']}). Sizes: "
+        f"Measured on **{m['device']}** on {m['date']}, bf16.{copy} Sizes: "
         f"{'quick' if m['quick'] else 'full, as in benchmarks/WORKLOADS.md'}.",
         "",
         "Command:",
@@ -392,10 +471,15 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
         "",
     ]
     if png:
-        out += [f"![percent of copy bandwidth per workload and implementation]({png})", ""]
-    unit = "CPU memcpy bandwidth" if cpu else "copy bandwidth"
+        what = "time relative to HF's code" if cpu else "percent of copy bandwidth"
+        out += [f"![{what} per workload and implementation]({png})", ""]
+    lead = (
+        "Median time per call and its ratio to the torch eager (HF code) column (below 1.00x is faster)."
+        if cpu
+        else "Percent of copy bandwidth (higher is better) and median time per call."
+    )
     out += [
-        f"Percent of {unit} (higher is better) and median time per call. Every "
+        f"{lead} Every "
         "implementation's output was checked against a float64 reference before it was timed "
         "(bf16 tolerance: relative error 1e-2); a wrong one is reported, not timed. Rows marked "
         "(graph) are launch-bound sizes timed under CUDA-graph replay over input sets larger "
@@ -419,7 +503,7 @@ def markdown(res: dict, png: Optional[str] = None) -> str:
         same = (
             f"{w['same_size_copy_gbps']:.0f} GB/s, {_us(w['same_size_copy_us'])} "
             f"({w['same_size_copy_pct']:.1f}% of copy)"
-            if w.get("same_size_copy_gbps")
+            if w.get("same_size_copy_gbps") and not cpu
             else "–"
         )
         out.append(
@@ -465,6 +549,11 @@ def main(argv=None) -> int:
         "PNG (the JSON's name with .png) is copied there, or redrawn with --redraw",
     )
     ap.add_argument("--redraw", action="store_true", help="redraw the PNG from the JSON (needs matplotlib)")
+    ap.add_argument(
+        "--plot-peers",
+        metavar="NAMES",
+        help="with --redraw: only these implementations in the plot, comma-separated, in this order",
+    )
     a = ap.parse_args(argv)
     with open(a.json) as f:
         res = json.load(f)
@@ -477,7 +566,8 @@ def main(argv=None) -> int:
         png = os.path.join(os.path.dirname(os.path.abspath(a.results_md)), os.path.basename(run_png))
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     if a.redraw:
-        ok, msg = write_png(res, png)
+        peers = [n.strip() for n in a.plot_peers.split(",") if n.strip()] if a.plot_peers else None
+        ok, msg = write_png(res, png, peers)
         print(msg)
     elif os.path.exists(run_png) and os.path.abspath(run_png) != os.path.abspath(png):
         shutil.copyfile(run_png, png)

@@ -17,11 +17,7 @@ import torch
 from . import peers as P
 from . import timing
 from . import workloads as W
-
-CPU_BANNER = (
-    "CPU RUN: no CUDA device was used. These are CPU numbers (pure-PyTorch paths at "
-    "quick sizes), not GPU numbers; '% of copy' is against a CPU memcpy."
-)
+from .report import CPU_BANNER
 
 
 @dataclass
