@@ -161,7 +161,7 @@ def test_apply_rope_two_token_dims_arange(cpu_path, dtype):
     k = rnd(B, S, 1, D, dtype=dtype, seed=1)
     cache = make_cache(S, D)
     rq, rk = reference.apply_rope(q.double(), k.double(), None, cache.double())
-    qo, ko = ropekit.apply_rope(q, k, None, cache)
+    qo, ko = ropekit.apply_rope(q, k, None, cache, layout="bshd")
     assert rel_err(qo, rq) < TOL[dtype] and rel_err(ko, rk) < TOL[dtype]
 
 
