@@ -116,7 +116,7 @@ def _hf_layout(device):
     k = _rnd(g, B, 2, S, D, device=device).transpose(1, 2)
     cache = _cache(S, D, device)
     rq, rk = reference.apply_rope(q.double(), k.double(), None, cache.double())
-    qo, ko = ropekit.apply_rope(q, k, None, cache)
+    qo, ko = ropekit.apply_rope(q, k, None, cache, layout="bshd")
     return [(qo, rq), (ko, rk)]
 
 
