@@ -165,7 +165,7 @@ def table_angles(cos_sin_cache, positions, token_shape, rot: int, sections=None,
 
 
 BLOCK_ELEMS = 1 << 18  # elements of one block per thread (1 MB in float32): a core's L2
-PARALLEL_BLOCK_ELEMS = 1 << 22  # the smallest block when several threads share the passes
+PARALLEL_BLOCK_ELEMS = 1 << 20  # the smallest block when several threads share the passes
 
 
 class _Angles:
