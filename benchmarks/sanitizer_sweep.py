@@ -21,8 +21,11 @@ What a configuration covers (drawn with random.Random(seed)):
 - rotate_with_angles: per-token cos/sin, broadcast over the batch, views of Hugging Face's
   duplicated halves, M-RoPE (3, *T, half) angles, out_interleaved != interleaved.
 - apply_rope_and_store: paged NHD and HND caches, flat, joint k/v buffers, padded caches, MLA
-  views of one joint row; fp16/bf16/fp32/fp8 caches, float and tensor scales; slot_mapping with
-  padding (< 0) and slots past the cache; bad positions.
+  views of one joint row; fp16/bf16/fp32/fp8 (e4m3 and e5m2) caches, float and tensor scales;
+  slot_mapping with padding (< 0) and slots past the cache; bad positions; the serving-engine
+  forms: write_key (k written back), q_out in bf16/fp32/e4m3/e5m2 with q_scale, MLA's k_nope
+  (into views of the row, or the joint row split by the op), last dims that are not contiguous
+  (v read through its stride, k and q with q_out through a copy).
 - rerotate_kv_cache: the same cache layouts and dtypes, in place and into dst slots, int32/int64
   slots (strided too), tensor and int shifts with ones past the table (extremes included), padding
   and slots past the cache, float and tensor scales.
@@ -93,6 +96,8 @@ from ropekit import pipeline, reference, tuning  # noqa: E402
 from ropekit.store import apply_rope_and_store  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8S = (FP8, E5M2)
 NAN = float("nan")
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # elementwise |got - want| <= TOL * (1 + |want|): one rounding to the dtype plus float32 math
@@ -149,13 +154,15 @@ class Buf:
 def close(got, want, dtype, what):
     """Elementwise within tolerance, NaN exactly where want is NaN."""
     got, want = got.double().cpu(), want.double().cpu()
-    if dtype == FP8 and INTERPRETED:
-        # the Triton interpreter's float32 -> e4m3 cast is wrong when rounding carries into the
+    if dtype in FP8S and INTERPRETED:
+        # the Triton interpreter's float32 -> fp8 cast is wrong when rounding carries into the
         # exponent (1.99 -> 1.0) and flushes subnormals (see tests/test_store.py): a dry run checks
         # fp8 rows loosely (and its NaN -> e4m3 cast gives 384); on the GPU they are held to half an ulp
         ok = ((got - want).abs() <= 0.5 * want.abs() + 2.0**-6) | want.isnan()
     elif dtype == FP8:  # e4m3: 3 mantissa bits, half an ulp is 2^-4 of the value (2^-10 when subnormal)
         ok = (got - want).abs() <= 2.0**-4 * want.abs() * 1.001 + 2.0**-10
+    elif dtype == E5M2:  # e5m2: 2 mantissa bits, half an ulp is 2^-3 of the value (2^-17 when subnormal)
+        ok = (got - want).abs() <= 2.0**-3 * want.abs() * 1.001 + 2.0**-17
     else:
         ok = (got - want).abs() <= TOL[dtype] * (1 + want.abs())
     ok |= got.isnan() & want.isnan()
@@ -433,6 +440,10 @@ def run_rope(r, gen, device, cfg):
         b.check()
     if qo.data_ptr() == q.data_ptr():
         raise Failure("out of place returned q itself")
+    if r.random() < 0.3:
+        n_ops += run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw)
+        for b in bufs:
+            b.check()
 
     # in place on the same inputs: the rotated dims change, the tails and all else stay
     qb.expect(qs, rq, cols=slice(0, rot))
@@ -446,6 +457,39 @@ def run_rope(r, gen, device, cfg):
     for b in bufs:
         b.check()
     return n_ops
+
+
+def run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw):
+    """The core's output flags on the same inputs: inverse=True, or fp8 outputs with scales."""
+    if r.random() < 0.5:
+        cfg.update(extra="inverse")
+        qi, ki = ropekit.apply_rope(q, k, pos_d, table_d, inverse=True, **kw)
+        sync(device)
+        c, s = reference.angles_from_table(
+            tab64,
+            pos,
+            lead,
+            rotary_dim=kw["rotary_dim"],
+            mrope_section=kw["mrope_section"],
+            mrope_interleaved=kw["mrope_interleaved"],
+        )
+        il = kw["interleaved"]
+        close(qi, reference.rotate(q64, c, s, interleaved=il, inverse=True), dtype, "q_out (inverse)")
+        if k is not None:
+            close(ki, reference.rotate(k64, c, s, interleaved=il, inverse=True), dtype, "k_out (inverse)")
+        return 1
+    f8 = r.choice(FP8S)
+    qs, kscale = r.choice((0.25, 1.0, 3.0)), r.choice((0.5, 2.0))
+    cfg.update(extra=f"{str(f8)[6:]} q_scale {qs} k_scale {kscale}")
+    big = torch.finfo(f8).max
+    q8, k8 = ropekit.apply_rope(
+        q, k, pos_d, table_d, out_dtype=f8, q_scale=qs, k_scale=torch.tensor([kscale], device=device), **kw
+    )
+    sync(device)
+    close(q8, (rq / qs).clamp(-big, big), f8, "q_out (fp8)")
+    if k is not None:
+        close(k8, (rk / kscale).clamp(-big, big), f8, "k_out (fp8)")
+    return 1
 
 
 def _angles_template(r):
@@ -564,7 +608,7 @@ CACHES = {"nhd": _nhd, "hnd": _hnd, "flat": _flat, "joint": _joint, "padded": _p
 def _store_template(r):
     layout = r.choice(list(CACHES))
     dtype = r.choice(DTYPES)
-    cdtype = r.choice((dtype, dtype, F32, BF16, FP8))
+    cdtype = r.choice((dtype, dtype, F32, BF16, FP8, E5M2))
     if layout == "mla":
         Hq, Hk, rot, Dq, Dk, Dv = r.choice((1, 4, 8)), 1, 64, 64, 64, 256
     else:
@@ -590,6 +634,10 @@ def _store_template(r):
         sdtype=r.choice((torch.int32, torch.int64)),
         tdtype=r.choice((F32, F32, BF16)),
         scale_kind=r.choice(("none", "none", "float", "tensor")) if scaled else "none",
+        # the serving-engine forms: k written back, q into a separate (fp8) q_out, MLA's split key
+        write_key=r.random() < 0.3,
+        q_out=r.choice((None, None, None, BF16, F32, FP8, E5M2)),
+        k_nope=layout == "mla" and r.random() < 0.6,
     )
 
 
@@ -616,7 +664,8 @@ def run_store(r, gen, device, cfg):
         b = Buf("qkv", base, device)
         bufs.append(b)
         (qs, q) = b.view(heads_of_row(b.cpu, 0, Hq, Dq))
-        (_, k) = b.view(heads_of_row(b.cpu, Hq * Dq, Hk, Dq))
+        (kspec, k) = b.view(heads_of_row(b.cpu, Hq * Dq, Hk, Dq))
+        kb = b
         (_, v) = b.view(heads_of_row(b.cpu, (Hq + Hk) * Dq, Hk, Dq))
         qb = b
     else:
@@ -627,9 +676,14 @@ def run_store(r, gen, device, cfg):
             qs, q = qb.view(qb.cpu[..., 128:])
         else:
             qb, qs, q = heads_view(r, gen, "q", lead, Hq, Dq, dtype, device, qstyle)
-        kb, _, k = heads_view(r, gen, "k", lead, Hk, Dk, dtype, device, r.choice(("exact", "padded", "transposed")))
+        kb, kspec, k = heads_view(r, gen, "k", lead, Hk, Dk, dtype, device, r.choice(("exact", "padded", "transposed")))
         vb, _, v = heads_view(r, gen, "v", lead, Hk, Dv, dtype, device, r.choice(("exact", "padded", "transposed")))
         bufs += [qb, kb, vb]
+    # last dims that are not contiguous: v read through its stride; k (unless written back) and q
+    # (when only read, with q_out) through one copy
+    v = dim_strided("v", bufs, v, device) if r.random() < 0.2 else v
+    if not t["write_key"] and r.random() < 0.15:
+        k = dim_strided("k", bufs, k, device)
 
     cache_bufs = []
 
@@ -693,6 +747,15 @@ def run_store(r, gen, device, cfg):
         scale=scale_kind,
     )
 
+    q_out_dtype = t["q_out"]
+    if q_out_dtype is not None and r.random() < 0.2:
+        q = dim_strided("q", bufs, q, device)  # only read when q_out is given
+    qsc = r.choice((None, 0.5, 2.0, "tensor")) if q_out_dtype is not None else None
+    if qsc == "tensor":
+        qsc = torch.tensor([0.25], dtype=torch.float32)
+    cfg.update(write_key=int(t["write_key"]), q_out=q_out_dtype and str(q_out_dtype)[6:], k_nope=int(t["k_nope"]))
+    cfg.update(strides=(q.stride(-1), k.stride(-1), v.stride(-1)))
+
     # the oracle, in float64 on CPU
     q64 = q.cpu().double()
     k64, v64 = k.cpu().double(), v.cpu().double()
@@ -702,6 +765,7 @@ def run_store(r, gen, device, cfg):
     kc_want = torch.full(kc.shape, NAN, dtype=torch.float64)
     vc_want = torch.full(vc.shape, NAN, dtype=torch.float64)
     fscales = [None if x is None else float(x) for x in scales]
+    _, k_rot = reference.apply_rope(k64, k64, pos, tab64, interleaved=il, rotary_dim=rot)
     reference.apply_rope_and_store(
         q64,
         k64,
@@ -717,7 +781,16 @@ def run_store(r, gen, device, cfg):
         v_scale=fscales[1],
     )
     q64[..., :rot][s >= num_slots] = NAN
-    qb.expect(qs, q64, cols=slice(0, rot))
+    q_out = None
+    if q_out_dtype is None:
+        qb.expect(qs, q64, cols=slice(0, rot))
+    else:
+        qob = Buf("q_out", torch.full(q.shape, NAN).to(q_out_dtype), device)
+        bufs.append(qob)
+        qos, q_out = qob.view(qob.cpu)
+        qob.expect(qos, q64 / (1.0 if qsc is None else float(qsc)))
+    if t["write_key"]:
+        kb.expect(kspec, k_rot, cols=slice(0, rot))
     rows = s[valid].tolist()
     for b, spec, want in ((kcb, kcs, kc_want), (vcb, vcs, vc_want)):
         if b.want is None:
@@ -730,6 +803,15 @@ def run_store(r, gen, device, cfg):
             m[idx] = True
 
     ks, vs = (x.to(device) if isinstance(x, torch.Tensor) else x for x in scales)
+    kw = dict(interleaved=il, k_scale=ks, v_scale=vs)
+    if t["write_key"]:
+        kw["write_key"] = True
+    if q_out is not None:
+        kw.update(q_out=q_out, q_scale=qsc.to(device) if isinstance(qsc, torch.Tensor) else qsc)
+    if t["k_nope"]:  # MLA's split key: v passed as k_nope, into the nope part (or the joint row split)
+        kw["k_nope"], v = v, None
+        if r.random() < 0.5:
+            kc, vc = kcb.dev, None
     out = apply_rope_and_store(
         q,
         k,
@@ -739,16 +821,24 @@ def run_store(r, gen, device, cfg):
         kc,
         vc,
         dev(slots, device),
-        interleaved=il,
-        k_scale=ks,
-        v_scale=vs,
+        **kw,
     )
     sync(device)
-    if out is not q:
-        raise Failure("apply_rope_and_store did not return q")
+    if out is not (q if q_out is None else q_out):
+        raise Failure("apply_rope_and_store did not return q (q_out when given)")
     for b in bufs:
         b.check()
     return 1
+
+
+def dim_strided(name, bufs, x, device):
+    """x's values in a view whose last dim has stride 2 (every other element of a buffer of its
+    own, registered in bufs: it must stay unwritten)."""
+    base = torch.full((*x.shape, 2), NAN, dtype=x.dtype)
+    base[..., 0] = x.cpu()
+    b = Buf(name + "_dim_strided", base, device)
+    bufs.append(b)
+    return b.view(b.cpu[..., 0])[1]
 
 
 def run_refuse(r, gen, device, cfg):

@@ -534,7 +534,7 @@ ROWS = [
         "cache of an unsupported dtype",
         "int8 k_cache",
         ValueError,
-        "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn), got int8",
+        "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2), got int8",
         lambda: store_args(k_cache=torch.zeros(2, 4, HK, D, dtype=torch.int8)),
     ),
     R(

@@ -132,7 +132,7 @@ def test_wrong_output_is_reported_not_timed(cpu_env):
 
 
 def test_workload_selection_and_bytes():
-    assert [w.id for w in workloads.select("W7")] == ["W7", "W7-T64"]
+    assert [w.id for w in workloads.select("W7")] == ["W7", "W7-T64", "W7-WK", "W7-WK-E5M2", "W7-T64-WK"]
     assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3", "W3-1"]
     assert [w.id for w in workloads.select("W3-1")] == ["W3-1"]
     assert [w.id for w in workloads.select("decode_b64_one_set")] == ["W3-1"]
@@ -142,7 +142,14 @@ def test_workload_selection_and_bytes():
     assert (w31.full, w31.quick, w31.layout, w31.positions) == (w3.full, w3.quick, w3.layout, w3.positions)
     with pytest.raises(ValueError):
         workloads.select("W99")
-    assert [w.id for w in workloads.select("W10")] == ["W10", "W10-FP8", "W10-T64", "W10-T64-FP8"]
+    assert [w.id for w in workloads.select("W10")] == [
+        "W10",
+        "W10-FP8",
+        "W10-T64",
+        "W10-T64-FP8",
+        "W10-FP8Q",
+        "W10-T64-FP8Q",
+    ]
     # WORKLOADS.md: W1 moves q and k once each way: 2 * 4*4096*(32+8)*128 * 2 bytes
     wl = workloads.BY_ID["W1"]
     full = wl.sizes(False)

@@ -331,6 +331,36 @@ def test_store(cpu_path, cache_dtype, scale, paged):
     assert torch.equal(vc.float(), want_vc.float())
 
 
+@pytest.mark.parametrize("q_out_dtype, q_scale", [(None, None), (torch.bfloat16, None), (torch.float8_e4m3fn, 0.25)])
+@pytest.mark.parametrize("write_key", [False, True])
+def test_store_q_out_and_write_key(cpu_path, q_out_dtype, q_scale, write_key):
+    """q into q_out (fp8 with a scale: value / scale, saturated), rotated k back into k, against
+    the oracle; the token of a slot past the cache is NaN in q's rotated dims."""
+    T, Hq, Hk, D = 6, 2, 1, 32
+    q, k, v = (rnd(T, h, D, dtype=torch.bfloat16, seed=i) * 300 for i, h in enumerate((Hq, Hk, Hk)))
+    cache = make_cache(32, D)
+    pos, slots = torch.tensor([1, 7, 3, 0, 31, 9]), torch.tensor([0, 3, -1, 5, 99, 2])
+    qi, ki = q.clone(), k.clone()
+    kc, vc = torch.zeros(8, Hk, D, dtype=torch.bfloat16), torch.zeros(8, Hk, D, dtype=torch.bfloat16)
+    q_out = None if q_out_dtype is None else torch.zeros(T, Hq, D).to(q_out_dtype)
+    ropekit.apply_rope_and_store(
+        qi, ki, v, pos, cache, kc, vc, slots, q_out=q_out, q_scale=q_scale, write_key=write_key
+    )
+    rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double())
+    got_q = qi if q_out is None else q_out
+    want_q = rq / (q_scale or 1.0)
+    if q_out_dtype == torch.float8_e4m3fn:
+        want_q = want_q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        assert (got_q.float().abs() == 448.0).any(), "saturated values"
+    good = torch.tensor([True, True, True, True, False, True])
+    tol = 0.07 if q_out_dtype == torch.float8_e4m3fn else 8e-3
+    assert rel_err(got_q[good], want_q[good]) < tol
+    assert torch.isnan(got_q[4].float()).all()
+    assert rel_err(ki, rk if write_key else k) < 8e-3
+    rows = slots[[0, 1, 3, 5]]
+    assert rel_err(kc[rows], rk[[0, 1, 3, 5]]) < 8e-3 and torch.equal(vc[rows], v[[0, 1, 3, 5]])
+
+
 def test_store_slot_past_the_cache_flags_q(cpu_path):
     q, k, v = rnd(3, 2, 16), rnd(3, 1, 16, seed=1), rnd(3, 1, 16, seed=2)
     kc, vc = torch.zeros(4, 1, 16), torch.zeros(4, 1, 16)

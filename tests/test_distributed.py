@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ropekit
 from ropekit import reference
 
 pytest.importorskip("torch.distributed.tensor", reason="needs torch.distributed.tensor (DTensor)")
@@ -115,9 +116,23 @@ def test_store_head_sharded(gathered):
     torch.testing.assert_close(c["v_cache_out"].double(), vc, rtol=0, atol=0)
 
 
+def test_packed_head_sharded_forward_and_backward(gathered):
+    c = gathered["results"]["packed_heads"]
+    positions = ropekit.positions_from_cu_seqlens(c["cu"])
+    q, k = c["q"].double().requires_grad_(), c["k"].double().requires_grad_()
+    qo, ko = reference.apply_rope(q, k, positions, c["cache"].double())
+    (qo.sum() + 2 * ko.sum()).backward()
+    for got, want in ((c["qo"], qo), (c["ko"], ko), (c["gq"], q.grad), (c["gk"], k.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "case,fragment",
     [
+        (
+            "packed_token_sharded",
+            "ropekit.rotate_packed: q: expected a head-dim or replicated placement with cu_seqlens",
+        ),
         ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
         ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),
         ("k_on_other_dim", "ropekit.rotate: k: expected placement Shard(dim=0) on mesh dim 0"),

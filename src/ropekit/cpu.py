@@ -469,32 +469,66 @@ def _cache_rows(cache, slots):
     return (slots,)
 
 
+def _rounded_into(vals, scale, dtype):
+    """float32 vals divided by scale (None: 1), rounded once to dtype; saturated to the finite range
+    of a 1-byte (fp8) dtype, NaN kept."""
+    if scale is not None:
+        vals = vals / scale.reshape(()).float()
+    if dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        vals = vals.clamp(-big, big)
+    return vals.to(dtype)
+
+
 def store_rows(
-    q, k, v, positions, table, k_cache, v_cache, slot_mapping, *, interleaved, rotary_dim, k_scale, v_scale
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    interleaved,
+    rotary_dim,
+    k_scale,
+    v_scale,
+    q_out=None,
+    q_scale=None,
+    write_key=False,
 ) -> None:
-    """The fused store: q rotated in place; rotated k and v (divided by their scale) rounded once
-    into their cache rows. Slots < 0 are skipped; a slot past the cache is skipped and flags its
-    token's rotated dims of q with NaN. k_scale / v_scale: None or 1-element float32 tensors.
+    """The fused store: rotated q into q_out (None: q, in place), divided by q_scale; rotated k and
+    v (divided by their scale) rounded once into their cache rows, fp8 saturated; with write_key
+    rotated k's dims also back into k. Slots < 0 are skipped; a slot past the cache is skipped and
+    flags its token's rotated dims of q with NaN. Scales: None or 1-element float32 tensors.
     q, k, v: (*T, H, D); caches (num_blocks, block_size, Hk, D) or (num_slots, Hk, D)."""
-    n_tok = q.dim() - 2
-    token_shape = tuple(q.shape[:n_tok])
+    rot = rotary_dim
+    token_shape = tuple(q.shape[:-2])
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     slots = slot_mapping.long().reshape(token_shape)
-    cos, sin = table_angles(table, positions, token_shape, rotary_dim)
-    ang = _prepare(cos, sin, torch.float32, False, -2)
-    _rotate_all(((q, q),), ang, rotary_dim, interleaved, interleaved)
+    ang = _prepare(*table_angles(table, positions, token_shape, rot), torch.float32, False, -2)
     bad = slots >= num_slots
-    if bool(bad.any()):
-        q[..., :rotary_dim][bad] = float("nan")
+    flagged = bool(bad.any())
+    target = q if q_out is None else q_out
+    if q_scale is None and target.dtype.itemsize > 1:  # straight into q (or q_out)
+        _rotate_all(((q, target),), ang, rot, interleaved, interleaved)
+        if flagged:
+            target[..., :rot][bad] = float("nan")
+    else:
+        wide = torch.empty(q.shape, dtype=torch.float32)
+        _rotate_all(((q, wide),), ang, rot, interleaved, interleaved)
+        if flagged:
+            wide[..., :rot][bad] = float("nan")
+        target.copy_(_rounded_into(wide, q_scale, target.dtype))
+    k_rot = torch.empty(k.shape, dtype=torch.float32)
+    _rotate_all(((k, k_rot),), ang, rot, interleaved, interleaved)
+    if write_key:
+        k[..., :rot] = k_rot[..., :rot]
     keep = (slots >= 0) & ~bad
     idx = slots[keep]
-    k_rot = torch.empty(k.shape, dtype=torch.float32)
-    _rotate_all(((k, k_rot),), ang, rotary_dim, interleaved, interleaved)
     for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v, v_scale)):
-        vals = rows[keep].float()
-        if scale is not None:
-            vals = vals / scale.reshape(()).float()
-        cache[_cache_rows(cache, idx)] = vals.to(cache.dtype)
+        cache[_cache_rows(cache, idx)] = _rounded_into(rows[keep].float(), scale, cache.dtype)
 
 
 def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_scale, dst_slots) -> None:

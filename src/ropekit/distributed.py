@@ -4,10 +4,10 @@ RoPE is pointwise over tokens and heads, so a DTensor call needs no communicatio
 input is laid out compatibly with q; the rules here tell DTensor which layouts those are, per mesh
 dim of q's placements:
 
-    q placement              k, v (like q)   positions, slot_mapping   cos/sin tables   KV caches
-    Replicate()              Replicate()     Replicate()               Replicate()      Replicate()
-    Shard(d), d a token dim  Shard(d)        Shard(d [+1 for M-RoPE])  Replicate()      refused
-    Shard(H), the head dim   Shard(H)        Replicate()               Replicate()      Shard(heads)
+    q placement              k, v (like q)   positions, slot_mapping   cos/sin tables   KV caches      cu_seqlens
+    Replicate()              Replicate()     Replicate()               Replicate()      Replicate()    Replicate()
+    Shard(d), d a token dim  Shard(d)        Shard(d [+1 for M-RoPE])  Replicate()      refused        refused
+    Shard(H), the head dim   Shard(H)        Replicate()               Replicate()      Shard(heads)   Replicate()
 
 The reference placement on a mesh dim is that of whichever of q, k, v is sharded there (they must
 agree), Replicate() when none is. Outputs (rotate) get the reference placements. A replicated
@@ -45,6 +45,8 @@ ANGLES = "angles"  # cos / sin: tables (positions given) replicated; per-token (
 TABLE = "table"  # always replicated (a [cos | sin] table)
 CACHE = "cache"  # KV cache (..., H, D): head dim follows q; token sharding refused
 SCALE = "scale"  # per-tensor scale: replicated
+SEQLENS = "seqlens"  # cu_seqlens: replicated; it numbers the tokens of the whole packed batch, so q
+#                      and k may be sharded on heads but not on tokens
 MROPE = "mrope"  # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
 
 
@@ -70,6 +72,23 @@ OPS = {
             ("interleaved", None),
             ("out_interleaved", None),
             ("mrope", MROPE),
+            ("inverse", None),
+            ("out_dtype", None),
+            ("q_scale", SCALE),
+            ("k_scale", SCALE),
+        ),
+        outputs=("q", "k"),
+    ),
+    "rotate_packed": OpRule(
+        args=(
+            ("q", HEADS),
+            ("k", HEADS),
+            ("cu_seqlens", SEQLENS),
+            ("table", TABLE),
+            ("rotary_dim", None),
+            ("interleaved", None),
+            ("cp_size", None),
+            ("cp_rank", None),
             ("inverse", None),
             ("out_dtype", None),
             ("q_scale", SCALE),
@@ -118,9 +137,12 @@ OPS = {
             ("rotary_dim", None),
             ("k_scale", SCALE),
             ("v_scale", SCALE),
+            ("write_key", None),
+            ("q_out", HEADS),
+            ("q_scale", SCALE),
         ),
         outputs=(),
-        written=("q", "k_cache", "v_cache"),
+        written=("q", "k", "k_cache", "v_cache", "q_out"),
     ),
 }
 
@@ -182,6 +204,16 @@ def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
                 lead = ndim - n_tok - (1 if role == ANGLES else 0)  # 3 M-RoPE rows, or 0
                 per_mesh_dim.append(Shard(p.dim + lead) if token else Replicate())
             elif role in (ANGLES, TABLE, SCALE):
+                per_mesh_dim.append(Replicate())
+            elif role == SEQLENS:
+                if token:
+                    _fail(
+                        op,
+                        "q",
+                        "a head-dim or replicated placement with cu_seqlens (it numbers the tokens of the "
+                        "whole packed batch; shard packed sequences with cp_size / cp_rank instead)",
+                        specs["q"][1],
+                    )
                 per_mesh_dim.append(Replicate())
             elif role == CACHE:
                 if token:

@@ -271,7 +271,25 @@ def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int,
     return half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb
 
 
-def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, variant, rot, k_scaled, v_scaled):
+def plan_store(
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    variant,
+    rot,
+    k_scaled,
+    v_scaled,
+    q_out=None,
+    q_scaled=False,
+    write_key=False,
+):
+    """rope_store_kernel's launch (None for an empty call). q_out: None (q rotated in place) or the
+    tensor q is rotated into (its tail copied); write_key: rotated k written back into k too."""
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     if n_tokens == 0:
@@ -296,6 +314,8 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
     block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
     _, svc_blk, svc_off, svc_h = slot_geometry(v_cache)
     has_pos = positions is not None
+    qo = q if q_out is None else q_out
+    q_tail = q.shape[-1] - rot
     args = (
         S,
         n_q,
@@ -326,7 +346,10 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         svc_blk,
         svc_off,
         svc_h,
-        q.shape[-1] - rot,
+        *token_strides(qo, n_tok),
+        qo.stride(-2),
+        v.stride(-1),
+        q_tail,
         0,
         0,
         0.0,
@@ -345,11 +368,14 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
         INTERLEAVED=il,
         K_SCALED=k_scaled,
         V_SCALED=v_scaled,
-        PACK_Q=_pair_bits(q) if il else 0,
+        PACK_Q=_pair_bits(q, q_out) if il else 0,
         PACK_K=_pair_bits(k, k_cache) if il else 0,
         NORM_Q=0,
         NORM_K=0,
-        TAIL_PAD_Q=0,
+        # a separate q_out gets q's tail copied; in place the tail already sits where it belongs
+        TAIL_PAD_Q=next_pow2(q_tail) if q_out is not None and q_tail > 0 else 0,
+        Q_SCALED=q_scaled,
+        WRITE_K=bool(write_key),
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, False, n_tokens, store=True),
@@ -357,10 +383,11 @@ def plan_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, varian
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 
 
-def store_inputs(meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs):
+def store_inputs(meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None):
     """(meta, pointer tensors) of one rope_store_kernel launch (plain or with the norm, ropekit.qknorm):
     packed pairs turned off for base pointers off the word grid (a view may start at an odd element)."""
-    if meta["PACK_Q"] and q.data_ptr() % (meta["PACK_Q"] // 8):
+    qo = q if q_out is None else q_out
+    if meta["PACK_Q"] and (q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
         meta = dict(meta, PACK_Q=0)
     if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
         meta = dict(meta, PACK_K=0)
@@ -375,14 +402,18 @@ def store_inputs(meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_m
         v_cache,
         table if ks is None else ks,
         table if vs is None else vs,
+        qo,
+        table if qs is None else qs,
     )  # scales: never read unless scaled
     return meta, ptrs
 
 
-def fire_store(plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs) -> None:
+def fire_store(
+    plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None
+) -> None:
     if plan is None:
         return
-    meta, ptrs = store_inputs(plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
+    meta, ptrs = store_inputs(plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs)
     launch_kernel(
         _kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, plan.args, meta
     )

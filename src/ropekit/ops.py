@@ -436,14 +436,8 @@ def _rope_custom_op(spec: Spec, q, k, positions, table, inplace, scales=None):
     mrope = _mrope_list(v)
     qs, ks = (None, None) if scales is None else scales
     if v.angles == "packed":
-        if type(q) is not torch.Tensor and not torch.compiler.is_compiling():
-            validate.fail(
-                "apply_rope",
-                "cu_seqlens",
-                "plain tensors q and k with cu_seqlens (tensor subclasses "
-                "such as DTensor: pass positions from ropekit.positions_from_cu_seqlens)",
-                f"q of type {type(q).__name__}",
-            )
+        # DTensor: head-sharded or replicated q and k (distributed.OPS' rule for rotate_packed)
+        positions, table, qs, ks = distributed.like(q, positions, table, qs, ks)
         outs = torch.ops.ropekit.rotate_packed(
             q,
             k,

@@ -308,8 +308,24 @@ def unit_last_stride(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.contiguous()
 
 
-def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
-    """The fused store's run step: q rotated in place, rotated k and v into their cache rows."""
+def run_store(
+    spec: Spec,
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    k_scale,
+    v_scale,
+    q_out=None,
+    q_scale=None,
+    write_key=False,
+) -> None:
+    """The fused store's run step: q rotated in place (or into q_out), rotated k and v into their
+    cache rows (and rotated k back into k with write_key)."""
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
@@ -326,8 +342,13 @@ def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapp
                 spec.rot,
                 k_scale is not None,
                 v_scale is not None,
+                q_out,
+                q_scale is not None,
+                write_key,
             )
-        launcher.fire_store(plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        launcher.fire_store(
+            plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale
+        )
     else:
         cpu.store_rows(
             q,
@@ -342,6 +363,9 @@ def run_store(spec: Spec, q, k, v, positions, table, k_cache, v_cache, slot_mapp
             rotary_dim=spec.rot,
             k_scale=k_scale,
             v_scale=v_scale,
+            q_out=q_out,
+            q_scale=q_scale,
+            write_key=write_key,
         )
 
 

@@ -701,10 +701,26 @@ def rotate_angles_with_norm(
 
 
 def plan_store(
-    q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scaled, v_scaled, modes
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    interleaved,
+    rot,
+    k_scaled,
+    v_scaled,
+    modes,
+    q_out=None,
+    q_scaled=False,
+    write_key=False,
 ) -> NormLaunch:
-    """store._plan, then what the norm changes: q's tail is normalized in place (TAIL_PAD_Q), and
-    across-heads norms need one head block holding all heads (BLOCK_HQ / BLOCK_HK)."""
+    """launcher.plan_store, then what the norm changes: q's tail is normalized too (TAIL_PAD_Q, in
+    place or into q_out), and across-heads norms need one head block holding all heads
+    (BLOCK_HQ / BLOCK_HK)."""
     il = bool(interleaved)
     base = launcher.plan_store(
         q,
@@ -719,11 +735,15 @@ def plan_store(
         rot,
         k_scaled,
         v_scaled,
+        q_out,
+        q_scaled,
+        write_key,
     )
     meta = dict(base.meta, NORM_Q=modes[0], NORM_K=modes[1])
     args = list(base.args[:-4])  # keeps q_tail; minus the weights, eps, offset placeholders
     q_tail = q.shape[-1] - rot
-    meta["TAIL_PAD_Q"] = _next_pow2(q_tail) if modes[0] and q_tail > 0 else 0
+    if modes[0] and q_tail > 0:
+        meta["TAIL_PAD_Q"] = _next_pow2(q_tail)
     grid = base.grid
     nvb = args[_STORE_ARG_N_BLOCKS] - args[_STORE_ARG_N_Q_BLOCKS] - args[_STORE_ARG_N_K_BLOCKS]
     if modes[0] == 2:
@@ -740,11 +760,29 @@ def plan_store(
 
 
 def fire_store(
-    launch: NormLaunch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset
+    launch: NormLaunch,
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    ks,
+    vs,
+    wq,
+    wk,
+    eps,
+    offset,
+    q_out=None,
+    qs=None,
 ) -> None:
     from .kernels.store import rope_store_kernel
 
-    meta, ptrs = launcher.store_inputs(launch.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
+    meta, ptrs = launcher.store_inputs(
+        launch.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs
+    )
     wq_t = wq if wq is not None else wk
     wk_t = wk if wk is not None else wq
     variant = (meta["PACK_Q"], meta["PACK_K"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
@@ -760,18 +798,36 @@ def fire_store(
 
 
 def _store_run(
-    q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, ks, vs, wq, wk, eps, offset, spec=None
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    interleaved,
+    rot,
+    ks,
+    vs,
+    wq,
+    wk,
+    eps,
+    offset,
+    write_key=False,
+    q_out=None,
+    qs=None,
+    spec=None,
 ):
     """Checks, then the kernel (or ropekit.cpu on CPU): the body of the custom op and of eager calls.
     spec: the call signature's pipeline.Spec (extents and aliasing verdicts kept between calls), or None."""
-    store._checks(spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs)
-    validate.written_vs_read(
-        STORE_OP, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), (("q_norm_weight", wq), ("k_norm_weight", wk))
-    )
+    store.checks(spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key)
+    written = (("q", q if q_out is None else None), ("k_cache", k_cache), ("v_cache", v_cache))
+    written += (("q_out", q_out), ("k", k if write_key else None))
+    validate.written_vs_read(STORE_OP, written, (("q_norm_weight", wq), ("k_norm_weight", wk)))
     if q.shape[:-2].numel() == 0:
         return
     if _use_triton(q):
-        ks, vs = store._fp8_scales(k_cache, v_cache, ks, vs, q.device)
         modes = _modes(q, k, wq, wk)
         key = (
             "store",
@@ -790,6 +846,9 @@ def _store_run(
             modes,
             _sig(wq),
             _sig(wk),
+            write_key,
+            _sig(q_out),
+            qs is not None,
         )
         launch = _cached(
             key,
@@ -807,14 +866,19 @@ def _store_run(
                 ks is not None,
                 vs is not None,
                 modes,
+                q_out,
+                qs is not None,
+                write_key,
             ),
         )
-        fire_store(launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset)
+        fire_store(
+            launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset, q_out, qs
+        )
         return
     # CPU: normalize in float32 (unrounded), then the store's CPU path rotates and rounds once
     qn = q if wq is None else cpu.rms_norm(q, wq, eps=eps, offset=offset)
     kn = k if wk is None else cpu.rms_norm(k, wk, eps=eps, offset=offset)
-    qn = qn.clone() if qn is q else qn
+    qn = qn.clone() if qn is q and q_out is None else qn
     cpu.store_rows(
         qn,
         kn,
@@ -828,11 +892,17 @@ def _store_run(
         rotary_dim=rot,
         k_scale=ks,
         v_scale=vs,
+        q_out=q_out,
+        q_scale=qs,
+        write_key=write_key,
     )
-    q.copy_(qn)
+    if q_out is None:
+        q.copy_(qn)
+    if write_key and kn is not k:
+        k.copy_(kn)  # normalized and rotated, its tail normalized (as q's in place)
 
 
-@torch.library.custom_op("ropekit::rope_norm_and_store", mutates_args=("q", "k_cache", "v_cache"))
+@torch.library.custom_op("ropekit::rope_norm_and_store", mutates_args=("q", "k", "k_cache", "v_cache", "q_out"))
 def _rope_norm_and_store_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -850,6 +920,9 @@ def _rope_norm_and_store_op(
     wk: Optional[torch.Tensor],
     eps: float,
     offset: float,
+    write_key: bool = False,
+    q_out: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
 ) -> None:
     _store_run(
         q,
@@ -868,12 +941,33 @@ def _rope_norm_and_store_op(
         wk,
         eps,
         offset,
+        write_key,
+        q_out,
+        q_scale,
     )
 
 
 @_rope_norm_and_store_op.register_fake
 def _(
-    q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, k_scale, v_scale, wq, wk, eps, offset
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    interleaved,
+    rot,
+    k_scale,
+    v_scale,
+    wq,
+    wk,
+    eps,
+    offset,
+    write_key=False,
+    q_out=None,
+    q_scale=None,
 ):
     return None
 
@@ -896,10 +990,14 @@ def rope_and_store_with_norm(
     k_norm_weight=None,
     norm_eps=1e-6,
     norm_weight_offset=0.0,
+    write_key=False,
+    q_out=None,
+    q_scale=None,
 ):
     """apply_rope_and_store with RMSNorm of q and/or k first: q normalized and rotated in place
-    (its tail normalized in place too), k normalized and rotated into k_cache (fp8: scaled and cast
-    once from float32), v copied. Weights as in rope_with_norm. Inference only. Returns q."""
+    (its tail normalized in place too) or into q_out, k normalized and rotated into k_cache (fp8:
+    scaled, saturated and cast once from float32) and with write_key back into k, v copied.
+    Weights as in rope_with_norm. Inference only. Returns q, or q_out when given."""
     # validated once per signature (the pipeline's memo; types and scale values included)
     key = None
     if not torch.compiler.is_compiling():
@@ -919,14 +1017,18 @@ def rope_and_store_with_norm(
                 interleaved,
                 type(rotary_dim),
                 rotary_dim,
-                store._scale_key(k_scale),
-                store._scale_key(v_scale),
+                store.scale_key(k_scale),
+                store.scale_key(v_scale),
                 _sig(q_norm_weight),
                 _sig(k_norm_weight),
                 type(norm_eps),
                 norm_eps,
                 type(norm_weight_offset),
                 norm_weight_offset,
+                type(write_key),
+                write_key,
+                _sig(q_out),
+                store.scale_key(q_scale),
             )
             hash(key)
         except (AttributeError, TypeError):
@@ -947,6 +1049,7 @@ def rope_and_store_with_norm(
             k_scale=k_scale,
             v_scale=v_scale,
         )
+        validate.store_outputs(STORE_OP, q, k, q_out, q_scale, write_key)
         validate.norm_weights(STORE_OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
         if torch.is_grad_enabled():
             for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
@@ -964,11 +1067,15 @@ def rope_and_store_with_norm(
                 rot,
                 pipeline.DIRECT,
                 pipeline.triton_runs(q),
-                extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping),
+                extents=validate.store_extents(
+                    q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping, q_out
+                ),
             ),
         )
     rot = spec.rot
-    ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
+    dev = q.device
+    ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
+    qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
     args = (
         positions,
         cos_sin_cache,
@@ -983,11 +1090,13 @@ def rope_and_store_with_norm(
         k_norm_weight,
         float(norm_eps),
         float(norm_weight_offset),
+        write_key,
+        q_out,
+        qs,
     )
     if torch.compiler.is_compiling():
         torch.ops.ropekit.rope_norm_and_store(q, k, v, *args)
-        return q
-    _store_run(q, k, v, *args, spec=None if torch.compiler.is_compiling() else spec)
-    for x in (q, k_cache, v_cache):
-        torch.autograd.graph.increment_version(x)
-    return q
+        return q if q_out is None else q_out
+    _store_run(q, k, v, *args, spec=spec)
+    store.bump_versions(q if q_out is None else q_out, k_cache, v_cache, k if write_key else None)
+    return q if q_out is None else q_out

@@ -24,8 +24,11 @@ Scale = Union[None, float, torch.Tensor]
 _MEMO = pipeline._MEMO
 
 
-def _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+def checks(
+    spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale, write_key
+) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write."""
+    ext = None if spec is None else spec.extents
     validate.store_aliasing(
         OP,
         q,
@@ -33,57 +36,60 @@ def _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapp
         v,
         k_cache,
         v_cache,
-        extents=None if spec is None else spec.extents,
+        extents=ext,
         memo=None if spec is None else spec.alias,
+        q_out=q_out,
+        write_key=write_key,
     )
+    # written (q's place taken by q_out when given; k with write_key) against the read-only inputs
+    written = [("q", q) if q_out is None else ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache)]
+    read = [
+        ("positions", positions),
+        ("cos_sin_cache", cos_sin_cache),
+        ("slot_mapping", slot_mapping),
+        ("k_scale", k_scale),
+        ("v_scale", v_scale),
+    ]
     extents = None
-    if spec is not None:
-        ext = spec.extents
-        extents = (
-            ext[0],
-            ext[1],
-            ext[2],
-            ext[5],
-            ext[6],
-            ext[7],
-            0 if k_scale is None else 4,
-            0 if v_scale is None else 4,
-        )  # scales: one float32
-    validate.written_vs_read(
-        OP,
-        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)),
-        (
-            ("positions", positions),
-            ("cos_sin_cache", cos_sin_cache),
-            ("slot_mapping", slot_mapping),
-            ("k_scale", k_scale),
-            ("v_scale", v_scale),
-        ),
-        extents=extents,
-    )
+    if ext is not None:  # scales: one float32
+        extents = [ext[0] if q_out is None else ext[8], ext[1], ext[2]]
+        tail = [ext[5], ext[6], ext[7], 0 if k_scale is None else 4, 0 if v_scale is None else 4]
+    if write_key:
+        written.append(("k", k))
+        if ext is not None:
+            extents.append(ext[3])
+    if q_scale is not None:
+        read.append(("q_scale", q_scale))
+        if ext is not None:
+            tail.append(4)
+    validate.written_vs_read(OP, written, read, extents=None if ext is None else extents + tail)
     if validate.is_strict():
         if positions is not None:
             validate.positions_in_range(OP, positions, cos_sin_cache.shape[0])
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
         validate.slots_in_range(OP, slot_mapping, num_slots)
         validate.slots_unique(OP, slot_mapping)
-        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)):
             if scale is not None:
                 validate.scale_value(OP, name, scale)
 
 
-def _fp8_scales(k_cache, v_cache, ks, vs, device):
-    """fp8 caches always take the scaled path (scale 1.0 by default): the kernel then casts to fp8
-    from float32 only, the one conversion every backend has (bf16 -> fp8 directly is not everywhere)."""
-    if ks is None and k_cache.dtype in validate.FP8_DTYPES:
-        ks = pipeline.scale_tensor(1.0, device, unit=True)
-    if vs is None and v_cache.dtype in validate.FP8_DTYPES:
-        vs = pipeline.scale_tensor(1.0, device, unit=True)
-    return ks, vs
-
-
 def _store_spec(
-    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim, k_scale, v_scale
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    interleaved,
+    rotary_dim,
+    k_scale,
+    v_scale,
+    q_out,
+    q_scale,
+    write_key,
 ) -> Spec:
     rot, _, _, _, _ = validate.store_args(
         OP,
@@ -99,31 +105,65 @@ def _store_spec(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    validate.store_outputs(OP, q, k, q_out, q_scale, write_key)
+    return _spec(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rot, q_out, door=None)
+
+
+def _spec(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, q_out, door) -> Spec:
+    """The Spec of a validated call (door None: the eager door q's type picks)."""
     il = bool(interleaved)
     variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
-    door = pipeline.door_for(q, False)
     return Spec(
         variant,
         rot,
-        door,
+        pipeline.door_for(q, False) if door is None else door,
         pipeline.triton_runs(q),
-        extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping),
+        extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, table, slot_mapping, q_out),
     )
 
 
-def _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs) -> None:
+def _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key) -> None:
     """Address checks, then the run step: the body of the eager door and of the custom op."""
-    _checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
-    if spec.triton:
-        ks, vs = _fp8_scales(k_cache, v_cache, ks, vs, q.device)
-    pipeline.run_store(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
+    checks(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key)
+    pipeline.run_store(
+        spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key
+    )
+
+
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim has stride 1 (or one element), else one contiguous copy: how the
+    store reads a k (or, with q_out, a q) whose last dim is strided."""
+    if x.stride(-1) == 1 or x.shape[-1] <= 1:
+        return x
+    return x.contiguous()
+
+
+def mla_parts(k, v, k_cache, v_cache, k_nope):
+    """MLA's split key as the store's (v, k_cache, v_cache): k_nope takes v's place (copied
+    unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and is
+    split at k_nope's width."""
+    if v is not None:
+        validate.fail(OP, "v", "None when k_nope is given (k_nope is the cache row's non-rope part)", "a tensor")
+    if not isinstance(k_nope, torch.Tensor):
+        raise TypeError(f"{OP}: k_nope: expected a torch.Tensor or None, got {type(k_nope).__name__}")
+    if v_cache is None and isinstance(k_cache, torch.Tensor) and isinstance(k, torch.Tensor) and k_cache.dim() > 0:
+        nope, rope = k_nope.shape[-1], k.shape[-1]
+        if k_cache.shape[-1] != nope + rope:
+            validate.fail(
+                OP,
+                "k_cache",
+                f"a joint row of {nope} + {rope} = {nope + rope} dims (k_nope's, then k's; v_cache None)",
+                f"shape {tuple(k_cache.shape)}",
+            )
+        k_cache, v_cache = k_cache[..., nope:], k_cache[..., :nope]
+    return k_nope, k_cache, v_cache
 
 
 # ---------------------------------------------------------------------------------------------
 # torch.library registration: what torch.compile (and the dispatcher, for tensor subclasses) sees
 
 
-@torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k_cache", "v_cache"))
+@torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k", "k_cache", "v_cache", "q_out"))
 def _rope_and_store_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,6 +177,9 @@ def _rope_and_store_op(
     rotary_dim: int,
     k_scale: Optional[torch.Tensor],
     v_scale: Optional[torch.Tensor],
+    write_key: bool = False,
+    q_out: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
 ) -> None:
     key = (
         "rope_and_store op",
@@ -152,30 +195,70 @@ def _rope_and_store_op(
         rotary_dim,
         tensor_key(k_scale),
         tensor_key(v_scale),
+        write_key,
+        tensor_key(q_out),
+        tensor_key(q_scale),
     )
     spec = _MEMO.get(key)
     if spec is None:
-        il = bool(interleaved)
-        variant = Variant(il, il, 0, (0, 0, 0), "table" if positions is not None else "arange")
         spec = pipeline.remember(
             key,
-            Spec(
-                variant,
+            _spec(
+                q,
+                k,
+                v,
+                positions,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                interleaved,
                 rotary_dim,
-                pipeline.DIRECT,
-                pipeline.triton_runs(q),
-                extents=validate.store_extents(q, k, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping),
+                q_out,
+                door=pipeline.DIRECT,
             ),
         )
-    _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _run(
+        spec,
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        q_out,
+        q_scale,
+        write_key,
+    )
 
 
 @_rope_and_store_op.register_fake
-def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim, k_scale, v_scale):
+def _(
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    interleaved,
+    rotary_dim,
+    k_scale,
+    v_scale,
+    write_key=False,
+    q_out=None,
+    q_scale=None,
+):
     return None
 
 
-def _scale_key(scale):
+def scale_key(scale):
+    """A scale argument's part of a call signature."""
     if isinstance(scale, torch.Tensor):
         return tensor_key(scale)
     return type(scale), scale  # the value: validation depends on it (> 0, finite)
@@ -188,11 +271,11 @@ def _scale_key(scale):
 def apply_rope_and_store(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: Optional[torch.Tensor],
     positions: Optional[torch.Tensor],
     cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     slot_mapping: torch.Tensor,
     *,
     interleaved: bool = False,
@@ -203,25 +286,33 @@ def apply_rope_and_store(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    write_key: bool = False,
+    q_out: Optional[torch.Tensor] = None,
+    q_scale: Scale = None,
+    k_nope: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Rotate q in place; write rotated k and unrotated v into the cache rows of their slots. One launch.
+    """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
+    their slots. One launch, whatever the keywords.
 
     Args:
         q: (*T, Hq, Dq) fp16/bf16/fp32, *T = (T,) or (B, S); any strides, last stride 1. Rotated
-            in place (dims past rotary_dim untouched).
+            in place (dims past rotary_dim untouched) unless q_out is given; with q_out, q is
+            only read and may have any last stride (then read through one copy).
         k: (*T, Hk, Dk), its own strides; rotated into k_cache (q and k are never mixed up:
-            MLA's q_pe view of a 192-wide head and a separate k_pe are fine).
+            MLA's q_pe view of a 192-wide head and a separate k_pe are fine). A last stride other
+            than 1 is read through one copy (not with write_key, which writes k).
         v: (*T, Hv, Dv), copied into v_cache; Dv may differ from Dk (MLA: latent 512, rope 64).
+            Any strides, the last one included (read in place, no copy). None with k_nope.
         positions: (*T) int32/int64, or None for arange over the last token dim.
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended.
         k_cache: (num_blocks, block_size, Hk, Dk) paged or (num_slots, Hk, Dk) flat, any strides
             with last stride 1: NHD as is, HND as `cache.permute(0, 2, 1, 3)`, the k half of a
-            (num_blocks, 2, block_size, H, D) buffer as `buf[:, 0]`. fp16/bf16/fp32 or
-            float8_e4m3fn (need not match k's dtype; values are cast).
+            (num_blocks, 2, block_size, H, D) buffer as `buf[:, 0]`. fp16/bf16/fp32,
+            float8_e4m3fn or float8_e5m2 (need not match k's dtype; values are cast).
         v_cache: like k_cache for v, with the same slot dims (num_blocks, block_size) or
             (num_slots,). MLA keeps one joint row [latent | rope]: pass views of one cache,
             `k_cache = cache[..., L:]`, `v_cache = cache[..., :L]` (a 3-D MLA cache
-            (num_blocks, block_size, L + R) as `cache.unsqueeze(-2)` first).
+            (num_blocks, block_size, L + R) as `cache.unsqueeze(-2)` first), or use k_nope.
         slot_mapping: (*T) int32/int64; token i goes to slot slot_mapping[i] = block * block_size
             + offset. A slot < 0 is padding: nothing is stored for that token.
         interleaved: False rotates halves (Llama/NeoX), True pairs (2i, 2i+1) (GPT-J, DeepSeek).
@@ -230,33 +321,69 @@ def apply_rope_and_store(
             cache stores value / scale (per-tensor fp8 scaling; also honoured for other caches).
             A tensor scale is read inside the kernel: no host sync, safe in CUDA graphs. A float
             is turned into a cached device tensor (1.0 means no scaling).
+        write_key: True also writes the rotated (and normalized) k back into k, in place, for
+            every token (padding ones included), as SGLang's fused set-kv-buffer does for engines
+            that keep k for a local attention call. k's dims past rotary_dim stay as they are
+            (normalized with k_norm_weight, like q's). k is then written: it must not overlap
+            q, v, the caches or a read-only input, and needs a unit last stride.
+        q_out: None, or a (*T, Hq, Dq) tensor in any of the cache dtypes (fp8 e4m3 / e5m2 for an
+            FP8 attention's prologue), any strides with last stride 1: rotated (and normalized)
+            q is written there, tail included, and q is left untouched (FlashInfer's
+            rope_quantize_fp8 + paged append in one launch).
+        q_scale: None, a float or a 1-element float32 tensor, only with q_out: q_out stores
+            rotated q / q_scale (same rule as k_scale).
+        k_nope: MLA with the key in two parts (FlashInfer's append_paged_mla_kv_cache): k is the
+            rope part (*T, Hk, R), rotated into k_cache; k_nope (*T, Hk, L) is copied unrotated
+            into v_cache (v must be None). v_cache may be the nope cache (FlashInfer's ckv_cache,
+            (num_blocks, block_size, Hk, L)) with k_cache the rope cache (kpe_cache, R wide), or
+            None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
+            layout) and is split at L. One launch either way.
 
-    Returns q (rotated in place). Rows of the caches that no slot names are never touched.
-    Duplicate slots (two tokens naming one slot) are a caller error: without strict mode the row
-    holds an unspecified mix (its k row and its v row may come from different tokens); under
-    `ropekit.strict()` they raise ValueError naming the slot and both tokens, before any write.
+    Returns q (rotated in place), or q_out when given. Rows of the caches that no slot names are
+    never touched. Duplicate slots (two tokens naming one slot) are a caller error: without
+    strict mode the row holds an unspecified mix (its k row and its v row may come from different
+    tokens); under `ropekit.strict()` they raise ValueError naming the slot and both tokens,
+    before any write.
+
+    Output layouts: every output is written where and how the caller laid it out (q and k in
+    place keep their strides, q_out and the caches keep theirs; nothing is made contiguous). For
+    a permuted q, `torch.empty_like(q, dtype=torch.float8_e4m3fn)` gives a q_out of q's layout.
+    Inputs whose last dim is not contiguous (Transformer Engine's permuted tensors): v is read
+    through its stride; k, and q with q_out, are read through one contiguous copy each (an extra
+    pass over that input only); q rotated in place, and k with write_key, must have a unit last
+    stride (refused with ValueError otherwise: rotating through a copy would need a second pass
+    to copy back).
 
     Bad inputs never cause an out-of-bounds access, and nothing is synced by default:
     - a position outside [0, max_position): that token's rotated dims of q and of its k row are
       NaN (as in apply_rope);
-    - a slot >= num_slots: nothing is stored for that token, and its rotated q dims are made NaN,
-      so the mistake shows up in the attention output instead of corrupting someone else's row.
+    - a slot >= num_slots: nothing is stored for that token, and its rotated q dims (in q_out
+      when given) are made NaN, so the mistake shows up in the attention output instead of
+      corrupting someone else's row.
     Under `ropekit.strict()` (or ROPEKIT_STRICT=1) bad positions and slots, and tensor scales that
     are not finite and > 0, raise ValueError before anything is written (one device sync).
 
-    fp8: values are divided by the scale in float32 and cast once (round to nearest even); keep
-    |value / scale| <= 448 (e4m3's range): ropekit does not clamp, and what a value out of range
-    becomes depends on the backend's cast (the GPU saturates).
+    fp8 outputs (caches, q_out; e4m3 or e5m2): values are divided by the scale in float32,
+    saturated to the format's largest finite value (e4m3 448, e5m2 57344; NaN stays NaN) and
+    cast once (round to nearest even).
 
     Inference only: tensors that require grad are refused while grad mode is on.
 
     q_norm_weight / k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of q / k first, same
-    launch (q's whole head normalized in place; see ropekit.qknorm).
+    launch (q's whole head normalized in place, or into q_out; see ropekit.qknorm). Every keyword
+    above composes with the norm.
     """
+    if k_nope is not None:
+        v, k_cache, v_cache = mla_parts(k, v, k_cache, v_cache, k_nope)
+    # strided last dims of read-only inputs: one copy each (q rotated in place is refused by validation)
+    if isinstance(k, torch.Tensor) and write_key is False and k.dim():
+        k = unit_last(k)
+    if q_out is not None and isinstance(q, torch.Tensor) and q.dim():
+        q = unit_last(q)
     if q_norm_weight is not None or k_norm_weight is not None:
         from .qknorm import rope_and_store_with_norm
 
-        return rope_and_store_with_norm(
+        rope_and_store_with_norm(
             q,
             k,
             v,
@@ -273,7 +400,11 @@ def apply_rope_and_store(
             k_norm_weight=k_norm_weight,
             norm_eps=norm_eps,
             norm_weight_offset=norm_weight_offset,
+            write_key=write_key,
+            q_out=q_out,
+            q_scale=q_scale,
         )
+        return q if q_out is None else q_out
     if torch.compiler.is_compiling():
         rot, _, _, k_scale, v_scale = validate.store_args(
             OP,
@@ -289,6 +420,7 @@ def apply_rope_and_store(
             k_scale=k_scale,
             v_scale=v_scale,
         )
+        q_scale = validate.store_outputs(OP, q, k, q_out, q_scale, write_key)
         torch.ops.ropekit.rope_and_store(
             q,
             k,
@@ -302,8 +434,11 @@ def apply_rope_and_store(
             rot,
             pipeline.scale_tensor(k_scale, q.device),
             pipeline.scale_tensor(v_scale, q.device),
+            write_key,
+            q_out,
+            pipeline.scale_tensor(q_scale, q.device),
         )
-        return q
+        return q if q_out is None else q_out
     try:
         key = (
             OP,
@@ -320,8 +455,12 @@ def apply_rope_and_store(
             interleaved,
             type(rotary_dim),
             rotary_dim,
-            _scale_key(k_scale),
-            _scale_key(v_scale),
+            scale_key(k_scale),
+            scale_key(v_scale),
+            type(write_key),
+            write_key,
+            None if q_out is None else tensor_key(q_out),
+            None if q_scale is None else scale_key(q_scale),
         )
         spec = _MEMO.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
@@ -342,13 +481,18 @@ def apply_rope_and_store(
                 rotary_dim,
                 k_scale,
                 v_scale,
+                q_out,
+                q_scale,
+                write_key,
             ),
         )
-    ks, vs = pipeline.scale_tensor(k_scale, q.device), pipeline.scale_tensor(v_scale, q.device)
+    dev = q.device
+    ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
+    qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
     if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
         from .distributed import like
 
-        positions, cos_sin_cache, slot_mapping, ks, vs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs)
+        positions, cos_sin_cache, slot_mapping, ks, vs, qs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs, qs)
         torch.ops.ropekit.rope_and_store(
             q,
             k,
@@ -362,11 +506,20 @@ def apply_rope_and_store(
             spec.rot,
             ks,
             vs,
+            write_key,
+            q_out,
+            qs,
         )
-        return q
-    _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs)
+        return q if q_out is None else q_out
+    _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key)
     # the kernel writes through raw pointers, which autograd does not see: bump the version counters
     # so that anything that saved q or a cache for a backward raises instead of reading new values
-    for x in (q, k_cache, v_cache):
-        torch.autograd.graph.increment_version(x)
-    return q
+    bump_versions(q if q_out is None else q_out, k_cache, v_cache, k if write_key else None)
+    return q if q_out is None else q_out
+
+
+def bump_versions(*written) -> None:
+    """Version counters of the tensors a launch wrote (None skipped)."""
+    for x in written:
+        if x is not None:
+            torch.autograd.graph.increment_version(x)

@@ -647,6 +647,13 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
     """
     if k is None:
         raise TypeError(f"{op}: k: expected a torch.Tensor, got NoneType")
+    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] > 1 and q.stride(-1) != 1:
+        fail(
+            op,
+            "q",
+            "stride 1 in the last dimension (q is rotated in place; with q_out= a strided q is read)",
+            f"strides {tuple(q.stride())}",
+        )
     rot, _ = rope_args(
         op,
         q,
@@ -668,6 +675,7 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
         dtypes=FLOAT_DTYPES,
         device=device,
         shape_hint=f"with the token dims of q {token_shape}",
+        last_stride_one=False,  # only read, through its own last-dim stride
     )
     if tuple(v.shape[:-2]) != token_shape:
         fail(op, "v", f"token dims {token_shape} (those of q)", f"shape {tuple(v.shape)}")
@@ -685,7 +693,7 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
         fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
 
     for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
-        tensor(op, name, cache, ndims=(3, 4), dtypes=CACHE_DTYPES, device=device, shape_hint=_CACHE_HINT)
+        tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
         want = tuple(x.shape[-2:])
         if tuple(cache.shape[-2:]) != want:
             hint = ""
@@ -818,33 +826,44 @@ def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
     return reachable(0, b.data_ptr() - a.data_ptr())
 
 
-def store_extents(q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None) -> tuple:
+def store_extents(q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None, q_out=None) -> tuple:
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
-    `store_aliasing` takes them in), then of positions, table, slot_mapping; 0 for an empty tensor
-    or None."""
+    `store_aliasing` takes them in), then of positions, table, slot_mapping, q_out; 0 for an empty
+    tensor or None."""
     return tuple(
         (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
         if x is not None and x.numel()
         else 0
-        for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping)
+        for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out)
     )
 
 
-def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> None:
-    """Nothing written (q, k_cache, v_cache) may share memory with anything else the kernel touches.
+def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out=None, write_key=False) -> None:
+    """Nothing written (q or q_out, k_cache, v_cache, and k with write_key) may share memory with
+    anything else the kernel touches.
 
     Pairs whose byte ranges miss each other (the usual case) cost two compares; the others are
     decided by may_alias. `extents` (store_extents of these tensors) and `memo` (a dict kept per
     call signature: verdicts by pair and byte distance) let repeated calls skip the work.
     """
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
     if extents is None:
-        extents = store_extents(q, k, v, k_cache, v_cache)
-    ptrs = [x.data_ptr() for _, x in named]
-    for i in range(3):  # the written ones, against all that follow
-        for j in range(i + 1, 5):
+        extents = store_extents(q, k, v, k_cache, v_cache, q_out=q_out)
+    # the written ones first (q's place taken by q_out when given, q then read last), then the read ones
+    named = [
+        ("q", q, extents[0]) if q_out is None else ("q_out", q_out, extents[8]),
+        ("k_cache", k_cache, extents[1]),
+        ("v_cache", v_cache, extents[2]),
+        ("k", k, extents[3]),
+        ("v", v, extents[4]),
+    ]
+    if q_out is not None:
+        named.append(("q", q, extents[0]))
+    n = len(named)
+    ptrs = [x.data_ptr() for _, x, _ in named]
+    for i in range(4 if write_key else 3):  # the written ones, against all that follow
+        for j in range(i + 1, n):
             a, b = ptrs[i], ptrs[j]
-            if not (a < b + extents[j] and b < a + extents[i]):
+            if not (a < b + named[j][2] and b < a + named[i][2]):
                 continue
             key = (i, j, b - a)
             verdict = None if memo is None else memo.get(key)
@@ -861,6 +880,51 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None) -> No
                     f"memory disjoint from {named[i][0]} (which is written)",
                     f"a tensor overlapping {named[i][0]}",
                 )
+
+
+def store_outputs(op, q, k, q_out, q_scale, write_key):
+    """Checks of the store's output keywords (no data): q_out like q in any float or fp8 dtype,
+    q_scale only with q_out, write_key a bool with a k that can be written. Returns q_scale as
+    `scale_arg` gives it."""
+    if not isinstance(write_key, bool):
+        raise TypeError(f"{op}: write_key: expected a bool, got {type(write_key).__name__}")
+    if write_key and has_internal_overlap(k):
+        fail(
+            op,
+            "k",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is written back: write_key=True)",
+            f"strides {tuple(k.stride())}",
+        )
+    if q_out is None:
+        if q_scale is not None:
+            fail(op, "q_scale", "None without q_out (q is rotated in place, in its own dtype)", "a scale")
+        return None
+    tensor(
+        op,
+        "q_out",
+        q_out,
+        ndims=(q.dim(),),
+        dtypes=OUT_DTYPES,
+        device=q.device,
+        shape_hint=f"of q's shape {tuple(q.shape)}",
+    )
+    if q_out.shape != q.shape:
+        fail(op, "q_out", f"shape {tuple(q.shape)} (that of q)", f"shape {tuple(q_out.shape)}")
+    if has_internal_overlap(q_out):
+        fail(
+            op,
+            "q_out",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+            f"strides {tuple(q_out.stride())}",
+        )
+    if torch.is_grad_enabled() and q_out.requires_grad:
+        fail(
+            op,
+            "q_out",
+            "a tensor that does not require grad (apply_rope_and_store is inference only)",
+            "requires_grad=True",
+        )
+    return scale_arg(op, "q_scale", q_scale, q.device)
 
 
 def slots_in_range(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:

@@ -145,6 +145,30 @@ def main(rank, world, port, out):
         errors["store_token_sharded"] = None
     except RuntimeError as e:
         errors["store_token_sharded"] = str(e)
+    # packed sequences (cu_seqlens), head-sharded, forward and backward; token sharding refused
+    q, k, _, cache = inputs((8, 4, 32), (8, 2, 32), seed=123)
+    cu = torch.tensor([0, 3, 8])
+    gq = distribute_tensor(q, mesh, [Shard(1)]).requires_grad_()
+    gk = distribute_tensor(k, mesh, [Shard(1)]).requires_grad_()
+    qo, ko = ropekit.apply_rope(gq, gk, None, cache, cu_seqlens=cu)
+    assert tuple(qo.placements) == (Shard(1),), qo.placements
+    (qo.sum() + 2 * ko.sum()).backward()
+    results["packed_heads"] = dict(
+        q=q,
+        k=k,
+        cu=cu,
+        cache=cache,
+        qo=qo.full_tensor(),
+        ko=ko.full_tensor(),
+        gq=gq.grad.full_tensor(),
+        gk=gk.grad.full_tensor(),
+    )
+    try:
+        dq, dk = distribute_tensor(q, mesh, [Shard(0)]), distribute_tensor(k, mesh, [Shard(0)])
+        ropekit.apply_rope(dq, dk, None, cache, cu_seqlens=cu)
+        errors["packed_token_sharded"] = None
+    except RuntimeError as e:
+        errors["packed_token_sharded"] = str(e)
     # refused layouts: each must raise, naming the argument
     refused = {
         "positions_sharded_under_head_sharding": (Shard(1), Shard(1), Shard(0)),

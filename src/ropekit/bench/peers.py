@@ -202,6 +202,11 @@ class Ropekit(Peer):
         if wl.kind == "store":
             op = self._op("apply_rope_and_store")
             q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
+            if "write_key" in wl.store_forms:
+                return Bound(
+                    lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il, write_key=True),
+                    lambda o: (q, kc, vc, k),
+                )
             return Bound(lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il), lambda o: (q, kc, vc))
         # fwdbwd
         op = self._op("apply_rope")
@@ -869,6 +874,13 @@ for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn):
     _with_rerotate(_cls, None)
 
 
+def forms_only_ropekit(peer: Peer, wl: W.Workload) -> None:
+    """The store's serving forms (W7-WK, W10-FP8Q, e5m2 caches) are ropekit's keywords: other
+    peers are n/a there (their plain store rows are beside them)."""
+    if (wl.store_forms or wl.cache_dtype == "e5m2") and peer.name != "ropekit":
+        raise PeerSkip("n/a", "a ropekit store form (see the plain store row for this peer)")
+
+
 def all_peers() -> List[Peer]:
     return [
         Ropekit(),
@@ -986,6 +998,27 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
 
         if store:
             _NORM_NOTES[(name, wl.id)] = "ropekit.apply_rope_and_store(q_norm_weight=, k_norm_weight=) (one launch)"
+            if "q_out" in inp:
+                q_out = inp["q_out"]
+                _NORM_NOTES[(name, wl.id)] = "ropekit.apply_rope_and_store(q_norm_weight=, k_norm_weight=, q_out=fp8)"
+                return Bound(
+                    lambda: ropekit.apply_rope_and_store(
+                        q,
+                        k,
+                        v,
+                        pos,
+                        cache,
+                        kc,
+                        vc,
+                        slots,
+                        q_norm_weight=wq,
+                        k_norm_weight=wk,
+                        norm_eps=eps,
+                        q_out=q_out,
+                        q_scale=W.Q_SCALE,
+                    ),
+                    lambda o: (q_out, kc, vc),
+                )
             return Bound(
                 lambda: ropekit.apply_rope_and_store(
                     q, k, v, pos, cache, kc, vc, slots, q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps

@@ -157,6 +157,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
     }
     cuda = torch.device(device).type == "cuda"
     try:
+        P.forms_only_ropekit(peer, wl)
         peer.begin(wl)
         inp = W.clone_inputs(base)
         bound = peer.make(wl, inp)

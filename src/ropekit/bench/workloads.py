@@ -44,7 +44,10 @@ class Workload:
     graph: bool = False  # launch-bound: time with CUDA-graph replay
     host: bool = False  # also report host (wall-clock) time per eager call
     packed: Optional[Tuple[int, int]] = None  # W11: (sequences, cp_size): THD tokens with cu_seqlens
-    cache_dtype: str = ""  # store workloads: "" (the activation dtype) or "fp8" (float8_e4m3fn)
+    cache_dtype: str = ""  # store workloads: "" (the activation dtype), "fp8" (float8_e4m3fn) or "e5m2"
+    # store workloads: apply_rope_and_store's serving forms, "write_key" (rotated k written back
+    # into k) and "fp8_q_out" (q rotated into a separate e4m3 q_out, scale Q_SCALE)
+    store_forms: Tuple[str, ...] = ()
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
     one_set_calls: int = 0
@@ -263,6 +266,47 @@ WORKLOADS: List[Workload] = [
     ),
 ]
 
+# the store's serving forms beside the plain store rows (same sizes, inputs and slots per seed)
+_W7, _W7_T64, _W10, _W10_T64 = (next(w for w in WORKLOADS if w.id == i) for i in ("W7", "W7-T64", "W10", "W10-T64"))
+_FORMS = [
+    replace(
+        _W7,
+        id="W7-WK",
+        name="store_write_key",
+        what="W7, rotated k also written back into k",
+        store_forms=("write_key",),
+    ),
+    replace(
+        _W7,
+        id="W7-WK-E5M2",
+        name="store_write_key_e5m2",
+        what="W7-WK into an fp8 e5m2 cache, k_scale 1",
+        store_forms=("write_key",),
+        cache_dtype="e5m2",
+    ),
+    replace(
+        _W7_T64, id="W7-T64-WK", name="store_t64_write_key", what="W7-T64, k written back", store_forms=("write_key",)
+    ),
+    replace(
+        _W10,
+        id="W10-FP8Q",
+        name="qknorm_store_fp8_q",
+        what="W10 with q out to an fp8 (e4m3) tensor, q_scale 0.5 (an FP8 attention's input)",
+        store_forms=("fp8_q_out",),
+    ),
+    replace(
+        _W10_T64,
+        id="W10-T64-FP8Q",
+        name="qknorm_store_t64_fp8_q",
+        what="W10-T64 with q out to fp8 (e4m3)",
+        store_forms=("fp8_q_out",),
+    ),
+]
+for _w in _FORMS:  # each beside its plain store rows (the table keeps this order)
+    WORKLOADS.insert(max(i for i, w in enumerate(WORKLOADS) if w.group == _w.group) + 1, _w)
+Q_SCALE = 0.5  # fp8_q_out: q_out holds rotated q / Q_SCALE
+FP8_OF = {"fp8": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
 # the q/k-norm workloads (W9, W10): norm weights in the inputs, their own oracle and byte counts
 NORM_KINDS = ("normrope", "normfwdbwd", "normstore")
 NORM_EPS = 1e-6
@@ -316,10 +360,18 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, se
         g.manual_seed(seed + 7919)
         for name, n in (("wq", s["D"]), ("wk", s["D"])):  # per-head weights, as trained (around 1)
             inp[name] = (1 + 0.2 * torch.randn(n, generator=g, device=device)).to(DTYPE)
-        if wl.cache_dtype == "fp8":
-            for name in ("k_cache", "v_cache"):
-                inp[name] = inp[name].float().to(torch.float8_e4m3fn)
+    if wl.kind in ("store", "normstore"):
+        _store_form_inputs(wl, inp)
     return inp
+
+
+def _store_form_inputs(wl: Workload, inp: Dict[str, torch.Tensor]) -> None:
+    """fp8 caches (values cast from the random ones) and the fp8 q_out of the store's forms."""
+    if wl.cache_dtype:
+        for name in ("k_cache", "v_cache"):
+            inp[name] = inp[name].float().to(FP8_OF[wl.cache_dtype])
+    if "fp8_q_out" in wl.store_forms:
+        inp["q_out"] = torch.empty(inp["q"].shape, dtype=torch.float8_e4m3fn, device=inp["q"].device)
 
 
 def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, seed: int) -> Dict[str, torch.Tensor]:
@@ -446,16 +498,36 @@ def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
             return 2 * qk
         if wl.kind == "normfwdbwd":
             return 2 * qk + 3 * qk
-        rows = (inp["k"].numel() + inp["v"].numel()) * inp["k_cache"].element_size()
-        return 2 * nb(inp["q"]) + nb(inp["k"]) + nb(inp["v"]) + rows
+        return store_bytes(wl, inp)
     if wl.kind == "mla":
         R = inp["k_pe"].shape[-1]
         q_pe = inp["q"][..., -R:]
         return 2 * (nb(q_pe) + nb(inp["k_pe"]))
     if wl.kind == "store":
-        return 2 * (nb(inp["q"]) + nb(inp["k"]) + nb(inp["v"]))
+        return store_bytes(wl, inp)
     one = 2 * (nb(inp["q"]) + nb(inp["k"]))
     return 2 * one if wl.kind == "fwdbwd" else one
+
+
+def store_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
+    """The fused store: q, k, v read; q written (or q_out); the k and v rows written in the
+    cache's dtype; k written again with write_key."""
+
+    def nb(t):
+        return t.numel() * t.element_size()
+
+    rows = (inp["k"].numel() + inp["v"].numel()) * inp["k_cache"].element_size()
+    q_written = nb(inp["q_out"]) if "q_out" in inp else nb(inp["q"])
+    k_back = nb(inp["k"]) if "write_key" in wl.store_forms else 0
+    return nb(inp["q"]) + q_written + nb(inp["k"]) + nb(inp["v"]) + rows + k_back
+
+
+def as_stored(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """float64 values as a correct kernel leaves them in an fp8 output of scale `scale` (the float32
+    value / scale rounded once), dequantized; other dtypes: x as is (the tolerance covers rounding)."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x
+    return (x.float() / scale).to(dtype).to(torch.float64) * scale
 
 
 # ------------------------------------------------------------------------------------------
@@ -563,17 +635,26 @@ def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict
             "dq": oracle.rope(inp["gq"], pos, inv, interleaved=il, label=wl.id + " dq"),
             "dk": oracle.rope(inp["gk"], pos, inv, interleaved=il, label=wl.id + " dk"),
         }
-    # store
+    return _expected_store(wl, inp, q, k)
+
+
+def _expected_store(wl: Workload, inp: Dict[str, torch.Tensor], q, k) -> Dict[str, torch.Tensor]:
+    """The store's outputs from float64 rotated (normalized) q and k: q (as q_out holds it), the
+    written rows (as the cache's dtype holds them) and the other rows unchanged; k with write_key."""
     slots, other = _slot_split(inp)
     kc = inp["k_cache"].flatten(0, 1).to(torch.float64)
     vc = inp["v_cache"].flatten(0, 1).to(torch.float64)
-    return {
-        "q": q,
-        "k_cache[slots]": k,
-        "v_cache[slots]": inp["v"].to(torch.float64),
+    cdt = inp["k_cache"].dtype
+    out = {
+        "q": as_stored(q, torch.float8_e4m3fn, Q_SCALE) if "q_out" in inp else q,
+        "k_cache[slots]": as_stored(k, cdt),
+        "v_cache[slots]": as_stored(inp["v"].to(torch.float64), cdt),
         "k_cache[other]": kc[other],
         "v_cache[other]": vc[other],
     }
+    if "write_key" in wl.store_forms:
+        out["k"] = k
+    return out
 
 
 def _slot_split(inp):
@@ -593,23 +674,26 @@ def canon(wl: Workload, inp: Dict[str, torch.Tensor], outs: Sequence[torch.Tenso
     if wl.kind == "normfwdbwd":
         return dict(zip(("q", "k", "dq", "dk", "dwq", "dwk"), outs))
     if wl.kind == "normstore":
-        return canon(Workload("", "", "store", "", {}, {}), inp, outs)
+        return canon(replace(wl, kind="store"), inp, outs)
     if wl.kind == "mla":
         return {"q": outs[0], "k_pe": outs[1]}
     if wl.kind == "rope":
         return {"q": outs[0], "k": outs[1]}
     if wl.kind == "fwdbwd":
         return {"q": outs[0], "k": outs[1], "dq": outs[2], "dk": outs[3]}
-    q, kc, vc = outs
+    q, kc, vc = outs[:3]
     slots, other = _slot_split(inp)
     kc, vc = kc.flatten(0, 1), vc.flatten(0, 1)
-    return {
-        "q": q,
+    got = {
+        "q": q.to(torch.float64) * Q_SCALE if q.element_size() == 1 else q,
         "k_cache[slots]": kc[slots],
         "v_cache[slots]": vc[slots],
         "k_cache[other]": kc[other],
         "v_cache[other]": vc[other],
     }
+    if len(outs) > 3:  # write_key: k after the call
+        got["k"] = outs[3]
+    return got
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -750,18 +834,5 @@ def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -
     if wl.kind == "normfwdbwd":
         grads = torch.autograd.grad((q, k), (q64, k64, wq64, wk64), (d(inp["gq"]), d(inp["gk"])))
         return dict(zip(("q", "k", "dq", "dk", "dwq", "dwk"), (q.detach(), k.detach(), *grads)))
-    slots, other = _slot_split(inp)
-    kc = inp["k_cache"].flatten(0, 1).to(torch.float64)
-    vc = inp["v_cache"].flatten(0, 1).to(torch.float64)
-    k_rows, v_rows = k.detach(), d(inp["v"])
-    if inp["k_cache"].dtype == torch.float8_e4m3fn:
-        # what a correct kernel stores: the float32 value rounded once to fp8 (scale 1)
-        k_rows = k_rows.float().to(torch.float8_e4m3fn).to(torch.float64)
-        v_rows = inp["v"].float().to(torch.float8_e4m3fn).to(torch.float64)
-    return {
-        "q": q.detach(),
-        "k_cache[slots]": k_rows,
-        "v_cache[slots]": v_rows,
-        "k_cache[other]": kc[other],
-        "v_cache[other]": vc[other],
-    }
+    # fp8 rows and q_out: what a correct kernel stores, the float32 value rounded once
+    return _expected_store(wl, inp, q.detach(), k.detach())

@@ -1,9 +1,11 @@
 """Fused RoPE + KV-cache store: the second entry point of the one kernel family.
 
-One launch rotates q in place, rotates k straight into its cache row and copies v into its cache
-row, so k never makes a round trip through memory. It reuses `_load_angles` and `_rotate_heads`
-from .rope: the rotation math, the angle lookup and the int64 addressing are the same code as
-`rope_kernel`; only the output address of k (a cache row picked by the token's slot) is new.
+One launch rotates q (in place, or into a separate q_out such as an fp8 attention input), rotates
+k straight into its cache row (and, with WRITE_K, back into k too) and copies v into its cache row,
+so k never makes a round trip through memory. It reuses `_load_angles`, `_load_heads` and
+`_store_heads` from .rope and the norm helpers from .norm: the rotation math, the angle lookup and
+the int64 addressing are the same code as `rope_kernel`; only the output addresses (a cache row
+picked by the token's slot, a second destination) are new.
 
 Grid: axis 0 walks tokens, axis 1 walks head blocks of q, then of k, then of v.
 
@@ -13,12 +15,18 @@ cache (num_slots, H, D) is block_size 1 with a zero in-block stride. The slot is
 when loaded, so block * stride cannot wrap whatever the cache size (caches of tens of GB pass 2^31
 elements). Slots < 0 (padding) write nothing; slots >= num_slots write nothing either and make the
 token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.store).
+
+fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its scale, saturated to
+the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .rope's
+`_saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
+backend's cast treats values out of range.
 """
 
 import triton
 import triton.language as tl
 
-from .rope import _load_angles, _pdl_prologue, _rotate_heads
+from .norm import _load_tail, _norm_heads
+from .rope import _load_angles, _load_heads, _pdl_prologue, _saturate, _store_heads
 
 
 @triton.jit
@@ -28,6 +36,7 @@ def _copy_heads(
     x_tok,
     o_tok,
     stride_x_head,
+    stride_x_dim,
     stride_o_head,
     n_heads,
     head0,
@@ -39,17 +48,114 @@ def _copy_heads(
 ):
     """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each); x_tok / o_tok are int64.
 
-    SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast (fp8 caches).
+    stride_x_dim: x's last-dim stride (Triton specializes the usual 1, so a unit stride costs
+    nothing). SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast
+    (fp8 caches); fp8 outputs saturate (see .rope's _saturate).
     """
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
     j = tl.arange(0, D_PAD)[None, :]
     m = (h[:, None] < n_heads) & (j < d)
     # through float32 (exact for fp16/bf16/fp32): fp8 casts are only ever made from float32
-    x = tl.load(x_ptr + x_tok + h64[:, None] * stride_x_head + j, mask=m).to(tl.float32)
+    x = tl.load(x_ptr + x_tok + h64[:, None] * stride_x_head + j.to(tl.int64) * stride_x_dim, mask=m).to(tl.float32)
     if SCALED:
         x = x / tl.load(o_scale_ptr).to(tl.float32)
-    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, x.to(o_ptr.dtype.element_ty), mask=m)
+    out_ty = o_ptr.dtype.element_ty
+    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, _saturate(x, out_ty).to(out_ty), mask=m)
+
+
+@triton.jit
+def _rope_heads(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    c,
+    sn,
+    w_ptr,
+    norm_eps,
+    norm_offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    """Heads [head0, head0 + BLOCK_H) of one token (x_base: its first element), RMS-normalized when
+    NORM != 0 (1 per head, 2 across the block's heads) and rotated by (c, sn): float32 tiles o1, o2
+    (the rotated pairs' members) and t, the tail past the rotary dims (TAIL_PAD > 0: normalized
+    with the head; otherwise a placeholder)."""
+    # the evict_first hint was measured on this kernel: its inputs are read once
+    x1, x2 = _load_heads(
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first"
+    )
+    t = x1
+    if NORM != 0:
+        x1, x2, t = _norm_heads(
+            x_base,
+            stride_x_head,
+            n_heads,
+            head0,
+            tail_len,
+            x1,
+            x2,
+            w_ptr,
+            NORM,
+            norm_eps,
+            norm_offset,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            INTERLEAVED,
+        )
+    elif TAIL_PAD > 0:
+        t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+    cb = c[None, :]
+    sb = sn[None, :]
+    return x1 * cb - x2 * sb, x2 * cb + x1 * sb, t
+
+
+@triton.jit
+def _put_heads(
+    o_base,
+    stride_o_head,
+    n_heads,
+    head0,
+    tail_len,
+    o1,
+    o2,
+    t,
+    o_scale_ptr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
+    SCALED: tl.constexpr,
+):
+    """Store _rope_heads' tiles at o_base (a token's first element) in o's dtype: the rotated pairs,
+    and the tail t when TAIL_PAD > 0. SCALED: divided by the float32 scalar at o_scale_ptr first;
+    an fp8 output saturates."""
+    if SCALED:
+        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
+        o1 = o1 * inv
+        o2 = o2 * inv
+        t = t * inv
+    out_ty = o_base.dtype.element_ty
+    o1 = _saturate(o1, out_ty)
+    o2 = _saturate(o2, out_ty)
+    _store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
+    if TAIL_PAD > 0:
+        h = head0 + tl.arange(0, BLOCK_H)
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (j < tail_len)
+        o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
+        tl.store(o_row + 2 * HALF + j, _saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -115,7 +221,8 @@ def _store_block(
     vc_ptr,
     k_scale_ptr,
     v_scale_ptr,
-    tab_ptr,
+    qo_ptr,
+    q_scale_ptr,
     n_q_heads,
     n_k_heads,
     n_v_heads,
@@ -140,6 +247,10 @@ def _store_block(
     stride_v_cache_block,
     stride_v_cache_slot,
     stride_v_cache_head,
+    stride_qo_batch,
+    stride_qo_token,
+    stride_qo_head,
+    stride_v_dim,
     q_tail,
     wq_ptr,
     wk_ptr,
@@ -160,9 +271,12 @@ def _store_block(
     NORM_Q: tl.constexpr,
     NORM_K: tl.constexpr,
     TAIL_PAD_Q: tl.constexpr,
+    Q_SCALED: tl.constexpr,
+    WRITE_K: tl.constexpr,
 ):
-    """Head block blk of token (b, s): q's blocks (rotated in place), then k's (rotated into the
-    slot's cache row), then v's (copied into it). c, sn: the token's angles (unused for v)."""
+    """Head block blk of token (b, s): q's blocks (rotated in place or into q_out), then k's
+    (rotated into the slot's cache row, and back into k with WRITE_K), then v's (copied into the
+    row). c, sn: the token's angles (unused for v)."""
     # int64 before any arithmetic: block * stride is the offset that passes 2^31 on big caches
     store = (slot >= 0) & (slot < num_slots)
     cache_blk = slot // block_size
@@ -172,65 +286,109 @@ def _store_block(
         # as a bad position does. A vector compare: scalar-and-vector masks trip the interpreter.
         bad = (tl.zeros([HALF_PAD], tl.int64) + slot) >= num_slots
         c = tl.where(bad, float("nan"), c)
-        # in place: the tail past rotary_dim is already where it belongs (TAIL_PAD_Q 0) unless
-        # it is normalized
-        q_tok = b * stride_q_batch + s * stride_q_token
-        _rotate_heads(
-            q_ptr,
-            q_ptr,
-            q_tok,
-            q_tok,
-            stride_q_head,
+        head0 = blk * BLOCK_HQ
+        o1, o2, t = _rope_heads(
+            q_ptr + (b * stride_q_batch + s * stride_q_token),
             stride_q_head,
             n_q_heads,
-            blk * BLOCK_HQ,
+            head0,
             q_tail,
             c,
             sn,
-            tab_ptr,
+            wq_ptr,
+            norm_eps,
+            norm_offset,
             HALF,
             HALF_PAD,
             BLOCK_HQ,
             TAIL_PAD_Q,
             INTERLEAVED,
-            INTERLEAVED,
-            False,
-            False,
             PACK_Q,
-            wq_ptr,
-            norm_eps,
-            norm_offset,
             NORM_Q,
         )
+        # qo_ptr is q itself when rotating in place; its tail is then written only when normalized
+        # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
+        _put_heads(
+            qo_ptr + (b * stride_qo_batch + s * stride_qo_token),
+            stride_qo_head,
+            n_q_heads,
+            head0,
+            q_tail,
+            o1,
+            o2,
+            t,
+            q_scale_ptr,
+            HALF,
+            HALF_PAD,
+            BLOCK_HQ,
+            TAIL_PAD_Q,
+            INTERLEAVED,
+            PACK_Q,
+            Q_SCALED,
+        )
     elif blk < n_q_blocks + n_k_blocks:
-        if store:
-            _rotate_heads(
-                k_ptr,
-                kc_ptr,
-                b * stride_k_batch + s * stride_k_token,
-                cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot,
+        if store or WRITE_K:
+            head0 = (blk - n_q_blocks) * BLOCK_HK
+            k_base = k_ptr + (b * stride_k_batch + s * stride_k_token)
+            o1, o2, t = _rope_heads(
+                k_base,
                 stride_k_head,
-                stride_k_cache_head,
                 n_k_heads,
-                (blk - n_q_blocks) * BLOCK_HK,
+                head0,
                 k_tail,
                 c,
                 sn,
-                k_scale_ptr,
+                wk_ptr,
+                norm_eps,
+                norm_offset,
                 HALF,
                 HALF_PAD,
                 BLOCK_HK,
                 TAIL_PAD,
                 INTERLEAVED,
-                INTERLEAVED,
-                False,
-                K_SCALED,
                 PACK_K,
-                wk_ptr,
-                norm_eps,
-                norm_offset,
                 NORM_K,
             )
+            if store:
+                _put_heads(
+                    kc_ptr + (cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot),
+                    stride_k_cache_head,
+                    n_k_heads,
+                    head0,
+                    k_tail,
+                    o1,
+                    o2,
+                    t,
+                    k_scale_ptr,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_HK,
+                    TAIL_PAD,
+                    INTERLEAVED,
+                    PACK_K,
+                    K_SCALED,
+                )
+            if WRITE_K:
+                # after the cache row: the row's tail was read from k. k's own tail changes only
+                # when normalized (in place, like q's)
+                _put_heads(
+                    k_base,
+                    stride_k_head,
+                    n_k_heads,
+                    head0,
+                    k_tail,
+                    o1,
+                    o2,
+                    t,
+                    k_scale_ptr,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_HK,
+                    TAIL_PAD if NORM_K != 0 else 0,
+                    INTERLEAVED,
+                    PACK_K,
+                    False,
+                )
     elif store:
         _copy_heads(
             v_ptr,
@@ -238,6 +396,7 @@ def _store_block(
             b * stride_v_batch + s * stride_v_token,
             cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot,
             stride_v_head,
+            stride_v_dim,
             stride_v_cache_head,
             n_v_heads,
             (blk - n_q_blocks - n_k_blocks) * BLOCK_HV,
@@ -251,9 +410,9 @@ def _store_block(
 
 @triton.jit
 def rope_store_kernel(
-    q_ptr,  # q, (*T, Hq, D): rotated in place
-    k_ptr,  # k, (*T, Hk, Dk): read
-    v_ptr,  # v, (*T, Hv, Dv): read
+    q_ptr,  # q, (*T, Hq, D): rotated in place unless Q_OUT
+    k_ptr,  # k, (*T, Hk, Dk): read (and written with WRITE_K)
+    v_ptr,  # v, (*T, Hv, Dv): read (MLA: the non-rope part of the key)
     pos_ptr,  # positions (*T) (the table again when HAS_POS is off: never read then)
     tab_ptr,  # the [cos | sin] table (max_pos, 2 * HALF) with sin at tab_ptr + sin_off
     slot_ptr,  # slot of each token (*T); < 0 skips the token
@@ -261,6 +420,8 @@ def rope_store_kernel(
     vc_ptr,  # v cache likewise
     k_scale_ptr,  # K_SCALED: the float32 scale k is divided by (fp8 cache)
     v_scale_ptr,  # V_SCALED: v's scale
+    qo_ptr,  # where rotated q goes: q itself (in place), or a separate q_out (*T, Hq, D)
+    q_scale_ptr,  # Q_SCALED: the float32 scale q_out's values are divided by
     S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
     n_q_heads,  # Hq
     n_k_heads,  # Hk
@@ -295,7 +456,11 @@ def rope_store_kernel(
     stride_v_cache_block,  # v cache's strides likewise
     stride_v_cache_slot,
     stride_v_cache_head,
-    q_tail,  # Dq - rotary_dim: normalized and written in place when NORM_Q (TAIL_PAD_Q > 0)
+    stride_qo_batch,  # q_out's strides (q's when in place) likewise
+    stride_qo_token,
+    stride_qo_head,
+    stride_v_dim,  # v's last-dim stride (1 as a rule: Triton specializes it; any value is read right)
+    q_tail,  # Dq - rotary_dim: written when TAIL_PAD_Q > 0 (q normalized, or a separate q_out)
     wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride
     wk_ptr,  # NORM_K: k's RMSNorm weight
     norm_eps,  # RMSNorm epsilon
@@ -311,17 +476,20 @@ def rope_store_kernel(
     INTERLEAVED: tl.constexpr,  # pairs (2i, 2i+1) instead of halves (i, i + HALF)
     K_SCALED: tl.constexpr,  # k cache written divided by k's scale
     V_SCALED: tl.constexpr,  # v cache likewise
-    PACK_Q: tl.constexpr,  # 0, or the bits of one pair of q moved as a word (aligned rows)
+    PACK_Q: tl.constexpr,  # 0, or the bits of one pair of q (and q_out) moved as a word (aligned rows)
     PACK_K: tl.constexpr,  # likewise for k and its cache
     NORM_Q: tl.constexpr,  # q's RMSNorm: 0 none, 1 per head, 2 across heads (one block holds them)
     NORM_K: tl.constexpr,  # k's RMSNorm likewise
-    TAIL_PAD_Q: tl.constexpr,  # q's normalized tail tile width (0: the tail stays as it is)
+    TAIL_PAD_Q: tl.constexpr,  # q's tail tile width when written (0: the tail stays as it is)
+    Q_SCALED: tl.constexpr,  # q_out written divided by q's scale
+    WRITE_K: tl.constexpr,  # rotated (normalized) k written back into k, every token
     HEAD_LOOP: tl.constexpr,  # one program per token walks all n_blocks head blocks
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
-    """Program (t, j): token t; head block j of q (rotated in place), then of k (rotated into its
-    cache row), then of v (copied into its cache row). With HEAD_LOOP program t walks all of the
-    token's blocks itself: its slot and angles are loaded once instead of once per block.
+    """Program (t, j): token t; head block j of q (rotated in place or into q_out), then of k
+    (rotated into its cache row, and into k with WRITE_K), then of v (copied into its cache row).
+    With HEAD_LOOP program t walks all of the token's blocks itself: its slot and angles are
+    loaded once instead of once per block.
 
     HAS_POS False: token (b, s) takes row s of the table (positions = arange over the last token dim).
     """
@@ -389,7 +557,8 @@ def rope_store_kernel(
             vc_ptr,
             k_scale_ptr,
             v_scale_ptr,
-            tab_ptr,
+            qo_ptr,
+            q_scale_ptr,
             n_q_heads,
             n_k_heads,
             n_v_heads,
@@ -414,6 +583,10 @@ def rope_store_kernel(
             stride_v_cache_block,
             stride_v_cache_slot,
             stride_v_cache_head,
+            stride_qo_batch,
+            stride_qo_token,
+            stride_qo_head,
+            stride_v_dim,
             q_tail,
             wq_ptr,
             wk_ptr,
@@ -434,4 +607,6 @@ def rope_store_kernel(
             NORM_Q,
             NORM_K,
             TAIL_PAD_Q,
+            Q_SCALED,
+            WRITE_K,
         )
