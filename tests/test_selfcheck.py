@@ -1,5 +1,6 @@
 """python -m ropekit.selfcheck: every public op has a row, a failing row fails the run, a missing
-feature is 'not available' (never a pass)."""
+feature is 'not available' (never a pass); on CPU it checks the path CPU users get (ropekit.cpu)
+unless asked for the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -9,11 +10,45 @@ import sys
 
 import pytest
 
+# Triton loaded while conftest's TRITON_INTERPRET=1 is set: its own jit helpers keep the mode they
+# were made in, and tests here remove the variable
+import triton.language  # noqa: F401
+
 import ropekit
-from ropekit import selfcheck
+from ropekit import cpu, launcher, pipeline, selfcheck
+
+
+@pytest.fixture
+def restore_path(monkeypatch):
+    """The environment variable and memoized specs as the other tests expect them, afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    yield
+    pipeline.clear()
+
+
+def test_selfcheck_runs_the_cpu_path_users_get(monkeypatch, restore_path):
+    """Without --interpreter no Triton launch happens, and ropekit.cpu does the work."""
+    selfcheck.use_cpu_path(False)
+    assert "TRITON_INTERPRET" not in os.environ
+    assert "ropekit.cpu" in selfcheck.backend_name("cpu")
+    calls = []
+    real = cpu.rope
+    monkeypatch.setattr(cpu, "rope", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(launcher, "fire_rotate", lambda *a: pytest.fail("a Triton launch on the CPU path"))
+    lines = []
+    passed, failed, missing = selfcheck.run_checks("cpu", out=lines.append)
+    assert failed == 0, "\n".join(lines)
+    assert passed >= 18 and calls
+
+
+def test_selfcheck_interpreter_when_asked(restore_path):
+    selfcheck.use_cpu_path(True)
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    assert "interpreter" in selfcheck.backend_name("cpu")
 
 
 def test_selfcheck_passes_and_covers_every_public_op():
+    """The rows under the Triton interpreter (conftest's setting)."""
     lines = []
     passed, failed, missing = selfcheck.run_checks("cpu", out=lines.append)
     assert failed == 0, "\n".join(lines)
@@ -83,8 +118,9 @@ def test_an_uncovered_public_name_fails(monkeypatch):
 def test_module_entry_point_exit_status():
     src = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)  # a user's shell: the CPU path
     r = subprocess.run(
         [sys.executable, "-m", "ropekit.selfcheck", "--no-bench"], capture_output=True, text=True, env=env, timeout=300
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "all checks passed" in r.stdout
+    assert "all checks passed" in r.stdout and "ropekit.cpu" in r.stdout

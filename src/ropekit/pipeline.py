@@ -4,17 +4,17 @@
                other arguments with their types, plus grad mode: a hashable key. Types are part of
                it, so `rotary_dim=16.0` never reuses the verdict on `rotary_dim=16`.
     spec       what validation concluded about that signature (a `Variant`: the frozen record of
-               every flag a kernel or the reference branches on; the rotary width; which door), and
+               every flag a kernel or the CPU path branches on; the rotary width; which door), and
                the launch plans once made. One bounded memo holds every spec (`remember`, `clear`).
     doors      torch.compile -> the torch.library custom op (ops.py / store.py register them with
                their fakes); eager with grad -> `RotateFunction`; eager without grad -> a direct
                run. Tensor subclasses (DTensor) take the custom-op door: the dispatcher handles them.
     run        `run_rotate` / `run_store`: the Triton launch (CUDA tensors, or CPU tensors under
-               TRITON_INTERPRET=1) or the pure-PyTorch reference on CPU. The backward of every door
+               TRITON_INTERPRET=1) or ropekit.cpu's PyTorch ops on CPU tensors. The backward of every door
                is the same run with `Variant.backward()`: the inverse rotation.
 
 Adding a variant flag: a field of `Variant` (and its kernel constexpr in launcher.py's table), its
-check in validate.py, its branch in the kernel and in reference.py.
+check in validate.py, its branch in the kernel, in cpu.py and in the oracle reference.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import launcher, reference
+from . import cpu, launcher
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
 # must fail a test, which memory that happens to be zero would hide).
@@ -35,7 +35,7 @@ DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
 
 
 class Variant(NamedTuple):
-    """The compile-time description of one rotation: every flag the kernels and the reference
+    """The compile-time description of one rotation: every flag the kernels and the CPU path
     branch on. Frozen and hashable: plans are keyed by it."""
 
     interleaved: bool = False  # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
@@ -238,9 +238,9 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
             launcher.fire_rotate(plan, q, k, q_out, k_out, a, b, scales)
         return
     if variant.scaled:
-        _reference_rotate_scaled(spec, variant, q, k, q_out, k_out, a, b, scales)
+        _cpu_rotate_scaled(spec, variant, q, k, q_out, k_out, a, b, scales)
         return
-    _reference_rotate(spec, variant, q, k, q_out, k_out, a, b)
+    _cpu_rotate(spec, variant, q, k, q_out, k_out, a, b)
 
 
 def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -251,51 +251,42 @@ def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x
 
 
-def _reference_rotate_scaled(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, scales) -> None:
+def _cpu_rotate_scaled(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, scales) -> None:
     """Scaled outputs on the CPU path: rotate into float32, divide by the scale, saturate, cast."""
     wide = [None if x is None else torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k)]
-    _reference_rotate(spec, variant._replace(scaled=False), q, k, wide[0], wide[1], a, b)
+    _cpu_rotate(spec, variant._replace(scaled=False), q, k, wide[0], wide[1], a, b)
     for w, out, scale in zip(wide, (q_out, k_out), (scales[0], scales[1] if scales[1] is not None else scales[0])):
         if w is not None:
             out.copy_(saturate(w.div_(scale), out.dtype))
 
 
-def _reference_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
-    hf = variant.heads_first
-    q, k, q_out, k_out = (heads_first(x, hf) for x in (q, k, q_out, k_out))
-    if q.shape[:-2].numel() == 0:
-        return
-    token_shape = tuple(q.shape[:-2])
-    half = spec.rot // 2
-    sections = variant.sections if variant.mrope else None
-    il_sections = variant.mrope == MROPE_INTERLEAVED
-    if variant.angles == "tokens":
-        c, s = angle_views(spec, a, b)
-        if variant.mrope:
-            sec = reference.mrope_sections_of_frequencies(half, sections, il_sections).to(c.device)
-            pick = sec.view(1, *([1] * len(token_shape)), -1).expand(1, *c.shape[1:])
-            c, s = c.gather(0, pick).squeeze(0), s.gather(0, pick).squeeze(0)
-    elif variant.angles == "freqs":  # a: positions, b: inverse frequencies
-        c, s = reference.angles_from_freqs(a, b, variant.sections)
-    else:
-        if variant.angles == "packed":  # a: cu_seqlens
-            from .packed import packed_positions
+def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
+    """CPU tensors without Triton: ropekit.cpu (per-token angles as given: it broadcasts them),
+    with packed positions derived here, and angles from positions x inverse frequencies made here."""
+    table = variant.angles != "tokens"
+    if variant.angles == "packed":  # a: cu_seqlens
+        from .packed import packed_positions
 
-            a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], q.shape[0])
-        c, s = reference.gather_angles(
-            b[:, :half], b[:, half : spec.rot], a, token_shape, mrope_section=sections, mrope_interleaved=il_sections
-        )
-    for x, out in ((q, q_out), (k, k_out)):
-        if x is not None:
-            reference.rotate_into(
-                x,
-                out,
-                c,
-                s,
-                interleaved=variant.interleaved,
-                out_interleaved=variant.out_interleaved,
-                inverse=variant.inverse,
-            )
+        a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], q.shape[0])
+    elif variant.angles == "freqs":  # a: positions, b: inverse frequencies
+        a, b = cpu.freqs_angles(a, b, variant.sections)
+        table = False
+    cpu.rope(
+        q,
+        k,
+        q_out,
+        k_out,
+        a,
+        b,
+        rot=spec.rot,
+        table=table,
+        interleaved=variant.interleaved,
+        out_interleaved=variant.out_interleaved,
+        inverse=variant.inverse,
+        sections=variant.sections if variant.mrope else None,
+        il_sections=variant.mrope == MROPE_INTERLEAVED,
+        heads_first=variant.heads_first,
+    )
 
 
 def angle_views(spec: Spec, cos, sin):
@@ -365,7 +356,7 @@ def run_store(
             plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale
         )
     else:
-        reference.store_rows(
+        cpu.store_rows(
             q,
             k,
             v,
@@ -394,7 +385,7 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
             )
         launcher.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
     elif slots.shape[0]:
-        reference.rerotate_kv_cache(
+        cpu.rerotate_rows(
             k_cache,
             slots,
             delta if delta is not None else delta_int,

@@ -11,7 +11,7 @@ or over all heads of a token (weight (H*D,): OLMo 2), then the rotation; one lau
 family's rope_kernel / rope_store_kernel with NORM_Q / NORM_K set. Weights: fp32/bf16/fp16, unit
 stride, on q's device. Autograd: gradients for q, k and both weights (rope_norm_backward_kernel,
 one launch per tensor). CUDA runs the kernels, CPU tensors under TRITON_INTERPRET=1 too; plain CPU
-runs ropekit.reference (differentiable by autograd).
+runs ropekit.cpu (differentiable by autograd).
 
 Everything here is self-contained (plans, launches, custom ops) so that it can be folded into the
 call pipeline of ops.py / store.py: it reuses ops.plan_launch and store._plan and only adds the
@@ -25,7 +25,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import launcher, pipeline, reference, store, tuning, validate
+from . import cpu, launcher, pipeline, store, tuning, validate
 from .launch import launch as launch_kernel
 from .launcher import next_pow2 as _next_pow2
 from .launcher import token_strides as _token_strides
@@ -297,26 +297,18 @@ def backward_triton(x, g, w, positions, cos, sin, interleaved, mrope, eps, offse
 
 
 # ---------------------------------------------------------------------------------------------
-# the CPU path (no Triton): the reference
+# the CPU path (no Triton): ropekit.cpu
 
 
 def _ref_angles(x, positions, cos, sin, mrope):
-    """cos, sin per token (*T, half) from the views _forward_triton takes (as ops._run_reference)."""
+    """cos, sin per token (*T, half) from the views _forward_triton takes."""
     n_tok = x.dim() - 2
+    sections = None if mrope is None else mrope[1:]
+    il_sections = mrope is not None and mrope[0] == MROPE_INTERLEAVED
     if positions is not None:
-        section = None if mrope is None else mrope[1:]
-        return reference.gather_angles(
-            cos,
-            sin,
-            positions,
-            tuple(x.shape[:n_tok]),
-            mrope_section=section,
-            mrope_interleaved=mrope is not None and mrope[0] == MROPE_INTERLEAVED,
-        )
+        return cpu.angles_at(cos, sin, positions, tuple(x.shape[:n_tok]), sections, il_sections)
     if mrope is not None:
-        sec = reference.mrope_sections_of_frequencies(cos.shape[-1], mrope[1:], mrope[0] == MROPE_INTERLEAVED)
-        pick = sec.to(cos.device).view(1, *([1] * n_tok), -1).expand(1, *cos.shape[1:])
-        return cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
+        return cpu.pick_sections(cos, sin, sections, il_sections)
     return cos, sin
 
 
@@ -324,11 +316,7 @@ def _forward_reference(q, k, positions, cos, sin, interleaved, mrope, wq, wk, ep
     c, s = _ref_angles(q, positions, cos, sin, mrope)
     outs = []
     for x, w in ((q, wq), (k, wk)):
-        if x is None:
-            outs.append(None)
-            continue
-        y = x if w is None else reference.rms_norm(x, w, eps=eps, offset=offset)
-        outs.append(reference.rotate(y, c, s, interleaved=interleaved).to(x.dtype))
+        outs.append(None if x is None else cpu.norm_rotate(x, w, c, s, interleaved=interleaved, eps=eps, offset=offset))
     return outs[0], outs[1]
 
 
@@ -563,7 +551,7 @@ def _dispatch(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset
         return q, k
     if _records_grad(q, k, wq, wk) and _use_triton(q):
         return _NormRope.apply(q, k, positions, cos, sin, wq, wk, (interleaved, mrope, eps, offset))
-    # no grad, or plain CPU: the reference is differentiable by autograd as it is
+    # no grad, or plain CPU: ropekit.cpu's norm path is differentiable by autograd as it is
     return _forward_out(q, k, positions, cos, sin, interleaved, mrope, wq, wk, eps, offset)
 
 
@@ -833,7 +821,7 @@ def _store_run(
     qs=None,
     spec=None,
 ):
-    """Checks, then the kernel (or the reference on CPU): the body of the custom op and of eager calls.
+    """Checks, then the kernel (or ropekit.cpu on CPU): the body of the custom op and of eager calls.
     spec: the call signature's pipeline.Spec (extents and aliasing verdicts kept between calls), or None."""
     store.checks(spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key)
     written = (("q", q if q_out is None else None), ("k_cache", k_cache), ("v_cache", v_cache))
@@ -889,11 +877,11 @@ def _store_run(
             launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset, q_out, qs
         )
         return
-    # reference: normalize in float32 (unrounded), then the store's own reference rotates and rounds once
-    qn = q if wq is None else reference.rms_norm(q, wq, eps=eps, offset=offset)
-    kn = k if wk is None else reference.rms_norm(k, wk, eps=eps, offset=offset)
+    # CPU: normalize in float32 (unrounded), then the store's CPU path rotates and rounds once
+    qn = q if wq is None else cpu.rms_norm(q, wq, eps=eps, offset=offset)
+    kn = k if wk is None else cpu.rms_norm(k, wk, eps=eps, offset=offset)
     qn = qn.clone() if qn is q and q_out is None else qn
-    reference.store_rows(
+    cpu.store_rows(
         qn,
         kn,
         v,

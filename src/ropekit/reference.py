@@ -1,7 +1,8 @@
-"""Pure-PyTorch RoPE: the CPU path and the test oracle.
+"""The oracle: RoPE written for clarity, in plain PyTorch, that the tests compare every path against.
 
-Written for clarity, not speed. Every function computes in float32 (float64 when given float64
-inputs, which is how tests use it as an oracle) and returns tensors in the input dtype.
+Written to be obviously correct, not fast; nothing in the package runs it (the CPU path users get
+is ropekit.cpu). Every function computes in float32 (float64 when given float64 inputs, which is
+how tests use it) and returns tensors in the input dtype.
 
 Conventions shared with the kernels:
 - a cos/sin table row holds `rotary_dim // 2` frequencies; the cache is `[cos | sin]` per row;
@@ -11,8 +12,6 @@ Conventions shared with the kernels:
 
 from __future__ import annotations
 
-import math
-import threading
 from typing import Optional, Sequence
 
 import torch
@@ -70,133 +69,6 @@ def rotate(
     else:
         o = torch.cat((o1, o2), dim=-1)
     return torch.cat((o.to(x.dtype), x[..., rot:]), dim=-1)
-
-
-_workspace = threading.local()
-
-
-def _scratch(shape, dtype, slot: int) -> torch.Tensor:
-    """A per-thread float scratch tensor of `shape`, reused across calls (large CPU allocations
-    are fresh pages each time: reuse saves their page faults). slot picks one of two buffers."""
-    n = math.prod(shape)
-    bufs = getattr(_workspace, "bufs", None)
-    if bufs is None:
-        bufs = _workspace.bufs = {}
-    b = bufs.get((slot, dtype))
-    if b is None or b.numel() < n:
-        b = bufs[(slot, dtype)] = torch.empty(max(n, 1), dtype=dtype)
-    return b[:n].view(shape)
-
-
-_BLOCK_ELEMS = 1 << 18  # elements of one scratch block (1 MB in float32): half a core's L2
-
-
-def _blocks(lead, rows):
-    """Index tuples that cut the leading dims into blocks of at most ~rows rows (whole inner dims,
-    a slice of one dim, every index of the dims outside it)."""
-    import itertools
-
-    inner, k = 1, len(lead)
-    while k > 0 and inner * lead[k - 1] <= rows:
-        inner *= lead[k - 1]
-        k -= 1
-    if k == 0:
-        yield (Ellipsis,)
-        return
-    step = max(1, rows // inner)
-    for outer in itertools.product(*(range(n) for n in lead[: k - 1])):
-        for start in range(0, lead[k - 1], step):
-            yield outer + (slice(start, start + step),)
-
-
-def _rotate_block(x, out, c, s, xs, ts, half, interleaved, out_interleaved):
-    """One block of rotate_into: xs / ts are compute-dtype scratch for x's rotated dims and the
-    results (None: read x and write out directly)."""
-    rot = 2 * half
-    xr = x[..., :rot] if xs is None else xs.copy_(x[..., :rot])
-    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
-    target = out[..., :rot] if ts is None else ts
-    t1, t2 = (target[..., 0::2], target[..., 1::2]) if out_interleaved else (target[..., :half], target[..., half:])
-    torch.mul(x1, c, out=t1)
-    t1.addcmul_(x2, s, value=-1.0)  # x1 cos - x2 sin
-    torch.mul(x2, c, out=t2)
-    t2.addcmul_(x1, s)  # x2 cos + x1 sin
-    if ts is not None:
-        out[..., :rot].copy_(ts)
-
-
-def rotate_into(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = False,
-    out_interleaved: Optional[bool] = None,
-    inverse: bool = False,
-) -> torch.Tensor:
-    """The fast CPU rotation: `rotate` written into `out`, without intermediate tensors of x's size.
-
-    x: (*T, H, D) fp16/bf16/fp32 (float64 computes in float64). out: x's shape and dtype; it may
-    be x itself (in place) but must not partially overlap it. cos, sin: broadcastable to
-    (*T, half), any float dtype; half = cos.shape[-1], the first 2 * half dims are rotated. When
-    out is not x, dims past 2 * half are copied from x. Math in float32: each output half is one
-    multiply into a float32 scratch buffer plus one fused multiply-add (addcmul), then one cast
-    into out. Returns out.
-
-    On CPU tensors the scratch buffers are kept per thread between calls.
-    """
-    if out_interleaved is None:
-        out_interleaved = interleaved
-    result = out
-    ct = compute_dtype(x)
-    half = cos.shape[-1]
-    rot = 2 * half
-    c = cos.to(ct).unsqueeze(-2)
-    s = sin.to(ct).unsqueeze(-2)
-    if inverse:
-        s = -s
-    same = out.data_ptr() == x.data_ptr()
-    cpu = x.device.type == "cpu"
-    # walk the leading dims in x's memory order (HF's (B, S, H, D) views of (B, H, S, D) storage):
-    # every pass then streams through memory instead of striding across it
-    nd = x.dim() - 1
-    perm = sorted(range(nd), key=lambda d: -x.stride(d))
-    if perm != list(range(nd)):
-        full = tuple(x.shape[:-1]) + (half,)
-        c, s = c.expand(full).permute(*perm, nd), s.expand(full).permute(*perm, nd)
-        x, out = x.permute(*perm, nd), out.permute(*perm, nd)
-    lead = tuple(x.shape[:-1])
-    direct = out.dtype == ct and not same and x.dtype == ct
-    if direct:  # float32 out of place: results go straight into out, no scratch, one block
-        _rotate_block(x, out, c, s, None, None, half, interleaved, out_interleaved)
-    elif x.numel() <= _BLOCK_ELEMS * 2 * half // max(x.shape[-1], 1):
-        # small enough for one block: no slicing (decode calls pay for every view)
-        xs = (
-            None
-            if x.dtype == ct
-            else (_scratch(lead + (rot,), ct, 0) if cpu else torch.empty(lead + (rot,), dtype=ct, device=x.device))
-        )
-        ts = _scratch(lead + (rot,), ct, 1) if cpu else torch.empty(lead + (rot,), dtype=ct, device=x.device)
-        _rotate_block(x, out, c, s, xs, ts, half, interleaved, out_interleaved)
-    else:
-        # through scratch, in blocks of the leading dims small enough to stay in cache between the
-        # passes (cast in, two multiplies, two multiply-adds, cast out)
-        full = lead + (half,)
-        c, s = c.expand(full), s.expand(full)
-        for index in _blocks(lead, _BLOCK_ELEMS // max(rot, 1)):
-            xb, ob = x[index], out[index]
-            shape = tuple(xb.shape[:-1]) + (rot,)
-            xs = (
-                None
-                if x.dtype == ct
-                else (_scratch(shape, ct, 0) if cpu else torch.empty(shape, dtype=ct, device=x.device))
-            )
-            ts = _scratch(shape, ct, 1) if cpu else torch.empty(shape, dtype=ct, device=x.device)
-            _rotate_block(xb, ob, c[index], s[index], xs, ts, half, interleaved, out_interleaved)
-    if not same and x.shape[-1] > rot:
-        out[..., rot:].copy_(x[..., rot:])
-    return result
 
 
 def angles_from_table(
@@ -290,62 +162,6 @@ def apply_rope(
     return q_out, k_out
 
 
-def store_rows(
-    q,
-    k,
-    v,
-    positions,
-    cos_sin_cache,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    *,
-    interleaved,
-    rotary_dim,
-    k_scale,
-    v_scale,
-    q_out=None,
-    q_scale=None,
-    write_key=False,
-):
-    """The fused store's CPU path, with the kernel's semantics: float32 math, one rounding into the
-    cache dtype (no detour through k's dtype), fp8 outputs saturated, slots past the cache skipped
-    and flagged in q (NaN). k_scale / v_scale / q_scale: None or 1-element float32 tensors. q_out:
-    None (q rotated in place) or where rotated q / q_scale goes; write_key: rotated k back into k."""
-    n_tok = q.dim() - 2
-    block_size = k_cache.shape[1] if k_cache.dim() == 4 else 1
-    slots = slot_mapping.long()
-    bad = slots >= k_cache.shape[0] * block_size
-    keep = (slots >= 0) & ~bad
-    rot = rotary_dim
-    cos, sin = angles_from_table(cos_sin_cache, positions, tuple(q.shape[:n_tok]), rotary_dim=rot)
-    q_rot = rotate(q.float(), cos, sin, interleaved=interleaved)
-    if bool(bad.any()):
-        q_rot[..., :rot][bad] = float("nan")
-    (q if q_out is None else q_out).copy_(_scaled_for(q_rot, q_scale, q if q_out is None else q_out))
-    idx = slots[keep]
-    k_rot = rotate(k.float(), cos, sin, interleaved=interleaved)
-    if write_key:
-        k[..., :rot] = k_rot[..., :rot].to(k.dtype)
-    for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v.float(), v_scale)):
-        vals = _scaled_for(rows[keep], scale, cache)
-        if cache.dim() == 4:
-            cache[idx // block_size, idx % block_size] = vals
-        else:
-            cache[idx] = vals
-
-
-def _scaled_for(vals, scale, out):
-    """float32 values divided by scale (None: 1) and rounded once into out's dtype, saturated to
-    the fp8 range (NaN kept) when out is fp8."""
-    if scale is not None:
-        vals = vals / scale.reshape(()).float()
-    if out.element_size() == 1:
-        limit = torch.finfo(out.dtype).max
-        vals = vals.clamp(-limit, limit)
-    return vals.to(out.dtype)
-
-
 def apply_rope_and_store(
     q,
     k,
@@ -387,7 +203,7 @@ def apply_rope_and_store(
 def rerotate_kv_cache(
     k_cache, slots, delta, cos_sin_cache, *, interleaved=False, rotary_dim=None, k_scale=None, dst_slots=None
 ):
-    """Oracle and CPU path of `ropekit.rerotate_kv_cache`: re-rotate cache rows by a position shift.
+    """Oracle of `ropekit.rerotate_kv_cache`: re-rotate cache rows by a position shift.
 
     k_cache: (num_blocks, block_size, H, D) or (num_slots, H, D), written in place (float64 caches
     compute in float64, others in float32). slots (N,): rows to re-rotate; delta (N,) or an int. The

@@ -5,10 +5,12 @@ ropekit.reference in float64; the row prints the inputs' dtype and its threshold
 feature is missing says "not available" (never PASS); a public name of ropekit that no row
 covers is a failure. A new op is one more Check in CHECKS.
 
-On a CUDA machine the compiled kernels run, followed by a short speed table (percent of measured
-copy bandwidth, via ropekit.bench --quick). Without CUDA the Triton kernels run in the interpreter
-on CPU tensors (TRITON_INTERPRET=1 is set before the kernels load), so the same code is checked.
-Exit status 1 if any check fails.
+On a CUDA machine the compiled kernels run, followed by a short speed table (via ropekit.bench
+--quick). Without CUDA the checks run the path CPU users get: ropekit.cpu's PyTorch ops on CPU
+tensors. `--interpreter` checks the Triton kernels instead, run by Triton's interpreter on CPU
+tensors (TRITON_INTERPRET=1, set before the kernels load; slow). Exit status 1 if any check fails.
+
+    python -m ropekit.selfcheck [--interpreter] [--no-bench]
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from typing import Callable, List, NamedTuple, Tuple
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def _wants_interpreter(argv) -> bool:
+    """--interpreter on the command line (read before ropekit loads its kernels)."""
+    return "--interpreter" in (sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__" and _wants_interpreter(None):
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import ropekit  # noqa: E402
-from ropekit import reference  # noqa: E402
+from ropekit import pipeline, reference  # noqa: E402
 
 
 def _cache(max_position, rotary_dim, device):
@@ -108,7 +116,7 @@ def _hf_layout(device):
     k = _rnd(g, B, 2, S, D, device=device).transpose(1, 2)
     cache = _cache(S, D, device)
     rq, rk = reference.apply_rope(q.double(), k.double(), None, cache.double())
-    qo, ko = ropekit.apply_rope(q, k, None, cache)
+    qo, ko = ropekit.apply_rope(q, k, None, cache, layout="bshd")
     return [(qo, rq), (ko, rk)]
 
 
@@ -374,7 +382,19 @@ def unchecked_public_names() -> List[str]:
 def backend_name(device) -> str:
     if device == "cuda":
         return "triton (CUDA)"
-    return "triton interpreter (CPU)" if os.environ.get("TRITON_INTERPRET") == "1" else "pure PyTorch reference (CPU)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Triton kernels in the interpreter (CPU tensors)"
+    return "ropekit.cpu: PyTorch ops on CPU tensors (what CPU users run)"
+
+
+def use_cpu_path(interpreter: bool) -> None:
+    """Pick what CPU tensors run: the Triton interpreter, or the pure-PyTorch CPU path (the
+    default: TRITON_INTERPRET removed). Specs memoized under the other choice are forgotten."""
+    if interpreter:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    pipeline.clear()
 
 
 def run_checks(device, checks=None, out=print) -> Tuple[int, int, int]:
@@ -408,8 +428,15 @@ def run_checks(device, checks=None, out=print) -> Tuple[int, int, int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ropekit.selfcheck", description=__doc__.splitlines()[0])
     parser.add_argument("--no-bench", action="store_true", help="skip the speed table on CUDA")
+    parser.add_argument(
+        "--interpreter",
+        action="store_true",
+        help="without CUDA: check the Triton kernels in Triton's interpreter instead of the CPU path",
+    )
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        use_cpu_path(args.interpreter)
     print(f"ropekit {ropekit.__version__} self-check on {device}: {backend_name(device)}; torch {torch.__version__}")
     print("rel. error: norm(output - float64 reference) / norm(reference); a row passes at or below its threshold")
     passed, failed, missing = run_checks(device)
