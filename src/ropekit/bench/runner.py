@@ -432,9 +432,10 @@ def _floors(wl, base, say) -> Optional[dict]:
 def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=8, D=128, min_s=0.3) -> dict:
     """ropekit on CPU tensors (its pure-PyTorch path, no interpreter) against Hugging Face's
     apply_rotary_pos_emb in the same process: median (and spread) of single calls, in microseconds.
-    Also reference.rotate_into alone when it exists. Keys: dtype name -> {impl: stats}."""
+    Also ropekit.cpu.rotate alone (the CPU path's rotation, without the op's validation and
+    memo). Keys: dtype name -> {impl: stats}."""
     import ropekit
-    from ropekit import reference
+    from ropekit import cpu
 
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
@@ -466,18 +467,16 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
                     ]
                 ),
             }
-            rotate_into = getattr(reference, "rotate_into", None)
-            if rotate_into is not None:
-                c, s_ = table[:S, : D // 2], table[:S, D // 2 :]
-                qo, ko = torch.empty_like(qs), torch.empty_like(ks)
+            c, s_ = table[:S, : D // 2], table[:S, D // 2 :]
+            qo, ko = torch.empty_like(qs), torch.empty_like(ks)
 
-                def both():
-                    rotate_into(qs, qo, c, s_, interleaved=False, out_interleaved=False, inverse=False)
-                    rotate_into(ks, ko, c, s_, interleaved=False, out_interleaved=False, inverse=False)
+            def both():
+                cpu.rotate(qs, qo, c, s_)
+                cpu.rotate(ks, ko, c, s_)
 
-                row["reference.rotate_into"] = timing.stats(
-                    [t * 1e3 for t in timing.cpu_samples(both, min_s=min_s, max_reps=400)]
-                )
+            row["ropekit.cpu.rotate"] = timing.stats(
+                [t * 1e3 for t in timing.cpu_samples(both, min_s=min_s, max_reps=400)]
+            )
             out[str(dt).replace("torch.", "")] = row
     finally:
         if saved is not None:
