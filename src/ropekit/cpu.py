@@ -35,6 +35,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .freqs import pair_positions
+
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 for float64 tensors, float32 for every other float dtype."""
@@ -410,14 +412,7 @@ def freqs_angles(positions: torch.Tensor, inv_freq: torch.Tensor, axes=()):
     accurate as the kernel's corrected float32 angle). positions: (*T) driving every pair, or with
     axes (pairs per axis) (len(axes), *T), row a driving axis a's pairs."""
     f = inv_freq.detach().double()
-    p = positions.double()
-    if axes:
-        counts = torch.tensor(tuple(axes), device=p.device)
-        p = p.index_select(0, torch.repeat_interleave(torch.arange(len(axes), device=p.device), counts))
-        p = p.movedim(0, -1)  # (*T, half): each pair's own axis
-    else:
-        p = p.unsqueeze(-1)
-    angle = p * f
+    angle = pair_positions(positions, axes, f.shape[0]).double() * f
     return angle.cos().float(), angle.sin().float()
 
 

@@ -138,13 +138,17 @@ OPS = {
             ("k_scale", SCALE),
             ("v_scale", SCALE),
             ("write_key", None),
-            ("q_out", HEADS),
-            ("q_scale", SCALE),
         ),
         outputs=(),
-        written=("q", "k", "k_cache", "v_cache", "q_out"),
+        written=("q", "k", "k_cache", "v_cache"),
     ),
 }
+# the store writing rotated q into q_out: the same rule, q_out sharded like q
+OPS["rope_and_store_q_out"] = OpRule(
+    args=OPS["rope_and_store"].args + (("q_out", HEADS), ("q_scale", SCALE)),
+    outputs=(),
+    written=("q_out", "k", "k_cache", "v_cache"),
+)
 
 
 def reference_placements(op: str, specs: dict) -> tuple:

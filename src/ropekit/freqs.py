@@ -362,3 +362,14 @@ def axial_inv_freq(axes_dim: Sequence[int], theta=10000.0, *, device=None) -> to
     freqs = torch.cat([_plain(d, base) for d, base in zip(axes_dim, bases)])
     device = torch.get_default_device() if device is None else device
     return freqs.to(device=device, dtype=torch.float32)
+
+
+def pair_positions(positions: torch.Tensor, axes, half: int) -> torch.Tensor:
+    """(*T, half): the position that drives each rotary pair, for angles computed from inverse
+    frequencies. positions (*T) drives every pair (axes empty); with axes (pairs per axis), row a
+    of positions (len(axes), *T) drives axis a's pairs."""
+    if not axes:
+        return positions.unsqueeze(-1).expand(*positions.shape, half)
+    counts = torch.tensor(tuple(axes), device=positions.device)
+    rows = torch.repeat_interleave(torch.arange(len(axes), device=positions.device), counts)
+    return positions.index_select(0, rows).movedim(0, -1)

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import distributed, launcher, pipeline, reference, validate
+from . import distributed, freqs, launcher, pipeline, validate
 from .pipeline import (
     CUSTOM_OP,
     DIRECT,
@@ -836,7 +836,7 @@ def _freq_grad(outs, grads, positions, half: int, axes, interleaved: bool, inver
             o1, o2 = _pairs(o, half, interleaved)
             g1, g2 = _pairs(g, half, interleaved)
             d_angle = d_angle + (g2 * o1 - g1 * o2).sum(-2)
-    p = reference.pair_positions(positions, axes, half).to(torch.float32)
+    p = freqs.pair_positions(positions, axes, half).to(torch.float32)
     d = (p * d_angle).reshape(-1, half).sum(0)
     return -d if inverse else d
 

@@ -904,7 +904,8 @@ def _store_run(
         k.copy_(kn)  # normalized and rotated, its tail normalized (as q's in place)
 
 
-@torch.library.custom_op("ropekit::rope_norm_and_store", mutates_args=("q", "k", "k_cache", "v_cache", "q_out"))
+# Two ops, as the plain store's (store.py says why): q written in place, or into q_out.
+@torch.library.custom_op("ropekit::rope_norm_and_store", mutates_args=("q", "k", "k_cache", "v_cache"))
 def _rope_norm_and_store_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -923,8 +924,56 @@ def _rope_norm_and_store_op(
     eps: float,
     offset: float,
     write_key: bool = False,
-    q_out: Optional[torch.Tensor] = None,
-    q_scale: Optional[torch.Tensor] = None,
+) -> None:
+    _store_run(
+        q,
+        k,
+        v,
+        positions,
+        table,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        interleaved,
+        rot,
+        k_scale,
+        v_scale,
+        wq,
+        wk,
+        eps,
+        offset,
+        write_key,
+        None,
+        None,
+    )
+
+
+@_rope_norm_and_store_op.register_fake
+def _(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, *rest):
+    return None
+
+
+@torch.library.custom_op("ropekit::rope_norm_and_store_q_out", mutates_args=("q_out", "k", "k_cache", "v_cache"))
+def _rope_norm_and_store_q_out_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleaved: bool,
+    rot: int,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    wq: Optional[torch.Tensor],
+    wk: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    write_key: bool,
+    q_out: torch.Tensor,
+    q_scale: Optional[torch.Tensor],
 ) -> None:
     _store_run(
         q,
@@ -949,28 +998,8 @@ def _rope_norm_and_store_op(
     )
 
 
-@_rope_norm_and_store_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    positions,
-    table,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    interleaved,
-    rot,
-    k_scale,
-    v_scale,
-    wq,
-    wk,
-    eps,
-    offset,
-    write_key=False,
-    q_out=None,
-    q_scale=None,
-):
+@_rope_norm_and_store_q_out_op.register_fake
+def _(q, k, v, positions, table, k_cache, v_cache, slot_mapping, interleaved, rot, *rest):
     return None
 
 
@@ -1092,13 +1121,13 @@ def rope_and_store_with_norm(
         k_norm_weight,
         float(norm_eps),
         float(norm_weight_offset),
-        write_key,
-        q_out,
-        qs,
     )
     if torch.compiler.is_compiling():
-        torch.ops.ropekit.rope_norm_and_store(q, k, v, *args)
+        if q_out is None:
+            torch.ops.ropekit.rope_norm_and_store(q, k, v, *args, write_key)
+        else:
+            torch.ops.ropekit.rope_norm_and_store_q_out(q, k, v, *args, write_key, q_out, qs)
         return q if q_out is None else q_out
-    _store_run(q, k, v, *args, spec=spec)
+    _store_run(q, k, v, *args, write_key, q_out, qs, spec=spec)
     store.bump_versions(q if q_out is None else q_out, k_cache, v_cache, k if write_key else None)
     return q if q_out is None else q_out

@@ -163,8 +163,7 @@ def mla_parts(k, v, k_cache, v_cache, k_nope):
 # torch.library registration: what torch.compile (and the dispatcher, for tensor subclasses) sees
 
 
-@torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k", "k_cache", "v_cache", "q_out"))
-def _rope_and_store_op(
+def _rope_and_store_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -177,10 +176,11 @@ def _rope_and_store_op(
     rotary_dim: int,
     k_scale: Optional[torch.Tensor],
     v_scale: Optional[torch.Tensor],
-    write_key: bool = False,
-    q_out: Optional[torch.Tensor] = None,
-    q_scale: Optional[torch.Tensor] = None,
+    write_key: bool,
+    q_out: Optional[torch.Tensor],
+    q_scale: Optional[torch.Tensor],
 ) -> None:
+    """The body of both store ops: the custom op's memoized spec, then the run step."""
     key = (
         "rope_and_store op",
         tensor_key(q),
@@ -236,24 +236,96 @@ def _rope_and_store_op(
     )
 
 
+# Two ops, not one with an optional q_out: a mutated argument that may be None breaks fake-tensor
+# tracing on torch 2.11 (IndexError), and q is written in place exactly when q_out is absent.
+@torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k", "k_cache", "v_cache"))
+def _rope_and_store_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleaved: bool,
+    rotary_dim: int,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    write_key: bool = False,
+) -> None:
+    _rope_and_store_body(
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        interleaved,
+        rotary_dim,
+        k_scale,
+        v_scale,
+        write_key,
+        None,
+        None,
+    )
+
+
+@torch.library.custom_op("ropekit::rope_and_store_q_out", mutates_args=("q_out", "k", "k_cache", "v_cache"))
+def _rope_and_store_q_out_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleaved: bool,
+    rotary_dim: int,
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    write_key: bool,
+    q_out: torch.Tensor,
+    q_scale: Optional[torch.Tensor],
+) -> None:
+    _rope_and_store_body(
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        interleaved,
+        rotary_dim,
+        k_scale,
+        v_scale,
+        write_key,
+        q_out,
+        q_scale,
+    )
+
+
+def store_op(*args, write_key: bool, q_out, q_scale) -> None:
+    """The store's custom op for these arguments (the dispatcher's door): args are the twelve
+    leading arguments both ops share."""
+    if q_out is None:
+        torch.ops.ropekit.rope_and_store(*args, write_key)
+    else:
+        torch.ops.ropekit.rope_and_store_q_out(*args, write_key, q_out, q_scale)
+
+
 @_rope_and_store_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    positions,
-    cos_sin_cache,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    interleaved,
-    rotary_dim,
-    k_scale,
-    v_scale,
-    write_key=False,
-    q_out=None,
-    q_scale=None,
-):
+def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim, *rest):
+    return None
+
+
+@_rope_and_store_q_out_op.register_fake
+def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, interleaved, rotary_dim, *rest):
     return None
 
 
@@ -421,7 +493,7 @@ def apply_rope_and_store(
             v_scale=v_scale,
         )
         q_scale = validate.store_outputs(OP, q, k, q_out, q_scale, write_key)
-        torch.ops.ropekit.rope_and_store(
+        store_op(
             q,
             k,
             v,
@@ -434,9 +506,9 @@ def apply_rope_and_store(
             rot,
             pipeline.scale_tensor(k_scale, q.device),
             pipeline.scale_tensor(v_scale, q.device),
-            write_key,
-            q_out,
-            pipeline.scale_tensor(q_scale, q.device),
+            write_key=write_key,
+            q_out=q_out,
+            q_scale=pipeline.scale_tensor(q_scale, q.device),
         )
         return q if q_out is None else q_out
     try:
@@ -493,7 +565,7 @@ def apply_rope_and_store(
         from .distributed import like
 
         positions, cos_sin_cache, slot_mapping, ks, vs, qs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs, qs)
-        torch.ops.ropekit.rope_and_store(
+        store_op(
             q,
             k,
             v,
@@ -506,9 +578,9 @@ def apply_rope_and_store(
             spec.rot,
             ks,
             vs,
-            write_key,
-            q_out,
-            qs,
+            write_key=write_key,
+            q_out=q_out,
+            q_scale=qs,
         )
         return q if q_out is None else q_out
     _run(spec, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key)
