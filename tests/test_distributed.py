@@ -129,6 +129,7 @@ def test_packed_head_sharded_forward_and_backward(gathered):
 @pytest.mark.parametrize(
     "case,fragment",
     [
+        ("norm_dtensor", "apply_rope: q: expected a plain torch.Tensor (the QK-norm path has no DTensor sharding rule"),
         (
             "packed_token_sharded",
             "ropekit.rotate_packed: q: expected a head-dim or replicated placement with cu_seqlens",

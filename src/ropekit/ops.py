@@ -751,6 +751,7 @@ def _rope_freqs(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplac
 
 
 def _freqs_spec(q, k, positions, inv_freq, axes, interleaved, rotary_dim, inplace, inverse) -> Spec:
+    validate.no_dtensor("apply_rope", "inv_freq (angles computed in the kernel)", ("q", q), ("k", k))
     rot, axes = validate.freqs_args(
         "apply_rope", q, k, positions, inv_freq, axes, rotary_dim=rotary_dim, inplace=inplace
     )

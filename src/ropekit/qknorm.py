@@ -611,6 +611,7 @@ def rope_with_norm(
             key = None
     known = pipeline.lookup(key)
     if known is None:
+        validate.no_dtensor(OP, "the QK-norm path", ("q", q), ("k", k))
         rot, mrope = validate.rope_args(
             OP,
             q,
@@ -680,6 +681,7 @@ def rotate_angles_with_norm(
     """rotate_with_angles with the norm: per-token cos, sin broadcastable to (*T, rotary_dim // 2)
     (Hugging Face's cos[..., :half] views). q (*T, Hq, D), k (*T, Hk, D) or None. inplace: written
     into q and k (the caller has checked their layouts and aliasing), else new tensors."""
+    validate.no_dtensor(op, "the QK-norm path", ("q", q), ("k", k))
     cos, sin, _ = validate.angle_args(op, q, k, cos, sin, mrope_section=None, mrope_interleaved=False)
     validate.norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace)
     return _dispatch(
@@ -1066,6 +1068,7 @@ def rope_and_store_with_norm(
             key = None
     spec = pipeline.lookup(key)
     if spec is None:
+        validate.no_dtensor(STORE_OP, "the QK-norm store", ("q", q), ("k", k), ("k_cache", k_cache))
         rot, _, _, _, _ = validate.store_args(
             STORE_OP,
             q,

@@ -187,6 +187,7 @@ def rerotate_kv_cache(
     key = _call_key(k_cache, slots, delta, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots)
     spec = _MEMO.get(key) if key is not None else None
     if spec is None:
+        validate.no_dtensor(OP, "re-rotation", ("k_cache", k_cache))
         rot, _, _, _ = validate.rerotate_args(
             OP,
             k_cache,

@@ -1254,3 +1254,16 @@ def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:
         "distinct slots (each cache row written by one token; < 0 skips a token)",
         f"slot {int(flat[second_tok])} at slot_mapping{a} and slot_mapping{b}",
     )
+
+
+def no_dtensor(op: str, what: str, *named) -> None:
+    """Refuse DTensor arguments of an op that has no DTensor sharding rule yet (named, before any
+    write; DTensor's own error would name an internal op). named: (name, value) pairs."""
+    for name, x in named:
+        if hasattr(x, "device_mesh") and hasattr(x, "placements"):
+            fail(
+                op,
+                name,
+                f"a plain torch.Tensor ({what} has no DTensor sharding rule yet: pass local shards, x.to_local())",
+                f"a DTensor with placements {tuple(x.placements)}",
+            )

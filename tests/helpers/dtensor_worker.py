@@ -169,6 +169,13 @@ def main(rank, world, port, out):
         errors["packed_token_sharded"] = None
     except RuntimeError as e:
         errors["packed_token_sharded"] = str(e)
+    # ops without a DTensor rule refuse DTensor arguments by name, before any write
+    try:
+        dq = distribute_tensor(q, mesh, [Shard(1)])
+        ropekit.apply_rope(dq, None, distribute_tensor(torch.arange(8), mesh, [R]), cache, q_norm_weight=torch.ones(32))
+        errors["norm_dtensor"] = None
+    except ValueError as e:
+        errors["norm_dtensor"] = str(e)
     # refused layouts: each must raise, naming the argument
     refused = {
         "positions_sharded_under_head_sharding": (Shard(1), Shard(1), Shard(0)),
