@@ -294,9 +294,13 @@ def test_patch_cuda_fp32_and_bf16(family):
     rd.patch(half)
     out, grads = _run(half, kwargs, torch.bfloat16)
     assert _rel(out, want_out) <= 1.5 * _rel(base_out, want_out) + 1e-3
-    # bf16 gradients as a whole (one parameter's bf16 error is too noisy to compare alone)
+    # bf16 gradients as a whole (one parameter's bf16 error is too noisy to compare alone), where
+    # the unpatched model's own bf16 gradients mean something: the tiny random Flux's overflow
+    # in bf16 on CUDA (~1e37, relative error ~1e37 unpatched too), which says nothing of the patch
     flat = lambda g: torch.cat([g[n].flatten() for n in sorted(want_grads)])  # noqa: E731
-    assert _rel(flat(grads), flat(want_grads)) <= 1.5 * _rel(flat(base_grads), flat(want_grads)) + 1e-3
+    base_err = _rel(flat(base_grads), flat(want_grads))
+    if base_err < 0.5:
+        assert _rel(flat(grads), flat(want_grads)) <= 1.5 * base_err + 1e-3
     rd.unpatch()
     rd.patch(model)
     out, grads = _run(model, kwargs, torch.float32)
