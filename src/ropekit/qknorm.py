@@ -828,10 +828,37 @@ def _store_run(
     store.checks(spec, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key)
     written = (("q", q if q_out is None else None), ("k_cache", k_cache), ("v_cache", v_cache))
     written += (("q_out", q_out), ("k", k if write_key else None))
-    validate.written_vs_read(STORE_OP, written, (("q_norm_weight", wq), ("k_norm_weight", wk)))
+    weights = (("q_norm_weight", wq), ("k_norm_weight", wk))
+    # byte extents fixed by the signature, made once: the overlap test per call is then a range compare
+    extents = None if spec is None else spec.plans.get("norm extents")
+    if spec is not None and extents is None:
+        extents = spec.plans["norm extents"] = tuple(validate.extent(x) for _, x in written + weights)
+    validate.written_vs_read(STORE_OP, written, weights, extents=extents)
     if q.shape[:-2].numel() == 0:
         return
     if _use_triton(q):
+        launch = None if spec is None else spec.plans.get("norm store")
+        if launch is not None:  # the eager call's plan, kept with its signature's spec
+            fire_store(
+                launch,
+                q,
+                k,
+                v,
+                positions,
+                table,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                ks,
+                vs,
+                wq,
+                wk,
+                eps,
+                offset,
+                q_out,
+                qs,
+            )
+            return
         modes = _modes(q, k, wq, wk)
         key = (
             "store",
@@ -875,6 +902,8 @@ def _store_run(
                 write_key,
             ),
         )
+        if spec is not None:
+            spec.plans["norm store"] = launch
         fire_store(
             launch, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, wq, wk, eps, offset, q_out, qs
         )

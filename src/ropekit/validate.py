@@ -920,16 +920,19 @@ def _may_alias_search(a: torch.Tensor, b: torch.Tensor, budget: int) -> bool:
     return reachable(0, b.data_ptr() - a.data_ptr())
 
 
+def extent(x) -> int:
+    """Bytes from x's first element to one past its last (non-negative strides); 0 for an empty
+    tensor or None."""
+    if x is None or not x.numel():
+        return 0
+    return (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
 def store_extents(q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None, q_out=None) -> tuple:
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
     `store_aliasing` takes them in), then of positions, table, slot_mapping, q_out; 0 for an empty
     tensor or None."""
-    return tuple(
-        (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
-        if x is not None and x.numel()
-        else 0
-        for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out)
-    )
+    return tuple(extent(x) for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out))
 
 
 def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out=None, write_key=False) -> None:
