@@ -462,7 +462,7 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
                     [
                         t * 1e3
                         for t in timing.cpu_samples(
-                            lambda: ropekit.apply_rope(qs, ks, None, table), min_s=min_s, max_reps=400
+                            lambda: ropekit.apply_rope(qs, ks, None, table, layout="bshd"), min_s=min_s, max_reps=400
                         )
                     ]
                 ),
