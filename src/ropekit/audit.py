@@ -83,8 +83,8 @@ with the multiplication's source text; a product of an already-reported product 
 reported again (``pid * H * D`` gives one finding, for ``pid * H``).
 
 Calls between kernels: when a ``jit`` function calls another ``jit`` function defined in the
-same file, or imported from a file of the same project (``from .rope import _rotate_store``,
-``from ropekit.kernels import rope`` then ``rope._rotate_store(...)``; such files are read and
+same file, or imported from a file of the same project (``from .rope import helper``,
+``from ropekit.kernels import rope`` then ``rope.helper(...)``; such files are read and
 analysed too, and their findings reported), the values passed at all call sites are joined
 and used as that function's parameters (a parameter is narrow if any caller passes a narrow
 value, wide only if every caller passes a wide one); the callee's return values flow back to

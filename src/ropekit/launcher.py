@@ -249,11 +249,12 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None) -> None:
     # unscaled: the scale slots get the sin tensor, never read (one pointer type for both slots)
     qs, ks = (sin, sin) if scales is None else (scales[0], scales[0] if scales[1] is None else scales[1])
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
-    launch_kernel(_kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
+    launch_kernel(kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str):
+def kernel(name: str):
+    """The Triton kernel of that name (rope_kernel, rope_store_kernel, rerotate_kernel), imported once."""
     # imported on first use: Triton loads lazily, and CPU-only calls never need it
     if name == "rope_kernel":
         from .kernels.rope import rope_kernel as kernel
@@ -433,7 +434,7 @@ def fire_store(
         return
     meta, ptrs = store_inputs(plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs)
     launch_kernel(
-        _kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, plan.args, meta
+        kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, plan.args, meta
     )
 
 
@@ -511,4 +512,4 @@ def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table,
     # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
     # past any table anyway, and stays past it when clamped
     value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
-    launch_kernel(_kernel("rerotate_kernel"), plan.compiled, (), plan.grid, ptrs, (value, *plan.args), meta)
+    launch_kernel(kernel("rerotate_kernel"), plan.compiled, (), plan.grid, ptrs, (value, *plan.args), meta)

@@ -24,7 +24,7 @@ from .pipeline import (
     MROPE_CHUNKED,
     MROPE_INTERLEAVED,
     RotateFunction,
-    RotateViewFunction,
+    RotateInPlaceFunction,
     Spec,
     Variant,
     tensor_key,
@@ -329,18 +329,13 @@ def apply_rope(
         pipeline.run_rotate(spec, spec.variant, q, k, q_out, k_out, a, cos_sin_cache, scales=scales)
         return q_out, k_out
     if inplace:
+        # autograd lets a Function that writes into a view return that one tensor only, and q and
+        # k usually are views (of a fused qkv projection): one Function call (one launch) each
         _no_leaf_written(q, k)
-    if inplace and (q._is_view() or (k is not None and k._is_view())):
-        # autograd lets a Function that writes into a view return that one tensor only: one
-        # Function call (one launch) for q and one for k
         spec_q, spec_k = spec.split()
-        RotateViewFunction.apply(q, a, cos_sin_cache, spec_q, spec.variant)
+        RotateInPlaceFunction.apply(q, a, cos_sin_cache, spec_q, spec.variant)
         if k is not None:
-            RotateViewFunction.apply(k, a, cos_sin_cache, spec_k, spec.variant)
-        return q, k
-    if inplace:
-        # marked dirty, q and k now carry the Function's history: return the caller's own objects
-        RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
+            RotateInPlaceFunction.apply(k, a, cos_sin_cache, spec_k, spec.variant)
         return q, k
     return RotateFunction.apply(q, k, a, cos_sin_cache, spec, spec.variant)
 
@@ -548,7 +543,7 @@ def _rotated_outputs(
     q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
     scaled = validate.is_scaled(out_dtype, q_scale, k_scale)
     if scaled:
-        variant = variant._replace(scaled=True)
+        variant = variant.with_scaled(True)
     spec = _op_spec(tag, q, k, a, b, variant, rot, packed)
     q_out = pipeline.empty_like(q, dtype=out_dtype)
     k_out = None if k is None else pipeline.empty_like(k, dtype=out_dtype)

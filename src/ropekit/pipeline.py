@@ -52,6 +52,10 @@ class Variant(NamedTuple):
     heads_first: bool = False  # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
     scaled: bool = False  # outputs divided by a per-tensor scale, saturated to an fp8 output's range
 
+    def with_scaled(self, scaled: bool) -> "Variant":
+        """This variant with its outputs scaled (fp8) or not."""
+        return self._replace(scaled=scaled)
+
     def backward(self) -> "Variant":
         """The rotation that maps output gradients to input gradients: the inverse, reading the
         output layout and writing the input layout."""
@@ -254,7 +258,7 @@ def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _cpu_rotate_scaled(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, scales) -> None:
     """Scaled outputs on the CPU path: rotate into float32, divide by the scale, saturate, cast."""
     wide = [None if x is None else torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k)]
-    _cpu_rotate(spec, variant._replace(scaled=False), q, k, wide[0], wide[1], a, b)
+    _cpu_rotate(spec, variant.with_scaled(False), q, k, wide[0], wide[1], a, b)
     for w, out, scale in zip(wide, (q_out, k_out), (scales[0], scales[1] if scales[1] is not None else scales[0])):
         if w is not None:
             out.copy_(saturate(w.div_(scale), out.dtype))
@@ -481,9 +485,9 @@ class RotateFunction(torch.autograd.Function):
         return (*input_grads(want_q, want_k, d_first, d_second), None, None, None, None)
 
 
-class RotateViewFunction(torch.autograd.Function):
-    """RotateFunction for one tensor rotated in place that is a view: autograd lets a Function that
-    writes into a view return that tensor alone. Same forward and backward bodies."""
+class RotateInPlaceFunction(torch.autograd.Function):
+    """RotateFunction for one tensor rotated in place under autograd (marked dirty): a Function
+    that writes into a view may return that tensor alone. Same forward and backward bodies."""
 
     @staticmethod
     def forward(ctx, x, a, b, spec, variant):

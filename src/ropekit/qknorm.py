@@ -118,7 +118,7 @@ def fire_forward(launch: NormLaunch, q, k, q_out, k_out, angles_tensors, wq, wk,
     # weights are passed after the ints (kernel order): their 16-byte alignment is part of the key
     variant = (meta["PACK"], wq_t.data_ptr() % 16 == 0, wk_t.data_ptr() % 16 == 0)
     launch_kernel(
-        launcher._kernel("rope_kernel"),
+        launcher.kernel("rope_kernel"),
         launch.compiled,
         variant,
         launch.grid,
