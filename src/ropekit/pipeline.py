@@ -20,7 +20,7 @@ check in validate.py, its branch in the kernel, in cpu.py and in the oracle refe
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +31,9 @@ from . import cpu, launcher
 empty_like = torch.empty_like
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
+NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # RMSNorm of a tensor: none, each head, all heads of a token
+# where the angles come from (Variant.angles); the index is the custom ops' code for each
+ANGLE_SOURCES = ("table", "arange", "packed", "tokens", "freqs", "delta")
 DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
 
 
@@ -51,6 +54,44 @@ class Variant(NamedTuple):
     inverse: bool = False  # rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))
     heads_first: bool = False  # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
     scaled: bool = False  # outputs divided by a per-tensor scale, saturated to an fp8 output's range
+    norm_q: int = 0  # RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,))
+    norm_k: int = 0  # RMSNorm of k likewise
+
+    def encode(self) -> List[int]:
+        """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple)."""
+        return [
+            int(self.interleaved),
+            int(self.out_interleaved),
+            self.mrope,
+            ANGLE_SOURCES.index(self.angles),
+            int(self.inverse),
+            int(self.scaled),
+            self.norm_q,
+            self.norm_k,
+            *self.sections,
+        ]
+
+    @staticmethod
+    def decode(codes: Sequence[int]) -> "Variant":
+        """The record `encode` made (tokens-first: the ops take tokens-first views)."""
+        il, out_il, mrope, angles, inverse, scaled, norm_q, norm_k, *sections = codes
+        return Variant(
+            bool(il),
+            bool(out_il),
+            mrope,
+            tuple(sections),
+            ANGLE_SOURCES[angles],
+            bool(inverse),
+            False,
+            bool(scaled),
+            norm_q,
+            norm_k,
+        )
+
+    @property
+    def normed(self) -> bool:
+        """Is q or k normalized before the rotation?"""
+        return self.norm_q != 0 or self.norm_k != 0
 
     def with_scaled(self, scaled: bool) -> "Variant":
         """This variant with its outputs scaled (fp8) or not."""
