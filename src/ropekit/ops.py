@@ -501,8 +501,9 @@ def rotate_with_angles(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    inplace: bool = False,
 ):
-    """Rotate q and k by per-token angles (the form Hugging Face models pass). Out of place.
+    """Rotate q and k by per-token angles (the form Hugging Face models pass).
 
     q: (*T, Hq, Dq), k: (*T, Hk, Dk) or None, as in apply_rope; with layout='bhsd' (B, H, S, D),
     HF's layout, and the results come back in it. cos, sin: broadcastable to (*T, rotary_dim // 2),
@@ -522,7 +523,10 @@ def rotate_with_angles(
 
     q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of q / k before the
     rotation, fused, as apply_rope takes them (per head (D,) or across heads (H * D,); gradients to
-    the weights); not with out_interleaved, mrope_section or layout='bhsd'.
+    the weights); with every other option except an out_interleaved that differs from interleaved.
+
+    inplace: write into q and k (returned) instead of new tensors; under autograd as apply_rope's
+    (not with a norm while autograd records the call).
     """
     op = "rotate_with_angles"
     if freqs_cis is not None or (cos is None and sin is None):
@@ -545,6 +549,7 @@ def rotate_with_angles(
         k_norm_weight=k_norm_weight,
         norm_eps=norm_eps,
         norm_weight_offset=norm_weight_offset,
+        inplace=inplace,
     )
 
 
@@ -579,6 +584,7 @@ def rotate_angles(
     k_norm_weight=None,
     norm_eps=1e-6,
     norm_weight_offset=0.0,
+    inplace=False,
 ):
     """rotate_with_angles with two more options, the seam ropekit.hf and ropekit.hf_qknorm call:
 
@@ -593,7 +599,7 @@ def rotate_angles(
     out_il = interleaved if out_interleaved is None else out_interleaved
     weights = (q_norm_weight, k_norm_weight)
     norm = (norm_eps, norm_weight_offset)
-    flags = (interleaved, out_il, mrope_section, mrope_interleaved, heads_first)
+    flags = (interleaved, out_il, mrope_section, mrope_interleaved, heads_first, inplace)
     if torch.compiler.is_compiling():
         columns, _ = _angle_columns(q, k, cos, sin, rotary_dim, columns)
         spec = _angles_spec(q, k, cos, sin, *flags, columns, weights, norm)
@@ -623,6 +629,8 @@ def rotate_angles(
             norm_eps,
             type(norm_weight_offset),
             norm_weight_offset,
+            type(inplace),
+            inplace,
         )
         spec = _MEMO_GET(key)
     except (AttributeError, TypeError):
@@ -630,10 +638,11 @@ def rotate_angles(
     if spec is None:
         columns, settled = _angle_columns(q, k, cos, sin, rotary_dim, columns)
         spec = pipeline.remember(key if settled else None, _angles_spec(q, k, cos, sin, *flags, columns, weights, norm))
-    if spec.copy_angles:  # validation had to copy cos / sin: so does every call
+    if spec.copy_angles or spec.door is CUSTOM_OP:  # as validation saw them (copied when it had to)
         cos, sin = pipeline.angle_views(spec, cos, sin)
-    elif spec.door is CUSTOM_OP:
-        cos, sin = pipeline.angle_views(spec, cos, sin)
+    if spec.inplace and spec.door is not CUSTOM_OP:  # addresses: checked on every call
+        read = (("cos", cos), ("sin", sin), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+        validate.inplace_aliasing("rotate_with_angles", q, k, read)
     return _run(spec, q, k, cos, sin, weights, None)
 
 
@@ -663,7 +672,7 @@ def _columns_by_width(q, k, cos):
 
 
 def _angles_spec(
-    q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, columns, weights, norm
+    q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, inplace, columns, weights, norm
 ) -> Spec:
     op = "rotate_with_angles"
     hf = bool(heads_first)
@@ -675,11 +684,14 @@ def _angles_spec(
     )
     if heads_first is None:
         validate.warn_ambiguous_layout(op, q, False, stacklevel=5)
-    modes = validate.norm_weights(op, q_t, k_t, *weights, *norm)
+    if inplace:
+        read = (("cos", cos_v), ("sin", sin_v), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+        validate.inplace_args(op, q_t, k_t, read, inplace_grad=True)
+    modes = validate.norm_weights(op, q_t, k_t, *weights, *norm, inplace=inplace)
     normed = modes != (0, 0)
     grad = pipeline.records_grad(q, k, *weights)
     if normed:
-        validate.norm_flags(op, out_interleaved=bool(out_il) != bool(interleaved), grad=grad)
+        validate.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != bool(interleaved))
     mode, sections = _mrope_code(mrope, mrope_interleaved)
     variant = Variant(bool(interleaved), bool(out_il), mode, sections, "tokens", False, hf, False, *modes)
     triton = pipeline.triton_runs(q)
@@ -700,6 +712,7 @@ def _angles_spec(
         copy_angles=copied,
         angle_shape=tuple(cos_v.shape),
         angle_strides=launcher.per_token_strides(cos_v, n_tok, mode != 0),
+        inplace=bool(inplace),
         norm_eps=float(norm[0]),
         norm_offset=float(norm[1]),
     )

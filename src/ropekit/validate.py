@@ -351,7 +351,7 @@ def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace) -> t
     if tuple(positions.shape) != want:
         fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
     if inplace:
-        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)))
+        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)), inplace_grad=True)
         if inv_freq.requires_grad and torch.is_grad_enabled():
             fail(op, "inplace", "False when inv_freq requires grad (its gradient needs the outputs)", True)
     return rot, axes
