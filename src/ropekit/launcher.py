@@ -641,7 +641,13 @@ def fire_norm_backward(plan: Optional[Plan], x, g, gx, w, dw, a, b, eps: float, 
     # mode 0 never reads the weight nor writes the partial sums: those slots get g (a valid address)
     ptrs = (x, g, gx, g if w is None else w, g if dw is None else dw, *angle_pointers(plan.meta, a, b))
     launch_kernel(
-        kernel("rope_norm_backward_kernel"), plan.compiled, (), plan.grid, ptrs, (*plan.args, float(eps), float(offset)), plan.meta
+        kernel("rope_norm_backward_kernel"),
+        plan.compiled,
+        (),
+        plan.grid,
+        ptrs,
+        (*plan.args, float(eps), float(offset)),
+        plan.meta,
     )
 
 
