@@ -525,6 +525,24 @@ def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table,
 _NORM_BWD_DW_ROW = 8
 
 
+def angle_args(angles: AngleLayout, variant) -> tuple:
+    """The kernels' runtime angle arguments, in their order: positions' (row, b, s) strides, the
+    angles' (row, b, s, col) strides, SEC_T / SEC_H / SEC_W, then n_seqs, cp_size, cp_rank."""
+    return (*angles.pos_strides, *angles.strides, *section_args(variant, angles.half), *angles.packed)
+
+
+def angle_meta(angles: AngleLayout, variant) -> dict:
+    """The kernels' constexprs of where the angles come from (see _load_angles)."""
+    return dict(
+        HAS_POS=angles.max_pos > 0,
+        MROPE=variant.mrope,
+        PACKED=variant.angles == "packed",
+        SEARCH_STRIDE=angles.search[0],
+        SEARCH_COARSE=angles.search[1],
+        FREQS=variant.angles == "freqs",
+    )
+
+
 def norm_warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
     """Warps for a head block of whole norm groups: at least `warps`; across heads a block holds a
     whole token (up to 64 heads of 128), and more warps (up to 8) keep it in registers."""
@@ -590,26 +608,18 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         g.stride(-2),
         *token_strides(gx, n_tok),
         gx.stride(-2),
-        *angles.pos_strides,
-        *angles.strides,
-        *section_args(variant, half),
-        *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
+        *angle_args(angles, variant),
     )
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
-        HAS_POS=angles.max_pos > 0,
-        MROPE=variant.mrope,
         IN_INTERLEAVED=variant.interleaved,
         OUT_INTERLEAVED=variant.out_interleaved,
         INVERSE=variant.inverse,
         NORM=mode,
-        PACKED=variant.angles == "packed",
-        SEARCH_STRIDE=angles.search[0],
-        SEARCH_COARSE=angles.search[1],
-        FREQS=variant.angles == "freqs",
+        **angle_meta(angles, variant),
         num_warps=norm_warps(block_h, half_pad, tail_pad, 4),
     )
     return Plan((-(-n_tokens // per_program), n_blocks), args, meta, 0, {})
