@@ -151,7 +151,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     rot = 2 * half
     n_q, d_q = q.shape[-2], q.shape[-1]
     n_k, d_k = (k.shape[-2], k.shape[-1]) if k is not None else (0, rot)
-    copy_tail = q_out.data_ptr() != q.data_ptr() and max(d_q, d_k) > rot
+    normed = variant.norm_q != 0 or variant.norm_k != 0
+    # the tail is written out of place (copied), and with a norm in place too (it is normalized)
+    copy_tail = (normed or q_out.data_ptr() != q.data_ptr()) and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
     mrope = variant.mrope != 0
     head_loop = tuning.get("head_loop")
@@ -161,6 +163,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(
         half, n_q, n_k, tail, tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "block_elems")
     )
+    if variant.norm_q == 2 or variant.norm_k == 2:  # across heads: one block holds all heads of a token
+        block_h = next_pow2(max(n_q, n_k))
+        nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
     prefetch = head_loop and (not mrope if prefetch is None else prefetch)
     pack = 0
@@ -194,11 +199,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         sec_h,
         sec_w,
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
-        0,
-        0,
-        0.0,
-        0.0,  # q/k norm weights, eps, offset: unused without NORM_Q / NORM_K (ropekit.qknorm)
     )
+    if not normed:
+        args += (0, 0, 0.0, 0.0)  # the norm's weights, eps, offset: never read (fire_rotate appends them)
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
@@ -213,8 +216,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         PACK=pack,
         HEAD_LOOP=head_loop,
         PREFETCH=prefetch,
-        NORM_Q=0,
-        NORM_K=0,
+        NORM_Q=variant.norm_q,
+        NORM_K=variant.norm_k,
         PACKED=variant.angles == "packed",
         FREQS=variant.angles == "freqs",
         SEARCH_STRIDE=angles.search[0],
@@ -222,7 +225,16 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, mrope, n_tokens),
     )
+    if normed:
+        meta["num_warps"] = norm_warps(block_h, half_pad, tail_pad, meta["num_warps"])
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
+
+
+def norm_warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
+    """Warps of a normed launch: across-heads blocks hold a whole token (up to 64 heads of 128), and
+    more warps keep it in registers."""
+    elems = block_h * (2 * half_pad + tail_pad)
+    return max(warps, min(8, next_pow2(max(1, elems // 1024))))
 
 
 def section_args(variant, half: int) -> tuple:
@@ -234,9 +246,10 @@ def section_args(variant, half: int) -> tuple:
     return (tuple(variant.sections[:3]) + (0, 0, 0))[:3] if variant.sections else (half, 0, 0)
 
 
-def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None) -> None:
+def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None, norm=None) -> None:
     """Launch rope_kernel; (a, b) as in pipeline.run_rotate; scales: (q's, k's) float32 scalar
-    tensors when the variant is scaled (k's may be None without k)."""
+    tensors when the variant is scaled (k's may be None without k); norm: (q's weight, k's weight,
+    eps, offset) when the variant normalizes (an absent weight is never read)."""
     meta = plan.meta
     if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
@@ -249,7 +262,14 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None) -> None:
     # unscaled: the scale slots get the sin tensor, never read (one pointer type for both slots)
     qs, ks = (sin, sin) if scales is None else (scales[0], scales[0] if scales[1] is None else scales[1])
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
-    launch_kernel(kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
+    if norm is None:
+        args, variant = plan.args, meta["PACK"]
+    else:
+        wq, wk, eps, offset = norm
+        wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
+        # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
+        args, variant = (*plan.args, wq, wk, eps, offset), (meta["PACK"], wq.data_ptr() % 16, wk.data_ptr() % 16)
+    launch_kernel(kernel("rope_kernel"), plan.compiled, variant, plan.grid, ptrs, args, meta)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1231,6 +1231,22 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
     return tuple(modes)
 
 
+def norm_flags(op, *, inverse=False, inplace=False, grad=False, out_interleaved=False) -> None:
+    """The flags a norm before the rotation does not compose with, each refused by name."""
+    if inverse:
+        fail(op, "inverse", "False with q_norm_weight / k_norm_weight (a de-rotation has no norm before it)", True)
+    if inplace and grad:
+        fail(
+            op,
+            "inplace",
+            "False with q_norm_weight / k_norm_weight while autograd records the call (the norm's "
+            "backward needs the unnormalized q and k)",
+            True,
+        )
+    if out_interleaved:
+        fail(op, "out_interleaved", "None (or interleaved) with q_norm_weight / k_norm_weight", "another layout")
+
+
 def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:
     """Strict mode: no two tokens may name one slot (the k and v rows of a slot could come from
     different tokens). Names the first duplicated slot and two tokens holding it (one device sync).
