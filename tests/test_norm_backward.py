@@ -113,7 +113,7 @@ def backward(case: Case, variant: Variant, x, g, w, mode: int):
     gx = pipeline.empty_like(x)
     angles = launcher.angle_layout(variant, case.rot, case.a, case.b, case.angle_strides(), case.packed)
     plan = launcher.plan_norm_backward(x, g, gx, w, angles, variant, mode)
-    dw = None if w is None else torch.full(launcher.norm_backward_rows(plan), float("nan"), device=x.device)
+    dw = None if w is None else launcher.norm_partials(plan, x.device).fill_(float("nan"))
     launcher.fire_norm_backward(plan, x, g, gx, w, dw, case.a, case.b, EPS, OFFSET)
     return gx, (None if w is None else launcher.norm_weight_grad(dw, w))
 

@@ -563,13 +563,6 @@ def angle_meta(angles: AngleLayout, variant) -> dict:
     )
 
 
-def norm_warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
-    """Warps for a head block of whole norm groups: at least `warps`; across heads a block holds a
-    whole token (up to 64 heads of 128), and more warps (up to 8) keep it in registers."""
-    elems = block_h * (2 * half_pad + tail_pad)
-    return max(warps, min(8, next_pow2(max(1, elems // 1024))))
-
-
 def _check_norm_weight(x: torch.Tensor, w: Optional[torch.Tensor], mode: int) -> None:
     """The weight a norm mode needs: none for mode 0, (D,) per head, (H*D,) across heads."""
     n_heads, d = x.shape[-2], x.shape[-1]
@@ -649,6 +642,12 @@ def norm_backward_rows(plan: Plan) -> tuple:
     """(rows, row length): the shape of the float32 weight-gradient partial sums a launch of this
     plan writes, one row per program (the rows' sum is the weight's gradient, norm_weight_grad)."""
     return plan.grid[0] * plan.grid[1], plan.args[_NORM_BWD_DW_ROW]
+
+
+def norm_partials(plan: Plan, device) -> torch.Tensor:
+    """An uninitialized float32 buffer of norm_backward_rows(plan) on device: the weight-gradient
+    partial sums fire_norm_backward writes (every element)."""
+    return torch.empty(norm_backward_rows(plan), dtype=torch.float32, device=device)
 
 
 def angle_pointers(meta: dict, a, b) -> tuple:

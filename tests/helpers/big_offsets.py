@@ -109,7 +109,7 @@ def norm():
         angles = launcher.angle_layout(variant, cache.shape[1], pos, cache, None)
         gx = torch.empty(q.shape, dtype=q.dtype)
         plan = launcher.plan_norm_backward(q, q, gx, wq, angles, variant, 2 if across else 1)
-        dw = torch.empty(launcher.norm_backward_rows(plan))
+        dw = launcher.norm_partials(plan, q.device)
         launcher.fire_norm_backward(plan, q, q, gx, wq, dw, pos, cache, 1e-6, 1.0)
         qd = q.double().contiguous().requires_grad_(True)
         wd = wq.double().requires_grad_(True)
