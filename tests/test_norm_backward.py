@@ -252,3 +252,24 @@ def test_large_on_gpu(poison, source, mode):
     assert rel_err(gx, want_gx) < 1e-2
     if mode:
         assert rel_err(gw, want_gw) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.bigmem
+def test_past_2_31_elements_on_gpu(poison):
+    """x, g and gx of more than 2^31 elements (per-head norm): the last tokens' gradients, past
+    element 2^31, are right (every offset in int64)."""
+    T, H, D = 262_145, 64, 128
+    positions = torch.arange(T, device="cuda")
+    table = make_cache(T, D, device="cuda")
+    variant = Variant(angles="table")
+    x = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    g = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    w = torch.rand(D, device="cuda") + 0.5
+    gx, gw = backward(Case((T,), H, D, D, "table", positions, table, None, None), variant, x, g, w, 1)
+    assert torch.isfinite(gw).all()
+    last = slice(T - 3, T)
+    cos, sin = reference.angles_from_table(table.double(), positions[last], (3,))
+    tail_case = Case((3,), H, D, D, "table", positions[last], table, cos, sin)
+    want_gx, _ = reference_grads(tail_case, variant, x[last], g[last], w)
+    assert rel_err(gx[last], want_gx) < 1e-2
