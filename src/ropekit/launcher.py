@@ -590,7 +590,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     stride), None for mode 0 (the plain inverse rotation), (D,) for mode 1 (per head), (H*D,) for
     mode 2 (across heads). angles: angle_layout(variant, rot, a, b, ...) as for the forward. The
     weight-gradient partial sums: a float32 buffer of norm_backward_rows(plan) (norm_partials).
-    Plans for one layout of x, g, gx and the angles serve every call with that layout."""
+    A plan holds the shapes and strides of x, g, gx and the AngleLayout: reuse it while they match."""
     n_tok = x.dim() - 2
     n_tokens = x.shape[:n_tok].numel()
     if n_tokens == 0:
