@@ -603,7 +603,7 @@ def rotate_angles(
     if torch.compiler.is_compiling():
         columns, _ = _angle_columns(q, k, cos, sin, rotary_dim, columns)
         spec = _angles_spec(q, k, cos, sin, *flags, columns, weights, norm)
-        return _custom_op(spec, q, k, cos, sin, weights, None)
+        return _custom_op(spec, q, k, *pipeline.angle_views(spec, cos, sin), weights, None)
     try:
         key = (
             "rotate_angles",
