@@ -296,6 +296,25 @@ def apply_rope(
         a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
         return _custom_op(spec, q, k, a, b, (q_norm_weight, k_norm_weight), _scales(spec, q, q_scale, k_scale))
     try:
+        # the optional tensors, absent in most calls: one test instead of six calls
+        if (
+            cu_seqlens is None
+            and inv_freq is None
+            and q_norm_weight is None
+            and k_norm_weight is None
+            and q_scale is None
+            and k_scale is None
+        ):
+            optional = None
+        else:
+            optional = (
+                tensor_key(cu_seqlens),
+                tensor_key(inv_freq),
+                tensor_key(q_norm_weight),
+                tensor_key(k_norm_weight),
+                _scale_key(q_scale),
+                _scale_key(k_scale),
+            )
         key = (
             "apply_rope",
             torch.is_grad_enabled(),
@@ -303,10 +322,7 @@ def apply_rope(
             tensor_key(k),
             tensor_key(positions),
             tensor_key(cos_sin_cache),
-            tensor_key(cu_seqlens),
-            tensor_key(inv_freq),
-            tensor_key(q_norm_weight),
-            tensor_key(k_norm_weight),
+            optional,
             interleaved,
             rotary_dim,
             None if mrope_section is None else value_key(mrope_section),
@@ -318,8 +334,6 @@ def apply_rope(
             cp_rank,
             inverse,
             out_dtype,
-            _scale_key(q_scale),
-            _scale_key(k_scale),
             layout,
             None if axes is None else value_key(axes),
             # types: 16 and 16.0, True and 1 hash alike but validate differently
