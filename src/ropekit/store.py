@@ -15,13 +15,13 @@ from typing import Optional, Union
 
 import torch
 
-from . import pipeline, validate
+from . import memo, pipeline, validate
 from .pipeline import CUSTOM_OP, Spec, Variant, tensor_key
 
 OP = "apply_rope_and_store"
 
 Scale = Union[None, float, torch.Tensor]
-_MEMO = pipeline._MEMO
+_MEMO = memo.MEMO  # read here without a function call per op call
 
 
 def checks(

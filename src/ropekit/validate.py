@@ -17,9 +17,12 @@ from typing import Sequence
 
 import torch
 
+from . import memo
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
 
 class _State(threading.local):
     """Per-thread strict mode. The class attribute is the default a new thread sees: a missing
@@ -876,11 +879,9 @@ def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
     )
     # verdicts by layout, in ropekit's one memo: KV caches are the same tensors call after call, so
     # decode pays for the search once (the key holds all the search reads)
-    from . import pipeline
-
-    verdict = pipeline.lookup(("may_alias",) + key)
+    verdict = memo.lookup(("may_alias",) + key)
     if verdict is None:
-        verdict = pipeline.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
+        verdict = memo.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
     return verdict
 
 
