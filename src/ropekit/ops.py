@@ -20,8 +20,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import distributed, launcher, pipeline, validate
-from .library import ANGLE_NAMES
+from . import launcher, pipeline, validate
+from .library import ANGLE_NAMES, dtensor_like
 from .pipeline import (
     CUSTOM_OP,
     DIRECT,
@@ -154,7 +154,7 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
     hf = v.heads_first  # the ops take tokens-first views; results go back to HF's layout
     codes = v._replace(heads_first=False).encode()
     qs, ks = (None, None) if scales is None else scales
-    a, b, wq, wk, qs, ks = distributed.like(q, a, b, weights[0], weights[1], qs, ks)
+    a, b, wq, wk, qs, ks = dtensor_like(q, a, b, weights[0], weights[1], qs, ks)
     q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
     packed, norm = list(spec.packed), [spec.norm_eps, spec.norm_offset]
     if spec.inplace and not pipeline.records_grad(q, k, wq, wk, b):

@@ -562,7 +562,7 @@ def apply_rope_and_store(
     ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
     qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
     if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
-        from .distributed import like
+        from .library import dtensor_like as like
 
         positions, cos_sin_cache, slot_mapping, ks, vs, qs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs, qs)
         store_op(
