@@ -156,14 +156,19 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     copy_tail = (normed or q_out.data_ptr() != q.data_ptr()) and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
     mrope = variant.mrope != 0
+    across = variant.norm_q == 2 or variant.norm_k == 2
     head_loop = tuning.get("head_loop")
     if head_loop is None:
-        # one program per token when its angles cost a table read or a cos / sin each: once per token
-        head_loop = (variant.angles in ("table", "freqs") or mrope) and not tuning.decode_sized(n_tokens)
+        # one program per token when its angles cost a table read or a cos / sin each: once per token;
+        # across-heads norms too (the program then sums a tensor's heads before normalizing them)
+        head_loop = (variant.angles in ("table", "freqs") or mrope or across) and not tuning.decode_sized(n_tokens)
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(
         half, n_q, n_k, tail, tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "block_elems")
     )
-    if variant.norm_q == 2 or variant.norm_k == 2:  # across heads: one block holds all heads of a token
+    if across and not head_loop:
+        # one program per head block: the norm group must be one block (all heads of a token; fine
+        # for decode-sized calls, which are latency-bound). With the head loop, blocks keep their
+        # size and the kernel sums the group in a pre-pass over the token's blocks.
         block_h = next_pow2(max(n_q, n_k))
         nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
@@ -603,11 +608,10 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     half_pad = next_pow2(half)
     tail = d - 2 * half
     tail_pad = next_pow2(tail) if tail > 0 else 0
-    if mode == 2:
-        block_h = next_pow2(n_heads)  # the norm group: all heads of a token in one block
-    else:
-        block_h = min(next_pow2(n_heads), next_pow2(max(1, tuning.get("block_elems") // (2 * half_pad))))
-    n_blocks = -(-n_heads // block_h)
+    block_h = min(next_pow2(n_heads), next_pow2(max(1, tuning.get("block_elems") // (2 * half_pad))))
+    # across heads (mode 2) each program walks all head blocks of its tokens (the norm group is the
+    # token): one program along heads
+    n_blocks = 1 if mode == 2 else -(-n_heads // block_h)
     per_program = -(-n_tokens // max(1, tuning.get("norm_bwd_programs")))
     args = (
         n_tokens,

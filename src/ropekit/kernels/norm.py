@@ -3,13 +3,16 @@
     y = x * rsqrt(mean(x^2) + eps) * (w + offset)      float32, then the rotation
 
 The norm group is one head (mode 1: weight (D,), Qwen3 / Gemma 3) or all heads of one token
-(mode 2: weight (H*D,), OLMo 2). The kernels already hold x1, x2, the two members of each rotated
-pair, for BLOCK_H heads of one token; these helpers add the tail past the rotary dims, so the whole
-head is normalized, and scale everything before the rotation. Across heads the launcher makes
-BLOCK_H cover all heads of the tensor (one head block per token), so the sum of squares is complete
-before anything is written and x is read from memory once: a first pass over several head blocks
-would read every element twice (the op is bandwidth-bound), and a token's heads fit in registers
-(OLMo 2: 32 or 40 heads of 128).
+(mode 2: weight (H*D,), OLMo 2, Wan 2.1). The kernels already hold x1, x2, the two members of each
+rotated pair, for BLOCK_H heads of one token; these helpers add the tail past the rotary dims, so
+the whole head is normalized, and scale everything before the rotation.
+
+Across heads, two schemes. With a head loop (one program walks all head blocks of a token), blocks
+stay small and a pre-pass over the tensor's head blocks of the token (_group_inv_rms) sums the
+squares first; the block pass then reads the heads again, from cache (the token's heads were just
+read), and scales by that inverse rms. Holding all heads in one block instead (up to 64 heads of 128
+padded) is far past the register file and spilled (Wan 2.1: 16% of copy bandwidth). Without the
+head loop (decode-sized calls, the fused store) one block holds all heads and _inv_rms sums them.
 
 Modes are runtime values here: q and k share one code path in rope_kernel (a scalar select), so a
 block of q may be normalized while a block of k is not. Mode 0 leaves x unchanged.
@@ -53,9 +56,13 @@ def _inv_rms(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
+    r_group,
+    GROUP_GIVEN: tl.constexpr,
 ):
     """rsqrt(mean(x^2) + eps) per head row ((BLOCK_H,) float32) over the head (mode 1) or over all
-    heads of the block (mode 2); 1.0 in mode 0. Masked lanes (loaded without `other`) count as 0."""
+    heads of the block (mode 2), or, GROUP_GIVEN, mode 2 takes r_group (the token's value computed
+    by _group_inv_rms over all its head blocks); 1.0 in mode 0. Masked lanes (loaded without
+    `other`) count as 0."""
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
@@ -65,11 +72,62 @@ def _inv_rms(
         ss += tl.sum(t * t, axis=1)  # t is 0 where masked (_load_tail)
     d = 2 * HALF + tail_len
     mode_v = tl.zeros([BLOCK_H], tl.int32) + mode  # a vector: scalar-and-vector selects trip the interpreter
-    total = tl.zeros([BLOCK_H], tl.float32) + tl.sum(ss, axis=0)
-    ss = tl.where(mode_v == 2, total, ss)
-    count = tl.where(mode_v == 2, n_heads * d, d).to(tl.float32)
-    r = 1.0 / tl.sqrt(ss / count + eps)
+    if GROUP_GIVEN:
+        r = tl.where(mode_v == 2, r_group, 1.0 / tl.sqrt(ss / d + eps))
+    else:
+        total = tl.zeros([BLOCK_H], tl.float32) + tl.sum(ss, axis=0)
+        ss = tl.where(mode_v == 2, total, ss)
+        count = tl.where(mode_v == 2, n_heads * d, d).to(tl.float32)
+        r = 1.0 / tl.sqrt(ss / count + eps)
     return tl.where(mode_v == 0, 1.0, r)
+
+
+@triton.jit
+def _sum_squares(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    ROT_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROT: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
+    """Sum of x^2 (float32 scalar) over heads [head0, head0 + BLOCK_H) of one token, all their dims:
+    the ROT rotated ones read as one contiguous row per head (their pair layout does not matter to
+    a sum), then the tail."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, ROT_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (j < ROT)
+    x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
+    ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+    if TAIL_PAD > 0:
+        t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD)
+        ss += tl.sum(tl.sum(t * t, axis=1), axis=0)
+    return ss
+
+
+@triton.jit
+def _group_inv_rms(
+    x_base,
+    stride_x_head,
+    n_heads,
+    tail_len,
+    eps,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
+    """Mode 2's inverse rms of one token (float32 scalar): rsqrt(mean(x^2) + eps) over all n_heads
+    heads of x (x_base: the token's first element), walked BLOCK_H heads at a time. The caller reads
+    the same heads again right after, so these loads leave them in cache."""
+    ss = tl.zeros([], tl.float32)
+    for head0 in tl.range(0, n_heads, BLOCK_H):
+        ss += _sum_squares(x_base, stride_x_head, n_heads, head0, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD)
+    count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
+    return 1.0 / tl.sqrt(ss / count + eps)
 
 
 @triton.jit
@@ -130,11 +188,59 @@ def _norm_heads(
 ):
     """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
     members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
-    x_base points at the token's first element (the tail is read from there)."""
+    x_base points at the token's first element (the tail is read from there). Mode 2 sums over the
+    block's heads: the block must hold all of them."""
+    return _norm_heads_given(
+        x_base,
+        stride_x_head,
+        n_heads,
+        head0,
+        tail_len,
+        x1,
+        x2,
+        w_ptr,
+        mode,
+        eps,
+        offset,
+        1.0,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        False,
+    )
+
+
+@triton.jit
+def _norm_heads_given(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    x1,
+    x2,
+    w_ptr,
+    mode,
+    eps,
+    offset,
+    r_group,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    GROUP_GIVEN: tl.constexpr,
+):
+    """_norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
+    its heads (_group_inv_rms), so the block may hold a few of them."""
     t = x1
     if TAIL_PAD > 0:
         t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
-    r = _inv_rms(x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)[:, None]
+    r = _inv_rms(
+        x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, r_group, GROUP_GIVEN
+    )[:, None]
     w1, w2, wt = _weights(w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED)
     y1 = x1 * r * w1
     y2 = x2 * r * w2
@@ -159,6 +265,7 @@ def _norm_backward(
     wt,
     r,
     mode,
+    mean_group,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -166,7 +273,8 @@ def _norm_backward(
 ):
     """Backward of y = n * w', n = x * r over the norm group, given gz = dL/dy (float32 tiles):
     gx = r * (gz*w' - n * mean(gz*w'*n)); also returns the weight-gradient terms gz * n.
-    r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz)."""
+    r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz). Mode 2 takes
+    mean_group, the token's mean over all its heads (from _group_sums), for r's group."""
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
@@ -185,10 +293,8 @@ def _norm_backward(
         dot += tl.sum(at * nt, axis=1)
     d = 2 * HALF + tail_len
     mode_v = tl.zeros([BLOCK_H], tl.int32) + mode
-    total = tl.zeros([BLOCK_H], tl.float32) + tl.sum(dot, axis=0)
-    dot = tl.where(mode_v == 2, total, dot)
-    count = tl.where(mode_v == 2, n_heads * d, d).to(tl.float32)
-    mean = tl.where(mode_v == 0, 0.0, dot / count)[:, None]
+    mean = tl.where(mode_v == 2, mean_group, dot / d)
+    mean = tl.where(mode_v == 0, 0.0, mean)[:, None]
     gx1 = r * (a1 - n1 * mean)
     gx2 = r * (a2 - n2 * mean)
     gxt = at
@@ -201,3 +307,40 @@ def _norm_backward(
     if TAIL_PAD > 0:
         dwt = tl.where(mt, gzt * nt, 0.0)
     return gx1, gx2, gxt, dw1, dw2, dwt
+
+
+@triton.jit
+def _group_sums(
+    x1,
+    x2,
+    xt,
+    gz1,
+    gz2,
+    gzt,
+    n_heads,
+    head0,
+    tail_len,
+    w1,
+    w2,
+    wt,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
+    """One head block's share of mode 2's per-token sums (float32 scalars): sum(x^2), and
+    sum(gz * w' * x) (r times that is the sum of gz*w'*n the backward's mean needs). Tiles as
+    _norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+    sq = tl.where(m, x1 * x1 + x2 * x2, 0.0)
+    dot = tl.where(m, gz1 * w1 * x1 + gz2 * w2 * x2, 0.0)
+    ss = tl.sum(tl.sum(sq, axis=1), axis=0)
+    gd = tl.sum(tl.sum(dot, axis=1), axis=0)
+    if TAIL_PAD > 0:
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (j < tail_len)
+        ss += tl.sum(tl.sum(tl.where(mt, xt * xt, 0.0), axis=1), axis=0)
+        gd += tl.sum(tl.sum(tl.where(mt, gzt * wt * xt, 0.0), axis=1), axis=0)
+    return ss, gd

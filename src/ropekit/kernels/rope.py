@@ -28,7 +28,16 @@ size. Only in-block column offsets (`tl.arange` up to the head size) stay int32.
 import triton
 import triton.language as tl
 
-from .norm import _inv_rms, _load_tail, _norm_backward, _norm_heads, _weights
+from .norm import (
+    _group_inv_rms,
+    _group_sums,
+    _inv_rms,
+    _load_tail,
+    _norm_backward,
+    _norm_heads_given,
+    _weight_cols,
+    _weights,
+)
 from .positions import _packed_position
 
 try:  # programmatic dependent launch (Hopper and later); older Tritons lack the intrinsics
@@ -416,6 +425,7 @@ def _norm_select(
     wk_ptr,
     norm_eps,
     norm_offset,
+    r_group,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -423,13 +433,15 @@ def _norm_select(
     INTERLEAVED: tl.constexpr,
     NORM_Q: tl.constexpr,
     NORM_K: tl.constexpr,
+    GROUP_GIVEN: tl.constexpr,
 ):
     """_norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
-    selected like _select's pointers (scalar selects, one code path for q and k)."""
+    selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
+    mode 2 scales by r_group, the token's inverse rms over all of this tensor's heads."""
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
-    return _norm_heads(
+    return _norm_heads_given(
         x_base,
         stride_x_head,
         n_heads,
@@ -441,11 +453,13 @@ def _norm_select(
         mode,
         norm_eps,
         norm_offset,
+        r_group,
         HALF,
         HALF_PAD,
         BLOCK_H,
         TAIL_PAD,
         INTERLEAVED,
+        GROUP_GIVEN,
     )
 
 
@@ -532,8 +546,10 @@ def rope_kernel(
     Without HEAD_LOOP the head loads are issued before the dependent position -> cos/sin loads,
     so their latencies overlap.
     NORM_Q / NORM_K: RMSNorm of q's / k's heads before the rotation (0 none, 1 per head, 2 across
-    heads, when the launcher makes one head block hold all of a tensor's heads); with either on,
-    TAIL_PAD covers the tail in place too (it is normalized).
+    heads); with either on, TAIL_PAD covers the tail in place too (it is normalized). Across heads
+    with HEAD_LOOP, blocks are as small as per head: before a tensor's first block the program sums
+    the squares over all that tensor's heads of its token (a pre-pass, .norm._group_inv_rms);
+    without HEAD_LOOP the launcher makes one head block hold all of a tensor's heads.
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).
     """
@@ -610,6 +626,7 @@ def rope_kernel(
         n_iter = n_blocks
     else:
         n_iter = 1
+    r_group = tl.zeros([], tl.float32) + 1.0  # across heads with HEAD_LOOP: the current tensor's inverse rms
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
             blk = i
@@ -650,6 +667,19 @@ def rope_kernel(
         else:
             blk = blk0
         t_norm = x1
+        if HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2):
+            # across heads with small blocks: before a tensor's first block, its inverse rms over
+            # all the token's heads (a pre-pass; the blocks then read those heads again, cached)
+            if NORM_Q == 2 and NORM_K == 2:
+                first = (blk == 0) | (blk == n_q_blocks)
+            elif NORM_Q == 2:
+                first = blk == 0
+            else:
+                first = blk == n_q_blocks
+            if first:
+                r_group = _group_inv_rms(
+                    x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
+                )
         if NORM_Q != 0 or NORM_K != 0:
             x1, x2, t_norm = _norm_select(
                 blk,
@@ -665,6 +695,7 @@ def rope_kernel(
                 wk_ptr,
                 norm_eps,
                 norm_offset,
+                r_group,
                 HALF,
                 HALF_PAD,
                 BLOCK_H,
@@ -672,6 +703,7 @@ def rope_kernel(
                 IN_INTERLEAVED,
                 NORM_Q,
                 NORM_K,
+                HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2),
             )
         _rotate_store(
             x_base,
@@ -714,13 +746,289 @@ def rope_kernel(
             x1, x2 = n1, n2
 
 
+@triton.jit
+def _unrotate(
+    g_base,
+    stride_g_head,
+    n_heads,
+    head0,
+    tail,
+    g1,
+    g2,
+    c,
+    sn,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
+    """gz, the gradient before the forward's rotation, from g's rotated pairs (g1, g2) of heads
+    [head0, head0 + BLOCK_H) (the transpose of the rotation), and g's tail (read; float32 tiles)."""
+    cb = c[None, :]
+    sb = sn[None, :]
+    if INVERSE:
+        sb = -sb
+    gz1 = g1 * cb + g2 * sb
+    gz2 = g2 * cb - g1 * sb
+    gzt = gz1
+    if TAIL_PAD > 0:
+        gzt = _load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+    return gz1, gz2, gzt
+
+
+@triton.jit
+def _load_x(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail,
+    placeholder,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
+    is `placeholder` when TAIL_PAD is 0)."""
+    x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, "")
+    xt = placeholder
+    if TAIL_PAD > 0:
+        xt = _load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+    return x1, x2, xt
+
+
+@triton.jit
+def _store_grad(
+    gx_base,
+    stride_gx_head,
+    n_heads,
+    head0,
+    tail,
+    gx1,
+    gx2,
+    gxt,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
+    _store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0)
+    if TAIL_PAD > 0:
+        h = head0 + tl.arange(0, BLOCK_H)
+        jt = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (jt < tail)
+        ptr = gx_base + h.to(tl.int64)[:, None] * stride_gx_head + 2 * HALF + jt
+        tl.store(ptr, gxt.to(gx_base.dtype.element_ty), mask=mt)
+
+
+@triton.jit
+def _put_dw_heads(
+    row,
+    n_heads,
+    head0,
+    tail,
+    d1,
+    d2,
+    dt,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
+    _norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
+    what the row holds (ACCUMULATE) or stored (the row's start)."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+    c1, c2 = _weight_cols(i, HALF, INTERLEAVED)
+    hrow = row + h.to(tl.int64)[:, None] * (2 * HALF + tail)
+    if ACCUMULATE:
+        d1 += tl.load(hrow + c1, mask=m, other=0.0)
+        d2 += tl.load(hrow + c2, mask=m, other=0.0)
+    tl.store(hrow + c1, d1, mask=m)
+    tl.store(hrow + c2, d2, mask=m)
+    if TAIL_PAD > 0:
+        jt = tl.arange(0, TAIL_PAD)[None, :]
+        mt = (h[:, None] < n_heads) & (jt < tail)
+        if ACCUMULATE:
+            dt += tl.load(hrow + 2 * HALF + jt, mask=mt, other=0.0)
+        tl.store(hrow + 2 * HALF + jt, dt, mask=mt)
+
+
+@triton.jit
+def _block_terms(
+    x_base,
+    g_base,
+    w_ptr,
+    c,
+    sn,
+    stride_x_head,
+    stride_g_head,
+    n_heads,
+    head0,
+    tail,
+    norm_offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
+    """What the across-heads backward needs of heads [head0, head0 + BLOCK_H) of one token: x, gz
+    (the unrotated output gradient) and the weight (w + offset) at the same columns, float32 tiles
+    (rotated pairs' members, then the tail)."""
+    g1, g2 = _load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+    gz1, gz2, gzt = _unrotate(
+        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
+    )
+    x1, x2, xt = _load_x(
+        x_base, stride_x_head, n_heads, head0, tail, gz1, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
+    )
+    w1, w2, wt = _weights(
+        w_ptr, n_heads, head0, tail, 2, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
+    )
+    return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
+
+
+@triton.jit
+def _across_backward_token(
+    x_base,
+    g_base,
+    gx_base,
+    w_ptr,
+    row,
+    c,
+    sn,
+    stride_x_head,
+    stride_g_head,
+    stride_gx_head,
+    n_heads,
+    tail,
+    norm_eps,
+    norm_offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    IN_INTERLEAVED: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
+    """The across-heads (mode 2) backward of one token, its heads walked BLOCK_H at a time: a
+    pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean term every head's
+    gradient needs), then a pass writes gx and adds gz*n to the weight-gradient row (in memory: a
+    row of all H*D columns would not stay in registers). The second pass re-reads the token's heads
+    right after the first, from cache."""
+    ss = tl.zeros([], tl.float32)
+    gd = tl.zeros([], tl.float32)
+    for head0 in tl.range(0, n_heads, BLOCK_H):
+        x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = _block_terms(
+            x_base,
+            g_base,
+            w_ptr,
+            c,
+            sn,
+            stride_x_head,
+            stride_g_head,
+            n_heads,
+            head0,
+            tail,
+            norm_offset,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            IN_INTERLEAVED,
+            OUT_INTERLEAVED,
+            INVERSE,
+        )
+        bss, bgd = _group_sums(
+            x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
+        )
+        ss += bss
+        gd += bgd
+    count = (n_heads * (2 * HALF + tail)).to(tl.float32)
+    r = 1.0 / tl.sqrt(ss / count + norm_eps)
+    mean = r * gd / count  # mean(gz * w' * n), n = x * r
+    r_tile = tl.zeros([BLOCK_H, 1], tl.float32) + r
+    for head0 in tl.range(0, n_heads, BLOCK_H):
+        x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = _block_terms(
+            x_base,
+            g_base,
+            w_ptr,
+            c,
+            sn,
+            stride_x_head,
+            stride_g_head,
+            n_heads,
+            head0,
+            tail,
+            norm_offset,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            IN_INTERLEAVED,
+            OUT_INTERLEAVED,
+            INVERSE,
+        )
+        gx1, gx2, gxt, d1, d2, dt = _norm_backward(
+            x1,
+            x2,
+            xt,
+            gz1,
+            gz2,
+            gzt,
+            n_heads,
+            head0,
+            tail,
+            w1,
+            w2,
+            wt,
+            r_tile,
+            2,
+            mean,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+        )
+        _store_grad(
+            gx_base,
+            stride_gx_head,
+            n_heads,
+            head0,
+            tail,
+            gx1,
+            gx2,
+            gxt,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            IN_INTERLEAVED,
+        )
+        _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, True)
+    # the next token adds to the row elements written here, maybe by other threads of the program
+    tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["n_tokens", "S", "max_pos", "n_seqs", "tokens_per_program"])
 def rope_norm_backward_kernel(
     x_ptr,  # the forward's input (q or k), (*T, H, D) in the IN_INTERLEAVED layout: read when NORM
     g_ptr,  # the output gradient, (*T, H, D) in the OUT_INTERLEAVED layout: read
     gx_ptr,  # the input gradient, (*T, H, D) in x's layout: written
     w_ptr,  # NORM: the RMSNorm weight, (D,) or (H*D,), unit stride; else never read
-    dw_ptr,  # NORM: float32 weight-gradient partial sums, one row of dw_row per program; else never written
+    dw_ptr,  # NORM: float32 weight-gradient partial sums, a row of dw_row per program (NORM 2 adds in place)
     pos_ptr,  # positions (*T) or (3, *T); (axes, *T) int or float when FREQS; cu_seqlens when PACKED
     cos_ptr,  # cos rows: a [cos | sin] table, or per-token cos; the inverse frequencies when FREQS
     sin_ptr,  # sin rows: the table again (sin at sin_off), or per-token sin
@@ -729,7 +1037,7 @@ def rope_norm_backward_kernel(
     n_heads,  # H
     tail,  # D - rotary_dim: dims past the rotated ones (normalized, or copied)
     max_pos,  # table rows: positions outside [0, max_pos) read nothing and give NaN
-    n_blocks,  # head blocks (the grid's second axis)
+    n_blocks,  # head blocks (the grid's second axis; 1 when NORM is 2: each program walks them all)
     sin_off,  # elements from sin_ptr to sin's first column
     tokens_per_program,  # tokens each program walks (the grid's first axis covers n_tokens)
     dw_row,  # elements per partial-sum row: D per head (NORM 1), H*D across heads (NORM 2)
@@ -759,7 +1067,7 @@ def rope_norm_backward_kernel(
     norm_offset,  # added to the weight (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
-    BLOCK_H: tl.constexpr,  # heads per head block (all of them when NORM is 2)
+    BLOCK_H: tl.constexpr,  # heads per head block (NORM 2: a program walks all blocks of its tokens)
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
     MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
@@ -786,15 +1094,21 @@ def rope_norm_backward_kernel(
     p = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
     head0 = blk * BLOCK_H
-    h = head0 + tl.arange(0, BLOCK_H)
-    h64 = h.to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
     zero = tl.zeros([BLOCK_H, HALF_PAD], tl.float32)
     acc1, acc2 = zero, zero
     acc_t = zero
     if TAIL_PAD > 0:
         acc_t = tl.zeros([BLOCK_H, TAIL_PAD], tl.float32)
-    if NORM != 0:
+    row = dw_ptr + (p * n_blocks + blk) * dw_row  # this program's weight-gradient partial sums
+    if NORM == 2:
+        # the row is accumulated in memory, block by block, token by token: start it at zero
+        for hz in tl.range(0, n_heads, BLOCK_H):
+            _put_dw_heads(
+                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False
+            )
+        tl.debug_barrier()
+    if NORM == 1:
         w1, w2, wt = _weights(
             w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
         )
@@ -839,79 +1153,99 @@ def rope_norm_backward_kernel(
                 SEARCH_COARSE,
                 FREQS,
             )
-            cb = c[None, :]
-            sb = sn[None, :]
-            if INVERSE:
-                sb = -sb
-            gz1 = g1 * cb + g2 * sb  # the transpose of the forward rotation
-            gz2 = g2 * cb - g1 * sb
-            gzt = gz1
-            xt = gz1
-            if TAIL_PAD > 0:
-                gzt = _load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
-            if NORM != 0:
-                x1, x2 = _load_heads(
-                    x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0, ""
-                )
-                if TAIL_PAD > 0:
-                    xt = _load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
-                r = _inv_rms(x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)[
-                    :, None
-                ]
-                gx1, gx2, gxt, d1, d2, dt = _norm_backward(
-                    x1,
-                    x2,
-                    xt,
-                    gz1,
-                    gz2,
-                    gzt,
+            if NORM == 2:
+                _across_backward_token(
+                    x_base,
+                    g_base,
+                    gx_base,
+                    w_ptr,
+                    row,
+                    c,
+                    sn,
+                    stride_x_head,
+                    stride_g_head,
+                    stride_gx_head,
                     n_heads,
-                    head0,
                     tail,
-                    w1,
-                    w2,
-                    wt,
-                    r,
-                    NORM,
+                    norm_eps,
+                    norm_offset,
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
                     TAIL_PAD,
+                    IN_INTERLEAVED,
+                    OUT_INTERLEAVED,
+                    INVERSE,
                 )
-                acc1 += d1
-                acc2 += d2
-                if TAIL_PAD > 0:
-                    acc_t += dt
             else:
-                gx1, gx2, gxt = gz1, gz2, gzt
-            _store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, 0)
-            if TAIL_PAD > 0:
-                jt = tl.arange(0, TAIL_PAD)[None, :]
-                mt = (h[:, None] < n_heads) & (jt < tail)
-                tl.store(
-                    gx_base + h64[:, None] * stride_gx_head + 2 * HALF + jt, gxt.to(gx_ptr.dtype.element_ty), mask=mt
+                gz1, gz2, gzt = _unrotate(
+                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
                 )
-    if NORM != 0:
-        # one partial row per program: per-head weights sum their heads too, across-heads weights
-        # keep each head at its own h * D offset
-        row = dw_ptr + (p * n_blocks + blk) * dw_row
-        m = (h[:, None] < n_heads) & (i < HALF)
-        if IN_INTERLEAVED:
-            c1, c2 = 2 * i, 2 * i + 1
-        else:
-            c1, c2 = i, HALF + i
-        if NORM == 2:
-            d = 2 * HALF + tail
-            hrow = row + h64[:, None] * d
-            tl.store(hrow + c1, acc1, mask=m)
-            tl.store(hrow + c2, acc2, mask=m)
-            if TAIL_PAD > 0:
-                jt = tl.arange(0, TAIL_PAD)[None, :]
-                tl.store(hrow + 2 * HALF + jt, acc_t, mask=(h[:, None] < n_heads) & (jt < tail))
-        else:
-            fm = tl.arange(0, HALF_PAD) < HALF
-            tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
-            tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
-            if TAIL_PAD > 0:
-                jt = tl.arange(0, TAIL_PAD)
-                tl.store(row + 2 * HALF + jt, tl.sum(acc_t, axis=0), mask=jt < tail)
+                if NORM == 1:
+                    x1, x2, xt = _load_x(
+                        x_base,
+                        stride_x_head,
+                        n_heads,
+                        head0,
+                        tail,
+                        gz1,
+                        HALF,
+                        HALF_PAD,
+                        BLOCK_H,
+                        TAIL_PAD,
+                        IN_INTERLEAVED,
+                    )
+                    r = _inv_rms(
+                        x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, 1.0, False
+                    )[:, None]
+                    gx1, gx2, gxt, d1, d2, dt = _norm_backward(
+                        x1,
+                        x2,
+                        xt,
+                        gz1,
+                        gz2,
+                        gzt,
+                        n_heads,
+                        head0,
+                        tail,
+                        w1,
+                        w2,
+                        wt,
+                        r,
+                        NORM,
+                        0.0,
+                        HALF,
+                        HALF_PAD,
+                        BLOCK_H,
+                        TAIL_PAD,
+                    )
+                    acc1 += d1
+                    acc2 += d2
+                    if TAIL_PAD > 0:
+                        acc_t += dt
+                else:
+                    gx1, gx2, gxt = gz1, gz2, gzt
+                _store_grad(
+                    gx_base,
+                    stride_gx_head,
+                    n_heads,
+                    head0,
+                    tail,
+                    gx1,
+                    gx2,
+                    gxt,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    TAIL_PAD,
+                    IN_INTERLEAVED,
+                )
+    if NORM == 1:
+        # one partial row per program: per-head weights sum their heads too
+        fm = tl.arange(0, HALF_PAD) < HALF
+        c1, c2 = _weight_cols(i, HALF, IN_INTERLEAVED)
+        tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
+        tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
+        if TAIL_PAD > 0:
+            jt = tl.arange(0, TAIL_PAD)
+            tl.store(row + 2 * HALF + jt, tl.sum(acc_t, axis=0), mask=jt < tail)
