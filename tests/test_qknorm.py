@@ -190,6 +190,50 @@ def test_many_head_blocks_per_head_norm(poison, device):
     assert rel(qo, rq) < RTOL[q.dtype] and rel(ko, rk) < RTOL[q.dtype]
 
 
+@pytest.mark.parametrize("rot", [16, 8], ids=["full", "partial"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
+@pytest.mark.parametrize("modes", [("across", "across"), ("across", "per_head"), ("per_head", "across")], ids=str)
+def test_across_heads_in_small_blocks(modes, interleaved, rot, poison, device):
+    """Across-heads norm with the head loop and blocks of 2 heads (block_elems 16 / rotary_dim):
+    the kernel's pre-pass sums each tensor's squares over all its blocks (40 heads of q, 6 of k)
+    before scaling any block; a per-head tensor next to it stays per head."""
+    from ropekit import tuning
+
+    q, k = inputs(T=(2, 3), Hq=40, Hk=6, D=16, device=device)
+    cache = make_cache(16, rot, device=device)
+    pos = torch.randint(0, 16, (2, 3), device=device)
+    kw = dict(
+        q_norm_weight=weights(q, modes[0] == "across", device=device),
+        k_norm_weight=weights(k, modes[1] == "across", device=device),
+        norm_eps=1e-6,
+        norm_weight_offset=0.5,
+    )
+    rq, rk = oracle(q, k, pos, cache, interleaved=interleaved, **kw)
+    with tuning.override(head_loop=True, block_elems=2 * rot, decode_block_elems=2 * rot):
+        qo, ko = ropekit.apply_rope(q, k, pos, cache, interleaved=interleaved, **kw)
+        grads = backward_case(q, k, pos, cache, kw, interleaved)
+    assert rel(qo, rq) < RTOL[q.dtype] and rel(ko, rk) < RTOL[q.dtype]
+    for name, got, want in grads:
+        assert rel(got, want) < GRAD_RTOL[torch.float32], name
+
+
+def test_across_heads_plan_keeps_small_blocks():
+    """The launcher gives an across-heads forward the per-head block size once the head loop is
+    on, and one block of all heads without it (decode-sized calls)."""
+    from ropekit import launcher, tuning
+
+    q, k = inputs(T=(4,), Hq=40, Hk=6, D=16)
+    cache = make_cache(16, 16)
+    variant = pipeline.Variant(norm_q=2, norm_k=1)
+    angles = launcher.angle_layout(variant, 16, torch.arange(4), cache, None)
+    with tuning.override(decode_block_elems=32, head_loop=True):
+        plan = launcher.plan_rotate(q, k, q, k, angles, variant)
+        assert plan.meta["HEAD_LOOP"] and plan.meta["BLOCK_H"] == 2 and plan.args[8] == 20 + 3
+    with tuning.override(decode_block_elems=32, head_loop=False):
+        plan = launcher.plan_rotate(q, k, q, k, angles, variant)
+        assert plan.meta["BLOCK_H"] == 64 and plan.grid == (4, 2)
+
+
 def test_bad_position_is_nan_in_rotated_dims_only(device):
     q, k = inputs(T=(3,), device=device)
     cache = make_cache(8, 32, device=device)
