@@ -1100,8 +1100,8 @@ def rope_norm_backward_kernel(
     acc_t = zero
     if TAIL_PAD > 0:
         acc_t = tl.zeros([BLOCK_H, TAIL_PAD], tl.float32)
-    row = dw_ptr + (p * n_blocks + blk) * dw_row  # this program's weight-gradient partial sums
     if NORM == 2:
+        row = dw_ptr + p * dw_row  # this program's weight-gradient partial sums (one program along heads)
         # the row is accumulated in memory, block by block, token by token: start it at zero
         for hz in tl.range(0, n_heads, BLOCK_H):
             _put_dw_heads(
@@ -1241,7 +1241,8 @@ def rope_norm_backward_kernel(
                     IN_INTERLEAVED,
                 )
     if NORM == 1:
-        # one partial row per program: per-head weights sum their heads too
+        # one partial row per program and head block: per-head weights sum their heads too
+        row = dw_ptr + (p * n_blocks + blk) * dw_row
         fm = tl.arange(0, HALF_PAD) < HALF
         c1, c2 = _weight_cols(i, HALF, IN_INTERLEAVED)
         tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
