@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import qknorm, reference
+from ropekit import pipeline, qknorm, reference
 from ropekit.modules import RotaryEmbedding
 from ropekit.store import apply_rope_and_store
 
@@ -601,9 +601,12 @@ def test_bigmem_cuda_norm_past_2_31_elements():
     assert torch.isfinite(dw).all()
 
 
-def test_cpu_reference_path_without_triton(monkeypatch):
+def test_cpu_reference_path_without_triton(monkeypatch, request):
     """Plain CPU (no TRITON_INTERPRET): the pure-PyTorch path, forward, backward and store."""
     monkeypatch.setattr(qknorm, "_use_triton", lambda x: False)
+    monkeypatch.setattr(pipeline, "triton_runs", lambda x: False)  # the store's spec records its path
+    pipeline.clear()
+    request.addfinalizer(pipeline.clear)
     q, k = inputs()
     cache = make_cache(32, 32)
     pos = torch.randint(0, 32, (5,))

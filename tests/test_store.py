@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit import reference, validate
+from ropekit import pipeline, reference, validate
 from ropekit.store import apply_rope_and_store
 
 try:
@@ -902,12 +902,18 @@ def test_opcheck():
         torch.zeros(8, 1, D),
         torch.zeros(8, 1, D),
         torch.tensor([6, -1, 2]),
-        False,
+        pipeline.Variant().encode(),
         D,
         torch.tensor([2.0]),
         None,
     )
     torch.library.opcheck(torch.ops.ropekit.rope_and_store.default, args)
+    # with the norm (k's weight, per head) and packed angles: positions' place taken by cu_seqlens
+    normed = pipeline.Variant(angles="packed", norm_k=pipeline.NORM_HEAD).encode()
+    args = (*args[:3], torch.tensor([0, 1, 3]), *args[4:8], normed, *args[9:])
+    torch.library.opcheck(
+        torch.ops.ropekit.rope_and_store.default, (*args, False, None, torch.rand(D) + 0.5, 1e-5, 1.0, 1, 0)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ dim of q's placements:
     Shard(d), d a token dim  Shard(d)        Shard(d [+1 for M-RoPE])  Replicate()      refused        refused
     Shard(H), the head dim   Shard(H)        Replicate()               Replicate()      Shard(heads)   Replicate()
 
+RMSNorm weights (the store's q_norm_weight / k_norm_weight) are replicated; a weight across heads
+((H*D,), the variant's NORM_TOKEN) needs every head of a token, so head sharding refuses it.
+
 The reference placement on a mesh dim is that of whichever of q, k, v is sharded there (they must
 agree), Replicate() when none is. Outputs (rotate) get the reference placements. A replicated
 argument that the rule wants sharded is sliced locally by DTensor (no communication: this is how
@@ -48,6 +51,8 @@ SCALE = "scale"  # per-tensor scale: replicated
 SEQLENS = "seqlens"  # cu_seqlens: replicated; it numbers the tokens of the whole packed batch, so q
 #                      and k may be sharded on heads but not on tokens
 MROPE = "mrope"  # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
+WEIGHT = "weight"  # RMSNorm weight: replicated; one across heads (H*D,) is refused with head sharding
+VARIANT = "variant"  # non-tensor: pipeline.Variant.encode() (its norm modes say which weights span heads)
 
 
 class OpRule(NamedTuple):
@@ -123,6 +128,8 @@ OPS = {
         ),
         outputs=("q", "k"),
     ),
+    # positions: (*T), (3, *T) with M-RoPE, or cu_seqlens for packed angles (the variant says):
+    # replicated under head sharding either way, and token sharding is refused by the caches
     "rope_and_store": OpRule(
         args=(
             ("q", HEADS),
@@ -133,11 +140,17 @@ OPS = {
             ("k_cache", CACHE),
             ("v_cache", CACHE),
             ("slot_mapping", TOKENS),
-            ("interleaved", None),
+            ("variant", VARIANT),
             ("rotary_dim", None),
             ("k_scale", SCALE),
             ("v_scale", SCALE),
             ("write_key", None),
+            ("q_norm_weight", WEIGHT),
+            ("k_norm_weight", WEIGHT),
+            ("norm_eps", None),
+            ("norm_weight_offset", None),
+            ("cp_size", None),
+            ("cp_rank", None),
         ),
         outputs=(),
         written=("q", "k", "k_cache", "v_cache"),
@@ -145,10 +158,12 @@ OPS = {
 }
 # the store writing rotated q into q_out: the same rule, q_out sharded like q
 OPS["rope_and_store_q_out"] = OpRule(
-    args=OPS["rope_and_store"].args + (("q_out", HEADS), ("q_scale", SCALE)),
+    args=OPS["rope_and_store"].args[:13] + (("q_out", HEADS), ("q_scale", SCALE)) + OPS["rope_and_store"].args[13:],
     outputs=(),
     written=("q_out", "k", "k_cache", "v_cache"),
 )
+# which norm mode of the encoded variant belongs to which weight argument
+_WEIGHT_MODE = {"q_norm_weight": "norm_q", "k_norm_weight": "norm_k"}
 
 
 def reference_placements(op: str, specs: dict) -> tuple:
@@ -171,11 +186,24 @@ def reference_placements(op: str, specs: dict) -> tuple:
     return tuple(out)
 
 
-def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
+def across_heads(values: dict) -> set:
+    """Names of the RMSNorm weights that span all heads of a token ((H*D,)), from the op's encoded
+    variant among its argument values (empty for ops without one)."""
+    codes = values.get("variant")
+    if codes is None:
+        return set()
+    from .pipeline import NORM_TOKEN, Variant
+
+    variant = Variant.decode(codes)
+    return {name for name, field in _WEIGHT_MODE.items() if getattr(variant, field) == NORM_TOKEN}
+
+
+def expected_placements(op: str, specs: dict, positions_given: bool, spanning=frozenset()) -> dict:
     """The placements every tensor argument must have: {name: tuple of placements}.
 
-    specs: {name: (ndim, placements)} of the tensor arguments present (q among them). Raises
-    ValueError `ropekit.<op>: <arg>: expected ..., got ...` for a layout no rule covers.
+    specs: {name: (ndim, placements)} of the tensor arguments present (q among them); spanning:
+    the names of RMSNorm weights across heads (`across_heads`). Raises ValueError
+    `ropekit.<op>: <arg>: expected ..., got ...` for a layout no rule covers.
     """
     from torch.distributed.tensor import Replicate, Shard
 
@@ -193,7 +221,7 @@ def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
             )
     want = {}
     for name, role in rule.args:
-        if role in (None, MROPE) or name not in specs:
+        if role in (None, MROPE, VARIANT) or name not in specs:
             continue
         ndim, _ = specs[name]
         per_mesh_dim = []
@@ -202,12 +230,20 @@ def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
                 per_mesh_dim.append(Replicate())
                 continue
             token = p.dim < n_tok
+            if role == WEIGHT and not token and name in spanning:
+                _fail(
+                    op,
+                    name,
+                    "a per-head (D,) weight when q / k are sharded on heads (a norm across heads "
+                    "needs every head of a token: replicate q, k, v and the caches, or gather first)",
+                    f"an across-heads weight with q placements {specs['q'][1]}",
+                )
             if role == HEADS:
                 per_mesh_dim.append(Shard(p.dim))
             elif role == TOKENS or (role == ANGLES and not positions_given):
                 lead = ndim - n_tok - (1 if role == ANGLES else 0)  # 3 M-RoPE rows, or 0
                 per_mesh_dim.append(Shard(p.dim + lead) if token else Replicate())
-            elif role in (ANGLES, TABLE, SCALE):
+            elif role in (ANGLES, TABLE, SCALE, WEIGHT):
                 per_mesh_dim.append(Replicate())
             elif role == SEQLENS:
                 if token:
@@ -268,7 +304,7 @@ def check(op: str, args: dict) -> dict:
     arguments (DTensors, None or plain values). Returns the placements the op will run with per
     tensor name. Raises the same ValueError the registered rule raises inside DTensor's dispatcher."""
     specs = {n: (v.dim(), tuple(v.placements)) for n, v in args.items() if hasattr(v, "placements")}
-    want = expected_placements(op, specs, args.get("positions") is not None)
+    want = expected_placements(op, specs, args.get("positions") is not None, across_heads(args))
     ref = reference_placements(op, specs)
     for name, (_, got) in specs.items():
         _settle(op, name, got, want[name], ref)
@@ -288,7 +324,7 @@ def _strategy(op: str, op_schema):
             spec = arg.strategies[0].output_spec
             specs[name] = (spec.ndim, tuple(spec.placements))
             given.append((name, spec))
-    want = expected_placements(op, specs, values.get("positions") is not None)
+    want = expected_placements(op, specs, values.get("positions") is not None, across_heads(values))
     ref = reference_placements(op, specs)
     mesh = given[0][1].mesh
     inputs = {}
@@ -329,7 +365,7 @@ def register() -> bool:
     for name in OPS:
         overload = getattr(torch.ops.ropekit, name).default
         # flags and mrope change the rule: hash every argument from the first non-tensor one on
-        static = next(i for i, (_, role) in enumerate(OPS[name].args) if role in (None, MROPE))
+        static = next(i for i, (_, role) in enumerate(OPS[name].args) if role in (None, MROPE, VARIANT))
         propagator.register_op_strategy(
             overload, lambda schema, _n=name: _strategy(_n, schema), RuntimeSchemaInfo(static_argnum=static)
         )
