@@ -28,6 +28,7 @@ from test_store import (
     nhd,
     shuffled_slots,
 )
+from test_store import good as store_good
 
 import ropekit
 from ropekit import launcher, reference, store, tuning, validate
@@ -273,21 +274,13 @@ def test_eager_repeat_call_builds_no_spec_or_plan(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # bad inputs: refused by name, nothing written
 
-T_, HQ_, HK_, D_ = 4, 3, 2, 32
+T_, HQ_, HK_, D_ = 4, 3, 2, 64  # test_store.good()'s call, positions None
 
 
 def good():
-    base = torch.full((2, 2, 4, HK_, D_), NAN)
-    return dict(
-        q=torch.randn(T_, HQ_, D_),
-        k=torch.randn(T_, HK_, D_),
-        v=torch.randn(T_, HK_, D_),
-        positions=None,
-        cos_sin_cache=make_cache(16, D_),
-        k_cache=base[:, 0],
-        v_cache=base[:, 1],
-        slot_mapping=torch.tensor([0, 3, -1, 6]),
-    )
+    args = store_good()
+    args["positions"] = None
+    return args
 
 
 CU = torch.tensor([0, 1, 4])
@@ -297,7 +290,7 @@ BAD = [
     # (id, argument changes, keywords, exception, message start after the op's name)
     ("cu-with-positions", dict(positions=torch.arange(T_)), dict(cu_seqlens=CU), ValueError,
      "positions: expected None when cu_seqlens is given"),
-    ("cu-with-mrope", {}, dict(cu_seqlens=CU, mrope_section=(8, 4, 4)), ValueError,
+    ("cu-with-mrope", {}, dict(cu_seqlens=CU, mrope_section=(16, 8, 8)), ValueError,
      "mrope_section: expected None with cu_seqlens"),
     ("cu-two-token-dims", dict(q=torch.randn(1, T_, HQ_, D_)), dict(cu_seqlens=CU), ValueError,
      "q: expected a (T, H, D) tensor of packed tokens when cu_seqlens is given"),
@@ -308,10 +301,10 @@ BAD = [
      "cp_rank: expected an int in [0, cp_size = 2)"),
     ("cp-without-cu", {}, dict(cp_size=2), ValueError, "cu_seqlens: expected a tensor when cp_size / cp_rank"),
     ("cp-size-float", {}, dict(cu_seqlens=CU, cp_size=2.0), TypeError, "cp_size: expected an int"),
-    ("mrope-1d-positions", dict(positions=torch.arange(T_)), dict(mrope_section=(8, 4, 4)), ValueError,
+    ("mrope-1d-positions", dict(positions=torch.arange(T_)), dict(mrope_section=(16, 8, 8)), ValueError,
      "positions: expected a 2-D tensor (3, 4)"),
-    ("mrope-sum", dict(positions=torch.zeros(3, T_, dtype=torch.long)), dict(mrope_section=(8, 4, 3)), ValueError,
-     "mrope_section: expected sections summing to rotary_dim // 2 = 16"),
+    ("mrope-sum", dict(positions=torch.zeros(3, T_, dtype=torch.long)), dict(mrope_section=(16, 8, 7)), ValueError,
+     "mrope_section: expected sections summing to rotary_dim // 2 = 32"),
     ("mrope-interleaved-alone", dict(positions=torch.arange(T_)), dict(mrope_interleaved=True), ValueError,
      "mrope_interleaved: expected mrope_section to be given with it"),
     ("norm-weight-shape", dict(positions=torch.arange(T_)), dict(k_norm_weight=torch.ones(3 * D_)), ValueError,
@@ -320,7 +313,7 @@ BAD = [
      "norm_eps: expected a float >= 0"),
     ("norm-weight-grad", dict(positions=torch.arange(T_)), dict(q_norm_weight=torch.ones(D_, requires_grad=True)),
      ValueError, "q_norm_weight: expected a tensor that does not require grad"),
-    ("per-token-angles", dict(positions=torch.arange(T_)), dict(cos=torch.ones(T_, 16)), TypeError, "cos"),
+    ("per-token-angles", dict(positions=torch.arange(T_)), dict(cos=torch.ones(T_, 32)), TypeError, "cos"),
 ]  # fmt: skip
 
 
@@ -373,7 +366,7 @@ def test_strict_mrope_position_out_of_range():
     q0 = args["q"].clone()
     with validate.strict():
         with pytest.raises(ValueError, match=r"positions\[1, 2\] = 16"):
-            apply_rope_and_store(*args.values(), mrope_section=(8, 4, 4))
+            apply_rope_and_store(*args.values(), mrope_section=(16, 8, 8))
     assert torch.equal(args["q"], q0) and torch.isnan(args["k_cache"]).all()
 
 

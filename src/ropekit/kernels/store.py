@@ -159,66 +159,6 @@ def _put_heads(
 
 
 @triton.jit
-def _store_angles(
-    tab_ptr,
-    sin_off,
-    pos_ptr,
-    b,
-    s,
-    max_pos,
-    stride_pos_row,
-    stride_pos_batch,
-    stride_pos_token,
-    stride_angle_token,
-    stride_angle_col,
-    sec_t,
-    sec_h,
-    sec_w,
-    n_seqs,
-    cp_size,
-    cp_rank,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    MROPE: tl.constexpr,
-    PACKED: tl.constexpr,
-    SEARCH_STRIDE: tl.constexpr,
-    SEARCH_COARSE: tl.constexpr,
-):
-    """cos and sin of token (b, s): _load_angles with the store's angle sources (a table row picked
-    by a position, by M-RoPE's three positions, by a position derived from cu_seqlens, or row s)."""
-    return _load_angles(
-        tab_ptr,
-        tab_ptr + sin_off,
-        pos_ptr,
-        b,
-        s,
-        max_pos,
-        stride_pos_row,
-        stride_pos_batch,
-        stride_pos_token,
-        0,
-        0,
-        stride_angle_token,
-        stride_angle_col,
-        sec_t,
-        sec_h,
-        sec_w,
-        n_seqs,
-        cp_size,
-        cp_rank,
-        HALF,
-        HALF_PAD,
-        HAS_POS,
-        MROPE,
-        PACKED,
-        SEARCH_STRIDE,
-        SEARCH_COARSE,
-        False,
-    )
-
-
-@triton.jit
 def _store_block(
     blk,
     b,
@@ -524,9 +464,15 @@ def rope_store_kernel(
     # int64 when loaded: the slot scales a cache stride
     slot = tl.load(slot_ptr + b * stride_slot_batch + s * stride_slot_token).to(tl.int64)
     if HEAD_LOOP:
-        c, sn = _store_angles(
+        n_iter = n_blocks
+    else:
+        n_iter = 1
+    # q's and k's head blocks need the token's angles, v's do not. With HEAD_LOOP the grid is one
+    # block wide: program 0 of axis 1 walks every block, so it loads them.
+    if tl.program_id(1) < n_q_blocks + n_k_blocks:  # int32-ok: a head-block index (< 65536)
+        c, sn = _load_angles(
             tab_ptr,
-            sin_off,
+            tab_ptr + sin_off,
             pos_ptr,
             b,
             s,
@@ -534,6 +480,8 @@ def rope_store_kernel(
             stride_pos_row,
             stride_pos_batch,
             stride_pos_token,
+            0,
+            0,
             stride_angle_token,
             stride_angle_col,
             sec_t,
@@ -549,41 +497,11 @@ def rope_store_kernel(
             PACKED,
             SEARCH_STRIDE,
             SEARCH_COARSE,
+            False,
         )
-        n_iter = n_blocks
     else:
-        n_iter = 1
-        blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
-        if blk < n_q_blocks + n_k_blocks:
-            c, sn = _store_angles(
-                tab_ptr,
-                sin_off,
-                pos_ptr,
-                b,
-                s,
-                max_pos,
-                stride_pos_row,
-                stride_pos_batch,
-                stride_pos_token,
-                stride_angle_token,
-                stride_angle_col,
-                sec_t,
-                sec_h,
-                sec_w,
-                n_seqs,
-                cp_size,
-                cp_rank,
-                HALF,
-                HALF_PAD,
-                HAS_POS,
-                MROPE,
-                PACKED,
-                SEARCH_STRIDE,
-                SEARCH_COARSE,
-            )
-        else:
-            c = tl.zeros([HALF_PAD], tl.float32)  # v's block: no angles
-            sn = c
+        c = tl.zeros([HALF_PAD], tl.float32)  # v's block: no angles
+        sn = c
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
             blk = i
