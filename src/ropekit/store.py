@@ -25,6 +25,7 @@ OP = "apply_rope_and_store"
 Scale = Union[None, float, torch.Tensor]
 _MEMO = pipeline._MEMO
 NORM_EPS, NORM_OFFSET = 1e-6, 0.0  # the norm's defaults (the public op's and the custom ops')
+_CP_SIZE, _CP_RANK = 1, 0  # no context parallelism
 
 
 def checks(
@@ -417,6 +418,18 @@ def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant
     return None
 
 
+def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset) -> tuple:
+    """The part of a call signature the rarer keywords contribute, each value with its type."""
+    return (
+        None if mrope_section is None else value_key(mrope_section),
+        value_key(mrope_interleaved),
+        value_key(cp_size),
+        value_key(cp_rank),
+        value_key(norm_eps),
+        value_key(norm_weight_offset),
+    )
+
+
 def scale_key(scale):
     """A scale argument's part of a call signature."""
     if isinstance(scale, torch.Tensor):
@@ -443,8 +456,8 @@ def apply_rope_and_store(
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    cp_size: int = 1,
-    cp_rank: int = 0,
+    cp_size: int = _CP_SIZE,
+    cp_rank: int = _CP_RANK,
     k_scale: Scale = None,
     v_scale: Scale = None,
     q_norm_weight: Optional[torch.Tensor] = None,
@@ -559,7 +572,8 @@ def apply_rope_and_store(
     if q_out is not None and isinstance(q, torch.Tensor) and q.dim():
         q = unit_last(q)
     spec = None
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         try:
             key = (
                 OP,
@@ -576,22 +590,20 @@ def apply_rope_and_store(
                 interleaved,
                 type(rotary_dim),
                 rotary_dim,
-                None if mrope_section is None else value_key(mrope_section),
-                type(mrope_interleaved),
-                mrope_interleaved,
-                tensor_key(cu_seqlens),
-                type(cp_size),
-                cp_size,
-                type(cp_rank),
-                cp_rank,
+                None if cu_seqlens is None else tensor_key(cu_seqlens),
+                None if q_norm_weight is None else tensor_key(q_norm_weight),
+                None if k_norm_weight is None else tensor_key(k_norm_weight),
+                # the rarer keywords: one None while each is its default object (the usual call)
+                None
+                if mrope_section is None
+                and mrope_interleaved is False
+                and cp_size is _CP_SIZE
+                and cp_rank is _CP_RANK
+                and norm_eps is NORM_EPS
+                and norm_weight_offset is NORM_OFFSET
+                else rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset),
                 scale_key(k_scale),
                 scale_key(v_scale),
-                tensor_key(q_norm_weight),
-                tensor_key(k_norm_weight),
-                type(norm_eps),
-                norm_eps,
-                type(norm_weight_offset),
-                norm_weight_offset,
                 type(write_key),
                 write_key,
                 None if q_out is None else tensor_key(q_out),
@@ -627,14 +639,14 @@ def apply_rope_and_store(
             q_scale=q_scale,
             write_key=write_key,
         )
-        if not torch.compiler.is_compiling():
+        if not compiling:
             pipeline.remember(key, spec)
     a = positions if cu_seqlens is None else cu_seqlens
     norm = (q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) if spec.variant.normed else None
     dev = q.device
     ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
     qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
-    if spec.door is CUSTOM_OP or torch.compiler.is_compiling():  # the dispatcher: DTensor, torch.compile
+    if compiling or spec.door is CUSTOM_OP:  # the dispatcher: DTensor, torch.compile
         _dispatch(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
         return q if q_out is None else q_out
     _run(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
