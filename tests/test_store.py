@@ -955,6 +955,10 @@ def test_opcheck():
     torch.library.opcheck(
         torch.ops.ropekit.rope_and_store.default, (*args, False, None, torch.rand(D) + 0.5, 1e-5, 1.0, 1, 0)
     )
+    # a weight the encoded norm mode does not describe is refused (the kernel would read D * H of it)
+    across = pipeline.Variant(norm_k=pipeline.NORM_TOKEN).encode()
+    with pytest.raises(ValueError, match=r"k_norm_weight: expected a tensor of 32 elements \(norm mode 2"):
+        torch.ops.ropekit.rope_and_store(*args[:8], across, *args[9:], False, None, torch.ones(8))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -290,11 +290,23 @@ def _op_body(
     spec = _MEMO.get(key)
     if spec is None:
         variant = Variant.decode(codes)
+        op_weights(variant, q, k, wq, wk)
         spec = pipeline.remember(
             key, _spec(q, k, v, a, table, k_cache, v_cache, slots, q_out, (wq, wk), variant, rot, cp, DIRECT)
         )
     norm = (wq, wk, eps, offset) if spec.variant.normed else None
     _run(spec, q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, write_key, norm)
+
+
+def op_weights(variant: Variant, q, k, wq, wk) -> None:
+    """The custom ops' norm weights against the encoded norm modes and the (local) tensors: a
+    weight per mode, of D elements per head or H*D across heads (the kernel reads that many)."""
+    for name, w, x, mode in (("q_norm_weight", wq, q, variant.norm_q), ("k_norm_weight", wk, k, variant.norm_k)):
+        want = {pipeline.NORM_HEAD: x.shape[-1], pipeline.NORM_TOKEN: x.shape[-2] * x.shape[-1]}.get(mode)
+        got = None if w is None else w.numel()
+        if got != want:
+            what = "None" if want is None else f"a tensor of {want} elements"
+            validate.fail(OP, name, f"{what} (norm mode {mode} of the variant)", "None" if w is None else f"{got}")
 
 
 # Two ops, not one with an optional q_out: a mutated argument that may be None breaks fake-tensor
