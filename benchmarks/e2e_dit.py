@@ -55,64 +55,51 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+# Flux.1's widths (FluxTransformer2DModel's defaults) with 2 double- and 4 single-stream blocks
+FLUX_FULL = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=2,
+    num_single_layers=4,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
+)
+FLUX_TINY = dict(in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2)
 FLUX_CONFIG = {
-    "full": dict(
-        patch_size=1,
-        in_channels=64,
-        num_layers=2,
-        num_single_layers=4,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=False,
-        axes_dims_rope=(16, 56, 56),
-    ),
-    "quick": dict(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=8,
-        guidance_embeds=False,
-        axes_dims_rope=(4, 6, 6),
-    ),
+    "full": FLUX_FULL,
+    "quick": {
+        **FLUX_FULL,
+        **FLUX_TINY,
+        "joint_attention_dim": 32,
+        "pooled_projection_dim": 8,
+        "axes_dims_rope": (4, 6, 6),
+    },
 }
 FLUX_TOKENS = {"full": (64, 64, 512), "quick": (4, 4, 8)}  # image grid rows, columns; text tokens
 
+# Wan 2.1 14B's widths (WanTransformer3DModel's defaults) with 2 blocks
+WAN_FULL = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+)
+WAN_TINY = dict(num_attention_heads=3, attention_head_dim=12, in_channels=4, out_channels=4, num_layers=1)
 WAN_CONFIG = {
-    "full": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=40,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=13824,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-    ),
-    "quick": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=3,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=16,
-        num_layers=1,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=32,
-    ),
+    "full": WAN_FULL,
+    "quick": {**WAN_FULL, **WAN_TINY, "text_dim": 16, "freq_dim": 16, "ffn_dim": 16, "rope_max_seq_len": 32},
 }
 WAN_LATENT = {"full": (21, 60, 104), "quick": (2, 4, 4)}  # latent frames, height, width
 WAN_TEXT = {"full": 512, "quick": 5}
