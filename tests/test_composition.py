@@ -75,10 +75,6 @@ def verdict(layout, norm, angles, write, mode):
         return "gap", "the fused store takes positions, not cu_seqlens"
     if store and layout == "mrope":
         return "gap", "the fused store has no M-RoPE sections"
-    if write == "inplace" and angles == "per_token":
-        return "gap", "rotate_with_angles is out of place only"
-    if angles == "per_token" and norm != "none" and layout == "mrope":
-        return "gap", "rotate_with_angles takes norm weights, but not with M-RoPE sections"
     if store and mode == "grad":
         return "refused", "a gradient through the KV-cache store"
     if layout == "mrope" and angles.startswith("packed"):
@@ -178,7 +174,7 @@ def _call(cell, a, q, k, v=None, caches=None):
             kw.update(mrope_section=SECTIONS)
         else:
             c, s = c[a["positions"]], s[a["positions"]]
-        return ropekit.rotate_with_angles(q, k, c, s, **kw)
+        return ropekit.rotate_with_angles(q, k, c, s, inplace=write == "inplace", **kw)
     if layout == "mrope":
         kw.update(mrope_section=SECTIONS)
     if angles == "positions":
@@ -261,12 +257,16 @@ def run_cell(cell, device):
     a = _inputs(cell, device)
     if kind == "refused":
         before = {n: x.clone() for n, x in a.items() if isinstance(x, torch.Tensor)}
-        with pytest.raises(ValueError) as info:
+        with pytest.raises((ValueError, RuntimeError)) as info:
             if cell[3].startswith("store"):
                 _run_store(cell, a)
             else:
                 _run_rotation(cell, a)
-        assert str(info.value).startswith(("apply_rope", "rotate_with_angles")), str(info.value)
+        msg = str(info.value)
+        if not isinstance(info.value, ValueError):  # torch.compile reports the ValueError inside its own
+            assert cell[4] == "compile" and 'ValueError("' in msg, msg
+            msg = msg.split('ValueError("', 1)[1]
+        assert msg.startswith(("apply_rope", "rotate_with_angles")), msg
         for n, x in before.items():
             assert torch.equal(a[n].nan_to_num(), x.nan_to_num()), f"{n} written before the refusal"
         return

@@ -179,7 +179,7 @@ BAD_OUT = [
     ({"out_dtype": torch.float8_e4m3fn, "k_scale": -1.0}, "apply_rope: k_scale: expected a finite scale > 0"),
     ({"out_dtype": torch.float8_e4m3fn, "q_scale": torch.ones(2)}, "apply_rope: q_scale: expected a 0-d or 1-element"),
     ({"inverse": 1}, "apply_rope: inverse: expected a bool, got int"),
-    ({"inverse": True, "q_norm_weight": "w"}, "apply_rope: inverse: expected its default with q_norm_weight"),
+    ({"inverse": True, "q_norm_weight": "w"}, "apply_rope: inverse: expected False with q_norm_weight / k_norm_weight"),
 ]
 
 

@@ -132,7 +132,7 @@ def test_packed_head_sharded_forward_and_backward(gathered):
         ("norm_dtensor", "apply_rope: q: expected a plain torch.Tensor (the QK-norm path has no DTensor sharding rule"),
         (
             "packed_token_sharded",
-            "ropekit.rotate_packed: q: expected a head-dim or replicated placement with cu_seqlens",
+            "ropekit.rotate: q: expected a head-dim or replicated placement with cu_seqlens",
         ),
         ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
         ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),

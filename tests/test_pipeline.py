@@ -124,8 +124,8 @@ def test_every_door_matches_the_reference(door, poison):
     c = make_cache(20, 32)
     rq, rk = reference.apply_rope(q.double(), k.double(), pos, c.double())
     if door == "custom_op":
-        spec = ops._rope_spec(q, k, pos, c, False, None, None, False, False)
-        qo, ko = ops._rope_custom_op(spec, q, k, pos, c, False)
+        codes = pipeline.Variant().encode()
+        qo, ko = torch.ops.ropekit.rotate(q, k, pos, c, None, None, None, None, codes, 32, [1, 0], [0.0, 0.0], None)
     else:
         qq, kk = (q.clone().requires_grad_(), k.clone().requires_grad_()) if door == "function" else (q, k)
         qo, ko = ropekit.apply_rope(qq, kk, pos, c)

@@ -598,13 +598,13 @@ def _rotated(y, cos, sin, interleaved: bool):
     return y * torch.cat((c, c), -1) + torch.cat((-y2, y1), -1) * torch.cat((s, s), -1)
 
 
-def norm_rotate(x, weight, cos, sin, *, interleaved: bool, eps: float, offset: float) -> torch.Tensor:
+def norm_rotate(x, weight, cos, sin, *, interleaved: bool, eps: float, offset: float, out_dtype=None) -> torch.Tensor:
     """x (*T, H, D) RMS-normalized (when weight is given: the whole head, tail included), then its
-    first 2 * cos.shape[-1] dims rotated; math in float32, one rounding to x's dtype. Built from
-    differentiable ops: autograd through it gives the gradients of x and of the weight."""
+    first 2 * cos.shape[-1] dims rotated; math in float32, one rounding to out_dtype (None: x's).
+    Built from differentiable ops: autograd through it gives the gradients of x and of the weight."""
     y = x.to(compute_dtype(x)) if weight is None else rms_norm(x, weight, eps=eps, offset=offset)
     rot = 2 * cos.shape[-1]
     r = _rotated(y[..., :rot], cos, sin, interleaved)
     if rot < y.shape[-1]:
         r = torch.cat((r, y[..., rot:]), -1)
-    return r.to(x.dtype)
+    return r.to(out_dtype or x.dtype)

@@ -60,69 +60,51 @@ class OpRule(NamedTuple):
     written: tuple = ()
 
 
-# The op-schema table (src/ropekit/ops.py and store.py define the ops).
+WEIGHT = "weight"  # a per-head RMSNorm weight (D,): replicated
+WEIGHT_ALL = "weight across heads"  # an (H * D,) weight: replicated; head sharding refused
+GRAD_SUM = "partial"  # an output summed over tokens and heads (a weight's gradient): Partial where sharded
+
+
+def _rotate_roles(codes):
+    """Roles of the rotation ops' angle operands and weights, from the encoded Variant: (a, b)
+    follow its angle source, a weight its norm mode."""
+    from .pipeline import ANGLE_SOURCES
+
+    angles = ANGLE_SOURCES[codes[0 + 3]]
+    role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(angles, TOKENS)
+    role_b = ANGLES if angles == "tokens" else TABLE
+    return role_a, role_b, [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
+
+
+_ROTATE_FLAGS = (("variant", None), ("rotary_dim", None), ("packed", None), ("norm", None))
+
+
+def _rotate(codes) -> OpRule:
+    role_a, role_b, (wq, wk) = _rotate_roles(codes)
+    args = (("q", HEADS), ("k", HEADS), ("a", role_a), ("b", role_b), ("wq", wq), ("wk", wk))
+    scales = (("q_scale", SCALE), ("k_scale", SCALE))
+    return OpRule(args + scales + _ROTATE_FLAGS + (("out_dtype", None),), ("q", "k"))
+
+
+def _rotate_inplace(codes) -> OpRule:
+    role_a, role_b, (wq, wk) = _rotate_roles(codes)
+    args = (("q", HEADS), ("k", HEADS), ("a", role_a), ("b", role_b), ("wq", wq), ("wk", wk))
+    return OpRule(args + _ROTATE_FLAGS, (), ("q", "k"))
+
+
+def _rotate_norm_backward(codes) -> OpRule:
+    role_a, role_b, roles_w = _rotate_roles(codes)
+    w = WEIGHT_ALL if WEIGHT_ALL in roles_w else WEIGHT
+    args = (("x", HEADS), ("g", HEADS), ("w", w), ("a", role_a), ("b", role_b))
+    return OpRule(args + _ROTATE_FLAGS + (("mode", None),), ("x", GRAD_SUM))
+
+
+# The op-schema table (src/ropekit/library.py and store.py define the ops): a rule, or for the
+# rotation ops (argument index of their encoded Variant, the function deriving the rule from it).
 OPS = {
-    "rotate": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("positions", TOKENS),
-            ("table", TABLE),
-            ("rotary_dim", None),
-            ("interleaved", None),
-            ("out_interleaved", None),
-            ("mrope", MROPE),
-            ("inverse", None),
-            ("out_dtype", None),
-            ("q_scale", SCALE),
-            ("k_scale", SCALE),
-        ),
-        outputs=("q", "k"),
-    ),
-    "rotate_packed": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("cu_seqlens", SEQLENS),
-            ("table", TABLE),
-            ("rotary_dim", None),
-            ("interleaved", None),
-            ("cp_size", None),
-            ("cp_rank", None),
-            ("inverse", None),
-            ("out_dtype", None),
-            ("q_scale", SCALE),
-            ("k_scale", SCALE),
-        ),
-        outputs=("q", "k"),
-    ),
-    "rotate_": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("positions", TOKENS),
-            ("table", TABLE),
-            ("rotary_dim", None),
-            ("interleaved", None),
-            ("mrope", MROPE),
-            ("inverse", None),
-        ),
-        outputs=(),
-        written=("q", "k"),
-    ),
-    "rotate_angles": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("cos", ANGLES),
-            ("sin", ANGLES),
-            ("interleaved", None),
-            ("out_interleaved", None),
-            ("mrope", MROPE),
-            ("inverse", None),
-        ),
-        outputs=("q", "k"),
-    ),
+    "rotate": (8, _rotate),
+    "rotate_": (6, _rotate_inplace),
+    "rotate_norm_backward": (5, _rotate_norm_backward),
     "rope_and_store": OpRule(
         args=(
             ("q", HEADS),
@@ -151,12 +133,22 @@ OPS["rope_and_store_q_out"] = OpRule(
 )
 
 
-def reference_placements(op: str, specs: dict) -> tuple:
+def rule_of(op: str, values) -> OpRule:
+    """The rule of `op` for one call: OPS' rule, or for a rotation op the one derived from its
+    encoded Variant. values: the op's arguments, positional (a list) or by name (a dict)."""
+    entry = OPS[op]
+    if isinstance(entry, OpRule):
+        return entry
+    index, derive = entry
+    return derive(values[index] if isinstance(values, (list, tuple)) else values["variant"])
+
+
+def reference_placements(op: str, rule: OpRule, specs: dict) -> tuple:
     """Per mesh dim, the placement of the (*T, H, D) arguments (q, k, v): the one sharded among
     them, or Replicate() when none is (a replicated one is sliced to match, which is free)."""
     from torch.distributed.tensor import Replicate
 
-    heads = [(n, specs[n][1]) for n, role in OPS[op].args if role == HEADS and n in specs]
+    heads = [(n, specs[n][1]) for n, role in rule.args if role == HEADS and n in specs]
     first, placements = heads[0]
     out = []
     for i in range(len(placements)):
@@ -171,25 +163,27 @@ def reference_placements(op: str, specs: dict) -> tuple:
     return tuple(out)
 
 
-def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
+def expected_placements(op: str, rule: OpRule, specs: dict) -> dict:
     """The placements every tensor argument must have: {name: tuple of placements}.
 
-    specs: {name: (ndim, placements)} of the tensor arguments present (q among them). Raises
-    ValueError `ropekit.<op>: <arg>: expected ..., got ...` for a layout no rule covers.
+    specs: {name: (ndim, placements)} of the tensor arguments present (q, or x, among them).
+    Raises ValueError `ropekit.<op>: <arg>: expected ..., got ...` for a layout no rule covers.
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    rule = OPS[op]
-    q_ndim = specs["q"][0]
+    first = next(n for n, role in rule.args if role == HEADS and n in specs)  # q, or x
+    q_ndim = specs[first][0]
     n_tok = q_ndim - 2
-    ref = reference_placements(op, specs)
+    # per-token angles (cos / sin) are sharded like tokens; anything else in the ANGLES role is a table
+    positions_given = not any(role == ANGLES for _, role in rule.args)
+    ref = reference_placements(op, rule, specs)
     for p in ref:
         if not isinstance(p, Replicate) and (not isinstance(p, Shard) or p.dim < 0 or p.dim >= q_ndim - 1):
             _fail(
                 op,
-                "q",
+                first,
                 f"placements Replicate(), Shard(token dim) or Shard(head dim {q_ndim - 2}) on every mesh dim",
-                specs["q"][1],
+                specs[first][1],
             )
     want = {}
     for name, role in rule.args:
@@ -207,7 +201,17 @@ def expected_placements(op: str, specs: dict, positions_given: bool) -> dict:
             elif role == TOKENS or (role == ANGLES and not positions_given):
                 lead = ndim - n_tok - (1 if role == ANGLES else 0)  # 3 M-RoPE rows, or 0
                 per_mesh_dim.append(Shard(p.dim + lead) if token else Replicate())
-            elif role in (ANGLES, TABLE, SCALE):
+            elif role in (ANGLES, TABLE, SCALE, WEIGHT):
+                per_mesh_dim.append(Replicate())
+            elif role == WEIGHT_ALL:
+                if not token:
+                    _fail(
+                        op,
+                        name,
+                        "a token-sharded or replicated q / k with an (H * D,) norm weight (a norm "
+                        "across heads cannot run on a shard of the heads)",
+                        specs[first][1],
+                    )
                 per_mesh_dim.append(Replicate())
             elif role == SEQLENS:
                 if token:
@@ -237,7 +241,7 @@ def _fail(op, name, expected, given):
     raise ValueError(f"ropekit.{op}: {name}: expected {expected}, got {given}")
 
 
-def _settle(op: str, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
+def _settle(op: str, rule: OpRule, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
     """True if got must be redistributed to want (only Replicate -> Shard, a local slice);
     False if it is want already; raises for anything that would need communication, or for a
     written argument that is not laid out as wanted."""
@@ -245,7 +249,7 @@ def _settle(op: str, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
 
     if got == want:
         return False
-    if name in OPS[op].written:
+    if name in rule.written:
         _fail(
             op,
             name,
@@ -267,11 +271,12 @@ def check(op: str, args: dict) -> dict:
     """Check DTensor arguments of `op` (a key of OPS) without running it: {name: value} of its
     arguments (DTensors, None or plain values). Returns the placements the op will run with per
     tensor name. Raises the same ValueError the registered rule raises inside DTensor's dispatcher."""
+    rule = rule_of(op, args)
     specs = {n: (v.dim(), tuple(v.placements)) for n, v in args.items() if hasattr(v, "placements")}
-    want = expected_placements(op, specs, args.get("positions") is not None)
-    ref = reference_placements(op, specs)
+    want = expected_placements(op, rule, specs)
+    ref = reference_placements(op, rule, specs)
     for name, (_, got) in specs.items():
-        _settle(op, name, got, want[name], ref)
+        _settle(op, rule, name, got, want[name], ref)
     return want
 
 
@@ -280,7 +285,7 @@ def _strategy(op: str, op_schema):
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
-    rule = OPS[op]
+    rule = rule_of(op, op_schema.args_schema)
     values, specs, given = {}, {}, []
     for (name, _role), arg in zip(rule.args, op_schema.args_schema):
         values[name] = arg
@@ -288,14 +293,14 @@ def _strategy(op: str, op_schema):
             spec = arg.strategies[0].output_spec
             specs[name] = (spec.ndim, tuple(spec.placements))
             given.append((name, spec))
-    want = expected_placements(op, specs, values.get("positions") is not None)
-    ref = reference_placements(op, specs)
+    want = expected_placements(op, rule, specs)
+    ref = reference_placements(op, rule, specs)
     mesh = given[0][1].mesh
     inputs = {}
     for name, spec in given:
-        moved = _settle(op, name, tuple(spec.placements), want[name], ref)
+        moved = _settle(op, rule, name, tuple(spec.placements), want[name], ref)
         inputs[name] = DTensorSpec(mesh, want[name], tensor_meta=spec.tensor_meta) if moved else spec
-    outputs = tuple(DTensorSpec(mesh, want[n]) for n in rule.outputs if n in inputs)
+    outputs = tuple(_output_spec(mesh, n, want, ref) for n in rule.outputs if n in inputs or n == GRAD_SUM)
     return OpStrategy(
         [
             OpSpec(
@@ -305,6 +310,17 @@ def _strategy(op: str, op_schema):
             )
         ]
     )
+
+
+def _output_spec(mesh, name: str, want: dict, ref: tuple):
+    """An output's DTensorSpec: an argument's placements, or for a sum over tokens and heads
+    Partial() on every sharded mesh dim (DTensor reduces it when the caller needs it)."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    if name == GRAD_SUM:
+        return DTensorSpec(mesh, tuple(Replicate() if isinstance(p, Replicate) else Partial() for p in ref))
+    return DTensorSpec(mesh, want[name])
 
 
 _registered = False
@@ -323,13 +339,16 @@ def register() -> bool:
         from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
     except ImportError:
         return False
-    from . import ops, store  # noqa: F401  (the ops must exist before their rules)
+    from . import library, store  # noqa: F401  (the ops must exist before their rules)
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for name in OPS:
+    for name, entry in OPS.items():
         overload = getattr(torch.ops.ropekit, name).default
         # flags and mrope change the rule: hash every argument from the first non-tensor one on
-        static = next(i for i, (_, role) in enumerate(OPS[name].args) if role in (None, MROPE))
+        if isinstance(entry, OpRule):
+            static = next(i for i, (_, role) in enumerate(entry.args) if role in (None, MROPE))
+        else:
+            static = entry[0]  # the encoded Variant
         propagator.register_op_strategy(
             overload, lambda schema, _n=name: _strategy(_n, schema), RuntimeSchemaInfo(static_argnum=static)
         )

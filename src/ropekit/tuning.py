@@ -53,6 +53,12 @@ KNOBS: Dict[str, Knob] = {
         "rows are gathered by slot, so a program takes several to overlap "
         "their dependent slot -> table -> cache loads",
     ),
+    "norm_bwd_programs": Knob(
+        1024,
+        "rope_norm_backward_kernel programs along tokens, each walking its share of them and "
+        "writing one float32 weight-gradient row per head block (summed with torch after): "
+        "1024 fills an H200 and leaves few rows to sum",
+    ),
     "pdl": Knob(
         None,
         "None: programmatic dependent launch for decode-sized calls on Hopper and later: "

@@ -351,7 +351,7 @@ def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace) -> t
     if tuple(positions.shape) != want:
         fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
     if inplace:
-        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)))
+        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)), inplace_grad=True)
         if inv_freq.requires_grad and torch.is_grad_enabled():
             fail(op, "inplace", "False when inv_freq requires grad (its gradient needs the outputs)", True)
     return rot, axes
@@ -1229,6 +1229,22 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
     if norm_eps < 0:
         fail(op, "norm_eps", "a float >= 0", norm_eps)
     return tuple(modes)
+
+
+def norm_flags(op, *, inverse=False, inplace=False, grad=False, out_interleaved=False) -> None:
+    """The flags a norm before the rotation does not compose with, each refused by name."""
+    if inverse:
+        fail(op, "inverse", "False with q_norm_weight / k_norm_weight (a de-rotation has no norm before it)", True)
+    if inplace and grad:
+        fail(
+            op,
+            "inplace",
+            "False with q_norm_weight / k_norm_weight while autograd records the call (the norm's "
+            "backward needs the unnormalized q and k)",
+            True,
+        )
+    if out_interleaved:
+        fail(op, "out_interleaved", "None (or interleaved) with q_norm_weight / k_norm_weight", "another layout")
 
 
 def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_te
 
 import ropekit  # noqa: E402  (registers the DTensor rules)
 from ropekit.distributed import replicate  # noqa: E402
+from ropekit.pipeline import Variant  # noqa: E402
 
 
 def inputs(shape_q, shape_k, max_pos=64, seed=0):
@@ -83,11 +84,15 @@ def main(rank, world, port, out):
         distribute_tensor(k, mesh, [Shard(0)]),
         distribute_tensor(pos3, mesh, [Shard(1)]),
         replicate(cache, mesh),
+        None,
+        None,
+        None,
+        None,
+        Variant(mrope=1, sections=(4, 6, 6)).encode(),
         32,
-        False,
-        False,
-        [1, 4, 6, 6],
-        False,
+        [1, 0],
+        [0.0, 0.0],
+        None,
     )
     results["mrope_tokens"] = dict(q=q, k=k, pos=pos3, cache=cache, qo=qo.full_tensor(), ko=ko.full_tensor())
     # per-token angles (the Hugging Face form), token-sharded, plain cos / sin
