@@ -7,7 +7,7 @@
 The models are diffusers' own classes with their real widths and only a few blocks, random
 weights from a fixed seed, on CUDA in bf16 (parameters cast as `from_pretrained(torch_dtype=
 torch.bfloat16)` casts them: bf16 except the class's `_keep_in_fp32_modules`; buffers such as
-Wan's float64 rotary table as the constructor made them):
+Wan's float32 rotary table as the constructor made them):
 
     Flux.1  FluxTransformer2DModel: 24 heads x 128 = 3072 wide, joint_attention_dim 4096,
             pooled_projection_dim 768, axes_dims_rope (16, 56, 56), in_channels 64 (2 x 2 packed
@@ -25,9 +25,12 @@ target, backward. No optimizer step: the weights stay fixed, so every step does 
 and the patched and unpatched runs see the same weights. Each variant (unpatched, patched) runs
 `warmup` steps then `steps` timed ones (CUDA events around each step), `rounds` times in turn
 (unpatched, patched, unpatched, ...); the figure is the median over all timed steps. The first
-step of each variant gives the loss, the output and the gradient norm compared: the patched loss
-must equal the unpatched one within `--loss-rtol` (bf16 default 8e-3, float32 1e-5) or the
-script exits 1; the output's and the gradient norm's relative differences are recorded.
+step of each variant gives the loss, the output and the gradient norm compared. Checks (the
+script exits 1 if one fails): the patched loss equals the unpatched one within `--loss-rtol`
+(bf16 default 8e-3, float32 1e-5); the patched output's error against the unpatched model run
+in float32 (same weights, upcast) is within 1.5x the unpatched output's own error plus 1e-3
+(float32: 1e-5). The loss alone is a weak check (an MSE to a random target barely moves when
+the output does); the output check catches a rotation by the wrong angle.
 The first patched step also counts ropekit's calls (a patch that did nothing would show 0).
 Peak memory: `torch.cuda.max_memory_allocated` over each variant's steps.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import statistics
@@ -391,7 +395,7 @@ def reference_output(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
 
 
 def run_case(case: dict, device, dtype, schedule: dict, tol: dict, compile_too: bool) -> List[dict]:
-    """The eager row (and the compiled row) of one model; the model is freed afterwards."""
+    """The eager row (and the compiled row) of one model."""
     head = {k: case[k] for k in ("model", "blocks", "hidden", "tokens", "seq_tokens")}
     head.update(dtype=str(dtype).replace("torch.", ""), device=str(device), **schedule)
     model = case["build"]()
@@ -403,10 +407,14 @@ def run_case(case: dict, device, dtype, schedule: dict, tol: dict, compile_too: 
     rows = [dict(head, mode="eager", **measure_eager(*measured))]
     if compile_too:
         rows.append(dict(head, mode="compile", **measure_compiled(*measured)))
-    del model, inputs
+    return rows
+
+
+def release(device: torch.device) -> None:
+    """Give a finished model's memory back (an out-of-memory traceback may have held it)."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,7 +508,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
             rows.append(
                 dict(model=name, mode="eager", blocks=case["blocks"], tokens=case["tokens"], error=str(e)[:300])
             )
-            torch.cuda.empty_cache()
+        del case
+        release(device)
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:

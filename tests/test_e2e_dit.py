@@ -1,10 +1,11 @@
-"""benchmarks/e2e_dit.py in --quick mode (tiny Flux.1 and Wan configs, float32, CPU): its rows
-exist, ropekit ran inside the patched models, the patched losses and outputs equal the
-unpatched ones, and its parity check flags a patch that rotates the wrong way.
+"""benchmarks/e2e_dit.py in --quick mode (tiny Flux.1 and Wan configs, float32): its rows exist,
+ropekit ran inside the patched models, the patched losses and outputs equal the unpatched ones,
+and its parity check flags a patch that rotates the wrong way. On CPU; the CUDA path and
+torch.compile of both variants in a test marked gpu.
 
-Runs on ropekit's CPU path (TRITON_INTERPRET removed for the run: the interpreted kernels are
-covered by tests/test_vision_diffusers.py, and take seconds per step here). Skipped when
-diffusers is not installed.
+The CPU tests run ropekit's CPU path (TRITON_INTERPRET removed for the run: the interpreted
+kernels are covered by tests/test_vision_diffusers.py, and take seconds per step here). Skipped
+when diffusers is not installed.
 """
 
 from __future__ import annotations
@@ -64,3 +65,17 @@ def test_wrong_rotation_fails_the_check(e2e, monkeypatch):
     assert rows[0]["output_rel_diff"] > 1e-3
     assert not rows[0]["output_ok"] and not rows[0]["loss_ok"]
     assert e2e.failed(rows) == rows
+
+
+@pytest.mark.gpu
+def test_quick_on_cuda_with_compile(e2e):
+    """The CUDA path (CUDA events, peak memory) and torch.compile of both variants, tiny configs."""
+    rows = e2e.main(["--quick", "--device", "cuda", "--compile"])
+    assert [(r["model"], r["mode"]) for r in rows] == [
+        (m, mode) for m in ("flux", "wan") for mode in ("eager", "compile")
+    ]
+    for r in rows:
+        assert "error" not in r, r["error"]
+        assert r["loss_ok"] and r["output_ok"], (r["loss_rel_diff"], r["output_err_patched"])
+        assert r["unpatched"]["peak_gib"] > 0 and r["patched"]["peak_gib"] > 0
+    assert not e2e.failed(rows)
