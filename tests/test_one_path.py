@@ -11,8 +11,7 @@ import ropekit
 from ropekit import distributed, packed, pipeline, reference
 from ropekit.pipeline import Variant
 
-from conftest import make_cache
-from test_core_flags import _fp8_close as fp8_close
+from conftest import fp8_close, make_cache
 
 pytestmark = pytest.mark.usefixtures("poison")
 

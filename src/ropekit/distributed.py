@@ -397,12 +397,3 @@ def replicate(x: torch.Tensor, mesh):
     from torch.distributed.tensor import DTensor, Replicate
 
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def like(q, *xs):
-    """xs, each a DTensor like q: plain tensors (tables, positions) become replicated DTensors on q's
-    mesh (DTensor refuses calls that mix the two); when q is not a DTensor, xs as they are."""
-    mesh = getattr(q, "device_mesh", None)
-    if mesh is None:
-        return xs
-    return tuple(replicate(x, mesh) if isinstance(x, torch.Tensor) and not hasattr(x, "device_mesh") else x for x in xs)

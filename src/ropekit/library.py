@@ -38,6 +38,23 @@ ANGLE_NAMES = {
 }
 
 
+def dtensor_like(q, *xs):
+    """xs, each a DTensor like q: plain tensors (tables, positions, weights) become DTensors
+    replicated on q's mesh (DTensor refuses calls that mix the two; every rank holds the same
+    values, so no communication); when q is not a DTensor, xs as they are."""
+    mesh = getattr(q, "device_mesh", None)
+    if mesh is None:
+        return xs
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def like(x):
+        if not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh"):
+            return x
+        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    return tuple(like(x) for x in xs)
+
+
 def op_spec(variant: Variant, rot: int, packed, norm, q, k, a, b) -> Spec:
     """The spec inside a custom op: its inputs were validated by the public op (or are gradients);
     only layouts are memoized here."""

@@ -20,8 +20,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import distributed, launcher, pipeline, validate
-from .library import ANGLE_NAMES
+from . import launcher, pipeline, validate
+from .library import ANGLE_NAMES, dtensor_like
 from .pipeline import (
     CUSTOM_OP,
     DIRECT,
@@ -154,7 +154,7 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
     hf = v.heads_first  # the ops take tokens-first views; results go back to HF's layout
     codes = v._replace(heads_first=False).encode()
     qs, ks = (None, None) if scales is None else scales
-    a, b, wq, wk, qs, ks = distributed.like(q, a, b, weights[0], weights[1], qs, ks)
+    a, b, wq, wk, qs, ks = dtensor_like(q, a, b, weights[0], weights[1], qs, ks)
     q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
     packed, norm = list(spec.packed), [spec.norm_eps, spec.norm_offset]
     if spec.inplace and not pipeline.records_grad(q, k, wq, wk, b):
@@ -296,6 +296,25 @@ def apply_rope(
         a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
         return _custom_op(spec, q, k, a, b, (q_norm_weight, k_norm_weight), _scales(spec, q, q_scale, k_scale))
     try:
+        # the optional tensors, absent in most calls: one test instead of six calls
+        if (
+            cu_seqlens is None
+            and inv_freq is None
+            and q_norm_weight is None
+            and k_norm_weight is None
+            and q_scale is None
+            and k_scale is None
+        ):
+            optional = None
+        else:
+            optional = (
+                tensor_key(cu_seqlens),
+                tensor_key(inv_freq),
+                tensor_key(q_norm_weight),
+                tensor_key(k_norm_weight),
+                _scale_key(q_scale),
+                _scale_key(k_scale),
+            )
         key = (
             "apply_rope",
             torch.is_grad_enabled(),
@@ -303,10 +322,7 @@ def apply_rope(
             tensor_key(k),
             tensor_key(positions),
             tensor_key(cos_sin_cache),
-            tensor_key(cu_seqlens),
-            tensor_key(inv_freq),
-            tensor_key(q_norm_weight),
-            tensor_key(k_norm_weight),
+            optional,
             interleaved,
             rotary_dim,
             None if mrope_section is None else value_key(mrope_section),
@@ -318,8 +334,6 @@ def apply_rope(
             cp_rank,
             inverse,
             out_dtype,
-            _scale_key(q_scale),
-            _scale_key(k_scale),
             layout,
             None if axes is None else value_key(axes),
             # types: 16 and 16.0, True and 1 hash alike but validate differently
@@ -603,7 +617,7 @@ def rotate_angles(
     if torch.compiler.is_compiling():
         columns, _ = _angle_columns(q, k, cos, sin, rotary_dim, columns)
         spec = _angles_spec(q, k, cos, sin, *flags, columns, weights, norm)
-        return _custom_op(spec, q, k, cos, sin, weights, None)
+        return _custom_op(spec, q, k, *pipeline.angle_views(spec, cos, sin), weights, None)
     try:
         key = (
             "rotate_angles",

@@ -25,6 +25,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import cpu, launcher
+from .memo import clear, lookup, remember, tensor_key, value_key  # noqa: F401  (this module's seam for ops)
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
 # must fail a test, which memory that happens to be zero would hide).
@@ -196,46 +197,6 @@ class Spec:
         if self.halves is None:
             self.halves = (self._copy(self.inplace), self._copy(self.inplace))
         return self.halves
-
-
-# ---------------------------------------------------------------------------------------------
-# the memo
-
-
-_MEMO: dict = {}
-MEMO_CAPACITY = 4096
-
-
-def lookup(key):
-    """The spec memoized under key (None if absent, or if key is None)."""
-    return None if key is None else _MEMO.get(key)
-
-
-def remember(key, spec):
-    if key is not None:
-        if len(_MEMO) >= MEMO_CAPACITY:
-            _MEMO.clear()
-        _MEMO[key] = spec
-    return spec
-
-
-def clear() -> None:
-    """Forget every spec and plan (tuning knobs changed; tests)."""
-    _MEMO.clear()
-
-
-def tensor_key(x):
-    """The part of a signature one tensor argument contributes (None stays None)."""
-    if x is None:
-        return None
-    return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-
-
-def value_key(v):
-    """A non-tensor argument with its type (16 and 16.0 differ); sequences element by element."""
-    if isinstance(v, (list, tuple)):
-        return (type(v), tuple(value_key(e) for e in v))
-    return (type(v), v)
 
 
 def triton_runs(x: torch.Tensor) -> bool:
@@ -542,7 +503,7 @@ def scale_tensor(scale, device: torch.device, unit: bool = False) -> Optional[to
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), scale, dtype=torch.float32, device=device)
     key = ("scale tensor", type(scale), scale, str(device))
-    t = _MEMO.get(key)
+    t = lookup(key)
     if t is None:
         t = remember(key, torch.full((1,), scale, dtype=torch.float32, device=device))
     return t

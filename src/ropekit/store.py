@@ -15,13 +15,13 @@ from typing import Optional, Union
 
 import torch
 
-from . import pipeline, validate
+from . import memo, pipeline, validate
 from .pipeline import CUSTOM_OP, Spec, Variant, tensor_key
 
 OP = "apply_rope_and_store"
 
 Scale = Union[None, float, torch.Tensor]
-_MEMO = pipeline._MEMO
+_MEMO = memo.MEMO  # read here without a function call per op call
 
 
 def checks(
@@ -562,7 +562,7 @@ def apply_rope_and_store(
     ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
     qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
     if spec.door is CUSTOM_OP:  # tensor subclasses (DTensor): through the dispatcher
-        from .distributed import like
+        from .library import dtensor_like as like
 
         positions, cos_sin_cache, slot_mapping, ks, vs, qs = like(q, positions, cos_sin_cache, slot_mapping, ks, vs, qs)
         store_op(

@@ -12,6 +12,8 @@ import contextlib
 import os
 from typing import Dict, NamedTuple, Optional
 
+from . import memo
+
 
 class Knob(NamedTuple):
     default: object
@@ -137,6 +139,4 @@ def override(**values):
 
 
 def _changed() -> None:
-    from . import pipeline
-
-    pipeline.clear()
+    memo.clear()

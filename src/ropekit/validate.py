@@ -17,11 +17,21 @@ from typing import Sequence
 
 import torch
 
+from . import memo
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-_state = threading.local()
+
+class _State(threading.local):
+    """Per-thread strict mode. The class attribute is the default a new thread sees: a missing
+    attribute of a thread-local costs a raised and caught AttributeError on every check."""
+
+    strict = None
+
+
+_state = _State()
 
 
 @contextlib.contextmanager
@@ -31,7 +41,7 @@ def strict(enabled: bool = True):
     Costs one device sync per call; the default (off) makes a bad position's output NaN instead.
     `ROPEKIT_STRICT=1` in the environment turns it on globally.
     """
-    previous = getattr(_state, "strict", None)
+    previous = _state.strict
     _state.strict = enabled
     try:
         yield
@@ -41,7 +51,7 @@ def strict(enabled: bool = True):
 
 def is_strict() -> bool:
     """Strict mode on? (the `strict()` context of this thread, else ROPEKIT_STRICT as read at import)"""
-    value = getattr(_state, "strict", None)
+    value = _state.strict
     return _ENV_STRICT if value is None else value
 
 
@@ -869,11 +879,9 @@ def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
     )
     # verdicts by layout, in ropekit's one memo: KV caches are the same tensors call after call, so
     # decode pays for the search once (the key holds all the search reads)
-    from . import pipeline
-
-    verdict = pipeline.lookup(("may_alias",) + key)
+    verdict = memo.lookup(("may_alias",) + key)
     if verdict is None:
-        verdict = pipeline.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
+        verdict = memo.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
     return verdict
 
 
