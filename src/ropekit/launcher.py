@@ -167,7 +167,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         block_h = next_pow2(max(n_q, n_k))
         nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
-    prefetch = head_loop and (not mrope if prefetch is None else prefetch)
+    # M-RoPE's three masked row loads and a norm's reductions already hold the registers
+    prefetch = head_loop and (not (mrope or normed) if prefetch is None else prefetch)
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         ins = (q, k) if variant.interleaved else ()
@@ -223,18 +224,19 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         SEARCH_STRIDE=angles.search[0],
         SEARCH_COARSE=angles.search[1],
         **pdl_meta(q, n_tokens),
-        num_warps=tuning.warps(head_loop, mrope, n_tokens),
+        num_warps=tuning.warps(head_loop, mrope, n_tokens, elems=block_h * (2 * half_pad + tail_pad)),
     )
-    if normed:
-        meta["num_warps"] = norm_warps(block_h, half_pad, tail_pad, meta["num_warps"])
+    if normed and not tuning.get("num_warps"):
+        meta["num_warps"] = norm_warps(block_h, half_pad, tail_pad)
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
 
 
-def norm_warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
-    """Warps of a normed launch: across-heads blocks hold a whole token (up to 64 heads of 128), and
-    more warps keep it in registers."""
+def norm_warps(block_h: int, half_pad: int, tail_pad: int) -> int:
+    """Warps of a normed launch: one per 1024 elements of a head block, 2 to 8 (W13's per-head
+    blocks of 2048 ran fastest with 2; across-heads blocks hold a whole token, up to 64 heads of
+    128, and need more to stay in registers)."""
     elems = block_h * (2 * half_pad + tail_pad)
-    return max(warps, min(8, next_pow2(max(1, elems // 1024))))
+    return max(2, min(8, next_pow2(max(1, elems // 1024))))
 
 
 def section_args(variant, half: int) -> tuple:
@@ -635,7 +637,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         INVERSE=variant.inverse,
         NORM=mode,
         **angle_meta(angles, variant),
-        num_warps=norm_warps(block_h, half_pad, tail_pad, 4),
+        num_warps=max(4, norm_warps(block_h, half_pad, tail_pad)),
     )
     return Plan((-(-n_tokens // per_program), n_blocks), args, meta, 0, {})
 
