@@ -359,6 +359,17 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
     return outs[0], outs[1]
 
 
+def norm_backward_cpu(spec: Spec, variant: Variant, x, g, w, a, b):
+    """run_norm_backward's CPU path (tokens-first x and g): cpu.norm_rotate_backward with the
+    variant's per-token angles."""
+    cos, sin = token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
+    if variant.inverse:
+        sin = -sin
+    return cpu.norm_rotate_backward(
+        x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+    )
+
+
 def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
     """(gradient of x, of w) for one tensor of a normed variant (mode: its NORM_* mode) given its
     output gradient g: rope_norm_backward_kernel (the CPU path's gradients come from autograd)."""
