@@ -605,10 +605,11 @@ def test_bigmem_cuda_norm_past_2_31_elements():
     assert torch.isfinite(dw).all()
 
 
-def test_cpu_reference_path_without_triton(monkeypatch):
+def test_cpu_reference_path_without_triton(monkeypatch, request):
     """Plain CPU (no TRITON_INTERPRET): the pure-PyTorch path, forward, backward and store."""
-    monkeypatch.setattr(pipeline, "triton_runs", lambda x: False)
+    monkeypatch.setattr(pipeline, "triton_runs", lambda x: False)  # the specs record their path
     pipeline.clear()
+    request.addfinalizer(pipeline.clear)
     q, k = inputs()
     cache = make_cache(32, 32)
     pos = torch.randint(0, 32, (5,))

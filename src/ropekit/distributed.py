@@ -9,6 +9,9 @@ dim of q's placements:
     Shard(d), d a token dim  Shard(d)        Shard(d [+1 for M-RoPE])  Replicate()      refused        refused
     Shard(H), the head dim   Shard(H)        Replicate()               Replicate()      Shard(heads)   Replicate()
 
+RMSNorm weights (the store's q_norm_weight / k_norm_weight) are replicated; a weight across heads
+((H*D,), the variant's NORM_TOKEN) needs every head of a token, so head sharding refuses it.
+
 The reference placement on a mesh dim is that of whichever of q, k, v is sharded there (they must
 agree), Replicate() when none is. Outputs (rotate) get the reference placements. A replicated
 argument that the rule wants sharded is sliced locally by DTensor (no communication: this is how
@@ -99,38 +102,40 @@ def _rotate_norm_backward(codes) -> OpRule:
     return OpRule(args + _ROTATE_FLAGS + (("mode", None),), ("x", GRAD_SUM))
 
 
+def _store(codes, q_out: bool) -> OpRule:
+    """The fused store's rule: positions (or cu_seqlens) follow the tokens, replicated under head
+    sharding (token sharding is refused by the caches); weights by the variant's norm modes."""
+    _, _, (wq, wk) = _rotate_roles(codes)
+    args = (
+        ("q", HEADS),
+        ("k", HEADS),
+        ("v", HEADS),
+        ("positions", TOKENS),
+        ("cos_sin_cache", TABLE),
+        ("k_cache", CACHE),
+        ("v_cache", CACHE),
+        ("slot_mapping", TOKENS),
+        ("variant", None),
+        ("rotary_dim", None),
+        ("k_scale", SCALE),
+        ("v_scale", SCALE),
+        ("write_key", None),
+    )
+    outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
+    norm = (("q_norm_weight", wq), ("k_norm_weight", wk), ("norm_eps", None), ("norm_weight_offset", None))
+    written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
+    return OpRule(args + outs + norm + (("cp_size", None), ("cp_rank", None)), (), written)
+
+
 # The op-schema table (src/ropekit/library.py and store.py define the ops): a rule, or for the
 # rotation ops (argument index of their encoded Variant, the function deriving the rule from it).
 OPS = {
     "rotate": (8, _rotate),
     "rotate_": (6, _rotate_inplace),
     "rotate_norm_backward": (5, _rotate_norm_backward),
-    "rope_and_store": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("v", HEADS),
-            ("positions", TOKENS),
-            ("cos_sin_cache", TABLE),
-            ("k_cache", CACHE),
-            ("v_cache", CACHE),
-            ("slot_mapping", TOKENS),
-            ("interleaved", None),
-            ("rotary_dim", None),
-            ("k_scale", SCALE),
-            ("v_scale", SCALE),
-            ("write_key", None),
-        ),
-        outputs=(),
-        written=("q", "k", "k_cache", "v_cache"),
-    ),
+    "rope_and_store": (8, lambda codes: _store(codes, q_out=False)),
+    "rope_and_store_q_out": (8, lambda codes: _store(codes, q_out=True)),
 }
-# the store writing rotated q into q_out: the same rule, q_out sharded like q
-OPS["rope_and_store_q_out"] = OpRule(
-    args=OPS["rope_and_store"].args + (("q_out", HEADS), ("q_scale", SCALE)),
-    outputs=(),
-    written=("q_out", "k", "k_cache", "v_cache"),
-)
 
 
 def rule_of(op: str, values) -> OpRule:
@@ -208,9 +213,9 @@ def expected_placements(op: str, rule: OpRule, specs: dict) -> dict:
                     _fail(
                         op,
                         name,
-                        "a token-sharded or replicated q / k with an (H * D,) norm weight (a norm "
-                        "across heads cannot run on a shard of the heads)",
-                        specs[first][1],
+                        "a per-head (D,) weight when q / k are sharded on heads (a norm across heads "
+                        "needs every head of a token: replicate q / k, or gather first)",
+                        f"an across-heads weight with {first} placements {specs[first][1]}",
                     )
                 per_mesh_dim.append(Replicate())
             elif role == SEQLENS:

@@ -142,7 +142,7 @@ def main(rank, world, port, out):
             distribute_tensor(k_cache, mesh, [R]),
             distribute_tensor(v_cache, mesh, [R]),
             distribute_tensor(slots, mesh, [Shard(0)]),
-            False,
+            Variant().encode(),
             cache.shape[1],
             None,
             None,
@@ -150,6 +150,43 @@ def main(rank, world, port, out):
         errors["store_token_sharded"] = None
     except RuntimeError as e:
         errors["store_token_sharded"] = str(e)
+    # the store with the norm (per-head weights, replicated) and packed angles, head-sharded
+    g = torch.Generator().manual_seed(11)
+    wq, wk = torch.rand(32, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5
+    cu = torch.tensor([0, 3, 8])
+    kc2, vc2 = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    dq, dk, dv = (distribute_tensor(x, mesh, [H]) for x in (q, k, v))
+    dkc, dvc = distribute_tensor(kc2, mesh, [Shard(2)]), distribute_tensor(vc2, mesh, [Shard(2)])
+    ropekit.apply_rope_and_store(
+        dq, dk, dv, None, cache, dkc, dvc, distribute_tensor(slots, mesh, [R]), cu_seqlens=cu,
+        q_norm_weight=wq, k_norm_weight=wk, norm_weight_offset=1.0,
+    )  # fmt: skip
+    results["store_norm_packed_heads"] = dict(
+        q=q,
+        k=k,
+        v=v,
+        cu=cu,
+        cache=cache,
+        wq=wq,
+        wk=wk,
+        slots=slots,
+        qo=dq.full_tensor(),
+        k_cache_out=dkc.full_tensor(),
+        v_cache_out=dvc.full_tensor(),
+    )
+    # a norm across heads needs every head of a token: refused under head sharding, nothing written
+    try:
+        dq, dk, dv = (distribute_tensor(x, mesh, [H]) for x in (q, k, v))
+        dkc = distribute_tensor(torch.zeros_like(k_cache), mesh, [Shard(2)])
+        dvc = distribute_tensor(torch.zeros_like(v_cache), mesh, [Shard(2)])
+        ropekit.apply_rope_and_store(
+            dq, dk, dv, distribute_tensor(pos, mesh, [R]), cache, dkc, dvc, distribute_tensor(slots, mesh, [R]),
+            k_norm_weight=torch.ones(2 * 32),
+        )  # fmt: skip
+        errors["store_norm_across_heads_sharded"] = None
+    except RuntimeError as e:
+        assert torch.equal(dq.full_tensor(), q) and not dkc.full_tensor().any(), "written before the refusal"
+        errors["store_norm_across_heads_sharded"] = str(e)
     # packed sequences (cu_seqlens), head-sharded, forward and backward; token sharding refused
     q, k, _, cache = inputs((8, 4, 32), (8, 2, 32), seed=123)
     cu = torch.tensor([0, 3, 8])
