@@ -69,36 +69,39 @@ GRAD_SUM = "partial"  # an output summed over tokens and heads (a weight's gradi
 
 
 def _rotate_roles(codes):
-    """Roles of the rotation ops' angle operands and weights, from the encoded Variant: (a, b)
-    follow its angle source, a weight its norm mode."""
+    """Names and roles of the rotation ops' angle operands (a, b), from the encoded Variant's angle
+    source, and the roles of the two norm weights, from its norm modes."""
+    from .library import ANGLE_NAMES
     from .pipeline import ANGLE_SOURCES
 
-    angles = ANGLE_SOURCES[codes[0 + 3]]
+    angles = ANGLE_SOURCES[codes[3]]
+    name_a, name_b = ANGLE_NAMES[angles]
     role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(angles, TOKENS)
     role_b = ANGLES if angles == "tokens" else TABLE
-    return role_a, role_b, [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
+    return (name_a, role_a), (name_b, role_b), [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
 
 
 _ROTATE_FLAGS = (("variant", None), ("rotary_dim", None), ("packed", None), ("norm", None))
 
 
+def _rotate_args(codes) -> tuple:
+    a, b, (wq, wk) = _rotate_roles(codes)
+    return (("q", HEADS), ("k", HEADS), a, b, ("q_norm_weight", wq), ("k_norm_weight", wk))
+
+
 def _rotate(codes) -> OpRule:
-    role_a, role_b, (wq, wk) = _rotate_roles(codes)
-    args = (("q", HEADS), ("k", HEADS), ("a", role_a), ("b", role_b), ("wq", wq), ("wk", wk))
     scales = (("q_scale", SCALE), ("k_scale", SCALE))
-    return OpRule(args + scales + _ROTATE_FLAGS + (("out_dtype", None),), ("q", "k"))
+    return OpRule(_rotate_args(codes) + scales + _ROTATE_FLAGS + (("out_dtype", None),), ("q", "k"))
 
 
 def _rotate_inplace(codes) -> OpRule:
-    role_a, role_b, (wq, wk) = _rotate_roles(codes)
-    args = (("q", HEADS), ("k", HEADS), ("a", role_a), ("b", role_b), ("wq", wq), ("wk", wk))
-    return OpRule(args + _ROTATE_FLAGS, (), ("q", "k"))
+    return OpRule(_rotate_args(codes) + _ROTATE_FLAGS, (), ("q", "k"))
 
 
 def _rotate_norm_backward(codes) -> OpRule:
-    role_a, role_b, roles_w = _rotate_roles(codes)
+    a, b, roles_w = _rotate_roles(codes)
     w = WEIGHT_ALL if WEIGHT_ALL in roles_w else WEIGHT
-    args = (("x", HEADS), ("g", HEADS), ("w", w), ("a", role_a), ("b", role_b))
+    args = (("x", HEADS), ("g", HEADS), ("w", w), a, b)
     return OpRule(args + _ROTATE_FLAGS + (("mode", None),), ("x", GRAD_SUM))
 
 
