@@ -1005,7 +1005,7 @@ def run_rerotate(r, gen, device, cfg):
     return 1
 
 
-# q/k RMSNorm + RoPE (ropekit.qknorm through apply_rope / apply_rope_and_store)
+# q/k RMSNorm + RoPE (through apply_rope / apply_rope_and_store)
 
 
 def _norm_template(r):

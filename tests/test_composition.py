@@ -72,10 +72,6 @@ def verdict(layout, norm, angles, write, mode):
     # what the ops cannot be asked yet comes first: such a call fails on its keywords
     if store and angles == "per_token":
         return "gap", "the fused store takes positions and a table, not per-token angles"
-    if write == "inplace" and angles == "per_token":
-        return "gap", "rotate_with_angles is out of place only"
-    if angles == "per_token" and norm != "none" and layout == "mrope":
-        return "gap", "rotate_with_angles takes norm weights, but not with M-RoPE sections"
     if store and mode == "grad":
         return "refused", "a gradient through the KV-cache store"
     if layout == "mrope" and angles.startswith("packed"):
@@ -175,7 +171,7 @@ def _call(cell, a, q, k, v=None, caches=None):
             kw.update(mrope_section=SECTIONS)
         else:
             c, s = c[a["positions"]], s[a["positions"]]
-        return ropekit.rotate_with_angles(q, k, c, s, **kw)
+        return ropekit.rotate_with_angles(q, k, c, s, inplace=write == "inplace", **kw)
     if layout == "mrope":
         kw.update(mrope_section=SECTIONS)
     if angles == "positions":

@@ -11,7 +11,7 @@ import torch
 import ropekit
 from ropekit import pipeline, reference
 
-from conftest import TOL, make_cache, rel_err
+from conftest import TOL, fp8_close, make_cache, rel_err
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -85,21 +85,6 @@ def _fp8_reference(x, c, s, scale, dtype, interleaved=False):
     return r.clamp(-big, big).to(dtype)
 
 
-def _fp8_close(got, want, dtype):
-    """Within one fp8 ulp: 2^-mantissa_bits of the value, or the smallest normal step. On CPU the
-    Triton interpreter's float32 -> fp8 cast loses the carry when rounding up reaches the next power
-    of two (31.9 -> 16 instead of 32): there, that value is accepted too; compiled (CUDA) it is not."""
-    mant = 3 if dtype == torch.float8_e4m3fn else 2
-    g, w = got.double(), want.double()
-    assert not torch.isnan(g).any(), "NaN in an fp8 output"
-    tol = w.abs() * 2.0**-mant + torch.finfo(dtype).tiny
-    bad = (g - w).abs() > tol
-    if not got.is_cuda:
-        power_of_two = (w != 0) & (torch.frexp(w).mantissa.abs() == 0.5)
-        bad &= ~(power_of_two & (g == w / 2))
-    assert not bad.any(), f"{int(bad.sum())} fp8 values off by more than an ulp, e.g. {g[bad][:4]} vs {w[bad][:4]}"
-
-
 @pytest.mark.parametrize("out_dtype", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -114,8 +99,8 @@ def test_fp8_outputs_random(device, out_dtype, dtype, interleaved):
     )
     assert qo.dtype == out_dtype and ko.dtype == out_dtype and qo.shape == q.shape and ko.shape == k.shape
     c, s = _angles(cache, positions, (7,))
-    _fp8_close(qo, _fp8_reference(q, c, s, q_scale, out_dtype, interleaved), out_dtype)
-    _fp8_close(ko, _fp8_reference(k, c, s, 0.5, out_dtype, interleaved), out_dtype)
+    fp8_close(qo, _fp8_reference(q, c, s, q_scale, out_dtype, interleaved), out_dtype)
+    fp8_close(ko, _fp8_reference(k, c, s, 0.5, out_dtype, interleaved), out_dtype)
     # saturation: q / 0.02 reaches past e4m3's 448, and the largest finite value is stored
     if out_dtype == torch.float8_e4m3fn:
         assert qo.float().abs().max().item() == 448.0
@@ -145,7 +130,7 @@ def test_fp8_outputs_on_the_cpu_path(monkeypatch):
         positions = torch.randint(0, 64, (5,))
         qo, _ = ropekit.apply_rope(q, None, positions, cache, out_dtype=torch.float8_e4m3fn, q_scale=0.1)
         c, s = _angles(cache, positions, (5,))
-        _fp8_close(qo, _fp8_reference(q, c, s, 0.1, torch.float8_e4m3fn), torch.float8_e4m3fn)
+        fp8_close(qo, _fp8_reference(q, c, s, 0.1, torch.float8_e4m3fn), torch.float8_e4m3fn)
         assert qo.float().abs().max().item() == 448.0
     finally:
         pipeline.clear()
@@ -179,7 +164,7 @@ BAD_OUT = [
     ({"out_dtype": torch.float8_e4m3fn, "k_scale": -1.0}, "apply_rope: k_scale: expected a finite scale > 0"),
     ({"out_dtype": torch.float8_e4m3fn, "q_scale": torch.ones(2)}, "apply_rope: q_scale: expected a 0-d or 1-element"),
     ({"inverse": 1}, "apply_rope: inverse: expected a bool, got int"),
-    ({"inverse": True, "q_norm_weight": "w"}, "apply_rope: inverse: expected its default with q_norm_weight"),
+    ({"inverse": True, "q_norm_weight": "w"}, "apply_rope: inverse: expected False with q_norm_weight / k_norm_weight"),
 ]
 
 

@@ -541,7 +541,7 @@ def test_threads_have_their_own_scratch(cpu_path):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("module", ["cpu", "pipeline", "ops", "qknorm", "store", "rerotate", "hf"])
+@pytest.mark.parametrize("module", ["cpu", "pipeline", "ops", "library", "store", "rerotate", "hf"])
 def test_run_path_does_not_use_the_oracle(module):
     """reference.py is the tests' oracle only: no module the ops run imports it."""
     try:

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ropekit import hf, hf_qknorm, qknorm  # noqa: E402
+from ropekit import hf, hf_qknorm, ops  # noqa: E402
 
 V, HID, LAYERS, S = 96, 64, 2, 5
 COMMON = dict(
@@ -78,8 +78,8 @@ def test_fused_qk_norm_parity_and_unpatch(name):
     spec = hf_qknorm.FAMILIES[name]
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     before = (getattr(module, spec.rope), getattr(module, spec.norm).forward, getattr(module, spec.attention).forward)
-    calls = mock.MagicMock(wraps=qknorm.rotate_angles_with_norm)
-    with mock.patch.object(qknorm, "rotate_angles_with_norm", calls):
+    calls = mock.MagicMock(wraps=ops.rotate_angles)
+    with mock.patch.object(ops, "rotate_angles", calls):
         done = hf.patch(model, fuse_qk_norm=True)
         try:
             assert name in done and f"{spec.attention}.forward" in done[name]
@@ -89,8 +89,9 @@ def test_fused_qk_norm_parity_and_unpatch(name):
     assert name in restored
     after = (getattr(module, spec.rope), getattr(module, spec.norm).forward, getattr(module, spec.attention).forward)
     assert after == before, "unpatch must restore HF's function, norm forward and attention forward"
-    assert calls.call_count == LAYERS, f"{calls.call_count} fused calls, expected one per layer"
-    for c in calls.call_args_list:
+    fused = [c for c in calls.call_args_list if c.kwargs.get("q_norm_weight") is not None]
+    assert len(fused) == LAYERS, f"{len(fused)} fused calls, expected one per layer"
+    for c in fused:
         w = c.kwargs["q_norm_weight"]
         assert c.kwargs["norm_weight_offset"] == spec.offset
         assert w.shape[0] == (64 if name == "olmo2" else 16), "OLMo 2 normalizes across heads (H*D)"
@@ -116,15 +117,16 @@ def test_patch_would_notice_a_skipped_norm():
     ids = torch.randint(3, V, (2, S))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    real = qknorm.rotate_angles_with_norm
+    real = ops.rotate_angles
 
     def no_weights(q, k, cos, sin, **kw):
-        kw["q_norm_weight"] = torch.ones_like(kw["q_norm_weight"])
+        if kw.get("q_norm_weight") is not None:
+            kw["q_norm_weight"] = torch.ones_like(kw["q_norm_weight"])
         return real(q, k, cos, sin, **kw)
 
     with (
         hf.patched(model, fuse_qk_norm=True),
-        mock.patch.object(qknorm, "rotate_angles_with_norm", no_weights),
+        mock.patch.object(ops, "rotate_angles", no_weights),
         torch.no_grad(),
     ):
         wrong = model(input_ids=ids).logits

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import ops, pipeline, reference, tuning
+from ropekit import memo, ops, pipeline, reference, tuning
 
 from conftest import TOL, make_cache, rel_err
 
@@ -110,12 +110,12 @@ def test_one_validation_per_signature(monkeypatch):
 
 
 def test_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(pipeline, "MEMO_CAPACITY", 8)
+    monkeypatch.setattr(memo, "MEMO_CAPACITY", 8)
     pipeline.clear()
     c = make_cache(64, 16)
     for T in range(1, 30):
         ropekit.apply_rope(_q(T=T), None, torch.arange(T), c)
-        assert len(pipeline._MEMO) <= 8
+        assert len(memo.MEMO) <= 8
 
 
 def test_variant_backward_is_the_inverse():
@@ -136,8 +136,8 @@ def test_every_door_matches_the_reference(door, poison):
     c = make_cache(20, 32)
     rq, rk = reference.apply_rope(q.double(), k.double(), pos, c.double())
     if door == "custom_op":
-        spec = ops._rope_spec(q, k, pos, c, False, None, None, False, False)
-        qo, ko = ops._rope_custom_op(spec, q, k, pos, c, False)
+        codes = pipeline.Variant().encode()
+        qo, ko = torch.ops.ropekit.rotate(q, k, pos, c, None, None, None, None, codes, 32, [1, 0], [0.0, 0.0], None)
     else:
         qq, kk = (q.clone().requires_grad_(), k.clone().requires_grad_()) if door == "function" else (q, k)
         qo, ko = ropekit.apply_rope(qq, kk, pos, c)
@@ -154,12 +154,12 @@ def test_tuning_override_replans():
     c = make_cache(10, 16)
     pipeline.clear()
     ropekit.apply_rope(_q(), None, torch.tensor([0, 1, 2]), c)
-    assert pipeline._MEMO
+    assert memo.MEMO
     q = _q()
     with tuning.override(block_elems=64):
-        assert not pipeline._MEMO
+        assert not memo.MEMO
         out, _ = ropekit.apply_rope(q, None, torch.tensor([0, 1, 2]), c)
-        assert pipeline._MEMO  # planned again under the new knob
+        assert memo.MEMO  # planned again under the new knob
     want = reference.rotate(q.double(), *reference.angles_from_table(c.double(), torch.tensor([0, 1, 2]), (3,)))
     assert rel_err(out, want) < TOL[torch.float32]
     with pytest.raises(ValueError, match="knobs"):

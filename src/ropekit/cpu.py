@@ -641,13 +641,38 @@ def _rotated(y, cos, sin, interleaved: bool):
     return y * torch.cat((c, c), -1) + torch.cat((-y2, y1), -1) * torch.cat((s, s), -1)
 
 
-def norm_rotate(x, weight, cos, sin, *, interleaved: bool, eps: float, offset: float) -> torch.Tensor:
+def norm_rotate(x, weight, cos, sin, *, interleaved: bool, eps: float, offset: float, out_dtype=None) -> torch.Tensor:
     """x (*T, H, D) RMS-normalized (when weight is given: the whole head, tail included), then its
-    first 2 * cos.shape[-1] dims rotated; math in float32, one rounding to x's dtype. Built from
-    differentiable ops: autograd through it gives the gradients of x and of the weight."""
+    first 2 * cos.shape[-1] dims rotated; math in float32, one rounding to out_dtype (None: x's).
+    Built from differentiable ops: autograd through it gives the gradients of x and of the weight."""
     y = x.to(compute_dtype(x)) if weight is None else rms_norm(x, weight, eps=eps, offset=offset)
     rot = 2 * cos.shape[-1]
     r = _rotated(y[..., :rot], cos, sin, interleaved)
     if rot < y.shape[-1]:
         r = torch.cat((r, y[..., rot:]), -1)
-    return r.to(x.dtype)
+    return r.to(out_dtype or x.dtype)
+
+
+def norm_rotate_backward(x, g, weight, cos, sin, *, interleaved: bool, eps: float, offset: float):
+    """(gradient of x, of weight) of norm_rotate given its output gradient g, by the formulas (no
+    autograd: custom ops run this below autograd). With n = x * r, r = rsqrt(mean(x^2) + eps) over
+    the norm group and gz = the transposed rotation of g: gx = r * (gz w' - n mean(gz w' n)),
+    dw = sum of gz * n over tokens (and heads, per-head weights). Math in float32 (float64)."""
+    ct = compute_dtype(x)
+    rot = 2 * cos.shape[-1]
+    g = g.to(ct)
+    gz = _rotated(g[..., :rot], cos, -sin, interleaved)  # the transpose of a rotation: by -angle
+    if rot < g.shape[-1]:
+        gz = torch.cat((gz, g[..., rot:]), -1)
+    if weight is None:
+        return gz.to(x.dtype), None
+    per_head = weight.shape[-1] == x.shape[-1]
+    xf = x.to(ct) if per_head else x.to(ct).flatten(-2)
+    gzf = gz if per_head else gz.flatten(-2)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    n = xf * r
+    w = weight.to(ct) + offset
+    gn = gzf * w
+    gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
+    dw = (gzf * n).reshape(-1, weight.shape[-1]).sum(0)
+    return gx.view(x.shape).to(x.dtype), dw.to(weight.dtype)

@@ -51,8 +51,6 @@ SCALE = "scale"  # per-tensor scale: replicated
 SEQLENS = "seqlens"  # cu_seqlens: replicated; it numbers the tokens of the whole packed batch, so q
 #                      and k may be sharded on heads but not on tokens
 MROPE = "mrope"  # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
-WEIGHT = "weight"  # RMSNorm weight: replicated; one across heads (H*D,) is refused with head sharding
-VARIANT = "variant"  # non-tensor: pipeline.Variant.encode() (its norm modes say which weights span heads)
 
 
 class OpRule(NamedTuple):
@@ -65,113 +63,100 @@ class OpRule(NamedTuple):
     written: tuple = ()
 
 
-# The op-schema table (src/ropekit/ops.py and store.py define the ops).
+WEIGHT = "weight"  # a per-head RMSNorm weight (D,): replicated
+WEIGHT_ALL = "weight across heads"  # an (H * D,) weight: replicated; head sharding refused
+GRAD_SUM = "partial"  # an output summed over tokens and heads (a weight's gradient): Partial where sharded
+
+
+def _rotate_roles(codes):
+    """Names and roles of the rotation ops' angle operands (a, b), from the encoded Variant's angle
+    source, and the roles of the two norm weights, from its norm modes."""
+    from .library import ANGLE_NAMES
+    from .pipeline import ANGLE_SOURCES
+
+    angles = ANGLE_SOURCES[codes[3]]
+    name_a, name_b = ANGLE_NAMES[angles]
+    role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(angles, TOKENS)
+    role_b = ANGLES if angles == "tokens" else TABLE
+    return (name_a, role_a), (name_b, role_b), [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
+
+
+_ROTATE_FLAGS = (("variant", None), ("rotary_dim", None), ("packed", None), ("norm", None))
+
+
+def _rotate_args(codes) -> tuple:
+    a, b, (wq, wk) = _rotate_roles(codes)
+    return (("q", HEADS), ("k", HEADS), a, b, ("q_norm_weight", wq), ("k_norm_weight", wk))
+
+
+def _rotate(codes) -> OpRule:
+    scales = (("q_scale", SCALE), ("k_scale", SCALE))
+    return OpRule(_rotate_args(codes) + scales + _ROTATE_FLAGS + (("out_dtype", None),), ("q", "k"))
+
+
+def _rotate_inplace(codes) -> OpRule:
+    return OpRule(_rotate_args(codes) + _ROTATE_FLAGS, (), ("q", "k"))
+
+
+def _rotate_norm_backward(codes) -> OpRule:
+    a, b, roles_w = _rotate_roles(codes)
+    w = WEIGHT_ALL if WEIGHT_ALL in roles_w else WEIGHT
+    args = (("x", HEADS), ("g", HEADS), ("w", w), a, b)
+    return OpRule(args + _ROTATE_FLAGS + (("mode", None),), ("x", GRAD_SUM))
+
+
+def _store(codes, q_out: bool) -> OpRule:
+    """The fused store's rule: positions (or cu_seqlens) follow the tokens, replicated under head
+    sharding (token sharding is refused by the caches); weights by the variant's norm modes."""
+    _, _, (wq, wk) = _rotate_roles(codes)
+    args = (
+        ("q", HEADS),
+        ("k", HEADS),
+        ("v", HEADS),
+        ("positions", TOKENS),
+        ("cos_sin_cache", TABLE),
+        ("k_cache", CACHE),
+        ("v_cache", CACHE),
+        ("slot_mapping", TOKENS),
+        ("variant", None),
+        ("rotary_dim", None),
+        ("k_scale", SCALE),
+        ("v_scale", SCALE),
+        ("write_key", None),
+    )
+    outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
+    norm = (("q_norm_weight", wq), ("k_norm_weight", wk), ("norm_eps", None), ("norm_weight_offset", None))
+    written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
+    return OpRule(args + outs + norm + (("cp_size", None), ("cp_rank", None)), (), written)
+
+
+# The op-schema table (src/ropekit/library.py and store.py define the ops): a rule, or for the
+# rotation ops (argument index of their encoded Variant, the function deriving the rule from it).
 OPS = {
-    "rotate": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("positions", TOKENS),
-            ("table", TABLE),
-            ("rotary_dim", None),
-            ("interleaved", None),
-            ("out_interleaved", None),
-            ("mrope", MROPE),
-            ("inverse", None),
-            ("out_dtype", None),
-            ("q_scale", SCALE),
-            ("k_scale", SCALE),
-        ),
-        outputs=("q", "k"),
-    ),
-    "rotate_packed": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("cu_seqlens", SEQLENS),
-            ("table", TABLE),
-            ("rotary_dim", None),
-            ("interleaved", None),
-            ("cp_size", None),
-            ("cp_rank", None),
-            ("inverse", None),
-            ("out_dtype", None),
-            ("q_scale", SCALE),
-            ("k_scale", SCALE),
-        ),
-        outputs=("q", "k"),
-    ),
-    "rotate_": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("positions", TOKENS),
-            ("table", TABLE),
-            ("rotary_dim", None),
-            ("interleaved", None),
-            ("mrope", MROPE),
-            ("inverse", None),
-        ),
-        outputs=(),
-        written=("q", "k"),
-    ),
-    "rotate_angles": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("cos", ANGLES),
-            ("sin", ANGLES),
-            ("interleaved", None),
-            ("out_interleaved", None),
-            ("mrope", MROPE),
-            ("inverse", None),
-        ),
-        outputs=("q", "k"),
-    ),
-    # positions: (*T), (3, *T) with M-RoPE, or cu_seqlens for packed angles (the variant says):
-    # replicated under head sharding either way, and token sharding is refused by the caches
-    "rope_and_store": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("v", HEADS),
-            ("positions", TOKENS),
-            ("cos_sin_cache", TABLE),
-            ("k_cache", CACHE),
-            ("v_cache", CACHE),
-            ("slot_mapping", TOKENS),
-            ("variant", VARIANT),
-            ("rotary_dim", None),
-            ("k_scale", SCALE),
-            ("v_scale", SCALE),
-            ("write_key", None),
-            ("q_norm_weight", WEIGHT),
-            ("k_norm_weight", WEIGHT),
-            ("norm_eps", None),
-            ("norm_weight_offset", None),
-            ("cp_size", None),
-            ("cp_rank", None),
-        ),
-        outputs=(),
-        written=("q", "k", "k_cache", "v_cache"),
-    ),
+    "rotate": (8, _rotate),
+    "rotate_": (6, _rotate_inplace),
+    "rotate_norm_backward": (5, _rotate_norm_backward),
+    "rope_and_store": (8, lambda codes: _store(codes, q_out=False)),
+    "rope_and_store_q_out": (8, lambda codes: _store(codes, q_out=True)),
 }
-# the store writing rotated q into q_out: the same rule, q_out sharded like q
-OPS["rope_and_store_q_out"] = OpRule(
-    args=OPS["rope_and_store"].args[:13] + (("q_out", HEADS), ("q_scale", SCALE)) + OPS["rope_and_store"].args[13:],
-    outputs=(),
-    written=("q_out", "k", "k_cache", "v_cache"),
-)
-# which norm mode of the encoded variant belongs to which weight argument
-_WEIGHT_MODE = {"q_norm_weight": "norm_q", "k_norm_weight": "norm_k"}
 
 
-def reference_placements(op: str, specs: dict) -> tuple:
+def rule_of(op: str, values) -> OpRule:
+    """The rule of `op` for one call: OPS' rule, or for a rotation op the one derived from its
+    encoded Variant. values: the op's arguments, positional (a list) or by name (a dict)."""
+    entry = OPS[op]
+    if isinstance(entry, OpRule):
+        return entry
+    index, derive = entry
+    return derive(values[index] if isinstance(values, (list, tuple)) else values["variant"])
+
+
+def reference_placements(op: str, rule: OpRule, specs: dict) -> tuple:
     """Per mesh dim, the placement of the (*T, H, D) arguments (q, k, v): the one sharded among
     them, or Replicate() when none is (a replicated one is sliced to match, which is free)."""
     from torch.distributed.tensor import Replicate
 
-    heads = [(n, specs[n][1]) for n, role in OPS[op].args if role == HEADS and n in specs]
+    heads = [(n, specs[n][1]) for n, role in rule.args if role == HEADS and n in specs]
     first, placements = heads[0]
     out = []
     for i in range(len(placements)):
@@ -186,42 +171,31 @@ def reference_placements(op: str, specs: dict) -> tuple:
     return tuple(out)
 
 
-def across_heads(values: dict) -> set:
-    """Names of the RMSNorm weights that span all heads of a token ((H*D,)), from the op's encoded
-    variant among its argument values (empty for ops without one)."""
-    codes = values.get("variant")
-    if codes is None:
-        return set()
-    from .pipeline import NORM_TOKEN, Variant
-
-    variant = Variant.decode(codes)
-    return {name for name, field in _WEIGHT_MODE.items() if getattr(variant, field) == NORM_TOKEN}
-
-
-def expected_placements(op: str, specs: dict, positions_given: bool, spanning=frozenset()) -> dict:
+def expected_placements(op: str, rule: OpRule, specs: dict) -> dict:
     """The placements every tensor argument must have: {name: tuple of placements}.
 
-    specs: {name: (ndim, placements)} of the tensor arguments present (q among them); spanning:
-    the names of RMSNorm weights across heads (`across_heads`). Raises ValueError
-    `ropekit.<op>: <arg>: expected ..., got ...` for a layout no rule covers.
+    specs: {name: (ndim, placements)} of the tensor arguments present (q, or x, among them).
+    Raises ValueError `ropekit.<op>: <arg>: expected ..., got ...` for a layout no rule covers.
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    rule = OPS[op]
-    q_ndim = specs["q"][0]
+    first = next(n for n, role in rule.args if role == HEADS and n in specs)  # q, or x
+    q_ndim = specs[first][0]
     n_tok = q_ndim - 2
-    ref = reference_placements(op, specs)
+    # per-token angles (cos / sin) are sharded like tokens; anything else in the ANGLES role is a table
+    positions_given = not any(role == ANGLES for _, role in rule.args)
+    ref = reference_placements(op, rule, specs)
     for p in ref:
         if not isinstance(p, Replicate) and (not isinstance(p, Shard) or p.dim < 0 or p.dim >= q_ndim - 1):
             _fail(
                 op,
-                "q",
+                first,
                 f"placements Replicate(), Shard(token dim) or Shard(head dim {q_ndim - 2}) on every mesh dim",
-                specs["q"][1],
+                specs[first][1],
             )
     want = {}
     for name, role in rule.args:
-        if role in (None, MROPE, VARIANT) or name not in specs:
+        if role in (None, MROPE) or name not in specs:
             continue
         ndim, _ = specs[name]
         per_mesh_dim = []
@@ -230,20 +204,22 @@ def expected_placements(op: str, specs: dict, positions_given: bool, spanning=fr
                 per_mesh_dim.append(Replicate())
                 continue
             token = p.dim < n_tok
-            if role == WEIGHT and not token and name in spanning:
-                _fail(
-                    op,
-                    name,
-                    "a per-head (D,) weight when q / k are sharded on heads (a norm across heads "
-                    "needs every head of a token: replicate q, k, v and the caches, or gather first)",
-                    f"an across-heads weight with q placements {specs['q'][1]}",
-                )
             if role == HEADS:
                 per_mesh_dim.append(Shard(p.dim))
             elif role == TOKENS or (role == ANGLES and not positions_given):
                 lead = ndim - n_tok - (1 if role == ANGLES else 0)  # 3 M-RoPE rows, or 0
                 per_mesh_dim.append(Shard(p.dim + lead) if token else Replicate())
             elif role in (ANGLES, TABLE, SCALE, WEIGHT):
+                per_mesh_dim.append(Replicate())
+            elif role == WEIGHT_ALL:
+                if not token:
+                    _fail(
+                        op,
+                        name,
+                        "a per-head (D,) weight when q / k are sharded on heads (a norm across heads "
+                        "needs every head of a token: replicate q / k, or gather first)",
+                        f"an across-heads weight with {first} placements {specs[first][1]}",
+                    )
                 per_mesh_dim.append(Replicate())
             elif role == SEQLENS:
                 if token:
@@ -273,7 +249,7 @@ def _fail(op, name, expected, given):
     raise ValueError(f"ropekit.{op}: {name}: expected {expected}, got {given}")
 
 
-def _settle(op: str, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
+def _settle(op: str, rule: OpRule, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
     """True if got must be redistributed to want (only Replicate -> Shard, a local slice);
     False if it is want already; raises for anything that would need communication, or for a
     written argument that is not laid out as wanted."""
@@ -281,7 +257,7 @@ def _settle(op: str, name: str, got: tuple, want: tuple, ref: tuple) -> bool:
 
     if got == want:
         return False
-    if name in OPS[op].written:
+    if name in rule.written:
         _fail(
             op,
             name,
@@ -303,11 +279,12 @@ def check(op: str, args: dict) -> dict:
     """Check DTensor arguments of `op` (a key of OPS) without running it: {name: value} of its
     arguments (DTensors, None or plain values). Returns the placements the op will run with per
     tensor name. Raises the same ValueError the registered rule raises inside DTensor's dispatcher."""
+    rule = rule_of(op, args)
     specs = {n: (v.dim(), tuple(v.placements)) for n, v in args.items() if hasattr(v, "placements")}
-    want = expected_placements(op, specs, args.get("positions") is not None, across_heads(args))
-    ref = reference_placements(op, specs)
+    want = expected_placements(op, rule, specs)
+    ref = reference_placements(op, rule, specs)
     for name, (_, got) in specs.items():
-        _settle(op, name, got, want[name], ref)
+        _settle(op, rule, name, got, want[name], ref)
     return want
 
 
@@ -316,7 +293,7 @@ def _strategy(op: str, op_schema):
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
-    rule = OPS[op]
+    rule = rule_of(op, op_schema.args_schema)
     values, specs, given = {}, {}, []
     for (name, _role), arg in zip(rule.args, op_schema.args_schema):
         values[name] = arg
@@ -324,14 +301,14 @@ def _strategy(op: str, op_schema):
             spec = arg.strategies[0].output_spec
             specs[name] = (spec.ndim, tuple(spec.placements))
             given.append((name, spec))
-    want = expected_placements(op, specs, values.get("positions") is not None, across_heads(values))
-    ref = reference_placements(op, specs)
+    want = expected_placements(op, rule, specs)
+    ref = reference_placements(op, rule, specs)
     mesh = given[0][1].mesh
     inputs = {}
     for name, spec in given:
-        moved = _settle(op, name, tuple(spec.placements), want[name], ref)
+        moved = _settle(op, rule, name, tuple(spec.placements), want[name], ref)
         inputs[name] = DTensorSpec(mesh, want[name], tensor_meta=spec.tensor_meta) if moved else spec
-    outputs = tuple(DTensorSpec(mesh, want[n]) for n in rule.outputs if n in inputs)
+    outputs = tuple(_output_spec(mesh, n, want, ref) for n in rule.outputs if n in inputs or n == GRAD_SUM)
     return OpStrategy(
         [
             OpSpec(
@@ -341,6 +318,17 @@ def _strategy(op: str, op_schema):
             )
         ]
     )
+
+
+def _output_spec(mesh, name: str, want: dict, ref: tuple):
+    """An output's DTensorSpec: an argument's placements, or for a sum over tokens and heads
+    Partial() on every sharded mesh dim (DTensor reduces it when the caller needs it)."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    if name == GRAD_SUM:
+        return DTensorSpec(mesh, tuple(Replicate() if isinstance(p, Replicate) else Partial() for p in ref))
+    return DTensorSpec(mesh, want[name])
 
 
 _registered = False
@@ -359,13 +347,16 @@ def register() -> bool:
         from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
     except ImportError:
         return False
-    from . import ops, store  # noqa: F401  (the ops must exist before their rules)
+    from . import library, store  # noqa: F401  (the ops must exist before their rules)
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for name in OPS:
+    for name, entry in OPS.items():
         overload = getattr(torch.ops.ropekit, name).default
         # flags and mrope change the rule: hash every argument from the first non-tensor one on
-        static = next(i for i, (_, role) in enumerate(OPS[name].args) if role in (None, MROPE, VARIANT))
+        if isinstance(entry, OpRule):
+            static = next(i for i, (_, role) in enumerate(entry.args) if role in (None, MROPE))
+        else:
+            static = entry[0]  # the encoded Variant
         propagator.register_op_strategy(
             overload, lambda schema, _n=name: _strategy(_n, schema), RuntimeSchemaInfo(static_argnum=static)
         )
@@ -414,12 +405,3 @@ def replicate(x: torch.Tensor, mesh):
     from torch.distributed.tensor import DTensor, Replicate
 
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def like(q, *xs):
-    """xs, each a DTensor like q: plain tensors (tables, positions) become replicated DTensors on q's
-    mesh (DTensor refuses calls that mix the two); when q is not a DTensor, xs as they are."""
-    mesh = getattr(q, "device_mesh", None)
-    if mesh is None:
-        return xs
-    return tuple(replicate(x, mesh) if isinstance(x, torch.Tensor) and not hasattr(x, "device_mesh") else x for x in xs)

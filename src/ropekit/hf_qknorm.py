@@ -10,7 +10,7 @@ patch leaves the forwards' code alone and swaps three things per family (one tab
   unchanged while deferred (every other RMSNorm instance, and any call outside the attention, runs
   HF's forward);
 - the module's `apply_rotary_pos_emb`: when both norms were deferred, one fused call
-  (ropekit.qknorm.rotate_angles_with_norm) normalizes with the modules' own weights, eps and offset,
+  (ropekit.ops.rotate_angles with norm weights) normalizes with the modules' own weights, eps and offset,
   then rotates. Otherwise, and when the fused op cannot take the arguments (float64, angles that
   require grad, other layouts), it runs HF's norms in PyTorch, then the function it replaced.
 
@@ -35,7 +35,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import qknorm
+from . import ops
 
 
 class Family(NamedTuple):
@@ -155,20 +155,19 @@ def _rope_function(previous, family: Family, norm_cls, original_norm):
         ):
             q, k = _apply_norm(qn, q, original_norm), _apply_norm(kn, k, original_norm)
             return previous(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
-        half = cos.shape[-1] // 2
-        # HF's (B, H, S, D) views as the kernel's (B, S, H, D); cos/sin rows [f, f]: the first half
-        qo, ko = qknorm.rotate_angles_with_norm(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            cos[..., :half],
-            sin[..., :half],
+        # HF's (B, H, S, D) views; cos/sin rows [f, f]: the first half of the columns
+        return ops.rotate_angles(
+            q,
+            k,
+            cos,
+            sin,
+            heads_first=True,
+            columns=cos.shape[-1] // 2,
             q_norm_weight=qn.weight,
             k_norm_weight=kn.weight,
             norm_eps=float(eps_q),
             norm_weight_offset=family.offset,
-            op="ropekit.hf.apply_rotary_pos_emb",
         )
-        return qo.transpose(1, 2), ko.transpose(1, 2)
 
     apply_rotary_pos_emb._ropekit_qk_norm = True
     return apply_rotary_pos_emb

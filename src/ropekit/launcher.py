@@ -153,7 +153,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     rot = 2 * half
     n_q, d_q = q.shape[-2], q.shape[-1]
     n_k, d_k = (k.shape[-2], k.shape[-1]) if k is not None else (0, rot)
-    copy_tail = q_out.data_ptr() != q.data_ptr() and max(d_q, d_k) > rot
+    normed = variant.norm_q != 0 or variant.norm_k != 0
+    # the tail is written out of place (copied), and with a norm in place too (it is normalized)
+    copy_tail = (normed or q_out.data_ptr() != q.data_ptr()) and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
     mrope = variant.mrope != 0
     head_loop = tuning.get("head_loop")
@@ -163,8 +165,12 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(
         half, n_q, n_k, tail, tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "block_elems")
     )
+    if variant.norm_q == 2 or variant.norm_k == 2:  # across heads: one block holds all heads of a token
+        block_h = next_pow2(max(n_q, n_k))
+        nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
-    prefetch = head_loop and (not mrope if prefetch is None else prefetch)
+    # M-RoPE's three masked row loads and a norm's reductions already hold the registers
+    prefetch = head_loop and (not (mrope or normed) if prefetch is None else prefetch)
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         ins = (q, k) if variant.interleaved else ()
@@ -196,11 +202,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         sec_h,
         sec_w,
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
-        0,
-        0,
-        0.0,
-        0.0,  # q/k norm weights, eps, offset: unused without NORM_Q / NORM_K (ropekit.qknorm)
     )
+    if not normed:
+        args += (0, 0, 0.0, 0.0)  # the norm's weights, eps, offset: never read (fire_rotate appends them)
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
@@ -215,16 +219,26 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         PACK=pack,
         HEAD_LOOP=head_loop,
         PREFETCH=prefetch,
-        NORM_Q=0,
-        NORM_K=0,
+        NORM_Q=variant.norm_q,
+        NORM_K=variant.norm_k,
         PACKED=variant.angles == "packed",
         FREQS=variant.angles == "freqs",
         SEARCH_STRIDE=angles.search[0],
         SEARCH_COARSE=angles.search[1],
         **pdl_meta(q, n_tokens),
-        num_warps=tuning.warps(head_loop, mrope, n_tokens),
+        num_warps=tuning.warps(head_loop, mrope, n_tokens, elems=block_h * (2 * half_pad + tail_pad)),
     )
+    if normed and not tuning.get("num_warps"):
+        meta["num_warps"] = norm_warps(block_h, half_pad, tail_pad)
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
+
+
+def norm_warps(block_h: int, half_pad: int, tail_pad: int) -> int:
+    """Warps of a normed launch: one per 1024 elements of a head block, 2 to 8 (W13's per-head
+    blocks of 2048 ran fastest with 2; across-heads blocks hold a whole token, up to 64 heads of
+    128, and need more to stay in registers)."""
+    elems = block_h * (2 * half_pad + tail_pad)
+    return max(2, min(8, next_pow2(max(1, elems // 1024))))
 
 
 def section_args(variant, half: int) -> tuple:
@@ -236,9 +250,10 @@ def section_args(variant, half: int) -> tuple:
     return (tuple(variant.sections[:3]) + (0, 0, 0))[:3] if variant.sections else (half, 0, 0)
 
 
-def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None) -> None:
+def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None, norm=None) -> None:
     """Launch rope_kernel; (a, b) as in pipeline.run_rotate; scales: (q's, k's) float32 scalar
-    tensors when the variant is scaled (k's may be None without k)."""
+    tensors when the variant is scaled (k's may be None without k); norm: (q's weight, k's weight,
+    eps, offset) when the variant normalizes (an absent weight is never read)."""
     meta = plan.meta
     if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
         meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
@@ -251,17 +266,27 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None) -> None:
     # unscaled: the scale slots get the sin tensor, never read (one pointer type for both slots)
     qs, ks = (sin, sin) if scales is None else (scales[0], scales[0] if scales[1] is None else scales[1])
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
-    launch_kernel(kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
+    if norm is None:
+        args, variant = plan.args, meta["PACK"]
+    else:
+        wq, wk, eps, offset = norm
+        wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
+        # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
+        args, variant = (*plan.args, wq, wk, eps, offset), (meta["PACK"], wq.data_ptr() % 16, wk.data_ptr() % 16)
+    launch_kernel(kernel("rope_kernel"), plan.compiled, variant, plan.grid, ptrs, args, meta)
 
 
 @functools.lru_cache(maxsize=None)
 def kernel(name: str):
-    """The Triton kernel of that name (rope_kernel, rope_store_kernel, rerotate_kernel), imported once."""
+    """The Triton kernel of that name (rope_kernel, rope_store_kernel, rerotate_kernel,
+    rope_norm_backward_kernel), imported once."""
     # imported on first use: Triton loads lazily, and CPU-only calls never need it
     if name == "rope_kernel":
         from .kernels.rope import rope_kernel as kernel
     elif name == "rerotate_kernel":
         from .kernels.rerotate import rerotate_kernel as kernel
+    elif name == "rope_norm_backward_kernel":
+        from .kernels.rope import rope_norm_backward_kernel as kernel
     else:
         from .kernels.store import rope_store_kernel as kernel
     return kernel
@@ -568,3 +593,153 @@ def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table,
     # past any table anyway, and stays past it when clamped
     value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
     launch_kernel(kernel("rerotate_kernel"), plan.compiled, (), plan.grid, ptrs, (value, *plan.args), meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# the backward of q/k RMSNorm + rotation: one launch per tensor (q or k)
+
+# position of dw_row in a norm-backward plan's args (norm_backward_rows reads it back)
+_NORM_BWD_DW_ROW = 8
+
+
+def angle_args(angles: AngleLayout, variant) -> tuple:
+    """The kernels' runtime angle arguments, in their order: positions' (row, b, s) strides, the
+    angles' (row, b, s, col) strides, SEC_T / SEC_H / SEC_W, then n_seqs, cp_size, cp_rank."""
+    return (*angles.pos_strides, *angles.strides, *section_args(variant, angles.half), *angles.packed)
+
+
+def angle_meta(angles: AngleLayout, variant) -> dict:
+    """The kernels' constexprs of where the angles come from (see _load_angles)."""
+    return dict(
+        HAS_POS=angles.max_pos > 0,
+        MROPE=variant.mrope,
+        PACKED=variant.angles == "packed",
+        SEARCH_STRIDE=angles.search[0],
+        SEARCH_COARSE=angles.search[1],
+        FREQS=variant.angles == "freqs",
+    )
+
+
+def _check_norm_weight(x: torch.Tensor, w: Optional[torch.Tensor], mode: int) -> None:
+    """The weight a norm mode needs: none for mode 0, (D,) per head, (H*D,) across heads."""
+    n_heads, d = x.shape[-2], x.shape[-1]
+    want = {0: None, 1: d, 2: n_heads * d}.get(mode, -1)
+    given = None if w is None else w.numel()
+    if want == -1 or given != want:
+        from .validate import fail  # imported here: validation is not needed to launch
+
+        fail(
+            "plan_norm_backward",
+            "w",
+            f"no weight for mode 0, {d} elements for mode 1, {n_heads * d} for mode 2",
+            f"{given} for mode {mode}",
+        )
+
+
+def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> Optional[Plan]:
+    """rope_norm_backward_kernel's launch for one tensor of a forward y = rotate(rmsnorm(x) * (w +
+    offset)) (None for an empty call: nothing to launch; the weight gradient is then zero).
+
+    x: the forward's input (q or k), (*T, H, D) tokens-first, in variant.interleaved's layout
+    (mode 0: only its shape is used). g: the output gradient, x's shape, in variant.out_interleaved's
+    layout. gx: the input gradient to write, x's shape and layout. All three with unit last stride,
+    float32 / bf16 / fp16 (computed in float32). w: the norm weight (float32 / bf16 / fp16, unit
+    stride), None for mode 0 (the plain inverse rotation), (D,) for mode 1 (per head), (H*D,) for
+    mode 2 (across heads). angles: angle_layout(variant, rot, a, b, ...) as for the forward. The
+    weight-gradient partial sums: a float32 buffer of norm_backward_rows(plan) (norm_partials).
+    A plan holds the shapes and strides of x, g, gx and the AngleLayout: reuse it while they match."""
+    n_tok = x.dim() - 2
+    n_tokens = x.shape[:n_tok].numel()
+    if n_tokens == 0:
+        return None
+    _check_norm_weight(x, w, mode)
+    n_heads, d = x.shape[-2], x.shape[-1]
+    half = angles.half
+    half_pad = next_pow2(half)
+    tail = d - 2 * half
+    tail_pad = next_pow2(tail) if tail > 0 else 0
+    if mode == 2:
+        block_h = next_pow2(n_heads)  # the norm group: all heads of a token in one block
+    else:
+        block_h = min(next_pow2(n_heads), next_pow2(max(1, tuning.get("block_elems") // (2 * half_pad))))
+    n_blocks = -(-n_heads // block_h)
+    per_program = -(-n_tokens // max(1, tuning.get("norm_bwd_programs")))
+    args = (
+        n_tokens,
+        x.shape[n_tok - 1],
+        n_heads,
+        tail,
+        angles.max_pos,
+        n_blocks,
+        angles.sin_off,
+        per_program,
+        n_heads * d if mode == 2 else d,  # dw_row: at _NORM_BWD_DW_ROW
+        *token_strides(x, n_tok),
+        x.stride(-2),
+        *token_strides(g, n_tok),
+        g.stride(-2),
+        *token_strides(gx, n_tok),
+        gx.stride(-2),
+        *angle_args(angles, variant),
+    )
+    meta = dict(
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        TAIL_PAD=tail_pad,
+        IN_INTERLEAVED=variant.interleaved,
+        OUT_INTERLEAVED=variant.out_interleaved,
+        INVERSE=variant.inverse,
+        NORM=mode,
+        **angle_meta(angles, variant),
+        num_warps=max(4, norm_warps(block_h, half_pad, tail_pad)),
+    )
+    return Plan((-(-n_tokens // per_program), n_blocks), args, meta, 0, {})
+
+
+def norm_backward_rows(plan: Plan) -> tuple:
+    """(rows, row length): the shape of the float32 weight-gradient partial sums a launch of this
+    plan writes, one row per program (the rows' sum is the weight's gradient, norm_weight_grad)."""
+    return plan.grid[0] * plan.grid[1], plan.args[_NORM_BWD_DW_ROW]
+
+
+def norm_partials(plan: Plan, device) -> torch.Tensor:
+    """An uninitialized float32 buffer of norm_backward_rows(plan) on device: the weight-gradient
+    partial sums fire_norm_backward writes (every element)."""
+    return torch.empty(norm_backward_rows(plan), dtype=torch.float32, device=device)
+
+
+def angle_pointers(meta: dict, a, b) -> tuple:
+    """(positions, cos, sin) pointer tensors of a launch from the angle operands (a, b) as
+    pipeline.run_rotate takes them; a slot the plan never reads gets one of them (a valid address)."""
+    if meta["HAS_POS"] or meta["FREQS"]:  # positions (or cu_seqlens); a table, or the inverse frequencies
+        return a, b, b
+    if a is None:  # arange: the table alone
+        return b, b, b
+    return a, a, b  # per-token cos and sin
+
+
+def fire_norm_backward(plan: Optional[Plan], x, g, gx, w, dw, a, b, eps: float, offset: float) -> None:
+    """Launch rope_norm_backward_kernel: gx written, and with a weight the float32 partial sums dw
+    (norm_backward_rows(plan), every row written; None for mode 0). Tensors as plan_norm_backward
+    took them, (a, b) the forward's angle operands (pipeline.run_rotate's), eps and offset the
+    forward norm's. Nothing to do for an empty call (plan None)."""
+    if plan is None:
+        return
+    # mode 0 never reads the weight nor writes the partial sums: those slots get g (a valid address)
+    ptrs = (x, g, gx, g if w is None else w, g if dw is None else dw, *angle_pointers(plan.meta, a, b))
+    launch_kernel(
+        kernel("rope_norm_backward_kernel"),
+        plan.compiled,
+        (),
+        plan.grid,
+        ptrs,
+        (*plan.args, float(eps), float(offset)),
+        plan.meta,
+    )
+
+
+def norm_weight_grad(dw_rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The norm weight's gradient, w's shape and dtype, from the float32 partial sums
+    (norm_backward_rows(plan)) a launch wrote: their sum over rows, in float32 then cast."""
+    return dw_rows.sum(0).to(w.dtype)

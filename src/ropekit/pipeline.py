@@ -25,6 +25,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import cpu, launcher
+from .memo import clear, lookup, remember, tensor_key, value_key  # noqa: F401  (this module's seam for ops)
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
 # must fail a test, which memory that happens to be zero would hide).
@@ -125,6 +126,8 @@ class Spec:
         "twin",
         "halves",
         "table",
+        "norm_eps",
+        "norm_offset",
     )
 
     def __init__(
@@ -141,6 +144,8 @@ class Spec:
         packed=(1, 0),
         inplace=False,
         out_dtype=None,
+        norm_eps=0.0,
+        norm_offset=0.0,
     ):
         self.variant = variant
         self.rot = rot  # rotated dims
@@ -159,6 +164,8 @@ class Spec:
         self.out_dtype = out_dtype  # dtype of fresh outputs (None: the input's)
         self.twin = None  # an in-place spec's out-of-place twin (its backward writes fresh tensors)
         self.halves = None  # specs for q alone and k alone (in-place views under autograd)
+        self.norm_eps = norm_eps  # with variant.normed: RMSNorm's epsilon
+        self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
 
     def _copy(self, inplace: bool) -> "Spec":
         return Spec(
@@ -173,6 +180,8 @@ class Spec:
             packed=self.packed,
             inplace=inplace,
             out_dtype=self.out_dtype,
+            norm_eps=self.norm_eps,
+            norm_offset=self.norm_offset,
         )
 
     def out_of_place(self) -> "Spec":
@@ -190,46 +199,6 @@ class Spec:
         return self.halves
 
 
-# ---------------------------------------------------------------------------------------------
-# the memo
-
-
-_MEMO: dict = {}
-MEMO_CAPACITY = 4096
-
-
-def lookup(key):
-    """The spec memoized under key (None if absent, or if key is None)."""
-    return None if key is None else _MEMO.get(key)
-
-
-def remember(key, spec):
-    if key is not None:
-        if len(_MEMO) >= MEMO_CAPACITY:
-            _MEMO.clear()
-        _MEMO[key] = spec
-    return spec
-
-
-def clear() -> None:
-    """Forget every spec and plan (tuning knobs changed; tests)."""
-    _MEMO.clear()
-
-
-def tensor_key(x):
-    """The part of a signature one tensor argument contributes (None stays None)."""
-    if x is None:
-        return None
-    return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-
-
-def value_key(v):
-    """A non-tensor argument with its type (16 and 16.0 differ); sequences element by element."""
-    if isinstance(v, (list, tuple)):
-        return (type(v), tuple(value_key(e) for e in v))
-    return (type(v), v)
-
-
 def triton_runs(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -241,11 +210,9 @@ def door_for(q, grad: bool) -> str:
     return FUNCTION if grad else DIRECT
 
 
-def records_grad(q, k) -> bool:
+def records_grad(*xs) -> bool:
     """Will autograd record this call? (arguments that are not tensors: no; validation names them)"""
-    return torch.is_grad_enabled() and (
-        getattr(q, "requires_grad", False) is True or getattr(k, "requires_grad", False) is True
-    )
+    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) is True for x in xs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +224,9 @@ def heads_first(x, yes: bool):
     return x.transpose(1, 2) if yes and x is not None else x
 
 
-def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None, scales=None) -> None:
+def run_rotate(
+    spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None, scales=None, weights=None
+) -> None:
     """q -> q_out and k -> k_out (outputs may be the inputs: in place), rotated as `variant` says.
 
     (a, b): (positions or None, [cos | sin] table) for table / arange angles, (cos, sin) for
@@ -265,6 +234,8 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
     (forward calls), else a key of the tensors' layouts (gradients). With variant.heads_first the
     tensors are Hugging Face's (B, H, S, D) views; a launch needs only their addresses.
     scales: with variant.scaled, (q's, k's) float32 scalar tensors the outputs are divided by.
+    weights: with variant.normed, (q's, k's) RMSNorm weights (None where that tensor is not
+    normalized); eps and offset are the spec's. The CPU path of a normed variant is `norm_rotated`.
     """
     if spec.triton:
         key = (variant, layout_key)
@@ -280,7 +251,8 @@ def run_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_ke
                 variant,
             )
         if plan is not None:
-            launcher.fire_rotate(plan, q, k, q_out, k_out, a, b, scales)
+            norm = None if weights is None else (*weights, spec.norm_eps, spec.norm_offset)
+            launcher.fire_rotate(plan, q, k, q_out, k_out, a, b, scales, norm)
         return
     if variant.scaled:
         _cpu_rotate_scaled(spec, variant, q, k, q_out, k_out, a, b, scales)
@@ -332,6 +304,95 @@ def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
         il_sections=variant.mrope == MROPE_INTERLEAVED,
         heads_first=variant.heads_first,
     )
+
+
+def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
+    """Per-token cos and sin (*T, rot // 2) of any angle source, by torch ops (the CPU path of a
+    normed variant; differentiable in inverse frequencies that require grad)."""
+    half = spec.rot // 2
+    sections = variant.sections if variant.mrope else None
+    il_sections = variant.mrope == MROPE_INTERLEAVED
+    if variant.angles == "freqs":
+        from .freqs import pair_positions
+
+        angle = pair_positions(a, variant.sections, half).double() * b.double()
+        return angle.cos().float(), angle.sin().float()
+    if variant.angles == "tokens":
+        cos, sin = a[..., :half], b[..., :half]
+        if sections is not None:
+            cos, sin = cpu.pick_sections(cos, sin, sections, il_sections)
+        return cos.broadcast_to((*token_shape, half)), sin.broadcast_to((*token_shape, half))
+    if variant.angles == "packed":
+        from .packed import packed_positions
+
+        a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], token_shape[0])
+    return cpu.table_angles(b, a, token_shape, spec.rot, sections, il_sections)
+
+
+def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=None, scales=None):
+    """The CPU path of a normed variant: (q_out, k_out) as new tensors, built from differentiable
+    torch ops (autograd through them is the CPU backward). Scaled outputs: divided, saturated, cast."""
+    hf = variant.heads_first
+    q_t, k_t = heads_first(q, hf), heads_first(k, hf)
+    cos, sin = token_angles(spec, variant, a, b, tuple(q_t.shape[:-2]))
+    if variant.inverse:
+        sin = -sin
+    outs = []
+    for i, (x, w) in enumerate(zip((q_t, k_t), weights)):
+        if x is None:
+            outs.append(None)
+            continue
+        dtype = out_dtype or x.dtype
+        y = cpu.norm_rotate(
+            x,
+            w,
+            cos,
+            sin,
+            interleaved=variant.interleaved,
+            eps=spec.norm_eps,
+            offset=spec.norm_offset,
+            out_dtype=torch.float32 if variant.scaled else dtype,
+        )
+        if variant.scaled:
+            y = saturate(y / scales[i if scales[i] is not None else 0], dtype).to(dtype)
+        outs.append(heads_first(y, hf))
+    return outs[0], outs[1]
+
+
+def norm_backward_cpu(spec: Spec, variant: Variant, x, g, w, a, b):
+    """run_norm_backward's CPU path (tokens-first x and g): cpu.norm_rotate_backward with the
+    variant's per-token angles."""
+    cos, sin = token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
+    if variant.inverse:
+        sin = -sin
+    return cpu.norm_rotate_backward(
+        x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+    )
+
+
+def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
+    """(gradient of x, of w) for one tensor of a normed variant (mode: its NORM_* mode) given its
+    output gradient g: rope_norm_backward_kernel (the CPU path's gradients come from autograd)."""
+    hf = variant.heads_first
+    g = unit_last_stride(g)
+    gx = empty_like(x)
+    key = ("norm backward", mode, x.shape, x.stride(), g.stride(), None if w is None else w.stride())
+    plan = spec.plans.get(key)
+    if plan is None:
+        plan = spec.plans[key] = launcher.plan_norm_backward(
+            heads_first(x, hf),
+            heads_first(g, hf),
+            heads_first(gx, hf),
+            w,
+            launcher.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
+            variant,
+            mode,
+        )
+    if plan is None:  # no tokens
+        return gx.zero_(), (None if w is None else torch.zeros_like(w))
+    dw = None if w is None else launcher.norm_partials(plan, x.device)
+    launcher.fire_norm_backward(plan, x, g, gx, w, dw, a, b, spec.norm_eps, spec.norm_offset)
+    return gx, (None if w is None else dw.sum(0).to(w.dtype))
 
 
 def angle_views(spec: Spec, cos, sin):
@@ -453,7 +514,7 @@ def scale_tensor(scale, device: torch.device, unit: bool = False) -> Optional[to
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((1,), scale, dtype=torch.float32, device=device)
     key = ("scale tensor", type(scale), scale, str(device))
-    t = _MEMO.get(key)
+    t = lookup(key)
     if t is None:
         t = remember(key, torch.full((1,), scale, dtype=torch.float32, device=device))
     return t
@@ -491,39 +552,76 @@ def input_grads(want_q, want_k, d_first, d_second):
 class RotateFunction(torch.autograd.Function):
     """The eager autograd door of every rotation: forward runs the spec's variant, backward the
     same run step with the inverse variant (itself through this Function when a graph of the
-    backward is being built: double backward). Few arguments: each costs host time in apply."""
+    backward is being built: double backward), or for a normed variant the norm's backward kernel
+    per tensor. Inverse frequencies that require grad get theirs from the outputs (freq_grad).
+    Few arguments: each costs host time in apply."""
 
     @staticmethod
-    def forward(ctx, q, k, a, b, spec, variant):
-        ctx.save_for_backward(a, b)  # autograd's version check covers the angles
+    def forward(ctx, q, k, a, b, wq, wk, spec, variant):
         ctx.spec, ctx.variant = spec.out_of_place(), variant
         ctx.metas = ((q.shape, q.dtype, q.device), None if k is None else (k.shape, k.dtype, k.device))
+        weights = None if not variant.normed else (wq, wk)
         if spec.inplace:
             # autograd's in-place rules: q and k are marked dirty (their version counters move; a
             # leaf that requires grad is refused by autograd itself, views are rebased on their base)
+            ctx.save_for_backward(a, b)  # autograd's version check covers the angles
             run_rotate(spec, variant, q, k, q, k, a, b)
             ctx.mark_dirty(*(x for x in (q, k) if x is not None))
             return q, k
         q_out = empty_like(q)
         k_out = None if k is None else empty_like(k)
-        run_rotate(spec, variant, q, k, q_out, k_out, a, b)
+        run_rotate(spec, variant, q, k, q_out, k_out, a, b, weights=weights)
+        keep_outs = variant.angles == "freqs" and ctx.needs_input_grad[3]
+        saved = (q, k, wq, wk) if variant.normed else ()
+        ctx.save_for_backward(a, b, *saved, *((q_out, k_out) if keep_outs else ()))
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, gq, gk):
-        a, b = ctx.saved_tensors
-        want_q, want_k, first, second = grad_operands(ctx.metas, ctx.needs_input_grad, gq, gk)
+        a, b, *saved = ctx.saved_tensors
+        variant = ctx.variant
+        needs = ctx.needs_input_grad
+        d_b = None
+        if variant.angles == "freqs" and needs[3]:
+            from .freqs import freq_grad
+
+            d_b = freq_grad(saved[-2:], (gq, gk), a, ctx.spec.rot // 2, variant)
+        if variant.normed:
+            dq, dk, dwq, dwk = norm_grads(ctx.spec, variant, needs, saved[:4], gq, gk, a, b)
+            return dq, dk, None, d_b, dwq, dwk, None, None
+        want_q, want_k, first, second = grad_operands(ctx.metas, needs, gq, gk)
         if first is None:
-            return None, None, None, None, None, None
-        inverse = ctx.variant.backward()
+            return None, None, None, d_b, None, None, None, None
+        inverse = variant.backward()
         if torch.is_grad_enabled():  # create_graph=True: the backward is differentiable too
-            d_first, d_second = RotateFunction.apply(first, second, a, b, ctx.spec, inverse)
+            d_first, d_second = RotateFunction.apply(first, second, a, b, None, None, ctx.spec, inverse)
         else:
             d_first = empty_like(first)
             d_second = None if second is None else empty_like(second)
             layout = (want_q, first.shape, first.stride(), None if second is None else second.stride())
             run_rotate(ctx.spec, inverse, first, second, d_first, d_second, a, b, layout)
-        return (*input_grads(want_q, want_k, d_first, d_second), None, None, None, None)
+        return (*input_grads(want_q, want_k, d_first, d_second), None, d_b, None, None, None, None)
+
+
+def norm_grads(spec: Spec, variant: Variant, needs, saved, gq, gk, a, b) -> tuple:
+    """(dq, dk, dwq, dwk) of a normed variant: one backward launch per tensor that needs a
+    gradient for itself or its weight. needs: RotateFunction's needs_input_grad; saved: (q, k,
+    wq, wk) as the forward got them."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "apply_rope: q_norm_weight / k_norm_weight: expected a backward without create_graph=True "
+            "(the norm's backward is not itself differentiable), got create_graph=True"
+        )
+    q, k, wq, wk = saved
+    res = [None, None, None, None]
+    for i, (x, w, g, mode) in enumerate(((q, wq, gq, variant.norm_q), (k, wk, gk, variant.norm_k))):
+        need_x, need_w = needs[i], w is not None and needs[4 + i]
+        if x is None or not (need_x or need_w):
+            continue
+        gx, dw = run_norm_backward(spec, variant, x, torch.zeros_like(x) if g is None else g, w, mode, a, b)
+        res[i] = gx if need_x else None
+        res[2 + i] = dw if need_w else None
+    return tuple(res)
 
 
 class RotateInPlaceFunction(torch.autograd.Function):
@@ -532,7 +630,7 @@ class RotateInPlaceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a, b, spec, variant):
-        RotateFunction.forward(ctx, x, None, a, b, spec, variant)
+        RotateFunction.forward(ctx, x, None, a, b, None, None, spec, variant)
         return x
 
     @staticmethod

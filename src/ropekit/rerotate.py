@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import pipeline, validate
+from . import memo, pipeline, validate
 from .pipeline import CUSTOM_OP, Spec, Variant, tensor_key
 
 OP = "rerotate_kv_cache"
@@ -233,7 +233,7 @@ def rerotate_kv_cache(
     return k_cache
 
 
-_MEMO = pipeline._MEMO
+_MEMO = memo.MEMO  # read here without a function call per op call
 
 
 def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, dst_slots):

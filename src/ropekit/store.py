@@ -17,13 +17,13 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import cpu, launcher, pipeline, validate
+from . import cpu, launcher, memo, pipeline, validate
 from .pipeline import CUSTOM_OP, DIRECT, MROPE_CHUNKED, MROPE_INTERLEAVED, Spec, Variant, tensor_key, value_key
 
 OP = "apply_rope_and_store"
 
 Scale = Union[None, float, torch.Tensor]
-_MEMO = pipeline._MEMO
+_MEMO = memo.MEMO  # read here without a function call per op call
 NORM_EPS, NORM_OFFSET = 1e-6, 0.0  # the norm's defaults (the public op's and the custom ops')
 _CP_SIZE, _CP_RANK = 1, 0  # no context parallelism
 
@@ -672,7 +672,7 @@ def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q
     """The custom-op door: plain tensors (tables, positions, scales, weights) become replicated
     DTensors like q for a DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     if spec.door is CUSTOM_OP:
-        from .distributed import like
+        from .library import dtensor_like as like
 
         wq, wk = (None, None) if norm is None else norm[:2]
         a, table, slot_mapping, ks, vs, qs, wq, wk = like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)

@@ -12,6 +12,8 @@ import contextlib
 import os
 from typing import Dict, NamedTuple, Optional
 
+from . import memo
+
 
 class Knob(NamedTuple):
     default: object
@@ -52,6 +54,12 @@ KNOBS: Dict[str, Knob] = {
         "rerotate_kernel rotated elements per program (rows x heads x dims): "
         "rows are gathered by slot, so a program takes several to overlap "
         "their dependent slot -> table -> cache loads",
+    ),
+    "norm_bwd_programs": Knob(
+        1024,
+        "rope_norm_backward_kernel programs along tokens, each walking its share of them and "
+        "writing one float32 weight-gradient row per head block (summed with torch after): "
+        "1024 fills an H200 and leaves few rows to sum",
     ),
     "pdl": Knob(
         None,
@@ -97,16 +105,20 @@ def decode_sized(n_tokens: int) -> bool:
     return n_tokens < get("decode_tokens")
 
 
-def warps(head_loop: bool, mrope: bool, n_tokens: int, store: bool = False) -> int:
-    """Warps per program: decode_warps for decode-sized calls; else 4 for rope_kernel's head loop (a
-    program walks many blocks), 2 for the store's (its blocks are smaller), with M-RoPE's three
-    table rows, and for large calls with a program per head block."""
+def warps(head_loop: bool, mrope: bool, n_tokens: int, store: bool = False, elems: int = 2048) -> int:
+    """Warps per program: decode_warps for decode-sized calls; else for rope_kernel's head loop (a
+    program walks many blocks) one per 512 elements of a head block, up to 4 (W1 / W2's blocks of
+    2048 with 4; W15's of 1024, angles computed per token, 59% of copy with 4 and 92% with 2); 2 for
+    the store's (its blocks are smaller), with M-RoPE's three table rows, and for large calls with a
+    program per head block."""
     forced = get("num_warps")
     if forced:
         return int(forced)
     if decode_sized(n_tokens):
         return get("decode_warps")
-    return 4 if head_loop and not mrope and not store else 2
+    if head_loop and not mrope and not store:
+        return max(1, min(4, elems // 512))
+    return 2
 
 
 @contextlib.contextmanager
@@ -131,6 +143,4 @@ def override(**values):
 
 
 def _changed() -> None:
-    from . import pipeline
-
-    pipeline.clear()
+    memo.clear()

@@ -17,11 +17,21 @@ from typing import Sequence
 
 import torch
 
+from . import memo
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-_state = threading.local()
+
+class _State(threading.local):
+    """Per-thread strict mode. The class attribute is the default a new thread sees: a missing
+    attribute of a thread-local costs a raised and caught AttributeError on every check."""
+
+    strict = None
+
+
+_state = _State()
 
 
 @contextlib.contextmanager
@@ -31,7 +41,7 @@ def strict(enabled: bool = True):
     Costs one device sync per call; the default (off) makes a bad position's output NaN instead.
     `ROPEKIT_STRICT=1` in the environment turns it on globally.
     """
-    previous = getattr(_state, "strict", None)
+    previous = _state.strict
     _state.strict = enabled
     try:
         yield
@@ -41,7 +51,7 @@ def strict(enabled: bool = True):
 
 def is_strict() -> bool:
     """Strict mode on? (the `strict()` context of this thread, else ROPEKIT_STRICT as read at import)"""
-    value = getattr(_state, "strict", None)
+    value = _state.strict
     return _ENV_STRICT if value is None else value
 
 
@@ -351,7 +361,7 @@ def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace) -> t
     if tuple(positions.shape) != want:
         fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
     if inplace:
-        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)))
+        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)), inplace_grad=True)
         if inv_freq.requires_grad and torch.is_grad_enabled():
             fail(op, "inplace", "False when inv_freq requires grad (its gradient needs the outputs)", True)
     return rot, axes
@@ -884,11 +894,9 @@ def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
     )
     # verdicts by layout, in ropekit's one memo: KV caches are the same tensors call after call, so
     # decode pays for the search once (the key holds all the search reads)
-    from . import pipeline
-
-    verdict = pipeline.lookup(("may_alias",) + key)
+    verdict = memo.lookup(("may_alias",) + key)
     if verdict is None:
-        verdict = pipeline.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
+        verdict = memo.remember(("may_alias",) + key, _may_alias_search(a, b, budget))
     return verdict
 
 
@@ -1246,6 +1254,22 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
     if norm_eps < 0:
         fail(op, "norm_eps", "a float >= 0", norm_eps)
     return tuple(modes)
+
+
+def norm_flags(op, *, inverse=False, inplace=False, grad=False, out_interleaved=False) -> None:
+    """The flags a norm before the rotation does not compose with, each refused by name."""
+    if inverse:
+        fail(op, "inverse", "False with q_norm_weight / k_norm_weight (a de-rotation has no norm before it)", True)
+    if inplace and grad:
+        fail(
+            op,
+            "inplace",
+            "False with q_norm_weight / k_norm_weight while autograd records the call (the norm's "
+            "backward needs the unnormalized q and k)",
+            True,
+        )
+    if out_interleaved:
+        fail(op, "out_interleaved", "None (or interleaved) with q_norm_weight / k_norm_weight", "another layout")
 
 
 def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ class Bound:
     canon: Callable[[Any], Tuple[torch.Tensor, ...]]  # raw outputs -> canonical tuple (untimed)
 
 
-def _version(*dists: str) -> Optional[str]:
+def dist_version(*dists: str) -> Optional[str]:
     for d in dists:
         try:
             return importlib.metadata.version(d)
@@ -43,7 +43,7 @@ def _version(*dists: str) -> Optional[str]:
     return None
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {msg}"[:200]
 
@@ -168,7 +168,7 @@ class Ropekit(Peer):
             self._mod()
             return True, ""
         except Exception as e:
-            return False, f"not importable ({_short(e)})"
+            return False, f"not importable ({short_error(e)})"
 
     def version(self):
         try:
@@ -250,7 +250,7 @@ class TorchEager(Peer):
 
     def _resolve(self, key: str) -> Dict[str, Any]:
         """transformers' own functions where importable, else the same formulas in plain torch."""
-        tv = _version("transformers")
+        tv = dist_version("transformers")
         if key == "apply":
             try:
                 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -265,7 +265,7 @@ class TorchEager(Peer):
                 return {
                     "apply": (
                         plain_hf_apply,
-                        f"bench's plain-torch rotate_half formula (transformers not importable: {_short(e)})",
+                        f"bench's plain-torch rotate_half formula (transformers not importable: {short_error(e)})",
                     )
                 }
         if key == "llama4":
@@ -428,7 +428,7 @@ class RopekitHF(TorchEager):
             importlib.import_module("ropekit.hf")
             return True, ""
         except Exception as e:
-            return False, f"not importable ({_short(e)})"
+            return False, f"not importable ({short_error(e)})"
 
     def version(self):
         return None
@@ -557,7 +557,7 @@ def _cuda_module_available(device, module):
         importlib.import_module(module)
         return True, ""
     except Exception as e:
-        return False, f"not importable ({_short(e)})"
+        return False, f"not importable ({short_error(e)})"
 
 
 class Liger(Peer):
@@ -571,7 +571,7 @@ class Liger(Peer):
         return _cuda_module_available(device, "liger_kernel.ops.rope")
 
     def version(self):
-        return _version("liger-kernel", "liger_kernel")
+        return dist_version("liger-kernel", "liger_kernel")
 
     def make(self, wl, inp):
         if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
@@ -655,7 +655,7 @@ class FlashInfer(Peer):
         return _cuda_module_available(device, "flashinfer.rope")
 
     def version(self):
-        return _version("flashinfer-python", "flashinfer")
+        return dist_version("flashinfer-python", "flashinfer")
 
     def make(self, wl, inp):
         if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
@@ -694,7 +694,7 @@ class VLLM(Peer):
         return _cuda_module_available(device, "vllm._custom_ops")
 
     def version(self):
-        return _version("vllm")
+        return dist_version("vllm")
 
     def make(self, wl, inp):
         if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
@@ -750,7 +750,7 @@ class FlashAttn(Peer):
         return _cuda_module_available(device, "flash_attn.layers.rotary")
 
     def version(self):
-        return _version("flash-attn", "flash_attn")
+        return dist_version("flash-attn", "flash_attn")
 
     def make(self, wl, inp):
         if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make

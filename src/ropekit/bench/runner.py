@@ -113,7 +113,7 @@ def _meta(device: str, quick: bool, cfg: Config) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,
         "triton": triton_v,
-        "transformers": P._version("transformers"),
+        "transformers": P.dist_version("transformers"),
         "git": _git_commit(),
         "l2_bytes": timing.l2_bytes(device),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
@@ -165,7 +165,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
         rec.update(status=e.status, reason=e.reason)
         return rec
     except Exception as e:
-        rec.update(status="error", reason="setup: " + P._short(e))
+        rec.update(status="error", reason="setup: " + P.short_error(e))
         return rec
     rec["note"] = peer.note(wl)
     # correctness on a fresh copy, before anything is timed
@@ -175,7 +175,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
         got = W.canon(wl, inp, bound.canon(out))
         errs = {name: W.rel_err(got[name], ref) for name, ref in exp.items()}
     except Exception as e:
-        rec.update(status="error", reason="run: " + P._short(e))
+        rec.update(status="error", reason="run: " + P.short_error(e))
         return rec
     rec["rel_err"] = {k: (v if v != float("inf") else "nan/inf") for k, v in errs.items()}
     tol = W.tolerance(base["q"].dtype)
@@ -208,7 +208,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
                 except Exception:
                     pass
                 st = timing.gpu_stats(bound.fn, cfg.warmup_ms, cfg.rep_ms)
-                method = f"CUDA events, median (graph capture failed: {P._short(e)})"
+                method = f"CUDA events, median (graph capture failed: {P.short_error(e)})"
         else:
             st = timing.gpu_stats(bound.fn, cfg.warmup_ms, cfg.rep_ms)
             method = "CUDA events, median, L2 flushed (triton do_bench)"
@@ -220,7 +220,7 @@ def run_one(peer: P.Peer, wl: W.Workload, base, exp, extra_sets, nbytes, copy_gb
             )
             rec["host_us"], rec["host_spread"] = hs["median"], hs
     except Exception as e:
-        rec.update(status="error", reason="timing: " + P._short(e))
+        rec.update(status="error", reason="timing: " + P.short_error(e))
         return rec
     gbps = nbytes / (ms * 1e-3) / 1e9
     rec.update(status="ok", time_us=ms * 1e3, gbps=gbps, pct_copy=100.0 * gbps / copy_gbps, method=method)
@@ -285,7 +285,7 @@ def run(cfg: Config, log=None) -> dict:
             n_sets = timing.rotation_sets(_set_bytes(base), l2) if (cuda and wl.graph and not wl.one_set_calls) else 1
             extra = [W.make_inputs(wl, s, table, device, cfg.seed + 1 + i) for i in range(n_sets - 1)]
         except Exception as e:  # inputs or oracle failed: every cell is an error
-            why = "inputs/oracle: " + P._short(e)
+            why = "inputs/oracle: " + P.short_error(e)
             say(f"{wl.id}: {why}")
             wl_info.append(_wl_stub(wl, s))
             for p in active:
@@ -332,7 +332,7 @@ def run(cfg: Config, log=None) -> dict:
         try:
             meta["cpu_speed"] = cpu_speed_row(min_s=0.05 if quick else 0.3)
         except Exception as e:
-            meta["cpu_speed"] = {"skipped": P._short(e)}
+            meta["cpu_speed"] = {"skipped": P.short_error(e)}
     for d in oracle.disagreements:
         say("WARNING oracle disagreement: " + d)
     return _pack(meta, copy, wl_info, peer_info, results, cuda, partial=False)
@@ -394,8 +394,8 @@ def _same_size(wl: W.Workload, nbytes: int, copy_gbps: float, device, cfg: Confi
     try:
         c = timing.same_size_copy(device, nbytes, cfg.warmup_ms, cfg.rep_ms)
     except Exception as e:  # out of memory, say: reported, not faked
-        say(f"{wl.id}: same-size copy: {P._short(e)}")
-        return {**out, "same_size_copy_why": P._short(e)}
+        say(f"{wl.id}: same-size copy: {P.short_error(e)}")
+        return {**out, "same_size_copy_why": P.short_error(e)}
     finally:
         _free(device)
     return {
@@ -412,12 +412,12 @@ def _graph_floor(wl: W.Workload, base, cfg: Config, say) -> Optional[dict]:
     try:
         return timing.graph_launch_floor(base["q"], wl.one_set_calls, cfg.warmup_ms, cfg.rep_ms)
     except Exception as e:
-        say(f"{wl.id}: graph launch floor: {P._short(e)}")
+        say(f"{wl.id}: graph launch floor: {P.short_error(e)}")
         try:
             torch.cuda.synchronize()
         except Exception:
             pass
-        return {"why": P._short(e)}
+        return {"why": P.short_error(e)}
 
 
 def _floors(wl, base, say) -> Optional[dict]:
@@ -425,7 +425,7 @@ def _floors(wl, base, say) -> Optional[dict]:
     try:
         return timing.host_floors(base["q"], base.get("k"))
     except Exception as e:  # a floor that cannot run is reported, not faked
-        say(f"{wl.id}: host floors: {P._short(e)}")
+        say(f"{wl.id}: host floors: {P.short_error(e)}")
         return None
 
 
@@ -440,7 +440,7 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
     except Exception as e:
-        return {"skipped": f"transformers not importable ({P._short(e)})"}
+        return {"skipped": f"transformers not importable ({P.short_error(e)})"}
     saved = os.environ.pop("TRITON_INTERPRET", None)  # the CPU path users get
     out: dict = {"sizes": dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D)}
     try:

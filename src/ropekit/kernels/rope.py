@@ -12,7 +12,7 @@ Every variant is the same program with different compile-time flags:
     inverse           INVERSE: rotate by -angle (the backward pass)
     q/k RMSNorm       NORM_Q / NORM_K: 0 none, 1 per head, 2 across the token's heads, applied
                       before the rotation (helpers in .norm); the backward is its own entry point,
-                      rope_norm_backward_kernel
+                      rope_norm_backward_kernel, with the same angle sources
 
 Grid: axis 0 walks tokens (one program each, up to 2^31 - 1), axis 1 walks head blocks of q then
 of k, so q and k are rotated by one launch (with HEAD_LOOP one program walks all of a token's blocks).
@@ -714,60 +714,63 @@ def rope_kernel(
             x1, x2 = n1, n2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "S", "max_pos", "n_seqs", "tokens_per_program"])
 def rope_norm_backward_kernel(
-    # pointers: the forward's input x (q or k), the output gradient g, the input gradient gx, the
-    # norm weight, the float32 weight-gradient partial sums, and the angle sources as in rope_kernel
-    x_ptr,
-    g_ptr,
-    gx_ptr,
-    w_ptr,
-    dw_ptr,
-    pos_ptr,
-    cos_ptr,
-    sin_ptr,
-    # sizes; dw_row: elements per partial-sum row (D per head, H*D across heads)
-    n_tokens,
-    S,
-    n_heads,
-    tail,
-    max_pos,
-    n_blocks,
-    sin_off,
-    tokens_per_program,
-    dw_row,
-    # strides (elements); token dims are (b, s); b's stride is 0 for a single token dim
-    stride_x_batch,
-    stride_x_token,
-    stride_x_head,
-    stride_g_batch,
+    x_ptr,  # the forward's input (q or k), (*T, H, D) in the IN_INTERLEAVED layout: read when NORM
+    g_ptr,  # the output gradient, (*T, H, D) in the OUT_INTERLEAVED layout: read
+    gx_ptr,  # the input gradient, (*T, H, D) in x's layout: written
+    w_ptr,  # NORM: the RMSNorm weight, (D,) or (H*D,), unit stride; else never read
+    dw_ptr,  # NORM: float32 weight-gradient partial sums, one row of dw_row per program; else never written
+    pos_ptr,  # positions (*T) or (3, *T); (axes, *T) int or float when FREQS; cu_seqlens when PACKED
+    cos_ptr,  # cos rows: a [cos | sin] table, or per-token cos; the inverse frequencies when FREQS
+    sin_ptr,  # sin rows: the table again (sin at sin_off), or per-token sin
+    n_tokens,  # tokens in *T
+    S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
+    n_heads,  # H
+    tail,  # D - rotary_dim: dims past the rotated ones (normalized, or copied)
+    max_pos,  # table rows: positions outside [0, max_pos) read nothing and give NaN
+    n_blocks,  # head blocks (the grid's second axis)
+    sin_off,  # elements from sin_ptr to sin's first column
+    tokens_per_program,  # tokens each program walks (the grid's first axis covers n_tokens)
+    dw_row,  # elements per partial-sum row: D per head (NORM 1), H*D across heads (NORM 2)
+    stride_x_batch,  # x's stride of b (0 with one token dim), in elements
+    stride_x_token,  # x's stride of s
+    stride_x_head,  # x's stride between heads
+    stride_g_batch,  # g's strides likewise
     stride_g_token,
     stride_g_head,
-    stride_gx_batch,
+    stride_gx_batch,  # gx's strides likewise
     stride_gx_token,
     stride_gx_head,
-    stride_pos_row,
-    stride_pos_batch,
-    stride_pos_token,
-    stride_angle_row,
-    stride_angle_batch,
-    stride_angle_token,
-    stride_angle_col,
-    SEC_T,
-    SEC_H,
-    SEC_W,
-    norm_eps,
-    norm_offset,
-    # meta
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    MROPE: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr,
-    OUT_INTERLEAVED: tl.constexpr,
-    NORM: tl.constexpr,
+    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w) or FREQS axes
+    stride_pos_batch,  # positions' stride of b
+    stride_pos_token,  # positions' stride of s
+    stride_angle_row,  # per-token angles' stride between M-RoPE rows
+    stride_angle_batch,  # per-token angles' stride of b
+    stride_angle_token,  # table row stride, or per-token angles' stride of s
+    stride_angle_col,  # stride between frequencies
+    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row (FREQS: by axis 0)
+    SEC_H,  # ... by the height row (FREQS: axis 1)
+    SEC_W,  # ... by the width row (FREQS: axis 2; axis 3 takes the rest)
+    n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
+    cp_size,  # PACKED: context-parallel size (1: none)
+    cp_rank,  # PACKED: this rank
+    norm_eps,  # RMSNorm epsilon
+    norm_offset,  # added to the weight (1.0: Gemma's (1 + w))
+    HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
+    HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
+    BLOCK_H: tl.constexpr,  # heads per head block (all of them when NORM is 2)
+    TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail)
+    HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
+    MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
+    IN_INTERLEAVED: tl.constexpr,  # x and gx hold pairs (2i, 2i+1); else halves (i, i + HALF)
+    OUT_INTERLEAVED: tl.constexpr,  # g holds pairs
+    INVERSE: tl.constexpr,  # the forward rotated by -angle
+    NORM: tl.constexpr,  # the forward's RMSNorm: 0 none, 1 per head, 2 across heads
+    PACKED: tl.constexpr,  # positions derived from cu_seqlens (packed sequences, context parallelism)
+    SEARCH_STRIDE: tl.constexpr,  # PACKED: cu_seqlens entries per block of the two-level search
+    SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
+    FREQS: tl.constexpr,  # angles computed from positions (any axis rows) x inverse frequencies at cos_ptr
 ):
     """Backward of RMSNorm + rotation for one tensor (q or k): program (p, j) takes tokens
     [p * tokens_per_program, (p + 1) * tokens_per_program) of head block j.
@@ -775,6 +778,7 @@ def rope_norm_backward_kernel(
     gz = inverse rotation of g (read in the forward's output layout); n = x * r;
     gx = r * (gz*w' - n * mean(gz*w'*n)) over the norm group, written in the input layout.
     NORM 0 makes this the plain inverse rotation (the gradient of an unnormalized q or k).
+    Angles come from every source rope_kernel takes (_load_angles), so any forward has its backward.
     Weight gradient: each program sums gz * n over its tokens (and its heads, per-head weights)
     in registers and writes one float32 row of dw_ptr (row p * n_blocks + j); the launcher sums the
     rows with torch. No atomics: the result is deterministic and the rows are few (one per program).
@@ -823,20 +827,22 @@ def rope_norm_backward_kernel(
                 SEC_T,
                 SEC_H,
                 SEC_W,
-                0,
-                1,
-                0,
+                n_seqs,
+                cp_size,
+                cp_rank,
                 HALF,
                 HALF_PAD,
                 HAS_POS,
                 MROPE,
-                False,
-                1,
-                1,
-                False,
+                PACKED,
+                SEARCH_STRIDE,
+                SEARCH_COARSE,
+                FREQS,
             )
             cb = c[None, :]
             sb = sn[None, :]
+            if INVERSE:
+                sb = -sb
             gz1 = g1 * cb + g2 * sb  # the transpose of the forward rotation
             gz2 = g2 * cb - g1 * sb
             gzt = gz1

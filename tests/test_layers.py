@@ -1,0 +1,131 @@
+"""The package's architecture as a table, and the import rules it implies (README, "Layout").
+
+Layers, bottom to top: a module imports modules of its own layer or of lower ones only; the import
+graph (lazy imports inside functions included) has no cycle; no module reads another's private
+names (`_x`). A new module must be placed in the table.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ropekit"
+
+LAYERS = (
+    ("kernels", ("kernels.rope", "kernels.store", "kernels.rerotate", "kernels.norm", "kernels.positions")),
+    # core, bottom: the memo, the Triton launch internals, the knobs, the checks, the math
+    ("core base", ("memo", "launch", "tuning", "validate", "freqs", "packed", "cpu")),
+    ("core plans", ("launcher",)),
+    ("core dispatch", ("pipeline", "library")),
+    ("api", ("ops", "store", "rerotate", "modules")),
+    ("integrations", ("hf", "hf_qknorm", "diffusers", "distributed", "hub")),
+    (
+        "tools",
+        ("reference", "audit", "selfcheck", "bench", "bench.__main__", "bench.peers", "bench.report")
+        + ("bench.runner", "bench.timing", "bench.workloads"),
+    ),
+)
+LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
+# the oracle sits with the tools (tests import it) but imports nothing of ropekit
+LEAVES = ("reference",)
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            yield ".".join(parts), path
+
+
+def _imports(name: str, path: pathlib.Path):
+    """(ropekit modules imported by `name`, private names it reads from them)."""
+    package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+    tree = ast.parse(path.read_text())
+    deps, aliases, private = set(), {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            if node.module:
+                target = ".".join(base + node.module.split("."))
+                if target in LEVEL:
+                    deps.add(target)
+                    private += [f"{target}.{a.name}" for a in node.names if a.name.startswith("_")]
+                for a in node.names:  # `from .kernels import rope`: a module
+                    sub = f"{target}.{a.name}"
+                    if sub in LEVEL:
+                        deps.add(sub)
+                        aliases[a.asname or a.name] = sub
+            else:
+                for a in node.names:
+                    target = ".".join(base + [a.name])
+                    if target in LEVEL:
+                        deps.add(target)
+                        aliases[a.asname or a.name] = target
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        private.append(a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("ropekit."):
+                    target = a.name[len("ropekit.") :]
+                    if target in LEVEL:
+                        deps.add(target)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                private.append(f"{aliases[node.value.id]}.{node.attr}")
+    deps.discard(name)
+    return deps, private
+
+
+GRAPH = {name: _imports(name, path) for name, path in _modules() if name}
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(set(GRAPH) - set(LEVEL) - {"kernels"})
+    assert not missing, f"modules missing from LAYERS: {missing}"
+    gone = sorted(set(LEVEL) - set(GRAPH))
+    assert not gone, f"LAYERS names modules that do not exist: {gone}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if n in LEVEL))
+def test_imports_point_down(name):
+    deps, private = GRAPH[name]
+    up = sorted(d for d in deps if LEVEL[d] > LEVEL[name])
+    assert not up, f"{name} ({LAYERS[LEVEL[name]][0]}) imports higher layers: {up}"
+    assert not private, f"{name} reads private names of other modules: {private}"
+    if name in LEAVES:
+        assert not deps, f"{name} must import nothing of ropekit, imports {sorted(deps)}"
+
+
+def test_no_import_cycle():
+    state, path = {}, []
+
+    def visit(n):
+        state[n] = 1
+        path.append(n)
+        for d in sorted(GRAPH.get(n, ((), ()))[0]):
+            if state.get(d) == 1:
+                cycle = path[path.index(d) :] + [d]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        path.pop()
+        state[n] = 2
+
+    for n in sorted(GRAPH):
+        if n not in state:
+            visit(n)
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """Can these tests fail? An upward import and a private read, as a module would write them."""
+    bad = tmp_path / "validate.py"
+    bad.write_text("from . import ops\nfrom .launcher import _tiles\nx = ops._rope_spec\n")
+    deps, private = _imports("validate", bad)
+    assert "ops" in deps and LEVEL["ops"] > LEVEL["validate"]
+    assert "launcher._tiles" in private and "ops._rope_spec" in private
