@@ -264,7 +264,8 @@ def run_cell(cell, device):
         if isinstance(info.value, ValueError):
             assert msg.startswith(("apply_rope", "rotate_with_angles")), msg
         else:
-            assert cell[4] == "compile" and re.search(r"ValueError\(['\"](apply_rope|rotate_with_angles)", msg), msg
+            # the ValueError's text inside Dynamo's report (its wrapping differs between torch versions)
+            assert cell[4] == "compile" and re.search(r"ValueError\(.*(apply_rope|rotate_with_angles)\w*: ", msg), msg
         for n, x in before.items():
             assert torch.equal(a[n].nan_to_num(), x.nan_to_num()), f"{n} written before the refusal"
         return
