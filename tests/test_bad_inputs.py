@@ -344,6 +344,24 @@ ROWS = [
         lambda: rope_args(q=lambda a: a["q"].requires_grad_()),
     ),
     R(
+        "rope-norm-inverse",
+        "apply_rope",
+        "inverse=True with a norm weight",
+        "inverse=True, q_norm_weight=w",
+        ValueError,
+        "inverse: expected False with q_norm_weight / k_norm_weight",
+        lambda: rope_args(inplace=False, inverse=True, q_norm_weight=torch.ones(D)),
+    ),
+    R(
+        "rope-norm-inplace-grad",
+        "apply_rope",
+        "in place with a norm weight while autograd records the call",
+        "q = x * 1.0 of an x that requires grad, inplace=True, q_norm_weight=w",
+        ValueError,
+        "inplace: expected False with q_norm_weight / k_norm_weight while autograd records the call",
+        lambda: rope_args(q=lambda a: a["q"].requires_grad_() * 1.0, q_norm_weight=torch.ones(D)),
+    ),
+    R(
         "rope-layout-value",
         "apply_rope",
         "layout not one of 'thd', 'bshd', 'bhsd'",
@@ -400,6 +418,15 @@ ROWS = [
         "q: expected a head size >= rotary_dim (128), got head size 64 (cos and sin are rotary_dim // 2 = 64 "
         "wide; Hugging Face's hold [f, f] over rotary_dim: pass rotary_dim=64, or cos[..., :32] and sin[..., :32])",
         lambda: angles_args(cos=torch.rand(T, D) + 0.1, sin=torch.rand(T, D) + 0.1),
+    ),
+    R(
+        "angles-inplace-overlap",
+        "rotate_with_angles",
+        "q and k overlap, in place",
+        "k = q, inplace=True",
+        ValueError,
+        "k: expected memory disjoint from q when inplace=True",
+        lambda: angles_args(k=lambda a: a["q"], inplace=True),
     ),
     R(
         "angles-cos-type",

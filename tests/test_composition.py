@@ -22,6 +22,7 @@ interpreter; on CUDA (marked gpu) every cell runs (torch.compile cells pairwise)
 from __future__ import annotations
 
 import itertools
+import re
 import zlib
 
 import pytest
@@ -71,10 +72,6 @@ def verdict(layout, norm, angles, write, mode):
     # what the ops cannot be asked yet comes first: such a call fails on its keywords
     if store and angles == "per_token":
         return "gap", "the fused store takes positions and a table, not per-token angles"
-    if store and angles.startswith("packed"):
-        return "gap", "the fused store takes positions, not cu_seqlens"
-    if store and layout == "mrope":
-        return "gap", "the fused store has no M-RoPE sections"
     if store and mode == "grad":
         return "refused", "a gradient through the KV-cache store"
     if layout == "mrope" and angles.startswith("packed"):
@@ -257,16 +254,18 @@ def run_cell(cell, device):
     a = _inputs(cell, device)
     if kind == "refused":
         before = {n: x.clone() for n, x in a.items() if isinstance(x, torch.Tensor)}
-        with pytest.raises((ValueError, RuntimeError)) as info:
+        # under torch.compile(fullgraph=True) Dynamo reports the op's ValueError inside its own error
+        with pytest.raises((ValueError, torch._dynamo.exc.Unsupported)) as info:
             if cell[3].startswith("store"):
                 _run_store(cell, a)
             else:
                 _run_rotation(cell, a)
         msg = str(info.value)
-        if not isinstance(info.value, ValueError):  # torch.compile reports the ValueError inside its own
-            assert cell[4] == "compile" and 'ValueError("' in msg, msg
-            msg = msg.split('ValueError("', 1)[1]
-        assert msg.startswith(("apply_rope", "rotate_with_angles")), msg
+        if isinstance(info.value, ValueError):
+            assert msg.startswith(("apply_rope", "rotate_with_angles")), msg
+        else:
+            # the ValueError's text inside Dynamo's report (its wrapping differs between torch versions)
+            assert cell[4] == "compile" and re.search(r"ValueError\(.*(apply_rope|rotate_with_angles)\w*: ", msg), msg
         for n, x in before.items():
             assert torch.equal(a[n].nan_to_num(), x.nan_to_num()), f"{n} written before the refusal"
         return

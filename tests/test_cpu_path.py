@@ -432,6 +432,37 @@ def test_qk_norm_store(cpu_path):
     assert rel_err(q, rq) < 8e-3 and rel_err(kc[:T], rk) < 1e-6
 
 
+@pytest.mark.parametrize("angles", ["packed_cp", "mrope_interleaved"])
+@pytest.mark.parametrize("cache_dtype, scale", [(torch.bfloat16, None), (torch.float8_e4m3fn, 0.5)])
+def test_store_packed_mrope_norm(cpu_path, angles, cache_dtype, scale):
+    """The store's angle sources with the norm (k across heads) and fp8 caches on the CPU path."""
+    T, Hq, Hk, D = 6, 2, 2, 32
+    q, k, v = (rnd(T, h, D, seed=i) for i, h in enumerate((Hq, Hk, Hk)))
+    wq, wk = 1 + 0.1 * rnd(D, seed=5), 1 + 0.1 * rnd(Hk * D, seed=6)
+    cache = make_cache(32, D)
+    if angles == "packed_cp":
+        cu = torch.tensor([0, 2, 6])
+        pos, want_pos = None, ropekit.positions_from_cu_seqlens(cu, cp_size=2, cp_rank=1)
+        kw, ref_kw = dict(cu_seqlens=cu, cp_size=2, cp_rank=1), {}
+    else:
+        pos = want_pos = torch.randint(0, 32, (3, T), generator=torch.Generator().manual_seed(7))
+        kw = ref_kw = dict(mrope_section=(8, 4, 4), mrope_interleaved=True)
+    slots = torch.tensor([7, 0, -1, 3, 5, 1])
+    kc, vc = (torch.full((2, 4, Hk, D), float("nan")).to(cache_dtype) for _ in range(2))
+    rq, rk = reference.rms_norm_rope(
+        q.double(), k.double(), want_pos, cache.double(), q_norm_weight=wq, k_norm_weight=wk, **ref_kw
+    )
+    ropekit.apply_rope_and_store(
+        q, k, v, pos, cache, kc, vc, slots, q_norm_weight=wq, k_norm_weight=wk, k_scale=scale, **kw
+    )
+    keep = slots >= 0
+    s = slots[keep]
+    assert rel_err(q, rq) < 1e-6
+    assert rel_err(kc[s // 4, s % 4].float() * (scale or 1.0), rk[keep]) < (4e-2 if scale else 8e-3)
+    assert rel_err(vc[s // 4, s % 4].float(), v[keep]) < (4e-2 if scale else 8e-3)
+    assert torch.isnan(kc.float().view(8, Hk, D)[[2, 4, 6]]).all(), "a row no slot names was written"
+
+
 # ---------------------------------------------------------------------------------------------
 # inference mode, threads, and the oracle kept out of the run path
 

@@ -116,6 +116,20 @@ def test_store_head_sharded(gathered):
     torch.testing.assert_close(c["v_cache_out"].double(), vc, rtol=0, atol=0)
 
 
+def test_store_norm_packed_head_sharded(gathered):
+    c = gathered["results"]["store_norm_packed_heads"]
+    positions = ropekit.positions_from_cu_seqlens(c["cu"])
+    kw = dict(q_norm_weight=c["wq"].double(), k_norm_weight=c["wk"].double(), norm_weight_offset=1.0)
+    q, kc = c["q"].double(), torch.full(c["k_cache_out"].shape, float("nan"), dtype=torch.float64)
+    vc = kc.clone()
+    reference.apply_rope_and_store(
+        q, c["k"].double(), c["v"].double(), positions, c["cache"].double(), kc, vc, c["slots"], **kw
+    )
+    torch.testing.assert_close(c["qo"].double(), q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c["k_cache_out"].double(), kc, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(c["v_cache_out"].double(), vc, rtol=0, atol=0, equal_nan=True)
+
+
 def test_packed_head_sharded_forward_and_backward(gathered):
     c = gathered["results"]["packed_heads"]
     positions = ropekit.positions_from_cu_seqlens(c["cu"])
@@ -126,15 +140,45 @@ def test_packed_head_sharded_forward_and_backward(gathered):
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["norm_heads", "norm_tokens_across"])
+def test_norm_sharded_forward_and_backward(gathered, case):
+    """The QK-norm on DTensors: outputs and gradients of q, k and q's weight (a Partial sum over
+    the shards, reduced by DTensor) against float64."""
+    c = gathered["results"][case]
+    q, k = c["q"].double().requires_grad_(), c["k"].double().requires_grad_()
+    wq = c["wq"].double().requires_grad_()
+    cos, sin = reference.angles_from_table(c["cache"].double(), c["pos"], (8,))
+    qo = reference.rotate(reference.rms_norm(q, wq, eps=1e-6, offset=0.0), cos, sin)
+    ko = reference.rotate(reference.rms_norm(k, c["wk"].double(), eps=1e-6, offset=0.0), cos, sin)
+    (qo.sum() + 2 * ko.sum()).backward()
+    for got, want in ((c["qo"], qo), (c["ko"], ko), (c["gq"], q.grad), (c["gk"], k.grad), (c["gwq"], wq.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_freqs_token_sharded(gathered):
+    c = gathered["results"]["freqs_tokens"]
+    angle = ropekit.freqs.pair_positions(c["pos"].double(), (4, 4, 8), 16) * c["inv_freq"].double()
+    for got, x in ((c["qo"], c["q"]), (c["ko"], c["k"])):
+        want = reference.rotate(x.double(), angle.cos(), angle.sin(), interleaved=True)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "case,fragment",
     [
-        ("norm_dtensor", "apply_rope: q: expected a plain torch.Tensor (the QK-norm path has no DTensor sharding rule"),
+        (
+            "norm_across_heads_sharded",
+            "ropekit.rotate: q_norm_weight: expected a per-head (D,) weight when q / k are sharded on heads",
+        ),
         (
             "packed_token_sharded",
             "ropekit.rotate: q: expected a head-dim or replicated placement with cu_seqlens",
         ),
         ("store_token_sharded", "ropekit.rope_and_store: q: expected a head-dim or replicated placement"),
+        (
+            "store_norm_across_heads_sharded",
+            "ropekit.rope_and_store: k_norm_weight: expected a per-head (D,) weight when q / k are sharded on heads",
+        ),
         ("positions_sharded_under_head_sharding", "ropekit.rotate: positions: expected placements (Replicate(),)"),
         ("k_on_other_dim", "ropekit.rotate: k: expected placement Shard(dim=0) on mesh dim 0"),
         ("shard_of_head_size", "ropekit.rotate: q: expected placements Replicate(), Shard(token dim) or Shard(head"),

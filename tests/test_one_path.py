@@ -188,9 +188,12 @@ def test_dtensor_rules_follow_the_variant():
     tokens = Variant(angles="tokens", norm_q=2).encode()
     rule = distributed.rule_of("rotate", {"variant": tokens})
     roles = dict(rule.args)
-    assert roles["a"] == distributed.ANGLES and roles["b"] == distributed.ANGLES
-    assert roles["wq"] == distributed.WEIGHT_ALL and roles["wk"] == distributed.WEIGHT
+    assert roles["cos"] == distributed.ANGLES and roles["sin"] == distributed.ANGLES
+    assert roles["q_norm_weight"] == distributed.WEIGHT_ALL and roles["k_norm_weight"] == distributed.WEIGHT
     packed_rule = distributed.rule_of("rotate_", [None] * 6 + [Variant(angles="packed").encode()])
-    assert dict(packed_rule.args)["a"] == distributed.SEQLENS and packed_rule.written == ("q", "k")
+    assert dict(packed_rule.args)["cu_seqlens"] == distributed.SEQLENS and packed_rule.written == ("q", "k")
+    freqs_rule = distributed.rule_of("rotate", {"variant": Variant(angles="freqs", sections=(2, 2)).encode()})
+    assert dict(freqs_rule.args)["positions"] == distributed.TOKENS
+    assert dict(freqs_rule.args)["inv_freq"] == distributed.TABLE
     back = distributed.rule_of("rotate_norm_backward", {"variant": Variant(norm_k=1).encode()})
     assert back.outputs == ("x", distributed.GRAD_SUM)

@@ -58,6 +58,18 @@ CASES = {
         lambda q, c, p: _store(q, c, p, rotary_dim=16),
         lambda q, c, p: _store(q, c, p, rotary_dim=16.0),
     ),
+    "cp_size True after 1 (store, packed)": (
+        lambda q, c, p: _store(q, c, None, cu_seqlens=torch.tensor([0, 1, 3]), cp_size=1),
+        lambda q, c, p: _store(q, c, None, cu_seqlens=torch.tensor([0, 1, 3]), cp_size=True),
+    ),
+    "norm_eps True after 1 (store)": (
+        lambda q, c, p: _store(q, c, p, k_norm_weight=torch.ones(16), norm_eps=1),
+        lambda q, c, p: _store(q, c, p, k_norm_weight=torch.ones(16), norm_eps=True),
+    ),
+    "True in mrope_section after 1 (store)": (
+        lambda q, c, p: _store(q, c, torch.zeros(3, 3, dtype=torch.long), mrope_section=[1, 4, 3]),
+        lambda q, c, p: _store(q, c, torch.zeros(3, 3, dtype=torch.long), mrope_section=[True, 4, 3]),
+    ),
     "rotary_dim 16.0 after 16 (rerotate)": (
         lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16),
         lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16.0),

@@ -642,17 +642,18 @@ def test_bigmem_cuda_norm_past_2_31_elements():
     qo.backward(torch.ones_like(qo))
     del qo
     gx, dw = q.grad, wq.grad
-    qd = q[tail].double().cpu().requires_grad_(True)
+    qd = q[tail].detach().double().cpu().requires_grad_(True)
     y, _ = reference.rms_norm_rope(qd, None, pos[tail].cpu(), cache.double().cpu(), q_norm_weight=wq.double().cpu())
     y.sum().backward()
     assert rel(gx[tail], qd.grad) < 2e-2
     assert torch.isfinite(dw).all()
 
 
-def test_cpu_reference_path_without_triton(monkeypatch):
+def test_cpu_reference_path_without_triton(monkeypatch, request):
     """Plain CPU (no TRITON_INTERPRET): the pure-PyTorch path, forward, backward and store."""
-    monkeypatch.setattr(pipeline, "triton_runs", lambda x: False)
+    monkeypatch.setattr(pipeline, "triton_runs", lambda x: False)  # the specs record their path
     pipeline.clear()
+    request.addfinalizer(pipeline.clear)
     q, k = inputs()
     cache = make_cache(32, 32)
     pos = torch.randint(0, 32, (5,))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit import reference, validate
+from ropekit import pipeline, reference, validate
 from ropekit.store import apply_rope_and_store
 
 try:
@@ -135,10 +135,36 @@ def fp8_tol(got, want, what):
     )
 
 
+# keywords of the op that the oracle takes too (M-RoPE, the norm)
+ORACLE_KW = (
+    "mrope_section",
+    "mrope_interleaved",
+    "q_norm_weight",
+    "k_norm_weight",
+    "norm_eps",
+    "norm_weight_offset",
+)
+
+
 def check_store(
-    q, k, v, positions, table, caches, slots, *, interleaved=False, k_scale=None, v_scale=None, exact_fp8=False
+    q,
+    k,
+    v,
+    positions,
+    table,
+    caches,
+    slots,
+    *,
+    interleaved=False,
+    k_scale=None,
+    v_scale=None,
+    exact_fp8=False,
+    oracle_positions=None,
+    **op_kw,
 ):
-    """Run the op once and check q, every written cache element and every untouched one."""
+    """Run the op once and check q, every written cache element and every untouched one.
+    op_kw: further keywords of the op (cu_seqlens: give the oracle its positions as
+    oracle_positions; M-RoPE and norm keywords reach the oracle too)."""
     rot = table.shape[1]
     before = [b.clone() for b in caches.bases]
     q_before = q.clone()
@@ -152,11 +178,13 @@ def check_store(
         mk[caches.row(slot)] = True
         mv[caches.row(slot)] = True
     scale = [None if x is None else float(x) for x in (k_scale, v_scale)]
+    want_pos = positions if oracle_positions is None else oracle_positions
+    extra = {n: w.double().cpu() if isinstance(w, torch.Tensor) else w for n, w in op_kw.items() if n in ORACLE_KW}
     reference.apply_rope_and_store(
         q64,
         k.double().cpu(),
         v.double().cpu(),
-        None if positions is None else positions.cpu(),
+        None if want_pos is None else want_pos.cpu(),
         table.double().cpu(),
         ok_,
         ov_,
@@ -165,16 +193,29 @@ def check_store(
         rotary_dim=rot,
         k_scale=scale[0],
         v_scale=scale[1],
+        **extra,
     )
     q64[..., :rot][(s >= caches.num_slots)] = NAN  # a slot past the cache flags q
 
     out = apply_rope_and_store(
-        q, k, v, positions, table, caches.k, caches.v, slots, interleaved=interleaved, k_scale=k_scale, v_scale=v_scale
+        q,
+        k,
+        v,
+        positions,
+        table,
+        caches.k,
+        caches.v,
+        slots,
+        interleaved=interleaved,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **op_kw,
     )
     assert out is q
 
     assert_close(q, q64, TOL[q.dtype], "q")
-    assert torch.equal(bits(q[..., rot:]), bits(q_before[..., rot:])), "q's tail past rotary_dim changed"
+    if op_kw.get("q_norm_weight") is None:  # normalized, the tail changes (checked against the oracle)
+        assert torch.equal(bits(q[..., rot:]), bits(q_before[..., rot:])), "q's tail past rotary_dim changed"
     n_written = 0
     for base, b0, want, written in zip(caches.bases, before, obases, mbases):
         got = base.cpu()
@@ -902,12 +943,22 @@ def test_opcheck():
         torch.zeros(8, 1, D),
         torch.zeros(8, 1, D),
         torch.tensor([6, -1, 2]),
-        False,
+        pipeline.Variant().encode(),
         D,
         torch.tensor([2.0]),
         None,
     )
     torch.library.opcheck(torch.ops.ropekit.rope_and_store.default, args)
+    # with the norm (k's weight, per head) and packed angles: positions' place taken by cu_seqlens
+    normed = pipeline.Variant(angles="packed", norm_k=pipeline.NORM_HEAD).encode()
+    args = (*args[:3], torch.tensor([0, 1, 3]), *args[4:8], normed, *args[9:])
+    torch.library.opcheck(
+        torch.ops.ropekit.rope_and_store.default, (*args, False, None, torch.rand(D) + 0.5, 1e-5, 1.0, 1, 0)
+    )
+    # a weight the encoded norm mode does not describe is refused (the kernel would read D * H of it)
+    across = pipeline.Variant(norm_k=pipeline.NORM_TOKEN).encode()
+    with pytest.raises(ValueError, match=r"k_norm_weight: expected a tensor of 32 elements \(norm mode 2"):
+        torch.ops.ropekit.rope_and_store(*args[:8], across, *args[9:], False, None, torch.ones(8))
 
 
 # ---------------------------------------------------------------------------------------------

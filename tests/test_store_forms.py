@@ -727,7 +727,7 @@ def test_opcheck_with_the_new_arguments():
         torch.zeros(8, 1, D),
         torch.zeros(8, 1, D, dtype=torch.bfloat16),  # (opcheck's own comparisons take no fp8 tensors)
         torch.tensor([6, -1, 2]),
-        False,
+        pipeline.Variant().encode(),
         D,
         torch.tensor([2.0]),
         None,

@@ -508,17 +508,47 @@ def store_rows(
     q_out=None,
     q_scale=None,
     write_key=False,
+    sections=None,
+    il_sections=False,
+    norm=None,
 ) -> None:
     """The fused store: rotated q into q_out (None: q, in place), divided by q_scale; rotated k and
     v (divided by their scale) rounded once into their cache rows, fp8 saturated; with write_key
     rotated k's dims also back into k. Slots < 0 are skipped; a slot past the cache is skipped and
     flags its token's rotated dims of q with NaN. Scales: None or 1-element float32 tensors.
-    q, k, v: (*T, H, D); caches (num_blocks, block_size, Hk, D) or (num_slots, Hk, D)."""
+    q, k, v: (*T, H, D); caches (num_blocks, block_size, Hk, D) or (num_slots, Hk, D); positions
+    (*T), (3, *T) with M-RoPE sections, or None (arange). norm: None, or (q's weight or None, k's
+    weight or None, eps, offset): RMSNorm of q / k (their whole heads) first (tails included)."""
+    if norm is not None:
+        _normed_store(
+            q,
+            k,
+            v,
+            positions,
+            table,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            dict(
+                interleaved=interleaved,
+                rotary_dim=rotary_dim,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                q_out=q_out,
+                q_scale=q_scale,
+                write_key=write_key,
+                sections=sections,
+                il_sections=il_sections,
+            ),
+            norm,
+        )
+        return
     rot = rotary_dim
     token_shape = tuple(q.shape[:-2])
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     slots = slot_mapping.long().reshape(token_shape)
-    ang = _prepare(*table_angles(table, positions, token_shape, rot), torch.float32, False, -2)
+    cos, sin = table_angles(table, positions, token_shape, rot, sections, il_sections)
+    ang = _prepare(cos, sin, torch.float32, False, -2)
     bad = slots >= num_slots
     flagged = bool(bad.any())
     target = q if q_out is None else q_out
@@ -540,6 +570,19 @@ def store_rows(
     idx = slots[keep]
     for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v, v_scale)):
         cache[_cache_rows(cache, idx)] = _rounded_into(rows[keep].float(), scale, cache.dtype)
+
+
+def _normed_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, kw, norm) -> None:
+    """store_rows with RMSNorm of q and / or k first: normalized in float32 (unrounded), then
+    rotated and rounded once; q's tail (in place) and with write_key k's tail come back normalized."""
+    wq, wk, eps, offset = norm
+    qn = q if wq is None else rms_norm(q, wq, eps=eps, offset=offset)
+    kn = k if wk is None else rms_norm(k, wk, eps=eps, offset=offset)
+    store_rows(qn, kn, v, positions, table, k_cache, v_cache, slot_mapping, **kw)
+    if kw["q_out"] is None and qn is not q:
+        q.copy_(qn)
+    if kw["write_key"] and kn is not k:
+        k.copy_(kn)
 
 
 def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_scale, dst_slots) -> None:
@@ -608,3 +651,28 @@ def norm_rotate(x, weight, cos, sin, *, interleaved: bool, eps: float, offset: f
     if rot < y.shape[-1]:
         r = torch.cat((r, y[..., rot:]), -1)
     return r.to(out_dtype or x.dtype)
+
+
+def norm_rotate_backward(x, g, weight, cos, sin, *, interleaved: bool, eps: float, offset: float):
+    """(gradient of x, of weight) of norm_rotate given its output gradient g, by the formulas (no
+    autograd: custom ops run this below autograd). With n = x * r, r = rsqrt(mean(x^2) + eps) over
+    the norm group and gz = the transposed rotation of g: gx = r * (gz w' - n mean(gz w' n)),
+    dw = sum of gz * n over tokens (and heads, per-head weights). Math in float32 (float64)."""
+    ct = compute_dtype(x)
+    rot = 2 * cos.shape[-1]
+    g = g.to(ct)
+    gz = _rotated(g[..., :rot], cos, -sin, interleaved)  # the transpose of a rotation: by -angle
+    if rot < g.shape[-1]:
+        gz = torch.cat((gz, g[..., rot:]), -1)
+    if weight is None:
+        return gz.to(x.dtype), None
+    per_head = weight.shape[-1] == x.shape[-1]
+    xf = x.to(ct) if per_head else x.to(ct).flatten(-2)
+    gzf = gz if per_head else gz.flatten(-2)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    n = xf * r
+    w = weight.to(ct) + offset
+    gn = gzf * w
+    gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
+    dw = (gzf * n).reshape(-1, weight.shape[-1]).sum(0)
+    return gx.view(x.shape).to(x.dtype), dw.to(weight.dtype)

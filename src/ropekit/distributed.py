@@ -9,6 +9,9 @@ dim of q's placements:
     Shard(d), d a token dim  Shard(d)        Shard(d [+1 for M-RoPE])  Replicate()      refused        refused
     Shard(H), the head dim   Shard(H)        Replicate()               Replicate()      Shard(heads)   Replicate()
 
+RMSNorm weights (the store's q_norm_weight / k_norm_weight) are replicated; a weight across heads
+((H*D,), the variant's NORM_TOKEN) needs every head of a token, so head sharding refuses it.
+
 The reference placement on a mesh dim is that of whichever of q, k, v is sharded there (they must
 agree), Replicate() when none is. Outputs (rotate) get the reference placements. A replicated
 argument that the rule wants sharded is sliced locally by DTensor (no communication: this is how
@@ -66,37 +69,65 @@ GRAD_SUM = "partial"  # an output summed over tokens and heads (a weight's gradi
 
 
 def _rotate_roles(codes):
-    """Roles of the rotation ops' angle operands and weights, from the encoded Variant: (a, b)
-    follow its angle source, a weight its norm mode."""
+    """Names and roles of the rotation ops' angle operands (a, b), from the encoded Variant's angle
+    source, and the roles of the two norm weights, from its norm modes."""
+    from .library import ANGLE_NAMES
     from .pipeline import ANGLE_SOURCES
 
-    angles = ANGLE_SOURCES[codes[0 + 3]]
+    angles = ANGLE_SOURCES[codes[3]]
+    name_a, name_b = ANGLE_NAMES[angles]
     role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(angles, TOKENS)
     role_b = ANGLES if angles == "tokens" else TABLE
-    return role_a, role_b, [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
+    return (name_a, role_a), (name_b, role_b), [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
 
 
 _ROTATE_FLAGS = (("variant", None), ("rotary_dim", None), ("packed", None), ("norm", None))
 
 
+def _rotate_args(codes) -> tuple:
+    a, b, (wq, wk) = _rotate_roles(codes)
+    return (("q", HEADS), ("k", HEADS), a, b, ("q_norm_weight", wq), ("k_norm_weight", wk))
+
+
 def _rotate(codes) -> OpRule:
-    role_a, role_b, (wq, wk) = _rotate_roles(codes)
-    args = (("q", HEADS), ("k", HEADS), ("a", role_a), ("b", role_b), ("wq", wq), ("wk", wk))
     scales = (("q_scale", SCALE), ("k_scale", SCALE))
-    return OpRule(args + scales + _ROTATE_FLAGS + (("out_dtype", None),), ("q", "k"))
+    return OpRule(_rotate_args(codes) + scales + _ROTATE_FLAGS + (("out_dtype", None),), ("q", "k"))
 
 
 def _rotate_inplace(codes) -> OpRule:
-    role_a, role_b, (wq, wk) = _rotate_roles(codes)
-    args = (("q", HEADS), ("k", HEADS), ("a", role_a), ("b", role_b), ("wq", wq), ("wk", wk))
-    return OpRule(args + _ROTATE_FLAGS, (), ("q", "k"))
+    return OpRule(_rotate_args(codes) + _ROTATE_FLAGS, (), ("q", "k"))
 
 
 def _rotate_norm_backward(codes) -> OpRule:
-    role_a, role_b, roles_w = _rotate_roles(codes)
+    a, b, roles_w = _rotate_roles(codes)
     w = WEIGHT_ALL if WEIGHT_ALL in roles_w else WEIGHT
-    args = (("x", HEADS), ("g", HEADS), ("w", w), ("a", role_a), ("b", role_b))
+    args = (("x", HEADS), ("g", HEADS), ("w", w), a, b)
     return OpRule(args + _ROTATE_FLAGS + (("mode", None),), ("x", GRAD_SUM))
+
+
+def _store(codes, q_out: bool) -> OpRule:
+    """The fused store's rule: positions (or cu_seqlens) follow the tokens, replicated under head
+    sharding (token sharding is refused by the caches); weights by the variant's norm modes."""
+    _, _, (wq, wk) = _rotate_roles(codes)
+    args = (
+        ("q", HEADS),
+        ("k", HEADS),
+        ("v", HEADS),
+        ("positions", TOKENS),
+        ("cos_sin_cache", TABLE),
+        ("k_cache", CACHE),
+        ("v_cache", CACHE),
+        ("slot_mapping", TOKENS),
+        ("variant", None),
+        ("rotary_dim", None),
+        ("k_scale", SCALE),
+        ("v_scale", SCALE),
+        ("write_key", None),
+    )
+    outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
+    norm = (("q_norm_weight", wq), ("k_norm_weight", wk), ("norm_eps", None), ("norm_weight_offset", None))
+    written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
+    return OpRule(args + outs + norm + (("cp_size", None), ("cp_rank", None)), (), written)
 
 
 # The op-schema table (src/ropekit/library.py and store.py define the ops): a rule, or for the
@@ -105,32 +136,9 @@ OPS = {
     "rotate": (8, _rotate),
     "rotate_": (6, _rotate_inplace),
     "rotate_norm_backward": (5, _rotate_norm_backward),
-    "rope_and_store": OpRule(
-        args=(
-            ("q", HEADS),
-            ("k", HEADS),
-            ("v", HEADS),
-            ("positions", TOKENS),
-            ("cos_sin_cache", TABLE),
-            ("k_cache", CACHE),
-            ("v_cache", CACHE),
-            ("slot_mapping", TOKENS),
-            ("interleaved", None),
-            ("rotary_dim", None),
-            ("k_scale", SCALE),
-            ("v_scale", SCALE),
-            ("write_key", None),
-        ),
-        outputs=(),
-        written=("q", "k", "k_cache", "v_cache"),
-    ),
+    "rope_and_store": (8, lambda codes: _store(codes, q_out=False)),
+    "rope_and_store_q_out": (8, lambda codes: _store(codes, q_out=True)),
 }
-# the store writing rotated q into q_out: the same rule, q_out sharded like q
-OPS["rope_and_store_q_out"] = OpRule(
-    args=OPS["rope_and_store"].args + (("q_out", HEADS), ("q_scale", SCALE)),
-    outputs=(),
-    written=("q_out", "k", "k_cache", "v_cache"),
-)
 
 
 def rule_of(op: str, values) -> OpRule:
@@ -208,9 +216,9 @@ def expected_placements(op: str, rule: OpRule, specs: dict) -> dict:
                     _fail(
                         op,
                         name,
-                        "a token-sharded or replicated q / k with an (H * D,) norm weight (a norm "
-                        "across heads cannot run on a shard of the heads)",
-                        specs[first][1],
+                        "a per-head (D,) weight when q / k are sharded on heads (a norm across heads "
+                        "needs every head of a token: replicate q / k, or gather first)",
+                        f"an across-heads weight with {first} placements {specs[first][1]}",
                     )
                 per_mesh_dim.append(Replicate())
             elif role == SEQLENS:

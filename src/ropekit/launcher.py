@@ -16,6 +16,8 @@ import torch
 from . import tuning
 from .launch import launch as launch_kernel
 
+NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # pipeline.Variant.norm_q / norm_k: none, each head, all heads
+
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -306,18 +308,26 @@ def slot_geometry(cache: torch.Tensor):
     return 1, cache.stride(0), 0, cache.stride(1)  # flat: every slot is a block of one
 
 
-def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int, block_elems: int):
+def _store_tiles(half: int, n_q: int, n_k: int, k_tail: int, n_v: int, d_v: int, block_elems: int, variant):
     """Tile sizes of rope_store_kernel: BLOCK_HQ / BLOCK_HK heads of the rotated dims (the rule of
-    _tiles), BLOCK_HV heads of v, each ~block_elems elements."""
+    _tiles; all heads in one block for a norm across heads, which needs a whole token), BLOCK_HV
+    heads of v, each ~block_elems elements."""
     half_pad = next_pow2(half)
     rows = max(1, block_elems // (2 * half_pad))
-    bhq = min(next_pow2(n_q), next_pow2(rows))
-    bhk = min(next_pow2(n_k), next_pow2(rows))
+    bhq = next_pow2(n_q) if variant.norm_q == NORM_TOKEN else min(next_pow2(n_q), next_pow2(rows))
+    bhk = next_pow2(n_k) if variant.norm_k == NORM_TOKEN else min(next_pow2(n_k), next_pow2(rows))
     tail_pad = next_pow2(k_tail) if k_tail > 0 else 0
     dv_pad = next_pow2(d_v)
     bhv = min(next_pow2(n_v), next_pow2(max(1, block_elems // dv_pad)))
     nqb, nkb, nvb = -(-n_q // bhq), -(-n_k // bhk), -(-n_v // bhv)
     return half_pad, bhq, bhk, bhv, tail_pad, dv_pad, nqb, nkb, nvb
+
+
+def block_warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
+    """Warps for a head block of block_h heads: blocks holding a whole token (a norm across up to
+    64 heads of 128) need more warps to stay in registers; smaller ones keep `warps`."""
+    elems = block_h * (2 * half_pad + tail_pad)
+    return max(warps, min(8, next_pow2(max(1, elems // 1024))))
 
 
 def plan_store(
@@ -336,9 +346,13 @@ def plan_store(
     q_out=None,
     q_scaled=False,
     write_key=False,
+    packed=(1, 0),
 ):
-    """rope_store_kernel's launch (None for an empty call). q_out: None (q rotated in place) or the
-    tensor q is rotated into (its tail copied); write_key: rotated k written back into k too."""
+    """rope_store_kernel's launch (None for an empty call). positions: the variant's angle source
+    (positions (*T) or (3, *T) with M-RoPE, cu_seqlens for packed angles, None for arange);
+    packed: (cp_size, cp_rank). q_out: None (q rotated in place) or the tensor q is rotated into
+    (its tail copied); write_key: rotated k written back into k too. The variant's norm_q / norm_k
+    normalize q / k first (their tails too)."""
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     if n_tokens == 0:
@@ -358,11 +372,11 @@ def plan_store(
         n_v,
         d_v,
         tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "store_block_elems"),
+        variant,
     )
-    row, col = table.stride(0), table.stride(1)
+    angles = angle_layout(variant, rot, positions, table, None, packed)
     block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
     _, svc_blk, svc_off, svc_h = slot_geometry(v_cache)
-    has_pos = positions is not None
     qo = q if q_out is None else q_out
     q_tail = q.shape[-1] - rot
     args = (
@@ -372,8 +386,8 @@ def plan_store(
         n_v,
         d_k - rot,
         d_v,
-        table.shape[0] if has_pos else 0,
-        half * col,
+        angles.max_pos,
+        angles.sin_off,
         block_size,
         k_cache.shape[0] * block_size,
         nqb,
@@ -385,9 +399,10 @@ def plan_store(
         k.stride(-2),
         *token_strides(v, n_tok),
         v.stride(-2),
-        *(token_strides(positions, n_tok) if has_pos else (0, 0)),
-        row,
-        col,
+        *angles.pos_strides,  # (row, b, s)
+        *angles.strides[2:],  # (table row, column)
+        *section_args(variant, half),
+        *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
         *token_strides(slot_mapping, n_tok),
         skc_blk,
         skc_off,
@@ -399,12 +414,10 @@ def plan_store(
         qo.stride(-2),
         v.stride(-1),
         q_tail,
-        0,
-        0,
-        0.0,
-        0.0,  # q's tail, then the norm's weights, eps, offset (ropekit.qknorm)
-    )
+    )  # then the norm's eps and offset, per launch (fire_store)
     il = variant.interleaved
+    # q's tail is written when it moves (a separate q_out) or changes (normalized, in place too)
+    q_tail_written = q_tail > 0 and (q_out is not None or variant.norm_q != NORM_NONE)
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
@@ -413,28 +426,36 @@ def plan_store(
         BLOCK_HV=bhv,
         TAIL_PAD=tail_pad,
         DV_PAD=dv_pad,
-        HAS_POS=has_pos,
+        HAS_POS=angles.max_pos > 0,
+        MROPE=variant.mrope,
+        PACKED=variant.angles == "packed",
+        SEARCH_STRIDE=angles.search[0],
+        SEARCH_COARSE=angles.search[1],
         INTERLEAVED=il,
         K_SCALED=k_scaled,
         V_SCALED=v_scaled,
         PACK_Q=_pair_bits(q, q_out) if il else 0,
         PACK_K=_pair_bits(k, k_cache) if il else 0,
-        NORM_Q=0,
-        NORM_K=0,
-        # a separate q_out gets q's tail copied; in place the tail already sits where it belongs
-        TAIL_PAD_Q=next_pow2(q_tail) if q_out is not None and q_tail > 0 else 0,
+        NORM_Q=variant.norm_q,
+        NORM_K=variant.norm_k,
+        TAIL_PAD_Q=next_pow2(q_tail) if q_tail_written else 0,
         Q_SCALED=q_scaled,
         WRITE_K=bool(write_key),
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
-        num_warps=tuning.warps(head_loop, False, n_tokens, store=True),
+        num_warps=tuning.warps(head_loop, variant.mrope != 0, n_tokens, store=True),
     )
+    if variant.normed:
+        tails = max(tail_pad, meta["TAIL_PAD_Q"])
+        meta["num_warps"] = block_warps(max(bhq, bhk), half_pad, tails, meta["num_warps"])
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 
 
-def store_inputs(meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None):
-    """(meta, pointer tensors) of one rope_store_kernel launch (plain or with the norm, ropekit.qknorm):
-    packed pairs turned off for base pointers off the word grid (a view may start at an odd element)."""
+def store_inputs(
+    meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None, wq=None, wk=None
+):
+    """(meta, pointer tensors) of one rope_store_kernel launch: packed pairs turned off for base
+    pointers off the word grid (a view may start at an odd element)."""
     qo = q if q_out is None else q_out
     if meta["PACK_Q"] and (q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
         meta = dict(meta, PACK_Q=0)
@@ -453,18 +474,52 @@ def store_inputs(meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_m
         table if vs is None else vs,
         qo,
         table if qs is None else qs,
-    )  # scales: never read unless scaled
+        table if wq is None else wq,
+        table if wk is None else wk,
+    )  # scales and weights: never read unless scaled / normalized
     return meta, ptrs
 
 
+_NO_NORM = (0.0, 0.0)  # eps and offset of a launch without the norm (never read)
+
+
 def fire_store(
-    plan: Optional[Plan], q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None
+    plan: Optional[Plan],
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    ks,
+    vs,
+    q_out=None,
+    qs=None,
+    norm=None,
 ) -> None:
+    """Launch rope_store_kernel for plan_store's plan. positions: the angle source the plan was
+    made for; ks, vs, qs: float32 scale tensors or None; norm: None, or (q's weight or None, k's
+    weight or None, eps, offset) for a plan whose variant normalizes."""
     if plan is None:
         return
-    meta, ptrs = store_inputs(plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs)
+    wq = wk = None
+    scalars = _NO_NORM
+    if norm is not None:
+        wq, wk, eps, offset = norm
+        scalars = (float(eps), float(offset))
+    meta, ptrs = store_inputs(
+        plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk
+    )
     launch_kernel(
-        kernel("rope_store_kernel"), plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, plan.args, meta
+        kernel("rope_store_kernel"),
+        plan.compiled,
+        (meta["PACK_Q"], meta["PACK_K"]),
+        plan.grid,
+        ptrs,
+        plan.args + scalars,
+        meta,
     )
 
 

@@ -16,6 +16,7 @@ else a direct run of `pipeline.run_rotate`.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -315,17 +316,10 @@ def apply_rope(
                 _scale_key(q_scale),
                 _scale_key(k_scale),
             )
-        key = (
-            "apply_rope",
-            torch.is_grad_enabled(),
-            tensor_key(q),
-            tensor_key(k),
-            tensor_key(positions),
-            tensor_key(cos_sin_cache),
-            optional,
+        flags = (
             interleaved,
             rotary_dim,
-            None if mrope_section is None else value_key(mrope_section),
+            mrope_section,
             mrope_interleaved,
             inplace,
             norm_eps,
@@ -335,17 +329,22 @@ def apply_rope(
             inverse,
             out_dtype,
             layout,
-            None if axes is None else value_key(axes),
-            # types: 16 and 16.0, True and 1 hash alike but validate differently
-            type(interleaved),
-            type(rotary_dim),
-            type(mrope_interleaved),
-            type(inplace),
-            type(norm_eps),
-            type(norm_weight_offset),
-            type(cp_size),
-            type(cp_rank),
-            type(inverse),
+            axes,
+        )
+        # the flags, all at their defaults in most calls: identity tests instead of keying them
+        if all(map(operator.is_, flags, _FLAG_DEFAULTS)):
+            flags = None
+        else:  # types too: 16 and 16.0, True and 1 hash alike but validate differently
+            flags = tuple(map(value_key, flags))
+        key = (
+            "apply_rope",
+            torch.is_grad_enabled(),
+            tensor_key(q),
+            tensor_key(k),
+            tensor_key(positions),
+            tensor_key(cos_sin_cache),
+            optional,
+            flags,
         )
         spec = _MEMO_GET(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
@@ -367,6 +366,26 @@ def apply_rope(
         if validate.is_strict():
             _strict_values(spec, q, a, b, cp_size)
     return _run(spec, q, k, a, b, weights, _scales(spec, q, q_scale, k_scale))
+
+
+_FLAG_DEFAULTS = tuple(
+    apply_rope.__kwdefaults__[n]
+    for n in (
+        "interleaved",
+        "rotary_dim",
+        "mrope_section",
+        "mrope_interleaved",
+        "inplace",
+        "norm_eps",
+        "norm_weight_offset",
+        "cp_size",
+        "cp_rank",
+        "inverse",
+        "out_dtype",
+        "layout",
+        "axes",
+    )
+)
 
 
 def _operands(spec: Spec, positions, table, cu_seqlens, inv_freq):

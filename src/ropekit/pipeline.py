@@ -1,20 +1,22 @@
 """One call pipeline for every op: signature -> spec -> one of three doors -> the run step.
 
     signature  the call's tensors as (type, shape, strides, dtype, device, requires_grad) and its
-               other arguments with their types, plus grad mode: a hashable key. Types are part of
-               it, so `rotary_dim=16.0` never reuses the verdict on `rotary_dim=16`.
+               other arguments with their types, plus grad mode: a hashable key (memo.py). Types
+               are part of it, so `rotary_dim=16.0` never reuses the verdict on `rotary_dim=16`.
     spec       what validation concluded about that signature (a `Variant`: the frozen record of
-               every flag a kernel or the CPU path branches on; the rotary width; which door), and
-               the launch plans once made. One bounded memo holds every spec (`remember`, `clear`).
-    doors      torch.compile -> the torch.library custom op (ops.py / store.py register them with
-               their fakes); eager with grad -> `RotateFunction`; eager without grad -> a direct
-               run. Tensor subclasses (DTensor) take the custom-op door: the dispatcher handles them.
-    run        `run_rotate` / `run_store`: the Triton launch (CUDA tensors, or CPU tensors under
-               TRITON_INTERPRET=1) or ropekit.cpu's PyTorch ops on CPU tensors. The backward of every door
-               is the same run with `Variant.backward()`: the inverse rotation.
+               every flag a kernel or the CPU path branches on; the rotary width; which door; the
+               norm's eps and offset), and the launch plans once made, in the one bounded memo.
+    doors      torch.compile and tensor subclasses (DTensor) -> the torch.library custom ops
+               (library.py, store.py, each with its fake); eager with grad -> `RotateFunction`;
+               eager without grad -> a direct run.
+    run        `run_rotate` (store.py's `run` for the fused store): the Triton launch (CUDA tensors,
+               or CPU tensors under TRITON_INTERPRET=1) or ropekit.cpu's PyTorch ops on CPU
+               tensors. The backward of every door is the same run with `Variant.backward()` (the
+               inverse rotation), or with a norm `run_norm_backward` (the norm's backward kernel).
 
-Adding a variant flag: a field of `Variant` (and its kernel constexpr in launcher.py's table), its
-check in validate.py, its branch in the kernel, in cpu.py and in the oracle reference.py.
+Adding a variant flag: a field of `Variant` (its `encode` / `decode` entries and its kernel
+constexpr in launcher.plan_rotate), its check in validate.py, its branch in the kernel, in cpu.py
+and in the oracle reference.py, and its keyword on the public op (ops.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import cpu, launcher
+from .launcher import NORM_HEAD, NORM_NONE, NORM_TOKEN  # noqa: F401  (Variant.norm_q / norm_k's values)
 from .memo import clear, lookup, remember, tensor_key, value_key  # noqa: F401  (this module's seam for ops)
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
@@ -32,7 +35,6 @@ from .memo import clear, lookup, remember, tensor_key, value_key  # noqa: F401  
 empty_like = torch.empty_like
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
-NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # RMSNorm of a tensor: none, each head, all heads of a token
 # where the angles come from (Variant.angles); the index is the custom ops' code for each
 ANGLE_SOURCES = ("table", "arange", "packed", "tokens", "freqs", "delta")
 DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
@@ -359,6 +361,17 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
     return outs[0], outs[1]
 
 
+def norm_backward_cpu(spec: Spec, variant: Variant, x, g, w, a, b):
+    """run_norm_backward's CPU path (tokens-first x and g): cpu.norm_rotate_backward with the
+    variant's per-token angles."""
+    cos, sin = token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
+    if variant.inverse:
+        sin = -sin
+    return cpu.norm_rotate_backward(
+        x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+    )
+
+
 def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
     """(gradient of x, of w) for one tensor of a normed variant (mode: its NORM_* mode) given its
     output gradient g: rope_norm_backward_kernel (the CPU path's gradients come from autograd)."""
@@ -407,67 +420,6 @@ def unit_last_stride(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
         return x
     return x.contiguous()
-
-
-def run_store(
-    spec: Spec,
-    q,
-    k,
-    v,
-    positions,
-    table,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    k_scale,
-    v_scale,
-    q_out=None,
-    q_scale=None,
-    write_key=False,
-) -> None:
-    """The fused store's run step: q rotated in place (or into q_out), rotated k and v into their
-    cache rows (and rotated k back into k with write_key)."""
-    if spec.triton:
-        plan = spec.plans.get(None)
-        if plan is None:
-            plan = spec.plans[None] = launcher.plan_store(
-                q,
-                k,
-                v,
-                positions,
-                table,
-                k_cache,
-                v_cache,
-                slot_mapping,
-                spec.variant,
-                spec.rot,
-                k_scale is not None,
-                v_scale is not None,
-                q_out,
-                q_scale is not None,
-                write_key,
-            )
-        launcher.fire_store(
-            plan, q, k, v, positions, table, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale
-        )
-    else:
-        cpu.store_rows(
-            q,
-            k,
-            v,
-            positions,
-            table,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            interleaved=spec.variant.interleaved,
-            rotary_dim=spec.rot,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            q_out=q_out,
-            q_scale=q_scale,
-            write_key=write_key,
-        )
 
 
 def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:

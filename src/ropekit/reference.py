@@ -176,13 +176,34 @@ def apply_rope_and_store(
     rotary_dim=None,
     k_scale=None,
     v_scale=None,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    norm_eps=1e-6,
+    norm_weight_offset=0.0,
 ):
     """Oracle for the fused store: rotate q in place, rotate k, write k and v rows at their slots.
 
     k_cache / v_cache: (num_blocks, block_size, Hk, D) or (num_slots, Hk, D). Slots < 0 are skipped.
-    fp8 caches store value / scale.
+    fp8 caches store value / scale. positions (3, *T) with mrope_section; norm weights: q / k
+    RMS-normalized first (whole heads), as `rms_norm_rope`. Packed sequences: pass the positions
+    `ropekit.positions_from_cu_seqlens` gives.
     """
-    q_rot, k_rot = apply_rope(q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rotary_dim)
+    q_rot, k_rot = rms_norm_rope(
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        q_norm_weight=q_norm_weight,
+        k_norm_weight=k_norm_weight,
+        norm_eps=norm_eps,
+        norm_weight_offset=norm_weight_offset,
+    )
     q.copy_(q_rot)
     slots = slot_mapping.long()
     slots = slots[slots >= 0]

@@ -744,10 +744,29 @@ def scale_arg(op, name, scale, device):
     return float(scale)
 
 
-def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, rotary_dim, k_scale, v_scale):
-    """Checks of apply_rope_and_store's arguments that need no data.
+def store_args(
+    op,
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    rotary_dim,
+    k_scale,
+    v_scale,
+    mrope_section=None,
+    mrope_interleaved=False,
+    packed=False,
+):
+    """Checks of apply_rope_and_store's arguments that need no data (positions (*T), (3, *T) with
+    M-RoPE sections, or None: arange, or with packed (cu_seqlens checked by `packed_args`) derived).
 
-    Returns (rotary_dim, block_size, num_slots, k_scale, v_scale), scales as given by `scale_arg`.
+    Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or the (t, h, w) sections, scales as
+    given by `scale_arg`.
     """
     if k is None:
         raise TypeError(f"{op}: k: expected a torch.Tensor, got NoneType")
@@ -758,16 +777,17 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
             "stride 1 in the last dimension (q is rotated in place; with q_out= a strided q is read)",
             f"strides {tuple(q.stride())}",
         )
-    rot, _ = rope_args(
+    rot, mrope = rope_args(
         op,
         q,
         k,
         positions,
         cos_sin_cache,
         rotary_dim=rotary_dim,
-        mrope_section=None,
-        mrope_interleaved=False,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
         inplace=False,
+        packed=packed,
     )
     token_shape = tuple(q.shape[:-2])
     device = q.device
@@ -841,12 +861,7 @@ def store_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_map
 
     k_scale = scale_arg(op, "k_scale", k_scale, device)
     v_scale = scale_arg(op, "v_scale", v_scale, device)
-    if k_cache.dim() == 4:
-        block_size = k_cache.shape[1]
-        num_slots = k_cache.shape[0] * block_size
-    else:
-        block_size, num_slots = 1, k_cache.shape[0]
-    return rot, block_size, num_slots, k_scale, v_scale
+    return rot, mrope, k_scale, v_scale
 
 
 def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
@@ -936,11 +951,13 @@ def extent(x) -> int:
     return (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
-def store_extents(q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None, q_out=None) -> tuple:
+def store_extents(
+    q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None, q_out=None, wq=None, wk=None
+) -> tuple:
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
-    `store_aliasing` takes them in), then of positions, table, slot_mapping, q_out; 0 for an empty
-    tensor or None."""
-    return tuple(extent(x) for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out))
+    `store_aliasing` takes them in), then of positions (or cu_seqlens), table, slot_mapping, q_out,
+    the norm weights of q and k; 0 for an empty tensor or None."""
+    return tuple(extent(x) for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out, wq, wk))
 
 
 def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out=None, write_key=False) -> None:

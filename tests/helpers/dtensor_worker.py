@@ -142,7 +142,7 @@ def main(rank, world, port, out):
             distribute_tensor(k_cache, mesh, [R]),
             distribute_tensor(v_cache, mesh, [R]),
             distribute_tensor(slots, mesh, [Shard(0)]),
-            False,
+            Variant().encode(),
             cache.shape[1],
             None,
             None,
@@ -150,6 +150,43 @@ def main(rank, world, port, out):
         errors["store_token_sharded"] = None
     except RuntimeError as e:
         errors["store_token_sharded"] = str(e)
+    # the store with the norm (per-head weights, replicated) and packed angles, head-sharded
+    g = torch.Generator().manual_seed(11)
+    wq, wk = torch.rand(32, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5
+    cu = torch.tensor([0, 3, 8])
+    kc2, vc2 = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    dq, dk, dv = (distribute_tensor(x, mesh, [H]) for x in (q, k, v))
+    dkc, dvc = distribute_tensor(kc2, mesh, [Shard(2)]), distribute_tensor(vc2, mesh, [Shard(2)])
+    ropekit.apply_rope_and_store(
+        dq, dk, dv, None, cache, dkc, dvc, distribute_tensor(slots, mesh, [R]), cu_seqlens=cu,
+        q_norm_weight=wq, k_norm_weight=wk, norm_weight_offset=1.0,
+    )  # fmt: skip
+    results["store_norm_packed_heads"] = dict(
+        q=q,
+        k=k,
+        v=v,
+        cu=cu,
+        cache=cache,
+        wq=wq,
+        wk=wk,
+        slots=slots,
+        qo=dq.full_tensor(),
+        k_cache_out=dkc.full_tensor(),
+        v_cache_out=dvc.full_tensor(),
+    )
+    # a norm across heads needs every head of a token: refused under head sharding, nothing written
+    try:
+        dq, dk, dv = (distribute_tensor(x, mesh, [H]) for x in (q, k, v))
+        dkc = distribute_tensor(torch.zeros_like(k_cache), mesh, [Shard(2)])
+        dvc = distribute_tensor(torch.zeros_like(v_cache), mesh, [Shard(2)])
+        ropekit.apply_rope_and_store(
+            dq, dk, dv, distribute_tensor(pos, mesh, [R]), cache, dkc, dvc, distribute_tensor(slots, mesh, [R]),
+            k_norm_weight=torch.ones(2 * 32),
+        )  # fmt: skip
+        errors["store_norm_across_heads_sharded"] = None
+    except RuntimeError as e:
+        assert torch.equal(dq.full_tensor(), q) and not dkc.full_tensor().any(), "written before the refusal"
+        errors["store_norm_across_heads_sharded"] = str(e)
     # packed sequences (cu_seqlens), head-sharded, forward and backward; token sharding refused
     q, k, _, cache = inputs((8, 4, 32), (8, 2, 32), seed=123)
     cu = torch.tensor([0, 3, 8])
@@ -174,13 +211,56 @@ def main(rank, world, port, out):
         errors["packed_token_sharded"] = None
     except RuntimeError as e:
         errors["packed_token_sharded"] = str(e)
-    # ops without a DTensor rule refuse DTensor arguments by name, before any write
+    # the QK-norm on DTensors, with gradients: per head under head sharding, across heads under
+    # token sharding (plain weights become replicated DTensors); angles from inv_freq token-sharded
+    q, k, pos, cache = inputs((8, 4, 32), (8, 2, 32), seed=91)
+    g = torch.Generator().manual_seed(92)
+    w_head, w_all = torch.rand(32, generator=g) + 0.5, torch.rand(2 * 32, generator=g) + 0.5
+    for name, pl, wk in (("norm_heads", Shard(1), w_head), ("norm_tokens_across", Shard(0), w_all)):
+        gq = distribute_tensor(q, mesh, [pl]).requires_grad_()
+        gk = distribute_tensor(k, mesh, [pl]).requires_grad_()
+        dp = distribute_tensor(pos, mesh, [pl if pl == Shard(0) else R])
+        wq_leaf = distribute_tensor(w_head, mesh, [R]).requires_grad_()
+        qo, ko = ropekit.apply_rope(gq, gk, dp, cache, q_norm_weight=wq_leaf, k_norm_weight=wk)
+        assert tuple(qo.placements) == (pl,), (name, qo.placements)
+        (qo.sum() + 2 * ko.sum()).backward()
+        results[name] = dict(
+            q=q,
+            k=k,
+            pos=pos,
+            cache=cache,
+            wq=w_head,
+            wk=wk,
+            qo=qo.full_tensor(),
+            ko=ko.full_tensor(),
+            gq=gq.grad.full_tensor(),
+            gk=gk.grad.full_tensor(),
+            gwq=wq_leaf.grad.full_tensor(),
+        )
     try:
-        dq = distribute_tensor(q, mesh, [Shard(1)])
-        ropekit.apply_rope(dq, None, distribute_tensor(torch.arange(8), mesh, [R]), cache, q_norm_weight=torch.ones(32))
-        errors["norm_dtensor"] = None
-    except ValueError as e:
-        errors["norm_dtensor"] = str(e)
+        ropekit.apply_rope(
+            distribute_tensor(q, mesh, [Shard(1)]),
+            None,
+            distribute_tensor(pos, mesh, [R]),
+            cache,
+            q_norm_weight=torch.ones(128),
+        )
+        errors["norm_across_heads_sharded"] = None
+    except RuntimeError as e:
+        errors["norm_across_heads_sharded"] = str(e)
+    f = ropekit.axial_inv_freq((8, 8, 16))
+    pos3 = torch.randn(3, 8, generator=g) * 5
+    qo, ko = ropekit.apply_rope(
+        distribute_tensor(q, mesh, [Shard(0)]),
+        distribute_tensor(k, mesh, [Shard(0)]),
+        distribute_tensor(pos3, mesh, [Shard(1)]),
+        None,
+        inv_freq=f,
+        axes=(4, 4, 8),
+        interleaved=True,
+    )
+    assert tuple(qo.placements) == (Shard(0),), qo.placements
+    results["freqs_tokens"] = dict(q=q, k=k, pos=pos3, inv_freq=f, qo=qo.full_tensor(), ko=ko.full_tensor())
     # refused layouts: each must raise, naming the argument
     refused = {
         "positions_sharded_under_head_sharding": (Shard(1), Shard(1), Shard(0)),

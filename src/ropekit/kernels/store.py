@@ -159,55 +159,6 @@ def _put_heads(
 
 
 @triton.jit
-def _store_angles(
-    tab_ptr,
-    sin_off,
-    pos_ptr,
-    b,
-    s,
-    max_pos,
-    stride_pos_batch,
-    stride_pos_token,
-    stride_angle_token,
-    stride_angle_col,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr,
-):
-    """cos and sin of token (b, s): _load_angles with the store's one angle source (a table row
-    picked by a position, or row s)."""
-    return _load_angles(
-        tab_ptr,
-        tab_ptr + sin_off,
-        pos_ptr,
-        b,
-        s,
-        max_pos,
-        0,
-        stride_pos_batch,
-        stride_pos_token,
-        0,
-        0,
-        stride_angle_token,
-        stride_angle_col,
-        0,
-        0,
-        0,
-        0,
-        1,
-        0,
-        HALF,
-        HALF_PAD,
-        HAS_POS,
-        0,
-        False,
-        1,
-        1,
-        False,
-    )
-
-
-@triton.jit
 def _store_block(
     blk,
     b,
@@ -423,6 +374,8 @@ def rope_store_kernel(
     v_scale_ptr,  # V_SCALED: v's scale
     qo_ptr,  # where rotated q goes: q itself (in place), or a separate q_out (*T, Hq, D)
     q_scale_ptr,  # Q_SCALED: the float32 scale q_out's values are divided by
+    wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride (the table when unread)
+    wk_ptr,  # NORM_K: k's RMSNorm weight likewise
     S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
     n_q_heads,  # Hq
     n_k_heads,  # Hk
@@ -445,10 +398,17 @@ def rope_store_kernel(
     stride_v_batch,  # v's strides likewise
     stride_v_token,
     stride_v_head,
+    stride_pos_row,  # MROPE: stride between the three position rows (t, h, w)
     stride_pos_batch,  # positions' stride of b
-    stride_pos_token,  # positions' stride of s
+    stride_pos_token,  # positions' stride of s (PACKED: 1, the token index into cu_seqlens' tokens)
     stride_angle_token,  # table row stride
     stride_angle_col,  # stride between frequencies
+    sec_t,  # MROPE: frequencies taken from the t row
+    sec_h,  # ... from the h row
+    sec_w,  # ... from the w row
+    n_seqs,  # PACKED: sequences in cu_seqlens (its length - 1)
+    cp_size,  # PACKED: context-parallel world size (1: none)
+    cp_rank,  # PACKED: this rank
     stride_slot_batch,  # slots' stride of b
     stride_slot_token,  # slots' stride of s
     stride_k_cache_block,  # k cache's stride between blocks
@@ -462,8 +422,6 @@ def rope_store_kernel(
     stride_qo_head,
     stride_v_dim,  # v's last-dim stride (1 as a rule: Triton specializes it; any value is read right)
     q_tail,  # Dq - rotary_dim: written when TAIL_PAD_Q > 0 (q normalized, or a separate q_out)
-    wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride
-    wk_ptr,  # NORM_K: k's RMSNorm weight
     norm_eps,  # RMSNorm epsilon
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
@@ -474,6 +432,10 @@ def rope_store_kernel(
     TAIL_PAD: tl.constexpr,  # k's tail tile width (0: none)
     DV_PAD: tl.constexpr,  # Dv rounded up to a power of two
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else row s)
+    MROPE: tl.constexpr,  # 0, or M-RoPE's frequency layout (1 chunked, 2 interleaved): positions (3, *T)
+    PACKED: tl.constexpr,  # pos_ptr is cu_seqlens: each token's position is derived from it
+    SEARCH_STRIDE: tl.constexpr,  # PACKED: the two-level search's stride over cu_seqlens
+    SEARCH_COARSE: tl.constexpr,  # PACKED: ... and its number of coarse entries
     INTERLEAVED: tl.constexpr,  # pairs (2i, 2i+1) instead of halves (i, i + HALF)
     K_SCALED: tl.constexpr,  # k cache written divided by k's scale
     V_SCALED: tl.constexpr,  # v cache likewise
@@ -493,6 +455,7 @@ def rope_store_kernel(
     loaded once instead of once per block.
 
     HAS_POS False: token (b, s) takes row s of the table (positions = arange over the last token dim).
+    PACKED: tokens are (T,) packed sequences, pos_ptr cu_seqlens (positions restart in each sequence).
     """
     _pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -501,44 +464,44 @@ def rope_store_kernel(
     # int64 when loaded: the slot scales a cache stride
     slot = tl.load(slot_ptr + b * stride_slot_batch + s * stride_slot_token).to(tl.int64)
     if HEAD_LOOP:
-        c, sn = _store_angles(
+        n_iter = n_blocks
+    else:
+        n_iter = 1
+    # q's and k's head blocks need the token's angles, v's do not. With HEAD_LOOP the grid is one
+    # block wide: program 0 of axis 1 walks every block, so it loads them.
+    if tl.program_id(1) < n_q_blocks + n_k_blocks:  # int32-ok: a head-block index (< 65536)
+        c, sn = _load_angles(
             tab_ptr,
-            sin_off,
+            tab_ptr + sin_off,
             pos_ptr,
             b,
             s,
             max_pos,
+            stride_pos_row,
             stride_pos_batch,
             stride_pos_token,
+            0,
+            0,
             stride_angle_token,
             stride_angle_col,
+            sec_t,
+            sec_h,
+            sec_w,
+            n_seqs,
+            cp_size,
+            cp_rank,
             HALF,
             HALF_PAD,
             HAS_POS,
+            MROPE,
+            PACKED,
+            SEARCH_STRIDE,
+            SEARCH_COARSE,
+            False,
         )
-        n_iter = n_blocks
     else:
-        n_iter = 1
-        blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled only by constexpr block sizes
-        if blk < n_q_blocks + n_k_blocks:
-            c, sn = _store_angles(
-                tab_ptr,
-                sin_off,
-                pos_ptr,
-                b,
-                s,
-                max_pos,
-                stride_pos_batch,
-                stride_pos_token,
-                stride_angle_token,
-                stride_angle_col,
-                HALF,
-                HALF_PAD,
-                HAS_POS,
-            )
-        else:
-            c = tl.zeros([HALF_PAD], tl.float32)  # v's block: no angles
-            sn = c
+        c = tl.zeros([HALF_PAD], tl.float32)  # v's block: no angles
+        sn = c
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
             blk = i
