@@ -124,8 +124,13 @@ def _group_inv_rms(
     heads of x (x_base: the token's first element), walked BLOCK_H heads at a time. The caller reads
     the same heads again right after, so these loads leave them in cache."""
     ss = tl.zeros([], tl.float32)
-    for head0 in tl.range(0, n_heads, BLOCK_H):
+    # two blocks a trip: their loads go out together (two in flight, not one), and the sums are
+    # reduced as soon as they land, so the registers are held only briefly
+    for head0 in tl.range(0, n_heads, 2 * BLOCK_H):
         ss += _sum_squares(x_base, stride_x_head, n_heads, head0, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD)
+        ss += _sum_squares(
+            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD
+        )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
 
