@@ -293,3 +293,22 @@ def test_many_small_head_blocks(poison, source, mode, layout):
         plan = launcher.plan_norm_backward(x, x, x, weight(case, mode), angles, case.variant(*layout), mode)
         assert plan.meta["BLOCK_H"] == 2
         check(case, case.variant(*layout), mode)
+
+
+@pytest.mark.gpu
+def test_across_heads_wan_sized_on_gpu(poison):
+    """Wan 2.1 14B's self-attention shape: 40 heads of 128 (blocks of 16 heads), 3-axis angles from
+    inverse frequencies, bf16, across-heads weight of 40 * 128."""
+    gen = torch.Generator().manual_seed(6)
+    B, S, H, D = 1, 4096, 40, 128
+    pos = torch.stack([torch.randint(0, 21, (B, S), generator=gen), *torch.randint(0, 90, (2, B, S), generator=gen)])
+    case = freqs_case(pos, (44, 42, 42), H, D)
+    case.a, case.b = case.a.cuda(), case.b.cuda()
+    variant = case.variant(False, False)
+    x = strided(*case.shape, device="cuda", dtype=torch.bfloat16, gen=gen)
+    g = strided(*case.shape, device="cuda", dtype=torch.bfloat16, gen=gen)
+    w = (0.5 + 0.3 * torch.randn(H * D, generator=gen)).cuda()
+    gx, gw = backward(case, variant, x, g, w, 2)
+    want_gx, want_gw = reference_grads(case, variant, x, g, w)
+    assert rel_err(gx, want_gx) < 1e-2
+    assert rel_err(gw, want_gw) < 1e-4

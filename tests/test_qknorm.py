@@ -217,6 +217,21 @@ def test_across_heads_in_small_blocks(modes, interleaved, rot, poison, device):
         assert rel(got, want) < GRAD_RTOL[torch.float32], name
 
 
+@pytest.mark.gpu
+def test_across_heads_wan_sized_on_gpu():
+    """Wan 2.1 14B's shape with the default tiles: q and k of 40 heads of 128 in blocks of 16, the
+    head loop's pre-pass over three blocks a tensor; forward and backward in bf16."""
+    q, k = inputs(T=(2048,), Hq=40, Hk=40, D=128, dtype=torch.bfloat16, device="cuda")
+    cache = make_cache(4096, 128, device="cuda")
+    pos = torch.randint(0, 4096, (2048,), device="cuda")
+    kw = norm_kw(q, k, "both", "across", 0.0, device="cuda")
+    rq, rk = oracle(q, k, pos, cache, **kw)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
+    assert rel(qo, rq) < RTOL[q.dtype] and rel(ko, rk) < RTOL[q.dtype]
+    for name, got, want in backward_case(q, k, pos, cache, kw):
+        assert rel(got, want) < GRAD_RTOL[torch.bfloat16], name
+
+
 def test_across_heads_plan_keeps_small_blocks():
     """The launcher gives an across-heads forward the per-head block size once the head loop is
     on, and one block of all heads without it (decode-sized calls)."""
