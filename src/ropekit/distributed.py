@@ -72,13 +72,13 @@ def _rotate_roles(codes):
     """Names and roles of the rotation ops' angle operands (a, b), from the encoded Variant's angle
     source, and the roles of the two norm weights, from its norm modes."""
     from .library import ANGLE_NAMES
-    from .pipeline import ANGLE_SOURCES
+    from .pipeline import NORM_TOKEN, Variant
 
-    angles = ANGLE_SOURCES[codes[3]]
-    name_a, name_b = ANGLE_NAMES[angles]
-    role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(angles, TOKENS)
-    role_b = ANGLES if angles == "tokens" else TABLE
-    return (name_a, role_a), (name_b, role_b), [WEIGHT_ALL if mode == 2 else WEIGHT for mode in codes[6:8]]
+    v = Variant.decode(codes)
+    name_a, name_b = ANGLE_NAMES[v.angles]
+    role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(v.angles, TOKENS)
+    role_b = ANGLES if v.angles == "tokens" else TABLE
+    return (name_a, role_a), (name_b, role_b), [WEIGHT_ALL if m == NORM_TOKEN else WEIGHT for m in (v.norm_q, v.norm_k)]
 
 
 _ROTATE_FLAGS = (("variant", None), ("rotary_dim", None), ("packed", None), ("norm", None))

@@ -61,35 +61,18 @@ class Variant(NamedTuple):
     norm_k: int = 0  # RMSNorm of k likewise
 
     def encode(self) -> List[int]:
-        """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple)."""
-        return [
-            int(self.interleaved),
-            int(self.out_interleaved),
-            self.mrope,
-            ANGLE_SOURCES.index(self.angles),
-            int(self.inverse),
-            int(self.scaled),
-            self.norm_q,
-            self.norm_k,
-            *self.sections,
-        ]
+        """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
+        every field as an int in field order, the angle source by its index in ANGLE_SOURCES, then
+        the sections. heads_first is left out (the ops take tokens-first views). A new field needs
+        no edit here."""
+        return [_code(f, getattr(self, f)) for f in _CODED] + list(self.sections)
 
     @staticmethod
     def decode(codes: Sequence[int]) -> "Variant":
-        """The record `encode` made (tokens-first: the ops take tokens-first views)."""
-        il, out_il, mrope, angles, inverse, scaled, norm_q, norm_k, *sections = codes
-        return Variant(
-            bool(il),
-            bool(out_il),
-            mrope,
-            tuple(sections),
-            ANGLE_SOURCES[angles],
-            bool(inverse),
-            False,
-            bool(scaled),
-            norm_q,
-            norm_k,
-        )
+        """The record `encode` made (tokens first)."""
+        n = len(_CODED)
+        fields = {f: _field(f, c) for f, c in zip(_CODED, codes[:n])}
+        return Variant(sections=tuple(codes[n:]), **fields)
 
     @property
     def normed(self) -> bool:
@@ -106,6 +89,20 @@ class Variant(NamedTuple):
         return self._replace(
             interleaved=self.out_interleaved, out_interleaved=self.interleaved, inverse=not self.inverse
         )
+
+
+# Variant's fields in its custom-op encoding, and each field's value <-> int
+_CODED = tuple(f for f in Variant._fields if f not in ("sections", "heads_first"))
+
+
+def _code(field: str, value) -> int:
+    return ANGLE_SOURCES.index(value) if field == "angles" else int(value)
+
+
+def _field(field: str, code: int):
+    if field == "angles":
+        return ANGLE_SOURCES[code]
+    return type(Variant._field_defaults[field])(code)
 
 
 class Spec:
