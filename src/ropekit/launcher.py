@@ -614,7 +614,7 @@ def angle_args(angles: AngleLayout, variant) -> tuple:
 
 
 def angle_meta(angles: AngleLayout, variant) -> dict:
-    """The kernels' constexprs of where the angles come from (see _load_angles)."""
+    """The kernels' constexprs of where the angles come from (see kernels.rope.load_angles)."""
     return dict(
         HAS_POS=angles.max_pos > 0,
         MROPE=variant.mrope,

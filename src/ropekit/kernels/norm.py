@@ -8,11 +8,11 @@ rotated pair, for BLOCK_H heads of one token; these helpers add the tail past th
 the whole head is normalized, and scale everything before the rotation.
 
 Across heads, two schemes. With a head loop (one program walks all head blocks of a token), blocks
-stay small and a pre-pass over the tensor's head blocks of the token (_group_inv_rms) sums the
+stay small and a pre-pass over the tensor's head blocks of the token (group_inv_rms) sums the
 squares first; the block pass then reads the heads again, from cache (the token's heads were just
 read), and scales by that inverse rms. Holding all heads in one block instead (up to 64 heads of 128
 padded) is far past the register file and spilled (Wan 2.1: 16% of copy bandwidth). Without the
-head loop (decode-sized calls, the fused store) one block holds all heads and _inv_rms sums them.
+head loop (decode-sized calls, the fused store) one block holds all heads and inv_rms sums them.
 
 Modes are runtime values here: q and k share one code path in rope_kernel (a scalar select), so a
 block of q may be normalized while a block of k is not. Mode 0 leaves x unchanged.
@@ -23,7 +23,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+def weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Columns (within a head) of x1[i] and x2[i]: (i, HALF + i) half-split, (2i, 2i + 1) pairs."""
     if INTERLEAVED:
         return 2 * i, 2 * i + 1
@@ -32,7 +32,7 @@ def _weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _load_tail(
+def load_tail(
     x_base, stride_x_head, n_heads, head0, tail_len, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr
 ):
     """The dims past the rotary ones of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
@@ -43,7 +43,7 @@ def _load_tail(
 
 
 @triton.jit
-def _inv_rms(
+def inv_rms(
     x1,
     x2,
     t,
@@ -61,7 +61,7 @@ def _inv_rms(
 ):
     """rsqrt(mean(x^2) + eps) per head row ((BLOCK_H,) float32) over the head (mode 1) or over all
     heads of the block (mode 2), or, GROUP_GIVEN, mode 2 takes r_group (the token's value computed
-    by _group_inv_rms over all its head blocks); 1.0 in mode 0. Masked lanes (loaded without
+    by group_inv_rms over all its head blocks); 1.0 in mode 0. Masked lanes (loaded without
     `other`) count as 0."""
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -69,7 +69,7 @@ def _inv_rms(
     sq = tl.where(m, x1 * x1 + x2 * x2, 0.0)
     ss = tl.sum(sq, axis=1)
     if TAIL_PAD > 0:
-        ss += tl.sum(t * t, axis=1)  # t is 0 where masked (_load_tail)
+        ss += tl.sum(t * t, axis=1)  # t is 0 where masked (load_tail)
     d = 2 * HALF + tail_len
     mode_v = tl.zeros([BLOCK_H], tl.int32) + mode  # a vector: scalar-and-vector selects trip the interpreter
     if GROUP_GIVEN:
@@ -103,13 +103,13 @@ def _sum_squares(
     x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
     ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
     if TAIL_PAD > 0:
-        t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD)
         ss += tl.sum(tl.sum(t * t, axis=1), axis=0)
     return ss
 
 
 @triton.jit
-def _group_inv_rms(
+def group_inv_rms(
     x_base,
     stride_x_head,
     n_heads,
@@ -136,7 +136,7 @@ def _group_inv_rms(
 
 
 @triton.jit
-def _weights(
+def load_norm_weights(
     w_ptr,
     n_heads,
     head0,
@@ -158,7 +158,7 @@ def _weights(
     row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)  # int64: h * D scaled below 2^63
     i = tl.arange(0, HALF_PAD)[None, :]
     m = on & (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = _weight_cols(i, HALF, INTERLEAVED)
+    c1, c2 = weight_cols(i, HALF, INTERLEAVED)
     w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0).to(tl.float32) + offset
     w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0).to(tl.float32) + offset
     w1 = tl.where(on, w1, 1.0)
@@ -173,7 +173,7 @@ def _weights(
 
 
 @triton.jit
-def _norm_heads(
+def norm_heads(
     x_base,
     stride_x_head,
     n_heads,
@@ -195,7 +195,7 @@ def _norm_heads(
     members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
     x_base points at the token's first element (the tail is read from there). Mode 2 sums over the
     block's heads: the block must hold all of them."""
-    return _norm_heads_given(
+    return norm_heads_given(
         x_base,
         stride_x_head,
         n_heads,
@@ -218,7 +218,7 @@ def _norm_heads(
 
 
 @triton.jit
-def _norm_heads_given(
+def norm_heads_given(
     x_base,
     stride_x_head,
     n_heads,
@@ -238,15 +238,17 @@ def _norm_heads_given(
     INTERLEAVED: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
 ):
-    """_norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
-    its heads (_group_inv_rms), so the block may hold a few of them."""
+    """norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
+    its heads (group_inv_rms), so the block may hold a few of them."""
     t = x1
     if TAIL_PAD > 0:
-        t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
-    r = _inv_rms(
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+    r = inv_rms(
         x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, r_group, GROUP_GIVEN
     )[:, None]
-    w1, w2, wt = _weights(w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED)
+    w1, w2, wt = load_norm_weights(
+        w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED
+    )
     y1 = x1 * r * w1
     y2 = x2 * r * w2
     if TAIL_PAD > 0:
@@ -255,7 +257,7 @@ def _norm_heads_given(
 
 
 @triton.jit
-def _norm_backward(
+def norm_backward(
     x1,
     x2,
     xt,
@@ -279,7 +281,7 @@ def _norm_backward(
     """Backward of y = n * w', n = x * r over the norm group, given gz = dL/dy (float32 tiles):
     gx = r * (gz*w' - n * mean(gz*w'*n)); also returns the weight-gradient terms gz * n.
     r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz). Mode 2 takes
-    mean_group, the token's mean over all its heads (from _group_sums), for r's group."""
+    mean_group, the token's mean over all its heads (from group_sums), for r's group."""
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
@@ -315,7 +317,7 @@ def _norm_backward(
 
 
 @triton.jit
-def _group_sums(
+def group_sums(
     x1,
     x2,
     xt,
@@ -335,7 +337,7 @@ def _group_sums(
 ):
     """One head block's share of mode 2's per-token sums (float32 scalars): sum(x^2), and
     sum(gz * w' * x) (r times that is the sum of gz*w'*n the backward's mean needs). Tiles as
-    _norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
+    norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)

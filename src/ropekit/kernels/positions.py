@@ -1,6 +1,6 @@
 """Positions derived inside the kernel: packed sequences (THD) and context parallelism.
 
-`_packed_position` is the in-kernel twin of `ropekit.positions_from_cu_seqlens`: the token's
+`packed_position` is the in-kernel twin of `ropekit.positions_from_cu_seqlens`: the token's
 sequence is found by a two-level search of cu_seqlens (two dependent vector loads of one small,
 cached array, so the grid stays linear in tokens however many sequences there are), then its
 position restarts at 0 in that sequence, mapped through the dual-chunk layout of context
@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _packed_position(cu_ptr, n_seqs, t, cp_size, cp_rank, STRIDE: tl.constexpr, COARSE: tl.constexpr):
+def packed_position(cu_ptr, n_seqs, t, cp_size, cp_rank, STRIDE: tl.constexpr, COARSE: tl.constexpr):
     """Position of token t (int64) of a rank's packed tokens; cu_ptr: (n_seqs + 1,) cumulative
     local lengths. Two dependent vector loads find the last sequence starting at or before t
     (empty sequences start where the next one does, so they are skipped): every STRIDE-th entry

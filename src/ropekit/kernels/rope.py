@@ -29,16 +29,16 @@ import triton
 import triton.language as tl
 
 from .norm import (
-    _group_inv_rms,
-    _group_sums,
-    _inv_rms,
-    _load_tail,
-    _norm_backward,
-    _norm_heads_given,
-    _weight_cols,
-    _weights,
+    group_inv_rms,
+    group_sums,
+    inv_rms,
+    load_norm_weights,
+    load_tail,
+    norm_backward,
+    norm_heads_given,
+    weight_cols,
 )
-from .positions import _packed_position
+from .positions import packed_position
 
 try:  # programmatic dependent launch (Hopper and later); older Tritons lack the intrinsics
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - the launcher never sets PDL there
 
 
 @triton.jit
-def _pdl_prologue(PDL: tl.constexpr):
+def pdl_prologue(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL), this kernel's programs may start while the
     previous kernel on the stream still runs: wait for it (and its writes) before touching memory,
     then let the next kernel start launching. Without PDL: nothing."""
@@ -118,7 +118,7 @@ def _freq_angles(freq_ptr, pos_tok, stride_pos_row, col, fmask, SEC_T, SEC_H, SE
 
 
 @triton.jit
-def _load_angles(
+def load_angles(
     cos_ptr,
     sin_ptr,
     pos_ptr,
@@ -174,7 +174,7 @@ def _load_angles(
         # A bad position must never address memory: its loads are masked off and yield NaN.
         if PACKED:
             # packed tokens (T,): s is the token index into cu_seqlens' tokens
-            p0 = _packed_position(pos_ptr, n_seqs, s, cp_size, cp_rank, SEARCH_STRIDE, SEARCH_COARSE) + tl.zeros(
+            p0 = packed_position(pos_ptr, n_seqs, s, cp_size, cp_rank, SEARCH_STRIDE, SEARCH_COARSE) + tl.zeros(
                 [HALF_PAD], tl.int64
             )
         else:
@@ -227,7 +227,7 @@ def _store_pairs(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
-def _load_heads(
+def load_heads(
     x_base,
     stride_x_head,
     n_heads,
@@ -259,7 +259,7 @@ def _load_heads(
 
 
 @triton.jit
-def _store_heads(
+def store_heads(
     o_base,
     stride_o_head,
     n_heads,
@@ -291,7 +291,7 @@ def _store_heads(
 
 
 @triton.jit
-def _saturate(x, out_ty: tl.constexpr):
+def saturate(x, out_ty: tl.constexpr):
     """x (float32) clamped to the finite range of an fp8 output type, so that a scaled value past
     it stores the largest finite value instead of what the backend's cast makes of it (NaN for
     e4m3fn, inf for e5m2); other output types: x unchanged. NaN stays NaN (an out-of-range position)."""
@@ -341,9 +341,9 @@ def _rotate_store(
     o2 = x2 * cb + x1 * sb
     if SCALED:
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
-        o1 = _saturate(o1 * inv, o_base.dtype.element_ty)
-        o2 = _saturate(o2 * inv, o_base.dtype.element_ty)
-    _store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
+        o1 = saturate(o1 * inv, o_base.dtype.element_ty)
+        o2 = saturate(o2 * inv, o_base.dtype.element_ty)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
 
     if TAIL_PAD > 0:
         # partial rotary, out of place: the dims past rotary_dim are copied unchanged
@@ -356,7 +356,7 @@ def _rotate_store(
         else:
             t = tl.load(x_row + 2 * HALF + j, mask=mt)
         if SCALED:
-            t = _saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
+            t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
         tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
 
 
@@ -435,13 +435,13 @@ def _norm_select(
     NORM_K: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
 ):
-    """_norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
+    """norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
     mode 2 scales by r_group, the token's inverse rms over all of this tensor's heads."""
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
-    return _norm_heads_given(
+    return norm_heads_given(
         x_base,
         stride_x_head,
         n_heads,
@@ -553,7 +553,7 @@ def rope_kernel(
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).
     """
-    _pdl_prologue(PDL)
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)  # one program per token: up to 2^31 - 1 tokens
     b = t // S
     s = t - b * S
@@ -590,8 +590,8 @@ def rope_kernel(
         stride_ko_head,
         BLOCK_H,
     )
-    x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
-    c, sn = _load_angles(
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
+    c, sn = load_angles(
         cos_ptr,
         sin_ptr + sin_off,
         pos_ptr,
@@ -661,7 +661,7 @@ def rope_kernel(
             if PREFETCH:
                 # its loads go out before this block's stores: two blocks in flight. Safe in
                 # place too: blocks are disjoint and validation refuses partial overlaps.
-                n1, n2 = _load_heads(
+                n1, n2 = load_heads(
                     nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
                 )
         else:
@@ -677,7 +677,7 @@ def rope_kernel(
             else:
                 first = blk == n_q_blocks
             if first:
-                r_group = _group_inv_rms(
+                r_group = group_inv_rms(
                     x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
                 )
         if NORM_Q != 0 or NORM_K != 0:
@@ -731,7 +731,7 @@ def rope_kernel(
         )
         if HEAD_LOOP:
             if not PREFETCH:
-                n1, n2 = _load_heads(
+                n1, n2 = load_heads(
                     nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
                 )
             x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
@@ -772,7 +772,7 @@ def _unrotate(
     gz2 = g2 * cb - g1 * sb
     gzt = gz1
     if TAIL_PAD > 0:
-        gzt = _load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
     return gz1, gz2, gzt
 
 
@@ -792,10 +792,10 @@ def _load_x(
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
     is `placeholder` when TAIL_PAD is 0)."""
-    x1, x2 = _load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, "")
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, "")
     xt = placeholder
     if TAIL_PAD > 0:
-        xt = _load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
     return x1, x2, xt
 
 
@@ -816,7 +816,7 @@ def _store_grad(
     INTERLEAVED: tl.constexpr,
 ):
     """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
-    _store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0)
+    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         jt = tl.arange(0, TAIL_PAD)[None, :]
@@ -842,12 +842,12 @@ def _put_dw_heads(
     ACCUMULATE: tl.constexpr,
 ):
     """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
-    _norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
+    norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
     what the row holds (ACCUMULATE) or stored (the row's start)."""
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = _weight_cols(i, HALF, INTERLEAVED)
+    c1, c2 = weight_cols(i, HALF, INTERLEAVED)
     hrow = row + h.to(tl.int64)[:, None] * (2 * HALF + tail)
     if ACCUMULATE:
         d1 += tl.load(hrow + c1, mask=m, other=0.0)
@@ -886,14 +886,14 @@ def _block_terms(
     """What the across-heads backward needs of heads [head0, head0 + BLOCK_H) of one token: x, gz
     (the unrotated output gradient) and the weight (w + offset) at the same columns, float32 tiles
     (rotated pairs' members, then the tail)."""
-    g1, g2 = _load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
     gz1, gz2, gzt = _unrotate(
         g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
     )
     x1, x2, xt = _load_x(
         x_base, stride_x_head, n_heads, head0, tail, gz1, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
     )
-    w1, w2, wt = _weights(
+    w1, w2, wt = load_norm_weights(
         w_ptr, n_heads, head0, tail, 2, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
     )
     return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
@@ -951,7 +951,7 @@ def _across_backward_token(
             OUT_INTERLEAVED,
             INVERSE,
         )
-        bss, bgd = _group_sums(
+        bss, bgd = group_sums(
             x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
         )
         ss += bss
@@ -981,7 +981,7 @@ def _across_backward_token(
             OUT_INTERLEAVED,
             INVERSE,
         )
-        gx1, gx2, gxt, d1, d2, dt = _norm_backward(
+        gx1, gx2, gxt, d1, d2, dt = norm_backward(
             x1,
             x2,
             xt,
@@ -1086,7 +1086,7 @@ def rope_norm_backward_kernel(
     gz = inverse rotation of g (read in the forward's output layout); n = x * r;
     gx = r * (gz*w' - n * mean(gz*w'*n)) over the norm group, written in the input layout.
     NORM 0 makes this the plain inverse rotation (the gradient of an unnormalized q or k).
-    Angles come from every source rope_kernel takes (_load_angles), so any forward has its backward.
+    Angles come from every source rope_kernel takes (load_angles), so any forward has its backward.
     Weight gradient: each program sums gz * n over its tokens (and its heads, per-head weights)
     in registers and writes one float32 row of dw_ptr (row p * n_blocks + j); the launcher sums the
     rows with torch. No atomics: the result is deterministic and the rows are few (one per program).
@@ -1109,7 +1109,7 @@ def rope_norm_backward_kernel(
             )
         tl.debug_barrier()
     if NORM == 1:
-        w1, w2, wt = _weights(
+        w1, w2, wt = load_norm_weights(
             w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
         )
     else:
@@ -1123,8 +1123,8 @@ def rope_norm_backward_kernel(
             x_base = x_ptr + (b * stride_x_batch + s * stride_x_token)
             g_base = g_ptr + (b * stride_g_batch + s * stride_g_token)
             gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
-            g1, g2 = _load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
-            c, sn = _load_angles(
+            g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+            c, sn = load_angles(
                 cos_ptr,
                 sin_ptr + sin_off,
                 pos_ptr,
@@ -1195,10 +1195,10 @@ def rope_norm_backward_kernel(
                         TAIL_PAD,
                         IN_INTERLEAVED,
                     )
-                    r = _inv_rms(
+                    r = inv_rms(
                         x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, 1.0, False
                     )[:, None]
-                    gx1, gx2, gxt, d1, d2, dt = _norm_backward(
+                    gx1, gx2, gxt, d1, d2, dt = norm_backward(
                         x1,
                         x2,
                         xt,
@@ -1244,7 +1244,7 @@ def rope_norm_backward_kernel(
         # one partial row per program and head block: per-head weights sum their heads too
         row = dw_ptr + (p * n_blocks + blk) * dw_row
         fm = tl.arange(0, HALF_PAD) < HALF
-        c1, c2 = _weight_cols(i, HALF, IN_INTERLEAVED)
+        c1, c2 = weight_cols(i, HALF, IN_INTERLEAVED)
         tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
         tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
         if TAIL_PAD > 0:

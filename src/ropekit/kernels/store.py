@@ -2,8 +2,8 @@
 
 One launch rotates q (in place, or into a separate q_out such as an fp8 attention input), rotates
 k straight into its cache row (and, with WRITE_K, back into k too) and copies v into its cache row,
-so k never makes a round trip through memory. It reuses `_load_angles`, `_load_heads` and
-`_store_heads` from .rope and the norm helpers from .norm: the rotation math, the angle lookup and
+so k never makes a round trip through memory. It reuses `load_angles`, `load_heads` and
+`store_heads` from .rope and the norm helpers from .norm: the rotation math, the angle lookup and
 the int64 addressing are the same code as `rope_kernel`; only the output addresses (a cache row
 picked by the token's slot, a second destination) are new.
 
@@ -18,15 +18,15 @@ token's rotated q dims NaN, the same loud, sync-free signal a bad position gives
 
 fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its scale, saturated to
 the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .rope's
-`_saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
+`saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
 backend's cast treats values out of range.
 """
 
 import triton
 import triton.language as tl
 
-from .norm import _load_tail, _norm_heads
-from .rope import _load_angles, _load_heads, _pdl_prologue, _saturate, _store_heads
+from .norm import load_tail, norm_heads
+from .rope import load_angles, load_heads, pdl_prologue, saturate, store_heads
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _copy_heads(
 
     stride_x_dim: x's last-dim stride (Triton specializes the usual 1, so a unit stride costs
     nothing). SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast
-    (fp8 caches); fp8 outputs saturate (see .rope's _saturate).
+    (fp8 caches); fp8 outputs saturate (see .rope's saturate).
     """
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
@@ -61,7 +61,7 @@ def _copy_heads(
     if SCALED:
         x = x / tl.load(o_scale_ptr).to(tl.float32)
     out_ty = o_ptr.dtype.element_ty
-    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, _saturate(x, out_ty).to(out_ty), mask=m)
+    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, saturate(x, out_ty).to(out_ty), mask=m)
 
 
 @triton.jit
@@ -89,12 +89,12 @@ def _rope_heads(
     (the rotated pairs' members) and t, the tail past the rotary dims (TAIL_PAD > 0: normalized
     with the head; otherwise a placeholder)."""
     # the evict_first hint was measured on this kernel: its inputs are read once
-    x1, x2 = _load_heads(
+    x1, x2 = load_heads(
         x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first"
     )
     t = x1
     if NORM != 0:
-        x1, x2, t = _norm_heads(
+        x1, x2, t = norm_heads(
             x_base,
             stride_x_head,
             n_heads,
@@ -113,7 +113,7 @@ def _rope_heads(
             INTERLEAVED,
         )
     elif TAIL_PAD > 0:
-        t = _load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
     cb = c[None, :]
     sb = sn[None, :]
     return x1 * cb - x2 * sb, x2 * cb + x1 * sb, t
@@ -147,15 +147,15 @@ def _put_heads(
         o2 = o2 * inv
         t = t * inv
     out_ty = o_base.dtype.element_ty
-    o1 = _saturate(o1, out_ty)
-    o2 = _saturate(o2, out_ty)
-    _store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
+    o1 = saturate(o1, out_ty)
+    o2 = saturate(o2, out_ty)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(o_row + 2 * HALF + j, _saturate(t, out_ty).to(out_ty), mask=mt)
+        tl.store(o_row + 2 * HALF + j, saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -457,7 +457,7 @@ def rope_store_kernel(
     HAS_POS False: token (b, s) takes row s of the table (positions = arange over the last token dim).
     PACKED: tokens are (T,) packed sequences, pos_ptr cu_seqlens (positions restart in each sequence).
     """
-    _pdl_prologue(PDL)
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = t // S
     s = t - b * S
@@ -470,7 +470,7 @@ def rope_store_kernel(
     # q's and k's head blocks need the token's angles, v's do not. With HEAD_LOOP the grid is one
     # block wide: program 0 of axis 1 walks every block, so it loads them.
     if tl.program_id(1) < n_q_blocks + n_k_blocks:  # int32-ok: a head-block index (< 65536)
-        c, sn = _load_angles(
+        c, sn = load_angles(
             tab_ptr,
             tab_ptr + sin_off,
             pos_ptr,
