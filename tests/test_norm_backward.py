@@ -287,7 +287,7 @@ def test_many_small_head_blocks(poison, source, mode, layout):
         case = table_case(torch.tensor([[3, 0, 15], [7, 7, 1]]), 40, 16, 8)  # tail of 8 dims
     else:
         case = freqs_case(torch.randint(0, 40, (3, 5)), (2, 2, 4), 40, 16)
-    with tuning.override(block_elems=16, norm_bwd_programs=2):
+    with tuning.override(block_elems=16, across_block_elems=16, norm_bwd_programs=2):
         angles = launcher.angle_layout(case.variant(*layout), case.rot, case.a, case.b, None, case.packed)
         x = torch.empty(case.shape)
         plan = launcher.plan_norm_backward(x, x, x, weight(case, mode), angles, case.variant(*layout), mode)

@@ -209,7 +209,7 @@ def test_across_heads_in_small_blocks(modes, interleaved, rot, poison, device):
         norm_weight_offset=0.5,
     )
     rq, rk = oracle(q, k, pos, cache, interleaved=interleaved, **kw)
-    with tuning.override(head_loop=True, block_elems=2 * rot, decode_block_elems=2 * rot):
+    with tuning.override(head_loop=True, block_elems=2 * rot, across_block_elems=2 * rot, decode_block_elems=2 * rot):
         qo, ko = ropekit.apply_rope(q, k, pos, cache, interleaved=interleaved, **kw)
         grads = backward_case(q, k, pos, cache, kw, interleaved)
     assert rel(qo, rq) < RTOL[q.dtype] and rel(ko, rk) < RTOL[q.dtype]

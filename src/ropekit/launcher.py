@@ -164,9 +164,11 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         # one program per token when its angles cost a table read or a cos / sin each: once per token;
         # across-heads norms too (the program then sums a tensor's heads before normalizing them)
         head_loop = (variant.angles in ("table", "freqs") or mrope or across) and not tuning.decode_sized(n_tokens)
-    half_pad, block_h, tail_pad, nqb, nkb = _tiles(
-        half, n_q, n_k, tail, tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "block_elems")
-    )
+    if tuning.decode_sized(n_tokens):
+        block_elems = tuning.get("decode_block_elems")
+    else:
+        block_elems = tuning.get("across_block_elems" if across else "block_elems")
+    half_pad, block_h, tail_pad, nqb, nkb = _tiles(half, n_q, n_k, tail, block_elems)
     if across and not head_loop:
         # one program per head block: the norm group must be one block (all heads of a token; fine
         # for decode-sized calls, which are latency-bound). With the head loop, blocks keep their
@@ -663,7 +665,8 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     half_pad = next_pow2(half)
     tail = d - 2 * half
     tail_pad = next_pow2(tail) if tail > 0 else 0
-    block_h = min(next_pow2(n_heads), next_pow2(max(1, tuning.get("block_elems") // (2 * half_pad))))
+    block_elems = tuning.get("across_block_elems" if mode == 2 else "block_elems")
+    block_h = min(next_pow2(n_heads), next_pow2(max(1, block_elems // (2 * half_pad))))
     # across heads (mode 2) each program walks all head blocks of its tokens (the norm group is the
     # token): one program along heads
     n_blocks = 1 if mode == 2 else -(-n_heads // block_h)
