@@ -454,13 +454,23 @@ def test_freqs_with_qk_norm_inplace_bf16(poison):
     _close(q, want, torch.bfloat16)
 
 
-def test_freqs_with_qk_norm_refuses_learnable_freqs():
-    f = _freqs_for(None, 4).requires_grad_()
-    q = torch.randn(3, 1, 8)
-    with pytest.raises(
-        ValueError, match="apply_rope: inv_freq: expected a tensor that does not require grad with q_norm"
-    ):
-        ropekit.apply_rope(q, None, torch.arange(3), None, inv_freq=f, q_norm_weight=torch.ones(8))
+def test_freqs_with_qk_norm_learnable_freqs(poison):
+    """Learnable frequencies with the norm: gradients of q, the weight and inv_freq against float64."""
+    g = torch.Generator().manual_seed(23)
+    axes = (1, 1, 2)
+    f = _freqs_for(axes, 4).requires_grad_()
+    pos = _positions(axes, (3,), g, floats=True)
+    q = torch.randn(3, 2, 8, generator=g, requires_grad=True)
+    w = (torch.rand(8, generator=g) + 0.5).requires_grad_()
+    out, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True, q_norm_weight=w)
+    up = torch.randn(3, 2, 8, generator=g)
+    (out * up).sum().backward()
+    f64, q64, w64 = (x.detach().double().requires_grad_() for x in (f, q, w))
+    angle = ropekit.freqs.pair_positions(pos.double(), axes, 4) * f64
+    want = reference.rotate(reference.rms_norm(q64, w64), angle.cos(), angle.sin(), interleaved=True)
+    (want * up.double()).sum().backward()
+    for got, ref in ((out, want), (q.grad, q64.grad), (w.grad, w64.grad), (f.grad, f64.grad)):
+        _close(got, ref.detach())
 
 
 def test_rotate_with_angles_norm_weights(poison):
@@ -471,7 +481,9 @@ def test_rotate_with_angles_norm_weights(poison):
     w = torch.randn(16, generator=g)
     out, _ = ropekit.rotate_with_angles(q, None, freqs_cis=fc, q_norm_weight=w)
     _close(out, _complex_rotate64(reference.rms_norm(q.double(), w.double()), fc))
-    with pytest.raises(ValueError, match="rotate_with_angles: out_interleaved: expected None with q_norm_weight"):
+    with pytest.raises(
+        ValueError, match=r"rotate_with_angles: out_interleaved: expected None \(or interleaved\) with q_norm"
+    ):
         ropekit.rotate_with_angles(q, None, freqs_cis=fc, q_norm_weight=w, out_interleaved=False)
 
 

@@ -416,7 +416,7 @@ def test_cu_seqlens_under_torch_compile_forward_and_backward():
 @pytest.mark.parametrize(
     "cu, fragment",
     [
-        ([0, 4, 10], "cu_seqlens: expected cu_seqlens[-1] <= 8 (the tokens of q), got cu_seqlens[-1] = 10"),
+        ([0, 4, 10], "cu_seqlens: expected cu_seqlens[-1]"),  # <= 8 (CPU path) or == 8 (kernel, strict)
         ([1, 4, 8], "cu_seqlens: expected cu_seqlens[0] == 0, got cu_seqlens[0] = 1"),
         ([0, 5, 3], "cu_seqlens: expected non-decreasing values"),
     ],
@@ -425,7 +425,7 @@ def test_cu_seqlens_under_torch_compile_forward_and_backward():
 def test_apply_rope_cu_seqlens_errors_name_apply_rope(monkeypatch, cu, fragment, path):
     """Bad cu_seqlens values read where they are free (CPU) are reported as apply_rope's
     cu_seqlens, never as positions_from_cu_seqlens' total_tokens (arguments the user never passed):
-    on the norm path, which derives positions first, and on the CPU reference path."""
+    on the norm path (strict mode) and on the CPU reference path."""
     from ropekit import pipeline
 
     q = torch.randn(8, 2, 16)
@@ -434,7 +434,8 @@ def test_apply_rope_cu_seqlens_errors_name_apply_rope(monkeypatch, cu, fragment,
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         pipeline.clear()
     try:
-        with pytest.raises(ValueError) as info:
+        # the norm derives positions in the kernel like every Triton path: values read in strict mode
+        with pytest.raises(ValueError) as info, ropekit.strict(path == "norm"):
             ropekit.apply_rope(q, None, None, make_cache(16, 16), cu_seqlens=torch.tensor(cu), **kw)
     finally:
         pipeline.clear()

@@ -55,11 +55,12 @@ def dtensor_like(q, *xs):
     return tuple(like(x) for x in xs)
 
 
-def op_spec(variant: Variant, rot: int, packed, norm, q, k, a, b) -> Spec:
+def op_spec(variant: Variant, rot: int, packed, norm, q, k, a, b, inplace: bool = False) -> Spec:
     """The spec inside a custom op: its inputs were validated by the public op (or are gradients);
-    only layouts are memoized here."""
+    only layouts are memoized here. In place and out of place are different specs: their launch
+    plans differ (an out-of-place launch copies the tail past the rotary dims)."""
     tk = pipeline.tensor_key
-    key = ("op", variant, rot, tuple(packed), tuple(norm), tk(q), tk(k), tk(a), tk(b))
+    key = ("op", inplace, variant, rot, tuple(packed), tuple(norm), tk(q), tk(k), tk(a), tk(b))
     spec = pipeline.lookup(key)
     if spec is None:
         angle_shape = angle_strides = None
@@ -78,6 +79,7 @@ def op_spec(variant: Variant, rot: int, packed, norm, q, k, a, b) -> Spec:
                 angle_shape=angle_shape,
                 angle_strides=angle_strides,
                 packed=tuple(packed),
+                inplace=inplace,
                 norm_eps=norm[0],
                 norm_offset=norm[1],
             ),
@@ -204,7 +206,7 @@ def _rotate_inplace_op(
     validate.inplace_aliasing(
         "apply_rope", q, k, ((names[0], a), (names[1], b), ("q_norm_weight", wq), ("k_norm_weight", wk))
     )
-    spec = op_spec(v, rotary_dim, packed, norm, q, k, a, b)
+    spec = op_spec(v, rotary_dim, packed, norm, q, k, a, b, inplace=True)
     if v.normed and not spec.triton:
         q_out, k_out = pipeline.norm_rotated(spec, v, q, k, a, b, (wq, wk))
         q.copy_(q_out)
