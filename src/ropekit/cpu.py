@@ -1,6 +1,6 @@
 """The CPU fast path: what the ops run on CPU tensors when Triton does not (no TRITON_INTERPRET).
 
-    rope(q, k, q_out, k_out, a, b, *, rot, table, ...)                       every rotation op
+    rope(q, k, q_out, k_out, a, b, *, rot, table, variant)                every rotation op
     table_angles(cos_sin_cache, positions, token_shape, rot, sections, il_sections) -> (cos, sin)
     angles_at(cos_table, sin_table, positions, token_shape, sections, il_sections) -> (cos, sin)
     pick_sections(cos, sin, sections, il_sections) -> (cos, sin)            per-token M-RoPE angles
@@ -416,31 +416,21 @@ def freqs_angles(positions: torch.Tensor, inv_freq: torch.Tensor, axes=()):
     return angle.cos().float(), angle.sin().float()
 
 
-def rope(
-    q,
-    k,
-    q_out,
-    k_out,
-    a,
-    b,
-    *,
-    rot: int,
-    table: bool,
-    interleaved: bool,
-    out_interleaved: bool,
-    inverse: bool = False,
-    sections=None,
-    il_sections: bool = False,
-    heads_first: bool = False,
-) -> None:
+def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     """Every rotation op's CPU run step: q -> q_out and k -> k_out (k may be None; outputs may be
     the inputs: in place).
 
-    table: (a, b) are (positions (*T), (3, *T) with sections, or None; [cos | sin] table);
+    table: (a, b) are (positions (*T), (3, *T) with M-RoPE sections, or None; [cos | sin] table);
     otherwise (cos, sin) per token, broadcast to (*T, ·) ((3, *T, ·) with sections), of which the
-    first rot // 2 columns are read. q, k: (*T, H, D), or (B, H, S, D) with heads_first.
-    rot: rotated dims; sections / il_sections: M-RoPE (t, h, w) and Qwen3-VL's interleaving.
+    first rot // 2 columns are read. q, k: (*T, H, D), or (B, H, S, D) with variant.heads_first.
+    rot: rotated dims. variant: the call's flag record (pipeline.Variant), read as it is:
+    interleaved / out_interleaved pair layouts, inverse, mrope (1 chunked, 2 interleaved) with its
+    (t, h, w) sections, heads_first.
     """
+    interleaved, out_interleaved, inverse = variant.interleaved, variant.out_interleaved, variant.inverse
+    sections = variant.sections if variant.mrope else None
+    il_sections = variant.mrope == 2  # pipeline.MROPE_INTERLEAVED (Qwen3-VL)
+    heads_first = variant.heads_first
     if heads_first:  # work on (B, S, H, D) views: the tensors' memory order, heads next to D
         q, k, q_out, k_out = (None if x is None else x.transpose(1, 2) for x in (q, k, q_out, k_out))
     token_shape = tuple(q.shape[:-2])

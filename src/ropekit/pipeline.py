@@ -287,22 +287,7 @@ def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
     elif variant.angles == "freqs":  # a: positions, b: inverse frequencies
         a, b = cpu.freqs_angles(a, b, variant.sections)
         table = False
-    cpu.rope(
-        q,
-        k,
-        q_out,
-        k_out,
-        a,
-        b,
-        rot=spec.rot,
-        table=table,
-        interleaved=variant.interleaved,
-        out_interleaved=variant.out_interleaved,
-        inverse=variant.inverse,
-        sections=variant.sections if variant.mrope else None,
-        il_sections=variant.mrope == MROPE_INTERLEAVED,
-        heads_first=variant.heads_first,
-    )
+    cpu.rope(q, k, q_out, k_out, a, b, rot=spec.rot, table=table, variant=variant)
 
 
 def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
