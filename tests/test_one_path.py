@@ -197,3 +197,25 @@ def test_dtensor_rules_follow_the_variant():
     assert dict(freqs_rule.args)["inv_freq"] == distributed.TABLE
     back = distributed.rule_of("rotate_norm_backward", {"variant": Variant(norm_k=1).encode()})
     assert back.outputs == ("x", distributed.GRAD_SUM)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_axial_angles_in_place_under_autograd(device):
+    """Angles from inv_freq, in place on an activation (a view of a leaf's product), with the
+    inverse rotation as gradient."""
+    _skip(device)
+    g = torch.Generator().manual_seed(10)
+    axes = (2, 2)
+    f = ropekit.axial_inv_freq((4, 4)).to(device)
+    pos = (torch.randn(2, 6, generator=g) * 3).to(device)
+    x = torch.randn(6, 2, 8, generator=g).to(device).requires_grad_(True)
+    q = x * 1.0
+    qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, inplace=True)
+    assert qo is q
+    up = torch.randn(6, 2, 8, generator=g)
+    (qo * up.to(device)).sum().backward()
+    angle = ropekit.freqs.pair_positions(pos.double().cpu(), axes, 4) * f.double().cpu()
+    x64 = x.detach().double().cpu().requires_grad_(True)
+    want = reference.rotate(x64, angle.cos(), angle.sin())
+    (want * up.double()).sum().backward()
+    assert _rel(qo, want) < 1e-6 and _rel(x.grad, x64.grad) < 1e-6
