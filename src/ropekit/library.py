@@ -164,17 +164,13 @@ def _rotate_backward(ctx, grads):
         d_b = freq_grad(saved[-2:], (gq, gk), a, ctx.rot // 2, v)
     rest = (None,) * 7  # scales and the non-tensor arguments
     if v.normed:
-        q, k, wq, wk = saved[:4]
-        res = [None, None, None, None]
-        for i, (x, w, g, mode) in enumerate(((q, wq, gq, v.norm_q), (k, wk, gk, v.norm_k))):
-            need_x, need_w = needs[i], w is not None and needs[4 + i]
-            if x is None or not (need_x or need_w):
-                continue
-            g = torch.zeros_like(x) if g is None else g
+
+        def backward_one(x, g, w, mode):
             out = torch.ops.ropekit.rotate_norm_backward(x, g, w, a, b, ctx.codes, ctx.rot, ctx.packed, ctx.norm, mode)
-            res[i] = out[0] if need_x else None
-            res[2 + i] = out[1] if need_w else None
-        return res[0], res[1], None, d_b, res[2], res[3], *rest
+            return out[0], (out[1] if w is not None else None)
+
+        dq, dk, dwq, dwk = pipeline.norm_grads(v, needs, saved[:4], gq, gk, backward_one)
+        return dq, dk, None, d_b, dwq, dwk, *rest
     want_q, want_k, first, second = pipeline.grad_operands(ctx.metas, needs, gq, gk)
     if first is None:
         return None, None, None, d_b, None, None, *rest

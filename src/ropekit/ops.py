@@ -153,7 +153,7 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
     into q and k (autograd's own in-place op: versions, views and the backward follow)."""
     v = spec.variant
     hf = v.heads_first  # the ops take tokens-first views; results go back to HF's layout
-    codes = v._replace(heads_first=False).encode()
+    codes = v.tokens_first().encode()
     qs, ks = (None, None) if scales is None else scales
     a, b, wq, wk, qs, ks = dtensor_like(q, a, b, weights[0], weights[1], qs, ks)
     q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)

@@ -79,6 +79,10 @@ class Variant(NamedTuple):
         """Is q or k normalized before the rotation?"""
         return self.norm_q != 0 or self.norm_k != 0
 
+    def tokens_first(self) -> "Variant":
+        """This variant for tokens-first views of q and k (what the custom ops take)."""
+        return self._replace(heads_first=False)
+
     def with_scaled(self, scaled: bool) -> "Variant":
         """This variant with its outputs scaled (fp8) or not."""
         return self._replace(scaled=scaled)
@@ -510,7 +514,17 @@ class RotateFunction(torch.autograd.Function):
 
             d_b = freq_grad(saved[-2:], (gq, gk), a, ctx.spec.rot // 2, variant)
         if variant.normed:
-            dq, dk, dwq, dwk = norm_grads(ctx.spec, variant, needs, saved[:4], gq, gk, a, b)
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "apply_rope: q_norm_weight / k_norm_weight: expected a backward without create_graph=True "
+                    "(the norm's backward is not itself differentiable), got create_graph=True"
+                )
+            spec = ctx.spec
+
+            def backward_one(x, g, w, mode):
+                return run_norm_backward(spec, variant, x, g, w, mode, a, b)
+
+            dq, dk, dwq, dwk = norm_grads(variant, needs, saved[:4], gq, gk, backward_one)
             return dq, dk, None, d_b, dwq, dwk, None, None
         want_q, want_k, first, second = grad_operands(ctx.metas, needs, gq, gk)
         if first is None:
@@ -526,22 +540,18 @@ class RotateFunction(torch.autograd.Function):
         return (*input_grads(want_q, want_k, d_first, d_second), None, d_b, None, None, None, None)
 
 
-def norm_grads(spec: Spec, variant: Variant, needs, saved, gq, gk, a, b) -> tuple:
-    """(dq, dk, dwq, dwk) of a normed variant: one backward launch per tensor that needs a
-    gradient for itself or its weight. needs: RotateFunction's needs_input_grad; saved: (q, k,
-    wq, wk) as the forward got them."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "apply_rope: q_norm_weight / k_norm_weight: expected a backward without create_graph=True "
-            "(the norm's backward is not itself differentiable), got create_graph=True"
-        )
+def norm_grads(variant: Variant, needs, saved, gq, gk, backward_one) -> tuple:
+    """(dq, dk, dwq, dwk) of a normed variant: one backward per tensor that needs a gradient for
+    itself or its weight. needs: needs_input_grad of RotateFunction or of the rotate custom op
+    (both take q, k, a, b, wq, wk first); saved: (q, k, wq, wk) as the forward got them;
+    backward_one(x, g, w, mode) -> (gx, dw): run_norm_backward, or the custom op that runs it."""
     q, k, wq, wk = saved
     res = [None, None, None, None]
     for i, (x, w, g, mode) in enumerate(((q, wq, gq, variant.norm_q), (k, wk, gk, variant.norm_k))):
         need_x, need_w = needs[i], w is not None and needs[4 + i]
         if x is None or not (need_x or need_w):
             continue
-        gx, dw = run_norm_backward(spec, variant, x, torch.zeros_like(x) if g is None else g, w, mode, a, b)
+        gx, dw = backward_one(x, torch.zeros_like(x) if g is None else g, w, mode)
         res[i] = gx if need_x else None
         res[2 + i] = dw if need_w else None
     return tuple(res)
