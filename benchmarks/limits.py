@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import ropekit  # noqa: E402
-from ropekit import launcher  # noqa: E402
+from ropekit.core import launcher  # noqa: E402
 
 FIRST_CALL_TARGET_S = 1.0  # the target for the first call of any variant (WORKLOADS.md), on the H200
 
@@ -155,7 +155,7 @@ def w2_64_vs_32():
                 return _kern if name == "rope_kernel" else _orig.__wrapped__(name)
 
             launcher.kernel = pick
-            ropekit.pipeline.clear()
+            ropekit.core.pipeline.clear()
             out = fn()
             if label == "32-bit":
                 assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), "32-bit build differs"

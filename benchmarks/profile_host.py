@@ -17,7 +17,7 @@ import time
 import torch
 
 import ropekit
-from ropekit import launch, pipeline
+from ropekit.core import launch, pipeline
 
 
 def per_call_us(fn, n=2000, repeat=5):
@@ -40,7 +40,7 @@ def main():
     if args.cpu_dry:
         pipeline.triton_runs = lambda x: True
         launch.launch = lambda *a, **k: None
-        import ropekit.launcher as L
+        import ropekit.core.launcher as L
 
         L.launch_kernel = lambda *a, **k: None
     bf = dict(dtype=torch.bfloat16, device=dev)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune_core import cache, workloads  # noqa: E402
 
 import ropekit  # noqa: E402
-from ropekit import tuning  # noqa: E402
+from ropekit.core import tuning  # noqa: E402
 
 BF = dict(dtype=torch.bfloat16, device="cuda")
 
@@ -84,7 +84,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
     ap.add_argument("--ptx", action="store_true", help="print the global load/store widths of the compiled kernels")
-    ap.add_argument("--knob", action="append", default=[], help="name=value (ropekit.tuning), repeatable")
+    ap.add_argument("--knob", action="append", default=[], help="name=value (ropekit.core.tuning), repeatable")
     args = ap.parse_args()
     knobs = {}
     for kv in args.knob:

@@ -18,9 +18,9 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 import ropekit
-import ropekit.launch
+import ropekit.core.launch
 from ropekit import hf
-from ropekit.bench.timing import host_us
+from ropekit.tools.bench.timing import host_us
 
 B, S, HQ, HK, D = 4, 4096, 32, 8, 128
 bf = dict(dtype=torch.bfloat16, device="cuda")
@@ -104,7 +104,7 @@ def main():
     for name, step in setups().items():
         host, events, bench, kernels = measure(step)
         print(f"{name:26s} {host * 1e6:9.1f} {events * 1e6:9.1f} {bench * 1e6:9.1f} {kernels * 1e6:9.1f}")
-    print(f"floor bytes {floor_bytes / 1e6:.1f} MB; launches {ropekit.launch.COUNTS}")
+    print(f"floor bytes {floor_bytes / 1e6:.1f} MB; launches {ropekit.core.launch.COUNTS}")
     if "--cprofile" in sys.argv:
         for name, step in setups().items():
             print(f"== cProfile: {name}")

@@ -92,8 +92,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 import ropekit  # noqa: E402
-from ropekit import pipeline, reference, tuning  # noqa: E402
-from ropekit.store import apply_rope_and_store  # noqa: E402
+from ropekit.api.store import apply_rope_and_store  # noqa: E402
+from ropekit.core import pipeline, tuning  # noqa: E402
+from ropekit.tools import reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

@@ -16,8 +16,8 @@ import torch
 import triton
 
 import ropekit
-from ropekit import launch, tuning
-from ropekit.bench.timing import host_us
+from ropekit.core import launch, tuning
+from ropekit.tools.bench.timing import host_us
 
 
 def copy_bandwidth(nbytes=2 * 2**30):

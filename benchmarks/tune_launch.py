@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune_core import cache, copy_bandwidth, nbytes  # noqa: E402
 
 import ropekit  # noqa: E402
-from ropekit import tuning  # noqa: E402
-from ropekit.bench import timing  # noqa: E402
+from ropekit.core import tuning  # noqa: E402
+from ropekit.tools.bench import timing  # noqa: E402
 
 BF = dict(dtype=torch.bfloat16, device="cuda")
 

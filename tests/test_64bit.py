@@ -37,7 +37,7 @@ def test_control_32bit_kernel_fails_on_the_same_view():
 def test_bigmem_cuda_q_past_2_31_elements():
     """A real q above 2^31 elements on the GPU (T=262,145, H=64, D=128, bf16: 4.3 GB)."""
     import ropekit
-    from ropekit import reference
+    from ropekit.tools import reference
 
     T, H, D = 262_145, 64, 128
     assert T * H * D > 2**31
@@ -65,7 +65,7 @@ def test_bigmem_cuda_q_past_2_31_elements():
 def test_bigmem_cuda_mrope_past_2_31_elements(interleaved_sections):
     """M-RoPE on a q above 2^31 elements (T=262,145, H=64, D=128, bf16), (3, T) positions."""
     import ropekit
-    from ropekit import reference
+    from ropekit.tools import reference
 
     T, H, D = 262_145, 64, 128
     section = [16, 24, 24] if not interleaved_sections else [24, 20, 20]
@@ -93,7 +93,7 @@ def test_bigmem_cuda_axial_freqs_past_2_31_elements():
     """Angles computed in the kernel (Wan's 3 axes) on a q above 2^31 elements (T=262,145, H=64,
     D=128, bf16: 4.3 GB): the last tokens against float64, out of place and in place."""
     import ropekit
-    from ropekit import reference
+    from ropekit.tools import reference
 
     T, H, D = 262_145, 64, 128
     axes = (22, 21, 21)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import reference
+from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
 
@@ -269,7 +269,7 @@ def test_both_program_layouts(device, request, head_loop, prefetch, case):
     """The kernel's two grids (a program per head block, or per token walking its head blocks,
     with or without the next block's loads issued before this block's stores) give the reference's
     answer; the launcher picks by call size, so force each here."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     knobs = tuning.override(head_loop=head_loop, prefetch=prefetch)
     knobs.__enter__()
@@ -299,7 +299,7 @@ def test_per_token_mrope_both_program_layouts(device, request, head_loop, interl
     """Per-token (3, T, half) M-RoPE angles (the HF multimodal drop-in's form), one program per
     head block or per token: the same answer as the float64 reference fed the rows the positions
     pick from the same table."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     knobs = tuning.override(head_loop=head_loop)
     knobs.__enter__()
@@ -324,7 +324,7 @@ def test_gpu_chained_in_place_calls_in_a_graph(pdl):
     """Twenty in-place decode calls captured back to back, each reading what the one before wrote:
     with programmatic dependent launch a call's programs start during the previous call, so a
     missing wait would read stale q / k. The result is q and k rotated twenty times."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     T, Hq, Hk, D, n = 64, 32, 8, 128, 20
     cache = make_cache(4096, D, device="cuda")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import reference
+from ropekit.tools import reference
 
 from conftest import make_cache
 
@@ -430,7 +430,9 @@ def test_hf_dropin_double_backward_matches_hf_math(device):
 def test_hf_dropin_remembered_training_call(device, layout):
     """The drop-in's training calls are validated and planned once per signature (HF's unsliced
     cos/sin go to the kernel as given): outputs and gradients stay HF's, call after call."""
-    from ropekit import hf, ops, pipeline
+    from ropekit import hf
+    from ropekit.api import ops
+    from ropekit.core import pipeline
 
     pipeline.clear()
     B, S, H, D = 2, 5, 3, 16

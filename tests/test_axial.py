@@ -158,7 +158,8 @@ def test_freqs_cis_bad_arguments(kwargs, error, message):
 # ---------------------------------------------------------------------------------------------
 # apply_rope(..., inv_freq=, axes=): angles computed in the kernel
 
-from ropekit import pipeline, reference  # noqa: E402
+from ropekit.core import pipeline  # noqa: E402
+from ropekit.tools import reference  # noqa: E402
 
 AXES_CASES = {
     "one_set": None,  # positions (*T), every pair
@@ -466,7 +467,7 @@ def test_freqs_with_qk_norm_learnable_freqs(poison):
     up = torch.randn(3, 2, 8, generator=g)
     (out * up).sum().backward()
     f64, q64, w64 = (x.detach().double().requires_grad_() for x in (f, q, w))
-    angle = ropekit.freqs.pair_positions(pos.double(), axes, 4) * f64
+    angle = ropekit.core.freqs.pair_positions(pos.double(), axes, 4) * f64
     want = reference.rotate(reference.rms_norm(q64, w64), angle.cos(), angle.sin(), interleaved=True)
     (want * up.double()).sum().backward()
     for got, ref in ((out, want), (q.grad, q64.grad), (w.grad, w64.grad), (f.grad, f64.grad)):

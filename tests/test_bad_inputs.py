@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import validate
-from ropekit.store import apply_rope_and_store
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import validate
 
 from conftest import make_cache
 

@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark CLI (python -m ropekit.bench) in its CPU mode.
+"""Smoke test of the benchmark CLI (python -m ropekit.tools.bench) in its CPU mode.
 
 Runs two workloads at the quick sizes on the CPU into tmp_path and checks what it writes: the
 JSON, the table (which must say these are CPU numbers), the markdown, and the PNG when
@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from ropekit.bench import report, workloads
-from ropekit.bench.__main__ import main
+from ropekit.tools.bench import report, workloads
+from ropekit.tools.bench.__main__ import main
 
 
 @pytest.fixture
@@ -110,8 +110,8 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
 
 def test_wrong_output_is_reported_not_timed(cpu_env):
     """A peer whose output is off is marked wrong and has no time."""
-    from ropekit.bench import peers as P
-    from ropekit.bench import runner
+    from ropekit.tools.bench import peers as P
+    from ropekit.tools.bench import runner
 
     class Broken(P.TorchEager):
         name = "broken"
@@ -161,7 +161,7 @@ def test_workload_selection_and_bytes():
 
 
 def test_module_entry_point_lists_workloads():
-    """`python -m ropekit.bench --list` runs as a program (what the console script calls)."""
+    """`python -m ropekit.tools.bench --list` runs as a program (what the console script calls)."""
     import os
     import subprocess
     import sys
@@ -171,7 +171,7 @@ def test_module_entry_point_lists_workloads():
     src = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(
-        [sys.executable, "-m", "ropekit.bench", "--list"], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "ropekit.tools.bench", "--list"], capture_output=True, text=True, env=env, timeout=120
     )
     assert out.returncode == 0, out.stderr
     assert "W7-T64" in out.stdout and "liger" in out.stdout
@@ -189,7 +189,7 @@ def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
     }
     assert workloads.min_bytes(workloads.BY_ID["W9"], inp) == 2 * qk
     assert workloads.min_bytes(wl, inp) == 5 * qk  # forward 2x, backward: x and g read, gx written
-    from ropekit.bench import peers, runner  # noqa: F401
+    from ropekit.tools.bench import peers, runner  # noqa: F401
 
     for wid in ("W9", "W9-FB", "W10", "W10-FP8"):
         w = workloads.BY_ID[wid]
@@ -216,8 +216,8 @@ def test_one_set_graph_row_plumbing(cpu_env, monkeypatch):
     """W3-1's CUDA branch of run_one, with the graph timing replaced by a recorder (no GPU here):
     ONE input set, called wl.one_set_calls times per graph, and the row's figures derived from
     what the timing returned."""
-    from ropekit.bench import peers as P
-    from ropekit.bench import runner, timing
+    from ropekit.tools.bench import peers as P
+    from ropekit.tools.bench import runner, timing
 
     seen = {}
 
@@ -245,7 +245,7 @@ def test_one_set_graph_row_plumbing(cpu_env, monkeypatch):
 
 
 def test_graph_ms_and_same_size_copy_arguments():
-    from ropekit.bench import timing
+    from ropekit.tools.bench import timing
 
     with pytest.raises(ValueError, match="graph_ms: calls_per_set: expected an int >= 1, got 0"):
         timing.graph_ms([lambda: None], calls_per_set=0)
@@ -319,7 +319,7 @@ def test_report_one_set_row_and_floor():
 def test_axial_workloads_bytes_and_quick_cpu_run(cpu_env):
     """W13-W15: minimal bytes, and a quick CPU run of ropekit (angles from positions x frequencies,
     the norm fused) and of diffusers' code (torch eager) against float64."""
-    from ropekit.bench import peers
+    from ropekit.tools.bench import peers
 
     w14 = workloads.BY_ID["W14"]
     full = w14.sizes(False)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import ropekit
-from ropekit import hf, reference
+from ropekit import hf
+from ropekit.tools import reference
 
 from conftest import make_cache
 

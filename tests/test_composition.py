@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import reference
+from ropekit.tools import reference
 
 from conftest import make_cache
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import pipeline, reference
+from ropekit.core import pipeline
+from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
 

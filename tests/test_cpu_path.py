@@ -1,5 +1,5 @@
-"""The CPU path users get (CPU tensors, no TRITON_INTERPRET): ropekit.cpu through the public ops,
-against the float64 oracle ropekit.reference.
+"""The CPU path users get (CPU tensors, no TRITON_INTERPRET): ropekit.core.cpu through the public ops,
+against the float64 oracle ropekit.tools.reference.
 
 conftest sets TRITON_INTERPRET=1 for the kernel tests; the `cpu_path` fixture removes it and
 forgets memoized specs (they record which path runs) before and after each test here.
@@ -19,7 +19,8 @@ import triton.language  # noqa: F401
 
 import ropekit
 import ropekit.hf
-from ropekit import cpu, pipeline, reference
+from ropekit.core import cpu, pipeline
+from ropekit.tools import reference
 
 from conftest import make_cache, rel_err
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import reference
+from ropekit.tools import reference
 
 pytest.importorskip("torch.distributed.tensor", reason="needs torch.distributed.tensor (DTensor)")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -157,7 +157,7 @@ def test_norm_sharded_forward_and_backward(gathered, case):
 
 def test_freqs_token_sharded(gathered):
     c = gathered["results"]["freqs_tokens"]
-    angle = ropekit.freqs.pair_positions(c["pos"].double(), (4, 4, 8), 16) * c["inv_freq"].double()
+    angle = ropekit.core.freqs.pair_positions(c["pos"].double(), (4, 4, 8), 16) * c["inv_freq"].double()
     for got, x in ((c["qo"], c["q"]), (c["ko"], c["k"])):
         want = reference.rotate(x.double(), angle.cos(), angle.sin(), interleaved=True)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

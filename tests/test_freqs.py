@@ -21,8 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 mru = pytest.importorskip("transformers.modeling_rope_utils")
 
-from ropekit import freqs  # noqa: E402
-from ropekit.freqs import cos_sin_cache, inv_freq  # noqa: E402
+from ropekit.core import freqs  # noqa: E402
+from ropekit.core.freqs import cos_sin_cache, inv_freq  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # real model configs (rope-relevant fields as in the checkpoints' config.json)
@@ -627,7 +627,7 @@ def test_public_names():
     import ropekit
 
     assert ropekit.inv_freq is inv_freq and ropekit.cos_sin_cache is cos_sin_cache
-    from ropekit.modules import RotaryEmbedding
+    from ropekit.api.modules import RotaryEmbedding
 
     assert ropekit.RotaryEmbedding is RotaryEmbedding
 

@@ -4,7 +4,7 @@ Valid configurations: random token dims ((T,) or (B, S)), head counts, head size
 (partial included), rotations, M-RoPE sections, dtypes, tables, positions (int32/int64, strided,
 out of range: NaN rows), and random layouts: q, k (and v) placed in one flat buffer, each with its
 own storage order (transposes), padding and offset, or as views of fused rows; caches in every
-layout of test_store. Each call is checked against `ropekit.reference` in float64: written
+layout of test_store. Each call is checked against `ropekit.tools.reference` in float64: written
 elements within tolerance with NaN exactly where the reference has NaN, every other element of
 every buffer bit-identical. Out-of-place outputs are NaN-poisoned (conftest's `poison`), so an
 element the kernel skips fails.
@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 from test_store import Caches, check_store, flat, hnd, kv_joint, mla, nhd, padded
 
 import ropekit
-from ropekit import reference, validate
-from ropekit.store import apply_rope_and_store
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import validate
+from ropekit.tools import reference
 
 from conftest import make_cache
 

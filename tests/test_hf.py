@@ -20,7 +20,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ropekit import hf, ops  # noqa: E402
+from ropekit import hf  # noqa: E402
+from ropekit.api import ops  # noqa: E402
 
 
 def tols(dtype, device):

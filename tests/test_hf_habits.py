@@ -6,7 +6,7 @@
 - HF's cos / sin as HF returns them (full width, halves [f, f]) are taken by rotate_with_angles.
 - HF's (1, S) position_ids broadcast over the batch.
 
-Oracles: ropekit.reference in float64 on the tokens-first view, or HF's formula written out here
+Oracles: ropekit.tools.reference in float64 on the tokens-first view, or HF's formula written out here
 in float64. Outputs are poisoned (NaN) before each run.
 """
 
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import pipeline, reference
-from ropekit.validate import LayoutWarning
+from ropekit.core import pipeline
+from ropekit.core.validate import LayoutWarning
+from ropekit.tools import reference
 
 from conftest import make_cache, rel_err
 

@@ -10,7 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ropekit import hf, hf_qknorm, ops  # noqa: E402
+from ropekit import hf  # noqa: E402
+from ropekit.api import ops  # noqa: E402
+from ropekit.integrations import hf_qknorm  # noqa: E402
 
 V, HID, LAYERS, S = 96, 64, 2, 5
 COMMON = dict(

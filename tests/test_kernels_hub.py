@@ -53,7 +53,7 @@ def test_layout_has_one_variant_per_backend_with_metadata(repo):
             meta = json.load(f)
         assert meta["name"] == "ropekit-rope" and meta["backend"] == {"type": backend}
         assert meta["id"].startswith(f"_ropekit_rope_{backend}_") and meta["python-depends"] == []
-        for entry in ("__init__.py", "ropekit_rope/__init__.py", "ropekit_rope/layers.py", "ropekit_rope/ops.py"):
+        for entry in ("__init__.py", "ropekit_rope/__init__.py", "ropekit_rope/layers.py", "ropekit_rope/api/ops.py"):
             assert os.path.exists(os.path.join(variant, entry)), entry
 
 

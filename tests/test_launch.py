@@ -1,4 +1,4 @@
-"""ropekit.launch: the direct launch is taken once a kernel is compiled, its fallback (Triton's
+"""ropekit.core.launch: the direct launch is taken once a kernel is compiled, its fallback (Triton's
 generic launch) gives the same result, and the device guard launches on the tensors' device.
 
 On CPU the launch logic runs against stand-in kernel objects (the shapes of Triton's objects that
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import launch, reference
+from ropekit.core import launch
+from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
 

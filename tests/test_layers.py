@@ -17,20 +17,33 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ropekit"
 LAYERS = (
     ("kernels", ("kernels.rope", "kernels.store", "kernels.rerotate", "kernels.norm", "kernels.positions")),
     # core, bottom: the memo, the Triton launch internals, the knobs, the checks, the math
-    ("core base", ("memo", "launch", "tuning", "validate", "freqs", "packed", "cpu")),
-    ("core plans", ("launcher",)),
-    ("core dispatch", ("pipeline", "library")),
-    ("api", ("ops", "store", "rerotate", "modules")),
-    ("integrations", ("hf", "hf_qknorm", "diffusers", "distributed", "hub")),
+    (
+        "core base",
+        ("core.memo", "core.launch", "core.tuning", "core.validate", "core.freqs", "core.packed", "core.cpu"),
+    ),
+    ("core plans", ("core.launcher",)),
+    ("core dispatch", ("core.pipeline", "core.library")),
+    ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
+    (
+        "integrations",
+        ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
+        + ("integrations.hub",),
+    ),
+    # the public paths of the integrations (each aliases the module it names)
+    ("public paths", ("hf", "diffusers", "distributed", "hub")),
     (
         "tools",
-        ("reference", "audit", "selfcheck", "bench", "bench.__main__", "bench.peers", "bench.report")
-        + ("bench.runner", "bench.timing", "bench.workloads"),
+        ("tools.reference", "tools.audit", "tools.selfcheck", "tools.bench", "tools.bench.__main__")
+        + ("tools.bench.peers", "tools.bench.report", "tools.bench.runner", "tools.bench.timing")
+        + ("tools.bench.workloads",),
     ),
+    ("entry points", ("selfcheck", "audit", "bench")),  # `python -m ropekit.selfcheck` and the others
 )
+# packages: their __init__ holds a docstring only (the root package, which imports the api, is not ranked)
+PACKAGES = ("kernels", "core", "api", "integrations", "tools")
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 # the oracle sits with the tools (tests import it) but imports nothing of ropekit
-LEAVES = ("reference",)
+LEAVES = ("tools.reference",)
 
 
 def _modules():
@@ -68,6 +81,16 @@ def _imports(name: str, path: pathlib.Path):
                         aliases[a.asname or a.name] = target
                     elif a.name.startswith("_") and not a.name.startswith("__"):
                         private.append(a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ropekit":
+            target = node.module[len("ropekit.") :] if "." in node.module else ""
+            if target in LEVEL:
+                deps.add(target)
+                private += [f"{target}.{a.name}" for a in node.names if a.name.startswith("_")]
+            for a in node.names:
+                sub = f"{target}.{a.name}".lstrip(".")
+                if sub in LEVEL:
+                    deps.add(sub)
+                    aliases[a.asname or a.name] = sub
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("ropekit."):
@@ -86,7 +109,7 @@ GRAPH = {name: _imports(name, path) for name, path in _modules() if name}
 
 
 def test_every_module_has_a_layer():
-    missing = sorted(set(GRAPH) - set(LEVEL) - {"kernels"})
+    missing = sorted(set(GRAPH) - set(LEVEL) - set(PACKAGES))
     assert not missing, f"modules missing from LAYERS: {missing}"
     gone = sorted(set(LEVEL) - set(GRAPH))
     assert not gone, f"LAYERS names modules that do not exist: {gone}"
@@ -125,7 +148,17 @@ def test_no_import_cycle():
 def test_the_checker_sees_a_violation(tmp_path):
     """Can these tests fail? An upward import and a private read, as a module would write them."""
     bad = tmp_path / "validate.py"
-    bad.write_text("from . import ops\nfrom .launcher import _tiles\nx = ops._rope_spec\n")
-    deps, private = _imports("validate", bad)
-    assert "ops" in deps and LEVEL["ops"] > LEVEL["validate"]
-    assert "launcher._tiles" in private and "ops._rope_spec" in private
+    bad.write_text("from ..api import ops\nfrom .launcher import _tiles\nx = ops._rope_spec\n")
+    deps, private = _imports("core.validate", bad)
+    assert "api.ops" in deps and LEVEL["api.ops"] > LEVEL["core.validate"]
+    assert "core.launcher._tiles" in private and "api.ops._rope_spec" in private
+    absolute = tmp_path / "cpu.py"
+    absolute.write_text("from ropekit import hf\nfrom ropekit.api.store import _run\n")
+    deps, private = _imports("core.cpu", absolute)
+    assert {"hf", "api.store"} <= deps and "api.store._run" in private
+
+
+def test_packages_hold_no_code():
+    for name in PACKAGES:
+        tree = ast.parse((ROOT / name / "__init__.py").read_text())
+        assert all(isinstance(n, ast.Expr) for n in tree.body), f"ropekit.{name}/__init__.py holds code"

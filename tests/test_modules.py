@@ -1,6 +1,6 @@
 """ropekit.RotaryEmbedding: vLLM / SGLang calling convention over apply_rope.
 
-Outputs are compared with ropekit.reference.apply_rope run in float64 on a table built in float64
+Outputs are compared with ropekit.tools.reference.apply_rope run in float64 on a table built in float64
 by ropekit.cos_sin_cache (independent of the module's buffer). Sizes are small so the Triton
 kernels stay quick under TRITON_INTERPRET=1.
 """
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import reference, strict
-from ropekit.freqs import cos_sin_cache
-from ropekit.modules import RotaryEmbedding, hf_rope_args
+from ropekit import strict
+from ropekit.api.modules import RotaryEmbedding, hf_rope_args
+from ropekit.core.freqs import cos_sin_cache
+from ropekit.tools import reference
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):
@@ -569,7 +570,7 @@ def test_deepseek_v3_module_matches_hf_interleaved_rotation():
 def test_mrope_positions(interleaved_sections, flat, device):
     """M-RoPE: (3, T) and (3, B, S) positions, against the float64 reference; text-only positions
     (T,) still work and equal three identical rows."""
-    from ropekit import reference
+    from ropekit.tools import reference
 
     D, Hq, Hk, T = 64, 3, 1, 5
     section = [8, 12, 12] if not interleaved_sections else [12, 10, 10]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit import freqs, launcher, pipeline, positions_from_cu_seqlens, reference, tuning
-from ropekit.pipeline import Variant
+from ropekit import positions_from_cu_seqlens
+from ropekit.core import freqs, launcher, pipeline, tuning
+from ropekit.core.pipeline import Variant
+from ropekit.tools import reference
 
 from conftest import make_cache, rel_err
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import distributed, packed, pipeline, reference
-from ropekit.pipeline import Variant
+from ropekit import distributed
+from ropekit.core import packed, pipeline
+from ropekit.core.pipeline import Variant
+from ropekit.tools import reference
 
 from conftest import fp8_close, make_cache
 
@@ -169,7 +171,7 @@ def test_norm_and_axial_angles_in_one_launch(device, monkeypatch):
     w = (torch.rand(H * D, generator=g) + 0.5).to(device)
     launches = []
     if pipeline.triton_runs(q):
-        from ropekit import launcher
+        from ropekit.core import launcher
 
         real = launcher.fire_rotate
         monkeypatch.setattr(launcher, "fire_rotate", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
@@ -178,7 +180,7 @@ def test_norm_and_axial_angles_in_one_launch(device, monkeypatch):
     )
     if pipeline.triton_runs(q):
         assert len(launches) == 1
-    angle = ropekit.freqs.pair_positions(pos.double(), axes, 8) * f.double()
+    angle = ropekit.core.freqs.pair_positions(pos.double(), axes, 8) * f.double()
     want = reference.rotate(_norm_ref(q.double().cpu(), w), angle.cos(), angle.sin(), interleaved=True)
     assert _rel(qo, want) < 1e-5
 
@@ -214,7 +216,7 @@ def test_axial_angles_in_place_under_autograd(device):
     assert qo is q
     up = torch.randn(6, 2, 8, generator=g)
     (qo * up.to(device)).sum().backward()
-    angle = ropekit.freqs.pair_positions(pos.double().cpu(), axes, 4) * f.double().cpu()
+    angle = ropekit.core.freqs.pair_positions(pos.double().cpu(), axes, 4) * f.double().cpu()
     x64 = x.detach().double().cpu().requires_grad_(True)
     want = reference.rotate(x64, angle.cos(), angle.sin())
     (want * up.double()).sum().backward()

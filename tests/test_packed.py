@@ -1,6 +1,6 @@
 """positions_from_cu_seqlens (THD packed sequences, context-parallel shards) and apply_rope on them.
 
-The oracle here is written independently of ropekit.packed: it builds each GLOBAL sequence, cuts
+The oracle here is written independently of ropekit.core.packed: it builds each GLOBAL sequence, cuts
 it into 2 * cp_size chunks and hands rank r chunks r and 2*cp_size-1-r (Transformer Engine's and
 Megatron's dual-chunk load balancing), in plain Python. The in-kernel derivation
 (apply_rope(..., cu_seqlens=...)) is tested against the helper once apply_rope accepts it; until
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import packed, reference
+from ropekit.core import packed
+from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
 
@@ -426,7 +427,7 @@ def test_apply_rope_cu_seqlens_errors_name_apply_rope(monkeypatch, cu, fragment,
     """Bad cu_seqlens values read where they are free (CPU) are reported as apply_rope's
     cu_seqlens, never as positions_from_cu_seqlens' total_tokens (arguments the user never passed):
     on the norm path (strict mode) and on the CPU reference path."""
-    from ropekit import pipeline
+    from ropekit.core import pipeline
 
     q = torch.randn(8, 2, 16)
     kw = {"q_norm_weight": torch.ones(16)} if path == "norm" else {}

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import memo, ops, pipeline, reference, tuning
+from ropekit.api import ops
+from ropekit.core import memo, pipeline, tuning
+from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
 

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import pipeline, reference
-from ropekit.modules import RotaryEmbedding
-from ropekit.store import apply_rope_and_store
+from ropekit.api.modules import RotaryEmbedding
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import pipeline
+from ropekit.tools import reference
 
 from conftest import make_cache
 
@@ -165,7 +166,7 @@ def test_positions_none_is_arange(mode, poison, device):
 @pytest.mark.parametrize("mode", MODES)
 def test_head_loop_path(mode, poison, request, device):
     """rope_kernel's one-program-per-token path (picked for >= 1024 tokens), forced on a small call."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     knobs = tuning.override(head_loop=True)
     knobs.__enter__()
@@ -197,7 +198,7 @@ def test_across_heads_in_small_blocks(modes, interleaved, rot, poison, device):
     """Across-heads norm with the head loop and blocks of 2 heads (block_elems 16 / rotary_dim):
     the kernel's pre-pass sums each tensor's squares over all its blocks (40 heads of q, 6 of k)
     before scaling any block; a per-head tensor next to it stays per head."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     q, k = inputs(T=(2, 3), Hq=40, Hk=6, D=16, device=device)
     cache = make_cache(16, rot, device=device)
@@ -235,7 +236,7 @@ def test_across_heads_wan_sized_on_gpu():
 def test_across_heads_plan_keeps_small_blocks():
     """The launcher gives an across-heads forward the per-head block size once the head loop is
     on, and one block of all heads without it (decode-sized calls)."""
-    from ropekit import launcher, tuning
+    from ropekit.core import launcher, tuning
 
     q, k = inputs(T=(4,), Hq=40, Hk=6, D=16)
     cache = make_cache(16, 16)
@@ -413,7 +414,7 @@ def test_backward_directional_finite_difference():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("token_programs", [False, True], ids=["block-programs", "token-programs"])
 def test_store_with_norm_bf16_cache(mode, which, interleaved, rot, device, token_programs, request):
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     knobs = tuning.override(store_head_loop=token_programs)  # the launcher picks by size: force each
     knobs.__enter__()

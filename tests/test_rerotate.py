@@ -27,8 +27,9 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import reference, validate
-from ropekit.rerotate import rerotate_kv_cache
+from ropekit.api.rerotate import rerotate_kv_cache
+from ropekit.core import validate
+from ropekit.tools import reference
 
 try:
     from conftest import make_cache
@@ -350,7 +351,7 @@ def test_strided_index_tensors(device):
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_both_cpu_paths(monkeypatch, path):
     """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path otherwise."""
-    from ropekit import launcher, pipeline
+    from ropekit.core import launcher, pipeline
 
     fired = []
     real_fire = launcher.fire_rerotate
@@ -881,8 +882,8 @@ def test_opcheck():
 
 @pytest.mark.parametrize("wid", ["W12", "W12-fp8", "W12-mla"])
 def test_bench_w12_peers_pass_the_check(monkeypatch, wid):
-    from ropekit.bench import peers as P
-    from ropekit.bench import runner, workloads
+    from ropekit.tools.bench import peers as P
+    from ropekit.tools.bench import runner, workloads
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU paths: a check, not a timing
     wl = workloads.BY_ID[wid]

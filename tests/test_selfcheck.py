@@ -1,5 +1,5 @@
 """python -m ropekit.selfcheck: every public op has a row, a failing row fails the run, a missing
-feature is 'not available' (never a pass); on CPU it checks the path CPU users get (ropekit.cpu)
+feature is 'not available' (never a pass); on CPU it checks the path CPU users get (ropekit.core.cpu)
 unless asked for the Triton interpreter."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 import triton.language  # noqa: F401
 
 import ropekit
-from ropekit import cpu, launcher, pipeline, selfcheck
+from ropekit import selfcheck
+from ropekit.core import cpu, launcher, pipeline
 
 
 @pytest.fixture
@@ -27,10 +28,10 @@ def restore_path(monkeypatch):
 
 
 def test_selfcheck_runs_the_cpu_path_users_get(monkeypatch, restore_path):
-    """Without --interpreter no Triton launch happens, and ropekit.cpu does the work."""
+    """Without --interpreter no Triton launch happens, and ropekit.core.cpu does the work."""
     selfcheck.use_cpu_path(False)
     assert "TRITON_INTERPRET" not in os.environ
-    assert "ropekit.cpu" in selfcheck.backend_name("cpu")
+    assert "ropekit.core.cpu" in selfcheck.backend_name("cpu")
     calls = []
     real = cpu.rope
     monkeypatch.setattr(cpu, "rope", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
@@ -123,4 +124,4 @@ def test_module_entry_point_exit_status():
         [sys.executable, "-m", "ropekit.selfcheck", "--no-bench"], capture_output=True, text=True, env=env, timeout=300
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "all checks passed" in r.stdout and "ropekit.cpu" in r.stdout
+    assert "all checks passed" in r.stdout and "ropekit.core.cpu" in r.stdout

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit import pipeline, reference, validate
-from ropekit.store import apply_rope_and_store
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import pipeline, validate
+from ropekit.tools import reference
 
 try:
     from conftest import make_cache
@@ -261,7 +262,7 @@ def shuffled_slots(n_tokens, num_slots, device, dtype=torch.int64, n_pad=1):
 def programs(request):
     """The store kernel's two grids: a program per head block, or one per token walking its q, k
     and v blocks. The launcher picks by call size; tests force each."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     knobs = tuning.override(store_head_loop=request.param)
     knobs.__enter__()
@@ -861,7 +862,7 @@ def test_may_alias_against_brute_force():
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
 def test_rotary_embedding_forward_and_store(device, neox):
     """The module's fused method: (T, H * D) views of a fused qkv buffer, same bytes as the op."""
-    from ropekit.modules import RotaryEmbedding
+    from ropekit.api.modules import RotaryEmbedding
 
     T, Hq, Hk, D, rot = 5, 4, 2, 64, 32
     rope = RotaryEmbedding(D, rot, 64, 10000.0, is_neox_style=neox, device=device)
@@ -1132,7 +1133,7 @@ def test_gpu_chained_stores_in_a_graph(pdl):
     """Ten decode-sized stores captured back to back on the same q (rotated in place by each): with
     programmatic dependent launch a call starts during the one before, so a missing wait would
     read a stale q. q ends rotated ten times; the caches hold k rotated once and v."""
-    from ropekit import tuning
+    from ropekit.core import tuning
 
     T, Hq, Hk, D, n = 64, 32, 8, 128, 10
     q, k, v, pos, table = inputs(T, Hq, Hk, D, D, D, D, torch.float32, "cuda")

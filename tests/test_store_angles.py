@@ -5,7 +5,7 @@
     q_norm_weight=, k_norm_weight=      RMSNorm of q / k first, per head (D,) or across heads (H*D,)
 
 Each alone and composed (with each other, fp8 caches, q_out, write_key, torch.compile) against the
-float64 oracle (ropekit.reference; packed positions from ropekit.positions_from_cu_seqlens), on
+float64 oracle (ropekit.tools.reference; packed positions from ropekit.positions_from_cu_seqlens), on
 caches poisoned with NaN whose untouched elements must keep their bits (test_store.check_store).
 Bad inputs are refused by name before anything is written; the eager call's host path is one
 memo lookup (no second validation or launch plan).
@@ -31,8 +31,10 @@ from test_store import (
 from test_store import good as store_good
 
 import ropekit
-from ropekit import launcher, reference, store, tuning, validate
-from ropekit.store import apply_rope_and_store
+from ropekit.api import store
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import launcher, tuning, validate
+from ropekit.tools import reference
 
 from conftest import make_cache
 

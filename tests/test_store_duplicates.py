@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit import reference, validate
-from ropekit.store import apply_rope_and_store
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import validate
+from ropekit.tools import reference
 
 from conftest import make_cache
 

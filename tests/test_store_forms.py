@@ -7,7 +7,7 @@
     strided last dims     v read through its stride; k, and q with q_out, through one copy
 
 Every case poisons its outputs (NaN) and compares against a float64 oracle built here from
-ropekit.reference (rotation, norm) with the store's rules written out (bad slots flag q, scales
+ropekit.tools.reference (rotation, norm) with the store's rules written out (bad slots flag q, scales
 divide, fp8 saturates); elements nothing names must keep their bits. On CPU the kernel runs in the
 Triton interpreter, whose float32 -> fp8 cast is wrong when rounding carries into the exponent:
 fp8 cases there use exactly representable values at position 0 (cos 1, sin 0) and power-of-two
@@ -22,8 +22,9 @@ import pytest
 import torch
 from test_store import NAN, TOL, Caches, bits, flat, hnd, inputs, kv_joint, mla, nhd, shuffled_slots
 
-from ropekit import pipeline, reference, tuning, validate
-from ropekit.store import apply_rope_and_store
+from ropekit.api.store import apply_rope_and_store
+from ropekit.core import pipeline, tuning, validate
+from ropekit.tools import reference
 
 from conftest import make_cache
 
@@ -448,7 +449,7 @@ def test_output_layout_follows_the_caller(device):
 
 
 def test_reference_path_matches_the_kernel(monkeypatch):
-    """Plain CPU (no interpreter) runs ropekit.reference.store_rows: same forms, same bytes up to
+    """Plain CPU (no interpreter) runs ropekit.tools.reference.store_rows: same forms, same bytes up to
     float32 rounding order (fp8 exact values, so bit-equal there)."""
     T, Hq, Hk, D, rot = 4, 3, 2, 64, 32
     q = exact_values((T, Hq, D), E5M2, 1.0, "cpu", big=1e5)
@@ -902,7 +903,7 @@ def test_gpu_cuda_graph_forms():
 def test_bench_rows_check_and_bytes(monkeypatch, wid):
     """Each row's ropekit call passes its own float64 check (pure-PyTorch CPU path, as the bench's
     CPU mode runs); the bytes are the plain row's plus the form's extra traffic; other peers are n/a."""
-    from ropekit.bench import peers, workloads
+    from ropekit.tools.bench import peers, workloads
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pipeline.clear()

@@ -1,16 +1,21 @@
 """ropekit: rotary position embedding kernels in Triton, every variant, 64-bit safe.
 
-Public names only; see README.md for shapes, dtypes and examples.
+Public names only; see README.md for shapes, dtypes and examples. The integrations are imported
+when first named: `ropekit.hf`, `ropekit.diffusers`, `ropekit.distributed`, `ropekit.hub`.
+
+Layout: kernels/ (Triton only) <- core/ (the record, checks, plans, launch, doors, CPU path) <-
+api/ (the public ops) <- integrations/ (other libraries, public ops only); tools/ beside them.
 """
 
-from . import hf  # noqa: F401  (ropekit.hf: the Hugging Face drop-ins, imported with the package)
-from .freqs import axial_inv_freq, cos_sin_cache, inv_freq
-from .modules import RotaryEmbedding
-from .ops import apply_rope, rotate_with_angles
-from .packed import positions_from_cu_seqlens
-from .rerotate import rerotate_kv_cache
-from .store import apply_rope_and_store
-from .validate import strict
+import importlib
+
+from .api.modules import RotaryEmbedding
+from .api.ops import apply_rope, rotate_with_angles
+from .api.rerotate import rerotate_kv_cache
+from .api.store import apply_rope_and_store
+from .core.freqs import axial_inv_freq, cos_sin_cache, inv_freq
+from .core.packed import positions_from_cu_seqlens
+from .core.validate import LayoutWarning, strict
 
 __all__ = [
     "apply_rope",
@@ -23,10 +28,22 @@ __all__ = [
     "axial_inv_freq",
     "RotaryEmbedding",
     "strict",
+    "LayoutWarning",
 ]
 __version__ = "0.2.0"
 
+_LAZY = ("hf", "diffusers", "distributed", "hub")
+
+
+def __getattr__(name):
+    """`ropekit.hf` and the other integrations, imported on first use (each imports its host
+    library only when called)."""
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # DTensor sharding rules for the custom ops: registered when torch.distributed.tensor is imported
-from . import distributed as _distributed  # noqa: E402
+from .integrations import distributed as _distributed  # noqa: E402
 
 _distributed.install()

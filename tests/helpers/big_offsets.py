@@ -38,7 +38,7 @@ def big_rows(n_rows, row_shape, dtype=torch.bfloat16, offset=0):
 
 def rope():
     import ropekit
-    from ropekit import reference
+    from ropekit.tools import reference
 
     def check(q, k, pos, cache, **kw):
         rq, rk = reference.apply_rope(q.double().contiguous(), k.double().contiguous(), pos, cache.double(), **kw)
@@ -90,8 +90,9 @@ def control():
 def norm():
     """The q/k RMSNorm path on the same views: forward (out of place, in place), backward, fused store."""
     import ropekit
-    from ropekit import launcher, reference
-    from ropekit.pipeline import Variant
+    from ropekit.core import launcher
+    from ropekit.core.pipeline import Variant
+    from ropekit.tools import reference
 
     def err(out, ref):
         return ((out.double() - ref).norm() / ref.norm()).item()

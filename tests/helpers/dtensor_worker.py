@@ -15,8 +15,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import ropekit  # noqa: E402  (registers the DTensor rules)
+from ropekit.core.pipeline import Variant  # noqa: E402
 from ropekit.distributed import replicate  # noqa: E402
-from ropekit.pipeline import Variant  # noqa: E402
 
 
 def inputs(shape_q, shape_k, max_pos=64, seed=0):

@@ -14,7 +14,7 @@ Cache addressing: a slot s names row (s // block_size, s % block_size) of a page
 cache (num_slots, H, D) is block_size 1 with a zero in-block stride. The slot is widened to int64
 when loaded, so block * stride cannot wrap whatever the cache size (caches of tens of GB pass 2^31
 elements). Slots < 0 (padding) write nothing; slots >= num_slots write nothing either and make the
-token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.store).
+token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.api.store).
 
 fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its scale, saturated to
 the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .rope's

@@ -439,7 +439,7 @@ def packed_lengths(T: int, n: int, seed: int) -> List[int]:
 
 def packed_positions(T: int, n: int, cp_size: int, seed: int, device):
     """(cu_seqlens int32 (n+1,), positions int64 (T,)) for rank 0 of cp_size: built here from the
-    global sequences (chunks 0 and 2*cp_size-1 of each), independently of ropekit.packed."""
+    global sequences (chunks 0 and 2*cp_size-1 of each), independently of ropekit.core.packed."""
     lens = packed_lengths(T, n, seed)
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     pieces = []
@@ -542,7 +542,7 @@ def as_stored(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.
 
 
 def _local_rope64(x, positions, table, interleaved, mrope_section):
-    """Independent float64 RoPE (the bench's own formula), used to cross-check ropekit.reference."""
+    """Independent float64 RoPE (the bench's own formula), used to cross-check ropekit.tools.reference."""
     x = x.to(torch.float64)
     table = table.to(torch.float64)
     R = table.shape[-1]
@@ -570,9 +570,9 @@ def _local_rope64(x, positions, table, interleaved, mrope_section):
 
 @dataclass
 class Oracle:
-    """float64 RoPE: ropekit.reference.apply_rope when it takes float64, else the bench's own.
+    """float64 RoPE: ropekit.tools.reference.apply_rope when it takes float64, else the bench's own.
 
-    Both are computed when ropekit.reference is there; a disagreement is recorded (and printed)
+    Both are computed when ropekit.tools.reference is there; a disagreement is recorded (and printed)
     so a bug in the oracle can't silently mark every implementation wrong or right."""
 
     name: str = ""
@@ -581,7 +581,7 @@ class Oracle:
     def rope(self, x, positions, table, *, interleaved=False, mrope_section=None, label=""):
         local = _local_rope64(x, positions, table, interleaved, mrope_section)
         try:
-            from ropekit import reference
+            from ropekit.tools import reference
 
             ref, _ = reference.apply_rope(
                 x.to(torch.float64),
@@ -593,12 +593,12 @@ class Oracle:
             )
             ref = ref.to(torch.float64)
         except Exception as e:  # not there yet, or no float64: use ours
-            self.name = f"bench-local float64 (ropekit.reference unavailable: {type(e).__name__})"
+            self.name = f"bench-local float64 (ropekit.tools.reference unavailable: {type(e).__name__})"
             return local
-        self.name = "ropekit.reference.apply_rope in float64 (cross-checked with the bench's own)"
+        self.name = "ropekit.tools.reference.apply_rope in float64 (cross-checked with the bench's own)"
         err = rel_err(ref, local)
         if not err <= 1e-9:
-            self.disagreements.append(f"{label}: ropekit.reference vs bench float64 rel err {err:.2e}")
+            self.disagreements.append(f"{label}: ropekit.tools.reference vs bench float64 rel err {err:.2e}")
         return ref
 
 
@@ -762,8 +762,8 @@ def _rerotate_split(inp, cache):
 
 
 def rerotate_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """float64 cache after the call: ropekit.reference on a float64 copy (dequantized for fp8)."""
-    from ropekit import reference
+    """float64 cache after the call: ropekit.tools.reference on a float64 copy (dequantized for fp8)."""
+    from ropekit.tools import reference
 
     fp8 = inp["k_cache"].dtype == _FP8
     cache = inp["k_cache"].to(torch.float64) * (W12_K_SCALE if fp8 else 1.0)
@@ -824,9 +824,9 @@ BY_ID.update({w.id: w for w in WORKLOADS})
 
 
 def _expected_norm(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict[str, torch.Tensor]:
-    """float64 RMSNorm + RoPE (ropekit.reference.rms_norm_rope; its rotation is cross-checked by
+    """float64 RMSNorm + RoPE (ropekit.tools.reference.rms_norm_rope; its rotation is cross-checked by
     the bench's own formula on the normalized inputs), gradients by float64 autograd."""
-    from ropekit import reference
+    from ropekit.tools import reference
 
     d = lambda t: t.detach().to(torch.float64)  # noqa: E731
     pos, tab = inp.get("positions"), inp["cache"]

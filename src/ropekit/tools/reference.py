@@ -1,7 +1,7 @@
 """The oracle: RoPE written for clarity, in plain PyTorch, that the tests compare every path against.
 
 Written to be obviously correct, not fast; nothing in the package runs it (the CPU path users get
-is ropekit.cpu). Every function computes in float32 (float64 when given float64 inputs, which is
+is ropekit.core.cpu). Every function computes in float32 (float64 when given float64 inputs, which is
 how tests use it) and returns tensors in the input dtype.
 
 Conventions shared with the kernels:

@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .freqs import cos_sin_cache, parse_scaling
+from ..core.freqs import cos_sin_cache, parse_scaling
+from ..core.validate import INDEX_DTYPES, fail
 from .ops import apply_rope
 from .store import apply_rope_and_store
-from .validate import INDEX_DTYPES, fail
 
 # families whose checkpoints rotate pairs (2i, 2i+1) rather than halves (i, i + rotary_dim/2);
 # configs with a `rope_interleave` field (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4, ...) say it there

@@ -221,7 +221,7 @@ class Ropekit(Peer):
 class Reference(Ropekit):
     name = "reference"
     label = "ropekit reference (PyTorch)"
-    module = "ropekit.reference"
+    module = "ropekit.tools.reference"
 
 
 # ------------------------------------------------------------------------------------------

@@ -130,10 +130,10 @@ def warps(head_loop: bool, mrope: bool, n_tokens: int, store: bool = False, elem
 
 @contextlib.contextmanager
 def override(**values):
-    """Set knobs for a block: `with ropekit.tuning.override(head_loop=True): ...`."""
+    """Set knobs for a block: `with ropekit.core.tuning.override(head_loop=True): ...`."""
     unknown = [n for n in values if n not in KNOBS]
     if unknown:
-        raise ValueError(f"ropekit.tuning.override: knobs: expected names from {sorted(KNOBS)}, got {unknown}")
+        raise ValueError(f"ropekit.core.tuning.override: knobs: expected names from {sorted(KNOBS)}, got {unknown}")
     before: Dict[str, Optional[object]] = {n: _values.get(n) for n in values}
     had = {n: n in _values for n in values}
     _values.update(values)

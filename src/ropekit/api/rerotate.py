@@ -15,8 +15,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import memo, pipeline, validate
-from .pipeline import CUSTOM_OP, Spec, Variant, tensor_key
+from ..core import memo, pipeline, validate
+from ..core.pipeline import CUSTOM_OP, Spec, Variant, tensor_key
 
 OP = "rerotate_kv_cache"
 

@@ -10,7 +10,7 @@
                (library.py, store.py, each with its fake); eager with grad -> `RotateFunction`;
                eager without grad -> a direct run.
     run        `run_rotate` (store.py's `run` for the fused store): the Triton launch (CUDA tensors,
-               or CPU tensors under TRITON_INTERPRET=1) or ropekit.cpu's PyTorch ops on CPU
+               or CPU tensors under TRITON_INTERPRET=1) or ropekit.core.cpu's PyTorch ops on CPU
                tensors. The backward of every door is the same run with `Variant.backward()` (the
                inverse rotation), or with a norm `run_norm_backward` (the norm's backward kernel).
 
@@ -281,7 +281,7 @@ def _cpu_rotate_scaled(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, s
 
 
 def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
-    """CPU tensors without Triton: ropekit.cpu (per-token angles as given: it broadcasts them),
+    """CPU tensors without Triton: ropekit.core.cpu (per-token angles as given: it broadcasts them),
     with packed positions derived here, and angles from positions x inverse frequencies made here."""
     table = variant.angles != "tokens"
     if variant.angles == "packed":  # a: cu_seqlens

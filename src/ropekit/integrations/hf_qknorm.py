@@ -10,7 +10,7 @@ patch leaves the forwards' code alone and swaps three things per family (one tab
   unchanged while deferred (every other RMSNorm instance, and any call outside the attention, runs
   HF's forward);
 - the module's `apply_rotary_pos_emb`: when both norms were deferred, one fused call
-  (ropekit.ops.rotate_angles with norm weights) normalizes with the modules' own weights, eps and offset,
+  (ropekit.api.ops.rotate_angles with norm weights) normalizes with the modules' own weights, eps and offset,
   then rotates. Otherwise, and when the fused op cannot take the arguments (float64, angles that
   require grad, other layouts), it runs HF's norms in PyTorch, then the function it replaced.
 
@@ -35,7 +35,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import ops
+from ..api import ops
 
 
 class Family(NamedTuple):

@@ -2,7 +2,7 @@
 
 A plan is made once per call signature (pipeline.Spec keeps it); a launch then needs only the
 tensors' addresses (`fire_rotate`, `fire_store`), passed to Triton's compiled launcher directly
-(ropekit.launch). Tile sizes and warps come from ropekit.tuning's table.
+(ropekit.core.launch). Tile sizes and warps come from ropekit.core.tuning's table.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Plan(NamedTuple):
     args: tuple  # the runtime ints, in kernel order after the pointers
     meta: dict  # constexprs and num_warps
     pack_bytes: int  # alignment the packed-pairs path needs of base pointers (0: none)
-    compiled: dict  # ropekit.launch's cache of compiled kernels for this plan
+    compiled: dict  # ropekit.core.launch's cache of compiled kernels for this plan
 
 
 def _pair_bits(*xs) -> int:
@@ -289,13 +289,13 @@ def kernel(name: str):
     rope_norm_backward_kernel), imported once."""
     # imported on first use: Triton loads lazily, and CPU-only calls never need it
     if name == "rope_kernel":
-        from .kernels.rope import rope_kernel as kernel
+        from ..kernels.rope import rope_kernel as kernel
     elif name == "rerotate_kernel":
-        from .kernels.rerotate import rerotate_kernel as kernel
+        from ..kernels.rerotate import rerotate_kernel as kernel
     elif name == "rope_norm_backward_kernel":
-        from .kernels.rope import rope_norm_backward_kernel as kernel
+        from ..kernels.rope import rope_norm_backward_kernel as kernel
     else:
-        from .kernels.store import rope_store_kernel as kernel
+        from ..kernels.store import rope_store_kernel as kernel
     return kernel
 
 

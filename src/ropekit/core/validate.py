@@ -712,7 +712,7 @@ def duplicated_angles(cos, sin):
 
 
 # --- fused store ---
-# Checks of apply_rope_and_store (ropekit.store). Shapes, dtypes, devices and strides are checked
+# Checks of apply_rope_and_store (ropekit.api.store). Shapes, dtypes, devices and strides are checked
 # up front (they work on fake tensors under torch.compile); checks that need data pointers or data
 # (aliasing, and in strict mode slots / positions / scales) run just before the launch.
 
@@ -1071,7 +1071,7 @@ def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
 
 
 # --- re-rotation of cached keys ---
-# Checks of rerotate_kv_cache (ropekit.rerotate). The device is the cache's; messages say so.
+# Checks of rerotate_kv_cache (ropekit.api.rerotate). The device is the cache's; messages say so.
 # As for the store: shapes, dtypes, devices and strides up front (fake tensors under torch.compile),
 # addresses just before the launch, data (slots, shifts, scale) only in strict mode.
 

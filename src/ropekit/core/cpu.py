@@ -21,7 +21,7 @@ for both, a copy out: the one rounding); interleaved pairs rotate as one complex
 are prepared once per call and kept between calls with the same table or cos / sin tensors
 (checked by identity and version counter; a write through `.data` is not seen); large tensors go
 through in blocks of tokens sized for the cache. Scratch memory is per thread and usable inside
-and outside inference mode. ropekit.reference is the float64 oracle this module is tested
+and outside inference mode. ropekit.tools.reference is the float64 oracle this module is tested
 against; nothing here imports it.
 """
 

@@ -4,10 +4,10 @@
 
 Serving engines rotate q and k, then write k and v into the KV cache: two or three launches and a
 round trip of k through memory. Here one kernel rotates q in place and writes rotated k and v
-straight into the cache rows `slot_mapping` names. The call goes through ropekit.pipeline like the
+straight into the cache rows `slot_mapping` names. The call goes through ropekit.core.pipeline like the
 rotation ops (signature -> memoized spec -> door -> run): every keyword (QK-RMSNorm weights, packed
 sequences, M-RoPE, fp8 caches, q_out, write_key) is a field of the spec's Variant or of its launch
-plan, not a second pipeline. CPU tensors without TRITON_INTERPRET=1 run ropekit.cpu with the same
+plan, not a second pipeline. CPU tensors without TRITON_INTERPRET=1 run ropekit.core.cpu with the same
 semantics.
 """
 
@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import cpu, launcher, memo, pipeline, validate
-from .pipeline import CUSTOM_OP, DIRECT, MROPE_CHUNKED, MROPE_INTERLEAVED, Spec, Variant, tensor_key, value_key
+from ..core import cpu, launcher, memo, pipeline, validate
+from ..core.pipeline import CUSTOM_OP, DIRECT, MROPE_CHUNKED, MROPE_INTERLEAVED, Spec, Variant, tensor_key, value_key
 
 OP = "apply_rope_and_store"
 
@@ -186,7 +186,7 @@ def _run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out,
 def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
     """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
     rows (and rotated k back into k with write_key), q and k normalized first with norm. The Triton
-    launch (plan made once per spec), or ropekit.cpu on CPU tensors."""
+    launch (plan made once per spec), or ropekit.core.cpu on CPU tensors."""
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
@@ -212,7 +212,7 @@ def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, 
         return
     variant = spec.variant
     if variant.angles == "packed":  # CPU: the positions the kernel derives, made here
-        from .packed import packed_positions
+        from ..core.packed import packed_positions
 
         a = packed_positions(OP, a, spec.packed[0], spec.packed[1], q.shape[0])
     cpu.store_rows(
@@ -681,7 +681,7 @@ def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q
     """The custom-op door: plain tensors (tables, positions, scales, weights) become replicated
     DTensors like q for a DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     if spec.door is CUSTOM_OP:
-        from .library import dtensor_like as like
+        from ..core.library import dtensor_like as like
 
         wq, wk = (None, None) if norm is None else norm[:2]
         a, table, slot_mapping, ks, vs, qs, wq, wk = like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)

@@ -432,10 +432,10 @@ def _floors(wl, base, say) -> Optional[dict]:
 def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=8, D=128, min_s=0.3) -> dict:
     """ropekit on CPU tensors (its pure-PyTorch path, no interpreter) against Hugging Face's
     apply_rotary_pos_emb in the same process: median (and spread) of single calls, in microseconds.
-    Also ropekit.cpu.rotate alone (the CPU path's rotation, without the op's validation and
+    Also ropekit.core.cpu.rotate alone (the CPU path's rotation, without the op's validation and
     memo). Keys: dtype name -> {impl: stats}."""
     import ropekit
-    from ropekit import cpu
+    from ropekit.core import cpu
 
     try:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
@@ -474,7 +474,7 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
                 cpu.rotate(qs, qo, c, s_)
                 cpu.rotate(ks, ko, c, s_)
 
-            row["ropekit.cpu.rotate"] = timing.stats(
+            row["ropekit.core.cpu.rotate"] = timing.stats(
                 [t * 1e3 for t in timing.cpu_samples(both, min_s=min_s, max_reps=400)]
             )
             out[str(dt).replace("torch.", "")] = row

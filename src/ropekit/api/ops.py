@@ -9,7 +9,7 @@
 
 Every call, whatever its flags (norm, fp8 outputs, inverse, in place, layout, angle source), goes
 one way: a signature key, the memoized spec (validated once per signature: its `Variant` is the
-record of every flag), then one door (`_run`): the custom op of ropekit.library under
+record of every flag), then one door (`_run`): the custom op of ropekit.core.library under
 torch.compile and for tensor subclasses, `pipeline.RotateFunction` when autograd records the call,
 else a direct run of `pipeline.run_rotate`.
 """
@@ -21,9 +21,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import launcher, pipeline, validate
-from .library import ANGLE_NAMES, dtensor_like
-from .pipeline import (
+from ..core import launcher, pipeline, validate
+from ..core.library import ANGLE_NAMES, dtensor_like
+from ..core.pipeline import (
     CUSTOM_OP,
     DIRECT,
     MROPE_CHUNKED,
@@ -35,7 +35,7 @@ from .pipeline import (
     tensor_key,
     value_key,
 )
-from .validate import fail
+from ..core.validate import fail
 
 _MEMO_GET = pipeline.lookup
 Scale = Union[None, float, torch.Tensor]
@@ -248,7 +248,7 @@ def apply_rope(
             device (read in the kernel: no sync, safe in CUDA graphs): the per-tensor scale of
             q's / k's outputs. Given with out_dtype only.
         layout: None or 'thd' / 'bshd' (tokens first, by q's rank), or 'bhsd' (HF's (B, H, S, D)).
-            None warns (ropekit.validate.LayoutWarning, once per call signature) when a 4-D q has
+            None warns (ropekit.core.validate.LayoutWarning, once per call signature) when a 4-D q has
             the strides of HF's (B, H, S, D) view and the positions fit either reading.
 
         inv_freq: instead of cos_sin_cache (pass None there), float32 (rotary_dim // 2,) inverse
@@ -619,7 +619,7 @@ def rotate_angles(
     norm_weight_offset=0.0,
     inplace=False,
 ):
-    """rotate_with_angles with two more options, the seam ropekit.hf and ropekit.hf_qknorm call:
+    """rotate_with_angles with two more options, the seam ropekit.hf and ropekit.integrations.hf_qknorm call:
 
     heads_first: q and k are (B, H, S, D) (Hugging Face's layout, views of (B, S, H, D)
         projections); results come back in that layout, and no view is made per call. None:

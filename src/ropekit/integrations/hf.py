@@ -1,0 +1,677 @@
+"""Hugging Face transformers drop-ins: HF's rotary functions, computed by ropekit's kernel.
+
+Each function takes exactly what the HF modeling code passes and returns what HF returns (same
+shapes, dtypes and semantics), so it can replace HF's function in a modeling module:
+
+    apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
+        Llama, Mistral, Qwen2/3, Qwen2-VL/2.5-VL (5.x), Gemma, Phi-3, GPT-NeoX, Qwen3-Next, ... .
+        Partial rotary as Phi-3 / GPT-NeoX / Qwen3-Next do it: when cos is narrower than the head,
+        the first cos.shape[-1] dims are rotated (half-split) and the rest pass through.
+    glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
+        GLM / GLM-4: pairs (2i, 2i+1) of the first cos.shape[-1] dims, rotated by frequency i.
+    olmo_apply_rotary_pos_emb(...)      OLMo 1/2/3: like Llama, output cast to the input dtypes.
+    cohere_apply_rotary_pos_emb(...)    Cohere 1/2: pairs, cos laid out [f0, f0, f1, f1, ...].
+    apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
+        DeepSeek-V3: reads interleaved pairs, writes the half-split layout.
+    apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1)
+        Qwen2-VL / Qwen2.5-VL in transformers 4.x: cos is (3, B, S, D), sections in frequencies.
+    llama4_apply_rotary_emb(xq, xk, freqs_cis)
+        Llama 4 text: complex freqs_cis (B, S, D/2), q/k (B, S, H, D), pairs (2i, 2i+1).
+
+`patch()` swaps these into transformers' modeling modules; `unpatch()` restores HF's functions.
+
+How a call maps onto ropekit: HF's q/k are (B, H, S, D) views (unsqueeze_dim=1) of projections
+laid out (B, S, H, D); ropekit gets `q.transpose(1, 2)`, a view, and its output is transposed back
+(a view again: for full rotary these are the strides HF's own elementwise math gives; HF's partial
+rotary returns a contiguous cat, a layout no caller relies on). HF's cos/sin are (B, S, D) with
+duplicated halves [f, f] (they are built as `cat(freqs, freqs)`); ropekit reads the view
+`cos[..., :D//2]`, so nothing is copied. The math runs in float32 and is rounded once to the
+output dtype (HF's bf16/fp16 math rounds after every op, so low-precision results differ from HF's
+by HF's own rounding error; in float32 they agree to float32 accuracy).
+
+Autograd: q and k get gradients through ropekit's op (backward = the inverse rotation). ropekit
+treats the angles as constants, so when cos/sin (or freqs_cis) require grad, the call falls back
+to HF's math in PyTorch, as it does for anything the kernel does not take: float64 tensors, dtype
+mixes where HF's type promotion would give a wider output than q, shapes other than the 4-D
+layouts above, a non-unit last stride, or inputs HF itself would reject (the fallback then raises
+HF's error). The fallback is HF's formula written out here, not a call into transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import warnings
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..api import ops
+from ..core import pipeline
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "glm_apply_rotary_pos_emb",
+    "olmo_apply_rotary_pos_emb",
+    "cohere_apply_rotary_pos_emb",
+    "apply_rotary_pos_emb_interleave",
+    "apply_multimodal_rotary_pos_emb",
+    "llama4_apply_rotary_emb",
+    "patch",
+    "unpatch",
+    "patched",
+    "FAMILIES",
+]
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF's math, written out: the fallback for inputs the kernel does not take
+
+
+def _neg_half_swap(x):
+    """[x1, x2] -> [-x2, x1] over the last dim (HF's rotate_half)."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _neg_pair_swap(x):
+    """pairs (a, b) -> (-b, a) over the last dim (GLM's / Cohere's rotate_half)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _rotate_prefix(q, k, cos, sin, swap):
+    """HF's formula on the first cos.shape[-1] dims, the rest passed through (partial rotary)."""
+    r = cos.shape[-1]
+
+    def one(x):
+        xr, xp = x[..., :r], x[..., r:]
+        return torch.cat((xr * cos + swap(xr) * sin, xp), dim=-1)
+
+    return one(q), one(k)
+
+
+def _math_half(q, k, cos, sin, ud):
+    return _rotate_prefix(q, k, cos.unsqueeze(ud), sin.unsqueeze(ud), _neg_half_swap)
+
+
+def _math_glm(q, k, cos, sin, ud):
+    cos, sin = cos.unsqueeze(ud), sin.unsqueeze(ud)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return _rotate_prefix(q, k, cos, sin, _neg_pair_swap)
+
+
+def _math_olmo(q, k, cos, sin, ud):
+    qo, ko = _math_half(q, k, cos, sin, ud)
+    return qo.to(q.dtype), ko.to(k.dtype)
+
+
+def _math_cohere(q, k, cos, sin, ud):
+    dtype = q.dtype
+    cos, sin = cos.unsqueeze(ud), sin.unsqueeze(ud)
+    qf, kf = q.float(), k.float()
+    qo = qf * cos + _neg_pair_swap(qf) * sin
+    ko = kf * cos + _neg_pair_swap(kf) * sin
+    return qo.to(dtype), ko.to(dtype)
+
+
+def _math_deepseek(q, k, cos, sin, ud):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(ud)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(ud)
+
+    def one(x):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return one(q), one(k)
+
+
+def _mrope_select(t, mrope_section):
+    """(3, ..., D) -> (..., D): chunk j of the doubled sections comes from row j % 3."""
+    chunks = t.split(list(mrope_section) * 2, dim=-1)
+    return torch.cat([c[j % 3] for j, c in enumerate(chunks)], dim=-1)
+
+
+def _math_mrope(q, k, cos, sin, mrope_section, ud):
+    cos = _mrope_select(cos, mrope_section).unsqueeze(ud)
+    sin = _mrope_select(sin, mrope_section).unsqueeze(ud)
+    return q * cos + _neg_half_swap(q) * sin, k * cos + _neg_half_swap(k) * sin
+
+
+def _math_llama4(xq, xk, freqs_cis):
+    f = freqs_cis[:, :, None, :]
+
+    def one(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+    return one(xq), one(xk)
+
+
+# ---------------------------------------------------------------------------------------------
+# when the kernel applies, and how HF's layouts map onto it
+
+
+def _unsqueeze_dim(position_ids, unsqueeze_dim):
+    # transformers 5.x dropped position_ids from the signature: a 5th positional int is unsqueeze_dim
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
+        return position_ids
+    return unsqueeze_dim
+
+
+def _heads_dim(unsqueeze_dim, table_token_rank=3):
+    """Where HF's unsqueeze puts the head dim of q for a (*, B, S, D) table: 1 or 2, else None."""
+    if not isinstance(unsqueeze_dim, int) or isinstance(unsqueeze_dim, bool):
+        return None
+    ud = unsqueeze_dim + table_token_rank + 1 if unsqueeze_dim < 0 else unsqueeze_dim
+    return ud if ud in (1, 2) else None
+
+
+def _fits(shape, target) -> bool:
+    """shape broadcasts to target without growing it."""
+    return len(shape) == len(target) and all(s == t or s == 1 for s, t in zip(shape, target))
+
+
+def _kernel_takes(q, k, tables, *, promote_to_q: bool) -> bool:
+    """Dtype / device / stride / grad conditions under which ropekit's kernel reproduces HF."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or q.dtype not in _KERNEL_DTYPES or k.dtype not in _KERNEL_DTYPES:
+        return False
+    t0 = tables[0]
+    for t in tables:
+        if not isinstance(t, torch.Tensor) or t.dtype != t0.dtype or t.shape != t0.shape:
+            return False
+        if t.device != q.device:
+            return False
+        if t.requires_grad and torch.is_grad_enabled():
+            return False  # ropekit treats angles as constants: HF's math
+    if t0.dtype not in _KERNEL_DTYPES or k.device != q.device:
+        return False
+    if promote_to_q and (
+        torch.promote_types(q.dtype, t0.dtype) != q.dtype or torch.promote_types(k.dtype, t0.dtype) != k.dtype
+    ):
+        return False  # HF's result would be wider than q: keep HF's dtype
+    for x in (q, k):
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            return False
+    return True
+
+
+def _tokens_first(x, hd):
+    return x.transpose(1, 2) if hd == 1 else x
+
+
+def _rotate_hf_layout(q, k, cos, sin, hd, *, interleaved, out_interleaved=None, mrope_section=None, columns=None):
+    """Rotate HF-layout q/k with ropekit: cos/sin are (…, B, S, ·) tables of which the first
+    `columns` columns (None: all) hold the rotary_dim // 2 frequencies."""
+    return ops.rotate_angles(
+        q,
+        k,
+        cos,
+        sin,
+        interleaved=interleaved,
+        out_interleaved=interleaved if out_interleaved is None else out_interleaved,
+        mrope_section=mrope_section,
+        heads_first=hd == 1,
+        columns=columns,
+    )
+
+
+def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
+    """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None;
+    remembered per call signature in ropekit's memo in eager mode (a training step asks once per layer)."""
+    decide = functools.partial(
+        _decide_plain_plan, q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q, need_full=need_full
+    )
+    if torch.compiler.is_compiling():
+        return decide()
+    try:
+        key = (
+            "hf plan",
+            torch.is_grad_enabled(),
+            pipeline.tensor_key(q),
+            pipeline.tensor_key(k),
+            pipeline.tensor_key(cos),
+            pipeline.tensor_key(sin),
+            unsqueeze_dim,
+            promote_to_q,
+            need_full,
+        )
+        plan = pipeline.lookup(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: decide afresh
+        return decide()
+    if plan is None:
+        plan = pipeline.remember(key, decide() or False)
+    return plan or None
+
+
+def _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full):
+    if not _kernel_takes(q, k, (cos, sin), promote_to_q=promote_to_q) or cos.dim() != 3:
+        return None
+    hd = _heads_dim(unsqueeze_dim)
+    if hd is None:
+        return None
+    qt, kt = _tokens_first(q, hd), _tokens_first(k, hd)
+    tokens = tuple(qt.shape[:2])
+    if tuple(kt.shape[:2]) != tokens or not _fits(tuple(cos.shape[:2]), tokens):
+        return None
+    r = cos.shape[-1]
+    if r < 2 or r % 2 or r > q.shape[-1] or r > k.shape[-1]:
+        return None
+    if need_full and not (q.shape[-1] == r and k.shape[-1] == r):
+        return None
+    return hd, r
+
+
+def _rotate_halves_table(q, k, cos, sin, ud, *, promote_to_q, need_full, interleaved, out_interleaved, math):
+    """The drop-ins that rotate by cos[..., :R/2] / sin[..., :R/2] of HF's (B or 1, S, R) tables:
+    HF's own math when the kernel cannot reproduce it, else ropekit (the tables passed unsliced)."""
+    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
+    if plan is None:
+        return math(q, k, cos, sin, ud)
+    hd, r = plan
+    return _rotate_hf_layout(
+        q, k, cos, sin, hd, interleaved=interleaved, out_interleaved=out_interleaved, columns=r // 2
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the drop-ins
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF's Llama-family `apply_rotary_pos_emb`, partial rotary included (Phi-3, GPT-NeoX, ...).
+
+    q: (B, Hq, S, D), k: (B, Hk, S, Dk) (unsqueeze_dim=1) or (B, S, H, D) (unsqueeze_dim=2), any
+    strides with a unit last stride; cos, sin: (B or 1, S, R) with halves [f, f], R <= D even.
+    Rotates dims [0, R) half-split by frequencies cos[..., :R//2], passes dims [R, D) through.
+    position_ids is ignored (as in transformers 4.x; 5.x removed it). Returns (q_embed, k_embed).
+    """
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=True,
+        need_full=False,
+        interleaved=False,
+        out_interleaved=False,
+        math=_math_half,
+    )
+
+
+def olmo_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF's OLMo / OLMo-2 / OLMo-3 `apply_rotary_pos_emb`: Llama's, outputs cast to q's / k's dtype
+    (OLMo-2 passes float32 cos/sin with bf16 q/k)."""
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=False,
+        need_full=True,
+        interleaved=False,
+        out_interleaved=False,
+        math=_math_olmo,
+    )
+
+
+def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF's GLM / GLM-4 `apply_rotary_pos_emb`: interleaved partial rotary.
+
+    cos, sin: (B or 1, S, R) halves [f, f] (only the first half is read, as HF does). Pairs
+    (2i, 2i+1) of dims [0, R) are rotated by frequency i; dims [R, D) pass through.
+    """
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=True,
+        need_full=False,
+        interleaved=True,
+        out_interleaved=True,
+        math=_math_glm,
+    )
+
+
+def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF's Cohere / Cohere2 `apply_rotary_pos_emb`: pairs (2i, 2i+1) over the whole head, with
+    cos/sin laid out [f0, f0, f1, f1, ...] (read through the stride-2 view cos[..., 0::2]);
+    math in float32, outputs in q's dtype."""
+    ud = _unsqueeze_dim(position_ids, unsqueeze_dim)
+    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=False, need_full=True)
+    if plan is None or k.dtype != q.dtype:
+        return _math_cohere(q, k, cos, sin, ud)
+    hd, _ = plan
+    half = cos.shape[-1] // 2  # the stride-2 views hold every frequency once: read them all
+    return _rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
+
+
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF's DeepSeek-V3 `apply_rotary_pos_emb_interleave`.
+
+    q, k: (B, H, S, R) rope parts (MLA: slices of wider heads are fine); cos, sin: (B or 1, S, R)
+    halves [f, f]. Pairs (2i, 2i+1) of the input are rotated by frequency i and written half-split:
+    out[..., i] and out[..., i + R/2].
+    """
+    return _rotate_halves_table(
+        q,
+        k,
+        cos,
+        sin,
+        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        promote_to_q=True,
+        need_full=True,
+        interleaved=True,
+        out_interleaved=False,
+        math=_math_deepseek,
+    )
+
+
+def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """HF 4.x Qwen2-VL / Qwen2.5-VL `apply_multimodal_rotary_pos_emb`.
+
+    cos, sin: (3, B or 1, S, D) rows for temporal / height / width positions, halves [f, f];
+    mrope_section: (t, h, w) frequencies per row, t + h + w = D // 2. Frequencies [0, t) take row 0,
+    [t, t+h) row 1, the rest row 2; the rotation itself is Llama's over the whole head.
+    (transformers 5.x merges the sections inside the rotary embedding and calls the plain
+    `apply_rotary_pos_emb`; both are supported.)
+    """
+    ok = _kernel_takes(q, k, (cos, sin), promote_to_q=True) and cos.dim() == 4 and cos.shape[0] == 3
+    hd = _heads_dim(unsqueeze_dim) if ok else None
+    sections = None
+    if hd is not None:
+        try:
+            sections = tuple(int(s) for s in mrope_section)
+        except TypeError:
+            sections = None
+    if sections is not None:
+        r = cos.shape[-1]
+        qt, kt = _tokens_first(q, hd), _tokens_first(k, hd)
+        tokens = tuple(qt.shape[:2])
+        if not (
+            len(sections) == 3
+            and min(sections) >= 0
+            and r % 2 == 0
+            and sum(sections) == r // 2
+            and q.shape[-1] == r
+            and k.shape[-1] == r
+            and tuple(kt.shape[:2]) == tokens
+            and _fits(tuple(cos.shape[1:3]), tokens)
+        ):
+            sections = None
+    if sections is None:
+        return _math_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim)
+    half = cos.shape[-1] // 2
+    return _rotate_hf_layout(q, k, cos, sin, hd, interleaved=False, mrope_section=sections, columns=half)
+
+
+def llama4_apply_rotary_emb(xq, xk, freqs_cis):
+    """HF's Llama 4 (text) `apply_rotary_emb`.
+
+    xq: (B, S, Hq, D), xk: (B, S, Hk, D); freqs_cis: complex64 (B or 1, S, D/2). Pairs (2i, 2i+1)
+    are multiplied by freqs_cis[..., i]; math in float32, outputs in the input dtypes. cos and sin
+    are the real and imaginary parts, read in place through `view_as_real` (column stride 2).
+    """
+    ok = (
+        isinstance(freqs_cis, torch.Tensor)
+        and freqs_cis.dtype == torch.complex64
+        and freqs_cis.dim() == 3
+        and isinstance(xq, torch.Tensor)
+        and isinstance(xk, torch.Tensor)
+        and xq.dim() == 4
+        and xk.dim() == 4
+    )
+    if ok:
+        fr = torch.view_as_real(freqs_cis.resolve_conj())
+        cos, sin = fr[..., 0], fr[..., 1]
+        tokens = tuple(xq.shape[:2])
+        ok = (
+            _kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
+            and tuple(xk.shape[:2]) == tokens
+            and _fits(tuple(freqs_cis.shape[:2]), tokens)
+            and xq.shape[-1] == 2 * freqs_cis.shape[-1]
+            and xk.shape[-1] == 2 * freqs_cis.shape[-1]
+        )
+    if not ok:
+        return _math_llama4(xq, xk, freqs_cis)
+    return ops.rotate_angles(xq, xk, cos, sin, interleaved=True, columns=cos.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# patching transformers' modeling modules
+
+_LLAMA = {"apply_rotary_pos_emb": apply_rotary_pos_emb}
+_QWEN_VL = {
+    "apply_rotary_pos_emb": apply_rotary_pos_emb,
+    "apply_multimodal_rotary_pos_emb": apply_multimodal_rotary_pos_emb,
+}  # 4.x has the latter
+
+# family (transformers.models.<family>.modeling_<family>) -> {module attribute: ropekit drop-in}.
+# Each entry was checked against that family's HF function (tests/test_hf.py compares every one).
+FAMILIES: Dict[str, Dict[str, object]] = {
+    # Llama's rotate_half formula (full, or partial by the width of cos)
+    **{
+        name: _LLAMA
+        for name in (
+            "llama",
+            "mistral",
+            "mixtral",
+            "ministral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "qwen3_next",
+            "qwen3_vl",
+            "qwen3_vl_moe",
+            "phi3",
+            "phi",
+            "gpt_neox",
+            "stablelm",
+            "persimmon",
+            "gemma",
+            "gemma2",
+            "gemma3",
+            "granite",
+            "granitemoe",
+            "starcoder2",
+            "smollm3",
+            "glm4_moe",
+        )
+    },
+    "qwen2_vl": _QWEN_VL,
+    "qwen2_5_vl": _QWEN_VL,
+    "deepseek_v3": {
+        "apply_rotary_pos_emb": apply_rotary_pos_emb,
+        "apply_rotary_pos_emb_interleave": apply_rotary_pos_emb_interleave,
+    },
+    "glm": {"apply_rotary_pos_emb": glm_apply_rotary_pos_emb},
+    "glm4": {"apply_rotary_pos_emb": glm_apply_rotary_pos_emb},
+    "olmo": {"apply_rotary_pos_emb": olmo_apply_rotary_pos_emb},
+    "olmo2": {"apply_rotary_pos_emb": olmo_apply_rotary_pos_emb},
+    "olmo3": {"apply_rotary_pos_emb": olmo_apply_rotary_pos_emb},
+    "cohere": {"apply_rotary_pos_emb": cohere_apply_rotary_pos_emb},
+    "cohere2": {"apply_rotary_pos_emb": cohere_apply_rotary_pos_emb},
+    "llama4": {"apply_rotary_emb": llama4_apply_rotary_emb},
+}
+
+# (module name, attribute) -> HF's original object, recorded the first time it is replaced
+_ORIGINALS: Dict[Tuple[str, str], object] = {}
+
+
+def _module_name(family: str) -> str:
+    return f"transformers.models.{family}.modeling_{family}"
+
+
+def _families_of_model(model) -> List[str]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"ropekit.hf.patch: model: expected a torch.nn.Module (a transformers model) or None, "
+            f"got {type(model).__name__}"
+        )
+    found = []
+    for m in model.modules():
+        parts = type(m).__module__.split(".")
+        if (
+            len(parts) >= 4
+            and parts[:2] == ["transformers", "models"]
+            and parts[2] in FAMILIES
+            and parts[2] not in found
+        ):
+            found.append(parts[2])
+    return found
+
+
+def _check_families(families) -> List[str]:
+    if isinstance(families, str):
+        families = [families]
+    families = list(families)
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"ropekit.hf.patch: families: expected names from {sorted(FAMILIES)}, got unknown {unknown}")
+    return families
+
+
+def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
+    """Swap HF's rotary functions for ropekit's in transformers' modeling modules.
+
+    model=None, families=None: every supported family whose module the installed transformers has.
+    families: only these (a name not in `FAMILIES` raises ValueError; a named family that the
+    installed transformers lacks raises ImportError). model: the families whose modules the
+    model's submodules come from (intersected with `families` when both are given).
+
+    Patching replaces module attributes (`modeling_llama.apply_rotary_pos_emb = ...`): the attention
+    forwards look these names up as globals at call time, so models already built are affected
+    too. Returns {family: [patched attribute names]}. `unpatch()` restores HF's functions.
+
+    fuse_qk_norm: also fuse q/k RMSNorm into the rotation for Qwen3, Qwen3-MoE, Gemma 3 and OLMo 2
+    (their attention then normalizes and rotates in one launch with its own norm weights; see
+    ropekit.integrations.hf_qknorm). With a model or families, a family without q/k norm is not silently
+    skipped: ValueError when none of them has one (nothing patched), a warning naming those
+    without when some have. Without both, it fuses every family that can be.
+    """
+    explicit = families is not None
+    names = _check_families(families) if explicit else list(FAMILIES)
+    if model is not None:
+        in_model = _families_of_model(model)
+        if not in_model:
+            kinds = sorted({type(m).__module__ for m in model.modules()})[:8]
+            raise ValueError(
+                f"ropekit.hf.patch: model: expected a transformers model of a supported "
+                f"family {sorted(FAMILIES)}, got modules from {kinds}"
+            )
+        names = [f for f in in_model if f in names]
+    if fuse_qk_norm and (explicit or model is not None):
+        _check_fusable(names)
+    if fuse_qk_norm:
+        from . import hf_qknorm
+
+        hf_qknorm.unpatch(names)  # re-applied below, around the functions swapped now
+    done: Dict[str, List[str]] = {}
+    for family in names:
+        mod_name = _module_name(family)
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            if explicit:
+                raise ImportError(
+                    f"ropekit.hf.patch: family {family!r}: the installed transformers has no {mod_name} ({e})"
+                ) from e
+            continue
+        attrs = []
+        for attr, fn in FAMILIES[family].items():
+            if not hasattr(module, attr):
+                continue  # 4.x / 5.x differences (e.g. multimodal variant)
+            _ORIGINALS.setdefault((mod_name, attr), getattr(module, attr))
+            setattr(module, attr, fn)
+            attrs.append(attr)
+        if attrs:
+            done[family] = attrs
+    if fuse_qk_norm:
+        for family, swapped in hf_qknorm.patch(list(done)).items():
+            _add_names(done, family, swapped)
+    return done
+
+
+def _add_names(report: Dict[str, List[str]], family: str, names) -> None:
+    """Append names to report[family], each once (the fusion swaps the rotary function again)."""
+    listed = report.setdefault(family, [])
+    listed.extend(n for n in names if n not in listed)
+
+
+def _check_fusable(names) -> None:
+    """fuse_qk_norm asked for named families or a model: refuse when none of them has q/k norm,
+    warn naming those that have none."""
+    from . import hf_qknorm
+
+    without = [f for f in names if f not in hf_qknorm.FAMILIES]
+    if names and len(without) == len(names):
+        raise ValueError(
+            f"ropekit.hf.patch: fuse_qk_norm: expected families with q/k RMSNorm "
+            f"({', '.join(sorted(hf_qknorm.FAMILIES))}), got {without} (no q/k norm to fuse: "
+            "patch without fuse_qk_norm)"
+        )
+    if without:
+        warnings.warn(
+            f"ropekit.hf.patch: fuse_qk_norm: {without} have no q/k RMSNorm; only their rotary functions are patched",
+            stacklevel=3,
+        )
+
+
+def _ropekit_now(mod_name: str, attr: str) -> bool:
+    """Is module attribute `attr` (not Class.forward) one of ropekit's drop-ins right now?"""
+    if "." in attr:
+        return False
+    family = mod_name.split(".")[2]
+    current = getattr(importlib.import_module(mod_name), attr, None)
+    return current is not None and current is FAMILIES.get(family, {}).get(attr)
+
+
+def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
+    """Restore HF's functions replaced by `patch()` (all of them, or those of `families`).
+    Returns {family: [names that are HF's again]}, each name once. fuse_qk_norm=True undoes only
+    the q/k norm fusion: HF's norm and attention forwards come back, the rotary function stays
+    ropekit's (unfused) drop-in and is therefore not listed; by default the fusion is undone too,
+    first."""
+    wanted = None if families is None else set(_check_families(families))
+    from . import hf_qknorm
+
+    restored: Dict[str, List[str]] = {}
+    for family, names in hf_qknorm.unpatch(wanted).items():
+        module = _module_name(family)
+        _add_names(restored, family, [n for n in names if not _ropekit_now(module, n)])
+    if fuse_qk_norm:
+        return {family: names for family, names in restored.items() if names}
+    for (mod_name, attr), original in list(_ORIGINALS.items()):
+        family = mod_name.split(".")[2]
+        if wanted is not None and family not in wanted:
+            continue
+        setattr(importlib.import_module(mod_name), attr, original)
+        del _ORIGINALS[(mod_name, attr)]
+        _add_names(restored, family, [attr])
+    return {family: names for family, names in restored.items() if names}
+
+
+@contextlib.contextmanager
+def patched(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False):
+    """`with ropekit.hf.patched(model): ...` patches for the block, then restores what it patched."""
+    from . import hf_qknorm
+
+    before = set(_ORIGINALS)
+    fused_before = set(hf_qknorm.fused_families())
+    done = patch(model, families, fuse_qk_norm=fuse_qk_norm)
+    try:
+        yield done
+    finally:
+        hf_qknorm.unpatch(set(hf_qknorm.fused_families()) - fused_before)
+        for key in [key for key in _ORIGINALS if key not in before]:
+            setattr(importlib.import_module(key[0]), key[1], _ORIGINALS.pop(key))
