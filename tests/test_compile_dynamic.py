@@ -1,0 +1,203 @@
+"""torch.compile with changing shapes: every op under fullgraph=True, in three dynamic modes.
+
+Modes: "auto" (torch's automatic dynamic shapes: the first call specializes, the second shape
+recompiles with symbolic sizes), "dynamic" (`dynamic=True`: symbolic from the first call) and
+"marked" (`torch._dynamo.mark_dynamic` on the token dims of every input). After the warm-up calls
+(two shapes in "auto", one in the others) `torch._dynamo.config.error_on_recompile` is set and two
+more shapes run: a recompile fails the test, as does a graph break (fullgraph=True). Every result,
+and in the "grad" cases every gradient, is compared with the same op run eagerly. The backend is
+aot_eager: Dynamo and AOT autograd trace the checks, the fakes and the backward exactly as Inductor
+would see them (a few Inductor cases are in test_compile.py).
+"""
+
+import pytest
+import torch
+
+import ropekit
+
+from conftest import make_cache
+
+pytest.importorskip("torch._dynamo")
+
+H, HK, D, MAXPOS = 2, 1, 16, 64
+SIZES = (6, 10, 12)  # token counts (none equal to another dim: duck sizing would tie them): warm-up first
+
+
+def _qk(t, *, grad, lead=()):
+    q = torch.randn(*lead, t, H, D, requires_grad=grad)
+    k = torch.randn(*lead, t, HK, D, requires_grad=grad)
+    return q, k
+
+
+# Each case: make(t, grad) -> (args tuple, dims to mark dynamic per arg (None = none)), and fn(*args) -> outputs.
+CACHE = make_cache(MAXPOS, D)
+HALF_CACHE = make_cache(MAXPOS, D // 2)
+W = torch.rand(D) + 0.5
+
+
+def _plain(t, grad):
+    q, k = _qk(t, grad=grad)
+    return (q, k, torch.randint(0, MAXPOS, (t,))), (0, 0, 0)
+
+
+def _batched(t, grad):
+    q, k = _qk(t, grad=grad, lead=(2,))
+    return (q, k, torch.randint(0, MAXPOS, (2, t))), (1, 1, 1)
+
+
+def _mrope(t, grad):
+    q, k = _qk(t, grad=grad)
+    return (q, k, torch.randint(0, MAXPOS, (3, t))), (0, 0, 1)
+
+
+def _packed(t, grad):
+    q, k = _qk(t, grad=grad)
+    return (q, k, torch.tensor([0, t // 2, t], dtype=torch.int32)), (0, 0, None)
+
+
+def _axes(t, grad):
+    q, k = _qk(t, grad=grad)
+    return (q, k, torch.rand(2, t) * 10), (0, 0, 1)
+
+
+def _bhsd(t, grad):
+    q = torch.randn(1, t, H, D).transpose(1, 2).requires_grad_(grad)
+    k = torch.randn(1, t, HK, D).transpose(1, 2).requires_grad_(grad)
+    return (q, k, torch.arange(t)[None]), (2, 2, 1)
+
+
+def _angles(t, grad):
+    q, k = _qk(t, grad=grad)
+    ang = torch.rand(t, D // 2) * 6
+    return (q, k, ang.cos(), ang.sin()), (0, 0, 0, 0)
+
+
+def _cis(t, grad):
+    q, k = _qk(t, grad=grad)
+    return (q, k, torch.polar(torch.ones(t, D // 2), torch.rand(t, D // 2) * 6)), (0, 0, 0)
+
+
+INV_FREQ = ropekit.axial_inv_freq((8, 8))
+
+ROTATIONS = {
+    "plain": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE)),
+    "k_none": (_plain, lambda q, k, p: ropekit.apply_rope(q, None, p, CACHE)),
+    "interleaved_partial": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, HALF_CACHE, interleaved=True, rotary_dim=D // 2),
+    ),
+    "arange": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, None, CACHE)),
+    "batched": (_batched, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE)),
+    "mrope": (_mrope, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, mrope_section=(2, 3, 3))),
+    "inverse": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, inverse=True)),
+    "norm": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, q_norm_weight=W, k_norm_weight=W)),
+    "norm_eps": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, q_norm_weight=W, norm_eps=1e-5, norm_weight_offset=1.0),
+    ),
+    "packed": (_packed, lambda q, k, cu: ropekit.apply_rope(q, k, None, CACHE, cu_seqlens=cu)),
+    "axes": (_axes, lambda q, k, p: ropekit.apply_rope(q, k, p, None, inv_freq=INV_FREQ, axes=(4, 4))),
+    "bhsd": (_bhsd, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, layout="bhsd")),
+    "angles": (_angles, lambda q, k, c, s: ropekit.rotate_with_angles(q, k, c, s)),
+    "freqs_cis": (_cis, lambda q, k, fc: ropekit.rotate_with_angles(q, k, freqs_cis=fc)),
+}
+BLOCKS, BLOCK = 4, 8  # a paged cache of 32 slots
+
+
+def _store(t, grad):
+    q, k = _qk(t, grad=False)
+    v = torch.randn(t, HK, D)
+    k_cache = torch.full((BLOCKS, BLOCK, HK, D), float("nan"))
+    v_cache = torch.full((BLOCKS, BLOCK, HK, D), float("nan"))
+    slots = torch.randperm(BLOCKS * BLOCK)[:t]
+    return (q, k, v, torch.randint(0, MAXPOS, (t,)), k_cache, v_cache, slots), (0, 0, 0, 0, None, None, 0)
+
+
+def _store_fn(q, k, v, p, k_cache, v_cache, slots):
+    ropekit.apply_rope_and_store(q, k, v, p, CACHE, k_cache, v_cache, slots)
+    return q, k_cache, v_cache
+
+
+def _rerotate(t, grad):
+    k_cache = torch.randn(BLOCKS, BLOCK, HK, D)
+    return (k_cache, torch.randperm(BLOCKS * BLOCK)[:t], torch.randint(-MAXPOS + 1, MAXPOS, (t,))), (None, 0, 0)
+
+
+def _rerotate_fn(k_cache, slots, delta):
+    ropekit.rerotate_kv_cache(k_cache, slots, delta, CACHE)
+    return k_cache
+
+
+MODULE = ropekit.RotaryEmbedding(D, D, MAXPOS, 10000.0, True, dtype=torch.float32)
+
+
+def _module(t, grad):
+    q, k = _qk(t, grad=False)
+    return (torch.randint(0, MAXPOS, (t,)), q.flatten(1), k.flatten(1)), (0, 0, 0)
+
+
+NO_GRAD_ONLY = {
+    "fp8": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0),
+    ),
+    "inplace": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, inplace=True)),
+    "store": (_store, _store_fn),
+    "rerotate": (_rerotate, _rerotate_fn),
+    "module": (_module, lambda p, q, k: MODULE(p, q, k)),
+}
+
+
+def _run_compiled(fn, make, mode, grad, compare):
+    torch._dynamo.reset()
+    kwargs = {"dynamic": True} if mode == "dynamic" else {}
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", **kwargs)
+    warm = 2 if mode == "auto" else 1
+    for i, t in enumerate(SIZES):
+        torch.manual_seed(t)
+        args, dims = make(t, grad)
+        eager_args = [a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args]
+        if mode == "marked":
+            for a, d in zip(args, dims):
+                if d is not None:
+                    torch._dynamo.mark_dynamic(a, d)
+        with torch._dynamo.config.patch(error_on_recompile=i >= warm):
+            got = compiled(*args)
+        want = fn(*eager_args)
+        compare(got, want, args, eager_args, grad)
+
+
+def _outputs(x):
+    return [o for o in (x if isinstance(x, (tuple, list)) else (x,)) if isinstance(o, torch.Tensor)]
+
+
+def _compare(got, want, args, eager_args, grad):
+    got, want = _outputs(got), _outputs(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    if grad:
+        ups = [torch.randn(w.shape) for w in want]
+        sum(((g.float() * u).sum() for g, u in zip(got, ups))).backward()
+        sum(((w.float() * u).sum() for w, u in zip(want, ups))).backward()
+        for a, e in zip(args, eager_args):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                torch.testing.assert_close(a.grad, e.grad, rtol=1e-5, atol=1e-5)
+
+
+MODES = ("auto", "dynamic", "marked")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grad", (False, True), ids=("eager", "grad"))
+@pytest.mark.parametrize("case", sorted(ROTATIONS))
+def test_rotation_compiles_over_shapes(case, grad, mode):
+    make, fn = ROTATIONS[case]
+    _run_compiled(fn, make, mode, grad, _compare)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(NO_GRAD_ONLY))
+def test_inference_forms_compile_over_shapes(case, mode):
+    make, fn = NO_GRAD_ONLY[case]
+    _run_compiled(fn, make, mode, False, _compare)
