@@ -27,7 +27,7 @@ LAYERS = (
     (
         "integrations",
         ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
-        + ("integrations.hub", "integrations.torchtitan"),
+        + ("integrations.hub", "integrations.torchtitan.caches", "integrations.torchtitan.overrides"),
     ),
     # the public paths of the integrations (each aliases the module it names)
     ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan")),
@@ -40,7 +40,7 @@ LAYERS = (
     ("entry points", ("selfcheck", "audit", "bench")),  # `python -m ropekit.selfcheck` and the others
 )
 # packages: their __init__ holds a docstring only (the root package, which imports the api, is not ranked)
-PACKAGES = ("kernels", "core", "api", "integrations", "tools")
+PACKAGES = ("kernels", "core", "api", "integrations", "integrations.torchtitan", "tools")
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 # the oracle sits with the tools (tests import it) but imports nothing of ropekit
 LEAVES = ("tools.reference",)
