@@ -27,10 +27,10 @@ LAYERS = (
     (
         "integrations",
         ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
-        + ("integrations.hub",),
+        + ("integrations.hub", "integrations.vllm"),
     ),
     # the public paths of the integrations (each aliases the module it names)
-    ("public paths", ("hf", "diffusers", "distributed", "hub")),
+    ("public paths", ("hf", "diffusers", "distributed", "hub", "vllm")),
     (
         "tools",
         ("tools.reference", "tools.audit", "tools.selfcheck", "tools.bench", "tools.bench.__main__")
