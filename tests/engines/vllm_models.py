@@ -126,13 +126,17 @@ def build(name: str, root: str) -> str:
 
 
 def generate(paths: dict, trace_dir: str) -> dict:
-    """In a child process: tokens and log probabilities per model, or the error that stopped it."""
+    """In a child process: tokens, log probabilities and seconds per model, in order, up to and
+    including the first model that raises (vLLM's in-process state is not reusable after that)."""
+    import time
+
     from vllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, logprobs=0)
     results = {}
     for name, path in paths.items():
         os.environ["ROPEKIT_VLLM_TRACE"] = os.path.join(trace_dir, f"{name}.trace")
+        start = time.monotonic()
         try:
             llm = LLM(
                 model=path,
@@ -142,31 +146,37 @@ def generate(paths: dict, trace_dir: str) -> dict:
                 max_model_len=MAX_MODEL_LEN,
                 distributed_executor_backend="uni",  # the worker in the engine's process
             )
+            built = time.monotonic()
             out = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0]
-            logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, out.token_ids)]
-            results[name] = {"tokens": list(out.token_ids), "logprobs": logprobs}
-            del llm
         except Exception as e:  # reported per model: vLLM CPU cannot run every architecture
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]}
-        import gc
-
-        gc.collect()
+            break
+        logprobs = [step[tok].logprob for step, tok in zip(out.logprobs, out.token_ids)]
+        done = time.monotonic()
+        results[name] = {
+            "tokens": list(out.token_ids),
+            "logprobs": logprobs,
+            "seconds": {"build": round(built - start, 1), "generate": round(done - built, 1)},
+        }
+        del llm
     return results
 
 
 def run_child(plugins: str, paths: dict, trace_dir: str) -> dict:
-    # the engine in the child process itself (one vLLM import per run, not three: CI time); vLLM still
-    # loads its plugins there through its entry points, as in every process it starts
+    """Every model's result, from as many child processes as it takes (one more after each error)."""
+    # the engine in the child process itself (one vLLM import per child, not three: CI time); vLLM
+    # still loads its plugins there through its entry points, as in every process it starts
     env = dict(os.environ, VLLM_PLUGINS=plugins, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("ROPEKIT_VLLM_TRACE", None)
     out = os.path.join(trace_dir, "results.json")
-    subprocess.run(
-        [sys.executable, __file__, "--generate", json.dumps(paths), "--trace-dir", trace_dir, "--out", out],
-        env=env,
-        check=True,
-    )
-    with open(out) as f:
-        return json.load(f)
+    results = {}
+    while len(results) < len(paths):
+        todo = {name: path for name, path in paths.items() if name not in results}
+        cmd = [sys.executable, __file__, "--generate", json.dumps(todo), "--trace-dir", trace_dir, "--out", out]
+        subprocess.run(cmd, env=env, check=True)
+        with open(out) as f:
+            results.update(json.load(f))
+    return results
 
 
 def read_trace(path: str) -> dict:
@@ -219,6 +229,7 @@ def check(names: list) -> dict:
                     problems=problems,
                     tokens=on[name]["tokens"],
                     logprob_gap=gap,
+                    seconds={"on": on[name]["seconds"], "off": off[name]["seconds"]},
                 )
             summary[name] = entry
     return summary

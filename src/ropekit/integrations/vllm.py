@@ -29,8 +29,8 @@ TRACE_ENV = "ROPEKIT_VLLM_TRACE"
 
 # vLLM class -> how its forward maps onto apply_rope. "table": rows of `cos_sin_cache` indexed by
 # positions (+ offsets); "mrope": the same, and (3, T) positions pick sections (Qwen2-VL chunks or
-# Qwen3-VL interleaving, vLLM's `mrope_interleaved`); "longrope": Phi-3's short|long table, the long
-# rows chosen once at construction (vLLM's `use_long_rope`).
+# Qwen3-VL interleaving, vLLM's `mrope_interleaved`; offsets ignored, as vLLM does); "longrope":
+# Phi-3's short|long table, the long rows chosen once at construction (vLLM's `use_long_rope`).
 SERVED = {
     "RotaryEmbedding": "table",
     "LinearScalingRotaryEmbedding": "table",
@@ -99,7 +99,7 @@ def _rotate(module, positions, query, key, table, mrope: bool):
         k,
         positions,
         table,
-        interleaved=not module.is_neox_style,
+        interleaved=not getattr(module, "is_neox_style", True),  # Phi-3's class is neox-only, keeps no flag
         rotary_dim=module.rotary_dim,
         mrope_section=module.mrope_section if mrope else None,
         mrope_interleaved=bool(module.mrope_interleaved) if mrope else False,
@@ -116,9 +116,9 @@ def _forward_table(self, positions, query, key=None, offsets=None):
 
 
 def _forward_mrope(self, positions, query, key=None, offsets=None):
+    # vLLM's MRotaryEmbedding takes `offsets` and does not use them (0.32, every path): neither does
+    # this, so the results stay vLLM's
     _trace("call", self._ropekit_of)
-    if offsets is not None:
-        positions = positions + offsets
     mrope = positions.dim() == 2
     return _rotate(self, positions, query, key, _table(self, "cos_sin_cache", query), mrope=mrope)
 
