@@ -70,11 +70,11 @@ QK_NORM = (
 _report: Optional[Dict[str, object]] = None
 
 
-def _trace(event: str, cls: type) -> None:
-    path = os.environ.get(TRACE_ENV)
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{event} {cls.__name__} {os.getpid()}\n")
+def _trace(module, event: str) -> None:
+    # the path is read at construction: forwards traced by torch.compile see a constant, no I/O when unset
+    if module._ropekit_trace:
+        with open(module._ropekit_trace, "a") as f:
+            f.write(f"{event} {module._ropekit_of.__name__} {os.getpid()}\n")
 
 
 def _table(module: torch.nn.Module, name: str, query: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def _rotate(module, positions, query, key, table, mrope: bool):
 
 
 def _forward_table(self, positions, query, key=None, offsets=None):
-    _trace("call", self._ropekit_of)
+    _trace(self, "call")
     if offsets is not None:
         positions = positions + offsets
     return _rotate(self, positions, query, key, _table(self, "cos_sin_cache", query), mrope=False)
@@ -118,13 +118,13 @@ def _forward_table(self, positions, query, key=None, offsets=None):
 def _forward_mrope(self, positions, query, key=None, offsets=None):
     # vLLM's MRotaryEmbedding takes `offsets` and does not use them (0.32, every path): neither does
     # this, so the results stay vLLM's
-    _trace("call", self._ropekit_of)
+    _trace(self, "call")
     mrope = positions.dim() == 2
     return _rotate(self, positions, query, key, _table(self, "cos_sin_cache", query), mrope=mrope)
 
 
 def _forward_longrope(self, positions, query, key=None, offsets=None):
-    _trace("call", self._ropekit_of)
+    _trace(self, "call")
     if self.use_long_rope:
         positions = positions + self.original_max_position_embeddings
     if offsets is not None:
@@ -137,7 +137,8 @@ _FORWARDS = {"table": _forward_table, "mrope": _forward_mrope, "longrope": _forw
 
 def _init(self, *args, **kwargs):
     self._ropekit_of.__init__(self, *args, **kwargs)
-    _trace("init", self._ropekit_of)
+    self._ropekit_trace = os.environ.get(TRACE_ENV)
+    _trace(self, "init")
 
 
 def replacement(vllm_cls: type, form: str) -> type:
