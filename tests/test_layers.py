@@ -27,10 +27,11 @@ LAYERS = (
     (
         "integrations",
         ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
-        + ("integrations.hub", "integrations.torchtitan.caches", "integrations.torchtitan.overrides"),
+        + ("integrations.hub", "integrations.torchtitan.caches", "integrations.torchtitan.overrides")
+        + ("integrations.vllm",),
     ),
     # the public paths of the integrations (each aliases the module it names)
-    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan")),
+    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")),
     (
         "tools",
         ("tools.reference", "tools.audit", "tools.selfcheck", "tools.bench", "tools.bench.__main__")

@@ -2,7 +2,7 @@
 
 Public names only; see README.md for shapes, dtypes and examples. The integrations are imported
 when first named: `ropekit.hf`, `ropekit.diffusers`, `ropekit.distributed`, `ropekit.hub`,
-`ropekit.torchtitan`.
+`ropekit.torchtitan`, `ropekit.vllm`.
 
 Layout: kernels/ (Triton only) <- core/ (the record, checks, plans, launch, doors, CPU path) <-
 api/ (the public ops) <- integrations/ (other libraries, public ops only); tools/ beside them.
@@ -33,7 +33,7 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_LAZY = ("hf", "diffusers", "distributed", "hub", "torchtitan")
+_LAZY = ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")
 
 
 def __getattr__(name):
