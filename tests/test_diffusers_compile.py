@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import ropekit.diffusers as rd  # noqa: E402
+
 from helpers.diffusers_models import BUILDERS  # noqa: E402
 
 
