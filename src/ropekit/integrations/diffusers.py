@@ -104,7 +104,16 @@ FAMILIES: Dict[str, Family] = {
         {**_JOINT, "norm_added_q": ("rows", "head"), "norm_added_k": ("rows", "head")},
         False,
     ),
-    "wan": Family(_TRANSFORMERS + "transformer_wan", ("WanAttnProcessor",), "rotary_emb", _wan_pairs, _JOINT, True),
+    # Wan 2.x and the models that carry a copy of its processor (same code, their own module)
+    **{
+        name: Family(_TRANSFORMERS + module, (cls,), "rotary_emb", _wan_pairs, _JOINT, True)
+        for name, module, cls in (
+            ("wan", "transformer_wan", "WanAttnProcessor"),
+            ("chronoedit", "transformer_chronoedit", "WanAttnProcessor"),
+            ("skyreels_v2", "transformer_skyreels_v2", "SkyReelsV2AttnProcessor"),
+            ("wan_animate", "transformer_wan_animate", "WanAttnProcessor"),
+        )
+    },
     "hunyuan_video": Family(
         _TRANSFORMERS + "transformer_hunyuan_video",
         ("HunyuanVideoAttnProcessor2_0",),
