@@ -26,7 +26,8 @@ LAYERS = (
     ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
     (
         "integrations",
-        ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
+        ("integrations.rotations", "integrations.seams", "integrations.diffusers_forms")
+        + ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
         + ("integrations.hub", "integrations.torchtitan.caches", "integrations.torchtitan.overrides")
         + ("integrations.vllm",),
     ),
