@@ -29,10 +29,23 @@ def _qk(t, *, grad, lead=()):
     return q, k
 
 
-# Each case: make(t, grad) -> (args tuple, dims to mark dynamic per arg (None = none)), and fn(*args) -> outputs.
-CACHE = make_cache(MAXPOS, D)
-HALF_CACHE = make_cache(MAXPOS, D // 2)
-W = torch.rand(D) + 0.5
+# Each case: make(t, grad) -> (args tuple on the CPU, dims to mark dynamic per arg (None = none)), and
+# fn(*args) -> outputs; fn reads its tables from _on(device) (made once per device, outside the compiled region).
+_TABLES = {}
+
+
+def _on(device):
+    device = torch.device(device)
+    if device not in _TABLES:
+        gen = torch.Generator().manual_seed(0)
+        _TABLES[device] = {
+            "cache": make_cache(MAXPOS, D, device=device),
+            "half_cache": make_cache(MAXPOS, D // 2, device=device),
+            "w": (torch.rand(D, generator=gen) + 0.5).to(device),
+            "inv_freq": ropekit.axial_inv_freq((8, 8), device=device),
+            "module": ropekit.RotaryEmbedding(D, D, MAXPOS, 10000.0, True, dtype=torch.float32, device=device),
+        }
+    return _TABLES[device]
 
 
 def _plain(t, grad):
@@ -77,27 +90,32 @@ def _cis(t, grad):
     return (q, k, torch.polar(torch.ones(t, D // 2), torch.rand(t, D // 2) * 6)), (0, 0, 0)
 
 
-INV_FREQ = ropekit.axial_inv_freq((8, 8))
+def _norm(q, k, p, k_norm=True, **kw):
+    w = _on(q.device)["w"]
+    return ropekit.apply_rope(
+        q, k, p, _on(q.device)["cache"], q_norm_weight=w, k_norm_weight=w if k_norm else None, **kw
+    )
+
 
 ROTATIONS = {
-    "plain": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE)),
-    "k_none": (_plain, lambda q, k, p: ropekit.apply_rope(q, None, p, CACHE)),
+    "plain": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"])),
+    "k_none": (_plain, lambda q, k, p: ropekit.apply_rope(q, None, p, _on(q.device)["cache"])),
     "interleaved_partial": (
         _plain,
-        lambda q, k, p: ropekit.apply_rope(q, k, p, HALF_CACHE, interleaved=True, rotary_dim=D // 2),
+        lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["half_cache"], interleaved=True, rotary_dim=D // 2),
     ),
-    "arange": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, None, CACHE)),
-    "batched": (_batched, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE)),
-    "mrope": (_mrope, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, mrope_section=(2, 3, 3))),
-    "inverse": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, inverse=True)),
-    "norm": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, q_norm_weight=W, k_norm_weight=W)),
+    "arange": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, None, _on(q.device)["cache"])),
+    "batched": (_batched, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"])),
+    "mrope": (_mrope, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], mrope_section=(2, 3, 3))),
+    "inverse": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], inverse=True)),
+    "norm": (_plain, lambda q, k, p: _norm(q, k, p)),
     "norm_eps": (
         _plain,
-        lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, q_norm_weight=W, norm_eps=1e-5, norm_weight_offset=1.0),
+        lambda q, k, p: _norm(q, k, p, k_norm=False, norm_eps=1e-5, norm_weight_offset=1.0),
     ),
-    "packed": (_packed, lambda q, k, cu: ropekit.apply_rope(q, k, None, CACHE, cu_seqlens=cu)),
-    "axes": (_axes, lambda q, k, p: ropekit.apply_rope(q, k, p, None, inv_freq=INV_FREQ, axes=(4, 4))),
-    "bhsd": (_bhsd, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, layout="bhsd")),
+    "packed": (_packed, lambda q, k, cu: ropekit.apply_rope(q, k, None, _on(q.device)["cache"], cu_seqlens=cu)),
+    "axes": (_axes, lambda q, k, p: ropekit.apply_rope(q, k, p, None, inv_freq=_on(q.device)["inv_freq"], axes=(4, 4))),
+    "bhsd": (_bhsd, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], layout="bhsd")),
     "angles": (_angles, lambda q, k, c, s: ropekit.rotate_with_angles(q, k, c, s)),
     "freqs_cis": (_cis, lambda q, k, fc: ropekit.rotate_with_angles(q, k, freqs_cis=fc)),
 }
@@ -114,7 +132,7 @@ def _store(t, grad):
 
 
 def _store_fn(q, k, v, p, k_cache, v_cache, slots):
-    ropekit.apply_rope_and_store(q, k, v, p, CACHE, k_cache, v_cache, slots)
+    ropekit.apply_rope_and_store(q, k, v, p, _on(q.device)["cache"], k_cache, v_cache, slots)
     return q, k_cache, v_cache
 
 
@@ -124,11 +142,8 @@ def _rerotate(t, grad):
 
 
 def _rerotate_fn(k_cache, slots, delta):
-    ropekit.rerotate_kv_cache(k_cache, slots, delta, CACHE)
+    ropekit.rerotate_kv_cache(k_cache, slots, delta, _on(k_cache.device)["cache"])
     return k_cache
-
-
-MODULE = ropekit.RotaryEmbedding(D, D, MAXPOS, 10000.0, True, dtype=torch.float32)
 
 
 def _module(t, grad):
@@ -139,23 +154,33 @@ def _module(t, grad):
 NO_GRAD_ONLY = {
     "fp8": (
         _plain,
-        lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0),
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["cache"], out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0
+        ),
     ),
-    "inplace": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, CACHE, inplace=True)),
+    "inplace": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], inplace=True)),
     "store": (_store, _store_fn),
     "rerotate": (_rerotate, _rerotate_fn),
-    "module": (_module, lambda p, q, k: MODULE(p, q, k)),
+    "module": (_module, lambda p, q, k: _on(q.device)["module"](p, q, k)),
 }
 
 
-def _run_compiled(fn, make, mode, grad, compare):
+def _to(a, device):
+    if not isinstance(a, torch.Tensor):
+        return a
+    return a.detach().to(device).requires_grad_(a.requires_grad)
+
+
+def _run_compiled(fn, make, mode, grad, compare, device="cpu"):
     torch._dynamo.reset()
+    _on(device)
     kwargs = {"dynamic": True} if mode == "dynamic" else {}
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", **kwargs)
     warm = 2 if mode == "auto" else 1
     for i, t in enumerate(SIZES):
         torch.manual_seed(t)
         args, dims = make(t, grad)
+        args = tuple(_to(a, device) for a in args)
         eager_args = [a.detach().clone().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args]
         if mode == "marked":
             for a, d in zip(args, dims):
@@ -177,7 +202,7 @@ def _compare(got, want, args, eager_args, grad):
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5, equal_nan=True)
     if grad:
-        ups = [torch.randn(w.shape) for w in want]
+        ups = [torch.randn(w.shape, device=w.device) for w in want]
         sum(((g.float() * u).sum() for g, u in zip(got, ups))).backward()
         sum(((w.float() * u).sum() for w, u in zip(want, ups))).backward()
         for a, e in zip(args, eager_args):
@@ -191,13 +216,62 @@ MODES = ("auto", "dynamic", "marked")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("grad", (False, True), ids=("eager", "grad"))
 @pytest.mark.parametrize("case", sorted(ROTATIONS))
-def test_rotation_compiles_over_shapes(case, grad, mode):
+def test_rotation_compiles_over_shapes(case, grad, mode, device):
     make, fn = ROTATIONS[case]
-    _run_compiled(fn, make, mode, grad, _compare)
+    _run_compiled(fn, make, mode, grad, _compare, device)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", sorted(NO_GRAD_ONLY))
-def test_inference_forms_compile_over_shapes(case, mode):
+def test_inference_forms_compile_over_shapes(case, mode, device):
     make, fn = NO_GRAD_ONLY[case]
-    _run_compiled(fn, make, mode, False, _compare)
+    _run_compiled(fn, make, mode, False, _compare, device)
+
+
+# --- patched Hugging Face models: the same modes over three sequence lengths ---
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_qwen3():
+    cfg = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=MAXPOS,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fuse", (False, True), ids=("rotation", "fused_qk_norm"))
+def test_patched_hf_model_compiles_over_shapes(mode, fuse, device):
+    from ropekit import hf
+
+    model = _tiny_qwen3().to(device)
+    try:
+        hf.patch(model, fuse_qk_norm=fuse)
+        compiled = torch.compile(
+            lambda ids: model(ids).logits,
+            fullgraph=True,
+            backend="aot_eager",
+            **({"dynamic": True} if mode == "dynamic" else {}),
+        )
+        torch._dynamo.reset()
+        for i, s in enumerate(SIZES):
+            ids = torch.randint(0, 64, (1, s), device=device)
+            if mode == "marked":
+                torch._dynamo.mark_dynamic(ids, 1)
+            with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i >= (2 if mode == "auto" else 1)):
+                got = compiled(ids)
+            with torch.no_grad():
+                want = model(ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        hf.unpatch(fuse_qk_norm=True)
+        hf.unpatch()
