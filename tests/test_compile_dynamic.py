@@ -35,7 +35,7 @@ _TABLES = {}
 
 
 def _on(device):
-    device = torch.device(device)
+    device = torch.empty(0, device=device).device  # "cuda" and "cuda:0" are one key
     if device not in _TABLES:
         gen = torch.Generator().manual_seed(0)
         _TABLES[device] = {
