@@ -26,7 +26,15 @@ LAYERS = (
     ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
     (
         "integrations",
-        ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
+        (
+            "integrations.hf_plan",
+            "integrations.hf_forms",
+            "integrations.hf_census",
+            "integrations.hf",
+            "integrations.hf_qknorm",
+            "integrations.diffusers",
+            "integrations.distributed",
+        )
         + ("integrations.hub",),
     ),
     # the public paths of the integrations (each aliases the module it names)
