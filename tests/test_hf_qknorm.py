@@ -136,34 +136,46 @@ def test_patch_would_notice_a_skipped_norm():
     assert hf_qknorm.fused_families() == []
 
 
-def test_unpatch_fuse_only_keeps_the_rotary_dropin():
+def test_unpatch_fuse_undoes_exactly_what_the_fuse_patch_did():
+    """patch(fuse_qk_norm=True) alone, then unpatch(fuse_qk_norm=True): everything is HF's again.
+    A plain patch before it asked for the rotary function: then that one stays ropekit's."""
     torch.manual_seed(0)
     model = _build("olmo2").float().eval()
     module = importlib.import_module("transformers.models.olmo2.modeling_olmo2")
-    hf.patch(model, fuse_qk_norm=True)
+    hf_function = module.apply_rotary_pos_emb
     try:
-        hf.unpatch(fuse_qk_norm=True)
-        assert hf_qknorm.fused_families() == []
-        assert module.apply_rotary_pos_emb is hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+        hf.patch(model, fuse_qk_norm=True)
+        assert hf.unpatch(fuse_qk_norm=True) == {
+            "olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward", "apply_rotary_pos_emb"]
+        }
+        assert hf_qknorm.fused_families() == [] and module.apply_rotary_pos_emb is hf_function
+        for first, second in ((False, True), (True, False)):  # either order of the two calls
+            hf.patch(model, fuse_qk_norm=first)
+            hf.patch(model, fuse_qk_norm=second)
+            assert hf.unpatch(fuse_qk_norm=True) == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
+            assert hf_qknorm.fused_families() == []
+            assert module.apply_rotary_pos_emb.ropekit_original is hf_function
+            assert hf.unpatch() == {"olmo2": ["apply_rotary_pos_emb"]}
+            assert module.apply_rotary_pos_emb is hf_function
     finally:
         hf.unpatch()
-    assert module.apply_rotary_pos_emb is not hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+    assert module.apply_rotary_pos_emb is hf_function
 
 
 def test_patch_and_unpatch_report_each_name_once_and_truthfully():
-    """patch lists the rotary function once (the fusion swaps it a second time); unpatch with
-    fuse_qk_norm=True lists only what is HF's again: the norm and attention forwards, not the
-    rotary function, which stays ropekit's drop-in; the full unpatch then lists it, once."""
+    """patch lists the rotary function once (the fusion swaps it a second time); patching twice
+    changes nothing; the full unpatch lists each name once."""
     model = _build("olmo2").float().eval()
     module = importlib.import_module("transformers.models.olmo2.modeling_olmo2")
     hf_function = module.apply_rotary_pos_emb
     done = hf.patch(model, fuse_qk_norm=True)
     try:
         assert done == {"olmo2": ["apply_rotary_pos_emb", "Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
-        fusion_undone = hf.unpatch(fuse_qk_norm=True)
-        assert fusion_undone == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
-        assert module.apply_rotary_pos_emb is hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
-        hf.patch(model, fuse_qk_norm=True)
+        assert done.forms == {"olmo2": {"apply_rotary_pos_emb": "olmo"}}
+        fused = module.apply_rotary_pos_emb
+        assert hf.patch(model, fuse_qk_norm=True) == done
+        assert module.apply_rotary_pos_emb is not hf_function and hf_qknorm.fused_families() == ["olmo2"]
+        assert fused.__name__ == "apply_rotary_pos_emb"
     finally:
         restored = hf.unpatch()
     assert restored == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward", "apply_rotary_pos_emb"]}

@@ -46,7 +46,6 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..api import ops
 from . import hf_census, hf_forms, hf_plan
 
 __all__ = [
@@ -302,29 +301,8 @@ def llama4_apply_rotary_emb(xq, xk, freqs_cis):
     are multiplied by freqs_cis[..., i]; math in float32, outputs in the input dtypes. cos and sin
     are the real and imaginary parts, read in place through `view_as_real` (column stride 2).
     """
-    ok = (
-        isinstance(freqs_cis, torch.Tensor)
-        and freqs_cis.dtype == torch.complex64
-        and freqs_cis.dim() == 3
-        and isinstance(xq, torch.Tensor)
-        and isinstance(xk, torch.Tensor)
-        and xq.dim() == 4
-        and xk.dim() == 4
-    )
-    if ok:
-        fr = torch.view_as_real(freqs_cis.resolve_conj())
-        cos, sin = fr[..., 0], fr[..., 1]
-        tokens = tuple(xq.shape[:2])
-        ok = (
-            hf_plan.kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
-            and tuple(xk.shape[:2]) == tokens
-            and hf_plan.fits(tuple(freqs_cis.shape[:2]), tokens)
-            and xq.shape[-1] == 2 * freqs_cis.shape[-1]
-            and xk.shape[-1] == 2 * freqs_cis.shape[-1]
-        )
-    if not ok:
-        return _math_llama4(xq, xk, freqs_cis)
-    return ops.rotate_angles(xq, xk, cos, sin, interleaved=True, columns=cos.shape[-1])
+    out = hf_forms.run(hf_forms.FORM["llama4"], xq, xk, freqs_cis, None)
+    return _math_llama4(xq, xk, freqs_cis) if out is None else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +445,7 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
     if model is not None:
         _check_model(model)
     found = hf_census.entries(model, wanted)
-    if model is not None and not found:
+    if model is not None and not hf_census.entries(model):
         kinds = sorted({type(m).__module__ for m in model.modules()})[:8]
         raise ValueError(
             f"ropekit.hf.patch: model: expected a transformers model whose modeling module defines a "
@@ -490,14 +468,16 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
     for entry in found:
         module = hf_census.load(entry)
         for name in entry.names:
-            label = _label(entry, name)
-            form = module if isinstance(module, str) else hf_census.verdict(module, name)
+            label, key = _label(entry, name), (entry.module, name)
+            if isinstance(module, str):
+                form = module
+            else:  # HF's function: the one recorded when an earlier call replaced it
+                original = _ORIGINALS.get(key, getattr(module, name, None))
+                form = hf_census.verdict(entry.module, original)
             if isinstance(form, str):
                 report.left.setdefault(entry.family, {})[label] = form
                 continue
-            key = (entry.module, name)
             if key not in _ORIGINALS:
-                original = getattr(module, name)
                 _ORIGINALS[key] = original
                 setattr(module, name, hf_forms.replacement(original, form, hf_forms.signature_of(original)))
                 if fuse_qk_norm:

@@ -110,6 +110,14 @@ def probe_inputs(kind: str, layout: str, index: int):
     p = PROBES[index]
     g = torch.Generator().manual_seed(1234 + index)
     dq, dk, dc = p.dtypes
+    if kind == "complex":  # Llama 4: (B, S, H, D) q / k, complex64 freqs_cis (B or 1, S, D/2)
+        q = torch.randn(p.table_batch, _S, _HQ, _D, generator=g).to(dq)
+        k = torch.randn(p.table_batch, _S, _HK, _D, generator=g).to(dk)
+        angles = (torch.rand(p.table_batch, _S, int(_D * p.width) // 2, generator=g) * 2 - 1) * 3.0
+        freqs_cis = torch.polar(torch.ones_like(angles), angles)
+        if p.grad_angles:
+            freqs_cis.requires_grad_(True)
+        return (q, k, freqs_cis, None, None), None
     if kind == "vision":
         q = torch.randn(_S, _HQ, _D, generator=g).to(dq)
         k = torch.randn(_S, _HK, _D, generator=g).to(dk)
@@ -134,6 +142,8 @@ def probe_inputs(kind: str, layout: str, index: int):
 
 def _call_original(fn, names, args, position_ids):
     q, k, cos, sin, ud = args
+    if hf_forms.SIGNATURES[names] == "complex":
+        return fn(q, k, cos)
     if hf_forms.SIGNATURES[names] == "x":
         return fn(q, cos, sin, ud)
     if hf_forms.SIGNATURES[names] == "vision":
@@ -236,14 +246,12 @@ def classify(fn) -> Union[hf_forms.Form, str]:
     return verdict
 
 
-def verdict(module, name: str) -> Union[hf_forms.Form, str]:
-    """classify(module.name), with the table-layout condition of pair-table forms."""
-    fn = getattr(module, name, None)
+def verdict(module_name: str, fn) -> Union[hf_forms.Form, str]:
+    """classify(fn) for HF function fn of that module, with the table-layout condition of pair-table forms."""
     if not callable(fn):
         return "not a function"
-    fn = getattr(fn, "ropekit_original", fn)
     form = classify(fn)
-    if isinstance(form, hf_forms.Form) and form.table == "pairs" and not builds_pair_tables(module.__name__):
+    if isinstance(form, hf_forms.Form) and form.table == "pairs" and not builds_pair_tables(module_name):
         return f"computes form {form.name!r} for pair tables, but the module does not visibly build pair tables"
     return form
 

@@ -25,7 +25,8 @@ from . import hf_plan
 
 class Form(NamedTuple):
     name: str
-    kind: str  # "qk": (q, k, cos, sin, unsqueeze_dim) 4-D; "x": one tensor; "vision": 3-D (S, H, D), cos (S, D)
+    kind: str  # "qk": (q, k, cos, sin, unsqueeze_dim) 4-D; "x": one tensor; "vision": 3-D (S, H, D), cos (S, D);
+    # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2)
     table: str  # "halves": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
     pairs_in: bool  # the input pairs are (2i, 2i + 1); else (i, i + R/2)
     pairs_out: bool  # the output pairs are (2i, 2i + 1)
@@ -49,6 +50,7 @@ FORMS: Tuple[Form, ...] = (
     Form("narrow", "qk", "narrow", False, False, False, "promote", "half-split, table of R/2 columns (GPT-OSS)"),
     Form("gemma4", "x", "halves", False, False, False, "promote", "half-split, one tensor (Gemma 3n / 4)"),
     Form("vision", "vision", "halves", False, False, False, "own", "half-split vision tokens (S, H, D)"),
+    Form("llama4", "complex", "complex", True, True, False, "own", "pairs times complex freqs_cis (Llama 4)"),
 )
 FORM = {f.name: f for f in FORMS}
 
@@ -58,6 +60,7 @@ SIGNATURES: Dict[Tuple[str, ...], str] = {
     ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"): "qk",
     ("x", "cos", "sin", "unsqueeze_dim"): "x",
     ("q", "k", "cos", "sin"): "vision",
+    ("xq", "xk", "freqs_cis"): "complex",
 }
 
 
@@ -88,11 +91,39 @@ def _vision_takes(q, k, cos, sin) -> bool:
     return not ((cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled())
 
 
+def _complex_plan(xq, xk, freqs_cis):
+    """freqs_cis's real and imaginary parts are cos and sin, read in place (column stride 2)."""
+    ok = (
+        isinstance(freqs_cis, torch.Tensor)
+        and freqs_cis.dtype == torch.complex64
+        and freqs_cis.dim() == 3
+        and isinstance(xq, torch.Tensor)
+        and isinstance(xk, torch.Tensor)
+        and xq.dim() == 4
+        and xk.dim() == 4
+    )
+    if not ok:
+        return None
+    fr = torch.view_as_real(freqs_cis.resolve_conj())
+    cos, sin = fr[..., 0], fr[..., 1]
+    tokens = tuple(xq.shape[:2])
+    ok = (
+        hf_plan.kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
+        and tuple(xk.shape[:2]) == tokens
+        and hf_plan.fits(tuple(freqs_cis.shape[:2]), tokens)
+        and xq.shape[-1] == 2 * freqs_cis.shape[-1]
+        and xk.shape[-1] == 2 * freqs_cis.shape[-1]
+    )
+    return (None, cos.shape[-1], cos, sin) if ok else None
+
+
 def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
     """How the kernel takes this call of the form: (heads dim, columns, cos, sin), or None when it
     does not reproduce HF's result for it."""
     if form.kind == "vision":
         return (None, cos.shape[-1] // 2, cos, sin) if _vision_takes(q, k, cos, sin) else None
+    if form.kind == "complex":
+        return _complex_plan(q, k, cos)
     k_checked = q if form.kind == "x" else k
     if form.dtype == "q" and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dtype != q.dtype:
         return None
@@ -118,6 +149,8 @@ def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
 def execute(form: Form, planned, q, k):
     """Run a planned call: (q_out, k_out), or the output alone for kind "x"."""
     hd, columns, cos, sin = planned
+    if form.kind == "complex":
+        return ops.rotate_angles(q, k, cos, sin, interleaved=True, columns=columns)
     if form.kind == "vision":
         return ops.rotate_angles(q, k, cos, sin, columns=columns)
     out = hf_plan.rotate_hf_layout(
@@ -148,6 +181,12 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Calla
         def fn(x, cos, sin, unsqueeze_dim=1):
             out = run(form, x, None, cos, sin, unsqueeze_dim)
             return original(x, cos, sin, unsqueeze_dim) if out is None else out
+
+    elif kind == "complex":
+
+        def fn(xq, xk, freqs_cis):
+            out = run(form, xq, xk, freqs_cis, None)
+            return original(xq, xk, freqs_cis) if out is None else out
 
     elif kind == "vision":
 
