@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from ropekit import hf  # noqa: E402
 from ropekit.api import ops  # noqa: E402
+from ropekit.integrations import hf_census  # noqa: E402
 
 
 def tols(dtype, device):
@@ -441,7 +442,8 @@ def test_model_parity(name, kernel_calls):
     logits64, grads64 = _forward_backward(model64, ids, extra, up)
 
     module = _module(family)
-    hf_fns = {a: getattr(module, a) for a in hf.FAMILIES[family] if hasattr(module, a)}
+    names = [n for e in hf_census.scan() if e.module == module.__name__ for n in e.names]
+    hf_fns = {a: getattr(module, a) for a in names}
     with hf.patched(model) as done:
         assert family in done
         for attr in done[family]:

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 mru = pytest.importorskip("transformers.modeling_rope_utils")
 
 import ropekit  # noqa: E402
+from ropekit.api.modules import hf_rope_args  # noqa: E402
 from ropekit.core import freqs  # noqa: E402
 
 HEAD, MAX_POS = 16, 64
@@ -66,15 +67,14 @@ def test_tables_match_transformers(rope_type):
     torch.testing.assert_close(ours, hf_inv.float(), rtol=2e-6, atol=0)
     assert af == pytest.approx(hf_af, rel=1e-12)
 
-    # the module from the config: its rows equal HF's cos / sin (halves [f, f]) at the same positions
-    module = ropekit.RotaryEmbedding.from_hf_config(config, max_position=MAX_POS)
-    positions = torch.arange(MAX_POS)[None]
-    x = torch.zeros(1, MAX_POS, HEAD)
-    cos, sin = hf_rope(x, positions)
-    table = module.cos_sin_cache.double()
+    # the table from_hf_config builds (its arguments) against HF's cos / sin (halves [f, f]) at the same positions
+    args = hf_rope_args(config)
+    assert args["rotary_dim"] == HEAD
+    table = ropekit.cos_sin_cache(HEAD, MAX_POS, args["base"], args["rope_scaling"]).double()
+    cos, sin = hf_rope(torch.zeros(1, MAX_POS, HEAD), torch.arange(MAX_POS)[None])
     rows = torch.cat((cos[0, :, : HEAD // 2], sin[0, :, : HEAD // 2]), dim=-1).double()
-    assert table.shape == rows.shape
     torch.testing.assert_close(table, rows, rtol=0, atol=2e-5)
+    assert ropekit.RotaryEmbedding.from_hf_config(config).rotary_dim == HEAD
 
 
 def test_proportional_rotates_only_its_fraction():

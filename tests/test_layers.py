@@ -41,7 +41,7 @@ LAYERS = (
     ("public paths", ("hf", "diffusers", "distributed", "hub")),
     (
         "tools",
-        ("tools.reference", "tools.audit", "tools.selfcheck", "tools.bench", "tools.bench.__main__")
+        ("tools.reference", "tools.audit", "tools.selfcheck", "tools.hf_table", "tools.bench", "tools.bench.__main__")
         + ("tools.bench.peers", "tools.bench.report", "tools.bench.runner", "tools.bench.timing")
         + ("tools.bench.workloads",),
     ),

@@ -391,10 +391,6 @@ def _module_name(family: str) -> str:
     return f"transformers.models.{family}.modeling_{family}"
 
 
-def _label(entry, name: str) -> str:
-    return name if entry.module == _module_name(entry.family) else f"{entry.module.rsplit('.', 1)[1]}.{name}"
-
-
 def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -468,7 +464,7 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
     for entry in found:
         module = hf_census.load(entry)
         for name in entry.names:
-            label, key = _label(entry, name), (entry.module, name)
+            label, key = hf_census.label(entry, name), (entry.module, name)
             if isinstance(module, str):
                 form = module
             else:  # HF's function: the one recorded when an earlier call replaced it

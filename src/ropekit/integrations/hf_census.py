@@ -53,6 +53,13 @@ def _models_dir() -> pathlib.Path:
     return pathlib.Path(transformers.models.__file__).parent
 
 
+def label(entry: Entry, name: str) -> str:
+    """How reports name a function: the attribute, prefixed `modeling_x.` when the module is not the
+    family's main one (modeling_<family>)."""
+    main = entry.module == f"transformers.models.{entry.family}.modeling_{entry.family}"
+    return name if main else f"{entry.module.rsplit('.', 1)[1]}.{name}"
+
+
 @functools.lru_cache(maxsize=None)
 def scan() -> Tuple[Entry, ...]:
     """Every modeling module of the installed transformers with a module-level rotary function

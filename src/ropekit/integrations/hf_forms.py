@@ -38,8 +38,9 @@ class Form(NamedTuple):
 FORMS: Tuple[Form, ...] = (
     Form("llama", "qk", "halves", False, False, False, "promote", "half-split (Llama)"),
     Form("neox", "qk", "halves", False, False, True, "promote", "half-split, partial rotary (GPT-NeoX, Phi-3)"),
-    Form("olmo", "qk", "halves", False, False, False, "own", "half-split, outputs in the inputs' dtypes (OLMo)"),
-    Form("float_q", "qk", "halves", False, False, False, "q", "half-split in float32, outputs in q's dtype (ESM)"),
+    # "own" and "q" agree on every call the kernel takes (it takes q and k of one dtype only): OLMo's
+    # cast to each input's dtype and ESM / ModernBERT's float32 math cast to q's dtype are one form
+    Form("olmo", "qk", "halves", False, False, False, "own", "half-split, outputs in the inputs' dtype (OLMo, ESM)"),
     Form("glm", "qk", "halves", True, True, True, "promote", "pairs, partial rotary (GLM)"),
     Form("pairs", "qk", "halves", True, True, False, "promote", "pairs from a half-split table (Helium)"),
     Form("ernie", "qk", "halves", True, True, False, "q", "pairs from a half-split table, q's dtype (ERNIE 4.5)"),
