@@ -149,3 +149,15 @@ def test_tiny_model_of_each_form_matches_unpatched(form):
     assert got_grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
         assert _rel(got_grads[name], g) <= 1e-5 or (g.abs().max() < 1e-12 and got_grads[name].abs().max() < 1e-12), name
+
+
+def test_docs_table_is_current():
+    """docs/hf.md's families table is what `python -m ropekit.tools.hf_table --write` gives now
+    (checked for the transformers version the table names; another version would list others)."""
+    from ropekit.tools import hf_table
+
+    section = hf_table.current_section(hf_table.DOC.read_text(encoding="utf-8"))
+    assert section is not None, "docs/hf.md has no generated table (run python -m ropekit.tools.hf_table --write)"
+    if f"transformers {transformers.__version__}:" not in section:
+        pytest.skip(f"docs/hf.md's table is for another transformers than {transformers.__version__}")
+    assert section == hf_table.render(), "docs/hf.md is stale: run python -m ropekit.tools.hf_table --write"
