@@ -199,3 +199,42 @@ def test_fuse_qk_norm_on_a_family_without_qk_norm():
     finally:
         hf.unpatch()
     assert module.apply_rotary_pos_emb is hf_function
+
+
+# families fused from what the model shows (hf_qknorm_detect), beyond the rows of hf_qknorm.FAMILIES
+DETECTED = {"exaone4": ("Exaone4Config", "Exaone4ForCausalLM"), "olmo3": ("Olmo3Config", "Olmo3ForCausalLM")}
+
+
+@pytest.mark.parametrize("family", sorted(DETECTED))
+def test_detected_family_fuses_and_matches(family):
+    assert family not in hf_qknorm.FAMILIES
+    torch.manual_seed(0)
+    config_cls, model_cls = DETECTED[family]
+    config = getattr(transformers, config_cls)(**dict(COMMON, head_dim=8))
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config).float()
+    for name, p in model.named_parameters():
+        if "norm" in name:  # norm weights away from their init, so a skipped norm would show
+            p.data.normal_(1.0, 0.5)
+    ids = torch.randint(3, COMMON["vocab_size"], (2, 6))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).logits
+        (out**2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    try:
+        report = hf.patch(model, fuse_qk_norm=True)
+        assert report.unfused == {}
+        assert any(n.endswith("Attention.forward") for n in report[family])
+        with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+            got, got_grads = run()
+        fused = [c for c in spy.call_args_list if c.kwargs.get("q_norm_weight") is not None]
+        assert len(fused) == COMMON["num_hidden_layers"]
+    finally:
+        hf.unpatch()
+    assert _rel(got, want) <= 1e-5
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-5, name

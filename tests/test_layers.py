@@ -32,6 +32,7 @@ LAYERS = (
             "integrations.hf_census",
             "integrations.hf",
             "integrations.hf_qknorm",
+            "integrations.hf_qknorm_detect",
             "integrations.diffusers",
             "integrations.distributed",
         )

@@ -373,7 +373,8 @@ class PatchReport(dict):
     """{family: [names replaced]} (a dict, as before), plus:
 
     left: {family: {name: reason}} for the rotary functions left as HF's;
-    forms: {family: {name: form}} the form (ropekit.integrations.hf_forms.FORMS) each replacement computes.
+    forms: {family: {name: form}} the form (ropekit.integrations.hf_forms.FORMS) each replacement computes;
+    unfused: {family: reason} with fuse_qk_norm=True and a model, the families whose q/k norm is not fused.
     Names are the module attribute, prefixed `modeling_x.` when the family's folder has several modules.
     """
 
@@ -381,6 +382,7 @@ class PatchReport(dict):
         super().__init__()
         self.left: Dict[str, Dict[str, str]] = {}
         self.forms: Dict[str, Dict[str, str]] = {}
+        self.unfused: Dict[str, str] = {}
 
     def __repr__(self):
         left = sum(len(v) for v in self.left.values())
@@ -454,13 +456,27 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
                 f"ropekit.hf.patch: families: the installed transformers has no modeling module for {missing}"
             )
     names = list(dict.fromkeys(e.family for e in found))
-    if fuse_qk_norm and (explicit or model is not None):
-        _check_fusable(names)
     from . import hf_qknorm
+
+    specs: Dict[str, object] = {}
+    unfused: Dict[str, str] = {}
+    if fuse_qk_norm and model is not None:  # beyond the hand-written rows: found in the model, verified
+        from . import hf_qknorm_detect
+
+        for entry in found:
+            if entry.family not in hf_qknorm.FAMILIES and entry.module == _module_name(entry.family):
+                row = hf_qknorm_detect.detect(model, entry.family, entry.module)
+                if isinstance(row, str):
+                    unfused[entry.family] = row
+                else:
+                    specs[entry.family] = row
+    if fuse_qk_norm and (explicit or model is not None):
+        _check_fusable(names, set(hf_qknorm.FAMILIES) | set(specs))
 
     if fuse_qk_norm:
         hf_qknorm.unpatch(names)  # re-applied below, around the functions swapped now
     report = PatchReport()
+    report.unfused.update(unfused)
     for entry in found:
         module = hf_census.load(entry)
         for name in entry.names:
@@ -483,7 +499,7 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
             _add_names(report, entry.family, [label])
             report.forms.setdefault(entry.family, {})[label] = form.name
     if fuse_qk_norm:
-        for family, swapped in hf_qknorm.patch([f for f in names if f in report]).items():
+        for family, swapped in hf_qknorm.patch([f for f in names if f in report], specs).items():
             _add_names(report, family, swapped)
     return report
 
@@ -494,16 +510,14 @@ def _add_names(report: Dict[str, List[str]], family: str, names) -> None:
     listed.extend(n for n in names if n not in listed)
 
 
-def _check_fusable(names) -> None:
+def _check_fusable(names, fusable) -> None:
     """fuse_qk_norm asked for named families or a model: refuse when none of them has q/k norm,
     warn naming those that have none."""
-    from . import hf_qknorm
-
-    without = [f for f in names if f not in hf_qknorm.FAMILIES]
+    without = [f for f in names if f not in fusable]
     if names and len(without) == len(names):
         raise ValueError(
             f"ropekit.hf.patch: fuse_qk_norm: expected families with q/k RMSNorm "
-            f"({', '.join(sorted(hf_qknorm.FAMILIES))}), got {without} (no q/k norm to fuse: "
+            f"({', '.join(sorted(fusable))}), got {without} (no q/k norm to fuse: "
             "patch without fuse_qk_norm)"
         )
     if without:

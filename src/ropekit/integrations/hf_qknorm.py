@@ -169,12 +169,13 @@ def _rope_function(previous, family: Family, norm_cls, original_norm):
     return apply_rotary_pos_emb
 
 
-def patch(families) -> Dict[str, List[str]]:
-    """Fuse q/k norm + RoPE in these families (names of FAMILIES; others are ignored). Families
-    whose module the installed transformers lacks are skipped. Returns {family: [swapped names]}."""
+def patch(families, specs: Optional[Dict[str, Family]] = None) -> Dict[str, List[str]]:
+    """Fuse q/k norm + RoPE in these families (rows of `specs`, found from a model by
+    hf_qknorm_detect, else of FAMILIES; others are ignored). Families whose module the installed
+    transformers lacks are skipped. Returns {family: [swapped names]}."""
     done: Dict[str, List[str]] = {}
     for family in families:
-        spec = FAMILIES.get(family)
+        spec = (specs or {}).get(family) or FAMILIES.get(family)
         if spec is None or any(key[0] == _module_name(family) for key in _ORIGINALS):
             continue
         try:
