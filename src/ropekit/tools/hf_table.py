@@ -69,7 +69,7 @@ def render() -> str:
         "|---|---|",
         *(f"| `{f.name}` | {f.what} |" for f in hf_forms.FORMS),
         "",
-        "| family | replaced (form) | q/k norm fused with `fuse_qk_norm=True` | left as HF's (reason) |",
+        "| family | replaced (form) | q/k norm fused without a model (`fuse_qk_norm=True`) | left as HF's (reason) |",
         "|---|---|---|---|",
     ]
     for family in families:
