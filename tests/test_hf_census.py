@@ -161,3 +161,35 @@ def test_docs_table_is_current():
     if f"transformers {transformers.__version__}:" not in section:
         pytest.skip(f"docs/hf.md's table is for another transformers than {transformers.__version__}")
     assert section == hf_table.render(), "docs/hf.md is stale: run python -m ropekit.tools.hf_table --write"
+
+
+def test_vision_form_in_a_tiny_vision_tower():
+    """The vision form (tokens (S, H, D), float32 math, outputs in the inputs' dtypes): Qwen2-VL's
+    vision transformer, patched vs unpatched, outputs and every parameter gradient."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    config = transformers.Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=1
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    tower = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(config).float()
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = torch.randn(16, 3 * 2 * 2)
+
+    def run():
+        tower.zero_grad(set_to_none=True)
+        out = tower(pixels, grid_thw=grid)
+        out = getattr(out, "pooler_output", None) if not isinstance(out, torch.Tensor) else out
+        (out**2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    report = hf.patch(tower)
+    assert report.forms["qwen2_vl"]["apply_rotary_pos_emb_vision"] == "vision"
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got, got_grads = run()
+    assert spy.call_count == config.depth
+    assert _rel(got, want) <= 1e-5
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-5, name
