@@ -209,7 +209,6 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Calla
 
     fn.__defaults__ = original.__defaults__  # the original's defaults (the names are the same)
     fn.__name__, fn.__qualname__, fn.__doc__ = original.__name__, original.__qualname__, original.__doc__
-    fn.__module__ = original.__module__
     fn.ropekit_form = form.name
     fn.ropekit_original = original
     return fn
