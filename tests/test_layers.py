@@ -26,20 +26,14 @@ LAYERS = (
     ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
     (
         "integrations",
-        (
-            "integrations.hf_plan",
-            "integrations.hf_forms",
-            "integrations.hf_census",
-            "integrations.hf",
-            "integrations.hf_qknorm",
-            "integrations.hf_qknorm_detect",
-            "integrations.diffusers",
-            "integrations.distributed",
-        )
-        + ("integrations.hub",),
+        ("integrations.rotations", "integrations.seams", "integrations.diffusers_forms")
+        + ("integrations.hf_plan", "integrations.hf_forms", "integrations.hf_census", "integrations.hf")
+        + ("integrations.hf_qknorm", "integrations.hf_qknorm_detect", "integrations.diffusers")
+        + ("integrations.distributed", "integrations.hub", "integrations.torchtitan.caches")
+        + ("integrations.torchtitan.overrides", "integrations.vllm"),
     ),
     # the public paths of the integrations (each aliases the module it names)
-    ("public paths", ("hf", "diffusers", "distributed", "hub")),
+    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")),
     (
         "tools",
         ("tools.reference", "tools.audit", "tools.selfcheck", "tools.hf_table", "tools.bench", "tools.bench.__main__")
@@ -49,7 +43,7 @@ LAYERS = (
     ("entry points", ("selfcheck", "audit", "bench")),  # `python -m ropekit.selfcheck` and the others
 )
 # packages: their __init__ holds a docstring only (the root package, which imports the api, is not ranked)
-PACKAGES = ("kernels", "core", "api", "integrations", "tools")
+PACKAGES = ("kernels", "core", "api", "integrations", "integrations.torchtitan", "tools")
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 # the oracle sits with the tools (tests import it) but imports nothing of ropekit
 LEAVES = ("tools.reference",)
@@ -169,5 +163,5 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 def test_packages_hold_no_code():
     for name in PACKAGES:
-        tree = ast.parse((ROOT / name / "__init__.py").read_text())
+        tree = ast.parse(ROOT.joinpath(*name.split("."), "__init__.py").read_text())
         assert all(isinstance(n, ast.Expr) for n in tree.body), f"ropekit.{name}/__init__.py holds code"

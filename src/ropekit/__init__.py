@@ -1,7 +1,8 @@
 """ropekit: rotary position embedding kernels in Triton, every variant, 64-bit safe.
 
 Public names only; see README.md for shapes, dtypes and examples. The integrations are imported
-when first named: `ropekit.hf`, `ropekit.diffusers`, `ropekit.distributed`, `ropekit.hub`.
+when first named: `ropekit.hf`, `ropekit.diffusers`, `ropekit.distributed`, `ropekit.hub`,
+`ropekit.torchtitan`, `ropekit.vllm`.
 
 Layout: kernels/ (Triton only) <- core/ (the record, checks, plans, launch, doors, CPU path) <-
 api/ (the public ops) <- integrations/ (other libraries, public ops only); tools/ beside them.
@@ -32,7 +33,7 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_LAZY = ("hf", "diffusers", "distributed", "hub")
+_LAZY = ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")
 
 
 def __getattr__(name):

@@ -97,13 +97,16 @@ def _no_leaf_written(q, k) -> None:
     """Autograd's in-place rule, checked before the kernel writes (autograd itself would raise only
     after the forward ran): a leaf that requires grad, or a view of one, is never written."""
     for name, x in (("q", q), ("k", k)):
-        if x is not None and x.requires_grad and (x.is_leaf or (x._base is not None and x._base.is_leaf)):
+        if x is None or not x.requires_grad:
+            continue
+        view_of_leaf = not x.is_leaf and x._base is not None and x._base.is_leaf
+        if x.is_leaf or view_of_leaf:
             validate.fail(
                 "apply_rope",
                 name,
                 "a tensor that is not a leaf requiring grad (nor a view of one) when inplace=True under "
                 "autograd: pass a clone, or inplace=False",
-                "a leaf tensor that requires grad",
+                "a view of a leaf tensor that requires grad" if view_of_leaf else "a leaf tensor that requires grad",
             )
 
 
@@ -161,6 +164,8 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
     if spec.inplace and not pipeline.records_grad(q, k, wq, wk, b):
         torch.ops.ropekit.rotate_(q_t, k_t, a, b, wq, wk, codes, spec.rot, packed, norm)
         return q, k
+    if spec.inplace:  # refused by name before the op (the copy_ below would fail inside torch)
+        _no_leaf_written(q, k)
     outs = torch.ops.ropekit.rotate(q_t, k_t, a, b, wq, wk, qs, ks, codes, spec.rot, packed, norm, spec.out_dtype)
     q_out = pipeline.heads_first(outs[0], hf)
     k_out = pipeline.heads_first(outs[1], hf) if k is not None else None

@@ -154,7 +154,7 @@ def positions_from_cu_seqlens(
             ndims=(1,),
             dtypes=validate.INDEX_DTYPES,
             device=cu_seqlens.device,
-            shape_hint=f"({n_seq},)",
+            shape_hint=(n_seq,),
             last_stride_one=False,
         )
         if start_positions.shape[0] != n_seq:

@@ -75,17 +75,22 @@ def tensor(
     ndims: Sequence[int],
     dtypes,
     device=None,
-    shape_hint: str = "",
+    shape_hint="",
     last_stride_one: bool = True,
 ) -> None:
-    """The common checks of one tensor argument: type, rank, dtype, device, unit last stride."""
+    """The common checks of one tensor argument: type, rank, dtype, device, unit last stride.
+
+    shape_hint: a str, a shape (a tuple, formatted when raising) or a function returning a str:
+    never formatted unless the check fails, since under torch.compile with dynamic shapes a
+    shape holds symbolic sizes that only a failing check may turn into text."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in ndims:
+        hint = shape_hint() if callable(shape_hint) else str(shape_hint)
         fail(
             op,
             name,
-            f"a {' or '.join(f'{n}-D' for n in ndims)} tensor {shape_hint}".rstrip(),
+            f"a {' or '.join(f'{n}-D' for n in ndims)} tensor {hint}".rstrip(),
             f"shape {tuple(x.shape)}",
         )
     if x.dtype not in dtypes:
@@ -107,8 +112,18 @@ def has_internal_overlap(x: torch.Tensor) -> bool:
     """True if two elements of x may share memory: a broadcast (stride-0) dim, or dims that do not
     nest (sorted by stride, each stride at least the extent of the dims inside it). With a unit
     last stride this is exact for every layout but exotic interleavings, which it refuses."""
+    # dims by stride, sorted by insertion: torch.compile traces comparisons of symbolic sizes (as
+    # guards) but cannot sort them
+    dims = []
+    for n, st in zip(x.shape, x.stride()):
+        if n > 1:
+            st = st if st >= 0 else -st
+            i = len(dims)
+            while i > 0 and (dims[i - 1][0] > st or (dims[i - 1][0] == st and dims[i - 1][1] > n)):
+                i -= 1
+            dims.insert(i, (st, n))
     reach = 1
-    for st, n in sorted((abs(st), n) for n, st in zip(x.shape, x.stride()) if n > 1):
+    for st, n in dims:
         if st < reach:
             return True
         reach += st * (n - 1)
@@ -160,7 +175,7 @@ def qk_args(op, q, k) -> tuple:
             ndims=(q.dim(),),
             dtypes=FLOAT_DTYPES,
             device=q.device,
-            shape_hint=f"with the token dims of q {token_shape}",
+            shape_hint=lambda: f"with the token dims of q {token_shape}",
         )
         if tuple(k.shape[:-2]) != token_shape:
             hint = heads_first_hint(q, (k.shape[0], k.shape[2])) if k.dim() == 4 else ""
@@ -261,7 +276,7 @@ def rope_args(
             ndims=(len(want),),
             dtypes=INDEX_DTYPES,
             device=device,
-            shape_hint=str(want),
+            shape_hint=want,
             last_stride_one=False,
         )
         shape = tuple(positions.shape)
@@ -355,7 +370,7 @@ def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace) -> t
         ndims=(len(want),),
         dtypes=POSITION_DTYPES,
         device=q.device,
-        shape_hint=str(want),
+        shape_hint=want,
         last_stride_one=False,
     )
     if tuple(positions.shape) != want:
@@ -719,6 +734,8 @@ def duplicated_angles(cos, sin):
 import math  # noqa: E402  (kept in this section so the section stands alone)
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+# Python numbers, and the symbolic ones torch.compile passes for them under dynamic shapes
+NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 _CACHE_HINT = "(num_blocks, block_size, H, D) or (num_slots, H, D)"
 
@@ -798,7 +815,7 @@ def store_args(
         ndims=(q.dim(),),
         dtypes=FLOAT_DTYPES,
         device=device,
-        shape_hint=f"with the token dims of q {token_shape}",
+        shape_hint=lambda: f"with the token dims of q {token_shape}",
         last_stride_one=False,  # only read, through its own last-dim stride
     )
     if tuple(v.shape[:-2]) != token_shape:
@@ -810,7 +827,7 @@ def store_args(
         ndims=(len(token_shape),),
         dtypes=INDEX_DTYPES,
         device=device,
-        shape_hint=str(token_shape),
+        shape_hint=token_shape,
         last_stride_one=False,
     )
     if tuple(slot_mapping.shape) != token_shape:
@@ -1028,7 +1045,7 @@ def store_outputs(op, q, k, q_out, q_scale, write_key):
         ndims=(q.dim(),),
         dtypes=OUT_DTYPES,
         device=q.device,
-        shape_hint=f"of q's shape {tuple(q.shape)}",
+        shape_hint=lambda: f"of q's shape {tuple(q.shape)}",
     )
     if q_out.shape != q.shape:
         fail(op, "q_out", f"shape {tuple(q.shape)} (that of q)", f"shape {tuple(q_out.shape)}")
@@ -1234,7 +1251,9 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
             continue
         if x is None:
             fail(op, name, f"None when {xname} is None", "a tensor")
-        tensor(op, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, device=q.device, shape_hint=f"({xname}'s head size,)")
+        tensor(
+            op, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, device=q.device, shape_hint=lambda: f"({xname}'s head size,)"
+        )
         d, h = x.shape[-1], x.shape[-2]
         if w.shape[0] not in (d, h * d):
             fail(
@@ -1247,9 +1266,11 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
         if inplace and torch.is_grad_enabled() and w.requires_grad:
             fail(op, "inplace", f"False when {name} requires grad (its gradient needs the unnormalized input)", True)
     for name, value in (("norm_eps", norm_eps), ("norm_weight_offset", norm_weight_offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, NUMBERS):
             raise TypeError(f"{op}: {name}: expected a float, got {type(value).__name__}")
-        if not math.isfinite(value):
+        # comparisons, not math.isfinite: they hold for a symbolic float (torch.compile with
+        # dynamic=True turns a module's eps into one) as a guard instead of a value read
+        if not -math.inf < value < math.inf:
             fail(op, name, "a finite float", value)
     if norm_eps < 0:
         fail(op, "norm_eps", "a float >= 0", norm_eps)

@@ -1,25 +1,35 @@
-"""ropekit inside diffusers' image and video transformers: the QK-RMSNorm and the rotary embedding
-of their attention processors become ropekit's fused norm + rotation, forward and backward.
+"""ropekit inside diffusers' transformers: their rotary helpers, and the QK-RMSNorm + rotation of
+the processors that norm q / k right before rotating, become ropekit calls, forward and backward.
 
     ropekit.diffusers.patch(model=None)   model: a diffusers model (or any nn.Module holding its
-                                          attention modules); None patches every model, current
-                                          and future. Returns {family: attention modules prepared}.
-    ropekit.diffusers.unpatch()           undoes every patch (processors and norms as they were)
+                                          attention modules); None: every model, current and
+                                          future. Returns a Report: {family: attention modules
+                                          prepared}, with .helpers {helper: form and conventions
+                                          patched} and .left {helper or module: reason}.
+    ropekit.diffusers.unpatch()           undoes every patch
 
-Families (FAMILIES, those the installed diffusers has): Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image.
-Each processor normalizes q and k (attn.norm_q / norm_k, and norm_added_q / norm_added_k for the
-text stream), then rotates them by the rotary embedding the transformer computed once per forward.
-The seams used are public: the processor class's `__call__` and the norm modules' `forward`.
+Two seams, both public:
 
-- The processor's `__call__` is wrapped: it takes the rotary embedding argument, turns it into
-  per-token (cos, sin) views of rotary_dim // 2 columns (no copy) and hands them to the attention
-  module's norms, then calls the original processor with the embedding set to None, so the
-  processor's own rotation is skipped.
-- Each norm's `forward` becomes RMSNorm + rotation in one ropekit launch
-  (`ropekit.rotate_with_angles(x, None, cos, sin, interleaved=True, q_norm_weight=norm.weight)`),
-  per head ((D,) weights: Flux, HunyuanVideo, Qwen-Image) or across heads ((H * D,): Wan). A norm
-  ropekit cannot fuse (no weight, a bias, another norm type, weights of another dtype) runs as it
-  was and ropekit rotates its output.
+1. The rotary helpers. Every module-level function of diffusers.models.embeddings,
+   .attention_processor and each module of diffusers.models.transformers whose name says it
+   applies a rotation (`apply` and `rot` / `rope`) is run against ropekit on small random inputs
+   of each known form (ropekit.integrations.diffusers_forms) and replaced, in every module that
+   binds it, by one wrapper per helper: the conventions that agreed go to ropekit, any other call
+   to the helper itself. A helper of a later diffusers release is covered when it has a known
+   form; any other is left as it is and named in the report with the reason.
+2. The fused QK-RMSNorm + rotation (FAMILIES: Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image). The
+   processor class's `__call__` is wrapped (its signature kept: diffusers filters keyword arguments
+   by it): it turns the rotary embedding argument into per-token (cos, sin) views, calls the
+   original processor with the embedding set to None, and the attention module's norms, whose
+   class `forward` is one shared replacement, run RMSNorm + rotation in one ropekit launch with
+   the norm's own weight and eps while that call is active. A norm ropekit cannot reproduce
+   exactly (no weight, a bias, weights of another dtype, another norm class) runs as it was and
+   ropekit rotates its output.
+
+torch.compile: nothing Dynamo guards on changes after patch(): the modules patch(model) prepares
+are marked then, patch() marks none (every module of the families is taken), the wrappers and
+the shared norm forward are one object per helper / class (blocks compiled one by one share them),
+and the active call is a module-level stack pushed and popped within the call.
 
 The rotary rows a norm's tokens take are the family's `rows` rule: Flux's image stream holds the
 last rows of the joint [text, image] embedding ("tail") and its text stream the first ("head");
@@ -32,6 +42,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import pkgutil
+import re
 import weakref
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -39,9 +51,11 @@ import torch
 
 from ..api.ops import rotate_with_angles
 from ..core.validate import fail
+from . import seams
+from .diffusers_forms import BY_ARITY
 
 OP = "ropekit.diffusers"
-_ANGLES = "ropekit_angles"  # per attention module: {group: (cos, sin)} during one processor call
+_MARK = "ropekit_fused"  # on an attention module patch(model) prepared: its norms fuse the rotation
 
 
 class Family(NamedTuple):
@@ -90,7 +104,16 @@ FAMILIES: Dict[str, Family] = {
         {**_JOINT, "norm_added_q": ("rows", "head"), "norm_added_k": ("rows", "head")},
         False,
     ),
-    "wan": Family(_TRANSFORMERS + "transformer_wan", ("WanAttnProcessor",), "rotary_emb", _wan_pairs, _JOINT, True),
+    # Wan 2.x and the models that carry a copy of its processor (same code, their own module)
+    **{
+        name: Family(_TRANSFORMERS + module, (cls,), "rotary_emb", _wan_pairs, _JOINT, True)
+        for name, module, cls in (
+            ("wan", "transformer_wan", "WanAttnProcessor"),
+            ("chronoedit", "transformer_chronoedit", "WanAttnProcessor"),
+            ("skyreels_v2", "transformer_skyreels_v2", "SkyReelsV2AttnProcessor"),
+            ("wan_animate", "transformer_wan_animate", "WanAttnProcessor"),
+        )
+    },
     "hunyuan_video": Family(
         _TRANSFORMERS + "transformer_hunyuan_video",
         ("HunyuanVideoAttnProcessor2_0",),
@@ -115,8 +138,20 @@ FAMILIES: Dict[str, Family] = {
 }
 
 _originals: Dict[type, Callable] = {}  # processor class -> its own __call__, while patched
-_prepared: "weakref.WeakSet" = weakref.WeakSet()  # attention modules whose norms are replaced
-_lazy = False  # patch(None): attention modules are prepared on their first call
+_norm_forwards: Dict[type, Callable] = {}  # norm class -> its own forward, while patched
+_prepared: "weakref.WeakSet" = weakref.WeakSet()  # attention modules marked by patch(model)
+_active: list = []  # (attention module, family, {group: (cos, sin)}) of the processor call running
+_swaps = seams.Swaps()
+_lazy = False  # patch(None): every attention module of the families, no marks needed
+
+
+class Report(dict):
+    """{family: attention modules prepared now}; .helpers {helper: 'form conventions'} patched;
+    .left {helper or module: reason} left as they were."""
+
+    def __init__(self, counts, helpers, left):
+        super().__init__(counts)
+        self.helpers, self.left = helpers, left
 
 
 def _processor_classes():
@@ -154,7 +189,7 @@ def _rows(angles, n: int, rule: str):
     fail(OP, "rotary embedding", f"rows for {n} tokens ({rule} rule)", f"{S} rows")
 
 
-def _norm_classes():
+def _rms_classes():
     from diffusers.models.normalization import RMSNorm
 
     return (torch.nn.RMSNorm, RMSNorm)
@@ -166,7 +201,7 @@ def _fusable(norm, x) -> Optional[torch.Tensor]:
     w = getattr(norm, "weight", None)
     if w is None or getattr(norm, "bias", None) is not None or w.dtype != x.dtype or w.dim() != 1:
         return None
-    if not isinstance(norm, _norm_classes()) or w.shape[0] != x.shape[-1]:
+    if not isinstance(norm, _rms_classes()) or w.shape[0] != x.shape[-1]:
         return None
     return w
 
@@ -176,41 +211,49 @@ def _eps(norm, x) -> float:
     return torch.finfo(x.dtype).eps if eps is None else float(eps)
 
 
-def _norm_rope(norm, original, angles, group, rule, heads, x):
-    """The replaced norm forward: RMSNorm and rotation of x (B, S, H, D), or (B, S, H * D) with
-    heads = H; the original norm alone when no rotary embedding is being applied."""
-    a = angles.get(group)
-    if a is None:
-        return original(x)
-    cos, sin = _rows(a, x.shape[1], rule)
-    w = _fusable(norm, x)
-    y = x if w is not None else original(x)
-    y4 = y.unflatten(-1, (heads, -1)) if heads else y
-    out, _ = rotate_with_angles(y4, None, cos, sin, interleaved=True, q_norm_weight=w, norm_eps=_eps(norm, x))
-    return out.flatten(-2) if heads else out
+def _own_forward(norm):
+    for cls in type(norm).__mro__:
+        if cls in _norm_forwards:
+            return _norm_forwards[cls]
+    return type(norm).forward
 
 
-def _prepare(attn, family: Family) -> None:
-    """Replace the attention module's norms' forwards (once) and give it its angles dict."""
-    if _ANGLES in attn.__dict__:
-        return
-    angles: dict = {}
+def _norm_forward(self, x):
+    """The shared forward of every patched norm class: RMSNorm and rotation of x (B, S, H, D), or
+    (B, S, H * D) across heads, while a patched processor call of its attention module is active;
+    the class's own forward otherwise."""
+    own = _own_forward(self)
+    if not _active:
+        return own(self, x)
+    attn, family, angles = _active[-1]
     for name, (group, rule) in family.norms.items():
-        norm = getattr(attn, name, None)
-        if isinstance(norm, torch.nn.Module):
+        if getattr(attn, name, None) is self and group in angles:
+            cos, sin = _rows(angles[group], x.shape[1], rule)
             heads = attn.heads if family.flat_heads else 0
-            original = type(norm).forward.__get__(norm)
-            norm.forward = functools.partial(_norm_rope, norm, original, angles, group, rule, heads)
-    attn.__dict__[_ANGLES] = angles
-    _prepared.add(attn)
+            w = _fusable(self, x)
+            y = x if w is not None else own(self, x)
+            y4 = y.unflatten(-1, (heads, -1)) if heads else y
+            out, _ = rotate_with_angles(y4, None, cos, sin, interleaved=True, q_norm_weight=w, norm_eps=_eps(self, x))
+            return out.flatten(-2) if heads else out
+    return own(self, x)
 
 
-def _restore(attn) -> None:
-    attn.__dict__.pop(_ANGLES, None)
-    for module in attn.children():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _norm_rope:
-            del module.__dict__["forward"]
+def _patch_norm_class(cls) -> None:
+    if cls not in _norm_forwards and cls.__dict__.get("forward") is not _norm_forward:
+        _norm_forwards[cls] = cls.__dict__.get("forward", cls.forward)
+        cls.forward = _norm_forward
+
+
+def _norms(attn, family: Family):
+    return [n for n in (getattr(attn, name, None) for name in family.norms) if isinstance(n, torch.nn.Module)]
+
+
+def _ready(attn, family: Family) -> bool:
+    """Whether this module's norms fuse: marked by patch(model) or every module (patch()), and
+    every norm's class patched (else the processor rotates as it was)."""
+    if not (_lazy or attn.__dict__.get(_MARK, False)):
+        return False
+    return all(type(n).forward is _norm_forward for n in _norms(attn, family))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,56 +266,114 @@ def _wrap(family: Family, call: Callable) -> Callable:
 
     @functools.wraps(call)
     def patched(self, attn, *args, **kwargs):
-        if _lazy:
-            _prepare(attn, family)
-        angles = attn.__dict__.get(_ANGLES)
         emb = args[index] if len(args) > index else kwargs.get(family.emb_arg)
-        if angles is None or emb is None:
+        if emb is None or not _ready(attn, family):
             return call(self, attn, *args, **kwargs)
         if len(args) > index:
             args = (*args[:index], None, *args[index + 1 :])
         else:
             kwargs = {**kwargs, family.emb_arg: None}
-        angles.update(family.angles(emb))
+        _active.append((attn, family, family.angles(emb)))
         try:
             return call(self, attn, *args, **kwargs)
         finally:
-            angles.clear()
+            _active.pop()
 
     return patched
 
 
-def patch(model: Optional[torch.nn.Module] = None) -> Dict[str, int]:
-    """Route the QK-norm + rotary embedding of the installed diffusers families through ropekit.
+# ---------------------------------------------------------------------------------------------
+# the rotary helpers
 
-    model: patch its attention modules (prepared now: call it before torch.compile), or None:
-    every attention module of these families, prepared on its first call. Returns {family name:
-    attention modules prepared now} for every family the installed diffusers has.
+_HOSTS = ("diffusers.models.embeddings", "diffusers.models.attention_processor")
+_TRANSFORMERS_PKG = "diffusers.models.transformers"
+_HELPER = re.compile(r"apply.*(rot|rope)|(rot|rope).*apply", re.IGNORECASE)
+
+
+def host_modules(left: Dict[str, str]):
+    """diffusers' modules that hold rotary helpers: embeddings, attention_processor and every
+    module of diffusers.models.transformers (one that does not import is named in `left`)."""
+    pkg = importlib.import_module(_TRANSFORMERS_PKG)
+    names = list(_HOSTS) + [f"{_TRANSFORMERS_PKG}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
+    found = []
+    for name in names:
+        try:
+            found.append(importlib.import_module(name))
+        except Exception as e:  # an optional dependency of one model
+            left[name] = f"does not import: {type(e).__name__}: {e}"
+    return found
+
+
+def _helpers(module):
+    for attr, obj in list(vars(module).items()):
+        fn = seams.original(obj)
+        if inspect.isfunction(fn) and _HELPER.search(attr):
+            yield attr, fn
+
+
+def _qualname(fn) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _patch_helpers(helpers: Dict[str, str], left: Dict[str, str]) -> None:
+    for module in host_modules(left):
+        for attr, fn in _helpers(module):
+            name = _qualname(fn)
+            for form in BY_ARITY.get(len(inspect.signature(fn).parameters), ()):
+                conventions = seams.verify(fn, form)
+                if conventions:
+                    _swaps.swap(module, attr, fn, form, conventions)
+                    helpers[name] = f"{form.name} {sorted(conventions, key=repr)}"
+                    break
+            else:
+                if name not in helpers:
+                    sig = inspect.signature(fn)
+                    left[name] = f"no known form agrees with it on random inputs (signature {sig})"
+
+
+def patch(model: Optional[torch.nn.Module] = None) -> Report:
+    """Route the rotary helpers and the fused QK-norm + rotation of the installed diffusers through
+    ropekit.
+
+    model: prepare its attention modules' fused norms now (call it before torch.compile), or None:
+    every attention module of the families. The helpers are patched for every model either way.
+    Returns a Report ({family: attention modules prepared now}, .helpers, .left).
     """
     global _lazy
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"{OP}: model: expected a torch.nn.Module or None, got {type(model).__name__}")
-    counts = {}
+    counts, helpers, left = {}, {}, {}
+    _patch_helpers(helpers, left)
     for name, family, cls in _processor_classes():
         if cls not in _originals:
             _originals[cls] = cls.__call__
             cls.__call__ = _wrap(family, cls.__call__)
         counts.setdefault(name, 0)
         for module in model.modules() if model is not None else ():
-            if isinstance(getattr(module, "processor", None), cls) and _ANGLES not in module.__dict__:
-                _prepare(module, family)
+            if isinstance(getattr(module, "processor", None), cls) and module not in _prepared:
+                for norm in _norms(module, family):
+                    _patch_norm_class(type(norm))
+                module.__dict__[_MARK] = True
+                _prepared.add(module)
                 counts[name] += 1
-    _lazy = _lazy or model is None
-    return counts
+    if model is None:
+        for cls in _rms_classes():
+            _patch_norm_class(cls)
+        _lazy = True
+    return Report(counts, helpers, left)
 
 
 def unpatch() -> None:
-    """Undo every patch: processor classes and norm modules as they were."""
+    """Undo every patch: helpers, processor classes and norm classes as they were."""
     global _lazy
     for cls, call in _originals.items():
         cls.__call__ = call
     _originals.clear()
+    for cls, forward in _norm_forwards.items():
+        cls.forward = forward
+    _norm_forwards.clear()
     for attn in list(_prepared):
-        _restore(attn)
+        attn.__dict__.pop(_MARK, None)
     _prepared.clear()
+    _swaps.restore()
     _lazy = False

@@ -55,7 +55,18 @@ FAMILIES: Dict[str, Family] = {
 
 # (module name, owner name or None for the module, attribute) -> the object replaced
 _ORIGINALS: Dict[Tuple[str, Optional[str], str], object] = {}
-_STATE = threading.local()
+
+
+class _State(threading.local):
+    """Per thread: the stack of attention calls whose norms are deferred. Made when a thread first
+    reads it, never after: torch.compile guards on this state, so a first call that created it
+    would make the second call recompile."""
+
+    def __init__(self):
+        self.stack: List["_Deferred"] = []
+
+
+_STATE = _State()
 
 
 class _Deferred:
@@ -67,10 +78,7 @@ class _Deferred:
 
 
 def _stack() -> List[_Deferred]:
-    st = getattr(_STATE, "stack", None)
-    if st is None:
-        st = _STATE.stack = []
-    return st
+    return _STATE.stack
 
 
 def _module_name(family: str) -> str:

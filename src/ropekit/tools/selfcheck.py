@@ -371,8 +371,8 @@ CHECKS: List[Check] = [
     ),
 ]
 
-# public names that need no row of their own: tables and modules built from the checked ops
-_NOT_OPS = {"cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict"}
+# public names that need no row of their own: tables, modules, a mode and a warning class around the checked ops
+_NOT_OPS = {"cos_sin_cache", "inv_freq", "RotaryEmbedding", "strict", "LayoutWarning"}
 
 
 def unchecked_public_names() -> List[str]:

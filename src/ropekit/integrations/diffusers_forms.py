@@ -1,0 +1,260 @@
+"""The rotary helper forms of diffusers' transformers, as `seams.Form`s (ropekit.diffusers tries
+each module-level helper against the forms of its arity and patches it on the first that agrees).
+
+| form | helper (diffusers 0.42) | angles | x |
+|---|---|---|---|
+| shared | embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim) | pairs (unbind -1), halves (-2), complex (use_real=False, (B, S, D/2)) | (B, H, S, D) sequence_dim 2, (B, S, H, D) 1 |
+| qwen | apply_rotary_emb_qwen(x, freqs_cis, use_real, use_real_unbind_dim) | complex (S, D/2); real as shared with sequence_dim 2 | (B, S, H, D) |
+| pairs_x / halves_x | LTX's apply_rotary_emb(x, freqs), LongCat-Audio's _apply_rotary_emb(x, rope) | (cos, sin) pairs / halves | (B, S, C) flat with (B, S, C) angles, or (B, S, H, D) with (S, D) |
+| halves_cs | MiniMax's _apply_rotary_emb(x, cos, sin) | halves (S, R), R <= D (partial) | (B, S, H, D) |
+| matrix | PRX's apply_rope(x, freqs_cis), Kandinsky 6's apply_rotary(x, rope) | (.., D/2, 2, 2) rotation matrices | (B, S, H, D) or (B, H, S, D) |
+| complex_x | complex64 freqs (S, 1, D/2) or (B, S, 1, D/2) against x directly | complex | (B, S, H, D) |
+| cat_x | Helios' apply_rotary_emb_transposed(x, freqs_cis) | cat(cos, sin) (B, S, 2D), pairs | (B, S, H, D) |
+| *_qk | the same with (q, k, freqs) returning (q, k): HiDream's apply_rope, JoyImage's _apply_rotary_emb | as above | as above |
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from . import rotations as R
+from .seams import Form
+
+B, S, H, D = 2, 5, 3, 8  # verification sizes
+
+
+def _theta(gen, *shape):
+    return torch.randn(*shape, generator=gen) * 3
+
+
+def _x(gen, *shape):
+    return torch.randn(*shape, generator=gen)
+
+
+def _pairs(theta):
+    return theta.cos().repeat_interleave(2, -1), theta.sin().repeat_interleave(2, -1)
+
+
+def _halves(theta):
+    return torch.cat((theta.cos(),) * 2, -1), torch.cat((theta.sin(),) * 2, -1)
+
+
+def _real(x, freqs, unbind, heads_first):
+    if not isinstance(freqs, (tuple, list)) or len(freqs) != 2 or unbind not in (-1, -2):
+        return None
+    cos, sin = freqs
+    if not R.takes(x, cos, sin) or x.dim() != 4 or cos.dim() != 2:
+        return None
+    cs = (R.pairs if unbind == -1 else R.halves)(cos, sin, x.shape[-1])
+    return None if cs is None else R.rotate(x, *cs, interleaved=unbind == -1, heads_first=heads_first)
+
+
+def _complex(x, freqs, ndim):
+    if not R.takes(x, freqs) or x.dim() != 4 or freqs.dim() != ndim:
+        return None
+    cs = R.complex_parts(freqs)
+    if cs is None or cs[0].shape[-1] != x.shape[-1] // 2:
+        return None
+    return R.rotate(x, *cs, interleaved=True)
+
+
+# --- shared: diffusers.models.embeddings.apply_rotary_emb
+
+
+def _shared_key(a):
+    return (True, a["unbind"], a["seq"]) if a["use_real"] else (False,)
+
+
+def _shared(a):
+    if a["use_real"]:
+        return None if a["seq"] not in (1, 2) else _real(a["x"], a["freqs"], a["unbind"], a["seq"] == 2)
+    return _complex(a["x"], a["freqs"], 3)
+
+
+def _shared_samples(gen):
+    out = []
+    for unbind, angles in ((-1, _pairs), (-2, _halves)):
+        for seq, shape in ((1, (B, S, H, D)), (2, (B, H, S, D))):
+            out.append(((_x(gen, *shape), angles(_theta(gen, S, D // 2)), True, unbind, seq), (True, unbind, seq)))
+    fc = torch.polar(torch.ones(B, S, D // 2), _theta(gen, B, S, D // 2))
+    out.append(((_x(gen, B, S, H, D), fc, False, -1, 1), (False,)))
+    return out
+
+
+# --- qwen: apply_rotary_emb_qwen (complex freqs (S, D/2); its real path reads (B, H, S, D))
+
+
+def _qwen_key(a):
+    return ("real", a["unbind"]) if a["use_real"] else (False,)
+
+
+def _qwen(a):
+    return _real(a["x"], a["freqs"], a["unbind"], True) if a["use_real"] else _complex(a["x"], a["freqs"], 2)
+
+
+def _qwen_samples(gen):
+    fc = torch.polar(torch.ones(S, D // 2), _theta(gen, S, D // 2))
+    out = [((_x(gen, B, S, H, D), fc, False, -1), (False,))]
+    for unbind, angles in ((-1, _pairs), (-2, _halves)):
+        out.append(((_x(gen, B, H, S, D), angles(_theta(gen, S, D // 2)), True, unbind), ("real", unbind)))
+    return out
+
+
+# --- (x, (cos, sin)): pairs or halves; flat (B, S, C) with (B, S, C) angles, or (B, S, H, D) with (S, D)
+
+
+def _tuple_x(reader, interleaved):
+    def rotate(a):
+        x, freqs = a["x"], a["freqs"]
+        if not isinstance(freqs, (tuple, list)) or len(freqs) != 2 or not R.takes(x, *freqs):
+            return None
+        cos, sin = freqs
+        if cos.dim() != (3 if x.dim() == 3 else 2):
+            return None
+        cs = reader(cos, sin, x.shape[-1])
+        if cs is None:
+            return None
+        if x.dim() == 3:
+            return R.rotate_flat(x, *cs, interleaved=interleaved)
+        return R.rotate(x, *cs, interleaved=interleaved)
+
+    return rotate
+
+
+def _tuple_x_samples(angles):
+    def samples(gen):
+        flat = (_x(gen, B, S, H * D), angles(_theta(gen, B, S, H * D // 2)))
+        heads = (_x(gen, B, S, H, D), angles(_theta(gen, S, D // 2)))
+        return [(flat, 3), (heads, 4)]
+
+    return samples
+
+
+def _x_dim(a):
+    return a["x"].dim() if isinstance(a["x"], torch.Tensor) else None
+
+
+# --- (x, cos, sin): halves, partial rotary (the leading R dims), (B, S, H, D) with (S, R)
+
+
+def _halves_cs(a):
+    x, cos, sin = a["x"], a["cos"], a["sin"]
+    if not R.takes(x, cos, sin) or x.dim() != 4 or cos.dim() != 2 or cos.shape[-1] > x.shape[-1]:
+        return None
+    cs = R.halves(cos, sin, cos.shape[-1])
+    return None if cs is None else R.rotate(x, *cs, interleaved=False)
+
+
+def _halves_cs_samples(gen):
+    full = (_x(gen, B, S, H, D), *_halves(_theta(gen, S, D // 2)))
+    partial = (_x(gen, B, S, H, D), *_halves(_theta(gen, S, D // 4)))
+    return [(full, ()), (partial, ())]
+
+
+# --- (x, rotation matrices (..., D/2, 2, 2))
+
+
+def _matrix(a):
+    x, freqs = a["x"], a["freqs"]
+    if not R.takes(x, freqs) or freqs.dtype == torch.complex64:
+        return None
+    found = R.matrix(freqs, x)
+    if found is None:
+        return None
+    (cos, sin), heads_first = found
+    return R.rotate(x, cos, sin, interleaved=True, heads_first=heads_first)
+
+
+def _rot_matrix(theta):
+    c, s = theta.cos(), theta.sin()
+    return torch.stack((c, -s, s, c), -1).unflatten(-1, (2, 2))
+
+
+def _matrix_samples(gen):
+    tokens = (_x(gen, B, S, H, D), _rot_matrix(_theta(gen, B, S, 1, D // 2)))
+    heads = (_x(gen, B, H, S, D), _rot_matrix(_theta(gen, B, 1, S, D // 2)))
+    return [(tokens, ()), (heads, ())]
+
+
+# --- (x, complex freqs with a size-1 head dim), against x directly
+
+
+def _complex_x(a):
+    x, freqs = a["x"], a["freqs"]
+    if not isinstance(freqs, torch.Tensor) or freqs.dim() not in (3, 4) or freqs.shape[-2] != 1:
+        return None
+    return _complex(x, freqs.squeeze(-2), freqs.dim() - 1)
+
+
+def _complex_x_samples(gen):
+    per_seq = torch.polar(torch.ones(S, 1, D // 2), _theta(gen, S, 1, D // 2))
+    per_batch = torch.polar(torch.ones(B, S, 1, D // 2), _theta(gen, B, S, 1, D // 2))
+    return [((_x(gen, B, S, H, D), per_seq), 3), ((_x(gen, B, S, H, D), per_batch), 4)]
+
+
+def _freqs_dim(a):
+    return a["freqs"].dim() if isinstance(a["freqs"], torch.Tensor) else None
+
+
+# --- (x, cat(cos, sin) (B, S, 2D)), pairs
+
+
+def _cat_x(a):
+    x, freqs = a["x"], a["freqs"]
+    if not R.takes(x, freqs) or x.dim() != 4 or freqs.dim() != 3 or freqs.shape[-1] != 2 * x.shape[-1]:
+        return None
+    cos, sin = freqs.chunk(2, dim=-1)
+    return R.rotate(x, *R.pairs(cos, sin, x.shape[-1]), interleaved=True)
+
+
+def _cat_x_samples(gen):
+    return [((_x(gen, B, S, H, D), torch.cat(_pairs(_theta(gen, B, S, D // 2)), -1)), ())]
+
+
+# --- (q, k, freqs) -> (q, k): a single-x form applied to both
+
+
+def _qk(rotate: Callable, samples: Callable):
+    def rotate_qk(a):
+        q = rotate({"x": a["q"], "freqs": a["freqs"]})
+        k = rotate({"x": a["k"], "freqs": a["freqs"]})
+        return None if q is None or k is None else (q, k)
+
+    def samples_qk(gen):
+        return [((x, x.flip(0), freqs), key) for (x, freqs), key in samples(gen)]
+
+    return rotate_qk, samples_qk
+
+
+def _none(a):
+    return ()
+
+
+_X = ("x", "freqs")
+_QK = ("q", "k", "freqs")
+_matrix_qk = _qk(_matrix, _matrix_samples)
+_pairs_qk = _qk(_tuple_x(R.pairs, True), _tuple_x_samples(_pairs))
+
+
+def _qk_key(key_fn):
+    return lambda a: key_fn({"x": a["q"], "freqs": a["freqs"]})
+
+
+FORMS: Tuple[Form, ...] = (
+    Form("shared", ("x", "freqs", "use_real", "unbind", "seq"), _shared_key, _shared, _shared_samples),
+    Form("qwen", ("x", "freqs", "use_real", "unbind"), _qwen_key, _qwen, _qwen_samples),
+    Form("pairs_x", _X, _x_dim, _tuple_x(R.pairs, True), _tuple_x_samples(_pairs)),
+    Form("halves_x", _X, _x_dim, _tuple_x(R.halves, False), _tuple_x_samples(_halves)),
+    Form("matrix", _X, _none, _matrix, _matrix_samples),
+    Form("complex_x", _X, _freqs_dim, _complex_x, _complex_x_samples),
+    Form("cat_x", _X, _none, _cat_x, _cat_x_samples),
+    Form("halves_cs", ("x", "cos", "sin"), _none, _halves_cs, _halves_cs_samples),
+    Form("matrix_qk", _QK, _none, *_matrix_qk),
+    Form("pairs_qk", _QK, _qk_key(_x_dim), *_pairs_qk),
+)
+
+BY_ARITY: Dict[int, Tuple[Form, ...]] = {}
+for _form in FORMS:
+    BY_ARITY[len(_form.roles)] = BY_ARITY.get(len(_form.roles), ()) + (_form,)
