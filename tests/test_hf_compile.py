@@ -34,14 +34,7 @@ def _restore_hf():
     torch._dynamo.reset()
 
 
-DYNAMIC_PENDING = pytest.mark.xfail(
-    reason="core: validate.norm_weights calls math.isfinite on a symbolic float under dynamic=True "
-    "(the core's dynamic-shape checks are being fixed on main)",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=DYNAMIC_PENDING)])
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_patched_model_compiles_fullgraph(family, dynamic, device):
     torch.manual_seed(0)
