@@ -542,7 +542,7 @@ _LONG = {
     "rotary_dim, scaling, max_position, pattern",
     [
         (8, {"rope_type": "ntk-by-parts"}, None, r"scaling\['rope_type'\]: expected one of .*, got 'ntk-by-parts'"),
-        (8, {"type": "proportional"}, None, r"scaling\['rope_type'\].*'proportional'"),
+        (8, {"type": "axial"}, None, r"scaling\['rope_type'\].*'axial'"),
         (
             8,
             {"rope_type": "linear"},

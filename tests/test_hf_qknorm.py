@@ -136,34 +136,46 @@ def test_patch_would_notice_a_skipped_norm():
     assert hf_qknorm.fused_families() == []
 
 
-def test_unpatch_fuse_only_keeps_the_rotary_dropin():
+def test_unpatch_fuse_undoes_exactly_what_the_fuse_patch_did():
+    """patch(fuse_qk_norm=True) alone, then unpatch(fuse_qk_norm=True): everything is HF's again.
+    A plain patch before it asked for the rotary function: then that one stays ropekit's."""
     torch.manual_seed(0)
     model = _build("olmo2").float().eval()
     module = importlib.import_module("transformers.models.olmo2.modeling_olmo2")
-    hf.patch(model, fuse_qk_norm=True)
+    hf_function = module.apply_rotary_pos_emb
     try:
-        hf.unpatch(fuse_qk_norm=True)
-        assert hf_qknorm.fused_families() == []
-        assert module.apply_rotary_pos_emb is hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+        hf.patch(model, fuse_qk_norm=True)
+        assert hf.unpatch(fuse_qk_norm=True) == {
+            "olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward", "apply_rotary_pos_emb"]
+        }
+        assert hf_qknorm.fused_families() == [] and module.apply_rotary_pos_emb is hf_function
+        for first, second in ((False, True), (True, False)):  # either order of the two calls
+            hf.patch(model, fuse_qk_norm=first)
+            hf.patch(model, fuse_qk_norm=second)
+            assert hf.unpatch(fuse_qk_norm=True) == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
+            assert hf_qknorm.fused_families() == []
+            assert module.apply_rotary_pos_emb.ropekit_original is hf_function
+            assert hf.unpatch() == {"olmo2": ["apply_rotary_pos_emb"]}
+            assert module.apply_rotary_pos_emb is hf_function
     finally:
         hf.unpatch()
-    assert module.apply_rotary_pos_emb is not hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
+    assert module.apply_rotary_pos_emb is hf_function
 
 
 def test_patch_and_unpatch_report_each_name_once_and_truthfully():
-    """patch lists the rotary function once (the fusion swaps it a second time); unpatch with
-    fuse_qk_norm=True lists only what is HF's again: the norm and attention forwards, not the
-    rotary function, which stays ropekit's drop-in; the full unpatch then lists it, once."""
+    """patch lists the rotary function once (the fusion swaps it a second time); patching twice
+    changes nothing; the full unpatch lists each name once."""
     model = _build("olmo2").float().eval()
     module = importlib.import_module("transformers.models.olmo2.modeling_olmo2")
     hf_function = module.apply_rotary_pos_emb
     done = hf.patch(model, fuse_qk_norm=True)
     try:
         assert done == {"olmo2": ["apply_rotary_pos_emb", "Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
-        fusion_undone = hf.unpatch(fuse_qk_norm=True)
-        assert fusion_undone == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward"]}
-        assert module.apply_rotary_pos_emb is hf.FAMILIES["olmo2"]["apply_rotary_pos_emb"]
-        hf.patch(model, fuse_qk_norm=True)
+        assert done.forms == {"olmo2": {"apply_rotary_pos_emb": "olmo"}}
+        fused = module.apply_rotary_pos_emb
+        assert hf.patch(model, fuse_qk_norm=True) == done
+        assert module.apply_rotary_pos_emb is not hf_function and hf_qknorm.fused_families() == ["olmo2"]
+        assert fused.__name__ == "apply_rotary_pos_emb"
     finally:
         restored = hf.unpatch()
     assert restored == {"olmo2": ["Olmo2RMSNorm.forward", "Olmo2Attention.forward", "apply_rotary_pos_emb"]}
@@ -187,3 +199,42 @@ def test_fuse_qk_norm_on_a_family_without_qk_norm():
     finally:
         hf.unpatch()
     assert module.apply_rotary_pos_emb is hf_function
+
+
+# families fused from what the model shows (hf_qknorm_detect), beyond the rows of hf_qknorm.FAMILIES
+DETECTED = {"exaone4": ("Exaone4Config", "Exaone4ForCausalLM"), "olmo3": ("Olmo3Config", "Olmo3ForCausalLM")}
+
+
+@pytest.mark.parametrize("family", sorted(DETECTED))
+def test_detected_family_fuses_and_matches(family):
+    assert family not in hf_qknorm.FAMILIES
+    torch.manual_seed(0)
+    config_cls, model_cls = DETECTED[family]
+    config = getattr(transformers, config_cls)(**dict(COMMON, head_dim=8))
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config).float()
+    for name, p in model.named_parameters():
+        if "norm" in name:  # norm weights away from their init, so a skipped norm would show
+            p.data.normal_(1.0, 0.5)
+    ids = torch.randint(3, COMMON["vocab_size"], (2, 6))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).logits
+        (out**2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    try:
+        report = hf.patch(model, fuse_qk_norm=True)
+        assert report.unfused == {}
+        assert any(n.endswith("Attention.forward") for n in report[family])
+        with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+            got, got_grads = run()
+        fused = [c for c in spy.call_args_list if c.kwargs.get("q_norm_weight") is not None]
+        assert len(fused) == COMMON["num_hidden_layers"]
+    finally:
+        hf.unpatch()
+    assert _rel(got, want) <= 1e-5
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-5, name

@@ -27,15 +27,16 @@ LAYERS = (
     (
         "integrations",
         ("integrations.rotations", "integrations.seams", "integrations.diffusers_forms")
-        + ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
-        + ("integrations.hub", "integrations.torchtitan.caches", "integrations.torchtitan.overrides")
-        + ("integrations.vllm",),
+        + ("integrations.hf_plan", "integrations.hf_forms", "integrations.hf_census", "integrations.hf")
+        + ("integrations.hf_qknorm", "integrations.hf_qknorm_detect", "integrations.diffusers")
+        + ("integrations.distributed", "integrations.hub", "integrations.torchtitan.caches")
+        + ("integrations.torchtitan.overrides", "integrations.vllm"),
     ),
     # the public paths of the integrations (each aliases the module it names)
     ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")),
     (
         "tools",
-        ("tools.reference", "tools.audit", "tools.selfcheck", "tools.bench", "tools.bench.__main__")
+        ("tools.reference", "tools.audit", "tools.selfcheck", "tools.hf_table", "tools.bench", "tools.bench.__main__")
         + ("tools.bench.peers", "tools.bench.report", "tools.bench.runner", "tools.bench.timing")
         + ("tools.bench.workloads",),
     ),

@@ -596,6 +596,8 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
         head_size = hidden // heads
     if _get(config, "rotary_dim") is not None:  # GPT-J / CodeGen: absolute
         rotary_dim = int(_get(config, "rotary_dim"))
+    elif rope_type == "proportional":  # p-RoPE: a full-width table whose tail frequencies are 0
+        rotary_dim = int(head_size)
     else:
         fraction = (
             params.pop("partial_rotary_factor", None)

@@ -19,6 +19,9 @@ once for a fixed length instead of per forward call:
   max_position / original_max_position_embeddings (HF: config.max_position_embeddings / original),
   so pass `factor` explicitly when building a table shorter than the model's context.
 - yarn: a `factor` of None means max_position / original_max_position_embeddings, as in HF.
+- proportional (Gemma 4's p-RoPE): `rotary_dim` is the whole head and `partial_rotary_factor` is
+  read: the table is full width, its last pairs have frequency 0 (they are passed through by the
+  rotation). A kernel layout that skips those pairs instead is not implemented.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from .validate import fail
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 # older spellings HF still accepts: Phi-3's "su" is longrope; Qwen2-VL's 4.x "mrope" is default
 _ALIASES = {"su": "longrope", "mrope": "default"}
 _DEFAULT_BASE = 10000.0
@@ -240,6 +243,19 @@ def _llama3(rotary_dim, base, params, max_position, op):
     return torch.where(medium, blended, inv_freq), 1.0
 
 
+def _proportional(rotary_dim, base, params, max_position, op):
+    # Gemma 4's p-RoPE: rotary_dim is the whole head; the first fraction of its pairs (i, i + D/2)
+    # turn with the head's frequencies base ** (-2i / D), the rest have frequency 0 (cos 1, sin 0)
+    fraction = params.get("partial_rotary_factor", 1.0)
+    if not _is_number(fraction) or not 0 <= fraction <= 1:
+        fail(op, "scaling['partial_rotary_factor']", "a number in [0, 1]", repr(fraction))
+    factor = _positive(op, "scaling['factor']", params.get("factor", 1.0))
+    rotated = int(fraction * rotary_dim // 2)
+    inv = torch.zeros(rotary_dim // 2, dtype=torch.float64, device=_CPU)
+    inv[:rotated] = _plain(rotary_dim, base)[:rotated]
+    return inv / factor, 1.0
+
+
 _ROPE_FUNCTIONS: Dict[str, Callable] = {
     "default": _default,
     "linear": _linear,
@@ -247,6 +263,7 @@ _ROPE_FUNCTIONS: Dict[str, Callable] = {
     "yarn": _yarn,
     "longrope": _longrope,
     "llama3": _llama3,
+    "proportional": _proportional,
 }
 
 
@@ -278,7 +295,7 @@ def inv_freq(
         rotary_dim: number of rotated dims (even); the result has rotary_dim // 2 frequencies.
         base: rope theta; None means scaling["rope_theta"] if present, else 10000.0.
         scaling: None (plain RoPE) or an HF rope_scaling / rope_parameters dict whose rope type
-            is one of default, linear, dynamic, yarn, longrope, llama3 ("type" and "su" accepted).
+            is one of default, linear, dynamic, yarn, longrope, llama3, proportional ("type" and "su" accepted).
         max_position: length of the table these frequencies are for; used by dynamic (seq_len),
             longrope (short or long factors) and yarn with factor None.
         dtype, device: of the returned tensor (computed in float64 on the CPU); device None

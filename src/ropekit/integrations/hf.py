@@ -40,15 +40,13 @@ HF's error). The fallback is HF's formula written out here, not a call into tran
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..api import ops
-from ..core import pipeline
+from . import hf_census, hf_forms, hf_plan
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -62,10 +60,8 @@ __all__ = [
     "unpatch",
     "patched",
     "FAMILIES",
+    "PatchReport",
 ]
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 # ---------------------------------------------------------------------------------------------
 # HF's math, written out: the fallback for inputs the kernel does not take
@@ -151,130 +147,14 @@ def _math_llama4(xq, xk, freqs_cis):
     return one(xq), one(xk)
 
 
-# ---------------------------------------------------------------------------------------------
-# when the kernel applies, and how HF's layouts map onto it
-
-
-def _unsqueeze_dim(position_ids, unsqueeze_dim):
-    # transformers 5.x dropped position_ids from the signature: a 5th positional int is unsqueeze_dim
-    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
-        return position_ids
-    return unsqueeze_dim
-
-
-def _heads_dim(unsqueeze_dim, table_token_rank=3):
-    """Where HF's unsqueeze puts the head dim of q for a (*, B, S, D) table: 1 or 2, else None."""
-    if not isinstance(unsqueeze_dim, int) or isinstance(unsqueeze_dim, bool):
-        return None
-    ud = unsqueeze_dim + table_token_rank + 1 if unsqueeze_dim < 0 else unsqueeze_dim
-    return ud if ud in (1, 2) else None
-
-
-def _fits(shape, target) -> bool:
-    """shape broadcasts to target without growing it."""
-    return len(shape) == len(target) and all(s == t or s == 1 for s, t in zip(shape, target))
-
-
-def _kernel_takes(q, k, tables, *, promote_to_q: bool) -> bool:
-    """Dtype / device / stride / grad conditions under which ropekit's kernel reproduces HF."""
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
-        return False
-    if q.dim() != 4 or k.dim() != 4 or q.dtype not in _KERNEL_DTYPES or k.dtype not in _KERNEL_DTYPES:
-        return False
-    t0 = tables[0]
-    for t in tables:
-        if not isinstance(t, torch.Tensor) or t.dtype != t0.dtype or t.shape != t0.shape:
-            return False
-        if t.device != q.device:
-            return False
-        if t.requires_grad and torch.is_grad_enabled():
-            return False  # ropekit treats angles as constants: HF's math
-    if t0.dtype not in _KERNEL_DTYPES or k.device != q.device:
-        return False
-    if promote_to_q and (
-        torch.promote_types(q.dtype, t0.dtype) != q.dtype or torch.promote_types(k.dtype, t0.dtype) != k.dtype
-    ):
-        return False  # HF's result would be wider than q: keep HF's dtype
-    for x in (q, k):
-        if x.shape[-1] > 1 and x.stride(-1) != 1:
-            return False
-    return True
-
-
-def _tokens_first(x, hd):
-    return x.transpose(1, 2) if hd == 1 else x
-
-
-def _rotate_hf_layout(q, k, cos, sin, hd, *, interleaved, out_interleaved=None, mrope_section=None, columns=None):
-    """Rotate HF-layout q/k with ropekit: cos/sin are (…, B, S, ·) tables of which the first
-    `columns` columns (None: all) hold the rotary_dim // 2 frequencies."""
-    return ops.rotate_angles(
-        q,
-        k,
-        cos,
-        sin,
-        interleaved=interleaved,
-        out_interleaved=interleaved if out_interleaved is None else out_interleaved,
-        mrope_section=mrope_section,
-        heads_first=hd == 1,
-        columns=columns,
-    )
-
-
-def _plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
-    """(heads dim, rotary width) when the kernel can take a (B, S, D)-table call, else None;
-    remembered per call signature in ropekit's memo in eager mode (a training step asks once per layer)."""
-    decide = functools.partial(
-        _decide_plain_plan, q, k, cos, sin, unsqueeze_dim, promote_to_q=promote_to_q, need_full=need_full
-    )
-    if torch.compiler.is_compiling():
-        return decide()
-    try:
-        key = (
-            "hf plan",
-            torch.is_grad_enabled(),
-            pipeline.tensor_key(q),
-            pipeline.tensor_key(k),
-            pipeline.tensor_key(cos),
-            pipeline.tensor_key(sin),
-            unsqueeze_dim,
-            promote_to_q,
-            need_full,
-        )
-        plan = pipeline.lookup(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: decide afresh
-        return decide()
-    if plan is None:
-        plan = pipeline.remember(key, decide() or False)
-    return plan or None
-
-
-def _decide_plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full):
-    if not _kernel_takes(q, k, (cos, sin), promote_to_q=promote_to_q) or cos.dim() != 3:
-        return None
-    hd = _heads_dim(unsqueeze_dim)
-    if hd is None:
-        return None
-    qt, kt = _tokens_first(q, hd), _tokens_first(k, hd)
-    tokens = tuple(qt.shape[:2])
-    if tuple(kt.shape[:2]) != tokens or not _fits(tuple(cos.shape[:2]), tokens):
-        return None
-    r = cos.shape[-1]
-    if r < 2 or r % 2 or r > q.shape[-1] or r > k.shape[-1]:
-        return None
-    if need_full and not (q.shape[-1] == r and k.shape[-1] == r):
-        return None
-    return hd, r
-
-
 def _rotate_halves_table(q, k, cos, sin, ud, *, promote_to_q, need_full, interleaved, out_interleaved, math):
     """The drop-ins that rotate by cos[..., :R/2] / sin[..., :R/2] of HF's (B or 1, S, R) tables:
     HF's own math when the kernel cannot reproduce it, else ropekit (the tables passed unsliced)."""
-    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
+    plan = hf_plan.plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
     if plan is None:
         return math(q, k, cos, sin, ud)
     hd, r = plan
-    return _rotate_hf_layout(
+    return hf_plan.rotate_hf_layout(
         q, k, cos, sin, hd, interleaved=interleaved, out_interleaved=out_interleaved, columns=r // 2
     )
 
@@ -296,7 +176,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         k,
         cos,
         sin,
-        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=True,
         need_full=False,
         interleaved=False,
@@ -313,7 +193,7 @@ def olmo_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1
         k,
         cos,
         sin,
-        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=False,
         need_full=True,
         interleaved=False,
@@ -333,7 +213,7 @@ def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
         k,
         cos,
         sin,
-        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=True,
         need_full=False,
         interleaved=True,
@@ -346,13 +226,13 @@ def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim
     """HF's Cohere / Cohere2 `apply_rotary_pos_emb`: pairs (2i, 2i+1) over the whole head, with
     cos/sin laid out [f0, f0, f1, f1, ...] (read through the stride-2 view cos[..., 0::2]);
     math in float32, outputs in q's dtype."""
-    ud = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    plan = _plain_plan(q, k, cos, sin, ud, promote_to_q=False, need_full=True)
+    ud = hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim)
+    plan = hf_plan.plain_plan(q, k, cos, sin, ud, promote_to_q=False, need_full=True)
     if plan is None or k.dtype != q.dtype:
         return _math_cohere(q, k, cos, sin, ud)
     hd, _ = plan
     half = cos.shape[-1] // 2  # the stride-2 views hold every frequency once: read them all
-    return _rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
+    return hf_plan.rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
 
 
 def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -367,7 +247,7 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
         k,
         cos,
         sin,
-        _unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=True,
         need_full=True,
         interleaved=True,
@@ -385,8 +265,8 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
     (transformers 5.x merges the sections inside the rotary embedding and calls the plain
     `apply_rotary_pos_emb`; both are supported.)
     """
-    ok = _kernel_takes(q, k, (cos, sin), promote_to_q=True) and cos.dim() == 4 and cos.shape[0] == 3
-    hd = _heads_dim(unsqueeze_dim) if ok else None
+    ok = hf_plan.kernel_takes(q, k, (cos, sin), promote_to_q=True) and cos.dim() == 4 and cos.shape[0] == 3
+    hd = hf_plan.heads_dim(unsqueeze_dim) if ok else None
     sections = None
     if hd is not None:
         try:
@@ -395,7 +275,7 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
             sections = None
     if sections is not None:
         r = cos.shape[-1]
-        qt, kt = _tokens_first(q, hd), _tokens_first(k, hd)
+        qt, kt = hf_plan.tokens_first(q, hd), hf_plan.tokens_first(k, hd)
         tokens = tuple(qt.shape[:2])
         if not (
             len(sections) == 3
@@ -405,13 +285,13 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
             and q.shape[-1] == r
             and k.shape[-1] == r
             and tuple(kt.shape[:2]) == tokens
-            and _fits(tuple(cos.shape[1:3]), tokens)
+            and hf_plan.fits(tuple(cos.shape[1:3]), tokens)
         ):
             sections = None
     if sections is None:
         return _math_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim)
     half = cos.shape[-1] // 2
-    return _rotate_hf_layout(q, k, cos, sin, hd, interleaved=False, mrope_section=sections, columns=half)
+    return hf_plan.rotate_hf_layout(q, k, cos, sin, hd, interleaved=False, mrope_section=sections, columns=half)
 
 
 def llama4_apply_rotary_emb(xq, xk, freqs_cis):
@@ -421,29 +301,8 @@ def llama4_apply_rotary_emb(xq, xk, freqs_cis):
     are multiplied by freqs_cis[..., i]; math in float32, outputs in the input dtypes. cos and sin
     are the real and imaginary parts, read in place through `view_as_real` (column stride 2).
     """
-    ok = (
-        isinstance(freqs_cis, torch.Tensor)
-        and freqs_cis.dtype == torch.complex64
-        and freqs_cis.dim() == 3
-        and isinstance(xq, torch.Tensor)
-        and isinstance(xk, torch.Tensor)
-        and xq.dim() == 4
-        and xk.dim() == 4
-    )
-    if ok:
-        fr = torch.view_as_real(freqs_cis.resolve_conj())
-        cos, sin = fr[..., 0], fr[..., 1]
-        tokens = tuple(xq.shape[:2])
-        ok = (
-            _kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
-            and tuple(xk.shape[:2]) == tokens
-            and _fits(tuple(freqs_cis.shape[:2]), tokens)
-            and xq.shape[-1] == 2 * freqs_cis.shape[-1]
-            and xk.shape[-1] == 2 * freqs_cis.shape[-1]
-        )
-    if not ok:
-        return _math_llama4(xq, xk, freqs_cis)
-    return ops.rotate_angles(xq, xk, cos, sin, interleaved=True, columns=cos.shape[-1])
+    out = hf_forms.run(hf_forms.FORM["llama4"], xq, xk, freqs_cis, None)
+    return _math_llama4(xq, xk, freqs_cis) if out is None else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,100 +365,143 @@ FAMILIES: Dict[str, Dict[str, object]] = {
 
 # (module name, attribute) -> HF's original object, recorded the first time it is replaced
 _ORIGINALS: Dict[Tuple[str, str], object] = {}
+# the keys of _ORIGINALS that only a fuse_qk_norm=True call asked for (unpatch(fuse_qk_norm=True) restores them)
+_FUSE_ONLY: set = set()
+
+
+class PatchReport(dict):
+    """{family: [names replaced]} (a dict, as before), plus:
+
+    left: {family: {name: reason}} for the rotary functions left as HF's;
+    forms: {family: {name: form}} the form (ropekit.integrations.hf_forms.FORMS) each replacement computes;
+    unfused: {family: reason} with fuse_qk_norm=True and a model, the families whose q/k norm is not fused.
+    Names are the module attribute, prefixed `modeling_x.` when the family's folder has several modules.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.left: Dict[str, Dict[str, str]] = {}
+        self.forms: Dict[str, Dict[str, str]] = {}
+        self.unfused: Dict[str, str] = {}
+
+    def __repr__(self):
+        left = sum(len(v) for v in self.left.values())
+        return f"PatchReport({dict.__repr__(self)}, left: {left} functions in {len(self.left)} families)"
 
 
 def _module_name(family: str) -> str:
     return f"transformers.models.{family}.modeling_{family}"
 
 
-def _families_of_model(model) -> List[str]:
+def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"ropekit.hf.patch: model: expected a torch.nn.Module (a transformers model) or None, "
             f"got {type(model).__name__}"
         )
-    found = []
-    for m in model.modules():
-        parts = type(m).__module__.split(".")
-        if (
-            len(parts) >= 4
-            and parts[:2] == ["transformers", "models"]
-            and parts[2] in FAMILIES
-            and parts[2] not in found
-        ):
-            found.append(parts[2])
-    return found
 
 
 def _check_families(families) -> List[str]:
     if isinstance(families, str):
         families = [families]
     families = list(families)
-    unknown = [f for f in families if f not in FAMILIES]
+    installed = {e.family for e in hf_census.scan()}
+    unknown = [f for f in families if f not in installed and f not in FAMILIES]
     if unknown:
-        raise ValueError(f"ropekit.hf.patch: families: expected names from {sorted(FAMILIES)}, got unknown {unknown}")
+        raise ValueError(
+            f"ropekit.hf.patch: families: expected families of transformers with a rotary function "
+            f"(e.g. {sorted(installed)[:6]}), got unknown {unknown}"
+        )
     return families
 
 
-def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
+def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> PatchReport:
     """Swap HF's rotary functions for ropekit's in transformers' modeling modules.
 
-    model=None, families=None: every supported family whose module the installed transformers has.
-    families: only these (a name not in `FAMILIES` raises ValueError; a named family that the
-    installed transformers lacks raises ImportError). model: the families whose modules the
-    model's submodules come from (intersected with `families` when both are given).
+    model=None, families=None: every modeling module of the installed transformers that defines a
+    rotary function (found by scanning the sources; only those modules are imported).
+    families: only these folders of transformers.models (an unknown name raises ValueError; a
+    family of `FAMILIES` that the installed transformers lacks raises ImportError). model: the
+    modules its submodules come from (intersected with `families` when both are given).
 
-    Patching replaces module attributes (`modeling_llama.apply_rotary_pos_emb = ...`): the attention
-    forwards look these names up as globals at call time, so models already built are affected
-    too. Returns {family: [patched attribute names]}. `unpatch()` restores HF's functions.
+    Each function is classified by what it computes (hf_census: HF's function and ropekit's forms
+    run on the same small random inputs); a match is replaced by a function with the same
+    parameters that runs ropekit's kernel and calls HF's function for inputs outside the form. A
+    function that matches no form is left as it is, with the reason in the report's `.left`.
+    Attention forwards look these names up as module globals at call time, so models already
+    built are affected too. Patching twice is a no-op; `unpatch()` restores HF's functions.
 
-    fuse_qk_norm: also fuse q/k RMSNorm into the rotation for Qwen3, Qwen3-MoE, Gemma 3 and OLMo 2
-    (their attention then normalizes and rotates in one launch with its own norm weights; see
-    ropekit.integrations.hf_qknorm). With a model or families, a family without q/k norm is not silently
-    skipped: ValueError when none of them has one (nothing patched), a warning naming those
-    without when some have. Without both, it fuses every family that can be.
+    fuse_qk_norm: also fuse q/k RMSNorm into the rotation (ropekit.integrations.hf_qknorm). With a
+    model or families, a family without q/k norm is not silently skipped: ValueError when none of
+    them has one (nothing patched), a warning naming those without when some have. Without both,
+    it fuses every family that can be.
+
+    Returns a PatchReport: {family: [names replaced]}, `.left`, `.forms`.
     """
     explicit = families is not None
-    names = _check_families(families) if explicit else list(FAMILIES)
+    wanted = _check_families(families) if explicit else None
     if model is not None:
-        in_model = _families_of_model(model)
-        if not in_model:
-            kinds = sorted({type(m).__module__ for m in model.modules()})[:8]
-            raise ValueError(
-                f"ropekit.hf.patch: model: expected a transformers model of a supported "
-                f"family {sorted(FAMILIES)}, got modules from {kinds}"
+        _check_model(model)
+    found = hf_census.entries(model, wanted)
+    if model is not None and not hf_census.entries(model):
+        kinds = sorted({type(m).__module__ for m in model.modules()})[:8]
+        raise ValueError(
+            f"ropekit.hf.patch: model: expected a transformers model whose modeling module defines a "
+            f"rotary function, got modules from {kinds}"
+        )
+    if explicit:
+        missing = [f for f in wanted if f not in {e.family for e in hf_census.scan()}]
+        if missing:
+            raise ImportError(
+                f"ropekit.hf.patch: families: the installed transformers has no modeling module for {missing}"
             )
-        names = [f for f in in_model if f in names]
-    if fuse_qk_norm and (explicit or model is not None):
-        _check_fusable(names)
-    if fuse_qk_norm:
-        from . import hf_qknorm
+    names = list(dict.fromkeys(e.family for e in found))
+    from . import hf_qknorm
 
-        hf_qknorm.unpatch(names)  # re-applied below, around the functions swapped now
-    done: Dict[str, List[str]] = {}
-    for family in names:
-        mod_name = _module_name(family)
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as e:
-            if explicit:
-                raise ImportError(
-                    f"ropekit.hf.patch: family {family!r}: the installed transformers has no {mod_name} ({e})"
-                ) from e
-            continue
-        attrs = []
-        for attr, fn in FAMILIES[family].items():
-            if not hasattr(module, attr):
-                continue  # 4.x / 5.x differences (e.g. multimodal variant)
-            _ORIGINALS.setdefault((mod_name, attr), getattr(module, attr))
-            setattr(module, attr, fn)
-            attrs.append(attr)
-        if attrs:
-            done[family] = attrs
+    specs: Dict[str, object] = {}
+    unfused: Dict[str, str] = {}
+    if fuse_qk_norm and model is not None:  # beyond the hand-written rows: found in the model, verified
+        from . import hf_qknorm_detect
+
+        for entry in found:
+            if entry.family not in hf_qknorm.FAMILIES and entry.module == _module_name(entry.family):
+                row = hf_qknorm_detect.detect(model, entry.family, entry.module)
+                if isinstance(row, str):
+                    unfused[entry.family] = row
+                else:
+                    specs[entry.family] = row
+    if fuse_qk_norm and (explicit or model is not None):
+        _check_fusable(names, set(hf_qknorm.FAMILIES) | set(specs))
+
     if fuse_qk_norm:
-        for family, swapped in hf_qknorm.patch(list(done)).items():
-            _add_names(done, family, swapped)
-    return done
+        hf_qknorm.unpatch(names)  # re-applied below, around the functions swapped now
+    report = PatchReport()
+    report.unfused.update(unfused)
+    for entry in found:
+        module = hf_census.load(entry)
+        for name in entry.names:
+            label, key = hf_census.label(entry, name), (entry.module, name)
+            if isinstance(module, str):
+                form = module
+            else:  # HF's function: the one recorded when an earlier call replaced it
+                original = _ORIGINALS.get(key, getattr(module, name, None))
+                form = hf_census.verdict(entry.module, original)
+            if isinstance(form, str):
+                report.left.setdefault(entry.family, {})[label] = form
+                continue
+            if key not in _ORIGINALS:
+                _ORIGINALS[key] = original
+                setattr(module, name, hf_forms.replacement(original, form, hf_forms.signature_of(original)))
+                if fuse_qk_norm:
+                    _FUSE_ONLY.add(key)
+            elif not fuse_qk_norm:
+                _FUSE_ONLY.discard(key)  # asked for by a plain patch too: unpatch(fuse_qk_norm=True) keeps it
+            _add_names(report, entry.family, [label])
+            report.forms.setdefault(entry.family, {})[label] = form.name
+    if fuse_qk_norm:
+        for family, swapped in hf_qknorm.patch([f for f in names if f in report], specs).items():
+            _add_names(report, family, swapped)
+    return report
 
 
 def _add_names(report: Dict[str, List[str]], family: str, names) -> None:
@@ -608,16 +510,14 @@ def _add_names(report: Dict[str, List[str]], family: str, names) -> None:
     listed.extend(n for n in names if n not in listed)
 
 
-def _check_fusable(names) -> None:
+def _check_fusable(names, fusable) -> None:
     """fuse_qk_norm asked for named families or a model: refuse when none of them has q/k norm,
     warn naming those that have none."""
-    from . import hf_qknorm
-
-    without = [f for f in names if f not in hf_qknorm.FAMILIES]
+    without = [f for f in names if f not in fusable]
     if names and len(without) == len(names):
         raise ValueError(
             f"ropekit.hf.patch: fuse_qk_norm: expected families with q/k RMSNorm "
-            f"({', '.join(sorted(hf_qknorm.FAMILIES))}), got {without} (no q/k norm to fuse: "
+            f"({', '.join(sorted(fusable))}), got {without} (no q/k norm to fuse: "
             "patch without fuse_qk_norm)"
         )
     if without:
@@ -627,37 +527,34 @@ def _check_fusable(names) -> None:
         )
 
 
-def _ropekit_now(mod_name: str, attr: str) -> bool:
-    """Is module attribute `attr` (not Class.forward) one of ropekit's drop-ins right now?"""
-    if "." in attr:
-        return False
-    family = mod_name.split(".")[2]
-    current = getattr(importlib.import_module(mod_name), attr, None)
-    return current is not None and current is FAMILIES.get(family, {}).get(attr)
+def _restore(keys) -> Dict[str, List[str]]:
+    restored: Dict[str, List[str]] = {}
+    for mod_name, attr in keys:
+        setattr(importlib.import_module(mod_name), attr, _ORIGINALS.pop((mod_name, attr)))
+        _FUSE_ONLY.discard((mod_name, attr))
+        _add_names(restored, mod_name.split(".")[2], [attr])
+    return restored
 
 
 def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> Dict[str, List[str]]:
-    """Restore HF's functions replaced by `patch()` (all of them, or those of `families`).
-    Returns {family: [names that are HF's again]}, each name once. fuse_qk_norm=True undoes only
-    the q/k norm fusion: HF's norm and attention forwards come back, the rotary function stays
-    ropekit's (unfused) drop-in and is therefore not listed; by default the fusion is undone too,
-    first."""
+    """Undo `patch()` (all of it, or what it did to `families`). Returns {family: [names that are
+    HF's again]}, each name once. fuse_qk_norm=True undoes what the fuse_qk_norm=True calls did:
+    the fusion (HF's norm and attention forwards come back) and the rotary functions that only
+    those calls replaced; a rotary function that a plain `patch` call asked for stays ropekit's."""
     wanted = None if families is None else set(_check_families(families))
     from . import hf_qknorm
 
+    def chosen(key) -> bool:
+        return wanted is None or key[0].split(".")[2] in wanted
+
     restored: Dict[str, List[str]] = {}
     for family, names in hf_qknorm.unpatch(wanted).items():
-        module = _module_name(family)
-        _add_names(restored, family, [n for n in names if not _ropekit_now(module, n)])
-    if fuse_qk_norm:
-        return {family: names for family, names in restored.items() if names}
-    for (mod_name, attr), original in list(_ORIGINALS.items()):
-        family = mod_name.split(".")[2]
-        if wanted is not None and family not in wanted:
-            continue
-        setattr(importlib.import_module(mod_name), attr, original)
-        del _ORIGINALS[(mod_name, attr)]
-        _add_names(restored, family, [attr])
+        module = importlib.import_module(_module_name(family))
+        # the fused rotary function gives way to the replacement it wrapped: that one is not HF's
+        _add_names(restored, family, [n for n in names if "." in n or not hasattr(getattr(module, n), "ropekit_form")])
+    keys = [key for key in _ORIGINALS if chosen(key) and (not fuse_qk_norm or key in _FUSE_ONLY)]
+    for family, names in _restore(keys).items():
+        _add_names(restored, family, names)
     return {family: names for family, names in restored.items() if names}
 
 
@@ -673,5 +570,4 @@ def patched(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_nor
         yield done
     finally:
         hf_qknorm.unpatch(set(hf_qknorm.fused_families()) - fused_before)
-        for key in [key for key in _ORIGINALS if key not in before]:
-            setattr(importlib.import_module(key[0]), key[1], _ORIGINALS.pop(key))
+        _restore([key for key in _ORIGINALS if key not in before])

@@ -132,8 +132,8 @@ def _apply_norm(mod, x, original_norm):
     return y.view(B, S, H, D).transpose(1, 2)
 
 
-def _fusable(q, k, cos, sin, position_ids, unsqueeze_dim, args, kwargs) -> bool:
-    if args or kwargs or position_ids is not None or unsqueeze_dim != 1:
+def _fusable(q, k, cos, sin, args, kwargs) -> bool:
+    if args or kwargs:  # the attentions fused here pass (q, k, cos, sin) alone (unsqueeze_dim 1)
         return False
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return False
@@ -148,21 +148,17 @@ def _fusable(q, k, cos, sin, position_ids, unsqueeze_dim, args, kwargs) -> bool:
 
 
 def _rope_function(previous, family: Family, norm_cls, original_norm):
-    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *args, **kwargs):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         st = _stack()
         entry = st[-1] if st else None
         if entry is None or entry.skipped != {"q", "k"}:
-            return previous(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
+            return previous(q, k, cos, sin, *args, **kwargs)
         entry.skipped = set()
         qn, kn = entry.q_norm, entry.k_norm
         eps_q, eps_k = getattr(qn, family.eps), getattr(kn, family.eps)
-        if (
-            eps_q != eps_k
-            or not _fusable(q, k, cos, sin, position_ids, unsqueeze_dim, args, kwargs)
-            or qn.weight.dtype != kn.weight.dtype
-        ):
+        if eps_q != eps_k or not _fusable(q, k, cos, sin, args, kwargs) or qn.weight.dtype != kn.weight.dtype:
             q, k = _apply_norm(qn, q, original_norm), _apply_norm(kn, k, original_norm)
-            return previous(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
+            return previous(q, k, cos, sin, *args, **kwargs)
         # HF's (B, H, S, D) views; cos/sin rows [f, f]: the first half of the columns
         return ops.rotate_angles(
             q,
@@ -181,12 +177,13 @@ def _rope_function(previous, family: Family, norm_cls, original_norm):
     return apply_rotary_pos_emb
 
 
-def patch(families) -> Dict[str, List[str]]:
-    """Fuse q/k norm + RoPE in these families (names of FAMILIES; others are ignored). Families
-    whose module the installed transformers lacks are skipped. Returns {family: [swapped names]}."""
+def patch(families, specs: Optional[Dict[str, Family]] = None) -> Dict[str, List[str]]:
+    """Fuse q/k norm + RoPE in these families (rows of `specs`, found from a model by
+    hf_qknorm_detect, else of FAMILIES; others are ignored). Families whose module the installed
+    transformers lacks are skipped. Returns {family: [swapped names]}."""
     done: Dict[str, List[str]] = {}
     for family in families:
-        spec = FAMILIES.get(family)
+        spec = (specs or {}).get(family) or FAMILIES.get(family)
         if spec is None or any(key[0] == _module_name(family) for key in _ORIGINALS):
             continue
         try:

@@ -1,0 +1,214 @@
+"""What Hugging Face's rotary functions compute, as a table of forms ropekit's kernel reproduces.
+
+transformers defines its rotary function anew in every modeling module (~230 of them), in a
+couple of dozen distinct bodies. They differ in a few independent choices, so a form is a row of
+data, not a function: which tensors it takes (`kind`), how cos / sin lay out the frequencies
+(`table`), whether the input and the output pairs are (i, i + R/2) or (2i, 2i + 1), whether a
+cos narrower than the head rotates a prefix (`partial`), and the output dtype rule. `run(form, ...)`
+returns the form's result through ops.rotate_angles, or None when the call is not one the kernel
+reproduces exactly (then the caller runs HF's own function: nothing changes for such inputs).
+
+Which HF function is which form is decided by running both (ropekit.integrations.hf_census); this
+module only says what each form means.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from ..api import ops
+from . import hf_plan
+
+
+class Form(NamedTuple):
+    name: str
+    kind: str  # "qk": (q, k, cos, sin, unsqueeze_dim) 4-D; "x": one tensor; "vision": 3-D (S, H, D), cos (S, D);
+    # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2)
+    table: str  # "halves": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
+    pairs_in: bool  # the input pairs are (2i, 2i + 1); else (i, i + R/2)
+    pairs_out: bool  # the output pairs are (2i, 2i + 1)
+    partial: bool  # a table narrower than the head rotates dims [0, R) and passes the rest through
+    dtype: str  # "promote": HF's type promotion with cos; "own": each output in its input's dtype; "q": both in q's
+    what: str  # one line for the docs
+
+
+FORMS: Tuple[Form, ...] = (
+    Form("llama", "qk", "halves", False, False, False, "promote", "half-split (Llama)"),
+    Form("neox", "qk", "halves", False, False, True, "promote", "half-split, partial rotary (GPT-NeoX, Phi-3)"),
+    # "own" and "q" agree on every call the kernel takes (it takes q and k of one dtype only): OLMo's
+    # cast to each input's dtype and ESM / ModernBERT's float32 math cast to q's dtype are one form
+    Form("olmo", "qk", "halves", False, False, False, "own", "half-split, outputs in the inputs' dtype (OLMo, ESM)"),
+    Form("glm", "qk", "halves", True, True, True, "promote", "pairs, partial rotary (GLM)"),
+    Form("pairs", "qk", "halves", True, True, False, "promote", "pairs from a half-split table (Helium)"),
+    Form("ernie", "qk", "halves", True, True, False, "q", "pairs from a half-split table, q's dtype (ERNIE 4.5)"),
+    Form("cohere", "qk", "pairs", True, True, False, "q", "pairs, pair table, q's dtype (Cohere)"),
+    Form("pairs_table", "qk", "pairs", True, True, False, "promote", "pairs, pair table (BLT)"),
+    Form("glm4v", "qk", "pairs", True, True, True, "promote", "pairs, pair table, partial rotary (GLM-4V)"),
+    Form("deepseek", "qk", "halves", True, False, False, "promote", "pairs in, half-split out (DeepSeek-V3)"),
+    Form("narrow", "qk", "narrow", False, False, False, "promote", "half-split, table of R/2 columns (GPT-OSS)"),
+    Form("gemma4", "x", "halves", False, False, False, "promote", "half-split, one tensor (Gemma 3n / 4)"),
+    Form("vision", "vision", "halves", False, False, False, "own", "half-split vision tokens (S, H, D)"),
+    Form("llama4", "complex", "complex", True, True, False, "own", "pairs times complex freqs_cis (Llama 4)"),
+)
+FORM = {f.name: f for f in FORMS}
+
+# the parameter lists of HF functions a form's replacement can stand in for: names -> kind
+SIGNATURES: Dict[Tuple[str, ...], str] = {
+    ("q", "k", "cos", "sin", "unsqueeze_dim"): "qk",
+    ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"): "qk",
+    ("x", "cos", "sin", "unsqueeze_dim"): "x",
+    ("q", "k", "cos", "sin"): "vision",
+    ("xq", "xk", "freqs_cis"): "complex",
+}
+
+
+def signature_of(fn) -> Optional[Tuple[str, ...]]:
+    """The parameter names of fn when they are one of SIGNATURES, all positional-or-keyword; else None."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = tuple(p.name for p in params)
+    if names not in SIGNATURES or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    return names
+
+
+def _vision_takes(q, k, cos, sin) -> bool:
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
+        return False
+    if q.dim() != 3 or k.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.dtype != sin.dtype:
+        return False
+    if q.shape[0] != k.shape[0] or tuple(cos.shape) != (q.shape[0], q.shape[-1]) or k.shape[-1] != q.shape[-1]:
+        return False
+    dtypes = (q.dtype, k.dtype, cos.dtype)
+    if any(d not in hf_plan.KERNEL_DTYPES for d in dtypes) or k.dtype != q.dtype or cos.shape[-1] % 2:
+        return False
+    if any(t.device != q.device for t in (k, cos, sin)) or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    return not ((cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled())
+
+
+def _complex_plan(xq, xk, freqs_cis):
+    """freqs_cis's real and imaginary parts are cos and sin, read in place (column stride 2)."""
+    ok = (
+        isinstance(freqs_cis, torch.Tensor)
+        and freqs_cis.dtype == torch.complex64
+        and freqs_cis.dim() == 3
+        and isinstance(xq, torch.Tensor)
+        and isinstance(xk, torch.Tensor)
+        and xq.dim() == 4
+        and xk.dim() == 4
+    )
+    if not ok:
+        return None
+    fr = torch.view_as_real(freqs_cis.resolve_conj())
+    cos, sin = fr[..., 0], fr[..., 1]
+    tokens = tuple(xq.shape[:2])
+    ok = (
+        hf_plan.kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
+        and tuple(xk.shape[:2]) == tokens
+        and hf_plan.fits(tuple(freqs_cis.shape[:2]), tokens)
+        and xq.shape[-1] == 2 * freqs_cis.shape[-1]
+        and xk.shape[-1] == 2 * freqs_cis.shape[-1]
+    )
+    return (None, cos.shape[-1], cos, sin) if ok else None
+
+
+def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
+    """How the kernel takes this call of the form: (heads dim, columns, cos, sin), or None when it
+    does not reproduce HF's result for it."""
+    if form.kind == "vision":
+        return (None, cos.shape[-1] // 2, cos, sin) if _vision_takes(q, k, cos, sin) else None
+    if form.kind == "complex":
+        return _complex_plan(q, k, cos)
+    k_checked = q if form.kind == "x" else k
+    if form.dtype == "q" and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dtype != q.dtype:
+        return None
+    found = hf_plan.plain_plan(
+        q,
+        k_checked,
+        cos,
+        sin,
+        unsqueeze_dim,
+        promote_to_q=form.dtype == "promote",
+        need_full=not form.partial and form.table != "narrow",
+    )
+    if found is None:
+        return None
+    hd, r = found
+    if form.table == "narrow":
+        return (hd, r, cos, sin) if 2 * r == q.shape[-1] == k_checked.shape[-1] else None
+    if form.table == "pairs":
+        return hd, r // 2, cos[..., 0::2], sin[..., 0::2]  # every frequency once (stride-2 views)
+    return hd, r // 2, cos, sin
+
+
+def execute(form: Form, planned, q, k):
+    """Run a planned call: (q_out, k_out), or the output alone for kind "x"."""
+    hd, columns, cos, sin = planned
+    if form.kind == "complex":
+        return ops.rotate_angles(q, k, cos, sin, interleaved=True, columns=columns)
+    if form.kind == "vision":
+        return ops.rotate_angles(q, k, cos, sin, columns=columns)
+    out = hf_plan.rotate_hf_layout(
+        q,
+        None if form.kind == "x" else k,
+        cos,
+        sin,
+        hd,
+        interleaved=form.pairs_in,
+        out_interleaved=form.pairs_out,
+        columns=columns,
+    )
+    return out[0] if form.kind == "x" else out
+
+
+def run(form: Form, q, k, cos, sin, unsqueeze_dim=None):
+    """The form's result by ropekit's kernel, or None when the kernel does not reproduce HF's."""
+    planned = plan(form, q, k, cos, sin, unsqueeze_dim)
+    return None if planned is None else execute(form, planned, q, k)
+
+
+def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Callable:
+    """A function with the original's parameters and defaults that returns the form's result, and
+    the original's own where the kernel does not reproduce it (`run` returned None)."""
+    kind = SIGNATURES[names]
+    if kind == "x":
+
+        def fn(x, cos, sin, unsqueeze_dim=1):
+            out = run(form, x, None, cos, sin, unsqueeze_dim)
+            return original(x, cos, sin, unsqueeze_dim) if out is None else out
+
+    elif kind == "complex":
+
+        def fn(xq, xk, freqs_cis):
+            out = run(form, xq, xk, freqs_cis, None)
+            return original(xq, xk, freqs_cis) if out is None else out
+
+    elif kind == "vision":
+
+        def fn(q, k, cos, sin):
+            out = run(form, q, k, cos, sin)
+            return original(q, k, cos, sin) if out is None else out
+
+    elif "position_ids" in names:
+
+        def fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+            out = run(form, q, k, cos, sin, unsqueeze_dim)
+            return original(q, k, cos, sin, position_ids, unsqueeze_dim) if out is None else out
+
+    else:
+
+        def fn(q, k, cos, sin, unsqueeze_dim=1):
+            out = run(form, q, k, cos, sin, unsqueeze_dim)
+            return original(q, k, cos, sin, unsqueeze_dim) if out is None else out
+
+    fn.__defaults__ = original.__defaults__  # the original's defaults (the names are the same)
+    fn.__name__, fn.__qualname__, fn.__doc__ = original.__name__, original.__qualname__, original.__doc__
+    fn.ropekit_form = form.name
+    fn.ropekit_original = original
+    return fn

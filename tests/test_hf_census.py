@@ -1,0 +1,195 @@
+"""Every modeling module of the installed transformers with a rotary function is either patched or
+left with a reason (ropekit.hf.patch()), unpatch restores every one, and for each form (body class)
+a tiny random-weight model of one family gives the unpatched model's logits and gradients.
+
+The forms are decided at patch time by running HF's functions (ropekit.integrations.hf_census);
+here the models check that decision end to end: float32, relative L2 within 1e-5, and the kernel
+path actually taken (a spy on ops.rotate_angles counts the calls).
+"""
+
+import copy
+import importlib
+from unittest import mock
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ropekit import hf  # noqa: E402
+from ropekit.api import ops  # noqa: E402
+from ropekit.integrations import hf_census, hf_forms  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_hf():
+    hf.unpatch()
+    yield
+    hf.unpatch()
+
+
+def test_every_rotary_function_is_patched_or_left_with_a_reason():
+    entries = hf_census.scan()
+    assert len(entries) > 100, "the source scan found too few modeling modules"
+    before = {(e.module, n): getattr(importlib.import_module(e.module), n, None) for e in entries for n in e.names}
+    report = hf.patch()
+    for entry in entries:
+        module = importlib.import_module(entry.module)
+        for name in entry.names:
+            label = (
+                name if entry.module.endswith(f"modeling_{entry.family}") else f"{entry.module.split('.')[-1]}.{name}"
+            )
+            patched = label in report.get(entry.family, [])
+            reason = report.left.get(entry.family, {}).get(label)
+            assert patched != (reason is not None), f"{entry.module}.{name}: patched={patched}, reason={reason!r}"
+            if patched:
+                assert getattr(module, name).ropekit_original is before[(entry.module, name)]
+                assert report.forms[entry.family][label] in hf_forms.FORM
+            else:
+                assert reason and getattr(module, name, None) is before[(entry.module, name)]
+    # patching again changes nothing; unpatch restores every function
+    current = {key: getattr(importlib.import_module(key[0]), key[1], None) for key in before}
+    assert hf.patch() == report
+    assert all(getattr(importlib.import_module(k[0]), k[1], None) is v for k, v in current.items())
+    hf.unpatch()
+    assert all(getattr(importlib.import_module(k[0]), k[1], None) is v for k, v in before.items())
+
+
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# form (and what else the family differs in) -> (family, config class, model class, config keywords
+# beyond COMMON); one family per form
+MODELS = {
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}),
+    "neox": ("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}),
+    "olmo": ("olmo", "OlmoConfig", "OlmoForCausalLM", {}),
+    "olmo, float32 math (encoder)": (
+        "modernbert",
+        "ModernBertConfig",
+        "ModernBertForMaskedLM",
+        {"global_attn_every_n_layers": 1},
+    ),
+    "glm": ("glm", "GlmConfig", "GlmForCausalLM", {"head_dim": 16, "partial_rotary_factor": 0.5}),
+    "pairs": ("helium", "HeliumConfig", "HeliumForCausalLM", {"head_dim": 8}),
+    "ernie": ("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 8}),
+    "cohere": ("cohere", "CohereConfig", "CohereForCausalLM", {}),
+    "narrow": (
+        "gpt_oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"head_dim": 8, "num_local_experts": 2, "num_experts_per_tok": 1, "experts_implementation": "eager"},
+    ),
+    "deepseek": (
+        "deepseek_v3",
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 2,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "rope_interleave": True,
+            "num_key_value_heads": 4,
+            "experts_implementation": "eager",
+        },
+    ),
+}
+
+
+def _build(form):
+    family, config_cls, model_cls, extra = MODELS[form]
+    config = getattr(transformers, config_cls)(**dict(COMMON, **extra))
+    config._attn_implementation = "eager"
+    return family, getattr(transformers, model_cls)(config).float()
+
+
+def _run(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids).logits
+    (out.float() ** 2).mean().backward()
+    return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+def test_tiny_model_of_each_form_matches_unpatched(form):
+    torch.manual_seed(0)
+    family, model = _build(form)
+    ids = torch.randint(3, 64, (2, 7))
+    want_logits, want_grads = _run(model, ids)
+    patched_model = copy.deepcopy(model)
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        report = hf.patch(patched_model)
+        assert form.split(",")[0] in report.forms[family].values(), report.forms
+        got_logits, got_grads = _run(patched_model, ids)
+    assert spy.call_count > 0, "the kernel path was never taken"
+    assert _rel(got_logits, want_logits) <= 1e-5
+    assert got_grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-5 or (g.abs().max() < 1e-12 and got_grads[name].abs().max() < 1e-12), name
+
+
+def test_docs_table_is_current():
+    """docs/hf.md's families table is what `python -m ropekit.tools.hf_table --write` gives now
+    (checked for the transformers version the table names; another version would list others)."""
+    from ropekit.tools import hf_table
+
+    section = hf_table.current_section(hf_table.DOC.read_text(encoding="utf-8"))
+    assert section is not None, "docs/hf.md has no generated table (run python -m ropekit.tools.hf_table --write)"
+    if f"transformers {transformers.__version__}:" not in section:
+        pytest.skip(f"docs/hf.md's table is for another transformers than {transformers.__version__}")
+    assert section == hf_table.render(), "docs/hf.md is stale: run python -m ropekit.tools.hf_table --write"
+
+
+def test_vision_form_in_a_tiny_vision_tower():
+    """The vision form (tokens (S, H, D), float32 math, outputs in the inputs' dtypes): Qwen2-VL's
+    vision transformer, patched vs unpatched, outputs and every parameter gradient."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    config = transformers.Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=1
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    tower = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(config).float()
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = torch.randn(16, 3 * 2 * 2)
+
+    def run():
+        tower.zero_grad(set_to_none=True)
+        out = tower(pixels, grid_thw=grid)
+        out = getattr(out, "pooler_output", None) if not isinstance(out, torch.Tensor) else out
+        (out**2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    report = hf.patch(tower)
+    assert report.forms["qwen2_vl"]["apply_rotary_pos_emb_vision"] == "vision"
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got, got_grads = run()
+    assert spy.call_count == config.depth
+    assert _rel(got, want) <= 1e-5
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-5, name
