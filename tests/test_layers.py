@@ -22,7 +22,7 @@ LAYERS = (
         ("core.memo", "core.launch", "core.tuning", "core.validate", "core.freqs", "core.packed", "core.cpu"),
     ),
     ("core plans", ("core.launcher",)),
-    ("core dispatch", ("core.pipeline", "core.library")),
+    ("core dispatch", ("core.pipeline", "core.sharding", "core.library")),
     ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
     (
         "integrations",

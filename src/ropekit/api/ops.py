@@ -22,8 +22,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..core import launcher, pipeline, validate
-from ..core.library import ANGLE_NAMES, dtensor_like
+from ..core.library import dtensor_like
 from ..core.pipeline import (
+    ANGLE_NAMES,
     CUSTOM_OP,
     DIRECT,
     MROPE_CHUNKED,

@@ -10,7 +10,7 @@ among them); (a, b): the angle operands as `pipeline.run_rotate` takes them (pos
 cu_seqlens and a [cos | sin] table, per-token cos and sin, positions and inverse frequencies);
 wq, wk: RMSNorm weights (None: that tensor is not normalized); packed: [cp_size, cp_rank];
 norm: [eps, offset]. These are the doors torch.compile traces and tensor subclasses dispatch
-through (DTensor: distributed.py derives their sharding from the same variant); eager calls take
+through (DTensor: sharding.py derives their sharding from the same variant); eager calls take
 ops.py's direct run or `pipeline.RotateFunction`, which run the same steps.
 
 The backward of `rotate` is `rotate` with `Variant.backward()` (the inverse rotation), or for a
@@ -24,24 +24,22 @@ from typing import List, Optional
 
 import torch
 
-from . import pipeline, validate
+from . import pipeline, sharding, validate
 from .freqs import freq_grad
-from .pipeline import Spec, Variant
-
-# what each angle source's operands are called in errors (a, b)
-ANGLE_NAMES = {
-    "table": ("positions", "cos_sin_cache"),
-    "arange": ("positions", "cos_sin_cache"),
-    "packed": ("cu_seqlens", "cos_sin_cache"),
-    "tokens": ("cos", "sin"),
-    "freqs": ("positions", "inv_freq"),
-}
+from .pipeline import ANGLE_NAMES, Spec, Variant
 
 
 def dtensor_like(q, *xs):
     """xs, each a DTensor like q: plain tensors (tables, positions, weights) become DTensors
     replicated on q's mesh (DTensor refuses calls that mix the two; every rank holds the same
-    values, so no communication); when q is not a DTensor, xs as they are."""
+    values, so no communication); when q is not a DTensor, xs as they are.
+
+    Every custom-op door of the public ops passes here, so this is where the sharding rules are
+    registered: the first time q is a tensor subclass (a DTensor dispatches the op through them).
+    A plain tensor costs one type test."""
+    if type(q) is torch.Tensor:
+        return xs
+    sharding.register()
     mesh = getattr(q, "device_mesh", None)
     if mesh is None:
         return xs

@@ -37,6 +37,14 @@ empty_like = torch.empty_like
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 # where the angles come from (Variant.angles); the index is the custom ops' code for each
 ANGLE_SOURCES = ("table", "arange", "packed", "tokens", "freqs", "delta")
+# what each angle source's operands (a, b) are called in errors and in the sharding rules
+ANGLE_NAMES = {
+    "table": ("positions", "cos_sin_cache"),
+    "arange": ("positions", "cos_sin_cache"),
+    "packed": ("cu_seqlens", "cos_sin_cache"),
+    "tokens": ("cos", "sin"),
+    "freqs": ("positions", "inv_freq"),
+}
 DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
 
 
