@@ -42,4 +42,3 @@ def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
