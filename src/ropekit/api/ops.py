@@ -179,11 +179,12 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
 
 
 def _door(q, spec_grad: bool, normed: bool, triton: bool) -> str:
-    """pipeline.door_for, except that the CPU path of a normed variant is always a direct run
-    (torch ops that autograd records)."""
-    if type(q) is torch.Tensor and normed and not triton:
+    """pipeline.door_for, except that the CPU path of a normed variant is a direct run (torch ops
+    that autograd records) wherever door_for does not pick the dispatcher."""
+    door = pipeline.door_for(q, spec_grad)
+    if door is not CUSTOM_OP and normed and not triton:
         return DIRECT
-    return pipeline.door_for(q, spec_grad)
+    return door
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,7 +483,7 @@ def _rope_spec(
         if layout is None:
             validate.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None)
         if cu_seqlens is not None:
-            if inplace and type(q) is torch.Tensor and not torch.compiler.is_compiling():
+            if inplace and validate.addresses_known(q):
                 validate.inplace_aliasing(op, q, k, (("cu_seqlens", cu_seqlens),))
             angles, source = "packed", cu_seqlens
         else:

@@ -215,8 +215,10 @@ def triton_runs(x: torch.Tensor) -> bool:
 
 
 def door_for(q, grad: bool) -> str:
-    """Eager calls: subclasses (DTensor, ...) go through the dispatcher, grad through autograd."""
-    if type(q) is not torch.Tensor:
+    """Eager calls: subclasses (DTensor, ...) and meta tensors go through the dispatcher (the custom
+    ops' fakes give meta outputs their shapes and dtypes: a model built on meta runs for shapes),
+    grad through autograd."""
+    if type(q) is not torch.Tensor or q.device.type == "meta":
         return CUSTOM_OP
     return FUNCTION if grad else DIRECT
 
