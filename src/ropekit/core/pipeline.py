@@ -14,9 +14,11 @@
                tensors. The backward of every door is the same run with `Variant.backward()` (the
                inverse rotation), or with a norm `run_norm_backward` (the norm's backward kernel).
 
-Adding a variant flag: a field of `Variant` (its `encode` / `decode` entries and its kernel
-constexpr in launcher.plan_rotate), its check in validate.py, its branch in the kernel, in cpu.py
-and in the oracle reference.py, and its keyword on the public op (ops.py).
+Adding a variant flag: a field of `Variant` with a bool or int default (`encode` / `decode` follow
+the fields: nothing to edit there), its kernel constexpr in launcher.plan_rotate, its check in
+validate.py, its branch in the kernel, in cpu.py and in the oracle reference.py, and its keyword
+on the public op (ops.py). A new angle source also needs its entries in ANGLE_SOURCES and
+ANGLE_NAMES and its operands' roles in sharding.py.
 """
 
 from __future__ import annotations
