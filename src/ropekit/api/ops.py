@@ -21,8 +21,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import launcher, pipeline, validate
-from ..core.library import dtensor_like
+from ..core import (
+    launcher,
+    library,  # noqa: F401  (defines the custom ops the doors below call: torch.ops.ropekit.rotate, rotate_)
+    pipeline,
+    validate,
+)
 from ..core.pipeline import (
     ANGLE_NAMES,
     CUSTOM_OP,
@@ -36,6 +40,7 @@ from ..core.pipeline import (
     tensor_key,
     value_key,
 )
+from ..core.sharding import dtensor_like
 from ..core.validate import fail
 
 _MEMO_GET = pipeline.lookup

@@ -24,33 +24,9 @@ from typing import List, Optional
 
 import torch
 
-from . import pipeline, sharding, validate
+from . import pipeline, validate
 from .freqs import freq_grad
 from .pipeline import ANGLE_NAMES, Spec, Variant
-
-
-def dtensor_like(q, *xs):
-    """xs, each a DTensor like q: plain tensors (tables, positions, weights) become DTensors
-    replicated on q's mesh (DTensor refuses calls that mix the two; every rank holds the same
-    values, so no communication); when q is not a DTensor, xs as they are.
-
-    Every custom-op door of the public ops passes here, so this is where the sharding rules are
-    registered: the first time q is a tensor subclass (a DTensor dispatches the op through them).
-    A plain tensor costs one type test."""
-    if type(q) is torch.Tensor:
-        return xs
-    sharding.register()
-    mesh = getattr(q, "device_mesh", None)
-    if mesh is None:
-        return xs
-    from torch.distributed.tensor import DTensor, Replicate
-
-    def like(x):
-        if not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh"):
-            return x
-        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-    return tuple(like(x) for x in xs)
 
 
 def op_spec(variant: Variant, rot: int, packed, norm, q, k, a, b, inplace: bool = False) -> Spec:

@@ -28,7 +28,7 @@ Every tensor argument of a DTensor call must be a DTensor (DTensor refuses mixed
 plain table with `replicate(table, mesh)`.
 
 `register()` installs the rules (idempotent). The public ops call it through
-`library.dtensor_like`, the first time one of their custom ops is called with a tensor subclass:
+`dtensor_like`, the first time one of their custom ops is called with a tensor subclass:
 importing DTensor costs ~1 s, which `import ropekit` must not pay, and no DTensor can exist before
 that module is imported, so nothing is installed at import time. Call it yourself before calling
 the custom ops (torch.ops.ropekit.*) directly on DTensors. OPS is the one table of op-schema
@@ -362,6 +362,30 @@ def register() -> bool:
         )
     _registered = True
     return True
+
+
+def dtensor_like(q, *xs):
+    """xs, each a DTensor like q: plain tensors (tables, positions, weights) become DTensors
+    replicated on q's mesh (DTensor refuses calls that mix the two; every rank holds the same
+    values, so no communication); when q is not a DTensor, xs as they are.
+
+    Every custom-op door of the public ops passes here, so this is where the sharding rules are
+    registered: the first time q is a tensor subclass (a DTensor dispatches the op through them).
+    A plain tensor costs one type test."""
+    if type(q) is torch.Tensor:
+        return xs
+    register()
+    mesh = getattr(q, "device_mesh", None)
+    if mesh is None:
+        return xs
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def like(x):
+        if not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh"):
+            return x
+        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    return tuple(like(x) for x in xs)
 
 
 # What torch.compiler.assume_constant_result(register) does, without importing torch._dynamo (~3 s)
