@@ -190,17 +190,51 @@ def test_refused_layouts_name_the_argument(gathered, case, fragment):
     assert msg.startswith(fragment), msg
 
 
-def test_rules_registered_lazily_when_dtensor_is_imported_after_ropekit():
-    """`import ropekit` must not import DTensor (~1 s); importing DTensor later registers the rules."""
-    code = (
-        "import sys, ropekit\n"
-        "assert 'torch.distributed.tensor' not in sys.modules, 'ropekit imported DTensor'\n"
-        "assert not ropekit.distributed._registered\n"
-        "import torch\n"
-        "from torch.distributed.tensor import DTensor\n"
-        "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
-        "assert all(getattr(torch.ops.ropekit, n).default in funcs for n in ropekit.distributed.OPS)\n"
-    )
+def _run_python(code: str) -> None:
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_import_has_no_side_effects():
+    """`import ropekit` defines names only: no import hook, and DTensor (~1 s) not imported."""
+    _run_python(
+        "import sys\n"
+        "before = list(sys.meta_path)\n"
+        "import ropekit, ropekit.distributed\n"
+        "assert sys.meta_path == before, sys.meta_path\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'ropekit imported DTensor'\n"
+    )
+
+
+def test_rules_registered_on_the_first_dtensor_call_even_under_compile():
+    """Importing DTensor registers nothing; the first call of a public op on DTensors does, also
+    when that call is traced by torch.compile (fullgraph: registering must not break the graph)."""
+    _run_python(
+        "import os\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import torch, ropekit\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.tensor import DTensor, DeviceMesh, Replicate, Shard, distribute_tensor\n"
+        "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
+        "ops = [getattr(torch.ops.ropekit, n).default for n in ropekit.distributed.OPS]\n"
+        "assert not any(op in funcs for op in ops), 'registered before any DTensor call'\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "mesh = DeviceMesh('cpu', [0])\n"
+        "q = distribute_tensor(torch.randn(8, 4, 32), mesh, [Shard(1)])\n"
+        "k = distribute_tensor(torch.randn(8, 2, 32), mesh, [Shard(1)])\n"
+        "pos = distribute_tensor(torch.arange(8), mesh, [Replicate()])\n"
+        "cache = torch.randn(64, 32)\n"
+        "f = torch.compile(ropekit.apply_rope, backend='eager', fullgraph=True)\n"
+        "qo, ko = f(q, k, pos, cache)\n"
+        "assert all(op in funcs for op in ops), 'not registered by the first DTensor call'\n"
+        "assert tuple(qo.placements) == (Shard(1),), qo.placements\n"
+        "want, _ = ropekit.apply_rope(q.to_local(), k.to_local(), torch.arange(8), cache)\n"
+        "torch.testing.assert_close(qo.to_local(), want)\n"
+        "dist.destroy_process_group()\n"
+        # core/sharding.py marks register() as torch.compiler.assume_constant_result would
+        "def g():\n"
+        "    pass\n"
+        "torch.compiler.assume_constant_result(g)\n"
+        "assert vars(g) == {'_dynamo_marked_constant': True}, vars(g)\n"
+    )

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit import distributed
-from ropekit.core import packed, pipeline
+from ropekit.core import packed, pipeline, sharding
 from ropekit.core.pipeline import Variant
 from ropekit.tools import reference
 
@@ -188,17 +187,17 @@ def test_norm_and_axial_angles_in_one_launch(device, monkeypatch):
 def test_dtensor_rules_follow_the_variant():
     """The rotation ops' sharding roles are derived from the encoded Variant."""
     tokens = Variant(angles="tokens", norm_q=2).encode()
-    rule = distributed.rule_of("rotate", {"variant": tokens})
+    rule = sharding.rule_of("rotate", {"variant": tokens})
     roles = dict(rule.args)
-    assert roles["cos"] == distributed.ANGLES and roles["sin"] == distributed.ANGLES
-    assert roles["q_norm_weight"] == distributed.WEIGHT_ALL and roles["k_norm_weight"] == distributed.WEIGHT
-    packed_rule = distributed.rule_of("rotate_", [None] * 6 + [Variant(angles="packed").encode()])
-    assert dict(packed_rule.args)["cu_seqlens"] == distributed.SEQLENS and packed_rule.written == ("q", "k")
-    freqs_rule = distributed.rule_of("rotate", {"variant": Variant(angles="freqs", sections=(2, 2)).encode()})
-    assert dict(freqs_rule.args)["positions"] == distributed.TOKENS
-    assert dict(freqs_rule.args)["inv_freq"] == distributed.TABLE
-    back = distributed.rule_of("rotate_norm_backward", {"variant": Variant(norm_k=1).encode()})
-    assert back.outputs == ("x", distributed.GRAD_SUM)
+    assert roles["cos"] == sharding.ANGLES and roles["sin"] == sharding.ANGLES
+    assert roles["q_norm_weight"] == sharding.WEIGHT_ALL and roles["k_norm_weight"] == sharding.WEIGHT
+    packed_rule = sharding.rule_of("rotate_", [None] * 6 + [Variant(angles="packed").encode()])
+    assert dict(packed_rule.args)["cu_seqlens"] == sharding.SEQLENS and packed_rule.written == ("q", "k")
+    freqs_rule = sharding.rule_of("rotate", {"variant": Variant(angles="freqs", sections=(2, 2)).encode()})
+    assert dict(freqs_rule.args)["positions"] == sharding.TOKENS
+    assert dict(freqs_rule.args)["inv_freq"] == sharding.TABLE
+    back = sharding.rule_of("rotate_norm_backward", {"variant": Variant(norm_k=1).encode()})
+    assert back.outputs == ("x", sharding.GRAD_SUM)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -42,9 +42,3 @@ def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# DTensor sharding rules for the custom ops: registered when torch.distributed.tensor is imported
-from .integrations import distributed as _distributed  # noqa: E402
-
-_distributed.install()

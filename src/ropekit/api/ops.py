@@ -21,9 +21,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import launcher, pipeline, validate
-from ..core.library import ANGLE_NAMES, dtensor_like
+from ..core import (
+    launcher,
+    library,  # noqa: F401  (defines the custom ops the doors below call: torch.ops.ropekit.rotate, rotate_)
+    pipeline,
+    validate,
+)
 from ..core.pipeline import (
+    ANGLE_NAMES,
     CUSTOM_OP,
     DIRECT,
     MROPE_CHUNKED,
@@ -35,6 +40,7 @@ from ..core.pipeline import (
     tensor_key,
     value_key,
 )
+from ..core.sharding import dtensor_like
 from ..core.validate import fail
 
 _MEMO_GET = pipeline.lookup
@@ -178,11 +184,12 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
 
 
 def _door(q, spec_grad: bool, normed: bool, triton: bool) -> str:
-    """pipeline.door_for, except that the CPU path of a normed variant is always a direct run
-    (torch ops that autograd records)."""
-    if type(q) is torch.Tensor and normed and not triton:
+    """pipeline.door_for, except that the CPU path of a normed variant is a direct run (torch ops
+    that autograd records) wherever door_for does not pick the dispatcher."""
+    door = pipeline.door_for(q, spec_grad)
+    if door is not CUSTOM_OP and normed and not triton:
         return DIRECT
-    return pipeline.door_for(q, spec_grad)
+    return door
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +488,7 @@ def _rope_spec(
         if layout is None:
             validate.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None)
         if cu_seqlens is not None:
-            if inplace and type(q) is torch.Tensor and not torch.compiler.is_compiling():
+            if inplace and validate.addresses_known(q):
                 validate.inplace_aliasing(op, q, k, (("cu_seqlens", cu_seqlens),))
             angles, source = "packed", cu_seqlens
         else:

@@ -19,6 +19,7 @@ import torch
 
 from ..core import cpu, launcher, memo, pipeline, validate
 from ..core.pipeline import CUSTOM_OP, DIRECT, MROPE_CHUNKED, MROPE_INTERLEAVED, Spec, Variant, tensor_key, value_key
+from ..core.sharding import dtensor_like
 
 OP = "apply_rope_and_store"
 
@@ -681,10 +682,8 @@ def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q
     """The custom-op door: plain tensors (tables, positions, scales, weights) become replicated
     DTensors like q for a DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     if spec.door is CUSTOM_OP:
-        from ..core.library import dtensor_like as like
-
         wq, wk = (None, None) if norm is None else norm[:2]
-        a, table, slot_mapping, ks, vs, qs, wq, wk = like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)
+        a, table, slot_mapping, ks, vs, qs, wq, wk = dtensor_like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)
         norm = None if norm is None else (wq, wk, norm[2], norm[3])
     store_op(spec, (q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs), write_key, q_out, qs, norm)
 

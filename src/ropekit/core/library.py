@@ -10,7 +10,7 @@ among them); (a, b): the angle operands as `pipeline.run_rotate` takes them (pos
 cu_seqlens and a [cos | sin] table, per-token cos and sin, positions and inverse frequencies);
 wq, wk: RMSNorm weights (None: that tensor is not normalized); packed: [cp_size, cp_rank];
 norm: [eps, offset]. These are the doors torch.compile traces and tensor subclasses dispatch
-through (DTensor: distributed.py derives their sharding from the same variant); eager calls take
+through (DTensor: sharding.py derives their sharding from the same variant); eager calls take
 ops.py's direct run or `pipeline.RotateFunction`, which run the same steps.
 
 The backward of `rotate` is `rotate` with `Variant.backward()` (the inverse rotation), or for a
@@ -26,33 +26,7 @@ import torch
 
 from . import pipeline, validate
 from .freqs import freq_grad
-from .pipeline import Spec, Variant
-
-# what each angle source's operands are called in errors (a, b)
-ANGLE_NAMES = {
-    "table": ("positions", "cos_sin_cache"),
-    "arange": ("positions", "cos_sin_cache"),
-    "packed": ("cu_seqlens", "cos_sin_cache"),
-    "tokens": ("cos", "sin"),
-    "freqs": ("positions", "inv_freq"),
-}
-
-
-def dtensor_like(q, *xs):
-    """xs, each a DTensor like q: plain tensors (tables, positions, weights) become DTensors
-    replicated on q's mesh (DTensor refuses calls that mix the two; every rank holds the same
-    values, so no communication); when q is not a DTensor, xs as they are."""
-    mesh = getattr(q, "device_mesh", None)
-    if mesh is None:
-        return xs
-    from torch.distributed.tensor import DTensor, Replicate
-
-    def like(x):
-        if not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh"):
-            return x
-        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-    return tuple(like(x) for x in xs)
+from .pipeline import ANGLE_NAMES, Spec, Variant
 
 
 def op_spec(variant: Variant, rot: int, packed, norm, q, k, a, b, inplace: bool = False) -> Spec:

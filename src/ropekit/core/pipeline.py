@@ -14,9 +14,11 @@
                tensors. The backward of every door is the same run with `Variant.backward()` (the
                inverse rotation), or with a norm `run_norm_backward` (the norm's backward kernel).
 
-Adding a variant flag: a field of `Variant` (its `encode` / `decode` entries and its kernel
-constexpr in launcher.plan_rotate), its check in validate.py, its branch in the kernel, in cpu.py
-and in the oracle reference.py, and its keyword on the public op (ops.py).
+Adding a variant flag: a field of `Variant` with a bool or int default (`encode` / `decode` follow
+the fields: nothing to edit there), its kernel constexpr in launcher.plan_rotate, its check in
+validate.py, its branch in the kernel, in cpu.py and in the oracle reference.py, and its keyword
+on the public op (ops.py). A new angle source also needs its entries in ANGLE_SOURCES and
+ANGLE_NAMES and its operands' roles in sharding.py.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ empty_like = torch.empty_like
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 # where the angles come from (Variant.angles); the index is the custom ops' code for each
 ANGLE_SOURCES = ("table", "arange", "packed", "tokens", "freqs", "delta")
+# what each angle source's operands (a, b) are called in errors and in the sharding rules
+ANGLE_NAMES = {
+    "table": ("positions", "cos_sin_cache"),
+    "arange": ("positions", "cos_sin_cache"),
+    "packed": ("cu_seqlens", "cos_sin_cache"),
+    "tokens": ("cos", "sin"),
+    "freqs": ("positions", "inv_freq"),
+}
 DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
 
 
@@ -207,8 +217,10 @@ def triton_runs(x: torch.Tensor) -> bool:
 
 
 def door_for(q, grad: bool) -> str:
-    """Eager calls: subclasses (DTensor, ...) go through the dispatcher, grad through autograd."""
-    if type(q) is not torch.Tensor:
+    """Eager calls: subclasses (DTensor, ...) and meta tensors go through the dispatcher (the custom
+    ops' fakes give meta outputs their shapes and dtypes: a model built on meta runs for shapes),
+    grad through autograd."""
+    if type(q) is not torch.Tensor or q.device.type == "meta":
         return CUSTOM_OP
     return FUNCTION if grad else DIRECT
 

@@ -1,6 +1,6 @@
 """Launch-shape knobs of ropekit's kernels: one table, with the reason for each default.
 
-The defaults are what the H200 sweeps picked (benchmarks/tune_core.py; the measurements and their
+The defaults are what the H200 sweeps picked (tools/tune_core.py; the measurements and their
 history are in benchmarks/PERF_LOG.md). `override(...)` changes them for a block (tests force each
 program layout, the sweep tries each setting); `ROPEKIT_<NAME>` environment variables set them for
 a process. Changing a knob drops every memoized plan, so the next call plans again.

@@ -301,9 +301,8 @@ def inplace_args(op, q, k, read, *, inplace_grad=False) -> None:
                 "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
                 f"strides {tuple(x.stride())}",
             )
-    # data pointers cannot be traced, nor read from tensor subclasses (DTensor): the in-place
-    # custom op checks its (local) tensors at run time
-    if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
+    # the in-place custom op checks its (local) tensors at run time where addresses are not known here
+    if addresses_known(q):
         inplace_aliasing(op, q, k, read)
     if not inplace_grad and torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
         fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
@@ -633,6 +632,12 @@ def warn_ambiguous_layout(op, q, positions_none: bool, stacklevel: int = 4) -> N
         LayoutWarning,
         stacklevel=stacklevel,  # the caller of the public op
     )
+
+
+def addresses_known(x) -> bool:
+    """Can a check compare x's data pointers? Not while tracing, through a tensor subclass (DTensor)
+    or on meta (every meta tensor's address is 0: nothing is written, so no overlap matters)."""
+    return type(x) is torch.Tensor and x.device.type != "meta" and not torch.compiler.is_compiling()
 
 
 def data_readable(x) -> bool:

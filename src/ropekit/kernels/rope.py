@@ -3,7 +3,8 @@
 Every variant is the same program with different compile-time flags:
 
     rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1)
-    partial rotary    HALF < head size / 2, tail copied when COPY_TAIL
+    partial rotary    HALF < head size / 2; the tail is written when TAIL_PAD > 0 (its tile width: the
+                      launcher sets it out of place, where the tail is copied, and with a norm)
     angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
                       FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
                       float positions, no table); otherwise per-token cos/sin rows addressed by
@@ -548,7 +549,7 @@ def rope_kernel(
     NORM_Q / NORM_K: RMSNorm of q's / k's heads before the rotation (0 none, 1 per head, 2 across
     heads); with either on, TAIL_PAD covers the tail in place too (it is normalized). Across heads
     with HEAD_LOOP, blocks are as small as per head: before a tensor's first block the program sums
-    the squares over all that tensor's heads of its token (a pre-pass, .norm._group_inv_rms);
+    the squares over all that tensor's heads of its token (a pre-pass, .norm.group_inv_rms);
     without HEAD_LOOP the launcher makes one head block hold all of a tensor's heads.
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).

@@ -1,6 +1,6 @@
-"""Two measurements of the kernels' limits, in one GPU process.
+"""Usage: PYTHONPATH=src python3 tools/limits.py [--out DIR]
 
-    PYTHONPATH=src python3 benchmarks/limits.py [--out DIR]
+Two measurements of the kernels' limits, in one GPU process.
 
 1. First call of each variant on a fresh Triton cache (a new TRITON_CACHE_DIR): the wall time of
    the first call (compile + launch + sync), what a serving engine pays per variant at start-up.

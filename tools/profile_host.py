@@ -1,6 +1,6 @@
-"""Host time of one eager call, step by step, beside the host floors measured in the same run.
+"""Usage: PYTHONPATH=src python3 tools/profile_host.py [--cpu-dry]
 
-    PYTHONPATH=src python3 benchmarks/profile_host.py [--cpu-dry]
+Host time of one eager call, step by step, beside the host floors measured in the same run.
 
 On CUDA: W3's decode call (64 tokens, Llama-3-8B heads) and W7-T64's fused store, timed per eager
 call with a wall clock, next to Triton's generic launch of an empty kernel, an in-place ATen op on

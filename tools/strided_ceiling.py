@@ -1,7 +1,7 @@
-"""The access-pattern ceiling of W6: how fast can any kernel read and write back W6's
-bytes, the last 64 of every 192 bf16 elements of q (T=16384, 128 heads), without rotating them?
+"""Usage: PYTHONPATH=src python3 tools/strided_ceiling.py
 
-    PYTHONPATH=src python3 benchmarks/strided_ceiling.py
+The access-pattern ceiling of W6: how fast can any kernel read and write back W6's
+bytes, the last 64 of every 192 bf16 elements of q (T=16384, 128 heads), without rotating them?
 
 Times, as percent of the device-to-device copy bandwidth (bytes read + written), over the same
 (T, 128, 64-of-192) views: a Triton kernel that loads the 128-byte slices and stores them back in

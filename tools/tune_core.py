@@ -1,6 +1,6 @@
-"""Tile-size sweep and core numbers for apply_rope on one GPU (the tuning log's source).
+"""Usage: PYTHONPATH=src python3 tools/tune_core.py [--out DIR]
 
-    PYTHONPATH=src python3 benchmarks/tune_core.py [--out DIR]
+Tile-size sweep and core numbers for apply_rope on one GPU (the tuning log's source).
 
 For each workload of benchmarks/WORKLOADS.md that apply_rope serves (W1, W2, W4, W5, W6) and each
 (block elements, warps) setting: median time (triton.testing.do_bench) and percent of the copy

@@ -1,6 +1,6 @@
-"""Launch-shape sweeps for the launch-bound decode calls and the fused store, on one GPU.
+"""Usage: PYTHONPATH=src python3 tools/tune_launch.py [--out DIR] [--only decode,store]
 
-    PYTHONPATH=src python3 benchmarks/tune_launch.py [--out DIR] [--only decode,store]
+Launch-shape sweeps for the launch-bound decode calls and the fused store, on one GPU.
 
 decode: W3 (T=64, Hq=32, Hk=8, D=128, random positions, in place) under CUDA-graph replay, with
         one input set (a graph of 100 calls on the same tensors: the data stays in L2) and with 192

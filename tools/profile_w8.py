@@ -1,6 +1,6 @@
-"""Where W8's time goes: forward + backward through autograd (Llama-3-8B shapes, B=4, S=4096).
+"""Usage: PYTHONPATH=src python3 tools/profile_w8.py
 
-    PYTHONPATH=src python3 benchmarks/profile_w8.py
+Where W8's time goes: forward + backward through autograd (Llama-3-8B shapes, B=4, S=4096).
 
 Two entry points: apply_rope on (B, S, H, D) tensors with the [cos | sin] table, and the HF drop-in
 on (B, H, S, D) views of (B, S, H, D) memory with HF's (B, S, D) bf16 cos/sin. For each, per step:
