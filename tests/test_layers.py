@@ -29,10 +29,10 @@ LAYERS = (
         ("integrations.rotations", "integrations.seams", "integrations.diffusers_forms")
         + ("integrations.hf", "integrations.hf_qknorm", "integrations.diffusers", "integrations.distributed")
         + ("integrations.hub", "integrations.torchtitan.caches", "integrations.torchtitan.overrides")
-        + ("integrations.vllm",),
+        + ("integrations.vllm", "integrations.timm"),
     ),
     # the public paths of the integrations (each aliases the module it names)
-    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")),
+    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm", "timm")),
     (
         "tools",
         ("tools.reference", "tools.audit", "tools.selfcheck", "tools.bench", "tools.bench.__main__")
