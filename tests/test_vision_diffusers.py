@@ -47,6 +47,8 @@ def _run(model, kwargs, dtype):
     model.zero_grad(set_to_none=True)
     floats = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
     out = model(**floats, return_dict=False)[0]
+    if isinstance(out, (list, tuple)):  # Z-Image: one output per sample, each its own size
+        out = torch.cat([o.flatten() for o in out])
     out.float().square().mean().backward()
     grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach().double(), grads

@@ -118,4 +118,30 @@ def _qwen_image():
     return m, inputs
 
 
-BUILDERS = {"flux": _flux, "wan": _wan, "hunyuan_video": _hunyuan_video, "qwen_image": _qwen_image}
+def _z_image():
+    from diffusers import ZImageTransformer2DModel
+
+    m = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=16, n_layers=1, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, qk_norm=True, cap_feat_dim=8, rope_theta=256.0, axes_dims=[4, 2, 2],
+        axes_lens=[64, 16, 16],
+    )  # fmt: skip
+
+    def inputs(g):
+        # two samples of different lengths: per-sample positions (freqs_cis (B, S, D / 2)) and padding
+        return dict(
+            x=[torch.randn(4, 1, 4, 4, generator=g), torch.randn(4, 1, 4, 6, generator=g)],
+            cap_feats=[torch.randn(3, 8, generator=g), torch.randn(5, 8, generator=g)],
+            t=torch.tensor([0.3, 0.7]),
+        )
+
+    return m, inputs
+
+
+BUILDERS = {
+    "flux": _flux,
+    "wan": _wan,
+    "hunyuan_video": _hunyuan_video,
+    "qwen_image": _qwen_image,
+    "z_image": _z_image,
+}
