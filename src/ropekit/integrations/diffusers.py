@@ -17,7 +17,8 @@ Two seams, both public:
    binds it, by one wrapper per helper: the conventions that agreed go to ropekit, any other call
    to the helper itself. A helper of a later diffusers release is covered when it has a known
    form; any other is left as it is and named in the report with the reason.
-2. The fused QK-RMSNorm + rotation (FAMILIES: Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image, Z-Image). The
+2. The fused QK-RMSNorm + rotation (FAMILIES: Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image, Z-Image,
+   BRIA-FIBO 2). The
    processor class's `__call__` is wrapped (its signature kept: diffusers filters keyword arguments
    by it): it turns the rotary embedding argument into per-token (cos, sin) views, calls the
    original processor with the embedding set to None, and the attention module's norms, whose
@@ -92,8 +93,8 @@ def _qwen_streams(emb):
     return {"img": _complex_parts(img), "txt": _complex_parts(txt)}
 
 
-def _z_image(freqs_cis):
-    """Z-Image: complex64 freqs_cis (B, S, D / 2), each sample its own positions."""
+def _per_sample_complex(freqs_cis):
+    """Z-Image, BRIA-FIBO 2: complex64 freqs_cis (B or 1, S, D / 2), each sample its own positions."""
     return {"rows": _complex_parts(freqs_cis)}
 
 
@@ -140,9 +141,14 @@ FAMILIES: Dict[str, Family] = {
         },
         False,
     ),
-    "z_image": Family(
-        _TRANSFORMERS + "transformer_z_image", ("ZSingleStreamAttnProcessor",), "freqs_cis", _z_image, _JOINT, False
-    ),
+    # Z-Image and BRIA-FIBO 2: per-head RMSNorm, then complex freqs_cis (B, S, D / 2) inside the processor
+    **{
+        name: Family(_TRANSFORMERS + module, (cls,), "freqs_cis", _per_sample_complex, _JOINT, False)
+        for name, module, cls in (
+            ("z_image", "transformer_z_image", "ZSingleStreamAttnProcessor"),
+            ("bria_fibo2", "transformer_bria_fibo2", "BriaFibo2AttnProcessor"),
+        )
+    },
 }
 
 _originals: Dict[type, Callable] = {}  # processor class -> its own __call__, while patched
