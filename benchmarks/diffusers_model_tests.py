@@ -60,11 +60,10 @@ def run(tests_dir: pathlib.Path, family: str, patched: bool, extra):
         cmd += [f"--junitxml={xml}", str(test_file.relative_to(tests_dir)), *extra]
         proc = subprocess.run(cmd, cwd=tests_dir, env=env, capture_output=True, text=True)
         outcomes = _outcomes(xml)
-    if not outcomes:
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        raise SystemExit(
-            f"{family} ({'patched' if patched else 'unpatched'}): no test ran (rc {proc.returncode}):\n{tail}"
-        )
+    if proc.returncode not in (0, 1) or not outcomes:  # 2: collection errors, 5: no tests
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        mode = "patched" if patched else "unpatched"
+        raise SystemExit(f"{family} ({mode}): pytest exited {proc.returncode} before running the tests:\n{tail}")
     return outcomes
 
 
