@@ -96,14 +96,7 @@ def _flux_block_inputs(S_img, S_txt=3, seed=3):
     return hs, torch.randn(1, S_txt, 32, generator=g), torch.randn(1, 32, generator=g), ids
 
 
-DYNAMIC_CORE = pytest.mark.xfail(
-    reason="the core's checks on symbolic shapes (validate.rope_args, validate.norm_weights' math.isfinite "
-    "of a SymFloat eps): fixed on main by the dynamic-shapes commit; merge it and this passes",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=DYNAMIC_CORE)])
+@pytest.mark.parametrize("dynamic", [False, True])
 def test_compiled_block_matches_eager_over_shapes(dynamic):
     """A patched Flux double-stream block, fullgraph, over three sequence lengths: output and the
     gradient of the hidden states as eager."""

@@ -30,10 +30,10 @@ LAYERS = (
         + ("integrations.hf_plan", "integrations.hf_forms", "integrations.hf_census", "integrations.hf")
         + ("integrations.hf_qknorm", "integrations.hf_qknorm_detect", "integrations.diffusers")
         + ("integrations.distributed", "integrations.hub", "integrations.torchtitan.caches")
-        + ("integrations.torchtitan.overrides", "integrations.vllm"),
+        + ("integrations.torchtitan.overrides", "integrations.vllm", "integrations.timm"),
     ),
     # the public paths of the integrations (each aliases the module it names)
-    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")),
+    ("public paths", ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm", "timm")),
     (
         "tools",
         ("tools.reference", "tools.audit", "tools.selfcheck", "tools.hf_table", "tools.bench", "tools.bench.__main__")

@@ -33,7 +33,7 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_LAZY = ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm")
+_LAZY = ("hf", "diffusers", "distributed", "hub", "torchtitan", "vllm", "timm")
 
 
 def __getattr__(name):

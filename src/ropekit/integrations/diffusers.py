@@ -17,7 +17,8 @@ Two seams, both public:
    binds it, by one wrapper per helper: the conventions that agreed go to ropekit, any other call
    to the helper itself. A helper of a later diffusers release is covered when it has a known
    form; any other is left as it is and named in the report with the reason.
-2. The fused QK-RMSNorm + rotation (FAMILIES: Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image). The
+2. The fused QK-RMSNorm + rotation (FAMILIES: Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image, Z-Image,
+   BRIA-FIBO 2). The
    processor class's `__call__` is wrapped (its signature kept: diffusers filters keyword arguments
    by it): it turns the rotary embedding argument into per-token (cos, sin) views, calls the
    original processor with the embedding set to None, and the attention module's norms, whose
@@ -92,6 +93,11 @@ def _qwen_streams(emb):
     return {"img": _complex_parts(img), "txt": _complex_parts(txt)}
 
 
+def _per_sample_complex(freqs_cis):
+    """Z-Image, BRIA-FIBO 2: complex64 freqs_cis (B or 1, S, D / 2), each sample its own positions."""
+    return {"rows": _complex_parts(freqs_cis)}
+
+
 _TRANSFORMERS = "diffusers.models.transformers."
 _JOINT = {"norm_q": ("rows", "tail"), "norm_k": ("rows", "tail")}
 
@@ -135,6 +141,14 @@ FAMILIES: Dict[str, Family] = {
         },
         False,
     ),
+    # Z-Image and BRIA-FIBO 2: per-head RMSNorm, then complex freqs_cis (B, S, D / 2) inside the processor
+    **{
+        name: Family(_TRANSFORMERS + module, (cls,), "freqs_cis", _per_sample_complex, _JOINT, False)
+        for name, module, cls in (
+            ("z_image", "transformer_z_image", "ZSingleStreamAttnProcessor"),
+            ("bria_fibo2", "transformer_bria_fibo2", "BriaFibo2AttnProcessor"),
+        )
+    },
 }
 
 _originals: Dict[type, Callable] = {}  # processor class -> its own __call__, while patched
@@ -174,18 +188,19 @@ def _processor_classes():
 
 
 def _rows(angles, n: int, rule: str):
-    """The (cos, sin) rows of n tokens under the family's rows rule (see the module docstring)."""
+    """The (cos, sin) rows of n tokens under the family's rows rule (see the module docstring);
+    angles (S, R) or, per sample, (B, S, R)."""
     cos, sin = angles
-    S = cos.shape[0]
+    S = cos.shape[-2]
     if n == S:
         return cos, sin
     if rule == "tail" and n < S:
-        return cos[S - n :], sin[S - n :]
+        return cos[..., S - n :, :], sin[..., S - n :, :]
     if rule == "head" and n < S:
-        return cos[:n], sin[:n]
+        return cos[..., :n, :], sin[..., :n, :]
     if rule == "prefix" and n > S:
-        pad = (n - S, cos.shape[1])
-        return torch.cat((cos, cos.new_ones(pad))), torch.cat((sin, sin.new_zeros(pad)))
+        pad = (*cos.shape[:-2], n - S, cos.shape[-1])
+        return torch.cat((cos, cos.new_ones(pad)), -2), torch.cat((sin, sin.new_zeros(pad)), -2)
     fail(OP, "rotary embedding", f"rows for {n} tokens ({rule} rule)", f"{S} rows")
 
 
@@ -249,9 +264,12 @@ def _norms(attn, family: Family):
 
 
 def _ready(attn, family: Family) -> bool:
-    """Whether this module's norms fuse: marked by patch(model) or every module (patch()), and
+    """Whether this module's norms fuse: marked by patch(model) or every module (patch()), none of
+    the family's norms set to None (the processor would skip it, and the rotation with it), and
     every norm's class patched (else the processor rotates as it was)."""
     if not (_lazy or attn.__dict__.get(_MARK, False)):
+        return False
+    if any(getattr(attn, name, 0) is None for name in family.norms):
         return False
     return all(type(n).forward is _norm_forward for n in _norms(attn, family))
 

@@ -5,12 +5,15 @@ each module-level helper against the forms of its arity and patches it on the fi
 |---|---|---|---|
 | shared | embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim) | pairs (unbind -1), halves (-2), complex (use_real=False, (B, S, D/2)) | (B, H, S, D) sequence_dim 2, (B, S, H, D) 1 |
 | qwen | apply_rotary_emb_qwen(x, freqs_cis, use_real, use_real_unbind_dim) | complex (S, D/2); real as shared with sequence_dim 2 | (B, S, H, D) |
-| pairs_x / halves_x | LTX's apply_rotary_emb(x, freqs), LongCat-Audio's _apply_rotary_emb(x, rope) | (cos, sin) pairs / halves | (B, S, C) flat with (B, S, C) angles, or (B, S, H, D) with (S, D) |
+| pairs_x / halves_x | LTX's apply_rotary_emb(x, freqs), LongCat-Audio's _apply_rotary_emb(x, rope) | (cos, sin) pairs / halves | (B, S, C) flat with (B, S, C) angles, or (B, S, H, D) with (S, D) or (B, S, D) |
+| split_x | LTX-2's / Sana-WM refiner's apply_split_rotary_emb(x, (cos, sin)) | halves (B, H, S, D/2) per head, or (B, S, C/2) flat | (B, S, H * D) or (B, H, S, D); (B, S, C) |
+| angles_x | Stable Audio 3's _apply_rotary_partial(x, freqs) | the angles themselves, halves (S_max, R), the last S rows, R <= D (partial) | (B, S, H, D) |
+| complex_dt | Sana-WM's _apply_rotary_emb(x, freqs) | complex (1 or B, 1, S, D/2) | (B, H, D, S), a view of (B, S, H, D) |
 | halves_cs | MiniMax's _apply_rotary_emb(x, cos, sin) | halves (S, R), R <= D (partial) | (B, S, H, D) |
 | matrix | PRX's apply_rope(x, freqs_cis), Kandinsky 6's apply_rotary(x, rope) | (.., D/2, 2, 2) rotation matrices | (B, S, H, D) or (B, H, S, D) |
 | complex_x | complex64 freqs (S, 1, D/2) or (B, S, 1, D/2) against x directly | complex | (B, S, H, D) |
 | cat_x | Helios' apply_rotary_emb_transposed(x, freqs_cis) | cat(cos, sin) (B, S, 2D), pairs | (B, S, H, D) |
-| *_qk | the same with (q, k, freqs) returning (q, k): HiDream's apply_rope, JoyImage's _apply_rotary_emb | as above | as above |
+| *_qk | the same with (q, k, freqs) returning (q, k): HiDream's apply_rope, JoyImage's _apply_rotary_emb, JoyImage-Edit+'s _apply_rotary_emb_batched | as above | as above |
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def _tuple_x(reader, interleaved):
         if not isinstance(freqs, (tuple, list)) or len(freqs) != 2 or not R.takes(x, *freqs):
             return None
         cos, sin = freqs
-        if cos.dim() != (3 if x.dim() == 3 else 2):
+        if cos.dim() not in ((3,) if x.dim() == 3 else (2, 3)):
             return None
         cs = reader(cos, sin, x.shape[-1])
         if cs is None:
@@ -127,13 +130,102 @@ def _tuple_x_samples(angles):
     def samples(gen):
         flat = (_x(gen, B, S, H * D), angles(_theta(gen, B, S, H * D // 2)))
         heads = (_x(gen, B, S, H, D), angles(_theta(gen, S, D // 2)))
-        return [(flat, 3), (heads, 4)]
+        batched = (_x(gen, B, S, H, D), angles(_theta(gen, B, S, D // 2)))
+        return [(flat, (3, 3)), (heads, (4, 2)), (batched, (4, 3))]
 
     return samples
 
 
 def _x_dim(a):
-    return a["x"].dim() if isinstance(a["x"], torch.Tensor) else None
+    """(x dims, angle dims): the layouts a helper may take or not."""
+    x, freqs = a["x"], a["freqs"]
+    if not isinstance(x, torch.Tensor) or not isinstance(freqs, (tuple, list)) or not freqs:
+        return None
+    return (x.dim(), getattr(freqs[0], "ndim", None))
+
+
+# --- (x, (cos, sin)) split halves: per-head (B, H, S, D/2) angles with (B, S, H * D) or (B, H, S, D)
+# x, or flat (B, S, C/2) angles with (B, S, C) x
+
+
+def _split_x(a):
+    x, freqs = a["x"], a["freqs"]
+    if not isinstance(freqs, (tuple, list)) or len(freqs) != 2 or not R.takes(x, *freqs):
+        return None
+    cos, sin = freqs
+    if cos.shape != sin.shape or x.shape[-1] % 2:
+        return None
+    if cos.dim() == 3 and x.dim() == 3 and cos.shape[-1] * 2 == x.shape[-1]:
+        return R.rotate_flat(x, cos, sin, interleaved=False)
+    if cos.dim() != 4:
+        return None
+    b, h, t, r = cos.shape
+    if x.dim() == 3 and x.shape[-1] == h * 2 * r:
+        heads = x.unflatten(-1, (h, 2 * r)).transpose(1, 2)
+    elif x.dim() == 4 and x.shape == (b, h, t, 2 * r):
+        heads = x
+    else:
+        return None
+    out = R.rotate_heads(heads, cos, sin, interleaved=False)
+    return out.transpose(1, 2).flatten(2) if x.dim() == 3 and out is not None else out
+
+
+def _split_x_samples(gen):
+    theta = _theta(gen, B, H, S, D // 2)
+    cs = (theta.cos(), theta.sin())
+    flat = _theta(gen, B, S, H * D // 2)
+    return [
+        ((_x(gen, B, S, H * D), cs), (3, 4)),
+        ((_x(gen, B, H, S, D), cs), (4, 4)),
+        ((_x(gen, B, S, H * D), (flat.cos(), flat.sin())), (3, 3)),
+    ]
+
+
+# --- (x, angles (S_max, R) as [f, f]): the last S rows, the leading R dims rotated (partial)
+
+
+def _angles_x(a):
+    x, freqs = a["x"], a["freqs"]
+    if not R.takes(x, freqs) or x.dim() != 4 or freqs.dim() != 2 or freqs.dtype == torch.complex64:
+        return None
+    n, r = x.shape[1], freqs.shape[-1]
+    if freqs.shape[0] < n or r > x.shape[-1] or r % 2:
+        return None
+    theta = freqs[-n:, : r // 2].float()
+    return R.rotate(x, theta.cos(), theta.sin(), interleaved=False)
+
+
+def _angles_x_samples(gen):
+    full = _theta(gen, S + 2, D // 2)
+    partial = _theta(gen, S + 2, D // 4)
+    return [((_x(gen, B, S, H, D), torch.cat((t, t), -1)), ()) for t in (full, partial)]
+
+
+# --- (x (B, H, D, S), complex freqs (1 or B, 1, S, D/2)): x a view of (B, S, H, D)
+
+
+def _complex_dt(a):
+    x, freqs = a["x"], a["freqs"]
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(freqs, torch.Tensor) or freqs.dim() != 4:
+        return None
+    if freqs.shape[1] != 1:
+        return None
+    tokens = x.permute(0, 3, 1, 2)
+    out = _complex(tokens, freqs[:, 0], 3)
+    return None if out is None else out.permute(0, 2, 3, 1)
+
+
+def _complex_dt_samples(gen):
+    out = []
+    for lead in (1, B):
+        freqs = torch.polar(torch.ones(lead, 1, S, D // 2), _theta(gen, lead, 1, S, D // 2))
+        out.append(((_x(gen, B, S, H, D).permute(0, 2, 3, 1), freqs), lead == 1))
+    return out
+
+
+def _lead_one(a):
+    freqs = a["freqs"]
+    return freqs.shape[0] == 1 if isinstance(freqs, torch.Tensor) and freqs.dim() == 4 else None
 
 
 # --- (x, cos, sin): halves, partial rotary (the leading R dims), (B, S, H, D) with (S, R)
@@ -250,6 +342,9 @@ FORMS: Tuple[Form, ...] = (
     Form("matrix", _X, _none, _matrix, _matrix_samples),
     Form("complex_x", _X, _freqs_dim, _complex_x, _complex_x_samples),
     Form("cat_x", _X, _none, _cat_x, _cat_x_samples),
+    Form("split_x", _X, _x_dim, _split_x, _split_x_samples),
+    Form("angles_x", _X, _none, _angles_x, _angles_x_samples),
+    Form("complex_dt", _X, _lead_one, _complex_dt, _complex_dt_samples),
     Form("halves_cs", ("x", "cos", "sin"), _none, _halves_cs, _halves_cs_samples),
     Form("matrix_qk", _QK, _none, *_matrix_qk),
     Form("pairs_qk", _QK, _qk_key(_x_dim), *_pairs_qk),

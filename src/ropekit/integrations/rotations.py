@@ -50,6 +50,24 @@ def rotate_flat(x, cos, sin, *, interleaved: bool):
     return rotate(x.unsqueeze(2), cos, sin, interleaved=interleaved).squeeze(2)
 
 
+def rotate_heads(x, cos, sin, *, interleaved: bool):
+    """x (B, H, S, D) with angles of its own per head: cos / sin broadcastable to (B, H, S, R / 2).
+    Every (batch, head) becomes a sequence of one head (x copied when its strides do not allow
+    the view); angles shared by the heads take the one-call path with no copy."""
+    b, h, t, _ = x.shape
+    if cos.shape[-2] != t or sin.shape != cos.shape:
+        return None
+    if cos.dim() < 3 or cos.shape[-3] == 1:
+        lead = cos.reshape(-1, t, cos.shape[-1]) if cos.dim() > 2 else cos
+        if lead.dim() == 3 and lead.shape[0] not in (1, b):
+            return None
+        return rotate(x, lead, sin.reshape(lead.shape), interleaved=interleaved, heads_first=True)
+    r = cos.shape[-1]
+    cos, sin = (a.expand(b, h, t, r).reshape(b * h, t, r) for a in (cos, sin))
+    out = rotate(x.reshape(b * h, t, 1, x.shape[-1]), cos, sin, interleaved=interleaved)
+    return out.view(b, h, t, x.shape[-1])
+
+
 def pairs(cos, sin, width: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """(cos, sin) of `width` columns, each frequency repeated in pairs: one of each pair."""
     if cos.shape[-1] != width or sin.shape != cos.shape or width % 2:
