@@ -911,13 +911,7 @@ def store_args(
         tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
         want = tuple(x.shape[-2:])
         if tuple(cache.shape[-2:]) != want:
-            hint = ""
-            if cache.dim() == 3 and cache.shape[-1] == x.shape[-1]:
-                hint = (
-                    " (a 3-D cache is flat (num_slots, H, D); pass a paged MLA cache "
-                    "(num_blocks, block_size, D) as cache.unsqueeze(-2))"
-                )
-            fail(op, name, f"(heads, head size) {want}, those of {xname}{hint}", f"shape {tuple(cache.shape)}")
+            fail(op, name, f"(heads, head size) {want}, those of {xname}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
             fail(
                 op,
