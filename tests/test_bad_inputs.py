@@ -241,6 +241,15 @@ ROWS = [
         ),
     ),
     R(
+        "angles-q-last-stride",
+        "rotate_with_angles",
+        "q's last dim not unit-stride (apply_rope reads it through a copy)",
+        "q = x[..., ::2]",
+        ValueError,
+        "q: expected stride 1 in the last dimension",
+        lambda: angles_args(q=torch.randn(T, HQ, 2 * D)[..., ::2]),
+    ),
+    R(
         "angles-layout-sbhd",
         "rotate_with_angles",
         "layout='sbhd' (apply_rope's only)",

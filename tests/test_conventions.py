@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ropekit
+from ropekit.core import pipeline
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
@@ -323,3 +324,36 @@ def test_store_takes_a_3d_paged_mla_cache(device, form):
         assert torch.equal(rows[slot, :L], latent[t, 0])
         assert rel_err(rows[slot, L:], want_k[t, 0]) < TOL[torch.float32]
     assert rows[[1, 3, 4, 6]].isnan().all()  # rows no slot names are untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure-PyTorch path (CPU tensors without the interpreter) takes the same views
+
+
+def test_forms_on_the_cpu_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pipeline.clear()
+    try:
+        cache = make_cache(16, 16)
+        pos = torch.randint(0, 16, (4,))
+        q, k = torch.randn(4, 3, 32), _strided(4, 1, 24)
+        want_q, want_k = _want(q, cache, pos, last=True), _want(k, cache, pos, last=True)
+        q_out = _nan(4, 3, 40)[..., 4:36]
+        got_q, got_k = ropekit.apply_rope(q, k, pos, cache, rotary_position="last", q_out=q_out)
+        assert got_q is q_out and rel_err(q_out, want_q) < TOL[torch.float32]
+        assert got_k.is_contiguous() and rel_err(got_k, want_k) < TOL[torch.float32]
+        q2 = q.clone()
+        ropekit.apply_rope(q2, k, pos, cache, rotary_position="last", inplace=True)
+        assert rel_err(q2, want_q) < TOL[torch.float32] and rel_err(k, want_k) < TOL[torch.float32]
+        w = torch.rand(32) + 0.5
+        normed = _nan(4, 3, 32)
+        ropekit.apply_rope(q, None, pos, cache, q_norm_weight=w, q_out=normed)
+        ref, _ = reference.rms_norm_rope(q.double(), None, pos, cache.double(), q_norm_weight=w.double())
+        assert rel_err(normed, ref) < 1e-5
+        s, _ = ropekit.apply_rope(q.view(2, 2, 3, 32), None, None, cache, layout="sbhd")
+        ref_pos = torch.arange(2).expand(2, 2)
+        assert rel_err(s.transpose(0, 1), _want(q.view(2, 2, 3, 32).transpose(0, 1), cache, ref_pos)) < 1e-6
+        q8, _ = ropekit.apply_rope(q * 8, None, pos, cache, rotary_position="last", out_dtype=FP8, q_scale=0.1)
+        fp8_close(q8, _want(q * 8, cache, pos, last=True, scale=0.1, dtype=FP8), FP8)
+    finally:
+        pipeline.clear()
