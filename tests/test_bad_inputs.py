@@ -220,6 +220,17 @@ ROWS = [
         lambda: _outs_overlap(),
     ),
     R(
+        "rope-sbhd-positions",
+        "apply_rope",
+        "positions not (S, B) with layout='sbhd'",
+        "positions of shape (3, 4), q (4, 3, 2, 64)",
+        ValueError,
+        "positions: expected shape (4, 3) ((S, B) with layout='sbhd'; size-1 dims broadcast), got shape (3, 4)",
+        lambda: rope_args(
+            q=torch.randn(T, 3, 2, D), k=None, positions=torch.zeros(3, T, dtype=torch.long), layout="sbhd"
+        ),
+    ),
+    R(
         "rope-rotary-position-value",
         "apply_rope",
         "rotary_position not 'first' or 'last'",

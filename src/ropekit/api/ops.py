@@ -573,6 +573,7 @@ def _rope_spec(
     seq = layout == "sbhd"
     q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)  # tokens first
     if seq:  # checked as the (B, S, H, D) views the run takes
+        validate.sbhd_args(op, q, k, positions, mrope_section is not None)
         q_t, k_t = _seq(q_t), _seq(k_t)
         if isinstance(positions, torch.Tensor) and positions.dim() >= 2:
             positions = positions.transpose(-1, -2)

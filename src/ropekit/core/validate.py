@@ -669,6 +669,25 @@ def layout_arg(op, layout, q, sbhd=False) -> bool:
     return layout == "bhsd"
 
 
+def sbhd_args(op, q, k, positions, mrope: bool) -> None:
+    """layout='sbhd': k's token dims and positions' shape in the caller's (S, B) terms (the rest is
+    checked on the (B, S, H, D) views)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return
+    tokens = tuple(q.shape[:2])
+    if isinstance(k, torch.Tensor) and k.dim() == 4 and tuple(k.shape[:2]) != tokens:
+        fail(op, "k", f"token dims {tokens} ((S, B), those of q)", f"shape {tuple(k.shape)}")
+    if isinstance(positions, torch.Tensor):
+        want = ((3,) if mrope else ()) + tokens
+        if not broadcasts_to(tuple(positions.shape), want):
+            fail(
+                op,
+                "positions",
+                f"shape {want} ({'(3, S, B)' if mrope else '(S, B)'} with layout='sbhd'; size-1 dims broadcast)",
+                f"shape {tuple(positions.shape)}",
+            )
+
+
 def broadcasts_to(shape, want) -> bool:
     """shape has want's rank and each dim is want's or 1 (an expand view reaches want)."""
     return len(shape) == len(want) and all(s == w or s == 1 for s, w in zip(shape, want))
