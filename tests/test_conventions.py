@@ -357,3 +357,34 @@ def test_forms_on_the_cpu_path(monkeypatch):
         fp8_close(q8, _want(q * 8, cache, pos, last=True, scale=0.1, dtype=FP8), FP8)
     finally:
         pipeline.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# the forms together, eager and under Inductor
+
+
+def _combined(q, k, pos, cache, q_out):
+    return ropekit.apply_rope(q, k, pos, cache, layout="sbhd", rotary_position="last", q_out=q_out)
+
+
+def _combined_want(q, k, pos, cache):
+    """float64 reference of _combined: (S, B) terms -> (B, S) views and back."""
+    bs = pos.transpose(0, 1)
+    return tuple(_want(x.transpose(0, 1), cache, bs, last=True).transpose(0, 1) for x in (q, k))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_forms_together(backend):
+    """sbhd, a strided k, rotary_position='last' and a destination in one call."""
+    S, B = 3, 2
+    cache = make_cache(16, 16)
+    fn = _combined if backend == "eager" else torch.compile(_combined, fullgraph=True, backend="inductor")
+    for _ in range(2):  # the second call reuses the compiled graph
+        q = torch.randn(S, B, 2, 32)
+        k = _strided(S, B, 1, 24)
+        pos = torch.randint(0, 16, (S, B))
+        q_out = _nan(S, B, 2, 40)[..., 8:]
+        got_q, got_k = fn(q, k, pos, cache, q_out)
+        want_q, want_k = _combined_want(q, k, pos, cache)
+        assert got_q.data_ptr() == q_out.data_ptr() and rel_err(q_out, want_q) < TOL[torch.float32]
+        assert rel_err(got_k, want_k) < TOL[torch.float32]
