@@ -127,13 +127,153 @@ ROWS = [
         lambda: rope_args(q=lambda a: a["q"].double()),
     ),
     R(
-        "rope-q-last-stride",
+        "rope-out-last-stride",
         "apply_rope",
-        "last dim not unit-stride",
+        "destination's last dim not unit-stride",
+        "q_out = x[..., ::2]",
+        ValueError,
+        "q_out: expected stride 1 in the last dimension",
+        lambda: rope_args(inplace=False, q_out=torch.full((T, HQ, 2 * D), NAN)[..., ::2]),
+    ),
+    R(
+        "rope-out-shape",
+        "apply_rope",
+        "destination of another shape",
+        "k_out of shape (4, 3, 64), k (4, 2, 64)",
+        ValueError,
+        "k_out: expected shape (4, 2, 64) (that of k), got shape (4, 3, 64)",
+        lambda: rope_args(inplace=False, k_out=torch.full((T, HQ, D), NAN)),
+    ),
+    R(
+        "rope-out-dtype",
+        "apply_rope",
+        "destination not of the outputs' dtype",
+        "float16 q_out, float32 q, no out_dtype",
+        ValueError,
+        "q_out: expected dtype in (float32), got float16",
+        lambda: rope_args(inplace=False, q_out=torch.full((T, HQ, D), NAN).half()),
+    ),
+    R(
+        "rope-out-in-place",
+        "apply_rope",
+        "destination with inplace=True",
+        "q_out given, inplace=True",
+        ValueError,
+        "q_out: expected None when inplace=True (in place writes q and k themselves)",
+        lambda: rope_args(q_out=torch.full((T, HQ, D), NAN)),
+    ),
+    R(
+        "rope-out-without-k",
+        "apply_rope",
+        "k_out without k",
+        "k=None, k_out given",
+        ValueError,
+        "k_out: expected None when k is None",
+        lambda: rope_args(inplace=False, k=None, k_out=torch.full((T, HK, D), NAN)),
+    ),
+    R(
+        "rope-out-grad",
+        "apply_rope",
+        "destination while autograd records the call",
+        "q.requires_grad_(), q_out given",
+        ValueError,
+        "q_out: expected None while q or k requires grad (results written into given tensors are not "
+        "differentiable, as with torch's out=)",
+        lambda: rope_args(
+            inplace=False, q=torch.randn(T, HQ, D, requires_grad=True), q_out=torch.full((T, HQ, D), NAN)
+        ),
+    ),
+    R(
+        "rope-out-self-overlap",
+        "apply_rope",
+        "destination whose elements overlap",
+        "q_out = x.expand(4, 3, 64)",
+        ValueError,
+        "q_out: expected a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+        lambda: rope_args(inplace=False, q_out=torch.full((T, 1, D), NAN).expand(T, HQ, D)),
+    ),
+    R(
+        "rope-out-is-input",
+        "apply_rope",
+        "destination overlapping an input",
+        "q_out = q",
+        ValueError,
+        "q: expected memory disjoint from q_out (which is written), got a tensor overlapping q_out",
+        lambda: rope_args(inplace=False, q_out=lambda a: a["q"]),
+    ),
+    R(
+        "rope-out-is-table",
+        "apply_rope",
+        "destination overlapping cos_sin_cache",
+        "k_out = cos_sin_cache[:8].view(4, 2, 64)",
+        ValueError,
+        "cos_sin_cache: expected memory disjoint from k_out (which is written)",
+        lambda: rope_args(inplace=False, k_out=lambda a: a["cos_sin_cache"][:8].view(T, HK, D)),
+    ),
+    R(
+        "rope-outs-overlap",
+        "apply_rope",
+        "q_out and k_out overlap",
+        "q_out = buf[:, :3], k_out = buf[:, 2:4]",
+        ValueError,
+        "k_out: expected memory disjoint from q_out (both are written), got a tensor overlapping q_out",
+        lambda: _outs_overlap(),
+    ),
+    R(
+        "rope-sbhd-positions",
+        "apply_rope",
+        "positions not (S, B) with layout='sbhd'",
+        "positions of shape (3, 4), q (4, 3, 2, 64)",
+        ValueError,
+        "positions: expected shape (4, 3) ((S, B) with layout='sbhd'; size-1 dims broadcast), got shape (3, 4)",
+        lambda: rope_args(
+            q=torch.randn(T, 3, 2, D), k=None, positions=torch.zeros(3, T, dtype=torch.long), layout="sbhd"
+        ),
+    ),
+    R(
+        "rope-rotary-position-value",
+        "apply_rope",
+        "rotary_position not 'first' or 'last'",
+        "rotary_position='end'",
+        ValueError,
+        "rotary_position: expected 'first' or 'last', got 'end'",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 32), rotary_position="end"),
+    ),
+    R(
+        "rope-rotary-position-norm",
+        "apply_rope",
+        "rotary_position='last' with a fused norm",
+        "rotary_position='last', q_norm_weight given",
+        ValueError,
+        "rotary_position: expected 'first' with q_norm_weight / k_norm_weight (the fused norm covers the head "
+        "from dim 0), got 'last'",
+        lambda: rope_args(
+            inplace=False, cos_sin_cache=make_cache(16, 32), rotary_position="last", q_norm_weight=torch.ones(D)
+        ),
+    ),
+    R(
+        "angles-q-last-stride",
+        "rotate_with_angles",
+        "q's last dim not unit-stride (apply_rope reads it through a copy)",
         "q = x[..., ::2]",
         ValueError,
         "q: expected stride 1 in the last dimension",
-        lambda: rope_args(q=torch.randn(T, HQ, 2 * D)[..., ::2]),
+        lambda: angles_args(q=torch.randn(T, HQ, 2 * D)[..., ::2]),
+    ),
+    R(
+        "angles-layout-sbhd",
+        "rotate_with_angles",
+        "layout='sbhd' (apply_rope's only)",
+        "layout='sbhd'",
+        ValueError,
+        "layout: expected 'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)) or None, got 'sbhd'",
+        lambda: angles_args(
+            q=torch.randn(1, T, HQ, D),
+            k=torch.randn(1, T, HK, D),
+            cos=torch.ones(1, T, D // 2),
+            sin=torch.zeros(1, T, D // 2),
+            layout="sbhd",
+        ),
     ),
     R(
         "rope-q-broadcast",
@@ -364,10 +504,11 @@ ROWS = [
     R(
         "rope-layout-value",
         "apply_rope",
-        "layout not one of 'thd', 'bshd', 'bhsd'",
+        "layout not one of 'thd', 'bshd', 'bhsd', 'sbhd'",
         "layout='BHSD'",
         ValueError,
-        "layout: expected 'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)) or None, got 'BHSD'",
+        "layout: expected 'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)), "
+        "'sbhd' (Transformer Engine's (S, B, H, D)) or None, got 'BHSD'",
         lambda: rope_args(layout="BHSD"),
     ),
     R(
@@ -583,21 +724,6 @@ ROWS = [
         lambda: store_args(v_cache=torch.full((2, 4, HK, D - 8), NAN)),
     ),
     R(
-        "store-mla-3d-cache",
-        "apply_rope_and_store",
-        "3-D MLA cache passed without the head dim",
-        "k_cache = cache[..., 64:] of a (2, 4, 96) cache",
-        ValueError,
-        "pass a paged MLA cache (num_blocks, block_size, D) as cache.unsqueeze(-2)",
-        lambda: store_args(
-            k=torch.randn(T, 1, 32),
-            v=torch.randn(T, 1, D),
-            cos_sin_cache=make_cache(16, 32),
-            k_cache=lambda a: _mla3d()[..., D:],
-            v_cache=lambda a: _mla3d()[..., :D],
-        ),
-    ),
-    R(
         "store-cache-last-stride",
         "apply_rope_and_store",
         "cache's last dim not unit-stride",
@@ -797,6 +923,11 @@ def _mla3d():
     return torch.full((2, 4, D + 32), NAN)
 
 
+def _outs_overlap():
+    buf = torch.full((T, 5, D), NAN)
+    return rope_args(inplace=False, q_out=buf[:, :3], k_out=buf[:, 2:4])
+
+
 def _caches_overlap_partly():
     """k_cache = blocks [0, 2) and v_cache = blocks [1, 3) of one (3, 4, H, D) buffer: block 1 is both."""
     buf = torch.full((3, 4, HK, D), NAN)
@@ -942,6 +1073,36 @@ def _fused_in_place_decode_batch():
     assert torch.equal(qkv[..., (HQ + HK) * D :], v0)
 
 
+def _last_stride_copied():
+    """q and k with last stride 2 are read through one contiguous copy: out of place the outputs are
+    contiguous, in place the copy is rotated and copied back (the other elements untouched)."""
+    cache, pos = make_cache(16, D), torch.randint(0, 16, (T,))
+    xq, xk = torch.randn(T, HQ, 2 * D), torch.randn(T, HK, 2 * D)
+    q, k = xq[..., ::2], xk[..., ::2]
+    want_q, want_k = ropekit.apply_rope(q.contiguous(), k.contiguous(), pos, cache)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache)
+    assert qo.is_contiguous() and ko.is_contiguous() and torch.equal(qo, want_q) and torch.equal(ko, want_k)
+    odd = xq[..., 1::2].clone()
+    ropekit.apply_rope(q, k, pos, cache, inplace=True)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(xq[..., 1::2], odd)
+
+
+def _store_mla_3d_cache():
+    """A 3-D (num_blocks, block_size, D) cache beside a one-head k: FlashInfer's paged MLA cache."""
+    args = store_args(
+        k=torch.randn(T, 1, 32),
+        v=torch.randn(T, 1, D),
+        cos_sin_cache=make_cache(16, 32),
+        k_cache=_mla3d(),
+    )
+    mla = args["k_cache"]
+    args["k_cache"], args["v_cache"] = mla[..., D:], mla[..., :D]
+    v = args["v"].clone()
+    apply_rope_and_store(**args)
+    rows = mla.view(8, D + 32)
+    assert torch.equal(rows[3, :D], v[1, 0]) and not rows[3].isnan().any() and rows[1].isnan().all()
+
+
 HANDLED = {
     "ok-position-out-of-range": _rope_nan_rows,
     "ok-position-out-of-range-partial": _rope_nan_rows_partial,
@@ -955,6 +1116,8 @@ HANDLED = {
     "ok-duplicate-slots": _duplicate_slots,
     "ok-requires-grad-no-grad-mode": _no_grad_mode,
     "ok-empty-tokens": _empty,
+    "ok-last-stride": _last_stride_copied,
+    "ok-store-mla-3d-cache": _store_mla_3d_cache,
 }
 
 

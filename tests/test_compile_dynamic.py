@@ -79,6 +79,26 @@ def _bhsd(t, grad):
     return (q, k, torch.arange(t)[None]), (2, 2, 1)
 
 
+def _sbhd(t, grad):
+    q = torch.randn(t, 2, H, D, requires_grad=grad)
+    k = torch.randn(t, 2, HK, D, requires_grad=grad)
+    return (q, k, torch.randint(0, MAXPOS, (t, 2))), (0, 0, 0)
+
+
+def _strided(t, grad):
+    """q and k whose last dim has stride 2 (read through one contiguous copy)."""
+    q = torch.randn(t, H, 2 * D)[..., ::2].requires_grad_(grad)
+    k = torch.randn(t, HK, 2 * D)[..., ::2].requires_grad_(grad)
+    return (q, k, torch.randint(0, MAXPOS, (t,))), (0, 0, 0)
+
+
+def _destinations(t, grad):
+    q, k = _qk(t, grad=False)
+    q_out = torch.full((t, H, 2 * D), float("nan"))[..., D // 2 : D // 2 + D]  # a strided destination
+    k_out = torch.full((t, HK, D), float("nan"))
+    return (q, k, torch.randint(0, MAXPOS, (t,)), q_out, k_out), (0, 0, 0, 0, 0)
+
+
 def _angles(t, grad):
     q, k = _qk(t, grad=grad)
     ang = torch.rand(t, D // 2) * 6
@@ -116,6 +136,19 @@ ROTATIONS = {
     "packed": (_packed, lambda q, k, cu: ropekit.apply_rope(q, k, None, _on(q.device)["cache"], cu_seqlens=cu)),
     "axes": (_axes, lambda q, k, p: ropekit.apply_rope(q, k, p, None, inv_freq=_on(q.device)["inv_freq"], axes=(4, 4))),
     "bhsd": (_bhsd, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], layout="bhsd")),
+    "sbhd": (_sbhd, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], layout="sbhd")),
+    "sbhd_arange": (_sbhd, lambda q, k, p: ropekit.apply_rope(q, k, None, _on(q.device)["cache"], layout="sbhd")),
+    "strided": (_strided, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"])),
+    "strided_norm": (
+        _strided,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], q_norm_weight=_on(q.device)["w"]),
+    ),
+    "rope_last": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], rotary_dim=D // 2, rotary_position="last"
+        ),
+    ),
     "angles": (_angles, lambda q, k, c, s: ropekit.rotate_with_angles(q, k, c, s)),
     "freqs_cis": (_cis, lambda q, k, fc: ropekit.rotate_with_angles(q, k, freqs_cis=fc)),
 }
@@ -134,6 +167,20 @@ def _store(t, grad):
 def _store_fn(q, k, v, p, k_cache, v_cache, slots):
     ropekit.apply_rope_and_store(q, k, v, p, _on(q.device)["cache"], k_cache, v_cache, slots)
     return q, k_cache, v_cache
+
+
+def _store_mla(t, grad):
+    """FlashInfer's 3-D paged MLA cache (num_blocks, block_size, L + R), one kv head."""
+    q, k = _qk(t, grad=False)
+    latent = torch.randn(t, 1, 2 * D)
+    mla = torch.full((BLOCKS, BLOCK, 3 * D), float("nan"))
+    slots = torch.randperm(BLOCKS * BLOCK)[:t]
+    return (q, k[:, :1], latent, torch.randint(0, MAXPOS, (t,)), mla, slots), (0, 0, 0, 0, None, 0)
+
+
+def _store_mla_fn(q, k, latent, p, mla, slots):
+    ropekit.apply_rope_and_store(q, k, None, p, _on(q.device)["cache"], mla, None, slots, k_nope=latent)
+    return q, mla
 
 
 def _rerotate(t, grad):
@@ -159,6 +206,32 @@ NO_GRAD_ONLY = {
         ),
     ),
     "inplace": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], inplace=True)),
+    "inplace_strided": (_strided, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], inplace=True)),
+    "inplace_sbhd": (
+        _sbhd,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], layout="sbhd", inplace=True),
+    ),
+    "inplace_rope_last": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["half_cache"], rotary_position="last", inplace=True),
+    ),
+    "destinations": (
+        _destinations,
+        lambda q, k, p, qo, ko: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], q_out=qo, k_out=ko),
+    ),
+    "destinations_rope_last": (
+        _destinations,
+        lambda q, k, p, qo, ko: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], q_out=qo, k_out=ko, rotary_position="last"
+        ),
+    ),
+    "fp8_rope_last": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], out_dtype=torch.float8_e4m3fn, q_scale=0.5, rotary_position="last"
+        ),
+    ),
+    "store_mla_3d": (_store_mla, _store_mla_fn),
     "store": (_store, _store_fn),
     "rerotate": (_rerotate, _rerotate_fn),
     "module": (_module, lambda p, q, k: _on(q.device)["module"](p, q, k)),

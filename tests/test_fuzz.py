@@ -467,10 +467,14 @@ ROPE_MUTATIONS = {
         ValueError,
         "k: expected",
     ),
-    "q-last-stride": (
-        lambda d, a, m: {**a, "q": torch.randn(*a["q"].shape[:-1], 2 * m["Dq"]).to(m["dtype"])[..., ::2]},
+    "q-out-last-stride": (
+        lambda d, a, m: {
+            **a,
+            "inplace": False,
+            "q_out": torch.randn(*a["q"].shape[:-1], 2 * m["Dq"]).to(m["dtype"])[..., ::2],
+        },
         ValueError,
-        "q: expected stride 1 in the last dimension",
+        "q_out: expected stride 1 in the last dimension",
     ),
     "rotary-odd": (
         lambda d, a, m: {**a, "rotary_dim": m["rot"] - 1},

@@ -586,10 +586,6 @@ def bad(**change):
     return args
 
 
-def mla_cache_3d(a):
-    return torch.full((2, 4, D_ + 32), NAN)
-
-
 CASES = [
     # (id, arguments, keyword overrides, exception, message fragment)
     ("k-none", bad(k=None), {}, TypeError, "k: expected a torch.Tensor"),
@@ -664,19 +660,6 @@ CASES = [
         {},
         ValueError,
         "v_cache: expected (heads, head size) (2, 64), those of v",
-    ),
-    (
-        "mla-3d-cache-hint",
-        bad(
-            k=lambda a: torch.randn(T_, 1, 32),
-            v=lambda a: torch.randn(T_, 1, D_),
-            k_cache=lambda a: mla_cache_3d(a)[..., D_:],
-            v_cache=lambda a: mla_cache_3d(a)[..., :D_],
-            cos_sin_cache=lambda a: make_cache(16, 32),
-        ),
-        {},
-        ValueError,
-        "pass a paged MLA cache (num_blocks, block_size, D) as cache.unsqueeze(-2)",
     ),
     (
         "k-cache-last-stride",

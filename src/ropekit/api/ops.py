@@ -120,30 +120,30 @@ def _no_leaf_written(q, k) -> None:
 # the doors, for every op of this module
 
 
-def _run(spec: Spec, q, k, a, b, weights, scales):
-    """The validated call through its door: (q_out, k_out), or q and k themselves in place."""
+def _run(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
+    """The validated call through its door: (q_out, k_out), or q and k themselves in place.
+    q_out, k_out: destinations to write (None: new tensors); never given when autograd records."""
     door = spec.door
     v = spec.variant
     if door is DIRECT:
         if v.normed and not spec.triton:  # the CPU path: torch ops, which autograd records
-            q_out, k_out = pipeline.norm_rotated(spec, v, q, k, a, b, weights, spec.out_dtype, scales)
-            if not spec.inplace:
-                return q_out, k_out
-            q.copy_(q_out)
-            if k is not None:
-                k.copy_(k_out)
-            return q, k
+            outs = pipeline.norm_rotated(spec, v, q, k, a, b, weights, spec.out_dtype, scales)
+            if spec.inplace:
+                q_out, k_out = q, k
+            return _into(outs, q_out, k_out)
         w = weights if v.normed else None
         if spec.inplace:
             pipeline.run_rotate(spec, v, q, k, q, k, a, b, weights=w)
             _bump_versions(q, k)
             return q, k
-        q_out = pipeline.empty_like(q, dtype=spec.out_dtype)
-        k_out = None if k is None else pipeline.empty_like(k, dtype=spec.out_dtype)
+        if q_out is None:
+            q_out = pipeline.empty_like(q, dtype=spec.out_dtype)
+        if k_out is None and k is not None:
+            k_out = pipeline.empty_like(k, dtype=spec.out_dtype)
         pipeline.run_rotate(spec, v, q, k, q_out, k_out, a, b, scales=scales, weights=w)
         return q_out, k_out
     if door is CUSTOM_OP:
-        return _custom_op(spec, q, k, a, b, weights, scales)
+        return _custom_op(spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
         # autograd lets a Function that writes into a view return that one tensor only, and q and
         # k usually are views (of a fused qkv projection): one Function call (one launch) each
@@ -156,10 +156,21 @@ def _run(spec: Spec, q, k, a, b, weights, scales):
     return RotateFunction.apply(q, k, a, b, weights[0], weights[1], spec, v)
 
 
-def _custom_op(spec: Spec, q, k, a, b, weights, scales):
+def _into(outs, q_out, k_out):
+    """Results computed as new tensors, copied into the destinations given (None: kept as they are)."""
+    res = list(outs)
+    for i, dst in enumerate((q_out, k_out)):
+        if dst is not None and res[i] is not None:
+            res[i] = dst.copy_(res[i])
+    return res[0], res[1]
+
+
+def _custom_op(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
     """The dispatcher's door: torch.compile traces it, DTensor shards it, autograd through the
     custom op's registered backward. In place under autograd: the out-of-place op, then copy_
-    into q and k (autograd's own in-place op: versions, views and the backward follow)."""
+    into q and k (autograd's own in-place op: versions, views and the backward follow). Given
+    destinations likewise: the out-of-place op, then copy_ into q_out / k_out (one custom op per
+    schema; the compiler may fuse the copy)."""
     v = spec.variant
     hf = v.heads_first  # the ops take tokens-first views; results go back to HF's layout
     codes = v.tokens_first().encode()
@@ -173,14 +184,75 @@ def _custom_op(spec: Spec, q, k, a, b, weights, scales):
     if spec.inplace:  # refused by name before the op (the copy_ below would fail inside torch)
         _no_leaf_written(q, k)
     outs = torch.ops.ropekit.rotate(q_t, k_t, a, b, wq, wk, qs, ks, codes, spec.rot, packed, norm, spec.out_dtype)
-    q_out = pipeline.heads_first(outs[0], hf)
-    k_out = pipeline.heads_first(outs[1], hf) if k is not None else None
+    rotated = (pipeline.heads_first(outs[0], hf), pipeline.heads_first(outs[1], hf) if k is not None else None)
+    return _into(rotated, *((q, k) if spec.inplace else (q_out, k_out)))
+
+
+def _seq(x):
+    """(S, B, ...) <-> (B, S, ...) views (Transformer Engine's 'sbhd' and the kernel's 'bshd')."""
+    return None if x is None else x.transpose(0, 1)
+
+
+def _call(spec: Spec, door, q, k, a, b, weights, scales, q_out=None, k_out=None):
+    """apply_rope's views around its door (`_run`, or `_custom_op` under torch.compile), as the
+    record says: 'sbhd' tensors as (B, S, H, D) views; q or k with a last stride other than 1
+    read through one contiguous copy (in place: the copy rotated, then copied back); with
+    rope_last the door sees the head's last rotary_dim dims only. Results in the caller's layout."""
+    v = spec.variant
+    if not (v.seq_first or v.rope_last or spec.copy_in):
+        return door(spec, q, k, a, b, weights, scales, q_out, k_out)
+    given = (q, k, q_out, k_out)
+    if v.seq_first:
+        q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
+    views = (q, k)
+    if spec.copy_in:
+        if spec.inplace and pipeline.records_grad(q, k):  # the copy is no leaf: name the caller's
+            _no_leaf_written(given[0], given[1])
+        q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
+    if v.rope_last:
+        res = _rope_last(spec, door, q, k, a, b, weights, scales, q_out, k_out)
+    else:
+        res = door(spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
-        q.copy_(q_out)
-        if k is not None:
-            k.copy_(k_out)
+        for view, x in zip(views, (q, k)):
+            if x is not view:
+                view.copy_(x)
+        return given[0], given[1]
+    if v.seq_first:
+        res = map(_seq, res)
+    return tuple(g if g is not None else r for g, r in zip(given[2:], res))
+
+
+def _rope_last(spec: Spec, door, q, k, a, b, weights, scales, q_out, k_out):
+    """rotary_position='last': the door rotates views of the last rotary_dim dims of each head;
+    out of place the leading (unrotated) dims are copied once, with the outputs' scale and dtype."""
+    rot = spec.rot
+    cut = [None if x is None else x.shape[-1] - rot for x in (q, k)]
+    part = [None if x is None else x[..., n:] for x, n in zip((q, k), cut)]
+    if spec.inplace:
+        door(spec, part[0], part[1], a, b, weights, scales)
         return q, k
-    return q_out, k_out
+    kept = [None if x is None else _kept(spec, x[..., :n], scales, i) for i, (x, n) in enumerate(zip((q, k), cut))]
+    if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
+        rotated = door(spec, part[0], part[1], a, b, weights, scales)
+        return tuple(None if r is None else torch.cat((p.to(r.dtype), r), -1) for p, r in zip(kept, rotated))
+    outs = []
+    for x, dst, n, p in zip((q, k), (q_out, k_out), cut, kept):
+        if x is not None:
+            dst = pipeline.empty_like(x, dtype=spec.out_dtype) if dst is None else dst
+            dst[..., :n].copy_(p)
+        outs.append(dst)
+    door(spec, part[0], part[1], a, b, weights, scales, *(None if o is None else o[..., n:] for o, n in zip(outs, cut)))
+    return outs[0], outs[1]
+
+
+def _kept(spec: Spec, x, scales, i):
+    """The dims a rotation keeps, as its outputs store them: scaled outputs divide by the scale and
+    saturate (the kernel's rule for a tail), the cast happens in the copy."""
+    if not spec.variant.scaled:
+        return x
+    dtype = spec.out_dtype or x.dtype
+    return pipeline.saturate(x.float() / scales[i], dtype).to(dtype)
 
 
 def _door(q, spec_grad: bool, normed: bool, triton: bool) -> str:
@@ -221,14 +293,22 @@ def apply_rope(
     layout: Optional[str] = None,
     inv_freq: Optional[torch.Tensor] = None,
     axes: Optional[Sequence[int]] = None,
+    q_out: Optional[torch.Tensor] = None,
+    k_out: Optional[torch.Tensor] = None,
+    rotary_position: str = "first",
 ):
     """Rotate q and k by the angles of their positions.
 
     Args:
-        q: (*T, Hq, Dq) fp16/bf16/fp32, *T = (T,) or (B, S); any strides, last stride 1. With
-            layout='bhsd': (B, Hq, S, Dq), Hugging Face's layout (results come back in it).
+        q: (*T, Hq, Dq) fp16/bf16/fp32, *T = (T,) or (B, S); any strides. A last stride other
+            than 1 is read through one contiguous copy (in place: the copy is rotated, then copied
+            back), and out of place the outputs of such a q are contiguous; a q with last stride 1
+            gets outputs of its own layout when it is dense (torch.empty_like's rule), contiguous
+            otherwise. With layout='bhsd': (B, Hq, S, Dq), Hugging Face's layout; with
+            layout='sbhd': (S, B, Hq, Dq), Transformer Engine's (results come back in it).
         k: (*T, Hk, Dk) or None; Dk may differ from Dq; its own strides.
-        positions: (*T) int32/int64; (3, *T) for M-RoPE; None means arange over the last token dim.
+        positions: (*T) int32/int64; (3, *T) for M-RoPE; None means arange over the last token dim
+            (over S with layout='sbhd', whose positions are (S, B)).
             Dims of size 1 broadcast over the token dims (HF's (1, S) position_ids; an expand view).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended, bf16/fp16 ok.
             HF's cos (rows [f, f]) is refused, checked once per table.
@@ -259,7 +339,8 @@ def apply_rope(
         q_scale, k_scale: None (1.0), a float > 0, or a 0-d / 1-element float32 tensor on q's
             device (read in the kernel: no sync, safe in CUDA graphs): the per-tensor scale of
             q's / k's outputs. Given with out_dtype only.
-        layout: None or 'thd' / 'bshd' (tokens first, by q's rank), or 'bhsd' (HF's (B, H, S, D)).
+        layout: None or 'thd' / 'bshd' (tokens first, by q's rank), 'bhsd' (HF's (B, H, S, D)) or
+            'sbhd' (Transformer Engine's (S, B, H, D): positions (S, B), size-1 dims broadcast).
             None warns (ropekit.core.validate.LayoutWarning, once per call signature) when a 4-D q has
             the strides of HF's (B, H, S, D) view and the positions fit either reading.
 
@@ -271,6 +352,12 @@ def apply_rope(
         axes: with inv_freq, the number of rotary pairs of each axis (1 to 4 ints summing to
             len(inv_freq), e.g. (8, 28, 28) for Flux; ropekit.axial_inv_freq builds the
             frequencies); positions are then (len(axes), *T). None: positions (*T) drive all pairs.
+        q_out, k_out: destinations (out of place, not while autograd records the call): tensors of
+            q's / k's shape in the outputs' dtype (out_dtype or q's), any strides with last stride
+            1, disjoint from every input and from each other; written by the kernel and returned.
+            Either may be given alone (the other output is a new tensor).
+        rotary_position: 'first' rotates dims [0, rotary_dim); 'last' rotates [D - rotary_dim, D)
+            (DeepSeek's [nope | rope] heads), the leading dims kept. Not with the norm.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -303,11 +390,15 @@ def apply_rope(
         layout,
         inv_freq,
         axes,
+        q_out,
+        k_out,
+        rotary_position,
     )
     if torch.compiler.is_compiling():
         spec = _rope_spec(*args)
         a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
-        return _custom_op(spec, q, k, a, b, (q_norm_weight, k_norm_weight), _scales(spec, q, q_scale, k_scale))
+        scales = _scales(spec, q, q_scale, k_scale)
+        return _call(spec, _custom_op, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
     try:
         # the optional tensors, absent in most calls: one test instead of six calls
         if (
@@ -317,6 +408,8 @@ def apply_rope(
             and k_norm_weight is None
             and q_scale is None
             and k_scale is None
+            and q_out is None
+            and k_out is None
         ):
             optional = None
         else:
@@ -327,6 +420,8 @@ def apply_rope(
                 tensor_key(k_norm_weight),
                 _scale_key(q_scale),
                 _scale_key(k_scale),
+                tensor_key(q_out),
+                tensor_key(k_out),
             )
         flags = (
             interleaved,
@@ -342,6 +437,7 @@ def apply_rope(
             out_dtype,
             layout,
             axes,
+            rotary_position,
         )
         # the flags, all at their defaults in most calls: identity tests instead of keying them
         if all(map(operator.is_, flags, _FLAG_DEFAULTS)):
@@ -375,9 +471,29 @@ def apply_rope(
             names = ANGLE_NAMES[v.angles]
             read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
             validate.inplace_aliasing("apply_rope", q, k, read)
+        if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
+            _out_aliasing(spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale)
         if validate.is_strict():
             _strict_values(spec, q, a, b, cp_size)
-    return _run(spec, q, k, a, b, weights, _scales(spec, q, q_scale, k_scale))
+    return _call(spec, _run, q, k, a, b, weights, _scales(spec, q, q_scale, k_scale), q_out, k_out)
+
+
+def _out_aliasing(spec: Spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale) -> None:
+    """Destinations share no byte with an input or each other: checked on every call (addresses),
+    exactly only where byte ranges meet."""
+    names = ANGLE_NAMES[spec.variant.angles]
+    read = (
+        ("q", q),
+        ("k", k),
+        (names[0], a),
+        (names[1], b),
+        ("q_norm_weight", weights[0]),
+        ("k_norm_weight", weights[1]),
+        ("q_scale", q_scale if isinstance(q_scale, torch.Tensor) else None),
+        ("k_scale", k_scale if isinstance(k_scale, torch.Tensor) else None),
+    )
+    extents = [_extent(q_out), _extent(k_out)] + [_extent(x) for _, x in read]
+    validate.out_aliasing("apply_rope", q_out, k_out, read, extents)
 
 
 _FLAG_DEFAULTS = tuple(
@@ -396,6 +512,7 @@ _FLAG_DEFAULTS = tuple(
         "out_dtype",
         "layout",
         "axes",
+        "rotary_position",
     )
 )
 
@@ -407,6 +524,8 @@ def _operands(spec: Spec, positions, table, cu_seqlens, inv_freq):
         return positions, inv_freq
     if angles == "packed":
         return cu_seqlens, table
+    if positions is not None and spec.variant.seq_first:  # (S, B) -> the kernel's (B, S)
+        positions = positions.transpose(-1, -2)
     if spec.angle_shape is not None:  # positions with size-1 dims (HF's (1, S)): an expand view
         positions = positions.expand(spec.angle_shape)
     return positions, table
@@ -450,12 +569,21 @@ def _rope_spec(
     layout,
     inv_freq,
     axes,
+    q_out,
+    k_out,
+    rotary_position,
 ) -> Spec:
     """Validate one apply_rope signature into its spec (names the first bad argument)."""
     op = "apply_rope"
     packed = (1, 0)
-    hf = validate.layout_arg(op, layout, q)
+    hf = validate.layout_arg(op, layout, q, sbhd=True)
+    seq = layout == "sbhd"
     q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)  # tokens first
+    if seq:  # checked as the (B, S, H, D) views the run takes
+        validate.sbhd_args(op, q, k, positions, mrope_section is not None)
+        q_t, k_t = _seq(q_t), _seq(k_t)
+        if isinstance(positions, torch.Tensor) and positions.dim() >= 2:
+            positions = positions.transpose(-1, -2)
     expand = None  # positions with size-1 dims (HF's (1, S)): the shape each call expands them to
     if inv_freq is not None or axes is not None:
         if inv_freq is None:
@@ -464,7 +592,7 @@ def _rope_spec(
             if value is not None:
                 fail(op, name, "None with inv_freq (angles computed from positions x inv_freq)", type(value).__name__)
         rot, sections = validate.freqs_args(
-            op, q_t, k_t, positions, inv_freq, axes, rotary_dim=rotary_dim, inplace=inplace
+            op, q_t, k_t, positions, inv_freq, axes, rotary_dim=rotary_dim, inplace=inplace, any_last_stride=True
         )
         angles, mode, source, b = "freqs", 0, positions, inv_freq
     else:
@@ -483,6 +611,7 @@ def _rope_spec(
             packed=cu_seqlens is not None,
             inplace_grad=True,
             broadcast=True,
+            any_last_stride=True,
         )
         validate.no_grad_table(op, cos_sin_cache)
         if layout is None:
@@ -506,8 +635,11 @@ def _rope_spec(
     scaled = validate.out_args(op, q, out_dtype, q_scale, k_scale, inverse, inplace=inplace, grad=grad)
     if normed:
         validate.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
+    validate.out_buffers(op, q, k, q_out, k_out, out_dtype, inplace=inplace, grad=grad)
+    last = validate.rotary_position_arg(op, rotary_position, normed)
+    last = last and any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
     il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, angles, inverse, hf, scaled, *modes)
+    variant = Variant(il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last)
     triton = pipeline.triton_runs(q)
     weights = (q_norm_weight, k_norm_weight)
     return Spec(
@@ -515,6 +647,7 @@ def _rope_spec(
         rot,
         _door(q, grad, normed, triton),
         triton,
+        copy_in=any(x is not None and x.shape[-1] > 1 and x.stride(-1) != 1 for x in (q, k)),
         extents=tuple(_extent(x) for x in (q, k, source, b, *weights)),
         packed=packed,
         angle_shape=expand,

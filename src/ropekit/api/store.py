@@ -246,6 +246,22 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+def paged_mla(cache, x):
+    """A 3-D cache beside a one-head x whose dim -2 is not 1 is FlashInfer's paged MLA cache
+    (num_blocks, block_size, D): the 4-D view (num_blocks, block_size, 1, D). A 3-D cache is flat
+    (num_slots, H, D) otherwise; (num_blocks, 1, D) reads the same either way (slot = block)."""
+    if (
+        isinstance(cache, torch.Tensor)
+        and isinstance(x, torch.Tensor)
+        and cache.dim() == 3
+        and x.dim() >= 2
+        and x.shape[-2] == 1
+        and cache.shape[-2] != 1
+    ):
+        return cache.unsqueeze(-2)
+    return cache
+
+
 def mla_parts(k, v, k_cache, v_cache, k_nope):
     """MLA's split key as the store's (v, k_cache, v_cache): k_nope takes v's place (copied
     unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and is
@@ -512,8 +528,9 @@ def apply_rope_and_store(
             float8_e4m3fn or float8_e5m2 (need not match k's dtype; values are cast).
         v_cache: like k_cache for v, with the same slot dims (num_blocks, block_size) or
             (num_slots,). MLA keeps one joint row [latent | rope]: pass views of one cache,
-            `k_cache = cache[..., L:]`, `v_cache = cache[..., :L]` (a 3-D MLA cache
-            (num_blocks, block_size, L + R) as `cache.unsqueeze(-2)` first), or use k_nope.
+            `k_cache = cache[..., L:]`, `v_cache = cache[..., :L]`, or use k_nope. A 3-D cache
+            beside a one-head k (v) is FlashInfer's paged MLA cache (num_blocks, block_size, D)
+            unless its dim -2 is 1 (then flat (num_slots, 1, D), which addresses the same rows).
         slot_mapping: (*T) int32/int64; token i goes to slot slot_mapping[i] = block * block_size
             + offset. A slot < 0 is padding: nothing is stored for that token.
         interleaved: False rotates halves (Llama/NeoX), True pairs (2i, 2i+1) (GPT-J, DeepSeek).
@@ -586,6 +603,7 @@ def apply_rope_and_store(
     composes with the norm. DTensor: weights replicated; an (H*D,) weight with head-sharded q / k
     is refused (ropekit.distributed).
     """
+    k_cache, v_cache = paged_mla(k_cache, k), paged_mla(v_cache, v if k_nope is None else k_nope)
     if k_nope is not None:
         v, k_cache, v_cache = mla_parts(k, v, k_cache, v_cache, k_nope)
     # strided last dims of read-only inputs: one copy each (q rotated in place is refused by validation)

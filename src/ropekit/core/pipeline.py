@@ -69,12 +69,16 @@ class Variant(NamedTuple):
     scaled: bool = False  # outputs divided by a per-tensor scale, saturated to an fp8 output's range
     norm_q: int = 0  # RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,))
     norm_k: int = 0  # RMSNorm of k likewise
+    seq_first: bool = False  # q, k (and given outputs) are (S, B, H, D) (Transformer Engine's 'sbhd'):
+    #                          ops.py hands the run (B, S, H, D) views, transpose(0, 1)
+    rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
+    #                          DeepSeek): ops.py hands the run views of that part, the rest is copied
 
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
         every field as an int in field order, the angle source by its index in ANGLE_SOURCES, then
-        the sections. heads_first is left out (the ops take tokens-first views). A new field needs
-        no edit here."""
+        the sections. The view flags (heads_first, seq_first, rope_last) are left out: the ops take
+        tokens-first views of the rotated part. A new field needs no edit here."""
         return [_code(f, getattr(self, f)) for f in _CODED] + list(self.sections)
 
     @staticmethod
@@ -90,8 +94,8 @@ class Variant(NamedTuple):
         return self.norm_q != 0 or self.norm_k != 0
 
     def tokens_first(self) -> "Variant":
-        """This variant for tokens-first views of q and k (what the custom ops take)."""
-        return self._replace(heads_first=False)
+        """This variant for the views the custom ops take: tokens first, the rotated part alone."""
+        return self._replace(heads_first=False, seq_first=False, rope_last=False)
 
     def with_scaled(self, scaled: bool) -> "Variant":
         """This variant with its outputs scaled (fp8) or not."""
@@ -106,7 +110,7 @@ class Variant(NamedTuple):
 
 
 # Variant's fields in its custom-op encoding, and each field's value <-> int
-_CODED = tuple(f for f in Variant._fields if f not in ("sections", "heads_first"))
+_CODED = tuple(f for f in Variant._fields if f not in ("sections", "heads_first", "seq_first", "rope_last"))
 
 
 def _code(field: str, value) -> int:
@@ -141,6 +145,7 @@ class Spec:
         "table",
         "norm_eps",
         "norm_offset",
+        "copy_in",
     )
 
     def __init__(
@@ -159,6 +164,7 @@ class Spec:
         out_dtype=None,
         norm_eps=0.0,
         norm_offset=0.0,
+        copy_in=False,
     ):
         self.variant = variant
         self.rot = rot  # rotated dims
@@ -179,6 +185,7 @@ class Spec:
         self.halves = None  # specs for q alone and k alone (in-place views under autograd)
         self.norm_eps = norm_eps  # with variant.normed: RMSNorm's epsilon
         self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
+        self.copy_in = copy_in  # q or k has a last stride other than 1: read through a contiguous copy
 
     def _copy(self, inplace: bool) -> "Spec":
         return Spec(

@@ -163,9 +163,11 @@ def inplace_aliasing(op, q, k, read) -> None:
     written_vs_read(op, (("q", q), ("k", k)), read)
 
 
-def qk_args(op, q, k) -> tuple:
-    """q and k: rank, dtype, device, unit last stride, matching token dims. Returns the token shape."""
-    tensor(op, "q", q, ndims=(3, 4), dtypes=FLOAT_DTYPES, shape_hint="(T, H, D) or (B, S, H, D)")
+def qk_args(op, q, k, any_last_stride=False) -> tuple:
+    """q and k: rank, dtype, device, unit last stride (unless any_last_stride: apply_rope reads
+    other layouts through a copy), matching token dims. Returns the token shape."""
+    unit = not any_last_stride
+    tensor(op, "q", q, ndims=(3, 4), dtypes=FLOAT_DTYPES, shape_hint="(T, H, D) or (B, S, H, D)", last_stride_one=unit)
     token_shape = tuple(q.shape[:-2])
     if k is not None:
         tensor(
@@ -176,6 +178,7 @@ def qk_args(op, q, k) -> tuple:
             dtypes=FLOAT_DTYPES,
             device=q.device,
             shape_hint=lambda: f"with the token dims of q {token_shape}",
+            last_stride_one=unit,
         )
         if tuple(k.shape[:-2]) != token_shape:
             hint = heads_first_hint(q, (k.shape[0], k.shape[2])) if k.dim() == 4 else ""
@@ -227,12 +230,14 @@ def rope_args(
     packed=False,
     inplace_grad=False,
     broadcast=False,
+    any_last_stride=False,
 ):
     """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w).
     inplace_grad: in place is allowed while q or k requires grad (the plain rotation: its backward
     needs no input; the norm's does). broadcast: positions may have size-1 dims where the token
-    dims have more (Hugging Face's (1, S) position_ids); the caller expands them."""
-    token_shape = qk_args(op, q, k)
+    dims have more (Hugging Face's (1, S) position_ids); the caller expands them. any_last_stride:
+    as qk_args'."""
+    token_shape = qk_args(op, q, k, any_last_stride)
     device = q.device
     tensor(
         op,
@@ -338,10 +343,10 @@ def axes_arg(op, axes, half) -> tuple:
     return tuple(axes)
 
 
-def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace) -> tuple:
+def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace, any_last_stride=False) -> tuple:
     """Checks of apply_rope with angles computed from positions x inv_freq. Returns
     (rotary_dim, axes) with axes () when not given."""
-    token_shape = qk_args(op, q, k)
+    token_shape = qk_args(op, q, k, any_last_stride)
     tensor(
         op,
         "inv_freq",
@@ -428,6 +433,68 @@ def out_args(op, q, out_dtype, q_scale, k_scale, inverse, *, inplace, grad) -> b
         if grad:
             fail(op, name, "None while q or k requires grad (no gradient through a quantization)", "a scale")
     return is_scaled(out_dtype, q_scale, k_scale)
+
+
+def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad) -> None:
+    """Checks of apply_rope's destinations (q_out, k_out) that need no address: each None, or a
+    tensor of its input's shape in the outputs' dtype on q's device, last stride 1, no element
+    twice. Their aliasing with the inputs and each other is checked per call (`out_aliasing`)."""
+    dtype = q.dtype if out_dtype is None else out_dtype
+    for name, out, x, xname in (("q_out", q_out, q, "q"), ("k_out", k_out, k, "k")):
+        if out is None:
+            continue
+        if inplace:
+            fail(op, name, "None when inplace=True (in place writes q and k themselves)", "a tensor")
+        if x is None:
+            fail(op, name, f"None when {xname} is None", "a tensor")
+        if grad:
+            fail(
+                op,
+                name,
+                "None while q or k requires grad (results written into given tensors are not "
+                "differentiable, as with torch's out=)",
+                "a tensor",
+            )
+        tensor(op, name, out, ndims=(x.dim(),), dtypes=(dtype,), device=q.device, shape_hint=f"of {xname}'s shape")
+        if tuple(out.shape) != tuple(x.shape):
+            fail(op, name, f"shape {tuple(x.shape)} (that of {xname})", f"shape {tuple(out.shape)}")
+        if has_internal_overlap(out):
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+                f"strides {tuple(out.stride())}",
+            )
+        if out.requires_grad and torch.is_grad_enabled():
+            fail(op, name, "a tensor that does not require grad (it is written in place)", "requires_grad=True")
+
+
+def out_aliasing(op, q_out, k_out, read, extents=None) -> None:
+    """q_out and k_out disjoint from each other and from every input (`read`: (name, tensor) pairs)."""
+    if q_out is not None and k_out is not None and may_alias(q_out, k_out):
+        fail(op, "k_out", "memory disjoint from q_out (both are written)", "a tensor overlapping q_out")
+    written_vs_read(op, (("q_out", q_out), ("k_out", k_out)), read, extents)
+
+
+ROTARY_POSITIONS = ("first", "last")
+
+
+def rotary_position_arg(op, rotary_position, normed) -> bool:
+    """'first' (dims [0, rotary_dim) rotated) or 'last' ([D - rotary_dim, D): DeepSeek's
+    [nope | rope] head). Returns True for 'last'."""
+    if not isinstance(rotary_position, str):
+        raise TypeError(f"{op}: rotary_position: expected a str, got {type(rotary_position).__name__}")
+    if rotary_position not in ROTARY_POSITIONS:
+        fail(op, "rotary_position", "'first' or 'last'", repr(rotary_position))
+    last = rotary_position == "last"
+    if last and normed:
+        fail(
+            op,
+            "rotary_position",
+            "'first' with q_norm_weight / k_norm_weight (the fused norm covers the head from dim 0)",
+            "'last'",
+        )
+    return last
 
 
 def no_grad_table(op, table):
@@ -572,26 +639,52 @@ def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
 # call signature) or once per table: HF's (B, H, S, D) layout, HF's cos given as a [cos | sin]
 # table, HF's full-width [f, f] cos / sin, and HF's (1, S) position_ids.
 
-LAYOUTS = ("thd", "bshd", "bhsd")
+LAYOUTS = ("thd", "bshd", "bhsd", "sbhd")
 
 
 class LayoutWarning(UserWarning):
     """A 4-D q whose layout reads both as (B, S, H, D) and as Hugging Face's (B, H, S, D)."""
 
 
-def layout_arg(op, layout, q) -> bool:
+def layout_arg(op, layout, q, sbhd=False) -> bool:
     """layout: None or 'thd' / 'bshd' (tokens first: (T, H, D) / (B, S, H, D)) or 'bhsd' (Hugging
-    Face's (B, H, S, D)). Returns True for 'bhsd' (the pipeline's heads_first)."""
+    Face's (B, H, S, D)); with sbhd also 'sbhd' (Transformer Engine's (S, B, H, D), apply_rope's).
+    Returns True for 'bhsd' (the pipeline's heads_first)."""
     if layout is None:
         return False
     if not isinstance(layout, str):
         raise TypeError(f"{op}: layout: expected a str or None, got {type(layout).__name__}")
-    if layout not in LAYOUTS:
-        fail(op, "layout", "'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)) or None", repr(layout))
+    if layout not in LAYOUTS or (layout == "sbhd" and not sbhd):
+        te = ", 'sbhd' (Transformer Engine's (S, B, H, D))" if sbhd else ""
+        fail(
+            op,
+            "layout",
+            f"'thd' or 'bshd' (tokens first), 'bhsd' (Hugging Face's (B, H, S, D)){te} or None",
+            repr(layout),
+        )
     rank = 3 if layout == "thd" else 4
     if isinstance(q, torch.Tensor) and q.dim() != rank:
         fail(op, "q", f"a {rank}-D tensor with layout={layout!r}", f"shape {tuple(q.shape)}")
     return layout == "bhsd"
+
+
+def sbhd_args(op, q, k, positions, mrope: bool) -> None:
+    """layout='sbhd': k's token dims and positions' shape in the caller's (S, B) terms (the rest is
+    checked on the (B, S, H, D) views)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return
+    tokens = tuple(q.shape[:2])
+    if isinstance(k, torch.Tensor) and k.dim() == 4 and tuple(k.shape[:2]) != tokens:
+        fail(op, "k", f"token dims {tokens} ((S, B), those of q)", f"shape {tuple(k.shape)}")
+    if isinstance(positions, torch.Tensor):
+        want = ((3,) if mrope else ()) + tokens
+        if not broadcasts_to(tuple(positions.shape), want):
+            fail(
+                op,
+                "positions",
+                f"shape {want} ({'(3, S, B)' if mrope else '(S, B)'} with layout='sbhd'; size-1 dims broadcast)",
+                f"shape {tuple(positions.shape)}",
+            )
 
 
 def broadcasts_to(shape, want) -> bool:
@@ -842,13 +935,7 @@ def store_args(
         tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
         want = tuple(x.shape[-2:])
         if tuple(cache.shape[-2:]) != want:
-            hint = ""
-            if cache.dim() == 3 and cache.shape[-1] == x.shape[-1]:
-                hint = (
-                    " (a 3-D cache is flat (num_slots, H, D); pass a paged MLA cache "
-                    "(num_blocks, block_size, D) as cache.unsqueeze(-2))"
-                )
-            fail(op, name, f"(heads, head size) {want}, those of {xname}{hint}", f"shape {tuple(cache.shape)}")
+            fail(op, name, f"(heads, head size) {want}, those of {xname}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
             fail(
                 op,

@@ -1,0 +1,390 @@
+"""Conventions other libraries' tests ask of apply_rope and the store: destination outputs
+(q_out= / k_out=), Transformer Engine's layout='sbhd', any last stride, the rotated part at the end
+of the head (rotary_position='last') and FlashInfer's 3-D paged MLA cache in the store.
+
+Each against the float64 reference on fresh random inputs, outputs and destinations poisoned with
+NaN (an unwritten element fails). On CPU the kernels run in the Triton interpreter. The compiled
+forms are in test_compile_dynamic.py's tables (fullgraph=True over changing shapes).
+"""
+
+import re
+
+import pytest
+import torch
+
+import ropekit
+from ropekit.core import pipeline
+from ropekit.tools import reference
+
+from conftest import TOL, fp8_close, make_cache, rel_err
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+NAN = float("nan")
+FP8 = torch.float8_e4m3fn
+
+
+def _nan(*shape, dtype=torch.float32, device="cpu"):
+    return torch.full(shape, NAN, device=device).to(dtype)
+
+
+def _want(x, cache, positions, *, last=False, interleaved=False, scale=None, dtype=None):
+    """float64 reference of one rotated tensor (*T, H, D); last: the rotated dims end the head.
+    scale / dtype: an fp8 output's rule (divided, saturated, cast)."""
+    rot = cache.shape[1]
+    c, s = reference.angles_from_table(cache.double(), positions, x.shape[:-2])
+    x = x.double()
+    if last:
+        n = x.shape[-1] - rot
+        r = torch.cat((x[..., :n], reference.rotate(x[..., n:], c, s, interleaved=interleaved)), -1)
+    else:
+        r = reference.rotate(x, c, s, interleaved=interleaved)
+    if scale is None:
+        return r
+    big = torch.finfo(dtype).max
+    return (r / scale).clamp(-big, big).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# q_out= / k_out=
+
+
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary (a tail copied into the destination)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_destinations_are_written_and_returned(device, rot, interleaved):
+    cache = make_cache(32, rot, device=device)
+    q = torch.randn(2, 3, 4, 32, device=device)
+    k = torch.randn(2, 3, 2, 32, device=device)
+    pos = torch.randint(0, 32, (2, 3), device=device)
+    q_buf = _nan(2, 3, 4, 48, device=device)
+    q_out = q_buf[..., 8:40]  # strided destination: rows 48 apart, inside a wider buffer
+    k_out = _nan(2, 2, 3, 32, device=device).transpose(1, 2)  # permuted destination
+    before = q_buf.clone()
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, interleaved=interleaved, q_out=q_out, k_out=k_out)
+    assert got_q is q_out and got_k is k_out
+    assert rel_err(q_out, _want(q, cache, pos, interleaved=interleaved)) < TOL[torch.float32]
+    assert rel_err(k_out, _want(k, cache, pos, interleaved=interleaved)) < TOL[torch.float32]
+    assert torch.equal(q_buf[..., :8].isnan(), before[..., :8].isnan()) and q_buf[..., 40:].isnan().all()
+
+
+def test_one_destination_alone_and_fp8_destinations(device):
+    cache = make_cache(32, 32, device=device)
+    q = torch.randn(5, 4, 32, device=device) * 4
+    k = torch.randn(5, 2, 32, device=device)
+    pos = torch.randint(0, 32, (5,), device=device)
+    k_out = _nan(5, 2, 32, device=device)
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, k_out=k_out)
+    assert got_k is k_out and got_q.shape == q.shape
+    assert rel_err(got_q, _want(q, cache, pos)) < TOL[torch.float32]
+    assert rel_err(k_out, _want(k, cache, pos)) < TOL[torch.float32]
+    q8 = _nan(5, 4, 32, dtype=FP8, device=device)
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, out_dtype=FP8, q_scale=0.05, k_scale=0.5, q_out=q8)
+    assert got_q is q8 and got_k.dtype == FP8
+    fp8_close(q8, _want(q, cache, pos, scale=0.05, dtype=FP8), FP8)
+    fp8_close(got_k, _want(k, cache, pos, scale=0.5, dtype=FP8), FP8)
+
+
+def test_destinations_with_the_norm(device):
+    cache = make_cache(16, 32, device=device)
+    q, k = torch.randn(4, 3, 32, device=device), torch.randn(4, 1, 32, device=device)
+    w = torch.rand(32, device=device) + 0.5
+    pos = torch.randint(0, 16, (4,), device=device)
+    q_out, k_out = _nan(4, 3, 32, device=device), _nan(4, 1, 32, device=device)
+    ropekit.apply_rope(q, k, pos, cache, q_norm_weight=w, k_norm_weight=w, q_out=q_out, k_out=k_out)
+    want_q, want_k = reference.rms_norm_rope(
+        q.double(), k.double(), pos, cache.double(), q_norm_weight=w.double(), k_norm_weight=w.double()
+    )
+    assert rel_err(q_out, want_q) < 1e-5 and rel_err(k_out, want_k) < 1e-5
+
+
+def test_destinations_refused_by_name_and_nothing_written():
+    cache = make_cache(16, 32)
+    q, k = torch.randn(4, 3, 32), torch.randn(4, 2, 32)
+    pos = torch.randint(0, 16, (4,))
+    k_out = _nan(4, 2, 32)
+    cases = [
+        (dict(q_out=q), "q: expected memory disjoint from q_out (which is written)"),
+        (dict(q_out=_nan(4, 3, 32), k_out=k), "k: expected memory disjoint from k_out (which is written)"),
+        (dict(q_out=_nan(4, 5, 32)[:, :3], k_out=None), None),  # fine: a strided destination
+        (dict(k_out=cache[:8].view(4, 2, 32)), "cos_sin_cache: expected memory disjoint from k_out"),
+        (dict(q_out=_nan(4, 3, 32), k_out=_nan(4, 3, 32)[:, :2]), None),
+    ]
+    for kw, msg in cases:
+        if msg is None:
+            ropekit.apply_rope(q, k, pos, cache, **kw)
+            continue
+        q0, k0 = q.clone(), k.clone()
+        with pytest.raises(ValueError, match=re.escape("apply_rope: " + msg)):
+            ropekit.apply_rope(q, k, pos, cache, **kw)
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+    buf = _nan(4, 5, 32)
+    with pytest.raises(ValueError, match="apply_rope: k_out: expected memory disjoint from q_out"):
+        ropekit.apply_rope(q, k, pos, cache, q_out=buf[:, :3], k_out=buf[:, 2:4])
+    assert buf.isnan().all()
+    with pytest.raises(ValueError, match=r"q_out: expected None while q or k requires grad"):
+        ropekit.apply_rope(q.requires_grad_(), k, pos, cache, q_out=_nan(4, 3, 32))
+    assert k_out.isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# layout='sbhd'
+
+
+@pytest.mark.parametrize("pos_form", ["none", "sb", "s1"])
+def test_sbhd_layout(device, pos_form):
+    S, B = 5, 2
+    cache = make_cache(16, 32, device=device)
+    q = torch.randn(S, B, 3, 32, device=device)
+    k = torch.randn(S, B, 1, 32, device=device)
+    pos = {
+        "none": None,
+        "sb": torch.randint(0, 16, (S, B), device=device),
+        "s1": torch.randint(0, 16, (S, 1), device=device),
+    }[pos_form]
+    # the reference in (B, S) terms
+    ref_pos = torch.arange(S, device=device).expand(B, S) if pos is None else pos.transpose(0, 1).expand(B, S)
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, layout="sbhd")
+    assert got_q.shape == q.shape and got_k.shape == k.shape
+    for got, x in ((got_q, q), (got_k, k)):
+        assert rel_err(got.transpose(0, 1), _want(x.transpose(0, 1), cache, ref_pos)) < TOL[torch.float32]
+    # in place: the same values, in the caller's tensors
+    q2, k2 = q.clone(), k.clone()
+    assert ropekit.apply_rope(q2, k2, pos, cache, layout="sbhd", inplace=True) == (q2, k2)
+    assert torch.equal(q2, got_q) and torch.equal(k2, got_k)
+
+
+def test_sbhd_gradient_and_refusals(device):
+    S, B = 4, 2
+    cache = make_cache(16, 32, device=device)
+    q = torch.randn(S, B, 2, 32, device=device, requires_grad=True)
+    pos = torch.randint(0, 16, (S, B), device=device)
+    out, _ = ropekit.apply_rope(q, None, pos, cache, layout="sbhd")
+    g = torch.randn_like(out)
+    out.backward(g)
+    c, s = reference.angles_from_table(cache.double(), pos.transpose(0, 1), (B, S))
+    want = reference.rotate(g.transpose(0, 1).double(), c, s, inverse=True).transpose(0, 1)
+    assert rel_err(q.grad, want) < TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"apply_rope: q: expected a 4-D tensor with layout='sbhd'"):
+        ropekit.apply_rope(torch.randn(4, 2, 32), None, None, cache, layout="sbhd")
+    with pytest.raises(ValueError, match=r"rotate_with_angles: layout: expected 'thd' or 'bshd'"):
+        ropekit.rotate_with_angles(q.detach(), None, torch.ones(B, S, 16), torch.zeros(B, S, 16), layout="sbhd")
+
+
+# ---------------------------------------------------------------------------------------------
+# any last stride
+
+
+def _strided(*shape, device="cpu", dtype=torch.float32):
+    """A tensor whose last dim has stride 2 (every other element of a wider buffer)."""
+    return torch.randn(*shape[:-1], 2 * shape[-1], device=device, dtype=dtype)[..., ::2]
+
+
+def test_non_unit_last_stride_out_of_place_gives_contiguous_outputs(device):
+    cache = make_cache(16, 32, device=device)
+    q = _strided(4, 3, 48, device=device)  # partial rotary: the tail is read through the copy too
+    k = _strided(4, 2, 48, device=device)
+    pos = torch.randint(0, 16, (4,), device=device)
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert rel_err(got_q, _want(q, cache, pos)) < TOL[torch.float32]
+    assert rel_err(got_k, _want(k, cache, pos)) < TOL[torch.float32]
+    # a dense permutation whose last dim is not the inner one (torch.empty_like would keep it): contiguous
+    t = torch.randn(32, 3, 4, device=device).permute(2, 1, 0)  # (4, 3, 32), strides (1, 4, 12)
+    out, _ = ropekit.apply_rope(t, None, pos, cache)
+    assert out.is_contiguous() and rel_err(out, _want(t, cache, pos)) < TOL[torch.float32]
+
+
+def test_unit_last_stride_outputs_keep_a_dense_layout(device):
+    cache = make_cache(16, 32, device=device)
+    pos = torch.randint(0, 16, (2, 3), device=device)
+    q = torch.randn(2, 4, 3, 32, device=device).transpose(1, 2)  # dense (B, S, H, D) view of (B, H, S, D)
+    out, _ = ropekit.apply_rope(q, None, pos, cache, layout="bshd")
+    assert out.stride() == q.stride()
+    sliced = torch.randn(2, 3, 4, 64, device=device)[..., 16:48]  # not dense: contiguous outputs
+    out, _ = ropekit.apply_rope(sliced, None, pos, cache)
+    assert out.is_contiguous() and rel_err(out, _want(sliced, cache, pos)) < TOL[torch.float32]
+
+
+def test_non_unit_last_stride_in_place_norm_and_fp8(device):
+    cache = make_cache(16, 32, device=device)
+    pos = torch.randint(0, 16, (4,), device=device)
+    buf = torch.randn(4, 3, 96, device=device)
+    q = buf[..., ::2]  # (4, 3, 48), last stride 2; the odd elements must stay as they are
+    want = _want(q, cache, pos)
+    odd = buf[..., 1::2].clone()
+    assert ropekit.apply_rope(q, None, pos, cache, inplace=True)[0] is q
+    assert rel_err(q, want) < TOL[torch.float32] and torch.equal(buf[..., 1::2], odd)
+    x = _strided(4, 3, 32, device=device)
+    w = torch.rand(32, device=device) + 0.5
+    out, _ = ropekit.apply_rope(x, None, pos, cache, q_norm_weight=w)
+    ref, _ = reference.rms_norm_rope(x.double(), None, pos, cache.double(), q_norm_weight=w.double())
+    assert out.is_contiguous() and rel_err(out, ref) < 1e-5
+    out8, _ = ropekit.apply_rope(x * 8, None, pos, cache, out_dtype=FP8, q_scale=0.1)
+    fp8_close(out8, _want(x * 8, cache, pos, scale=0.1, dtype=FP8), FP8)
+
+
+def test_non_unit_last_stride_gradients(device):
+    cache = make_cache(16, 32, device=device)
+    pos = torch.randint(0, 16, (4,), device=device)
+    c, s = reference.angles_from_table(cache.double(), pos, (4,))
+    base = torch.randn(4, 2, 64, device=device, requires_grad=True)
+    q = base[..., ::2]
+    out, _ = ropekit.apply_rope(q, None, pos, cache)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want = reference.rotate(g.double(), c, s, inverse=True)
+    assert rel_err(base.grad[..., ::2], want) < TOL[torch.float32] and not base.grad[..., 1::2].any()
+    # in place under autograd: the view of a non-leaf is rotated (copied back) and the gradient flows
+    base.grad = None
+    x = base * 1.0
+    ropekit.apply_rope(x[..., ::2], None, pos, cache, inplace=True)
+    x.backward(torch.cat((g[..., None], torch.ones_like(g)[..., None]), -1).flatten(-2))
+    assert rel_err(base.grad[..., ::2], want) < TOL[torch.float32] and torch.equal(
+        base.grad[..., 1::2], torch.ones_like(g)
+    )
+    with pytest.raises(ValueError, match="apply_rope: q: expected a tensor that is not a leaf requiring grad"):
+        ropekit.apply_rope(base[..., ::2], None, pos, cache, inplace=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary_position='last'
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_part_last(device, interleaved):
+    cache = make_cache(16, 16, device=device)
+    q = torch.randn(2, 3, 4, 48, device=device)  # [nope 32 | rope 16]
+    k = torch.randn(2, 3, 1, 24, device=device)  # another head size: [nope 8 | rope 16]
+    pos = torch.randint(0, 16, (2, 3), device=device)
+    kw = dict(interleaved=interleaved, rotary_position="last")
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, **kw)
+    assert rel_err(got_q, _want(q, cache, pos, last=True, interleaved=interleaved)) < TOL[torch.float32]
+    assert rel_err(got_k, _want(k, cache, pos, last=True, interleaved=interleaved)) < TOL[torch.float32]
+    # in place: the nope dims are not touched
+    q2, k2 = q.clone(), k.clone()
+    ropekit.apply_rope(q2, k2, pos, cache, inplace=True, **kw)
+    assert torch.equal(q2, got_q) and torch.equal(k2, got_k) and torch.equal(q2[..., :32], q[..., :32])
+    # into destinations, and as Transformer Engine's layout
+    q_out = _nan(2, 3, 4, 48, device=device)
+    assert ropekit.apply_rope(q, None, pos, cache, q_out=q_out, **kw)[0] is q_out
+    assert torch.equal(q_out, got_q)
+    sq, _ = ropekit.apply_rope(q.transpose(0, 1), None, pos.transpose(0, 1), cache, layout="sbhd", **kw)
+    assert torch.equal(sq.transpose(0, 1), got_q)
+
+
+def test_rotary_part_last_fp8_and_gradient(device):
+    cache = make_cache(16, 16, device=device)
+    pos = torch.randint(0, 16, (5,), device=device)
+    q = torch.randn(5, 2, 40, device=device) * 4
+    q8, _ = ropekit.apply_rope(q, None, pos, cache, rotary_position="last", out_dtype=FP8, q_scale=0.02)
+    fp8_close(q8, _want(q, cache, pos, last=True, scale=0.02, dtype=FP8), FP8)
+    x = q.clone().requires_grad_()
+    out, _ = ropekit.apply_rope(x, None, pos, cache, rotary_position="last")
+    g = torch.randn_like(out)
+    out.backward(g)
+    c, s = reference.angles_from_table(cache.double(), pos, (5,))
+    want = torch.cat((g[..., :24].double(), reference.rotate(g[..., 24:].double(), c, s, inverse=True)), -1)
+    assert rel_err(x.grad, want) < TOL[torch.float32]
+
+
+def test_rotary_position_refusals():
+    cache = make_cache(16, 16)
+    q = torch.randn(3, 2, 32)
+    with pytest.raises(ValueError, match=r"apply_rope: rotary_position: expected 'first' or 'last', got 'end'"):
+        ropekit.apply_rope(q, None, None, cache, rotary_position="end")
+    with pytest.raises(ValueError, match=r"apply_rope: rotary_position: expected 'first' with q_norm_weight"):
+        ropekit.apply_rope(q, None, None, cache, rotary_position="last", q_norm_weight=torch.ones(32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the store: FlashInfer's 3-D paged MLA cache
+
+
+@pytest.mark.parametrize("form", ["views", "k_nope"])
+def test_store_takes_a_3d_paged_mla_cache(device, form):
+    T, L, R = 5, 24, 16
+    cache = make_cache(16, R, device=device)
+    q = torch.randn(T, 2, R, device=device)
+    k = torch.randn(T, 1, R, device=device)
+    latent = torch.randn(T, 1, L, device=device)
+    pos = torch.randint(0, 16, (T,), device=device)
+    slots = torch.tensor([5, 0, -1, 7, 2], device=device)
+    mla = _nan(2, 4, L + R, device=device)  # (num_blocks, block_size, L + R) [latent | rope]
+    want_q = _want(q, cache, pos)
+    want_k = _want(k, cache, pos)
+    if form == "views":
+        ropekit.apply_rope_and_store(q, k, latent, pos, cache, mla[..., L:], mla[..., :L], slots)
+    else:
+        ropekit.apply_rope_and_store(q, k, None, pos, cache, mla, None, slots, k_nope=latent)
+    assert rel_err(q, want_q) < TOL[torch.float32]
+    rows = mla.view(8, L + R)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(rows[slot, :L], latent[t, 0])
+        assert rel_err(rows[slot, L:], want_k[t, 0]) < TOL[torch.float32]
+    assert rows[[1, 3, 4, 6]].isnan().all()  # rows no slot names are untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure-PyTorch path (CPU tensors without the interpreter) takes the same views
+
+
+def test_forms_on_the_cpu_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pipeline.clear()
+    try:
+        cache = make_cache(16, 16)
+        pos = torch.randint(0, 16, (4,))
+        q, k = torch.randn(4, 3, 32), _strided(4, 1, 24)
+        want_q, want_k = _want(q, cache, pos, last=True), _want(k, cache, pos, last=True)
+        q_out = _nan(4, 3, 40)[..., 4:36]
+        got_q, got_k = ropekit.apply_rope(q, k, pos, cache, rotary_position="last", q_out=q_out)
+        assert got_q is q_out and rel_err(q_out, want_q) < TOL[torch.float32]
+        assert got_k.is_contiguous() and rel_err(got_k, want_k) < TOL[torch.float32]
+        q2 = q.clone()
+        ropekit.apply_rope(q2, k, pos, cache, rotary_position="last", inplace=True)
+        assert rel_err(q2, want_q) < TOL[torch.float32] and rel_err(k, want_k) < TOL[torch.float32]
+        w = torch.rand(32) + 0.5
+        normed = _nan(4, 3, 32)
+        ropekit.apply_rope(q, None, pos, cache, q_norm_weight=w, q_out=normed)
+        ref, _ = reference.rms_norm_rope(q.double(), None, pos, cache.double(), q_norm_weight=w.double())
+        assert rel_err(normed, ref) < 1e-5
+        s, _ = ropekit.apply_rope(q.view(2, 2, 3, 32), None, None, cache, layout="sbhd")
+        ref_pos = torch.arange(2).expand(2, 2)
+        assert rel_err(s.transpose(0, 1), _want(q.view(2, 2, 3, 32).transpose(0, 1), cache, ref_pos)) < 1e-6
+        q8, _ = ropekit.apply_rope(q * 8, None, pos, cache, rotary_position="last", out_dtype=FP8, q_scale=0.1)
+        fp8_close(q8, _want(q * 8, cache, pos, last=True, scale=0.1, dtype=FP8), FP8)
+    finally:
+        pipeline.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# the forms together, eager and under Inductor
+
+
+def _combined(q, k, pos, cache, q_out):
+    return ropekit.apply_rope(q, k, pos, cache, layout="sbhd", rotary_position="last", q_out=q_out)
+
+
+def _combined_want(q, k, pos, cache):
+    """float64 reference of _combined: (S, B) terms -> (B, S) views and back."""
+    bs = pos.transpose(0, 1)
+    return tuple(_want(x.transpose(0, 1), cache, bs, last=True).transpose(0, 1) for x in (q, k))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_forms_together(backend):
+    """sbhd, a strided k, rotary_position='last' and a destination in one call."""
+    S, B = 3, 2
+    cache = make_cache(16, 16)
+    fn = _combined if backend == "eager" else torch.compile(_combined, fullgraph=True, backend="inductor")
+    for _ in range(2):  # the second call reuses the compiled graph
+        q = torch.randn(S, B, 2, 32)
+        k = _strided(S, B, 1, 24)
+        pos = torch.randint(0, 16, (S, B))
+        q_out = _nan(S, B, 2, 40)[..., 8:]
+        got_q, got_k = fn(q, k, pos, cache, q_out)
+        want_q, want_k = _combined_want(q, k, pos, cache)
+        assert got_q.data_ptr() == q_out.data_ptr() and rel_err(q_out, want_q) < TOL[torch.float32]
+        assert rel_err(got_k, want_k) < TOL[torch.float32]
