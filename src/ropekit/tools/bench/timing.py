@@ -189,26 +189,19 @@ def cpu_ms(
 
 
 def _empty_kernel():
-    """A Triton kernel that does nothing. Built under TRITON_INTERPRET=1 when there is no GPU (the
-    interpreter's launch, flagged as such by host_floors)."""
-    import os
-
+    """A Triton kernel that does nothing. Without a GPU, the interpreter's (flagged as such by
+    host_floors), built as an InterpretedFunction directly: the TRITON_INTERPRET variable is read
+    through Triton's knobs, which an earlier assignment in the process (Inductor's, a test's) can pin."""
     import triton
 
-    saved = os.environ.get("TRITON_INTERPRET")
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    def empty(x_ptr):
+        pass
 
-        @triton.jit
-        def empty(x_ptr):
-            pass
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return empty
+    if torch.cuda.is_available():
+        return triton.jit(empty)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(empty)
 
 
 class _Nothing(torch.autograd.Function):
