@@ -216,6 +216,20 @@ def head_sizes(op, q, k, rotary_dim):
             fail(op, name, f"a head size >= rotary_dim ({rotary_dim})", f"head size {x.shape[-1]}")
 
 
+def table_rotary_dim(op, cos_sin_cache, rotary_dim) -> int:
+    """rotary_dim checked against a [cos | sin] table's width (None: the width)."""
+    width = cos_sin_cache.shape[1]
+    if rotary_dim is None:
+        rotary_dim = width
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        fail(op, "rotary_dim", "a positive even int", rotary_dim)
+    if rotary_dim != width:
+        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)", rotary_dim)
+    return rotary_dim
+
+
 def rope_args(
     op,
     q,
@@ -248,15 +262,7 @@ def rope_args(
         device=device,
         shape_hint="(max_position, rotary_dim)",
     )
-    width = cos_sin_cache.shape[1]
-    if rotary_dim is None:
-        rotary_dim = width
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-        raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
-    if rotary_dim <= 0 or rotary_dim % 2:
-        fail(op, "rotary_dim", "a positive even int", rotary_dim)
-    if rotary_dim != width:
-        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)", rotary_dim)
+    rotary_dim = table_rotary_dim(op, cos_sin_cache, rotary_dim)
     head_sizes(op, q, k, rotary_dim)
     if cos_sin_cache.shape[0] < 1:
         fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
@@ -1239,15 +1245,7 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
     if cos_sin_cache.shape[0] < 1:
         fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
-    width = cos_sin_cache.shape[1]
-    if rotary_dim is None:
-        rotary_dim = width
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-        raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
-    if rotary_dim <= 0 or rotary_dim % 2:
-        fail(op, "rotary_dim", "a positive even int", rotary_dim)
-    if rotary_dim != width:
-        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)", rotary_dim)
+    rotary_dim = table_rotary_dim(op, cos_sin_cache, rotary_dim)
     if k_cache.shape[-1] < rotary_dim:
         fail(op, "k_cache", f"a head size >= rotary_dim ({rotary_dim})", f"head size {k_cache.shape[-1]}")
     _on_device(op, "k_scale", k_scale, device)
