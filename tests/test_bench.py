@@ -353,3 +353,25 @@ def test_gpu_plot_has_one_panel_per_eight_workloads(tmp_path):
     ok, path = report.write_png(res, str(tmp_path / "p.png"), peers=["ropekit", "torch-eager"])
     assert ok, path
     assert matplotlib.image.imread(path).shape[:2] == (770, 1320)  # two panels: (2 * 3.0 + 1.0) in at 110 dpi
+
+
+def test_cpu_launch_floor_in_a_fresh_process():
+    # The CPU rows run with TRITON_INTERPRET unset; the interpreter's first launch in a process
+    # imports Triton modules that assert the interpret knob. A fresh process, so that no earlier
+    # launch has done that import: the launch floor must still be measured.
+    import subprocess
+    import sys
+
+    script = (
+        "import os, json, torch, triton.language\n"
+        "import ropekit\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "from ropekit.tools.bench import timing\n"
+        "f = timing.host_floors(torch.zeros(4))\n"
+        "print(json.dumps({'launch': f['launch'], 'why': f['why']}))\n"
+    )
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["why"] == {} and got["launch"]["median"] > 0, got

@@ -17,6 +17,7 @@ host, measured in the same run) put host times in proportion: see `host_floors`.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable, List, Optional, Sequence
@@ -204,6 +205,21 @@ def _empty_kernel():
     return InterpretedFunction(empty)
 
 
+@contextlib.contextmanager
+def _interpreter_knob(on: bool):
+    """Triton's interpret knob on for the block when `on`: the interpreter's first launch in a
+    process imports triton.experimental.gluon, whose import asserts the knob, and the bench's CPU
+    rows run with TRITON_INTERPRET unset (the CPU path users get)."""
+    if not on:
+        yield
+        return
+    from triton import knobs
+
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = True
+        yield
+
+
 class _Nothing(torch.autograd.Function):
     """An autograd.Function that launches nothing: W8's floor (forward + backward bookkeeping)."""
 
@@ -230,8 +246,9 @@ def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
     k = q if k is None else k
     out: dict = {"interpreted": device.type != "cuda", "why": {}}
     try:
-        kern = _empty_kernel()
-        out["launch"] = host_us_stats(lambda: kern[(1,)](q), device)
+        with _interpreter_knob(device.type != "cuda"):
+            kern = _empty_kernel()
+            out["launch"] = host_us_stats(lambda: kern[(1,)](q), device)
     except Exception as e:  # no triton, or no backend for this device
         out["launch"] = None
         out["why"]["launch"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
