@@ -112,6 +112,34 @@ MODELS = {
             "experts_implementation": "eager",
         },
     ),
+    "gptj": ("gptj", "GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 4, "n_inner": 64}),
+    "gptj, whole head (CodeGen)": ("codegen", "CodeGenConfig", "CodeGenForCausalLM", {"rotary_dim": 8, "n_inner": 64}),
+    "nanochat": ("nanochat", "NanoChatConfig", "NanoChatForCausalLM", {}),
+    "deepseek_v2": (
+        "deepseek_v2",
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        {
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 2,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "num_key_value_heads": 4,
+            "experts_implementation": "eager",
+        },
+    ),
+    "narrow_pairs": (
+        "openai_privacy_filter",
+        "OpenAIPrivacyFilterConfig",
+        "OpenAIPrivacyFilterForTokenClassification",
+        {"head_dim": 8, "num_local_experts": 2, "num_experts_per_tok": 1, "experts_implementation": "eager"},
+    ),
 }
 
 
@@ -190,6 +218,40 @@ def test_vision_form_in_a_tiny_vision_tower():
     with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
         got, got_grads = run()
     assert spy.call_count == config.depth
+    assert _rel(got, want) <= 1e-5
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-5, name
+
+
+def test_prefix_form_in_a_tiny_dinov3():
+    """The prefix form (class and register tokens passed through, patch tokens rotated): a tiny
+    DINOv3 ViT, patched vs unpatched, outputs and every parameter gradient."""
+    config = transformers.DINOv3ViTConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        patch_size=4,
+        image_size=16,
+        num_register_tokens=2,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.DINOv3ViTModel(config).float().eval()  # training mode jitters the patch coordinates
+    pixels = torch.randn(2, 3, 16, 16)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(pixel_values=pixels).last_hidden_state
+        (out**2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    report = hf.patch(model)
+    assert report.forms["dinov3_vit"]["apply_rotary_pos_emb"] == "prefix"
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got, got_grads = run()
+    assert spy.call_count == config.num_hidden_layers
     assert _rel(got, want) <= 1e-5
     for name, g in want_grads.items():
         assert _rel(got_grads[name], g) <= 1e-5, name

@@ -37,7 +37,8 @@ from . import hf_forms
 
 _DEF = re.compile(r"^def (\w*(?:rotary|rope)\w*)\(", re.MULTILINE)
 _PAIR_TABLES = re.compile(
-    r"repeat_interleave\(\s*(?:freq\w*|emb)\s*,\s*2|\b(?:freq\w*|emb|cos|sin)\.repeat_interleave\(\s*2"
+    r"repeat_interleave\(\s*\w*(?:freq|emb|angle)\w*\s*,\s*2"
+    r"|\b(?:\w*freq\w*|\w*emb\w*|\w*angle\w*|\w*keypoints|cos|sin)\.repeat_interleave\(\s*2"
 )
 
 
@@ -120,11 +121,15 @@ def probe_inputs(kind: str, layout: str, index: int):
     if kind == "complex":  # Llama 4: (B, S, H, D) q / k, complex64 freqs_cis (B or 1, S, D/2)
         q = torch.randn(p.table_batch, _S, _HQ, _D, generator=g).to(dq)
         k = torch.randn(p.table_batch, _S, _HK, _D, generator=g).to(dk)
+        if layout == "complex_bhsd":  # DeepSeek-V2: (B, H, S, D) views
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
         angles = (torch.rand(p.table_batch, _S, int(_D * p.width) // 2, generator=g) * 2 - 1) * 3.0
         freqs_cis = torch.polar(torch.ones_like(angles), angles)
         if p.grad_angles:
             freqs_cis.requires_grad_(True)
         return (q, k, freqs_cis, None, None), None
+    if kind in ("gptj", "x_bcast", "prefix"):
+        return _adapted_probe(kind, layout, index), None
     if kind == "vision":
         q = torch.randn(_S, _HQ, _D, generator=g).to(dq)
         k = torch.randn(_S, _HK, _D, generator=g).to(dk)
@@ -147,7 +152,23 @@ def probe_inputs(kind: str, layout: str, index: int):
     return (q, k, cos, sin, None if kind == "vision" else p.unsqueeze_dim), position_ids
 
 
+def _adapted_probe(kind: str, layout: str, index: int) -> tuple:
+    """A probe of an adapted kind, in the HF function's parameter order, made from the "x" / "qk"
+    probe of the same index: gptj (x (B, S, H, D), sin, cos); x_bcast (x, cos, sin) with the
+    head dim in the tables; prefix (q, k, cos, sin), (B, H, S, D) q / k and (S - 1, D) tables."""
+    q, k, cos, sin, ud = probe_inputs("qk" if kind == "prefix" else "x", layout, index)[0]
+    if kind == "gptj":
+        return (q.transpose(1, 2) if ud == 1 else q), sin, cos
+    if kind == "x_bcast":
+        return q, cos.unsqueeze(ud), sin.unsqueeze(ud)
+    if ud == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return q, k, cos[0, 1:], sin[0, 1:]  # one prefix token
+
+
 def _call_original(fn, names, args, position_ids):
+    if hf_forms.SIGNATURES[names] in ("gptj", "x_bcast", "prefix"):
+        return fn(*args)
     q, k, cos, sin, ud = args
     if hf_forms.SIGNATURES[names] == "complex":
         return fn(q, k, cos)
@@ -169,7 +190,10 @@ def _form_output(form: hf_forms.Form, index: int, planned):
     if key not in _OUTPUTS:
         args, _ = probe_inputs(form.kind, form.table, index)
         with torch.no_grad(), _cpu_path():
-            _OUTPUTS[key] = hf_forms.execute(form, planned, args[0], args[1])
+            if form.kind in ("gptj", "x_bcast", "prefix"):
+                _OUTPUTS[key] = planned  # computed by `_plan`
+            else:
+                _OUTPUTS[key] = hf_forms.execute(form, planned, args[0], args[1])
     return _OUTPUTS[key]
 
 
@@ -189,6 +213,14 @@ def _cpu_path():
         os.environ["TRITON_INTERPRET"] = before
 
 
+def _plan(form: hf_forms.Form, args):
+    """hf_forms.plan of a probe; for an adapted kind its output (`call` plans and runs in one)."""
+    if form.kind not in ("gptj", "x_bcast", "prefix"):
+        return hf_forms.plan(form, *args)
+    with _cpu_path():  # grad mode as the call's: angles that require grad are declined
+        return hf_forms.call(form, args)
+
+
 def _same(got, want) -> bool:
     if isinstance(want, (tuple, list)):
         return isinstance(got, (tuple, list)) and len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
@@ -206,7 +238,7 @@ def _takes(form: hf_forms.Form, fn, names) -> Optional[int]:
     taken = 0
     for index in range(len(PROBES)):
         args, position_ids = probe_inputs(form.kind, form.table, index)
-        planned = hf_forms.plan(form, *args)
+        planned = _plan(form, args)
         if planned is None and index == 0:
             return None
         try:

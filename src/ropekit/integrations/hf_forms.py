@@ -26,13 +26,16 @@ from . import hf_plan
 class Form(NamedTuple):
     name: str
     kind: str  # "qk": (q, k, cos, sin, unsqueeze_dim) 4-D; "x": one tensor; "vision": 3-D (S, H, D), cos (S, D);
-    # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2)
+    # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2);
+    # "gptj", "x_bcast", "prefix": rewritten onto "x" / "qk" by `call`
     table: str  # "halves": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
     pairs_in: bool  # the input pairs are (2i, 2i + 1); else (i, i + R/2)
     pairs_out: bool  # the output pairs are (2i, 2i + 1)
     partial: bool  # a table narrower than the head rotates dims [0, R) and passes the rest through
     dtype: str  # "promote": HF's type promotion with cos; "own": each output in its input's dtype; "q": both in q's
     what: str  # one line for the docs
+    reverse: bool = False  # HF's rotate_half is (x2, -x1): a rotation by -angle, run with sin negated
+    rope_last: bool = False  # a table narrower than the head rotates the last dims, not the first
 
 
 FORMS: Tuple[Form, ...] = (
@@ -52,6 +55,25 @@ FORMS: Tuple[Form, ...] = (
     Form("gemma4", "x", "halves", False, False, False, "promote", "half-split, one tensor (Gemma 3n / 4)"),
     Form("vision", "vision", "halves", False, False, False, "own", "half-split vision tokens (S, H, D)"),
     Form("llama4", "complex", "complex", True, True, False, "own", "pairs times complex freqs_cis (Llama 4)"),
+    Form("nanochat", "qk", "halves", False, False, False, "promote", "half-split by -angle (NanoChat)", reverse=True),
+    Form("narrow_pairs", "qk", "narrow", True, True, False, "promote", "pairs, table of R/2 columns (Privacy Filter)"),
+    Form(
+        "deepseek_v4",
+        "x",
+        "narrow",
+        True,
+        True,
+        True,
+        "own",
+        "pairs, table of R/2 columns, the last R dims rotated (DeepSeek-V4)",
+        rope_last=True,
+    ),
+    Form("gptj", "gptj", "narrow", True, True, False, "promote", "pairs, one tensor, (x, sin, cos) (GPT-J)"),
+    Form("narrow_x", "x_bcast", "narrow", False, False, False, "promote", "half-split, one tensor, tables as given"),
+    Form("narrow_pairs_x", "x_bcast", "narrow", True, True, False, "promote", "pairs, one tensor, tables as given"),
+    Form("pairs_x", "x_bcast", "pairs", True, True, True, "own", "pairs, partial, one tensor (MusicFlamingo)"),
+    Form("prefix", "prefix", "halves", False, False, False, "promote", "half-split, prefix tokens passed (DINOv3)"),
+    Form("deepseek_v2", "complex", "complex_bhsd", True, True, False, "own", "pairs times freqs_cis, (B, H, S, D)"),
 )
 FORM = {f.name: f for f in FORMS}
 
@@ -62,7 +84,13 @@ SIGNATURES: Dict[Tuple[str, ...], str] = {
     ("x", "cos", "sin", "unsqueeze_dim"): "x",
     ("q", "k", "cos", "sin"): "vision",
     ("xq", "xk", "freqs_cis"): "complex",
+    ("tensor", "sin", "cos"): "gptj",  # x (B, S, H, D), tables (B, S, R/2) unsqueezed at dim 2 inside
+    ("x", "cos", "sin"): "x_bcast",  # tables already broadcastable to x (a size-1 head dim), or 3-D x and tables
+    ("hidden_states", "cos", "sin"): "x_bcast",
+    ("q", "k", "cos", "sin", "kwargs"): "prefix",  # q / k (B, H, N, D), tables (P, D) for the last P tokens
 }
+# kinds whose calls are rewritten onto the "x" / "qk" kinds' plans (see `call`)
+_ADAPTED = ("gptj", "x_bcast", "prefix")
 
 
 def signature_of(fn) -> Optional[Tuple[str, ...]]:
@@ -72,7 +100,12 @@ def signature_of(fn) -> Optional[Tuple[str, ...]]:
     except (TypeError, ValueError):
         return None
     names = tuple(p.name for p in params)
-    if names not in SIGNATURES or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+    if names not in SIGNATURES:
+        return None
+    kinds = [p.kind for p in params]
+    if names[-1] == "kwargs" and kinds[-1] is inspect.Parameter.VAR_KEYWORD:
+        kinds = kinds[:-1]  # **kwargs that the body ignores (DINOv3's)
+    if any(kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for kind in kinds):
         return None
     return names
 
@@ -92,8 +125,9 @@ def _vision_takes(q, k, cos, sin) -> bool:
     return not ((cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled())
 
 
-def _complex_plan(xq, xk, freqs_cis):
-    """freqs_cis's real and imaginary parts are cos and sin, read in place (column stride 2)."""
+def _complex_plan(xq, xk, freqs_cis, heads_first=False):
+    """freqs_cis's real and imaginary parts are cos and sin, read in place (column stride 2);
+    heads_first: q / k are (B, H, S, D) and freqs_cis (B or 1, S, D/2) is unsqueezed at dim 1."""
     ok = (
         isinstance(freqs_cis, torch.Tensor)
         and freqs_cis.dtype == torch.complex64
@@ -107,10 +141,11 @@ def _complex_plan(xq, xk, freqs_cis):
         return None
     fr = torch.view_as_real(freqs_cis.resolve_conj())
     cos, sin = fr[..., 0], fr[..., 1]
-    tokens = tuple(xq.shape[:2])
+    xqt, xkt = (xq.transpose(1, 2), xk.transpose(1, 2)) if heads_first else (xq, xk)
+    tokens = tuple(xqt.shape[:2])
     ok = (
         hf_plan.kernel_takes(xq, xk, (cos, sin), promote_to_q=False)
-        and tuple(xk.shape[:2]) == tokens
+        and tuple(xkt.shape[:2]) == tokens
         and hf_plan.fits(tuple(freqs_cis.shape[:2]), tokens)
         and xq.shape[-1] == 2 * freqs_cis.shape[-1]
         and xk.shape[-1] == 2 * freqs_cis.shape[-1]
@@ -124,7 +159,7 @@ def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
     if form.kind == "vision":
         return (None, cos.shape[-1] // 2, cos, sin) if _vision_takes(q, k, cos, sin) else None
     if form.kind == "complex":
-        return _complex_plan(q, k, cos)
+        return _complex_plan(q, k, cos, heads_first=form.table == "complex_bhsd")
     k_checked = q if form.kind == "x" else k
     if form.dtype == "q" and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dtype != q.dtype:
         return None
@@ -141,7 +176,9 @@ def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
         return None
     hd, r = found
     if form.table == "narrow":
-        return (hd, r, cos, sin) if 2 * r == q.shape[-1] == k_checked.shape[-1] else None
+        full = 2 * r == q.shape[-1] == k_checked.shape[-1]
+        fits = 2 * r <= min(q.shape[-1], k_checked.shape[-1])
+        return (hd, r, cos, sin) if full or (form.partial and fits) else None
     if form.table == "pairs":
         return hd, r // 2, cos[..., 0::2], sin[..., 0::2]  # every frequency once (stride-2 views)
     return hd, r // 2, cos, sin
@@ -151,9 +188,18 @@ def execute(form: Form, planned, q, k):
     """Run a planned call: (q_out, k_out), or the output alone for kind "x"."""
     hd, columns, cos, sin = planned
     if form.kind == "complex":
-        return ops.rotate_angles(q, k, cos, sin, interleaved=True, columns=columns)
+        hf = form.table == "complex_bhsd"
+        return ops.rotate_angles(q, k, cos, sin, interleaved=True, columns=columns, heads_first=hf or None)
     if form.kind == "vision":
         return ops.rotate_angles(q, k, cos, sin, columns=columns)
+    if form.reverse:
+        sin = -sin  # a (.., S, R) table, not q / k: R(-angle)
+    if form.rope_last:  # rotate views of the last 2 * columns dims, pass the rest through
+        width = 2 * columns
+        rot = execute(form._replace(rope_last=False), (hd, columns, cos, sin), q[..., -width:], _tail(k, width))
+        rot = rot if isinstance(rot, tuple) else (rot,)
+        outs = tuple(torch.cat((x[..., :-width], r), dim=-1) for x, r in zip((q, k), rot))
+        return outs[0] if form.kind == "x" else outs
     out = hf_plan.rotate_hf_layout(
         q,
         None if form.kind == "x" else k,
@@ -167,17 +213,79 @@ def execute(form: Form, planned, q, k):
     return out[0] if form.kind == "x" else out
 
 
+def _tail(x, width):
+    return None if x is None else x[..., -width:]
+
+
 def run(form: Form, q, k, cos, sin, unsqueeze_dim=None):
     """The form's result by ropekit's kernel, or None when the kernel does not reproduce HF's."""
     planned = plan(form, q, k, cos, sin, unsqueeze_dim)
     return None if planned is None else execute(form, planned, q, k)
 
 
+def _as(form: Form, kind: str) -> Form:
+    return form._replace(kind=kind)
+
+
+def call(form: Form, args: tuple):
+    """The result of an adapted kind's call (`args` in the HF function's parameter order), or None.
+
+    gptj: (x, sin, cos), x (B, S, H, D), tables (B, S, R/2): the "x" kind at unsqueeze_dim 2.
+    x_bcast: (x, cos, sin) with the head dim already in the tables (size 1 at dim 1 or 2), or a
+        3-D x (B, S, D) with (B, S, R) tables (no heads: run as one head).
+    prefix: (q, k, cos, sin), q / k (B, H, N, D), tables (P, D): the last P tokens rotated, the
+        N - P prefix tokens (class and register tokens) passed through.
+    """
+    if form.kind == "gptj":
+        x, sin, cos = args
+        return run(_as(form, "x"), x, None, cos, sin, 2)
+    if form.kind == "x_bcast":
+        x, cos, sin = args
+        if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)) or cos.dim() != x.dim():
+            return None
+        if x.dim() == 3:
+            out = run(_as(form, "x"), x.unsqueeze(2), None, cos, sin, 2)
+            return None if out is None else out.squeeze(2)
+        heads = [d for d in (1, 2) if x.dim() == 4 and cos.shape[d] == 1 and sin.shape == cos.shape]
+        if not heads:
+            return None
+        return run(_as(form, "x"), x, None, cos.squeeze(heads[0]), sin.squeeze(heads[0]), heads[0])
+    q, k, cos, sin = args
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or cos.dim() != 2 or q.dim() != 4:
+        return None
+    n, p = q.shape[-2], cos.shape[0]
+    if not (0 < p <= n and k.dim() == 4 and k.shape[-2] == n):
+        return None
+    out = run(_as(form, "qk"), q[..., n - p :, :], k[..., n - p :, :], cos[None], sin[None], 1)
+    if out is None or p == n:
+        return out
+    return tuple(torch.cat((x[..., : n - p, :], r), dim=-2) for x, r in zip((q, k), out))
+
+
+def _adapted_replacement(original: Callable, form: Form) -> Callable:
+    """The replacement of an adapted kind: the original's parameters, bound by name."""
+    sig = inspect.signature(original)
+    fixed = [p.name for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+    def fn(*args, **kwargs):
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # HF's own error
+        out = call(form, tuple(bound.arguments[n] for n in fixed)) if len(bound.arguments) >= len(fixed) else None
+        return original(*args, **kwargs) if out is None else out
+
+    fn.__signature__ = sig
+    return fn
+
+
 def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Callable:
     """A function with the original's parameters and defaults that returns the form's result, and
     the original's own where the kernel does not reproduce it (`run` returned None)."""
     kind = SIGNATURES[names]
-    if kind == "x":
+    if kind in _ADAPTED:
+        fn = _adapted_replacement(original, form)
+    elif kind == "x":
 
         def fn(x, cos, sin, unsqueeze_dim=1):
             out = run(form, x, None, cos, sin, unsqueeze_dim)
@@ -207,7 +315,8 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Calla
             out = run(form, q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, unsqueeze_dim) if out is None else out
 
-    fn.__defaults__ = original.__defaults__  # the original's defaults (the names are the same)
+    if kind not in _ADAPTED:
+        fn.__defaults__ = original.__defaults__  # the original's defaults (the names are the same)
     fn.__name__, fn.__qualname__, fn.__doc__ = original.__name__, original.__qualname__, original.__doc__
     fn.ropekit_form = form.name
     fn.ropekit_original = original

@@ -1,0 +1,141 @@
+"""The forms whose HF calls are rewritten onto the kernel's plans (ropekit.integrations.hf_forms.call):
+GPT-J's (x, sin, cos), one tensor with tables already broadcast (GPT-OSS's and the Privacy Filter's
+helpers, MusicFlamingo's 3-D time embedding), DINOv3's prefix tokens, NanoChat's reversed
+rotate_half, DeepSeek-V4's trailing rope dims, DeepSeek-V2's complex (B, H, S, D) call.
+
+Each patched function is compared with HF's own on float64 copies of fresh random inputs (the
+reference), in float32 and bf16, with a spy showing that the kernel path ran; inputs it must
+decline give HF's result and launch nothing.
+"""
+
+import importlib
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ropekit import hf  # noqa: E402
+from ropekit.api import ops  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _restore_hf():
+    hf.unpatch()
+    yield
+    hf.unpatch()
+
+
+def _patched(family, name):
+    report = hf.patch(families=[family])
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    fn = getattr(module, name)
+    assert name in report[family], (report, report.left)
+    return fn, fn.ropekit_original
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _angles(*shape, pairs=False, halves=False):
+    a = (torch.rand(*shape, dtype=torch.float64) * 2 - 1) * 3
+    if pairs:
+        a = a.repeat_interleave(2, dim=-1)
+    if halves:
+        a = torch.cat((a, a), dim=-1)
+    return a.cos().float(), a.sin().float()
+
+
+def _check(fn, original, args, dtype, calls=True):
+    """fn(*args) equals original on float64 copies (tensor args of `dtype` are the q / k / x)."""
+    ref = original(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got = fn(*args)
+    assert (spy.call_count > 0) == calls, spy.call_count
+    got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+    assert len(got) == len(ref)
+    for g, r, x in zip(got, ref, args):
+        assert g.shape == r.shape and g.dtype == x.dtype, (g.shape, r.shape, g.dtype, x.dtype)
+        assert _rel(g, r) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptj_one_tensor_sin_before_cos(dtype):
+    fn, original = _patched("gptj", "apply_rotary_pos_emb")
+    x = torch.randn(2, 5, 3, 8).to(dtype)  # (B, S, H, D)
+    cos, sin = _angles(2, 5, 4)  # (B, S, D/2)
+    if dtype is torch.bfloat16:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    _check(fn, original, (x, sin, cos), dtype)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("family", ["gpt_oss", "openai_privacy_filter"])
+def test_one_tensor_with_broadcast_tables(family, heads):
+    fn, original = _patched(family, "_apply_rotary_emb")
+    x = torch.randn(2, 3, 5, 8) if heads == 1 else torch.randn(2, 5, 3, 8)
+    cos, sin = _angles(2, 5, 4)
+    _check(fn, original, (x, cos.unsqueeze(heads), sin.unsqueeze(heads)), torch.float32)
+    # tables without a size-1 head dim are not a form of this kind: HF's result, no launch
+    _check(
+        fn,
+        original,
+        (
+            x,
+            cos.unsqueeze(heads).expand(-1, 3, -1, -1) if heads == 1 else cos[:, :, None].expand(-1, -1, 3, -1),
+            (sin.unsqueeze(heads).expand(-1, 3, -1, -1) if heads == 1 else sin[:, :, None].expand(-1, -1, 3, -1)),
+        ),
+        torch.float32,
+        calls=False,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_three_d_time_embedding_partial_pairs(dtype):
+    fn, original = _patched("musicflamingo", "apply_rotary_time_emb")
+    x = torch.randn(2, 5, 16).to(dtype)  # (B, S, hidden): no head dim
+    cos, sin = _angles(2, 5, 4, pairs=True)  # (B, S, 8): a pair table over the first 8 dims
+    _check(fn, original, (x, cos, sin), dtype)
+
+
+@pytest.mark.parametrize("family", ["dinov3_vit", "eomt_dinov3", "sapiens2"])
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_prefix_tokens_pass_through(family, prefix):
+    fn, original = _patched(family, "apply_rotary_pos_emb")
+    q = torch.randn(2, 6, 3, 8).transpose(1, 2)  # (B, H, N, D) views
+    k = torch.randn(2, 6, 3, 8).transpose(1, 2)
+    cos, sin = _angles(6 - prefix, 4, halves=True)  # (P, D)
+    _check(fn, original, (q, k, cos, sin), torch.float32)
+
+
+def test_reversed_rotate_half():
+    fn, original = _patched("nanochat", "apply_rotary_pos_emb")
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    cos, sin = _angles(2, 5, 4, halves=True)
+    _check(fn, original, (q, k, cos, sin), torch.float32)
+
+
+@pytest.mark.parametrize("rope", [8, 16])
+def test_trailing_rope_dims(rope):
+    fn, original = _patched("deepseek_v4", "apply_rotary_pos_emb")
+    x = torch.randn(2, 3, 5, 16)
+    cos, sin = _angles(2, 5, rope // 2)  # half-sized tables: one entry per pair
+    _check(fn, original, (x, cos, sin), torch.float32)
+
+
+def test_complex_heads_first():
+    fn, original = _patched("deepseek_v2", "apply_rotary_emb")
+    q = torch.randn(2, 5, 4, 24)[..., 16:].transpose(1, 2)  # the rope part of (B, H, S, D) views
+    k = torch.randn(2, 5, 1, 8).transpose(1, 2)
+    angles = (torch.rand(2, 5, 4) * 2 - 1) * 3
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    ref = original(q.double(), k.double(), freqs.to(torch.complex128))
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got = fn(q, k, freqs)
+    assert spy.call_count == 1
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == torch.float32 and _rel(g, r) <= 1e-5
