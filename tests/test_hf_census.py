@@ -205,19 +205,29 @@ def test_vision_form_in_a_tiny_vision_tower():
     grid = torch.tensor([[1, 4, 4]])
     pixels = torch.randn(16, 3 * 2 * 2)
 
+    _check_tower(
+        tower, lambda: tower(pixels, grid_thw=grid), ("qwen2_vl", "apply_rotary_pos_emb_vision", "vision"), config.depth
+    )
+
+
+def _check_tower(model, forward, patched_as, launches):
+    """The model's output (forward()) and parameter gradients equal patched and unpatched, the
+    function patched_as = (family, name, form) replaced by that form, launching `launches` times."""
+
     def run():
-        tower.zero_grad(set_to_none=True)
-        out = tower(pixels, grid_thw=grid)
-        out = getattr(out, "pooler_output", None) if not isinstance(out, torch.Tensor) else out
+        model.zero_grad(set_to_none=True)
+        out = forward()
+        out = out if isinstance(out, torch.Tensor) else out.pooler_output
         (out**2).mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     want, want_grads = run()
-    report = hf.patch(tower)
-    assert report.forms["qwen2_vl"]["apply_rotary_pos_emb_vision"] == "vision"
+    report = hf.patch(model)
+    family, name, form = patched_as
+    assert report.forms[family][name] == form
     with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
         got, got_grads = run()
-    assert spy.call_count == config.depth
+    assert spy.call_count == launches
     assert _rel(got, want) <= 1e-5
     for name, g in want_grads.items():
         assert _rel(got_grads[name], g) <= 1e-5, name
@@ -239,19 +249,5 @@ def test_prefix_form_in_a_tiny_dinov3():
     torch.manual_seed(0)
     model = transformers.DINOv3ViTModel(config).float().eval()  # training mode jitters the patch coordinates
     pixels = torch.randn(2, 3, 16, 16)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        out = model(pixel_values=pixels).last_hidden_state
-        (out**2).mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    want, want_grads = run()
-    report = hf.patch(model)
-    assert report.forms["dinov3_vit"]["apply_rotary_pos_emb"] == "prefix"
-    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
-        got, got_grads = run()
-    assert spy.call_count == config.num_hidden_layers
-    assert _rel(got, want) <= 1e-5
-    for name, g in want_grads.items():
-        assert _rel(got_grads[name], g) <= 1e-5, name
+    forward = lambda: model(pixel_values=pixels).last_hidden_state  # noqa: E731
+    _check_tower(model, forward, ("dinov3_vit", "apply_rotary_pos_emb", "prefix"), config.num_hidden_layers)
