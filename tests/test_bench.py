@@ -375,3 +375,16 @@ def test_cpu_launch_floor_in_a_fresh_process():
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["why"] == {} and got["launch"]["median"] > 0, got
+
+
+def test_vllm_plugin_forward_row(tmp_path, cpu_env):
+    # the plugin's forward on a module holding vLLM's attributes: timed, and checked against the
+    # float64 oracle like every cell; a workload it has no form for is skipped with the reason
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--quick", "--workloads", "W3,W4", "--out", str(out), "--no-progress"]
+    assert main(argv + ["--peers", "ropekit-vllm", "--rep-ms", "10", "--no-plot"]) == 0
+    cells = {r["workload"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    r = cells["W3"]
+    assert r["status"] == "ok" and r["time_us"] > 0 and max(r["rel_err"].values()) <= 1e-2, r
+    assert r["host_us"] > 0
+    assert cells["W4"]["status"] != "ok", cells["W4"]

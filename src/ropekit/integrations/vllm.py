@@ -72,8 +72,9 @@ _report: Optional[Dict[str, object]] = None
 
 def _trace(module, event: str) -> None:
     # the path is read at construction: forwards traced by torch.compile see a constant, no I/O when unset
-    if module._ropekit_trace:
-        with open(module._ropekit_trace, "a") as f:
+    path = getattr(module, "_ropekit_trace", None)  # None on a module that is not a replacement (the bench's)
+    if path:
+        with open(path, "a") as f:
             f.write(f"{event} {module._ropekit_of.__name__} {os.getpid()}\n")
 
 
@@ -132,7 +133,9 @@ def _forward_longrope(self, positions, query, key=None, offsets=None):
     return _rotate(self, positions, query, key, _table(self, "long_short_cos_sin_cache", query), mrope=False)
 
 
-_FORWARDS = {"table": _forward_table, "mrope": _forward_mrope, "longrope": _forward_longrope}
+# form -> the forward its replacement classes run: forward(module, positions, query, key=None, offsets=None),
+# module holding vLLM's attributes (head_size, rotary_dim, is_neox_style, cos_sin_cache, ...)
+FORWARDS = {"table": _forward_table, "mrope": _forward_mrope, "longrope": _forward_longrope}
 
 
 def _init(self, *args, **kwargs):
@@ -144,7 +147,7 @@ def _init(self, *args, **kwargs):
 def replacement(vllm_cls: type, form: str) -> type:
     """The ropekit-backed subclass of a vLLM rotary class: its constructor, its buffers, ropekit's
     forward for every path vLLM may dispatch to (native, CUDA, CPU)."""
-    forward = _FORWARDS[form]
+    forward = FORWARDS[form]
     namespace = {
         "__init__": _init,
         "_ropekit_of": vllm_cls,

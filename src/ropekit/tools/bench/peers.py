@@ -742,6 +742,47 @@ class VLLM(Peer):
         )
 
 
+class RopekitVLLM(Peer):
+    """ropekit.vllm's plugin forward (what its replacement of vLLM's RotaryEmbedding runs), called
+    on a module holding vLLM's attributes: (T, H * D) query / key views, in place, the table in
+    the activation dtype as vLLM keeps it. vLLM itself is not needed."""
+
+    name = "ropekit-vllm"
+    label = "ropekit.vllm plugin forward"
+    needs_cuda = False
+
+    def available(self, device):
+        try:
+            importlib.import_module("ropekit.integrations.vllm")
+            return True, ""
+        except Exception as e:
+            return False, f"not importable ({short_error(e)})"
+
+    def make(self, wl, inp):
+        if wl.kind != "rope" or wl.mrope_section is not None:
+            raise PeerSkip("n/a", "the plugin's table forward: plain rotation workloads only")
+        forward = importlib.import_module("ropekit.integrations.vllm").FORWARDS["table"]
+        q, k = inp["q"], inp["k"]
+        n = q.shape[:-2].numel()
+        try:
+            qf, kf = q.view(n, -1), k.view(n, -1)
+        except RuntimeError:
+            raise PeerSkip("n/a", "vLLM's (T, H * D) query: this layout is not one") from None
+        pos = _flat_positions(wl, inp)
+        module = torch.nn.Module()  # vLLM's RotaryEmbedding attributes
+        module.head_size, module.rotary_dim = q.shape[-1], inp["cache"].shape[-1]
+        module.is_neox_style, module.cos_sin_cache = not wl.interleaved, inp["cache"].to(q.dtype)
+
+        def fn():
+            forward(module, pos, qf, kf)
+            return q, k
+
+        return Bound(fn, lambda o: o)
+
+    def note(self, wl):
+        return "ropekit.vllm.FORWARDS['table'] (in place)"
+
+
 class FlashAttn(Peer):
     name = "flash-attn"
     label = "flash-attn Triton rotary"
@@ -892,6 +933,7 @@ def all_peers() -> List[Peer]:
         Liger(),
         FlashInfer(),
         VLLM(),
+        RopekitVLLM(),
         FlashAttn(),
         RopekitCuSeqlens(),
         TorchCompileGather(),
