@@ -20,6 +20,8 @@ from ropekit import hf  # noqa: E402
 from ropekit.api import ops  # noqa: E402
 from ropekit.integrations import hf_census, hf_forms  # noqa: E402
 
+from conftest import DEVICES  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _restore_hf():
@@ -162,10 +164,11 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("form", sorted(MODELS))
-def test_tiny_model_of_each_form_matches_unpatched(form):
+def test_tiny_model_of_each_form_matches_unpatched(form, device):
     torch.manual_seed(0)
     family, model = _build(form)
-    ids = torch.randint(3, 64, (2, 7))
+    model = model.to(device)
+    ids = torch.randint(3, 64, (2, 7), device=device)
     want_logits, want_grads = _run(model, ids)
     patched_model = copy.deepcopy(model)
     with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
@@ -191,7 +194,8 @@ def test_docs_table_is_current():
     assert section == hf_table.render(), "docs/hf.md is stale: run python -m ropekit.tools.hf_table --write"
 
 
-def test_vision_form_in_a_tiny_vision_tower():
+@pytest.mark.parametrize("device", DEVICES)
+def test_vision_form_in_a_tiny_vision_tower(device):
     """The vision form (tokens (S, H, D), float32 math, outputs in the inputs' dtypes): Qwen2-VL's
     vision transformer, patched vs unpatched, outputs and every parameter gradient."""
     from transformers.models.qwen2_vl import modeling_qwen2_vl
@@ -201,9 +205,9 @@ def test_vision_form_in_a_tiny_vision_tower():
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    tower = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(config).float()
-    grid = torch.tensor([[1, 4, 4]])
-    pixels = torch.randn(16, 3 * 2 * 2)
+    tower = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel(config).float().to(device)
+    grid = torch.tensor([[1, 4, 4]], device=device)
+    pixels = torch.randn(16, 3 * 2 * 2, device=device)
 
     _check_tower(
         tower, lambda: tower(pixels, grid_thw=grid), ("qwen2_vl", "apply_rotary_pos_emb_vision", "vision"), config.depth
@@ -233,7 +237,8 @@ def _check_tower(model, forward, patched_as, launches):
         assert _rel(got_grads[name], g) <= 1e-5, name
 
 
-def test_prefix_form_in_a_tiny_dinov3():
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_form_in_a_tiny_dinov3(device):
     """The prefix form (class and register tokens passed through, patch tokens rotated): a tiny
     DINOv3 ViT, patched vs unpatched, outputs and every parameter gradient."""
     config = transformers.DINOv3ViTConfig(
@@ -247,7 +252,7 @@ def test_prefix_form_in_a_tiny_dinov3():
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.DINOv3ViTModel(config).float().eval()  # training mode jitters the patch coordinates
-    pixels = torch.randn(2, 3, 16, 16)
+    model = transformers.DINOv3ViTModel(config).float().eval().to(device)  # training mode jitters the patches
+    pixels = torch.randn(2, 3, 16, 16, device=device)
     forward = lambda: model(pixel_values=pixels).last_hidden_state  # noqa: E731
     _check_tower(model, forward, ("dinov3_vit", "apply_rotary_pos_emb", "prefix"), config.num_hidden_layers)

@@ -50,8 +50,9 @@ def _angles(*shape, pairs=False, halves=False):
     return a.cos().float(), a.sin().float()
 
 
-def _check(fn, original, args, dtype, calls=True):
-    """fn(*args) equals original on float64 copies (tensor args of `dtype` are the q / k / x)."""
+def _check(fn, original, args, dtype, device, calls=True):
+    """fn(*args) equals original on float64 copies (tensor args of `dtype` are the q / k / x), on device."""
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     ref = original(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
     with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
         got = fn(*args)
@@ -64,75 +65,68 @@ def _check(fn, original, args, dtype, calls=True):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gptj_one_tensor_sin_before_cos(dtype):
+def test_gptj_one_tensor_sin_before_cos(dtype, device):
     fn, original = _patched("gptj", "apply_rotary_pos_emb")
     x = torch.randn(2, 5, 3, 8).to(dtype)  # (B, S, H, D)
     cos, sin = _angles(2, 5, 4)  # (B, S, D/2)
     if dtype is torch.bfloat16:
         cos, sin = cos.to(dtype), sin.to(dtype)
-    _check(fn, original, (x, sin, cos), dtype)
+    _check(fn, original, (x, sin, cos), dtype, device)
 
 
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("family", ["gpt_oss", "openai_privacy_filter"])
-def test_one_tensor_with_broadcast_tables(family, heads):
+def test_one_tensor_with_broadcast_tables(family, heads, device):
     fn, original = _patched(family, "_apply_rotary_emb")
     x = torch.randn(2, 3, 5, 8) if heads == 1 else torch.randn(2, 5, 3, 8)
     cos, sin = _angles(2, 5, 4)
-    _check(fn, original, (x, cos.unsqueeze(heads), sin.unsqueeze(heads)), torch.float32)
+    _check(fn, original, (x, cos.unsqueeze(heads), sin.unsqueeze(heads)), torch.float32, device)
     # tables without a size-1 head dim are not a form of this kind: HF's result, no launch
-    _check(
-        fn,
-        original,
-        (
-            x,
-            cos.unsqueeze(heads).expand(-1, 3, -1, -1) if heads == 1 else cos[:, :, None].expand(-1, -1, 3, -1),
-            (sin.unsqueeze(heads).expand(-1, 3, -1, -1) if heads == 1 else sin[:, :, None].expand(-1, -1, 3, -1)),
-        ),
-        torch.float32,
-        calls=False,
-    )
+    full = (-1, 3, -1, -1) if heads == 1 else (-1, -1, 3, -1)
+    wide = (cos.unsqueeze(heads).expand(*full), sin.unsqueeze(heads).expand(*full))
+    _check(fn, original, (x, *wide), torch.float32, device, calls=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_three_d_time_embedding_partial_pairs(dtype):
+def test_three_d_time_embedding_partial_pairs(dtype, device):
     fn, original = _patched("musicflamingo", "apply_rotary_time_emb")
     x = torch.randn(2, 5, 16).to(dtype)  # (B, S, hidden): no head dim
     cos, sin = _angles(2, 5, 4, pairs=True)  # (B, S, 8): a pair table over the first 8 dims
-    _check(fn, original, (x, cos, sin), dtype)
+    _check(fn, original, (x, cos, sin), dtype, device)
 
 
 @pytest.mark.parametrize("family", ["dinov3_vit", "eomt_dinov3", "sapiens2"])
 @pytest.mark.parametrize("prefix", [0, 2])
-def test_prefix_tokens_pass_through(family, prefix):
+def test_prefix_tokens_pass_through(family, prefix, device):
     fn, original = _patched(family, "apply_rotary_pos_emb")
     q = torch.randn(2, 6, 3, 8).transpose(1, 2)  # (B, H, N, D) views
     k = torch.randn(2, 6, 3, 8).transpose(1, 2)
     cos, sin = _angles(6 - prefix, 4, halves=True)  # (P, D)
-    _check(fn, original, (q, k, cos, sin), torch.float32)
+    _check(fn, original, (q, k, cos, sin), torch.float32, device)
 
 
-def test_reversed_rotate_half():
+def test_reversed_rotate_half(device):
     fn, original = _patched("nanochat", "apply_rotary_pos_emb")
     q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     cos, sin = _angles(2, 5, 4, halves=True)
-    _check(fn, original, (q, k, cos, sin), torch.float32)
+    _check(fn, original, (q, k, cos, sin), torch.float32, device)
 
 
 @pytest.mark.parametrize("rope", [8, 16])
-def test_trailing_rope_dims(rope):
+def test_trailing_rope_dims(rope, device):
     fn, original = _patched("deepseek_v4", "apply_rotary_pos_emb")
     x = torch.randn(2, 3, 5, 16)
     cos, sin = _angles(2, 5, rope // 2)  # half-sized tables: one entry per pair
-    _check(fn, original, (x, cos, sin), torch.float32)
+    _check(fn, original, (x, cos, sin), torch.float32, device)
 
 
-def test_complex_heads_first():
+def test_complex_heads_first(device):
     fn, original = _patched("deepseek_v2", "apply_rotary_emb")
     q = torch.randn(2, 5, 4, 24)[..., 16:].transpose(1, 2)  # the rope part of (B, H, S, D) views
     k = torch.randn(2, 5, 1, 8).transpose(1, 2)
     angles = (torch.rand(2, 5, 4) * 2 - 1) * 3
     freqs = torch.polar(torch.ones_like(angles), angles)
+    q, k, freqs = q.to(device), k.to(device), freqs.to(device)
     ref = original(q.double(), k.double(), freqs.to(torch.complex128))
     with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
         got = fn(q, k, freqs)
