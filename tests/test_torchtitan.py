@@ -1,7 +1,16 @@
 """ropekit.torchtitan with the real torchtitan: the override modules against torchtitan's own RoPE
 modules, the overrides applied by torchtitan's mechanism to debug-size Llama 3 (ComplexRoPE) and
-Qwen3 (CosSinRoPE) models built on the CPU (loss and gradients equal to the unpatched model), and
-two gloo processes with q / k head-sharded DTensors, as tensor parallelism hands them over."""
+Qwen3 (CosSinRoPE) models built on the CPU (loss and gradients equal to the unpatched model), two
+gloo processes with q / k head-sharded DTensors, as tensor parallelism hands them over, and the whole
+debug models under torchtitan's own tensor parallelism (with sequence parallelism, its default) on
+two gloo ranks, in each of its three SPMD backends, patched against unpatched.
+
+Context parallelism is not tested: torchtitan 0.3.0 cannot run it on the CPU. Its SDPA path
+(partial_dtensor) fails with "NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered" (the CP dispatcher knows only the GPU SDPA kernels), its full_dtensor / spmd_types
+backends refuse SDPA with CP (full_dtensor.validate_config), and the attention they need for CP,
+FlexAttention, raises "FlexAttention does not support backward on CPU"."""
 
 from __future__ import annotations
 
@@ -155,15 +164,119 @@ def _tp_worker(rank, init_file, world):
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_two_gloo_ranks(tmp_path):
+def _spawn(worker, tmp_path, world, seconds):
     import time
 
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_tp_worker, args=(str(tmp_path / "init"), 2), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 240  # bounded: a hung rank fails the test instead of the CI run
+    ctx = mp.start_processes(
+        worker, args=(str(tmp_path / "init"), world), nprocs=world, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + seconds  # bounded: a hung rank fails the test instead of the CI run
     while not ctx.join(timeout=5):  # raises with the failing rank's traceback
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("the two gloo ranks did not finish in 240 s")
+            pytest.fail(f"the {world} gloo ranks did not finish in {seconds} s")
+
+
+def test_tensor_parallel_two_gloo_ranks(tmp_path):
+    _spawn(_tp_worker, tmp_path, 2, 240)
+
+
+TP_BACKENDS = ("spmd_types", "partial_dtensor", "full_dtensor")  # ParallelismConfig.spmd_backend's values
+FAMILIES = (("llama3", "complex_rope", "RopekitComplexRoPE"), ("qwen3", "cos_sin_rope", "RopekitCosSinRoPE"))
+
+
+def _model_tp_worker(rank, init_file, world):
+    """One rank of the whole debug models under torchtitan's tensor parallelism, as its trainer sets
+    them up: the model config's sharding (`update_from_config`, TP and sequence parallel), then the
+    override, then `Model.parallelize(parallel_dims)` (what parallelize_llama / parallelize_qwen3 do
+    for TP; their FSDP wrapping of size 1 is left out), inputs as the trainer hands them to each
+    backend, torchtitan's vocab-parallel cross-entropy. Loss and gradients of the patched model
+    against the unpatched one: DTensor gradients as full tensors, spmd_types' plain local shards
+    rank by rank (each rank checks its own)."""
+    import types
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.full_dtensor import parallelize_inputs, validate_config
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    def full(x):
+        return x.full_tensor() if isinstance(x, DTensor) else x
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # torchtitan picks the mesh's device type at import: "cuda" on a host without an accelerator
+    parallel_dims_module.device_type = "cpu"
+    torch.autograd.set_multithreading_enabled(False)  # as torchtitan's init_distributed does
+    try:
+        for backend in TP_BACKENDS:
+            dist_utils.set_spmd_backend(backend)
+            dims = ParallelDims(
+                dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world, spmd_backend=backend
+            )
+            job = types.SimpleNamespace(
+                parallelism=ParallelismConfig(tensor_parallel_degree=world, spmd_backend=backend)
+            )
+            context = dist_utils.get_spmd_context(parallel_dims=dims)
+            for family, override, rope in FAMILIES:
+                where = f"{backend} {family}"
+                torch.manual_seed(0)  # the same weights and tokens on every rank
+                cfg = _debug(family)
+                cfg.update_from_config(config=job)  # the sharding config, before the override (torchtitan's order)
+                patched_cfg = copy.deepcopy(cfg)
+                assert apply_overrides(OverrideConfig(imports=[f"ropekit.torchtitan.{override}"]), patched_cfg)
+                model, patched = cfg.build(), patched_cfg.build()
+                patched.load_state_dict(model.state_dict(), strict=True)
+                ropes = [layer.attention.rope for layer in patched.layers.values()]
+                assert all(type(r).__name__ == rope for r in ropes), where
+                local_heads = []  # q's heads on this rank, as the patched rope module gets it
+                ropes[0].register_forward_pre_hook(
+                    lambda m, args: local_heads.append(
+                        (args[0].to_local() if isinstance(args[0], DTensor) else args[0]).shape[2]
+                    )
+                )
+                for m in (model, patched):
+                    if backend != "partial_dtensor":
+                        validate_config(dims, m)
+                    m.parallelize(dims)
+                tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+                labels = torch.randint(0, cfg.vocab_size, (2, 8))
+                positions = torch.cat((torch.arange(3), torch.arange(5))).repeat(2, 1)  # two documents per row
+
+                def loss_and_grads(m):
+                    batch = tokens.clone(), labels.clone(), {"positions": positions.clone()}
+                    with context():
+                        if backend == "spmd_types":
+                            batch = annotate_input_spmd_types(dims, *batch)
+                        elif backend == "full_dtensor":
+                            batch = parallelize_inputs(dims, *batch)
+                        inputs, targets, kwargs = batch
+                        pred = m(inputs, **kwargs)
+                        loss = cross_entropy_loss(pred, targets, global_vocab_size=cfg.vocab_size) / labels.numel()
+                        return loss, torch.autograd.grad(loss, [p for _, p in m.named_parameters()])
+
+                loss_want, grads_want = loss_and_grads(model)
+                loss_got, grads_got = loss_and_grads(patched)
+                assert all("ropekit_table_memo" in r.__dict__ for r in ropes), where  # ropekit's forward ran
+                n_heads = cfg.layers[0].attention.n_heads
+                assert local_heads == [n_heads // world], (where, local_heads)  # q reached ropekit head-sharded
+                loss_want, loss_got = full(loss_want).item(), full(loss_got).item()
+                assert abs(loss_got - loss_want) <= FP32 * abs(loss_want), (where, loss_got, loss_want)
+                for (name, _), a, b in zip(model.named_parameters(), grads_got, grads_want):
+                    assert type(a) is type(b), (where, name)
+                    assert rel_err(full(a), full(b)) < FP32, (where, name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_whole_model_tensor_parallel_two_gloo_ranks(tmp_path):
+    """Debug-size Llama 3 and Qwen3, patched and unpatched, under torchtitan's TP on two gloo ranks."""
+    _spawn(_model_tp_worker, tmp_path, 2, 300)
