@@ -4,10 +4,22 @@ gradient equal to the unpatched model (fp32, 1e-5 relative), and ropekit's rotat
 LTX-Video: its own apply_rotary_emb (flat (B, S, C) with (B, S, C) pairs). LTX-2 with
 rope_type="split": apply_split_rotary_emb (per-head (B, H, S, D/2) halves, x (B, S, H * D)).
 Stable Audio 3: _apply_rotary_partial (angles, partial). JoyImage-Edit+: _apply_rotary_emb_batched
-((B, S, D) pairs). The sizes are diffusers' own test configs (tests/models/transformers), smaller.
+((B, S, D) pairs). Allegro: apply_rotary_emb_allegro (three axis tables, halves per third of D;
+the model is given the embedding its pipeline builds). Mochi: its processor's per-head angles
+(S, H, D / 2), fused into the norms (pos_frequencies frozen: learnable angles run the processor
+as it was, checked below). The sizes are diffusers' own test configs (tests/models/transformers),
+smaller.
+
+test_helper_float64_parity: the patched helper (Allegro's, Wan-Animate 2's rope_apply, Mochi's
+attention processor) on fresh random inputs in fp32 and bf16 against the original evaluated in
+float64 (its `.float()` casts kept in float64): fp32 within 1e-6 relative, bf16 within 1.5 times
+the original's own bf16 error (3 times in the Triton interpreter, which truncates to bf16).
 """
 
 from __future__ import annotations
+
+import copy
+import os
 
 import pytest
 import torch
@@ -101,7 +113,55 @@ def _joyimage_edit_plus():
     return m, inputs
 
 
-BUILDERS = {"ltx": _ltx, "ltx2": _ltx2, "stable_audio3": _stable_audio3, "joyimage_edit_plus": _joyimage_edit_plus}
+def _allegro():
+    from diffusers import AllegroTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+
+    m = AllegroTransformer3DModel(
+        patch_size=1, num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, num_layers=1,
+        cross_attention_dim=24, sample_height=4, sample_width=4, sample_frames=2, caption_channels=8,
+    )  # fmt: skip
+    frames, height, width = 2, 2, 3
+    *freqs, gt, gh, gw = get_3d_rotary_pos_embed_allegro(12, ((0, 0), (height, width)), (height, width), frames)
+    pos = torch.cartesian_prod(gt.long(), gh.long(), gw.long()).T.reshape(3, 1, -1)
+    emb = (tuple(freqs), tuple(pos))
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(1, 4, frames, height, width, generator=g),
+            encoder_hidden_states=torch.randn(1, 3, 8, generator=g),
+            timestep=torch.tensor([500]),
+            image_rotary_emb=emb,
+        )
+
+    return m, inputs
+
+
+def _mochi():
+    from diffusers import MochiTransformer3DModel
+
+    m = MochiTransformer3DModel(
+        patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2, pooled_projection_dim=16,
+        in_channels=4, text_embed_dim=16, time_embed_dim=4, max_sequence_length=8,
+    )  # fmt: skip
+    with torch.no_grad():  # zeros at init: no rotation at all
+        m.pos_frequencies.normal_(generator=torch.Generator().manual_seed(2))
+    m.pos_frequencies.requires_grad_(False)
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(1, 4, 2, 4, 4, generator=g),
+            encoder_hidden_states=torch.randn(1, 8, 16, generator=g),
+            timestep=torch.tensor([500]),
+            encoder_attention_mask=torch.tensor([[1] * 6 + [0] * 2]),
+        )
+
+    return m, inputs
+
+
+BUILDERS = {"ltx": _ltx, "ltx2": _ltx2, "stable_audio3": _stable_audio3, "joyimage_edit_plus": _joyimage_edit_plus,
+    "allegro": _allegro, "mochi": _mochi,
+}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +169,15 @@ def _unpatched():
     rd.unpatch()
     yield
     rd.unpatch()
+
+
+def _counted(monkeypatch):
+    """Counts ropekit's rotations: the helpers' (rotations) and the fused norms' (ropekit.diffusers)."""
+    seen = []
+    real = rotations.rotate_with_angles
+    for module in (rotations, rd):
+        monkeypatch.setattr(module, "rotate_with_angles", lambda *a, **k: seen.append(1) or real(*a, **k))
+    return seen
 
 
 def _run(model, kwargs):
@@ -124,10 +193,9 @@ def test_helper_seam_parity(family, monkeypatch):
     model, inputs = BUILDERS[family]()
     kwargs = inputs(torch.Generator().manual_seed(1))
     want, want_grads = _run(model, kwargs)
-    seen = []
-    real = rotations.rotate_with_angles
-    monkeypatch.setattr(rotations, "rotate_with_angles", lambda *a, **k: seen.append(1) or real(*a, **k))
+    seen = _counted(monkeypatch)
     rd.patch()
+    seen.clear()  # the patch-time verification's own calls
     out, grads = _run(model, kwargs)
     assert seen, "ropekit's rotation did not run"
     assert ((out - want).norm() / want.norm()).item() < 1e-5
@@ -135,3 +203,113 @@ def test_helper_seam_parity(family, monkeypatch):
     scale = max(g.norm().item() for g in want_grads.values())
     for name, g in grads.items():
         assert (g - want_grads[name]).norm().item() <= 1e-5 * want_grads[name].norm().item() + 1e-7 * scale, name
+
+
+def test_mochi_learnable_angles_run_the_processor_as_it_was(monkeypatch):
+    torch.manual_seed(0)
+    model, inputs = _mochi()
+    model.pos_frequencies.requires_grad_(True)
+    kwargs = inputs(torch.Generator().manual_seed(1))
+    want, want_grads = _run(model, kwargs)
+    seen = _counted(monkeypatch)
+    rd.patch()
+    seen.clear()  # the patch-time verification's own calls
+    out, grads = _run(model, kwargs)
+    assert not seen and torch.equal(out, want) and "pos_frequencies" in grads
+    assert all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+
+
+# --- each patched helper against the original evaluated in float64
+
+
+def _allegro_call(helper, g, dtype):
+    x = torch.randn(2, 3, 7, 12, generator=g).to(dtype)
+    theta = [torch.randn(9, 2, generator=g) * 3 for _ in range(3)]
+    tables = tuple((torch.cat((t.cos(),) * 2, -1), torch.cat((t.sin(),) * 2, -1)) for t in theta)
+    pos = tuple(torch.randint(0, 9, (1, 7), generator=g) for _ in range(3))
+    return lambda wide: helper(
+        x.double() if wide else x, tuple((c.double(), s.double()) for c, s in tables) if wide else tables, pos
+    )
+
+
+def _animate2_call(helper, g, dtype):
+    from diffusers.models.transformers.transformer_wan_animate_2 import rope_params
+
+    x = torch.randn(2, 9, 3, 12, generator=g).to(dtype)
+    freqs = torch.cat([rope_params(16, 4), rope_params(16, 4, offset=3), rope_params(16, 4)], dim=1)
+    grid = torch.tensor([[2, 2, 2], [1, 3, 2]])
+    return lambda wide: helper(x.double() if wide else x, grid, freqs, 2)
+
+
+HELPERS = {
+    "allegro": ("diffusers.models.embeddings", "apply_rotary_emb_allegro", _allegro_call),
+    "wan_animate_2": ("diffusers.models.transformers.transformer_wan_animate_2", "rope_apply", _animate2_call),
+}
+
+
+def _float64_kept(monkeypatch):
+    """The original's .float() casts keep float64 (its arithmetic then all in float64)."""
+    cast = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: t if t.dtype == torch.float64 else cast(t))
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(HELPERS) + ["mochi"])
+def test_helper_float64_parity(family, dtype, monkeypatch):
+    import importlib
+
+    g = torch.Generator().manual_seed(3)
+    if family == "mochi":
+        call = _mochi_attention_call(g, dtype)
+    else:
+        module, name, make = HELPERS[family]
+        host = importlib.import_module(module)
+        call = make(lambda *a: getattr(host, name)(*a), g, dtype)  # looked up at call time: patched or not
+    base = call(False)
+    seen = _counted(monkeypatch)
+    report = rd.patch()
+    seen.clear()  # the patch-time verification's own calls
+    assert family == "mochi" or f"{module}.{name}" in report.helpers
+    got = call(False)
+    rd.unpatch()
+    assert seen, "ropekit's rotation did not run"
+    with monkeypatch.context() as m:
+        _float64_kept(m)
+        want = call(True)
+    assert want.dtype == torch.float64 and got.dtype == base.dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        assert _rel(got, want) < 1e-6
+    else:  # one rounding each; the Triton interpreter's truncates (a whole ulp, tests/test_autograd.py)
+        factor = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 1.5
+        assert _rel(got, want) <= factor * _rel(base, want) + 1e-6
+
+
+def _mochi_attention_call(g, dtype):
+    """One Mochi attention (its processor: per-head MochiRMSNorm, then the per-head rotation);
+    wide: the module and inputs in float64."""
+    from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
+
+    attn = MochiAttention(
+        query_dim=24, added_kv_proj_dim=16, processor=MochiAttnProcessor2_0(), heads=3, dim_head=8, out_dim=24,
+        added_proj_bias=False, out_context_dim=16, context_pre_only=False, eps=1e-5,
+    )  # fmt: skip
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(generator=g)
+    hidden, context = torch.randn(1, 6, 24, generator=g), torch.randn(1, 4, 16, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    theta = torch.randn(6, 3, 4, generator=g) * 3
+    narrow = copy.deepcopy(attn).to(dtype)
+    wide = copy.deepcopy(attn).double()
+
+    def call(w):
+        m, t = (wide, torch.float64) if w else (narrow, dtype)
+        emb = (theta.cos().to(t), theta.sin().to(t)) if w else (theta.cos(), theta.sin())
+        with torch.no_grad():
+            return m(hidden.to(t), context.to(t), mask, image_rotary_emb=emb)[0]
+
+    return call

@@ -18,14 +18,15 @@ Two seams, both public:
    to the helper itself. A helper of a later diffusers release is covered when it has a known
    form; any other is left as it is and named in the report with the reason.
 2. The fused QK-RMSNorm + rotation (FAMILIES: Flux.1, Wan 2.x, HunyuanVideo, Qwen-Image, Z-Image,
-   BRIA-FIBO 2). The
+   BRIA-FIBO 2, Mochi (angles per token and head)). The
    processor class's `__call__` is wrapped (its signature kept: diffusers filters keyword arguments
    by it): it turns the rotary embedding argument into per-token (cos, sin) views, calls the
    original processor with the embedding set to None, and the attention module's norms, whose
    class `forward` is one shared replacement, run RMSNorm + rotation in one ropekit launch with
    the norm's own weight and eps while that call is active. A norm ropekit cannot reproduce
    exactly (no weight, a bias, weights of another dtype, another norm class) runs as it was and
-   ropekit rotates its output.
+   ropekit rotates its output. An embedding that requires grad (Mochi's learnable frequencies,
+   in training) is not taken: that call runs the processor as it was.
 
 torch.compile: nothing Dynamo guards on changes after patch(): the modules patch(model) prepares
 are marked then, patch() marks none (every module of the families is taken), the wrappers and
@@ -45,6 +46,7 @@ import importlib
 import inspect
 import pkgutil
 import re
+import types
 import weakref
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -68,6 +70,8 @@ class Family(NamedTuple):
     angles: Callable  # embedding -> {group: (cos, sin)}, per-token (S, rotary_dim // 2) views
     norms: Dict[str, Tuple[str, str]]  # norm attribute -> (group of angles, rows rule)
     flat_heads: bool  # the norms see (B, S, H * D) (normalized across heads), not (B, S, H, D)
+    per_head: bool = False  # angles (S, H, rotary_dim // 2): each head its own (Mochi)
+    check: Optional[Callable] = None  # processor class -> None when its rotation agrees, else the reason
 
 
 def _repeated_pairs(emb):
@@ -80,6 +84,41 @@ def _wan_pairs(emb):
     """Wan: (freqs_cos, freqs_sin), each (1, S, 1, D), frequencies repeated in pairs."""
     cos, sin = emb
     return {"rows": (cos[0, :, 0, 0::2], sin[0, :, 0, 1::2])}
+
+
+def _per_head_pairs(emb):
+    """Mochi: (freqs_cos, freqs_sin), each (S, H, D / 2), one angle per pair (2i, 2i + 1) and head."""
+    cos, sin = emb
+    return {"rows": (cos, sin)}
+
+
+def _nested(fn, name: str):
+    """The function `name` defined inside fn, rebuilt from its code object (None when fn has none
+    or it reads variables of fn)."""
+    for const in getattr(getattr(fn, "__code__", None), "co_consts", ()):
+        if isinstance(const, types.CodeType) and const.co_name == name and not const.co_freevars:
+            return types.FunctionType(const, fn.__globals__)
+    return None
+
+
+def _check_per_head(cls) -> Optional[str]:
+    """Mochi: the processor's own apply_rotary_emb(x, freqs_cos, freqs_sin), run next to ropekit's
+    per-head rotation on random x (B, S, H, D) and angles (S, H, D / 2), float32."""
+    helper = _nested(seams.original(cls.__call__), "apply_rotary_emb")
+    if helper is None:
+        return "no apply_rotary_emb(x, freqs_cos, freqs_sin) defined in its __call__"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=gen)
+    theta = torch.randn(5, 3, 4, generator=gen) * 3
+    with torch.no_grad():
+        try:
+            want = helper(x, theta.cos(), theta.sin())
+        except Exception as e:  # another helper of that name
+            return f"its apply_rotary_emb raised {type(e).__name__} on (x, freqs_cos, freqs_sin)"
+        got = _rotate_per_head(x, (theta.cos(), theta.sin()), None, 0.0)
+    if not seams.close(want, got):
+        return "its apply_rotary_emb does not agree with the per-head pairs rotation on random inputs"
+    return None
 
 
 def _complex_parts(freqs_cis):
@@ -140,6 +179,17 @@ FAMILIES: Dict[str, Family] = {
             "norm_added_k": ("txt", "tail"),
         },
         False,
+    ),
+    # Mochi: per-head MochiRMSNorm, then per-head angles (S, H, D / 2) on the video tokens only
+    "mochi": Family(
+        "diffusers.models.attention_processor",
+        ("MochiAttnProcessor2_0",),
+        "image_rotary_emb",
+        _per_head_pairs,
+        _JOINT,
+        False,
+        per_head=True,
+        check=_check_per_head,
     ),
     # Z-Image and BRIA-FIBO 2: per-head RMSNorm, then complex freqs_cis (B, S, D / 2) inside the processor
     **{
@@ -205,9 +255,9 @@ def _rows(angles, n: int, rule: str):
 
 
 def _rms_classes():
-    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.normalization import MochiRMSNorm, RMSNorm
 
-    return (torch.nn.RMSNorm, RMSNorm)
+    return (torch.nn.RMSNorm, RMSNorm, MochiRMSNorm)
 
 
 def _fusable(norm, x) -> Optional[torch.Tensor]:
@@ -243,14 +293,31 @@ def _norm_forward(self, x):
     attn, family, angles = _active[-1]
     for name, (group, rule) in family.norms.items():
         if getattr(attn, name, None) is self and group in angles:
-            cos, sin = _rows(angles[group], x.shape[1], rule)
-            heads = attn.heads if family.flat_heads else 0
             w = _fusable(self, x)
             y = x if w is not None else own(self, x)
+            if family.per_head:
+                return _rotate_per_head(y, angles[group], w, _eps(self, x))
+            cos, sin = _rows(angles[group], x.shape[1], rule)
+            heads = attn.heads if family.flat_heads else 0
             y4 = y.unflatten(-1, (heads, -1)) if heads else y
             out, _ = rotate_with_angles(y4, None, cos, sin, interleaved=True, q_norm_weight=w, norm_eps=_eps(self, x))
             return out.flatten(-2) if heads else out
     return own(self, x)
+
+
+def _rotate_per_head(y, angles, w, eps):
+    """y (B, S, H, D) with angles (S, H, R / 2) of their own per token and head: one ropekit call
+    on the (B, S * H, 1, D) view, every head a token of one head (the norm per head as before)."""
+    cos, sin = angles
+    b, n, h, d = y.shape
+    if cos.shape[:2] != (n, h) or sin.shape != cos.shape:
+        fail(OP, "rotary embedding", f"per-head angles ({n}, {h}, R / 2) for {n} tokens of {h} heads", tuple(cos.shape))
+    r = cos.shape[-1]
+    flat = y.reshape(b, n * h, 1, d)
+    out, _ = rotate_with_angles(
+        flat, None, cos.reshape(n * h, r), sin.reshape(n * h, r), interleaved=True, q_norm_weight=w, norm_eps=eps
+    )
+    return out.view(b, n, h, d)
 
 
 def _patch_norm_class(cls) -> None:
@@ -278,6 +345,15 @@ def _ready(attn, family: Family) -> bool:
 # the processors
 
 
+def _learnable(emb) -> bool:
+    """Whether the embedding carries a gradient (Mochi's pos_frequencies are a parameter): ropekit
+    takes constant angles, so such a call runs the processor as it was."""
+    if not torch.is_grad_enabled():
+        return False
+    parts = emb if isinstance(emb, (tuple, list)) else (emb,)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in parts)
+
+
 def _wrap(family: Family, call: Callable) -> Callable:
     """The processor __call__ that hands the rotary embedding to the norms (signature kept)."""
     index = list(inspect.signature(call).parameters).index(family.emb_arg) - 2  # after self, attn
@@ -285,7 +361,7 @@ def _wrap(family: Family, call: Callable) -> Callable:
     @functools.wraps(call)
     def patched(self, attn, *args, **kwargs):
         emb = args[index] if len(args) > index else kwargs.get(family.emb_arg)
-        if emb is None or not _ready(attn, family):
+        if emb is None or not _ready(attn, family) or _learnable(emb):
             return call(self, attn, *args, **kwargs)
         if len(args) > index:
             args = (*args[:index], None, *args[index + 1 :])
@@ -363,6 +439,10 @@ def patch(model: Optional[torch.nn.Module] = None) -> Report:
     counts, helpers, left = {}, {}, {}
     _patch_helpers(helpers, left)
     for name, family, cls in _processor_classes():
+        reason = None if cls in _originals or family.check is None else family.check(cls)
+        if reason is not None:
+            left[_qualname(cls)] = reason
+            continue
         if cls not in _originals:
             _originals[cls] = cls.__call__
             cls.__call__ = _wrap(family, cls.__call__)

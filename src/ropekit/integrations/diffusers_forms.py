@@ -13,6 +13,8 @@ each module-level helper against the forms of its arity and patches it on the fi
 | matrix | PRX's apply_rope(x, freqs_cis), Kandinsky 6's apply_rotary(x, rope) | (.., D/2, 2, 2) rotation matrices | (B, S, H, D) or (B, H, S, D) |
 | complex_x | complex64 freqs (S, 1, D/2) or (B, S, 1, D/2) against x directly | complex | (B, S, H, D) |
 | cat_x | Helios' apply_rotary_emb_transposed(x, freqs_cis) | cat(cos, sin) (B, S, 2D), pairs | (B, S, H, D) |
+| axes3 | Allegro's apply_rotary_emb_allegro(x, freqs_cis, positions) | three (cos, sin) halves tables (L, D/3), one per third of D, rows gathered by (1 or B, S) positions | (B, H, S, D) |
+| grid | Wan-Animate 2's rope_apply(x, grid_sizes, freqs, time_stride) | complex (L, D/2) table split in (t, h, w) columns, per-sample (f, h, w) grid of the leading f h w tokens (the rest kept), frames times time_stride; float32 result | (B, S, H, D) |
 | *_qk | the same with (q, k, freqs) returning (q, k): HiDream's apply_rope, JoyImage's _apply_rotary_emb, JoyImage-Edit+'s _apply_rotary_emb_batched | as above | as above |
 """
 
@@ -305,6 +307,96 @@ def _cat_x_samples(gen):
     return [((_x(gen, B, S, H, D), torch.cat(_pairs(_theta(gen, B, S, D // 2)), -1)), ())]
 
 
+# --- (x, ((cos, sin) x 3), positions x 3): each third of D rotated as halves by its own axis's table
+
+
+def _axes3(a):
+    x, freqs, pos = a["x"], a["freqs"], a["positions"]
+    if not isinstance(freqs, (tuple, list)) or len(freqs) != 3 or not R.takes(x):
+        return None
+    if not isinstance(pos, (tuple, list, torch.Tensor)) or len(pos) != 3:
+        return None
+    if x.dim() != 4 or x.shape[-1] % 6:
+        return None
+    c = x.shape[-1] // 3
+    out = []
+    for i, (table, p) in enumerate(zip(freqs, pos)):
+        if not isinstance(table, (tuple, list)) or len(table) != 2 or not R.takes(x, *table):
+            return None
+        cos, sin = table
+        if not isinstance(p, torch.Tensor) or p.dtype not in (torch.int32, torch.int64) or p.dim() != 2:
+            return None
+        if cos.dim() != 2 or p.shape[0] not in (1, x.shape[0]) or p.shape[1] != x.shape[2]:
+            return None
+        cs = R.halves(cos, sin, c)
+        if cs is None:
+            return None
+        rows = (torch.nn.functional.embedding(p, t) for t in cs)
+        out.append(R.rotate(x[..., i * c : (i + 1) * c], *rows, interleaved=False, heads_first=True))
+    return torch.cat(out, -1)
+
+
+def _axes3_samples(gen):
+    c, n = 4, S + 3  # 12 dims per head: 4 per axis
+    x = _x(gen, B, H, S, 3 * c)
+    tables = tuple(_halves(_theta(gen, n, c // 2)) for _ in range(3))
+    out = []
+    for lead in (1, B):
+        pos = tuple(torch.randint(0, n, (lead, S), generator=gen) for _ in range(3))
+        out.append(((x, tables, pos), ()))
+    return out
+
+
+# --- (x, grid_sizes (B, 3), complex freqs (L, D/2), time_stride): per-sample (f, h, w) grids
+
+
+def _grid_angles(grid, freqs, d, n, stride):
+    """(cos, sin) (B, n, d / 2) float32 of each sample's f h w leading tokens (the rest identity),
+    or None when the table or the sequence is too short (the helper raises its own error)."""
+    c = d // 2
+    t_f, h_f, w_f = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    parts = torch.view_as_real(freqs)
+    cos, sin = parts.new_ones(len(grid), n, c), parts.new_zeros(len(grid), n, c)
+    for i, (f, h, w) in enumerate(grid.tolist()):
+        if f * h * w > n or (f - 1) * stride >= len(t_f) or h > len(h_f) or w > len(w_f) or min(f, h, w) < 1:
+            return None
+        angles = torch.cat(
+            [
+                t_f[: f * stride : stride].view(f, 1, 1, -1).expand(f, h, w, -1),
+                h_f[:h].view(1, h, 1, -1).expand(f, h, w, -1),
+                w_f[:w].view(1, 1, w, -1).expand(f, h, w, -1),
+            ],
+            -1,
+        ).reshape(f * h * w, c)
+        cos[i, : f * h * w], sin[i, : f * h * w] = angles.real, angles.imag
+    return cos.float(), sin.float()
+
+
+def _grid(a):
+    x, grid, freqs, stride = a["x"], a["grid"], a["freqs"], a["stride"]
+    if not R.takes(x) or x.dim() != 4 or x.shape[-1] % 2 or not isinstance(stride, int) or stride < 1:
+        return None
+    if (
+        not isinstance(grid, torch.Tensor)
+        or grid.dtype not in (torch.int32, torch.int64)
+        or grid.shape != (x.shape[0], 3)
+    ):
+        return None
+    if not isinstance(freqs, torch.Tensor) or freqs.dtype not in (torch.complex64, torch.complex128):
+        return None
+    if freqs.dim() != 2 or freqs.shape[1] != x.shape[-1] // 2 or freqs.requires_grad:
+        return None
+    cs = _grid_angles(grid, freqs, x.shape[-1], x.shape[1], stride)
+    return None if cs is None else R.rotate(x.float(), *cs, interleaved=True)
+
+
+def _grid_samples(gen):
+    d, n = 12, S + 1  # (t, h, w) columns (2, 2, 2)
+    freqs = torch.polar(torch.ones(8, d // 2, dtype=torch.float64), _theta(gen, 8, d // 2).double())
+    grids = torch.tensor([[2, 1, 3], [1, 2, 2]])
+    return [((_x(gen, B, n, H, d), grids, freqs, stride), ()) for stride in (1, 2)]
+
+
 # --- (q, k, freqs) -> (q, k): a single-x form applied to both
 
 
@@ -346,6 +438,8 @@ FORMS: Tuple[Form, ...] = (
     Form("angles_x", _X, _none, _angles_x, _angles_x_samples),
     Form("complex_dt", _X, _lead_one, _complex_dt, _complex_dt_samples),
     Form("halves_cs", ("x", "cos", "sin"), _none, _halves_cs, _halves_cs_samples),
+    Form("axes3", ("x", "freqs", "positions"), _none, _axes3, _axes3_samples),
+    Form("grid", ("x", "grid", "freqs", "stride"), _none, _grid, _grid_samples),
     Form("matrix_qk", _QK, _none, *_matrix_qk),
     Form("pairs_qk", _QK, _qk_key(_x_dim), *_pairs_qk),
 )

@@ -67,9 +67,10 @@ def bind(form: Form, bound: Bound, args, kwargs) -> Optional[dict]:
     return out
 
 
-def _close(a, b) -> bool:
+def close(a, b) -> bool:
+    """Whether two results agree: same structure, shapes and dtypes, values within ATOL / RTOL."""
     if isinstance(a, (tuple, list)):
-        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
     return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a.double(), b.double(), atol=ATOL, rtol=RTOL)
@@ -92,7 +93,7 @@ def verify(fn, form: Form) -> FrozenSet:
                     got = form.rotate(bind(form, bound, args, {}))
                 except Exception:  # a helper of another form: its own error on these inputs
                     got, want = None, ()
-                (agreed if got is not None and _close(want, got) else failed).add(key)
+                (agreed if got is not None and close(want, got) else failed).add(key)
     cache[form.name] = frozenset(agreed - failed)
     return cache[form.name]
 
