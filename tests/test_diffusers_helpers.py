@@ -257,9 +257,19 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
+def _on(x, device):
+    """Tensors (also inside tuples) moved to device."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return tuple(_on(t, device) for t in x) if isinstance(x, tuple) else x
+
+
+CASES = [(f, "cpu") for f in [*HELPERS, "mochi"]] + [pytest.param(f, "cuda", marks=pytest.mark.gpu) for f in HELPERS]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", list(HELPERS) + ["mochi"])
-def test_helper_float64_parity(family, dtype, monkeypatch):
+@pytest.mark.parametrize("family, device", CASES)
+def test_helper_float64_parity(family, device, dtype, monkeypatch):
     import importlib
 
     g = torch.Generator().manual_seed(3)
@@ -268,7 +278,8 @@ def test_helper_float64_parity(family, dtype, monkeypatch):
     else:
         module, name, make = HELPERS[family]
         host = importlib.import_module(module)
-        call = make(lambda *a: getattr(host, name)(*a), g, dtype)  # looked up at call time: patched or not
+        # looked up at call time (patched or not), on the device; results back on the CPU
+        call = make(lambda *a: getattr(host, name)(*_on(a, device)).cpu(), g, dtype)
     base = call(False)
     seen = _counted(monkeypatch)
     report = rd.patch()
