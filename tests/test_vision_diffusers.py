@@ -55,7 +55,13 @@ def calls(monkeypatch):
 def _run(model, kwargs, dtype):
     """One forward + backward: the output and every parameter's gradient (float64 copies)."""
     model.zero_grad(set_to_none=True)
-    floats = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+
+    def cast(v):  # a float tensor, or a list of them (Z-Image's per-sample inputs)
+        if isinstance(v, (list, tuple)):
+            return type(v)(cast(t) for t in v)
+        return v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+
+    floats = {k: cast(v) for k, v in kwargs.items()}
     out = model(**floats, return_dict=False)[0]
     if isinstance(out, (list, tuple)):  # Z-Image: one output per sample, each its own size
         out = torch.cat([o.flatten() for o in out])
@@ -178,13 +184,20 @@ def test_patched_block_compiles_fullgraph(calls):
     assert calls
 
 
+def _cuda(v):
+    """A model input on CUDA: a tensor, or a list of them (Z-Image's per-sample inputs)."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_cuda(t) for t in v)
+    return v.cuda() if torch.is_tensor(v) else v
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(BUILDERS))
 def test_patch_cuda_fp32_and_bf16(family):
     """The compiled kernels on CUDA: fp32 parity, and bf16 within the unpatched bf16 error."""
     model, kwargs = _model(family)
     model = model.cuda()
-    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    kwargs = {k: _cuda(v) for k, v in kwargs.items()}
     want_out, want_grads = _run(model, kwargs, torch.float32)
     half = copy.deepcopy(model).to(torch.bfloat16)  # model keeps its float32 weights
     base_out, base_grads = _run(half, kwargs, torch.bfloat16)
