@@ -48,6 +48,15 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}"[:200]
 
 
+def importable(module: str) -> Tuple[bool, str]:
+    """(True, "") when module imports, else (False, why): a peer's `available` answer."""
+    try:
+        importlib.import_module(module)
+        return True, ""
+    except Exception as e:
+        return False, f"not importable ({short_error(e)})"
+
+
 class Peer:
     name = ""
     label = ""
@@ -424,11 +433,7 @@ class RopekitHF(TorchEager):
     cpu_default = False
 
     def available(self, device):
-        try:
-            importlib.import_module("ropekit.hf")
-            return True, ""
-        except Exception as e:
-            return False, f"not importable ({short_error(e)})"
+        return importable("ropekit.hf")
 
     def version(self):
         return None
@@ -752,11 +757,7 @@ class RopekitVLLM(Peer):
     needs_cuda = False
 
     def available(self, device):
-        try:
-            importlib.import_module("ropekit.integrations.vllm")
-            return True, ""
-        except Exception as e:
-            return False, f"not importable ({short_error(e)})"
+        return importable("ropekit.integrations.vllm")
 
     def make(self, wl, inp):
         if wl.kind != "rope" or wl.mrope_section is not None:
