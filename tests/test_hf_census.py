@@ -21,6 +21,7 @@ from ropekit.api import ops  # noqa: E402
 from ropekit.integrations import hf_census, hf_forms  # noqa: E402
 
 from conftest import DEVICES  # noqa: E402
+from helpers.hf_models import TINY_LM, TINY_MLA  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -57,19 +58,7 @@ def test_every_rotary_function_is_patched_or_left_with_a_reason():
     assert all(getattr(importlib.import_module(k[0]), k[1], None) is v for k, v in before.items())
 
 
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+COMMON = dict(TINY_LM, initializer_range=0.3)
 # form (and what else the family differs in) -> (family, config class, model class, config keywords
 # beyond COMMON); one family per form
 MODELS = {
@@ -96,23 +85,7 @@ MODELS = {
         "deepseek_v3",
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        {
-            "moe_intermediate_size": 32,
-            "n_routed_experts": 2,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
-            "q_lora_rank": None,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "rope_interleave": True,
-            "num_key_value_heads": 4,
-            "experts_implementation": "eager",
-        },
+        dict(TINY_MLA, n_group=1, topk_group=1, rope_interleave=True),
     ),
     "gptj": ("gptj", "GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 4, "n_inner": 64}),
     "gptj, whole head (CodeGen)": ("codegen", "CodeGenConfig", "CodeGenForCausalLM", {"rotary_dim": 8, "n_inner": 64}),
@@ -121,20 +94,7 @@ MODELS = {
         "deepseek_v2",
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
-        {
-            "moe_intermediate_size": 32,
-            "n_routed_experts": 2,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "q_lora_rank": None,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "num_key_value_heads": 4,
-            "experts_implementation": "eager",
-        },
+        TINY_MLA,
     ),
     "narrow_pairs": (
         "openai_privacy_filter",

@@ -10,19 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 from ropekit import hf  # noqa: E402
 
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from helpers.hf_models import TINY_LM  # noqa: E402
+
+COMMON = dict(TINY_LM, head_dim=8)
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 

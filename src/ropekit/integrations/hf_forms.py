@@ -153,14 +153,16 @@ def _complex_plan(xq, xk, freqs_cis, heads_first=False):
     return (None, cos.shape[-1], cos, sin) if ok else None
 
 
-def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
+def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None, kind=None):
     """How the kernel takes this call of the form: (heads dim, columns, cos, sin), or None when it
-    does not reproduce HF's result for it."""
-    if form.kind == "vision":
+    does not reproduce HF's result for it. kind: the call's kind when an adapted call is planned
+    as another ("x" / "qk"); None: the form's."""
+    kind = kind or form.kind
+    if kind == "vision":
         return (None, cos.shape[-1] // 2, cos, sin) if _vision_takes(q, k, cos, sin) else None
-    if form.kind == "complex":
+    if kind == "complex":
         return _complex_plan(q, k, cos, heads_first=form.table == "complex_bhsd")
-    k_checked = q if form.kind == "x" else k
+    k_checked = q if kind == "x" else k
     if form.dtype == "q" and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dtype != q.dtype:
         return None
     found = hf_plan.plain_plan(
@@ -184,47 +186,38 @@ def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None):
     return hd, r // 2, cos, sin
 
 
-def execute(form: Form, planned, q, k):
+def execute(form: Form, planned, q, k, kind=None):
     """Run a planned call: (q_out, k_out), or the output alone for kind "x"."""
+    kind = kind or form.kind
     hd, columns, cos, sin = planned
-    if form.kind == "complex":
+    if kind == "complex":
         hf = form.table == "complex_bhsd"
         return ops.rotate_angles(q, k, cos, sin, interleaved=True, columns=columns, heads_first=hf or None)
-    if form.kind == "vision":
+    if kind == "vision":
         return ops.rotate_angles(q, k, cos, sin, columns=columns)
     if form.reverse:
         sin = -sin  # a (.., S, R) table, not q / k: R(-angle)
-    if form.rope_last:  # rotate views of the last 2 * columns dims, pass the rest through
-        width = 2 * columns
-        rot = execute(form._replace(rope_last=False), (hd, columns, cos, sin), q[..., -width:], _tail(k, width))
-        rot = rot if isinstance(rot, tuple) else (rot,)
-        outs = tuple(torch.cat((x[..., :-width], r), dim=-1) for x, r in zip((q, k), rot))
-        return outs[0] if form.kind == "x" else outs
-    out = hf_plan.rotate_hf_layout(
-        q,
-        None if form.kind == "x" else k,
-        cos,
-        sin,
-        hd,
-        interleaved=form.pairs_in,
-        out_interleaved=form.pairs_out,
-        columns=columns,
+    k = None if kind == "x" else k
+    if not form.rope_last:
+        out = _rotate(form, hd, columns, cos, sin, q, k)
+        return out[0] if kind == "x" else out
+    # rotate views of the last 2 * columns dims, pass the rest through
+    width = 2 * columns
+    rot = _rotate(form, hd, columns, cos, sin, q[..., -width:], None if k is None else k[..., -width:])
+    outs = tuple(torch.cat((x[..., :-width], r), dim=-1) for x, r in zip((q, k), rot) if x is not None)
+    return outs[0] if kind == "x" else outs
+
+
+def _rotate(form: Form, hd, columns, cos, sin, q, k):
+    return hf_plan.rotate_hf_layout(
+        q, k, cos, sin, hd, interleaved=form.pairs_in, out_interleaved=form.pairs_out, columns=columns
     )
-    return out[0] if form.kind == "x" else out
 
 
-def _tail(x, width):
-    return None if x is None else x[..., -width:]
-
-
-def run(form: Form, q, k, cos, sin, unsqueeze_dim=None):
+def run(form: Form, q, k, cos, sin, unsqueeze_dim=None, kind=None):
     """The form's result by ropekit's kernel, or None when the kernel does not reproduce HF's."""
-    planned = plan(form, q, k, cos, sin, unsqueeze_dim)
-    return None if planned is None else execute(form, planned, q, k)
-
-
-def _as(form: Form, kind: str) -> Form:
-    return form._replace(kind=kind)
+    planned = plan(form, q, k, cos, sin, unsqueeze_dim, kind)
+    return None if planned is None else execute(form, planned, q, k, kind)
 
 
 def call(form: Form, args: tuple):
@@ -238,25 +231,25 @@ def call(form: Form, args: tuple):
     """
     if form.kind == "gptj":
         x, sin, cos = args
-        return run(_as(form, "x"), x, None, cos, sin, 2)
+        return run(form, x, None, cos, sin, 2, "x")
     if form.kind == "x_bcast":
         x, cos, sin = args
         if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)) or cos.dim() != x.dim():
             return None
         if x.dim() == 3:
-            out = run(_as(form, "x"), x.unsqueeze(2), None, cos, sin, 2)
+            out = run(form, x.unsqueeze(2), None, cos, sin, 2, "x")
             return None if out is None else out.squeeze(2)
         heads = [d for d in (1, 2) if x.dim() == 4 and cos.shape[d] == 1 and sin.shape == cos.shape]
         if not heads:
             return None
-        return run(_as(form, "x"), x, None, cos.squeeze(heads[0]), sin.squeeze(heads[0]), heads[0])
+        return run(form, x, None, cos.squeeze(heads[0]), sin.squeeze(heads[0]), heads[0], "x")
     q, k, cos, sin = args
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or cos.dim() != 2 or q.dim() != 4:
         return None
     n, p = q.shape[-2], cos.shape[0]
     if not (0 < p <= n and k.dim() == 4 and k.shape[-2] == n):
         return None
-    out = run(_as(form, "qk"), q[..., n - p :, :], k[..., n - p :, :], cos[None], sin[None], 1)
+    out = run(form, q[..., n - p :, :], k[..., n - p :, :], cos[None], sin[None], 1, "qk")
     if out is None or p == n:
         return out
     return tuple(torch.cat((x[..., : n - p, :], r), dim=-2) for x, r in zip((q, k), out))
