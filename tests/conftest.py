@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ropekit.core import pipeline  # noqa: E402
+from ropekit.core import run  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -57,7 +57,7 @@ def poison(monkeypatch):
     def empty_like(x, *args, **kwargs):
         return torch.empty_like(x, *args, **kwargs).fill_(float("nan"))
 
-    monkeypatch.setattr(pipeline, "empty_like", empty_like)
+    monkeypatch.setattr(run, "empty_like", empty_like)
 
 
 def fp8_close(got, want, dtype):

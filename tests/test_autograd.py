@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ropekit
+from ropekit.core import checks
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -431,10 +432,9 @@ def test_hf_dropin_remembered_training_call(device, layout):
     """The drop-in's training calls are validated and planned once per signature (HF's unsliced
     cos/sin go to the kernel as given): outputs and gradients stay HF's, call after call."""
     from ropekit import hf
-    from ropekit.api import ops
-    from ropekit.core import pipeline
+    from ropekit.core import memo
 
-    pipeline.clear()
+    memo.clear()
     B, S, H, D = 2, 5, 3, 16
     R = D if layout == "heads-first" else 8  # partial rotary: a narrower table
     ud = 1 if layout == "heads-first" else 2
@@ -455,7 +455,7 @@ def test_hf_dropin_remembered_training_call(device, layout):
             out.append(torch.cat((xr * c + rot_half(xr) * s, xp), -1))
         return tuple(out)
 
-    with mock.patch.object(ops, "_angles_spec", wraps=ops._angles_spec) as validated:
+    with mock.patch.object(checks, "angles", wraps=checks.angles) as validated:
         for step in range(3):
             base_q = torch.randn(B, S, H, D, generator=g).to(device)
             base_k = torch.randn(B, S, 1, D, generator=g).to(device)

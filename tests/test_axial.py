@@ -158,7 +158,7 @@ def test_freqs_cis_bad_arguments(kwargs, error, message):
 # ---------------------------------------------------------------------------------------------
 # apply_rope(..., inv_freq=, axes=): angles computed in the kernel
 
-from ropekit.core import pipeline  # noqa: E402
+from ropekit.core import memo  # noqa: E402
 from ropekit.tools import reference  # noqa: E402
 
 AXES_CASES = {
@@ -242,7 +242,7 @@ def test_freqs_inplace(poison):
 def test_freqs_cpu_path_without_triton(monkeypatch, poison):
     """Plain CPU (no interpreter): the pure-PyTorch path gives the same answers."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
+    memo.clear()
     g = torch.Generator().manual_seed(9)
     axes = (2, 3, 3)
     f = _freqs_for(axes, 8)
@@ -252,7 +252,7 @@ def test_freqs_cpu_path_without_triton(monkeypatch, poison):
         qo, _ = ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True)
         qo2, _ = ropekit.apply_rope(q.clone(), None, pos, None, inv_freq=f, axes=axes, interleaved=True, inplace=True)
     finally:
-        pipeline.clear()
+        memo.clear()
     _close(qo, _oracle(q, pos, f, axes, True))
     _close(qo2, _oracle(q, pos, f, axes, True))
 

@@ -22,7 +22,7 @@ import torch
 
 import ropekit
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import validate
+from ropekit.core import strict
 
 from conftest import make_cache
 
@@ -949,7 +949,7 @@ def snapshot(args):
 def test_bad_input(row):
     args = row.make()
     before = snapshot(args)
-    with validate.strict(row.strict):
+    with strict.strict(row.strict):
         with pytest.raises(row.exc) as info:
             OPS[row.op](**args)
     message = str(info.value)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import pipeline
+from ropekit.core import memo
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
@@ -332,7 +332,7 @@ def test_store_takes_a_3d_paged_mla_cache(device, form):
 
 def test_forms_on_the_cpu_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
+    memo.clear()
     try:
         cache = make_cache(16, 16)
         pos = torch.randint(0, 16, (4,))
@@ -356,7 +356,7 @@ def test_forms_on_the_cpu_path(monkeypatch):
         q8, _ = ropekit.apply_rope(q * 8, None, pos, cache, rotary_position="last", out_dtype=FP8, q_scale=0.1)
         fp8_close(q8, _want(q * 8, cache, pos, last=True, scale=0.1, dtype=FP8), FP8)
     finally:
-        pipeline.clear()
+        memo.clear()
 
 
 # ---------------------------------------------------------------------------------------------

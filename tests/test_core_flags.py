@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import pipeline
+from ropekit.core import memo
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
@@ -124,7 +124,7 @@ def test_fp8_outputs_exact_and_saturated(device, out_dtype):
 def test_fp8_outputs_on_the_cpu_path(monkeypatch):
     """The pure-PyTorch path (CPU tensors without the interpreter) follows the same rule."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
+    memo.clear()
     try:
         cache = make_cache(64, 64)
         q = torch.randn(5, 3, 64) * 40
@@ -134,7 +134,7 @@ def test_fp8_outputs_on_the_cpu_path(monkeypatch):
         fp8_close(qo, _fp8_reference(q, c, s, 0.1, torch.float8_e4m3fn), torch.float8_e4m3fn)
         assert qo.float().abs().max().item() == 448.0
     finally:
-        pipeline.clear()
+        memo.clear()
 
 
 def test_out_dtype_float_and_compile(device):

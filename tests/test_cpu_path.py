@@ -19,7 +19,7 @@ import triton.language  # noqa: F401
 
 import ropekit
 import ropekit.hf
-from ropekit.core import cpu, pipeline
+from ropekit.core import cpu, memo
 from ropekit.tools import reference
 
 from conftest import make_cache, rel_err
@@ -31,9 +31,9 @@ TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.flo
 @pytest.fixture
 def cpu_path(monkeypatch, poison):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
+    memo.clear()
     yield
-    pipeline.clear()
+    memo.clear()
 
 
 def rnd(*shape, dtype=torch.float32, seed=0):

@@ -30,7 +30,6 @@ from test_store import Caches, check_store, flat, hnd, kv_joint, mla, nhd, padde
 
 import ropekit
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import validate
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -562,7 +561,7 @@ def _snapshot(args):
 def _raises(op, fn, args, exc, fragment):
     strict = args.pop("strict", False)
     snap = _snapshot(args)
-    with validate.strict(strict):
+    with strict.strict(strict):
         with pytest.raises(exc) as info:
             fn(**args)
     msg = str(info.value)

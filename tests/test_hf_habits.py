@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import pipeline
-from ropekit.core.validate import LayoutWarning
+from ropekit.core import memo
+from ropekit.core.forms import LayoutWarning
 from ropekit.tools import reference
 
 from conftest import make_cache, rel_err
@@ -186,7 +186,7 @@ def test_ambiguous_layout_warns_once_and_layout_silences_it():
     """H == S: HF's (B, H, S, D) view and a (B, S, H, D) view of a head-major buffer have the same
     shape and strides; ropekit cannot refuse either, so it warns (from validation, once per call
     signature) unless the layout is said."""
-    pipeline.clear()
+    memo.clear()
     q = _rand(B, S, S, D).transpose(1, 2)  # (B, H=S, S, D)
     pos = torch.arange(S)[None]
     cache = make_cache(16, D)
@@ -294,7 +294,7 @@ def test_rotate_with_angles_takes_hf_full_width_angles(rot, say, device):
     pos = torch.randint(1, 64, (1, S))
     cos, sin = (t.to(device) for t in _hf_cos_sin(pos, rot))
     kw = {"rotary_dim": rot} if say else {}
-    pipeline.clear()
+    memo.clear()
     qo, ko = ropekit.rotate_with_angles(q, k, cos, sin, layout="bhsd", **kw)
     assert rel_err(qo, _hf_rotate(q, cos, sin)) < 1e-6 and rel_err(ko, _hf_rotate(k, cos, sin)) < 1e-6
     # tokens first, the (B, S, 1, D)-style unsqueeze done by broadcasting
@@ -320,7 +320,7 @@ def test_half_width_angles_are_unchanged():
 def test_zero_angles_do_not_settle_the_reading():
     """Position 0 alone (cos all 1, sin all 0) reads the same either way, so that verdict is not
     remembered: the next call of the same signature, at other positions, is read right."""
-    pipeline.clear()
+    memo.clear()
     q = _rand(1, HQ, 1, D)
     rot = D // 2  # HF partial rotary: would fit rotary_dim // 2 columns of a full rotation
     for p in (0, 3):

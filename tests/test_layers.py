@@ -154,7 +154,7 @@ def test_the_checker_sees_a_violation(tmp_path):
     bad.write_text("from ..api import ops\nfrom .launcher import _tiles\nx = ops._rope_spec\n")
     deps, private = _imports("core.validate", bad)
     assert "api.ops" in deps and LEVEL["api.ops"] > LEVEL["core.validate"]
-    assert "core.launcher._tiles" in private and "api.ops._rope_spec" in private
+    assert "core.plans._tiles" in private and "api.ops._rope_spec" in private
     absolute = tmp_path / "cpu.py"
     absolute.write_text("from ropekit import hf\nfrom ropekit.api.store import _run\n")
     deps, private = _imports("core.cpu", absolute)

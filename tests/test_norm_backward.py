@@ -1,5 +1,5 @@
 """The backward of q/k RMSNorm + rotation (rope_norm_backward_kernel, launched through
-launcher.plan_norm_backward / fire_norm_backward) for every angle source the forward takes, each
+plans.plan_norm_backward / fire_norm_backward) for every angle source the forward takes, each
 norm mode and every input / output pair layout, against autograd through a float64 reference of
 
     y = rotate(rmsnorm(x) * (w + offset))        (mode 0: y = rotate(x))
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ropekit import positions_from_cu_seqlens
-from ropekit.core import freqs, launcher, pipeline, tuning
-from ropekit.core.pipeline import Variant
+from ropekit.core import freqs, plans, run, tuning
+from ropekit.core.variant import Variant
 from ropekit.tools import reference
 
 from conftest import make_cache, rel_err
@@ -32,7 +32,7 @@ def strided(*shape, device="cpu", dtype=torch.float32, gen=None):
 
 class Case:
     """One angle source: the tensors' shape, the rotary width, the forward's angle operands (a, b)
-    as pipeline.run_rotate takes them, and the float64 per-token cos / sin of the reference."""
+    as run.run_rotate takes them, and the float64 per-token cos / sin of the reference."""
 
     def __init__(self, token_shape, heads, dim, rot, angles, a, b, cos, sin, sections=(0, 0, 0), packed=(1, 0)):
         self.shape = (*token_shape, heads, dim)
@@ -48,7 +48,7 @@ class Case:
         """What a spec holds for per-token angles: the kernel's (sec, b, s, col) strides."""
         if self.angles != "tokens":
             return None
-        return launcher.per_token_strides(self.a, len(self.shape) - 2, False)
+        return plans.per_token_strides(self.a, len(self.shape) - 2, False)
 
 
 def table_case(positions, heads, dim, rot, rows=16):
@@ -112,12 +112,12 @@ def weight(case: Case, mode: int):
 
 def backward(case: Case, variant: Variant, x, g, w, mode: int):
     """gx and the weight's gradient (None for mode 0) from one plan and launch."""
-    gx = pipeline.empty_like(x)
-    angles = launcher.angle_layout(variant, case.rot, case.a, case.b, case.angle_strides(), case.packed)
-    plan = launcher.plan_norm_backward(x, g, gx, w, angles, variant, mode)
-    dw = None if w is None else launcher.norm_partials(plan, x.device).fill_(float("nan"))
-    launcher.fire_norm_backward(plan, x, g, gx, w, dw, case.a, case.b, EPS, OFFSET)
-    return gx, (None if w is None else launcher.norm_weight_grad(dw, w))
+    gx = run.empty_like(x)
+    angles = plans.angle_layout(variant, case.rot, case.a, case.b, case.angle_strides(), case.packed)
+    plan = plans.plan_norm_backward(x, g, gx, w, angles, variant, mode)
+    dw = None if w is None else plans.norm_partials(plan, x.device).fill_(float("nan"))
+    plans.fire_norm_backward(plan, x, g, gx, w, dw, case.a, case.b, EPS, OFFSET)
+    return gx, (None if w is None else plans.norm_weight_grad(dw, w))
 
 
 def reference_grads(case: Case, variant: Variant, x, g, w):
@@ -206,10 +206,10 @@ def test_empty_call_plans_nothing():
     case = table_case(torch.zeros(0, dtype=torch.long), 2, 16, 16)
     x = torch.randn(case.shape)
     w = torch.ones(16)
-    angles = launcher.angle_layout(case.variant(False, False), 16, case.a, case.b, None)
-    plan = launcher.plan_norm_backward(x, x, torch.empty_like(x), w, angles, case.variant(False, False), 1)
+    angles = plans.angle_layout(case.variant(False, False), 16, case.a, case.b, None)
+    plan = plans.plan_norm_backward(x, x, torch.empty_like(x), w, angles, case.variant(False, False), 1)
     assert plan is None
-    launcher.fire_norm_backward(plan, x, x, x, w, None, case.a, case.b, EPS, OFFSET)  # nothing to launch
+    plans.fire_norm_backward(plan, x, x, x, w, None, case.a, case.b, EPS, OFFSET)  # nothing to launch
 
 
 @pytest.mark.parametrize(
@@ -221,9 +221,9 @@ def test_weight_that_does_not_fit_the_mode(mode, size, given):
     x = torch.randn(case.shape)
     w = None if size is None else torch.ones(size)
     variant = case.variant(False, False)
-    angles = launcher.angle_layout(variant, case.rot, case.a, case.b, None)
+    angles = plans.angle_layout(variant, case.rot, case.a, case.b, None)
     with pytest.raises(ValueError) as err:
-        launcher.plan_norm_backward(x, x, torch.empty_like(x), w, angles, variant, mode)
+        plans.plan_norm_backward(x, x, torch.empty_like(x), w, angles, variant, mode)
     assert str(err.value) == (
         "plan_norm_backward: w: expected no weight for mode 0, 16 elements for mode 1, 32 for mode 2, got " + given
     )
@@ -290,9 +290,9 @@ def test_many_small_head_blocks(poison, source, mode, layout):
     else:
         case = freqs_case(torch.randint(0, 40, (3, 5)), (2, 2, 4), 40, 16)
     with tuning.override(block_elems=16, across_block_elems=16, norm_bwd_programs=2):
-        angles = launcher.angle_layout(case.variant(*layout), case.rot, case.a, case.b, None, case.packed)
+        angles = plans.angle_layout(case.variant(*layout), case.rot, case.a, case.b, None, case.packed)
         x = torch.empty(case.shape)
-        plan = launcher.plan_norm_backward(x, x, x, weight(case, mode), angles, case.variant(*layout), mode)
+        plan = plans.plan_norm_backward(x, x, x, weight(case, mode), angles, case.variant(*layout), mode)
         assert plan.meta["BLOCK_H"] == 2
         check(case, case.variant(*layout), mode)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import packed, pipeline, sharding
-from ropekit.core.pipeline import Variant
+from ropekit.core import checks, packed, plans, sharding
+from ropekit.core.variant import Variant
 from ropekit.tools import reference
 
 from conftest import fp8_close, make_cache
@@ -71,7 +71,7 @@ def test_norm_with_packed_positions_in_the_kernel(device, across, monkeypatch):
     wk = (torch.rand(D, generator=g) + 0.5).to(device)
     cu = torch.tensor([0, 4, 9], device=device)
     cache = make_cache(16, D).to(device)
-    if pipeline.triton_runs(q):  # the kernel derives them: the host helper must not run
+    if checks.triton_runs(q):  # the kernel derives them: the host helper must not run
         monkeypatch.setattr(packed, "packed_positions", lambda *a: pytest.fail("positions made on the host"))
     qo, ko = ropekit.apply_rope(q, k, None, cache, cu_seqlens=cu, q_norm_weight=wq, k_norm_weight=wk)
     pos = ropekit.positions_from_cu_seqlens(cu.cpu())
@@ -169,15 +169,13 @@ def test_norm_and_axial_angles_in_one_launch(device, monkeypatch):
     q = torch.randn(T, H, D, generator=g).to(device)
     w = (torch.rand(H * D, generator=g) + 0.5).to(device)
     launches = []
-    if pipeline.triton_runs(q):
-        from ropekit.core import launcher
-
-        real = launcher.fire_rotate
-        monkeypatch.setattr(launcher, "fire_rotate", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
+    if checks.triton_runs(q):
+        real = plans.fire_rotate
+        monkeypatch.setattr(plans, "fire_rotate", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
     qo, _ = ropekit.apply_rope(
         q, None, pos.to(device), None, inv_freq=f.to(device), axes=axes, interleaved=True, q_norm_weight=w
     )
-    if pipeline.triton_runs(q):
+    if checks.triton_runs(q):
         assert len(launches) == 1
     angle = ropekit.core.freqs.pair_positions(pos.double(), axes, 8) * f.double()
     want = reference.rotate(_norm_ref(q.double().cpu(), w), angle.cos(), angle.sin(), interleaved=True)

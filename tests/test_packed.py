@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import packed
+from ropekit.core import memo, packed
 from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
@@ -427,19 +427,18 @@ def test_apply_rope_cu_seqlens_errors_name_apply_rope(monkeypatch, cu, fragment,
     """Bad cu_seqlens values read where they are free (CPU) are reported as apply_rope's
     cu_seqlens, never as positions_from_cu_seqlens' total_tokens (arguments the user never passed):
     on the norm path (strict mode) and on the CPU reference path."""
-    from ropekit.core import pipeline
 
     q = torch.randn(8, 2, 16)
     kw = {"q_norm_weight": torch.ones(16)} if path == "norm" else {}
     if path == "reference":  # the pure-PyTorch CPU path, not the interpreted kernel
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        pipeline.clear()
+        memo.clear()
     try:
         # the norm derives positions in the kernel like every Triton path: values read in strict mode
         with pytest.raises(ValueError) as info, ropekit.strict(path == "norm"):
             ropekit.apply_rope(q, None, None, make_cache(16, 16), cu_seqlens=torch.tensor(cu), **kw)
     finally:
-        pipeline.clear()
+        memo.clear()
     message = str(info.value)
     assert message.startswith("apply_rope: cu_seqlens: "), message
     assert fragment in message, message

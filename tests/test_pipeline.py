@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.api import ops
-from ropekit.core import memo, pipeline, tuning
+from ropekit.core import checks, memo, tuning, variant
 from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
@@ -90,7 +89,7 @@ def _store(q, c, p, **kw):
 def test_refusal_does_not_depend_on_call_history(name):
     valid, refused = CASES[name]
     q, c, p = _q(), make_cache(10, 16), torch.tensor([0, 1, 2])
-    pipeline.clear()
+    memo.clear()
     fresh = _error(lambda: refused(q, c, p))
     assert fresh is not None, f"{name}: the refused call was accepted on a fresh memo"
     assert _error(lambda: valid(q, c, p)) is None, f"{name}: the valid call was refused"
@@ -100,9 +99,9 @@ def test_refusal_does_not_depend_on_call_history(name):
 
 def test_one_validation_per_signature(monkeypatch):
     calls = []
-    real = ops._rope_spec
-    monkeypatch.setattr(ops, "_rope_spec", lambda *a: (calls.append(1), real(*a))[1])
-    pipeline.clear()
+    real = checks.rope
+    monkeypatch.setattr(checks, "rope", lambda *a: (calls.append(1), real(*a))[1])
+    memo.clear()
     c = make_cache(10, 16)
     for _ in range(3):
         ropekit.apply_rope(_q(), _q(H=1), torch.tensor([0, 1, 2]), c)
@@ -113,7 +112,7 @@ def test_one_validation_per_signature(monkeypatch):
 
 def test_memo_is_bounded(monkeypatch):
     monkeypatch.setattr(memo, "MEMO_CAPACITY", 8)
-    pipeline.clear()
+    memo.clear()
     c = make_cache(64, 16)
     for T in range(1, 30):
         ropekit.apply_rope(_q(T=T), None, torch.arange(T), c)
@@ -121,7 +120,7 @@ def test_memo_is_bounded(monkeypatch):
 
 
 def test_variant_backward_is_the_inverse():
-    v = pipeline.Variant(interleaved=True, out_interleaved=False, inverse=False)
+    v = variant.Variant(interleaved=True, out_interleaved=False, inverse=False)
     b = v.backward()
     assert (b.interleaved, b.out_interleaved, b.inverse) == (False, True, True)
     assert b.backward() == v
@@ -138,7 +137,7 @@ def test_every_door_matches_the_reference(door, poison):
     c = make_cache(20, 32)
     rq, rk = reference.apply_rope(q.double(), k.double(), pos, c.double())
     if door == "custom_op":
-        codes = pipeline.Variant().encode()
+        codes = variant.Variant().encode()
         qo, ko = torch.ops.ropekit.rotate(q, k, pos, c, None, None, None, None, codes, 32, [1, 0], [0.0, 0.0], None)
     else:
         qq, kk = (q.clone().requires_grad_(), k.clone().requires_grad_()) if door == "function" else (q, k)
@@ -154,7 +153,7 @@ def test_every_door_matches_the_reference(door, poison):
 def test_tuning_override_replans():
     """A knob change drops the memo: the next call plans with the new value."""
     c = make_cache(10, 16)
-    pipeline.clear()
+    memo.clear()
     ropekit.apply_rope(_q(), None, torch.tensor([0, 1, 2]), c)
     assert memo.MEMO
     q = _q()

@@ -17,7 +17,7 @@ import torch
 import ropekit
 from ropekit.api.modules import RotaryEmbedding
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import pipeline
+from ropekit.core import checks, memo, plans, variant
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -236,17 +236,17 @@ def test_across_heads_wan_sized_on_gpu():
 def test_across_heads_plan_keeps_small_blocks():
     """The launcher gives an across-heads forward the per-head block size once the head loop is
     on, and one block of all heads without it (decode-sized calls)."""
-    from ropekit.core import launcher, tuning
+    from ropekit.core import tuning
 
     q, k = inputs(T=(4,), Hq=40, Hk=6, D=16)
     cache = make_cache(16, 16)
-    variant = pipeline.Variant(norm_q=2, norm_k=1)
-    angles = launcher.angle_layout(variant, 16, torch.arange(4), cache, None)
+    rec = variant.Variant(norm_q=2, norm_k=1)
+    angles = plans.angle_layout(rec, 16, torch.arange(4), cache, None)
     with tuning.override(decode_block_elems=32, head_loop=True):
-        plan = launcher.plan_rotate(q, k, q, k, angles, variant)
+        plan = plans.plan_rotate(q, k, q, k, angles, rec)
         assert plan.meta["HEAD_LOOP"] and plan.meta["BLOCK_H"] == 2 and plan.args[8] == 20 + 3
     with tuning.override(decode_block_elems=32, head_loop=False):
-        plan = launcher.plan_rotate(q, k, q, k, angles, variant)
+        plan = plans.plan_rotate(q, k, q, k, angles, rec)
         assert plan.meta["BLOCK_H"] == 64 and plan.grid == (4, 2)
 
 
@@ -667,9 +667,9 @@ def test_bigmem_cuda_norm_past_2_31_elements():
 
 def test_cpu_reference_path_without_triton(monkeypatch, request):
     """Plain CPU (no TRITON_INTERPRET): the pure-PyTorch path, forward, backward and store."""
-    monkeypatch.setattr(pipeline, "triton_runs", lambda x: False)  # the specs record their path
-    pipeline.clear()
-    request.addfinalizer(pipeline.clear)
+    monkeypatch.setattr(checks, "triton_runs", lambda x: False)  # the specs record their path
+    memo.clear()
+    request.addfinalizer(memo.clear)
     q, k = inputs()
     cache = make_cache(32, 32)
     pos = torch.randint(0, 32, (5,))

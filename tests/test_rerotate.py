@@ -28,7 +28,8 @@ import torch
 
 import ropekit
 from ropekit.api.rerotate import rerotate_kv_cache
-from ropekit.core import validate
+from ropekit.core import memo, plans, strict
+from ropekit.core.variant import Variant
 from ropekit.tools import reference
 
 try:
@@ -351,19 +352,19 @@ def test_strided_index_tensors(device):
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_both_cpu_paths(monkeypatch, path):
     """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path otherwise."""
-    from ropekit.core import launcher, pipeline
+    from ropekit.core import checks
 
     fired = []
-    real_fire = launcher.fire_rerotate
-    monkeypatch.setattr(launcher, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
-    monkeypatch.setattr(pipeline, "triton_runs", lambda x: path == "kernel")
-    pipeline.clear()
+    real_fire = plans.fire_rerotate
+    monkeypatch.setattr(plans, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
+    monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
+    memo.clear()
     r = random.Random(path)
     for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "dst")):
         cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
         slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
         check(cache, slots, delta, make_cache(64, 32), interleaved=layout == "mla", dst_slots=dsts)
-    pipeline.clear()  # drop specs made under the forced path
+    memo.clear()  # drop specs made under the forced path
     assert len(fired) == (3 if path == "kernel" else 0)
 
 
@@ -757,7 +758,7 @@ def _snapshot(args):
 def test_bad_input(row):
     args = row.make()
     before = _snapshot(args)
-    with validate.strict(row.strict):
+    with strict.strict(row.strict):
         with pytest.raises(row.exc) as info:
             rerotate_kv_cache(**args)
     message = str(info.value)
@@ -769,14 +770,14 @@ def test_bad_input(row):
 
 def test_strict_mode_int_delta_and_scale():
     args = rr_args(delta=-16)
-    with validate.strict(), pytest.raises(ValueError, match=r"delta: expected an int in \(-16, 16\)"):
+    with strict.strict(), pytest.raises(ValueError, match=r"delta: expected an int in \(-16, 16\)"):
         rerotate_kv_cache(**args)
     args = rr_args(k_scale=torch.tensor([float("inf")]))
-    with validate.strict(), pytest.raises(ValueError, match="k_scale: expected a finite scale > 0, got inf"):
+    with strict.strict(), pytest.raises(ValueError, match="k_scale: expected a finite scale > 0, got inf"):
         rerotate_kv_cache(**args)
     # strict mode accepts what is valid, padding rows' deltas included
     args = rr_args(delta=torch.tensor([1, -2, 999, 4]))
-    with validate.strict():
+    with strict.strict():
         rerotate_kv_cache(**args)
 
 
@@ -866,13 +867,14 @@ def test_opcheck():
         torch.tensor([2, -1, 3]),
         0,
         make_cache(8, 32),
-        False,
+        Variant(angles="delta", k_scaled=True, to_dst=True).encode(),
         32,
         torch.tensor([2.0]),
         torch.tensor([2, 3, -1]),
     )
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
-    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), True, 32, None, None)
+    pairs = Variant(True, True, angles="delta").encode()
+    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), pairs, 32, None, None)
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import pipeline, validate
+from ropekit.core import aliasing, strict, variant
 from ropekit.tools import reference
 
 try:
@@ -467,7 +467,7 @@ def test_strict_mode_refuses_before_writing(device, what):
         kw[what] = torch.tensor([0.0], device=device)
         msg = f"{what}: expected a finite scale > 0"
     q0 = q.clone()
-    with validate.strict():
+    with strict.strict():
         with pytest.raises(ValueError, match=msg):
             apply_rope_and_store(q, k, v, pos, table, caches.k, caches.v, slots, **kw)
     assert torch.equal(q, q0), "q written before the error"
@@ -817,25 +817,25 @@ def test_may_alias_against_brute_force():
         a = view(nd, strides_a, off_a)
         b = view(nd_b, strides_b, off_a + int(torch.randint(-150, 151, (1,), generator=g)))
         truth = bool(elements(a) & elements(b))
-        assert validate.may_alias(a, b) == truth, (a.shape, a.stride(), b.shape, b.stride(), off_a, b.storage_offset())
+        assert aliasing.may_alias(a, b) == truth, (a.shape, a.stride(), b.shape, b.stride(), off_a, b.storage_offset())
         seen[truth] += 1
     assert min(seen.values()) > 100, seen
     # the real layouts: k/v halves of one (NB, 2, BS, H, D) buffer, an MLA row, a fused qkv buffer
     kv = torch.zeros(5, 2, 16, 8, 64)
-    assert not validate.may_alias(kv[:, 0], kv[:, 1])
-    assert not validate.may_alias(kv[:, 0].permute(0, 2, 1, 3), kv[:, 1].permute(0, 2, 1, 3))
+    assert not aliasing.may_alias(kv[:, 0], kv[:, 1])
+    assert not aliasing.may_alias(kv[:, 0].permute(0, 2, 1, 3), kv[:, 1].permute(0, 2, 1, 3))
     row = torch.zeros(5, 16, 1, 576)
-    assert not validate.may_alias(row[..., 512:], row[..., :512])
-    assert validate.may_alias(row[..., 511:], row[..., :512])
+    assert not aliasing.may_alias(row[..., 512:], row[..., :512])
+    assert aliasing.may_alias(row[..., 511:], row[..., :512])
     qkv = torch.zeros(7, 48 * 64)
-    assert not validate.may_alias(qkv[:, : 32 * 64].view(7, 32, 64), qkv[:, 32 * 64 : 40 * 64].view(7, 8, 64))
+    assert not aliasing.may_alias(qkv[:, : 32 * 64].view(7, 32, 64), qkv[:, 32 * 64 : 40 * 64].view(7, 8, 64))
     # the same elements under another order of dims (HND vs NHD views): one element set
-    assert validate.may_alias(kv[:, 0], kv[:, 0].permute(0, 2, 1, 3))
-    assert not validate.may_alias(kv[:, 0], kv[:, 1].permute(0, 2, 1, 3))
+    assert aliasing.may_alias(kv[:, 0], kv[:, 0].permute(0, 2, 1, 3))
+    assert not aliasing.may_alias(kv[:, 0], kv[:, 1].permute(0, 2, 1, 3))
     # different element sizes: compared in bytes
     raw = torch.zeros(64, dtype=torch.uint8)
-    assert validate.may_alias(raw[:8].view(torch.float32), raw[7:8])
-    assert not validate.may_alias(raw[:8].view(torch.float32), raw[8:9])
+    assert aliasing.may_alias(raw[:8].view(torch.float32), raw[7:8])
+    assert not aliasing.may_alias(raw[:8].view(torch.float32), raw[8:9])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -927,22 +927,23 @@ def test_opcheck():
         torch.zeros(8, 1, D),
         torch.zeros(8, 1, D),
         torch.tensor([6, -1, 2]),
-        pipeline.Variant().encode(),
+        variant.Variant(k_scaled=True).encode(),
         D,
         torch.tensor([2.0]),
         None,
     )
-    torch.library.opcheck(torch.ops.ropekit.rope_and_store.default, args)
+    unnormed = (None, None, [1e-6, 0.0], [1, 0])  # weights, [eps, offset], [cp_size, cp_rank]
+    torch.library.opcheck(torch.ops.ropekit.rope_and_store.default, (*args, *unnormed))
     # with the norm (k's weight, per head) and packed angles: positions' place taken by cu_seqlens
-    normed = pipeline.Variant(angles="packed", norm_k=pipeline.NORM_HEAD).encode()
+    normed = variant.Variant(angles="packed", norm_k=variant.NORM_HEAD, k_scaled=True).encode()
     args = (*args[:3], torch.tensor([0, 1, 3]), *args[4:8], normed, *args[9:])
     torch.library.opcheck(
-        torch.ops.ropekit.rope_and_store.default, (*args, False, None, torch.rand(D) + 0.5, 1e-5, 1.0, 1, 0)
+        torch.ops.ropekit.rope_and_store.default, (*args, None, torch.rand(D) + 0.5, [1e-5, 1.0], [1, 0])
     )
     # a weight the encoded norm mode does not describe is refused (the kernel would read D * H of it)
-    across = pipeline.Variant(norm_k=pipeline.NORM_TOKEN).encode()
+    across = variant.Variant(norm_k=variant.NORM_TOKEN, k_scaled=True).encode()
     with pytest.raises(ValueError, match=r"k_norm_weight: expected a tensor of 32 elements \(norm mode 2"):
-        torch.ops.ropekit.rope_and_store(*args[:8], across, *args[9:], False, None, torch.ones(8))
+        torch.ops.ropekit.rope_and_store(*args[:8], across, *args[9:], None, torch.ones(8), [1e-6, 0.0], [1, 0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,9 +31,8 @@ from test_store import (
 from test_store import good as store_good
 
 import ropekit
-from ropekit.api import store
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import launcher, tuning, validate
+from ropekit.core import checks, plans, strict, tuning
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -263,9 +262,9 @@ def test_eager_repeat_call_builds_no_spec_or_plan(monkeypatch):
     )
     call()
     counts = {"spec": 0, "plan": 0}
-    spec_fn, plan_fn = store._store_spec, launcher.plan_store
-    monkeypatch.setattr(store, "_store_spec", lambda *a, **kw: (counts.__setitem__("spec", 1), spec_fn(*a, **kw))[1])
-    monkeypatch.setattr(launcher, "plan_store", lambda *a, **kw: (counts.__setitem__("plan", 1), plan_fn(*a, **kw))[1])
+    spec_fn, plan_fn = checks.store, plans.plan_store
+    monkeypatch.setattr(checks, "store", lambda *a, **kw: (counts.__setitem__("spec", 1), spec_fn(*a, **kw))[1])
+    monkeypatch.setattr(plans, "plan_store", lambda *a, **kw: (counts.__setitem__("plan", 1), plan_fn(*a, **kw))[1])
     call()
     assert counts == {"spec": 0, "plan": 0}
     # another eps is another signature: validated again
@@ -356,7 +355,7 @@ def test_norm_weight_overlapping_q_is_refused():
 def test_strict_packed_values_refused_before_writing(cu, kw, msg):
     args = good()
     q0 = args["q"].clone()
-    with validate.strict():
+    with strict.strict():
         with pytest.raises(ValueError, match="^" + OP + msg):
             apply_rope_and_store(*args.values(), cu_seqlens=torch.tensor(cu), **kw)
     assert torch.equal(args["q"], q0) and torch.isnan(args["k_cache"]).all()
@@ -366,7 +365,7 @@ def test_strict_mrope_position_out_of_range():
     args = good()
     args["positions"] = torch.tensor([[0, 1, 2, 3], [0, 1, 16, 3], [0, 0, 0, 0]])
     q0 = args["q"].clone()
-    with validate.strict():
+    with strict.strict():
         with pytest.raises(ValueError, match=r"positions\[1, 2\] = 16"):
             apply_rope_and_store(*args.values(), mrope_section=(16, 8, 8))
     assert torch.equal(args["q"], q0) and torch.isnan(args["k_cache"]).all()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import validate
+from ropekit.core import strict
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -36,7 +36,7 @@ def test_strict_refuses_duplicate_slots_before_writing(device, shape):
     q0 = q.clone()
     where = "[0] and slot_mapping[4]" if len(shape) == 1 else "[0, 0] and slot_mapping[1, 1]"
     with (
-        validate.strict(),
+        strict.strict(),
         pytest.raises(
             ValueError,
             match=r"apply_rope_and_store: slot_mapping: expected "
@@ -53,7 +53,7 @@ def test_strict_accepts_distinct_slots_and_repeated_padding(device):
     q, k, v, pos, table = _inputs(T, H, D, device)
     k_cache = torch.zeros(4, 4, H, D, device=device)
     v_cache = torch.zeros(4, 4, H, D, device=device)
-    with validate.strict():
+    with strict.strict():
         apply_rope_and_store(q, k, v, pos, table, k_cache, v_cache, torch.tensor([5, -1, 2, -1], device=device))
     c, s = reference.angles_from_table(table.double(), pos, (T,))
     want_k = reference.rotate(k.double(), c, s)

@@ -23,7 +23,7 @@ import torch
 from test_store import NAN, TOL, Caches, bits, flat, hnd, inputs, kv_joint, mla, nhd, shuffled_slots
 
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import pipeline, tuning, validate
+from ropekit.core import memo, strict, tuning, variant
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -461,14 +461,14 @@ def test_reference_path_matches_the_kernel(monkeypatch):
     results = []
     for interpret in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
-        pipeline.clear()
+        memo.clear()
         caches = Caches(nhd, 2, 4, Hk, D, D, E5M2, "cpu")
         q_out, kk = poisoned_like(q, E5M2), k.clone()
         apply_rope_and_store(
             q, kk, v, pos, table, caches.k, caches.v, slots, q_out=q_out, k_scale=0.5, v_scale=2.0, write_key=True
         )
         results.append([x.clone() for x in (q_out, kk, *caches.bases)])
-    pipeline.clear()
+    memo.clear()
     for a, b in zip(*results):
         # NaN bytes may differ (e5m2 has several NaN encodings): equal as values, NaN where NaN
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(bits(a)[~a.isnan()], bits(b)[~b.isnan()])
@@ -704,7 +704,7 @@ def test_bad_forms_raise_and_write_nothing(case):
 def test_strict_mode_checks_q_scale(device):
     args = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in good().items()}
     q_out = _qo().to(device)
-    with validate.strict(), pytest.raises(ValueError, match=r"q_scale: expected a finite scale > 0, got 0\.0"):
+    with strict.strict(), pytest.raises(ValueError, match=r"q_scale: expected a finite scale > 0, got 0\.0"):
         apply_rope_and_store(
             *(args[n] for n in ("q", "k", "v", "positions", "cos_sin_cache", "k_cache", "v_cache", "slot_mapping")),
             q_out=q_out,
@@ -728,11 +728,14 @@ def test_opcheck_with_the_new_arguments():
         torch.zeros(8, 1, D),
         torch.zeros(8, 1, D, dtype=torch.bfloat16),  # (opcheck's own comparisons take no fp8 tensors)
         torch.tensor([6, -1, 2]),
-        pipeline.Variant().encode(),
+        variant.Variant(q_out=True, write_key=True, k_scaled=True, scaled=True).encode(),
         D,
         torch.tensor([2.0]),
         None,
-        True,
+        None,
+        None,
+        [1e-6, 0.0],
+        [1, 0],
         torch.zeros(T, H, D, dtype=torch.float16),
         torch.tensor([0.5]),
     )
@@ -906,7 +909,7 @@ def test_bench_rows_check_and_bytes(monkeypatch, wid):
     from ropekit.tools.bench import peers, workloads
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
+    memo.clear()
     w = workloads.BY_ID[wid]
     s = dict(w.sizes(True), T=16)
     table = workloads.make_table(w, s, "cpu")
@@ -918,7 +921,7 @@ def test_bench_rows_check_and_bytes(monkeypatch, wid):
     assert set(got) == set(exp)
     errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
     assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
-    pipeline.clear()
+    memo.clear()
     nb = lambda x: x.numel() * x.element_size()  # noqa: E731
     q, k, v, kc = base["q"], base["k"], base["v"], base["k_cache"]
     rows = (k.numel() + v.numel()) * kc.element_size()

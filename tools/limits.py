@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import ropekit  # noqa: E402
-from ropekit.core import launcher  # noqa: E402
+from ropekit.core import plans  # noqa: E402
 
 FIRST_CALL_TARGET_S = 1.0  # the target for the first call of any variant (WORKLOADS.md), on the H200
 
@@ -144,23 +144,23 @@ def w2_64_vs_32():
     fn = lambda: ropekit.apply_rope(q, k, pos, cache)  # noqa: E731
     ref = fn()
     k32 = build_int32_kernels()
-    k64 = launcher.kernel("rope_kernel")
+    k64 = plans.kernel("rope_kernel")
     times = {"64-bit": [], "32-bit": []}
     for _ in range(3):
         for label, kern in (("64-bit", k64), ("32-bit", k32)):
-            launcher.kernel.cache_clear()
-            original = launcher.kernel
+            plans.kernel.cache_clear()
+            original = plans.kernel
 
             def pick(name, _kern=kern, _orig=original):
                 return _kern if name == "rope_kernel" else _orig.__wrapped__(name)
 
-            launcher.kernel = pick
-            ropekit.core.pipeline.clear()
+            plans.kernel = pick
+            ropekit.core.memo.clear()
             out = fn()
             if label == "32-bit":
                 assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), "32-bit build differs"
             times[label].append(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3)
-            launcher.kernel = original
+            plans.kernel = original
     med = {label: sorted(v)[1] for label, v in times.items()}
     cost = 100 * (med["64-bit"] / med["32-bit"] - 1)
     print(

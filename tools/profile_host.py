@@ -6,7 +6,7 @@ On CUDA: W3's decode call (64 tokens, Llama-3-8B heads) and W7-T64's fused store
 call with a wall clock, next to Triton's generic launch of an empty kernel, an in-place ATen op on
 the same q, and an empty autograd.Function (forward + backward); then a cProfile of the decode
 call. --cpu-dry (no GPU needed): the same calls on CPU tensors with the kernel launch replaced by
-a no-op, which isolates ropekit's own Python from Triton's launcher.
+a no-op, which isolates ropekit's own Python from Triton's plans.
 """
 
 import argparse
@@ -17,7 +17,7 @@ import time
 import torch
 
 import ropekit
-from ropekit.core import launch, pipeline
+from ropekit.core import checks, launch
 
 
 def per_call_us(fn, n=2000, repeat=5):
@@ -38,11 +38,11 @@ def main():
     args = ap.parse_args()
     dev = "cpu" if args.cpu_dry else "cuda"
     if args.cpu_dry:
-        pipeline.triton_runs = lambda x: True
+        checks.triton_runs = lambda x: True
         launch.launch = lambda *a, **k: None
-        import ropekit.core.launcher as L
+        import ropekit.core.plans as P
 
-        L.launch_kernel = lambda *a, **k: None
+        P.launch_kernel = lambda *a, **k: None
     bf = dict(dtype=torch.bfloat16, device=dev)
     T = 64
     q = torch.randn(T, 32, 128, **bf)

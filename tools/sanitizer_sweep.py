@@ -34,7 +34,7 @@ What a configuration covers (drawn with random.Random(seed)):
 Every tensor is either its own allocation or a view with a known place in a bigger buffer (its
 base). After each op every base is compared with the oracle: written elements within tolerance
 (NaN exactly where the reference has NaN), everything else bit-identical. Outputs of out-of-place
-calls are allocated NaN-filled (pipeline.empty_like is swapped), so an element the kernel skips fails.
+calls are allocated NaN-filled (run.empty_like is swapped), so an element the kernel skips fails.
 
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 is set before torch loads: each tensor is then its own cudaMalloc,
 so memcheck sees the exact bounds of every exactly-allocated tensor (the caching allocator would
@@ -92,7 +92,7 @@ import torch  # noqa: E402
 
 import ropekit  # noqa: E402
 from ropekit.api.store import apply_rope_and_store  # noqa: E402
-from ropekit.core import pipeline, tuning  # noqa: E402
+from ropekit.core import run, tuning  # noqa: E402
 from ropekit.tools import reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -1289,7 +1289,7 @@ def main():
     def poisoned_empty_like(x, *a, **kw):
         return torch.empty_like(x, *a, **kw).fill_(NAN)
 
-    pipeline.empty_like = poisoned_empty_like
+    run.empty_like = poisoned_empty_like
 
     rng = random.Random(ARGS.seed)
     n_ops = 0

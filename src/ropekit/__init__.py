@@ -14,9 +14,10 @@ from .api.modules import RotaryEmbedding
 from .api.ops import apply_rope, rotate_with_angles
 from .api.rerotate import rerotate_kv_cache
 from .api.store import apply_rope_and_store
+from .core.forms import LayoutWarning
 from .core.freqs import axial_inv_freq, cos_sin_cache, inv_freq
 from .core.packed import positions_from_cu_seqlens
-from .core.validate import LayoutWarning, strict
+from .core.strict import strict
 
 __all__ = [
     "apply_rope",

@@ -90,8 +90,8 @@ def control():
 def norm():
     """The q/k RMSNorm path on the same views: forward (out of place, in place), backward, fused store."""
     import ropekit
-    from ropekit.core import launcher
-    from ropekit.core.pipeline import Variant
+    from ropekit.core import plans
+    from ropekit.core.variant import Variant
     from ropekit.tools import reference
 
     def err(out, ref):
@@ -107,17 +107,17 @@ def norm():
         assert err(qo, rq) < 1e-2 and err(ko, rk) < 1e-2, "out of place"
         # backward: x and its gradient both read through the big strides
         variant = Variant(angles="table")
-        angles = launcher.angle_layout(variant, cache.shape[1], pos, cache, None)
+        angles = plans.angle_layout(variant, cache.shape[1], pos, cache, None)
         gx = torch.empty(q.shape, dtype=q.dtype)
-        plan = launcher.plan_norm_backward(q, q, gx, wq, angles, variant, 2 if across else 1)
-        dw = launcher.norm_partials(plan, q.device)
-        launcher.fire_norm_backward(plan, q, q, gx, wq, dw, pos, cache, 1e-6, 1.0)
+        plan = plans.plan_norm_backward(q, q, gx, wq, angles, variant, 2 if across else 1)
+        dw = plans.norm_partials(plan, q.device)
+        plans.fire_norm_backward(plan, q, q, gx, wq, dw, pos, cache, 1e-6, 1.0)
         qd = q.double().contiguous().requires_grad_(True)
         wd = wq.double().requires_grad_(True)
         y, _ = reference.rms_norm_rope(qd, None, pos, cache.double(), q_norm_weight=wd, norm_weight_offset=1.0)
         y.backward(q.double())
         assert err(gx, qd.grad) < 2e-2, "backward"
-        assert err(launcher.norm_weight_grad(dw, wq), wd.grad) < 1e-4, "weight gradient"
+        assert err(plans.norm_weight_grad(dw, wq), wd.grad) < 1e-4, "weight gradient"
         ropekit.apply_rope(q, k, pos, cache, inplace=True, **kw)
         assert err(q, rq) < 1e-2 and err(k, rk) < 1e-2, "in place"
 

@@ -15,7 +15,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import ropekit  # noqa: E402  (its first DTensor call registers the sharding rules)
-from ropekit.core.pipeline import Variant  # noqa: E402
+from ropekit.core.variant import Variant  # noqa: E402
 from ropekit.distributed import replicate  # noqa: E402
 
 

@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..core.args import INDEX_DTYPES, fail
 from ..core.freqs import cos_sin_cache, parse_scaling
-from ..core.validate import INDEX_DTYPES, fail
 from .ops import apply_rope
 from .store import apply_rope_and_store
 

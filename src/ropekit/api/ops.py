@@ -7,265 +7,25 @@
     rotate_angles(...)                                 the same for ropekit.hf: HF's (B, H, S, D)
                                                        layout and HF's unsliced cos / sin tables
 
-Every call, whatever its flags (norm, fp8 outputs, inverse, in place, layout, angle source), goes
-one way: a signature key, the memoized spec (validated once per signature: its `Variant` is the
-record of every flag), then one door (`_run`): the custom op of ropekit.core.library under
-torch.compile and for tensor subclasses, `pipeline.RotateFunction` when autograd records the call,
-else a direct run of `pipeline.run_rotate`.
+Every op goes the one call path: its arguments (`locals()`) -> the memoized spec of their
+signature (ropekit.core.variant.spec_for; validated once by the op's entry in ropekit.core.checks,
+whose `Variant` is the record of every flag) -> this call's address checks -> one door
+(ropekit.core.dispatch.through). What is written here is each op's own part: its keywords, the
+angle operands it hands the run, and the rotation's views (layouts, rotated part last).
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import (
-    launcher,
-    library,  # noqa: F401  (defines the custom ops the doors below call: torch.ops.ropekit.rotate, rotate_)
-    pipeline,
-    validate,
-)
-from ..core.pipeline import (
-    ANGLE_NAMES,
-    CUSTOM_OP,
-    DIRECT,
-    MROPE_CHUNKED,
-    MROPE_INTERLEAVED,
-    RotateFunction,
-    RotateInPlaceFunction,
-    Spec,
-    Variant,
-    tensor_key,
-    value_key,
-)
-from ..core.sharding import dtensor_like
-from ..core.validate import fail
+from ..core import checks, dispatch, forms, run
+from ..core.args import fail
+from ..core.run import angle_views, saturate, scale_tensor, unit_last_stride
+from ..core.variant import CUSTOM_OP, DIRECT, Signature, Spec, spec_for
 
-_MEMO_GET = pipeline.lookup
 Scale = Union[None, float, torch.Tensor]
-
-
-def _mrope_code(mrope_section, mrope_interleaved) -> tuple:
-    """(mode, sections) of a Variant for validated M-RoPE arguments."""
-    if mrope_section is None:
-        return 0, (0, 0, 0)
-    return (MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED), tuple(mrope_section)
-
-
-def _extent(x):
-    """Bytes from x's first element to one past its last (x with non-negative strides)."""
-    if x is None or x.numel() == 0:
-        return 0
-    return (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
-
-
-def _spans_meet(tensors, extents) -> bool:
-    """Does the byte range of q or k meet that of any other argument? (q, k written in place)"""
-    ptrs = [0 if x is None else x.data_ptr() for x in tensors]
-    for i in (0, 1):
-        if not extents[i]:
-            continue
-        for j in range(len(tensors)):
-            if j != i and extents[j] and ptrs[i] < ptrs[j] + extents[j] and ptrs[j] < ptrs[i] + extents[i]:
-                return True
-    return False
-
-
-def _bump_versions(q, k) -> None:
-    """The kernel writes through raw pointers, which autograd does not see: bump the version
-    counters so a backward that saved q or k (for another op) raises instead of using the new values."""
-    torch.autograd.graph.increment_version(q)
-    if k is not None:
-        torch.autograd.graph.increment_version(k)
-
-
-def _scale_key(scale):
-    """A scale's part of a signature: a tensor's layout, or a float's value (validation depends on it)."""
-    if isinstance(scale, torch.Tensor):
-        return tensor_key(scale)
-    return type(scale), scale
-
-
-def _scales(spec: Spec, q, q_scale, k_scale):
-    """(q's, k's) float32 scale tensors for a scaled variant (floats become cached device
-    tensors, None becomes 1.0), else None."""
-    if not spec.variant.scaled:
-        return None
-    return (
-        pipeline.scale_tensor(1.0 if q_scale is None else q_scale, q.device, unit=True),
-        pipeline.scale_tensor(1.0 if k_scale is None else k_scale, q.device, unit=True),
-    )
-
-
-def _no_leaf_written(q, k) -> None:
-    """Autograd's in-place rule, checked before the kernel writes (autograd itself would raise only
-    after the forward ran): a leaf that requires grad, or a view of one, is never written."""
-    for name, x in (("q", q), ("k", k)):
-        if x is None or not x.requires_grad:
-            continue
-        view_of_leaf = not x.is_leaf and x._base is not None and x._base.is_leaf
-        if x.is_leaf or view_of_leaf:
-            validate.fail(
-                "apply_rope",
-                name,
-                "a tensor that is not a leaf requiring grad (nor a view of one) when inplace=True under "
-                "autograd: pass a clone, or inplace=False",
-                "a view of a leaf tensor that requires grad" if view_of_leaf else "a leaf tensor that requires grad",
-            )
-
-
-# ---------------------------------------------------------------------------------------------
-# the doors, for every op of this module
-
-
-def _run(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
-    """The validated call through its door: (q_out, k_out), or q and k themselves in place.
-    q_out, k_out: destinations to write (None: new tensors); never given when autograd records."""
-    door = spec.door
-    v = spec.variant
-    if door is DIRECT:
-        if v.normed and not spec.triton:  # the CPU path: torch ops, which autograd records
-            outs = pipeline.norm_rotated(spec, v, q, k, a, b, weights, spec.out_dtype, scales)
-            if spec.inplace:
-                q_out, k_out = q, k
-            return _into(outs, q_out, k_out)
-        w = weights if v.normed else None
-        if spec.inplace:
-            pipeline.run_rotate(spec, v, q, k, q, k, a, b, weights=w)
-            _bump_versions(q, k)
-            return q, k
-        if q_out is None:
-            q_out = pipeline.empty_like(q, dtype=spec.out_dtype)
-        if k_out is None and k is not None:
-            k_out = pipeline.empty_like(k, dtype=spec.out_dtype)
-        pipeline.run_rotate(spec, v, q, k, q_out, k_out, a, b, scales=scales, weights=w)
-        return q_out, k_out
-    if door is CUSTOM_OP:
-        return _custom_op(spec, q, k, a, b, weights, scales, q_out, k_out)
-    if spec.inplace:
-        # autograd lets a Function that writes into a view return that one tensor only, and q and
-        # k usually are views (of a fused qkv projection): one Function call (one launch) each
-        _no_leaf_written(q, k)
-        spec_q, spec_k = spec.split()
-        RotateInPlaceFunction.apply(q, a, b, spec_q, v)
-        if k is not None:
-            RotateInPlaceFunction.apply(k, a, b, spec_k, v)
-        return q, k
-    return RotateFunction.apply(q, k, a, b, weights[0], weights[1], spec, v)
-
-
-def _into(outs, q_out, k_out):
-    """Results computed as new tensors, copied into the destinations given (None: kept as they are)."""
-    res = list(outs)
-    for i, dst in enumerate((q_out, k_out)):
-        if dst is not None and res[i] is not None:
-            res[i] = dst.copy_(res[i])
-    return res[0], res[1]
-
-
-def _custom_op(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
-    """The dispatcher's door: torch.compile traces it, DTensor shards it, autograd through the
-    custom op's registered backward. In place under autograd: the out-of-place op, then copy_
-    into q and k (autograd's own in-place op: versions, views and the backward follow). Given
-    destinations likewise: the out-of-place op, then copy_ into q_out / k_out (one custom op per
-    schema; the compiler may fuse the copy)."""
-    v = spec.variant
-    hf = v.heads_first  # the ops take tokens-first views; results go back to HF's layout
-    codes = v.tokens_first().encode()
-    qs, ks = (None, None) if scales is None else scales
-    a, b, wq, wk, qs, ks = dtensor_like(q, a, b, weights[0], weights[1], qs, ks)
-    q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
-    packed, norm = list(spec.packed), [spec.norm_eps, spec.norm_offset]
-    if spec.inplace and not pipeline.records_grad(q, k, wq, wk, b):
-        torch.ops.ropekit.rotate_(q_t, k_t, a, b, wq, wk, codes, spec.rot, packed, norm)
-        return q, k
-    if spec.inplace:  # refused by name before the op (the copy_ below would fail inside torch)
-        _no_leaf_written(q, k)
-    outs = torch.ops.ropekit.rotate(q_t, k_t, a, b, wq, wk, qs, ks, codes, spec.rot, packed, norm, spec.out_dtype)
-    rotated = (pipeline.heads_first(outs[0], hf), pipeline.heads_first(outs[1], hf) if k is not None else None)
-    return _into(rotated, *((q, k) if spec.inplace else (q_out, k_out)))
-
-
-def _seq(x):
-    """(S, B, ...) <-> (B, S, ...) views (Transformer Engine's 'sbhd' and the kernel's 'bshd')."""
-    return None if x is None else x.transpose(0, 1)
-
-
-def _call(spec: Spec, door, q, k, a, b, weights, scales, q_out=None, k_out=None):
-    """apply_rope's views around its door (`_run`, or `_custom_op` under torch.compile), as the
-    record says: 'sbhd' tensors as (B, S, H, D) views; q or k with a last stride other than 1
-    read through one contiguous copy (in place: the copy rotated, then copied back); with
-    rope_last the door sees the head's last rotary_dim dims only. Results in the caller's layout."""
-    v = spec.variant
-    if not (v.seq_first or v.rope_last or spec.copy_in):
-        return door(spec, q, k, a, b, weights, scales, q_out, k_out)
-    given = (q, k, q_out, k_out)
-    if v.seq_first:
-        q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
-    views = (q, k)
-    if spec.copy_in:
-        if spec.inplace and pipeline.records_grad(q, k):  # the copy is no leaf: name the caller's
-            _no_leaf_written(given[0], given[1])
-        q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
-    if v.rope_last:
-        res = _rope_last(spec, door, q, k, a, b, weights, scales, q_out, k_out)
-    else:
-        res = door(spec, q, k, a, b, weights, scales, q_out, k_out)
-    if spec.inplace:
-        for view, x in zip(views, (q, k)):
-            if x is not view:
-                view.copy_(x)
-        return given[0], given[1]
-    if v.seq_first:
-        res = map(_seq, res)
-    return tuple(g if g is not None else r for g, r in zip(given[2:], res))
-
-
-def _rope_last(spec: Spec, door, q, k, a, b, weights, scales, q_out, k_out):
-    """rotary_position='last': the door rotates views of the last rotary_dim dims of each head;
-    out of place the leading (unrotated) dims are copied once, with the outputs' scale and dtype."""
-    rot = spec.rot
-    cut = [None if x is None else x.shape[-1] - rot for x in (q, k)]
-    part = [None if x is None else x[..., n:] for x, n in zip((q, k), cut)]
-    if spec.inplace:
-        door(spec, part[0], part[1], a, b, weights, scales)
-        return q, k
-    kept = [None if x is None else _kept(spec, x[..., :n], scales, i) for i, (x, n) in enumerate(zip((q, k), cut))]
-    if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
-        rotated = door(spec, part[0], part[1], a, b, weights, scales)
-        return tuple(None if r is None else torch.cat((p.to(r.dtype), r), -1) for p, r in zip(kept, rotated))
-    outs = []
-    for x, dst, n, p in zip((q, k), (q_out, k_out), cut, kept):
-        if x is not None:
-            dst = pipeline.empty_like(x, dtype=spec.out_dtype) if dst is None else dst
-            dst[..., :n].copy_(p)
-        outs.append(dst)
-    door(spec, part[0], part[1], a, b, weights, scales, *(None if o is None else o[..., n:] for o, n in zip(outs, cut)))
-    return outs[0], outs[1]
-
-
-def _kept(spec: Spec, x, scales, i):
-    """The dims a rotation keeps, as its outputs store them: scaled outputs divide by the scale and
-    saturate (the kernel's rule for a tail), the cast happens in the copy."""
-    if not spec.variant.scaled:
-        return x
-    dtype = spec.out_dtype or x.dtype
-    return pipeline.saturate(x.float() / scales[i], dtype).to(dtype)
-
-
-def _door(q, spec_grad: bool, normed: bool, triton: bool) -> str:
-    """pipeline.door_for, except that the CPU path of a normed variant is a direct run (torch ops
-    that autograd records) wherever door_for does not pick the dispatcher."""
-    door = pipeline.door_for(q, spec_grad)
-    if door is not CUSTOM_OP and normed and not triton:
-        return DIRECT
-    return door
-
-
-# ---------------------------------------------------------------------------------------------
-# apply_rope
 
 
 def apply_rope(
@@ -341,7 +101,7 @@ def apply_rope(
             q's / k's outputs. Given with out_dtype only.
         layout: None or 'thd' / 'bshd' (tokens first, by q's rank), 'bhsd' (HF's (B, H, S, D)) or
             'sbhd' (Transformer Engine's (S, B, H, D): positions (S, B), size-1 dims broadcast).
-            None warns (ropekit.core.validate.LayoutWarning, once per call signature) when a 4-D q has
+            None warns (ropekit.core.forms.LayoutWarning, once per call signature) when a 4-D q has
             the strides of HF's (B, H, S, D) view and the positions fit either reading.
 
         inv_freq: instead of cos_sin_cache (pass None there), float32 (rotary_dim // 2,) inverse
@@ -366,159 +126,26 @@ def apply_rope(
     place too (autograd's in-place rules: q and k are marked dirty; a leaf that requires grad
     cannot be rotated in place, as with any in-place torch op).
     """
-    args = (
-        q,
-        k,
-        positions,
-        cos_sin_cache,
-        interleaved,
-        rotary_dim,
-        mrope_section,
-        mrope_interleaved,
-        inplace,
-        q_norm_weight,
-        k_norm_weight,
-        norm_eps,
-        norm_weight_offset,
-        cu_seqlens,
-        cp_size,
-        cp_rank,
-        inverse,
-        out_dtype,
-        q_scale,
-        k_scale,
-        layout,
-        inv_freq,
-        axes,
-        q_out,
-        k_out,
-        rotary_position,
-    )
-    if torch.compiler.is_compiling():
-        spec = _rope_spec(*args)
-        a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
-        scales = _scales(spec, q, q_scale, k_scale)
-        return _call(spec, _custom_op, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
-    try:
-        # the optional tensors, absent in most calls: one test instead of six calls
-        if (
-            cu_seqlens is None
-            and inv_freq is None
-            and q_norm_weight is None
-            and k_norm_weight is None
-            and q_scale is None
-            and k_scale is None
-            and q_out is None
-            and k_out is None
-        ):
-            optional = None
-        else:
-            optional = (
-                tensor_key(cu_seqlens),
-                tensor_key(inv_freq),
-                tensor_key(q_norm_weight),
-                tensor_key(k_norm_weight),
-                _scale_key(q_scale),
-                _scale_key(k_scale),
-                tensor_key(q_out),
-                tensor_key(k_out),
-            )
-        flags = (
-            interleaved,
-            rotary_dim,
-            mrope_section,
-            mrope_interleaved,
-            inplace,
-            norm_eps,
-            norm_weight_offset,
-            cp_size,
-            cp_rank,
-            inverse,
-            out_dtype,
-            layout,
-            axes,
-            rotary_position,
-        )
-        # the flags, all at their defaults in most calls: identity tests instead of keying them
-        if all(map(operator.is_, flags, _FLAG_DEFAULTS)):
-            flags = None
-        else:  # types too: 16 and 16.0, True and 1 hash alike but validate differently
-            flags = tuple(map(value_key, flags))
-        key = (
-            "apply_rope",
-            torch.is_grad_enabled(),
-            tensor_key(q),
-            tensor_key(k),
-            tensor_key(positions),
-            tensor_key(cos_sin_cache),
-            optional,
-            flags,
-        )
-        spec = _MEMO_GET(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
-        key = spec = None
-    if spec is None:
-        spec = pipeline.remember(key, _rope_spec(*args))
-    v = spec.variant
+    args = locals()
+    spec = spec_for(_ROPE, args, checks.rope)
     a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
-    if v.angles != "freqs" and (spec.table is None or spec.table() is not cos_sin_cache):
-        validate.read_new_table(spec, "apply_rope", cos_sin_cache)  # a new table: HF's cos is refused
-    weights = (q_norm_weight, k_norm_weight)
-    if spec.door is not CUSTOM_OP:
-        if inplace and _spans_meet((q, k, a, b, *weights), spec.extents):
-            # the checks that depend on addresses, not on the signature: exact ones only when the
-            # written tensors' byte ranges meet another argument's (a cheap range test first)
-            names = ANGLE_NAMES[v.angles]
-            read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
-            validate.inplace_aliasing("apply_rope", q, k, read)
-        if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
-            _out_aliasing(spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale)
-        if validate.is_strict():
-            _strict_values(spec, q, a, b, cp_size)
-    return _call(spec, _run, q, k, a, b, weights, _scales(spec, q, q_scale, k_scale), q_out, k_out)
+    if not torch.compiler.is_compiling():
+        checks.rope_call(spec, args, a, b)
+    scales = _scales(q.device, q_scale, k_scale) if spec.variant.scaled else None
+    return _views(spec, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
 
 
-def _out_aliasing(spec: Spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale) -> None:
-    """Destinations share no byte with an input or each other: checked on every call (addresses),
-    exactly only where byte ranges meet."""
-    names = ANGLE_NAMES[spec.variant.angles]
-    read = (
-        ("q", q),
-        ("k", k),
-        (names[0], a),
-        (names[1], b),
-        ("q_norm_weight", weights[0]),
-        ("k_norm_weight", weights[1]),
-        ("q_scale", q_scale if isinstance(q_scale, torch.Tensor) else None),
-        ("k_scale", k_scale if isinstance(k_scale, torch.Tensor) else None),
-    )
-    extents = [_extent(q_out), _extent(k_out)] + [_extent(x) for _, x in read]
-    validate.out_aliasing("apply_rope", q_out, k_out, read, extents)
+_ROPE = Signature.of(apply_rope)
 
 
-_FLAG_DEFAULTS = tuple(
-    apply_rope.__kwdefaults__[n]
-    for n in (
-        "interleaved",
-        "rotary_dim",
-        "mrope_section",
-        "mrope_interleaved",
-        "inplace",
-        "norm_eps",
-        "norm_weight_offset",
-        "cp_size",
-        "cp_rank",
-        "inverse",
-        "out_dtype",
-        "layout",
-        "axes",
-        "rotary_position",
-    )
-)
+def _scales(device, *scales) -> tuple:
+    """(q's, k's) float32 scale tensors of a scaled variant: floats become cached device tensors,
+    None 1.0. (A public op's body holds no comprehension: its locals() must hold no unset cell.)"""
+    return tuple(scale_tensor(1.0 if s is None else s, device, unit=True) for s in scales)
 
 
 def _operands(spec: Spec, positions, table, cu_seqlens, inv_freq):
-    """(a, b), the angle operands of pipeline.run_rotate, for apply_rope's angle sources."""
+    """(a, b), the angle operands of the run, for apply_rope's angle sources."""
     angles = spec.variant.angles
     if angles == "freqs":
         return positions, inv_freq
@@ -531,131 +158,72 @@ def _operands(spec: Spec, positions, table, cu_seqlens, inv_freq):
     return positions, table
 
 
-def _strict_values(spec: Spec, q, a, b, cp_size) -> None:
-    """Strict mode: the checks that read values (a device sync each)."""
-    angles = spec.variant.angles
-    if angles == "packed":
-        validate.packed_values("apply_rope", a, q.shape[0], cp_size)
-    elif angles == "freqs":
-        validate.positions_finite("apply_rope", a)
-    elif a is not None:
-        validate.positions_in_range("apply_rope", a, b.shape[0])
+def _seq(x):
+    """(S, B, ...) <-> (B, S, ...) views (Transformer Engine's 'sbhd' and the kernel's 'bshd')."""
+    return None if x is None else x.transpose(0, 1)
 
 
-_TABLE_EXCLUSIVE = ("cos_sin_cache", "mrope_section", "cu_seqlens")
-
-
-def _rope_spec(
-    q,
-    k,
-    positions,
-    cos_sin_cache,
-    interleaved,
-    rotary_dim,
-    mrope_section,
-    mrope_interleaved,
-    inplace,
-    q_norm_weight,
-    k_norm_weight,
-    norm_eps,
-    norm_weight_offset,
-    cu_seqlens,
-    cp_size,
-    cp_rank,
-    inverse,
-    out_dtype,
-    q_scale,
-    k_scale,
-    layout,
-    inv_freq,
-    axes,
-    q_out,
-    k_out,
-    rotary_position,
-) -> Spec:
-    """Validate one apply_rope signature into its spec (names the first bad argument)."""
-    op = "apply_rope"
-    packed = (1, 0)
-    hf = validate.layout_arg(op, layout, q, sbhd=True)
-    seq = layout == "sbhd"
-    q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)  # tokens first
-    if seq:  # checked as the (B, S, H, D) views the run takes
-        validate.sbhd_args(op, q, k, positions, mrope_section is not None)
-        q_t, k_t = _seq(q_t), _seq(k_t)
-        if isinstance(positions, torch.Tensor) and positions.dim() >= 2:
-            positions = positions.transpose(-1, -2)
-    expand = None  # positions with size-1 dims (HF's (1, S)): the shape each call expands them to
-    if inv_freq is not None or axes is not None:
-        if inv_freq is None:
-            fail(op, "inv_freq", "a tensor when axes is given (axes split inv_freq's pairs)", None)
-        for name, value in zip(_TABLE_EXCLUSIVE, (cos_sin_cache, mrope_section, cu_seqlens)):
-            if value is not None:
-                fail(op, name, "None with inv_freq (angles computed from positions x inv_freq)", type(value).__name__)
-        rot, sections = validate.freqs_args(
-            op, q_t, k_t, positions, inv_freq, axes, rotary_dim=rotary_dim, inplace=inplace, any_last_stride=True
-        )
-        angles, mode, source, b = "freqs", 0, positions, inv_freq
+def _views(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
+    """apply_rope's views around its door, as the record says: 'sbhd' tensors as (B, S, H, D)
+    views; q or k with a last stride other than 1 read through one contiguous copy (in place: the
+    copy rotated, then copied back); with rope_last the door sees the head's last rotary_dim dims
+    only. Results in the caller's layout."""
+    v = spec.variant
+    if not (v.seq_first or v.rope_last or spec.copy_in):
+        return dispatch.through(spec, dispatch.ROTATE, q, k, a, b, weights, scales, q_out, k_out)
+    given = (q, k, q_out, k_out)
+    if v.seq_first:
+        q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
+    views = (q, k)
+    if spec.copy_in:
+        if spec.inplace and checks.records_grad(q, k):  # the copy is no leaf: name the caller's
+            dispatch.no_leaf_written(given[0], given[1])
+        q, k = unit_last_stride(q), unit_last_stride(k)
+    if v.rope_last:
+        res = _rope_last(spec, q, k, a, b, weights, scales, q_out, k_out)
     else:
-        if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
-            packed = validate.packed_args(op, q_t, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
-        rot, mrope = validate.rope_args(
-            op,
-            q_t,
-            k_t,
-            positions,
-            cos_sin_cache,
-            rotary_dim=rotary_dim,
-            mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved,
-            inplace=inplace,
-            packed=cu_seqlens is not None,
-            inplace_grad=True,
-            broadcast=True,
-            any_last_stride=True,
-        )
-        validate.no_grad_table(op, cos_sin_cache)
-        if layout is None:
-            validate.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None)
-        if cu_seqlens is not None:
-            if inplace and validate.addresses_known(q):
-                validate.inplace_aliasing(op, q, k, (("cu_seqlens", cu_seqlens),))
-            angles, source = "packed", cu_seqlens
-        else:
-            angles, source = ("table" if positions is not None else "arange"), positions
-        mode, sections = _mrope_code(mrope if angles == "table" else None, mrope_interleaved)
-        b = cos_sin_cache
-        if angles == "table":
-            want = ((3,) if mode else ()) + tuple(q_t.shape[:-2])
-            expand = want if tuple(positions.shape) != want else None
-    modes = validate.norm_weights(
-        op, q_t, k_t, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace
-    )
-    normed = modes != (0, 0)
-    grad = pipeline.records_grad(q, k, q_norm_weight, k_norm_weight, inv_freq)
-    scaled = validate.out_args(op, q, out_dtype, q_scale, k_scale, inverse, inplace=inplace, grad=grad)
-    if normed:
-        validate.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
-    validate.out_buffers(op, q, k, q_out, k_out, out_dtype, inplace=inplace, grad=grad)
-    last = validate.rotary_position_arg(op, rotary_position, normed)
-    last = last and any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
-    il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last)
-    triton = pipeline.triton_runs(q)
-    weights = (q_norm_weight, k_norm_weight)
-    return Spec(
-        variant,
-        rot,
-        _door(q, grad, normed, triton),
-        triton,
-        copy_in=any(x is not None and x.shape[-1] > 1 and x.stride(-1) != 1 for x in (q, k)),
-        extents=tuple(_extent(x) for x in (q, k, source, b, *weights)),
-        packed=packed,
-        angle_shape=expand,
-        inplace=bool(inplace),
-        out_dtype=None if out_dtype == q.dtype else out_dtype,
-        norm_eps=float(norm_eps),
-        norm_offset=float(norm_weight_offset),
-    )
+        res = dispatch.through(spec, dispatch.ROTATE, q, k, a, b, weights, scales, q_out, k_out)
+    if spec.inplace:
+        for view, x in zip(views, (q, k)):
+            if x is not view:
+                view.copy_(x)
+        return given[0], given[1]
+    if v.seq_first:
+        res = map(_seq, res)
+    return tuple(g if g is not None else r for g, r in zip(given[2:], res))
+
+
+def _rope_last(spec: Spec, q, k, a, b, weights, scales, q_out, k_out):
+    """rotary_position='last': the door rotates views of the last rotary_dim dims of each head;
+    out of place the leading (unrotated) dims are copied once, with the outputs' scale and dtype."""
+    rot = spec.rot
+    cut = [None if x is None else x.shape[-1] - rot for x in (q, k)]
+    part = [None if x is None else x[..., n:] for x, n in zip((q, k), cut)]
+    if spec.inplace:
+        dispatch.through(spec, dispatch.ROTATE, part[0], part[1], a, b, weights, scales)
+        return q, k
+    kept = [None if x is None else _kept(spec, x[..., :n], scales, i) for i, (x, n) in enumerate(zip((q, k), cut))]
+    if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
+        rotated = dispatch.through(spec, dispatch.ROTATE, part[0], part[1], a, b, weights, scales)
+        return tuple(None if r is None else torch.cat((p.to(r.dtype), r), -1) for p, r in zip(kept, rotated))
+    outs = []
+    for x, dst, n, p in zip((q, k), (q_out, k_out), cut, kept):
+        if x is not None:
+            dst = run.empty_like(x, dtype=spec.out_dtype) if dst is None else dst
+            dst[..., :n].copy_(p)
+        outs.append(dst)
+    dests = (None if o is None else o[..., n:] for o, n in zip(outs, cut))
+    dispatch.through(spec, dispatch.ROTATE, part[0], part[1], a, b, weights, scales, *dests)
+    return outs[0], outs[1]
+
+
+def _kept(spec: Spec, x, scales, i):
+    """The dims a rotation keeps, as its outputs store them: scaled outputs divide by the scale and
+    saturate (the kernel's rule for a tail), the cast happens in the copy."""
+    if not spec.variant.scaled:
+        return x
+    dtype = spec.out_dtype or x.dtype
+    return saturate(x.float() / scales[i], dtype).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -711,7 +279,7 @@ def rotate_with_angles(
         cos, sin = _cis_parts(op, freqs_cis, cos, sin)
         if interleaved is None:
             interleaved = True
-    hf = None if layout is None else validate.layout_arg(op, layout, q)
+    hf = None if layout is None else forms.layout_arg(op, layout, q)
     return rotate_angles(
         q,
         k,
@@ -773,124 +341,14 @@ def rotate_angles(
         unsliced with columns = rotary_dim // 2); None: decided by rotary_dim, else by the values
         (`_angle_columns`).
     """
-    interleaved = bool(interleaved)
-    out_il = interleaved if out_interleaved is None else out_interleaved
-    weights = (q_norm_weight, k_norm_weight)
-    norm = (norm_eps, norm_weight_offset)
-    flags = (interleaved, out_il, mrope_section, mrope_interleaved, heads_first, inplace)
-    if torch.compiler.is_compiling():
-        columns, _ = _angle_columns(q, k, cos, sin, rotary_dim, columns)
-        spec = _angles_spec(q, k, cos, sin, *flags, columns, weights, norm)
-        return _custom_op(spec, q, k, *pipeline.angle_views(spec, cos, sin), weights, None)
-    try:
-        key = (
-            "rotate_angles",
-            torch.is_grad_enabled(),
-            tensor_key(q),
-            tensor_key(k),
-            tensor_key(cos),
-            tensor_key(sin),
-            tensor_key(q_norm_weight),
-            tensor_key(k_norm_weight),
-            type(interleaved),
-            interleaved,
-            type(out_il),
-            out_il,
-            None if mrope_section is None else value_key(mrope_section),
-            type(mrope_interleaved),
-            mrope_interleaved,
-            heads_first,
-            columns,
-            type(rotary_dim),
-            rotary_dim,
-            type(norm_eps),
-            norm_eps,
-            type(norm_weight_offset),
-            norm_weight_offset,
-            type(inplace),
-            inplace,
-        )
-        spec = _MEMO_GET(key)
-    except (AttributeError, TypeError):
-        key = spec = None
-    if spec is None:
-        columns, settled = _angle_columns(q, k, cos, sin, rotary_dim, columns)
-        spec = pipeline.remember(key if settled else None, _angles_spec(q, k, cos, sin, *flags, columns, weights, norm))
-    if spec.copy_angles or spec.door is CUSTOM_OP:  # as validation saw them (copied when it had to)
-        cos, sin = pipeline.angle_views(spec, cos, sin)
-    if spec.inplace and spec.door is not CUSTOM_OP:  # addresses: checked on every call
-        read = (("cos", cos), ("sin", sin), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
-        validate.inplace_aliasing("rotate_with_angles", q, k, read)
-    return _run(spec, q, k, cos, sin, weights, None)
+    args = locals()
+    spec = spec_for(_ANGLES, args, checks.angles)
+    compiling = torch.compiler.is_compiling()
+    if spec.copy_angles or spec.door is CUSTOM_OP or compiling:
+        cos, sin = angle_views(spec, cos, sin)  # as validation saw them (copied when it had to)
+    if not compiling:
+        checks.angles_call(spec, args, cos, sin)
+    return dispatch.through(spec, dispatch.ROTATE, q, k, cos, sin, (q_norm_weight, k_norm_weight), None)
 
 
-def _angle_columns(q, k, cos, sin, rotary_dim, columns):
-    """(columns of cos / sin to read, settled): HF's full-width [f, f] form reads half of them.
-    settled False when the values could not tell the forms apart (all angles zero): that verdict
-    is then not remembered for the signature."""
-    if columns is not None:
-        return columns, True
-    if rotary_dim is not None:
-        return validate.angle_rotary_dim("rotate_with_angles", cos, rotary_dim), True
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dim() == 0:
-        return None, True  # validation names them
-    if not (validate.data_readable(cos) and validate.data_readable(sin)):
-        return _columns_by_width(q, k, cos), True  # tracing, capturing, a subclass: shapes decide
-    duplicated = validate.duplicated_angles(cos, sin)
-    if duplicated is None:
-        return _columns_by_width(q, k, cos), False
-    return (cos.shape[-1] // 2 if duplicated else None), True
-
-
-def _columns_by_width(q, k, cos):
-    """Without values: HF's form only where rotary_dim // 2 columns could not fit the heads."""
-    width = cos.shape[-1]
-    too_wide = any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] < 2 * width for x in (q, k))
-    return width // 2 if too_wide and width % 2 == 0 else None
-
-
-def _angles_spec(
-    q, k, cos, sin, interleaved, out_il, mrope_section, mrope_interleaved, heads_first, inplace, columns, weights, norm
-) -> Spec:
-    op = "rotate_with_angles"
-    hf = bool(heads_first)
-    if columns is not None and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor):
-        cos, sin = cos[..., :columns], sin[..., :columns]
-    q_t, k_t = pipeline.heads_first(q, hf), pipeline.heads_first(k, hf)
-    cos_v, sin_v, mrope = validate.angle_args(
-        op, q_t, k_t, cos, sin, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved
-    )
-    if heads_first is None:
-        validate.warn_ambiguous_layout(op, q, False, stacklevel=5)
-    if inplace:
-        read = (("cos", cos_v), ("sin", sin_v), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
-        validate.inplace_args(op, q_t, k_t, read, inplace_grad=True)
-    modes = validate.norm_weights(op, q_t, k_t, *weights, *norm, inplace=inplace)
-    normed = modes != (0, 0)
-    grad = pipeline.records_grad(q, k, *weights)
-    if normed:
-        validate.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != bool(interleaved))
-    mode, sections = _mrope_code(mrope, mrope_interleaved)
-    variant = Variant(bool(interleaved), bool(out_il), mode, sections, "tokens", False, hf, False, *modes)
-    triton = pipeline.triton_runs(q)
-    door = _door(q, grad, normed, triton)
-    # broadcast views start where their tensors do, so a launch can take cos and sin as given with
-    # these strides; unless validation had to copy them (cos and sin strides differ): then again per call
-    copied = (
-        door != CUSTOM_OP
-        and not torch.compiler.is_compiling()
-        and (cos_v.data_ptr() != cos.data_ptr() or sin_v.data_ptr() != sin.data_ptr())
-    )
-    n_tok = q.dim() - 2
-    return Spec(
-        variant,
-        2 * cos_v.shape[-1],
-        door,
-        triton,
-        copy_angles=copied,
-        angle_shape=tuple(cos_v.shape),
-        angle_strides=launcher.per_token_strides(cos_v, n_tok, mode != 0),
-        inplace=bool(inplace),
-        norm_eps=float(norm[0]),
-        norm_offset=float(norm[1]),
-    )
+_ANGLES = Signature.of(rotate_angles)

@@ -1,12 +1,13 @@
-"""Re-rotation of cached keys by a position shift: validation -> plan -> one launch of `rerotate_kernel`.
+"""Re-rotation of cached keys by a position shift: `rerotate_kv_cache`, one launch of `rerotate_kernel`.
 
     rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots)
 
 Serving engines that evict tokens (attention sinks + a sliding window, H2O-style eviction), shift a
 context or compact a cache move keys to new positions. RoPE composes, so a cached key rotated for
 position p becomes the key for p + delta after one more rotation by the angle of delta: no need to
-keep unrotated keys or recompute them. CUDA tensors run the Triton kernel; CPU tensors run it
-under TRITON_INTERPRET=1, otherwise the pure-PyTorch reference, with the same semantics.
+keep unrotated keys or recompute them. The call goes the one call path of every op (signature ->
+memoized spec -> this call's checks -> one door). CUDA tensors run the Triton kernel; CPU tensors
+run it under TRITON_INTERPRET=1, otherwise the pure-PyTorch path, with the same semantics.
 """
 
 from __future__ import annotations
@@ -15,101 +16,13 @@ from typing import Optional, Union
 
 import torch
 
-from ..core import memo, pipeline, validate
-from ..core.pipeline import CUSTOM_OP, Spec, Variant, tensor_key
+from ..core import checks, dispatch, forms
+from ..core.run import scale_tensor
+from ..core.variant import Signature, spec_for
 
 OP = "rerotate_kv_cache"
 
 Scale = Union[None, float, torch.Tensor]
-
-
-def _extents(*xs) -> tuple:
-    """Bytes from each tensor's first element to one past its last (0 for None or empty)."""
-    return tuple(
-        (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
-        if isinstance(x, torch.Tensor) and x.numel()
-        else 0
-        for x in xs
-    )
-
-
-def _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots, spec=None) -> None:
-    """The checks that need real tensors (addresses; data in strict mode), before any write. An int
-    shift is a host value: its range is checked on every call (free), in any mode."""
-    if delta_int is not None:
-        validate.int_shift(OP, delta_int, table.shape[0])
-    extents = None
-    if spec is not None and spec.extents:
-        extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
-    validate.rerotate_aliasing(OP, k_cache, slots, delta, table, k_scale, dst_slots, extents=extents)
-    if validate.is_strict():
-        num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-        validate.rerotate_values(
-            OP, slots, delta if delta is not None else delta_int, dst_slots, num_slots, table.shape[0]
-        )
-        if k_scale is not None:
-            validate.scale_value(OP, "k_scale", k_scale)
-
-
-def _run(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
-    """Checks, then the run step (the kernel, or the reference on CPU)."""
-    _checks(k_cache, slots, delta, delta_int, table, k_scale, dst_slots, spec)
-    pipeline.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
-
-
-def _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, table) -> Spec:
-    il = bool(interleaved)
-    return Spec(
-        Variant(il, il, angles="delta"),
-        rot,
-        door,
-        pipeline.triton_runs(k_cache),
-        extents=_extents(k_cache, slots, dst_slots, delta, table),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.library registration: what torch.compile sees
-
-
-@torch.library.custom_op("ropekit::rerotate_kv_cache", mutates_args=("k_cache",))
-def _rerotate_op(
-    k_cache: torch.Tensor,
-    slots: torch.Tensor,
-    delta: Optional[torch.Tensor],
-    delta_int: int,
-    cos_sin_cache: torch.Tensor,
-    interleaved: bool,
-    rotary_dim: int,
-    k_scale: Optional[torch.Tensor],
-    dst_slots: Optional[torch.Tensor],
-) -> None:
-    key = (
-        "rerotate op",
-        tensor_key(k_cache),
-        tensor_key(slots),
-        tensor_key(delta),
-        tensor_key(cos_sin_cache),
-        interleaved,
-        rotary_dim,
-        tensor_key(k_scale),
-        tensor_key(dst_slots),
-    )
-    spec = _MEMO.get(key)
-    if spec is None:
-        spec = pipeline.remember(
-            key, _spec(rotary_dim, interleaved, pipeline.DIRECT, k_cache, slots, dst_slots, delta, cos_sin_cache)
-        )
-    _run(spec, k_cache, slots, delta, None if delta is not None else delta_int, cos_sin_cache, k_scale, dst_slots)
-
-
-@_rerotate_op.register_fake
-def _(k_cache, slots, delta, delta_int, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots):
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# public op
 
 
 def rerotate_kv_cache(
@@ -158,114 +71,19 @@ def rerotate_kv_cache(
     """
     if isinstance(delta, torch.Tensor) and delta.dim() == 0 and isinstance(slots, torch.Tensor) and slots.dim() == 1:
         delta = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
-    if torch.compiler.is_compiling():
-        rot, _, k_scale, delta_int = validate.rerotate_args(
-            OP,
-            k_cache,
-            slots,
-            delta,
-            cos_sin_cache,
-            interleaved=interleaved,
-            rotary_dim=rotary_dim,
-            k_scale=k_scale,
-            dst_slots=dst_slots,
-        )
-        torch.ops.ropekit.rerotate_kv_cache(
-            k_cache,
-            slots,
-            None if delta_int is not None else delta,
-            0 if delta_int is None else delta_int,
-            cos_sin_cache,
-            bool(interleaved),
-            rot,
-            pipeline.scale_tensor(k_scale, k_cache.device),
-            dst_slots,
-        )
-        return k_cache
-
-    # eager: validation and the launch plan are made once per call signature
-    key = _call_key(k_cache, slots, delta, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots)
-    spec = _MEMO.get(key) if key is not None else None
-    if spec is None:
-        validate.no_dtensor(OP, "re-rotation", ("k_cache", k_cache))
-        rot, _, _, _ = validate.rerotate_args(
-            OP,
-            k_cache,
-            slots,
-            delta,
-            cos_sin_cache,
-            interleaved=interleaved,
-            rotary_dim=rotary_dim,
-            k_scale=k_scale,
-            dst_slots=dst_slots,
-        )
-        door = pipeline.door_for(k_cache, False)
-        spec = pipeline.remember(key, _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
-    if spec.table is None or spec.table() is not cos_sin_cache:  # a new table: HF's cos is refused
-        validate.read_new_table(spec, OP, cos_sin_cache)
+    args = locals()
     is_tensor = isinstance(delta, torch.Tensor)
-    ks = pipeline.scale_tensor(k_scale, k_cache.device)
-    if spec.door is CUSTOM_OP:
-        torch.ops.ropekit.rerotate_kv_cache(
-            k_cache,
-            slots,
-            delta if is_tensor else None,
-            0 if is_tensor else int(delta),
-            cos_sin_cache,
-            spec.variant.interleaved,
-            spec.rot,
-            ks,
-            dst_slots,
-        )
-        return k_cache
-    _run(
-        spec,
-        k_cache,
-        slots,
-        delta if is_tensor else None,
-        None if is_tensor else int(delta),
-        cos_sin_cache,
-        ks,
-        dst_slots,
+    # an int shift's value is checked on every call (its range, free): the key holds its type only
+    small_int = type(delta) is int and -(2**62) < delta < 2**62
+    spec = spec_for(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
+    if not torch.compiler.is_compiling() and (spec.table is None or spec.table() is not cos_sin_cache):
+        forms.read_new_table(spec, OP, cos_sin_cache)  # a new table: HF's cos is refused
+    ks = scale_tensor(k_scale, k_cache.device)
+    shift = None if is_tensor else int(delta)
+    dispatch.through(
+        spec, dispatch.REROTATE, k_cache, slots, delta if is_tensor else None, shift, cos_sin_cache, ks, dst_slots
     )
-    # the kernel writes through raw pointers, which autograd does not see
-    torch.autograd.graph.increment_version(k_cache)
     return k_cache
 
 
-_MEMO = memo.MEMO  # read here without a function call per op call
-
-
-def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, dst_slots):
-    """A hashable signature of a call (all that validation reads, with types; an int delta's value
-    is checked only for its range, so only the fact that it is a small int is part of the key), or
-    None when the call must be validated afresh."""
-    try:
-        if isinstance(delta, torch.Tensor):
-            dkey = tensor_key(delta)
-        elif type(delta) is int and -(2**62) < delta < 2**62:
-            dkey = int
-        else:
-            return None
-        if k_scale is None or isinstance(k_scale, torch.Tensor):
-            skey = tensor_key(k_scale)
-        else:
-            skey = (type(k_scale), k_scale)
-        key = (
-            OP,
-            torch.is_grad_enabled(),
-            tensor_key(k_cache),
-            tensor_key(slots),
-            dkey,
-            tensor_key(table),
-            type(interleaved),
-            interleaved,
-            type(rotary_dim),
-            rotary_dim,
-            skey,
-            tensor_key(dst_slots),
-        )
-        hash(key)
-        return key
-    except (AttributeError, TypeError):
-        return None
+_REROTATE = Signature.of(rerotate_kv_cache)

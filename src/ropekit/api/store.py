@@ -4,479 +4,27 @@
 
 Serving engines rotate q and k, then write k and v into the KV cache: two or three launches and a
 round trip of k through memory. Here one kernel rotates q in place and writes rotated k and v
-straight into the cache rows `slot_mapping` names. The call goes through ropekit.core.pipeline like the
-rotation ops (signature -> memoized spec -> door -> run): every keyword (QK-RMSNorm weights, packed
-sequences, M-RoPE, fp8 caches, q_out, write_key) is a field of the spec's Variant or of its launch
-plan, not a second pipeline. CPU tensors without TRITON_INTERPRET=1 run ropekit.core.cpu with the same
-semantics.
+straight into the cache rows `slot_mapping` names. The call goes the one call path of every op
+(signature -> memoized spec -> this call's checks -> one door, ropekit.core.dispatch): every
+keyword (QK-RMSNorm weights, packed sequences, M-RoPE, fp8 caches, q_out, write_key) is a field of
+the spec's Variant, not a second pipeline. CPU tensors without TRITON_INTERPRET=1 run
+ropekit.core.cpu with the same semantics.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import cpu, launcher, memo, pipeline, validate
-from ..core.pipeline import CUSTOM_OP, DIRECT, MROPE_CHUNKED, MROPE_INTERLEAVED, Spec, Variant, tensor_key, value_key
-from ..core.sharding import dtensor_like
+from ..core import checks, dispatch
+from ..core.args import fail
+from ..core.run import StoreOperands, scale_tensor
+from ..core.variant import Signature, spec_for
 
 OP = "apply_rope_and_store"
 
 Scale = Union[None, float, torch.Tensor]
-_MEMO = memo.MEMO  # read here without a function call per op call
-NORM_EPS, NORM_OFFSET = 1e-6, 0.0  # the norm's defaults (the public op's and the custom ops')
-_CP_SIZE, _CP_RANK = 1, 0  # no context parallelism
-
-
-def checks(
-    spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale, write_key, norm
-) -> None:
-    """The checks that need real tensors (addresses; data in strict mode), before any write.
-    a: the angle source (positions, cu_seqlens with packed angles, or None); norm: None or
-    (q's weight, k's weight, eps, offset)."""
-    if validate.is_strict():
-        strict_checks(spec, q, a, cos_sin_cache, k_cache, slot_mapping, (k_scale, v_scale, q_scale))
-    # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
-    # a decode loop that passes the same buffers again (a static cache, reused activations) pays
-    # for the addresses and one compare
-    weights = (None, None) if norm is None else norm[:2]
-    tensors = (q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale, *weights)
-    addrs = tuple(0 if x is None else x.data_ptr() for x in tensors)
-    if spec.plans.get("checked addresses") == (addrs, write_key):
-        return
-    ext = spec.extents
-    validate.store_aliasing(
-        OP, q, k, v, k_cache, v_cache, extents=ext, memo=spec.alias, q_out=q_out, write_key=write_key
-    )
-    packed = spec.variant.angles == "packed"
-    # written (q's place taken by q_out when given; k with write_key) against the read-only inputs
-    written = [("q", q) if q_out is None else ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache)]
-    read = [
-        ("cu_seqlens" if packed else "positions", a),
-        ("cos_sin_cache", cos_sin_cache),
-        ("slot_mapping", slot_mapping),
-        ("k_scale", k_scale),
-        ("v_scale", v_scale),
-    ]
-    # scales: one float32
-    extents = [ext[0] if q_out is None else ext[8], ext[1], ext[2]]
-    tail = [ext[5], ext[6], ext[7], 0 if k_scale is None else 4, 0 if v_scale is None else 4]
-    if write_key:
-        written.append(("k", k))
-        extents.append(ext[3])
-    if q_scale is not None:
-        read.append(("q_scale", q_scale))
-        tail.append(4)
-    if norm is not None:
-        read += [("q_norm_weight", norm[0]), ("k_norm_weight", norm[1])]
-        tail += [ext[9], ext[10]]
-    validate.written_vs_read(OP, written, read, extents=extents + tail)
-    spec.plans["checked addresses"] = (addrs, write_key)
-
-
-def strict_checks(spec, q, a, cos_sin_cache, k_cache, slot_mapping, scales) -> None:
-    """Strict mode: the data of positions (or cu_seqlens), slots and tensor scales (device syncs)."""
-    if spec.variant.angles == "packed":
-        validate.packed_values(OP, a, q.shape[0], spec.packed[0])
-    elif a is not None:
-        validate.positions_in_range(OP, a, cos_sin_cache.shape[0])
-    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    validate.slots_in_range(OP, slot_mapping, num_slots)
-    validate.slots_unique(OP, slot_mapping)
-    for name, scale in zip(("k_scale", "v_scale", "q_scale"), scales):
-        if scale is not None:
-            validate.scale_value(OP, name, scale)
-
-
-def _store_spec(
-    q,
-    k,
-    v,
-    positions,
-    cos_sin_cache,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    *,
-    interleaved,
-    rotary_dim,
-    mrope_section,
-    mrope_interleaved,
-    cu_seqlens,
-    cp_size,
-    cp_rank,
-    k_scale,
-    v_scale,
-    q_norm_weight,
-    k_norm_weight,
-    norm_eps,
-    norm_weight_offset,
-    q_out,
-    q_scale,
-    write_key,
-) -> Spec:
-    """Validate a public call (no data read) and make its Spec (the eager door q's type picks)."""
-    packed = (1, 0)
-    if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
-        packed = validate.packed_args(OP, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
-    rot, mrope, _, _ = validate.store_args(
-        OP,
-        q,
-        k,
-        v,
-        positions,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        rotary_dim=rotary_dim,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved,
-        packed=cu_seqlens is not None,
-    )
-    validate.store_outputs(OP, q, k, q_out, q_scale, write_key)
-    modes = norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
-    if cu_seqlens is not None:
-        angles, a = "packed", cu_seqlens
-    else:
-        angles, a = ("table" if positions is not None else "arange"), positions
-    mode = 0
-    if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
-        mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
-    il = bool(interleaved)
-    variant = Variant(il, il, mode, mrope if mode else (0, 0, 0), angles, norm_q=modes[0], norm_k=modes[1])
-    weights = (q_norm_weight, k_norm_weight)
-    return _spec(q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, weights, variant, rot, packed, None)
-
-
-def norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) -> tuple:
-    """(norm_q, norm_k) of validated norm arguments: NORM_NONE without weights."""
-    if q_norm_weight is None and k_norm_weight is None:
-        return pipeline.NORM_NONE, pipeline.NORM_NONE
-    modes = validate.norm_weights(OP, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
-    if torch.is_grad_enabled():
-        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            if w is not None and w.requires_grad:
-                validate.fail(
-                    OP, name, "a tensor that does not require grad (apply_rope_and_store is inference only)", True
-                )
-    return modes
-
-
-def _spec(q, k, v, a, table, k_cache, v_cache, slot_mapping, q_out, weights, variant, rot, packed, door) -> Spec:
-    """The Spec of a validated call (door None: the eager door q's type picks)."""
-    return Spec(
-        variant,
-        rot,
-        pipeline.door_for(q, False) if door is None else door,
-        pipeline.triton_runs(q),
-        extents=validate.store_extents(q, k, v, k_cache, v_cache, a, table, slot_mapping, q_out, *weights),
-        packed=packed,
-    )
-
-
-def _run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
-    """Address checks, then the run step: the body of the eager door and of the custom ops."""
-    checks(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
-    run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
-
-
-def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
-    """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
-    rows (and rotated k back into k with write_key), q and k normalized first with norm. The Triton
-    launch (plan made once per spec), or ropekit.core.cpu on CPU tensors."""
-    if spec.triton:
-        plan = spec.plans.get(None)
-        if plan is None:
-            plan = spec.plans[None] = launcher.plan_store(
-                q,
-                k,
-                v,
-                a,
-                table,
-                k_cache,
-                v_cache,
-                slot_mapping,
-                spec.variant,
-                spec.rot,
-                ks is not None,
-                vs is not None,
-                q_out,
-                qs is not None,
-                write_key,
-                spec.packed,
-            )
-        launcher.fire_store(plan, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, norm)
-        return
-    variant = spec.variant
-    if variant.angles == "packed":  # CPU: the positions the kernel derives, made here
-        from ..core.packed import packed_positions
-
-        a = packed_positions(OP, a, spec.packed[0], spec.packed[1], q.shape[0])
-    cpu.store_rows(
-        q,
-        k,
-        v,
-        a,
-        table,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        interleaved=variant.interleaved,
-        rotary_dim=spec.rot,
-        k_scale=ks,
-        v_scale=vs,
-        q_out=q_out,
-        q_scale=qs,
-        write_key=write_key,
-        sections=variant.sections if variant.mrope else None,
-        il_sections=variant.mrope == MROPE_INTERLEAVED,
-        norm=norm,
-    )
-
-
-def unit_last(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its last dim has stride 1 (or one element), else one contiguous copy: how the
-    store reads a k (or, with q_out, a q) whose last dim is strided."""
-    if x.stride(-1) == 1 or x.shape[-1] <= 1:
-        return x
-    return x.contiguous()
-
-
-def paged_mla(cache, x):
-    """A 3-D cache beside a one-head x whose dim -2 is not 1 is FlashInfer's paged MLA cache
-    (num_blocks, block_size, D): the 4-D view (num_blocks, block_size, 1, D). A 3-D cache is flat
-    (num_slots, H, D) otherwise; (num_blocks, 1, D) reads the same either way (slot = block)."""
-    if (
-        isinstance(cache, torch.Tensor)
-        and isinstance(x, torch.Tensor)
-        and cache.dim() == 3
-        and x.dim() >= 2
-        and x.shape[-2] == 1
-        and cache.shape[-2] != 1
-    ):
-        return cache.unsqueeze(-2)
-    return cache
-
-
-def mla_parts(k, v, k_cache, v_cache, k_nope):
-    """MLA's split key as the store's (v, k_cache, v_cache): k_nope takes v's place (copied
-    unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and is
-    split at k_nope's width."""
-    if v is not None:
-        validate.fail(OP, "v", "None when k_nope is given (k_nope is the cache row's non-rope part)", "a tensor")
-    if not isinstance(k_nope, torch.Tensor):
-        raise TypeError(f"{OP}: k_nope: expected a torch.Tensor or None, got {type(k_nope).__name__}")
-    if v_cache is None and isinstance(k_cache, torch.Tensor) and isinstance(k, torch.Tensor) and k_cache.dim() > 0:
-        nope, rope = k_nope.shape[-1], k.shape[-1]
-        if k_cache.shape[-1] != nope + rope:
-            validate.fail(
-                OP,
-                "k_cache",
-                f"a joint row of {nope} + {rope} = {nope + rope} dims (k_nope's, then k's; v_cache None)",
-                f"shape {tuple(k_cache.shape)}",
-            )
-        k_cache, v_cache = k_cache[..., nope:], k_cache[..., :nope]
-    return k_nope, k_cache, v_cache
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.library registration: what torch.compile (and the dispatcher, for tensor subclasses) sees
-
-
-def _op_body(
-    q, k, v, a, table, k_cache, v_cache, slots, codes, rot, ks, vs, write_key, q_out, qs, wq, wk, eps, offset, cp
-):
-    """The body of both store ops: the memoized spec of these (local) tensors and the encoded
-    variant, then the checks and the run step. a: positions, or cu_seqlens for packed angles."""
-    key = (
-        "rope_and_store op",
-        tensor_key(q),
-        tensor_key(k),
-        tensor_key(v),
-        tensor_key(a),
-        tensor_key(table),
-        tensor_key(k_cache),
-        tensor_key(v_cache),
-        tensor_key(slots),
-        tuple(codes),
-        rot,
-        tensor_key(ks),
-        tensor_key(vs),
-        write_key,
-        tensor_key(q_out),
-        tensor_key(qs),
-        tensor_key(wq),
-        tensor_key(wk),
-        cp,
-    )
-    spec = _MEMO.get(key)
-    if spec is None:
-        variant = Variant.decode(codes)
-        op_weights(variant, q, k, wq, wk)
-        spec = pipeline.remember(
-            key, _spec(q, k, v, a, table, k_cache, v_cache, slots, q_out, (wq, wk), variant, rot, cp, DIRECT)
-        )
-    norm = (wq, wk, eps, offset) if spec.variant.normed else None
-    _run(spec, q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, write_key, norm)
-
-
-def op_weights(variant: Variant, q, k, wq, wk) -> None:
-    """The custom ops' norm weights against the encoded norm modes and the (local) tensors: a
-    weight per mode, of D elements per head or H*D across heads (the kernel reads that many)."""
-    for name, w, x, mode in (("q_norm_weight", wq, q, variant.norm_q), ("k_norm_weight", wk, k, variant.norm_k)):
-        want = {pipeline.NORM_HEAD: x.shape[-1], pipeline.NORM_TOKEN: x.shape[-2] * x.shape[-1]}.get(mode)
-        got = None if w is None else w.numel()
-        if got != want:
-            what = "None" if want is None else f"a tensor of {want} elements"
-            validate.fail(OP, name, f"{what} (norm mode {mode} of the variant)", "None" if w is None else f"{got}")
-
-
-# Two ops, not one with an optional q_out: a mutated argument that may be None breaks fake-tensor
-# tracing on torch 2.11 (IndexError), and q is written in place exactly when q_out is absent.
-# variant: pipeline.Variant.encode() of the call (interleaving, M-RoPE, angle source, norm modes);
-# positions: positions, or cu_seqlens when the variant's angles are packed.
-@torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k", "k_cache", "v_cache"))
-def _rope_and_store_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    variant: List[int],
-    rotary_dim: int,
-    k_scale: Optional[torch.Tensor],
-    v_scale: Optional[torch.Tensor],
-    write_key: bool = False,
-    q_norm_weight: Optional[torch.Tensor] = None,
-    k_norm_weight: Optional[torch.Tensor] = None,
-    norm_eps: float = NORM_EPS,
-    norm_weight_offset: float = NORM_OFFSET,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-) -> None:
-    _op_body(
-        q,
-        k,
-        v,
-        positions,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        variant,
-        rotary_dim,
-        k_scale,
-        v_scale,
-        write_key,
-        None,
-        None,
-        q_norm_weight,
-        k_norm_weight,
-        norm_eps,
-        norm_weight_offset,
-        (cp_size, cp_rank),
-    )
-
-
-@torch.library.custom_op("ropekit::rope_and_store_q_out", mutates_args=("q_out", "k", "k_cache", "v_cache"))
-def _rope_and_store_q_out_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    variant: List[int],
-    rotary_dim: int,
-    k_scale: Optional[torch.Tensor],
-    v_scale: Optional[torch.Tensor],
-    write_key: bool,
-    q_out: torch.Tensor,
-    q_scale: Optional[torch.Tensor],
-    q_norm_weight: Optional[torch.Tensor] = None,
-    k_norm_weight: Optional[torch.Tensor] = None,
-    norm_eps: float = NORM_EPS,
-    norm_weight_offset: float = NORM_OFFSET,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-) -> None:
-    _op_body(
-        q,
-        k,
-        v,
-        positions,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        variant,
-        rotary_dim,
-        k_scale,
-        v_scale,
-        write_key,
-        q_out,
-        q_scale,
-        q_norm_weight,
-        k_norm_weight,
-        norm_eps,
-        norm_weight_offset,
-        (cp_size, cp_rank),
-    )
-
-
-def store_op(spec: Spec, args: Sequence, write_key: bool, q_out, q_scale, norm) -> None:
-    """The store's custom op for a validated call (the dispatcher's door): args are the eight
-    leading tensors both ops share (q ... slot_mapping) then k_scale, v_scale; norm as `run` takes it."""
-    q, k, v, a, table, k_cache, v_cache, slots, ks, vs = args
-    head = (q, k, v, a, table, k_cache, v_cache, slots, spec.variant.encode(), spec.rot, ks, vs)
-    wq, wk, eps, offset = (None, None, NORM_EPS, NORM_OFFSET) if norm is None else norm
-    tail = (wq, wk, float(eps), float(offset), *spec.packed)
-    if q_out is None:
-        torch.ops.ropekit.rope_and_store(*head, write_key, *tail)
-    else:
-        torch.ops.ropekit.rope_and_store_q_out(*head, write_key, q_out, q_scale, *tail)
-
-
-@_rope_and_store_op.register_fake
-def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant, rotary_dim, *rest):
-    return None
-
-
-@_rope_and_store_q_out_op.register_fake
-def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant, rotary_dim, *rest):
-    return None
-
-
-def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset) -> tuple:
-    """The part of a call signature the rarer keywords contribute, each value with its type."""
-    return (
-        None if mrope_section is None else value_key(mrope_section),
-        value_key(mrope_interleaved),
-        value_key(cp_size),
-        value_key(cp_rank),
-        value_key(norm_eps),
-        value_key(norm_weight_offset),
-    )
-
-
-def scale_key(scale):
-    """A scale argument's part of a call signature."""
-    if isinstance(scale, torch.Tensor):
-        return tensor_key(scale)
-    return type(scale), scale  # the value: validation depends on it (> 0, finite)
-
-
-# ---------------------------------------------------------------------------------------------
-# public op
 
 
 def apply_rope_and_store(
@@ -494,14 +42,14 @@ def apply_rope_and_store(
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    cp_size: int = _CP_SIZE,
-    cp_rank: int = _CP_RANK,
+    cp_size: int = 1,
+    cp_rank: int = 0,
     k_scale: Scale = None,
     v_scale: Scale = None,
     q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None,
-    norm_eps: float = NORM_EPS,
-    norm_weight_offset: float = NORM_OFFSET,
+    norm_eps: float = 1e-6,
+    norm_weight_offset: float = 0.0,
     write_key: bool = False,
     q_out: Optional[torch.Tensor] = None,
     q_scale: Scale = None,
@@ -611,103 +159,64 @@ def apply_rope_and_store(
         k = unit_last(k)
     if q_out is not None and isinstance(q, torch.Tensor) and q.dim():
         q = unit_last(q)
-    spec = None
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        try:
-            key = (
-                OP,
-                torch.is_grad_enabled(),
-                tensor_key(q),
-                tensor_key(k),
-                tensor_key(v),
-                tensor_key(positions),
-                tensor_key(cos_sin_cache),
-                tensor_key(k_cache),
-                tensor_key(v_cache),
-                tensor_key(slot_mapping),
-                type(interleaved),
-                interleaved,
-                type(rotary_dim),
-                rotary_dim,
-                None if cu_seqlens is None else tensor_key(cu_seqlens),
-                None if q_norm_weight is None else tensor_key(q_norm_weight),
-                None if k_norm_weight is None else tensor_key(k_norm_weight),
-                # the rarer keywords: one None while each is its default object (the usual call)
-                None
-                if mrope_section is None
-                and mrope_interleaved is False
-                and cp_size is _CP_SIZE
-                and cp_rank is _CP_RANK
-                and norm_eps is NORM_EPS
-                and norm_weight_offset is NORM_OFFSET
-                else rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset),
-                scale_key(k_scale),
-                scale_key(v_scale),
-                type(write_key),
-                write_key,
-                None if q_out is None else tensor_key(q_out),
-                None if q_scale is None else scale_key(q_scale),
-            )
-            spec = _MEMO.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
-            key = None
-    if spec is None:
-        spec = _store_spec(
-            q,
-            k,
-            v,
-            positions,
-            cos_sin_cache,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            interleaved=interleaved,
-            rotary_dim=rotary_dim,
-            mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved,
-            cu_seqlens=cu_seqlens,
-            cp_size=cp_size,
-            cp_rank=cp_rank,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            q_norm_weight=q_norm_weight,
-            k_norm_weight=k_norm_weight,
-            norm_eps=norm_eps,
-            norm_weight_offset=norm_weight_offset,
-            q_out=q_out,
-            q_scale=q_scale,
-            write_key=write_key,
-        )
-        if not compiling:
-            pipeline.remember(key, spec)
+    args = locals()
+    spec = spec_for(_STORE, args, checks.store)
+    ks, vs, qs = _scales(q.device, k_scale, v_scale, q_scale)
     a = positions if cu_seqlens is None else cu_seqlens
-    norm = (q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) if spec.variant.normed else None
-    dev = q.device
-    ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
-    qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
-    if compiling or spec.door is CUSTOM_OP:  # the dispatcher: DTensor, torch.compile
-        _dispatch(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
-        return q if q_out is None else q_out
-    _run(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
-    # the kernel writes through raw pointers, which autograd does not see: bump the version counters
-    # so that anything that saved q or a cache for a backward raises instead of reading new values
-    bump_versions(q if q_out is None else q_out, k_cache, v_cache, k if write_key else None)
+    t = StoreOperands(q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, q_norm_weight)
+    dispatch.through(spec, dispatch.STORE, t._replace(wk=k_norm_weight))
     return q if q_out is None else q_out
 
 
-def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
-    """The custom-op door: plain tensors (tables, positions, scales, weights) become replicated
-    DTensors like q for a DTensor call (DTensor refuses mixed calls); as they are otherwise."""
-    if spec.door is CUSTOM_OP:
-        wq, wk = (None, None) if norm is None else norm[:2]
-        a, table, slot_mapping, ks, vs, qs, wq, wk = dtensor_like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)
-        norm = None if norm is None else (wq, wk, norm[2], norm[3])
-    store_op(spec, (q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs), write_key, q_out, qs, norm)
+_STORE = Signature.of(apply_rope_and_store)
 
 
-def bump_versions(*written) -> None:
-    """Version counters of the tensors a launch wrote (None skipped)."""
-    for x in written:
-        if x is not None:
-            torch.autograd.graph.increment_version(x)
+def _scales(device, *scales) -> tuple:
+    """Float32 scale tensors on the device (floats cached, 1.0 none: the run skips the division).
+    (The public op's body has no comprehension: its locals() must hold no unset cell.)"""
+    return tuple(None if s is None else scale_tensor(s, device) for s in scales)
+
+
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim has stride 1 (or one element), else one contiguous copy: how the
+    store reads a k (or, with q_out, a q) whose last dim is strided."""
+    if x.stride(-1) == 1 or x.shape[-1] <= 1:
+        return x
+    return x.contiguous()
+
+
+def paged_mla(cache, x):
+    """A 3-D cache beside a one-head x whose dim -2 is not 1 is FlashInfer's paged MLA cache
+    (num_blocks, block_size, D): the 4-D view (num_blocks, block_size, 1, D). A 3-D cache is flat
+    (num_slots, H, D) otherwise; (num_blocks, 1, D) reads the same either way (slot = block)."""
+    if (
+        isinstance(cache, torch.Tensor)
+        and isinstance(x, torch.Tensor)
+        and cache.dim() == 3
+        and x.dim() >= 2
+        and x.shape[-2] == 1
+        and cache.shape[-2] != 1
+    ):
+        return cache.unsqueeze(-2)
+    return cache
+
+
+def mla_parts(k, v, k_cache, v_cache, k_nope):
+    """MLA's split key as the store's (v, k_cache, v_cache): k_nope takes v's place (copied
+    unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and is
+    split at k_nope's width."""
+    if v is not None:
+        fail(OP, "v", "None when k_nope is given (k_nope is the cache row's non-rope part)", "a tensor")
+    if not isinstance(k_nope, torch.Tensor):
+        raise TypeError(f"{OP}: k_nope: expected a torch.Tensor or None, got {type(k_nope).__name__}")
+    if v_cache is None and isinstance(k_cache, torch.Tensor) and isinstance(k, torch.Tensor) and k_cache.dim() > 0:
+        nope, rope = k_nope.shape[-1], k.shape[-1]
+        if k_cache.shape[-1] != nope + rope:
+            fail(
+                OP,
+                "k_cache",
+                f"a joint row of {nope} + {rope} = {nope + rope} dims (k_nope's, then k's; v_cache None)",
+                f"shape {tuple(k_cache.shape)}",
+            )
+        k_cache, v_cache = k_cache[..., nope:], k_cache[..., :nope]
+    return k_nope, k_cache, v_cache

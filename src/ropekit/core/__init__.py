@@ -1,2 +1,3 @@
-"""The core: one record of every flag (pipeline.Variant), the checks, the plans, the launch, the
-doors and custom ops, and the CPU path. Nothing here imports ropekit.api or ropekit.integrations."""
+"""The core: the one record of every flag (variant), the checks (checks, with rules, aliasing, forms,
+strict), the doors and custom ops (dispatch), the run step (run), the plans and the launch, and
+the CPU path. Nothing here imports ropekit.api or ropekit.integrations."""

@@ -423,7 +423,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     table: (a, b) are (positions (*T), (3, *T) with M-RoPE sections, or None; [cos | sin] table);
     otherwise (cos, sin) per token, broadcast to (*T, ·) ((3, *T, ·) with sections), of which the
     first rot // 2 columns are read. q, k: (*T, H, D), or (B, H, S, D) with variant.heads_first.
-    rot: rotated dims. variant: the call's flag record (pipeline.Variant), read as it is:
+    rot: rotated dims. variant: the call's flag record (ropekit.core.variant.Variant), read as it is:
     interleaved / out_interleaved pair layouts, inverse, mrope (1 chunked, 2 interleaved) with its
     (t, h, w) sections, heads_first.
     """

@@ -31,7 +31,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .validate import fail
+from .args import fail
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 # older spellings HF still accepts: Phi-3's "su" is longrope; Qwen2-VL's 4.x "mrope" is default

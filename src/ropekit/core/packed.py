@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from . import validate
+from .args import INDEX_DTYPES, fail, tensor
+from .strict import is_strict
 
 _OP = "positions_from_cu_seqlens"
 
@@ -46,7 +47,7 @@ def _int_arg(name: str, value, lowest: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{_OP}: {name}: expected an int, got {type(value).__name__}")
     if value < lowest:
-        validate.fail(_OP, name, f"an int >= {lowest}", value)
+        fail(_OP, name, f"an int >= {lowest}", value)
     return value
 
 
@@ -55,17 +56,17 @@ def _check_values(cu: torch.Tensor, cp_size: int, total_tokens: Optional[int], s
     op: the op the user called; another op than positions_from_cu_seqlens took q, not total_tokens."""
     vals = cu.tolist()
     if vals[0] != 0:
-        validate.fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
+        fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
     for i in range(1, len(vals)):
         if vals[i] < vals[i - 1]:
-            validate.fail(
+            fail(
                 op,
                 "cu_seqlens",
                 "non-decreasing values (cumulative lengths)",
                 f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}",
             )
         if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
-            validate.fail(
+            fail(
                 op,
                 "cu_seqlens",
                 f"even local lengths when cp_size > 1 (cp_size = {cp_size}: "
@@ -74,15 +75,15 @@ def _check_values(cu: torch.Tensor, cp_size: int, total_tokens: Optional[int], s
             )
     if total_tokens is not None and total_tokens < vals[-1]:
         if op != _OP:
-            validate.fail(
+            fail(
                 op, "cu_seqlens", f"cu_seqlens[-1] <= {total_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}"
             )
-        validate.fail(op, "total_tokens", f"an int >= cu_seqlens[-1] = {vals[-1]}", total_tokens)
+        fail(op, "total_tokens", f"an int >= cu_seqlens[-1] = {vals[-1]}", total_tokens)
     if start is not None:
         low = start.min().item() if start.numel() else 0
         if low < 0:
             index = int((start < 0).nonzero()[0, 0])
-            validate.fail(_OP, "start_positions", "values >= 0", f"start_positions[{index}] = {int(start[index])}")
+            fail(_OP, "start_positions", "values >= 0", f"start_positions[{index}] = {int(start[index])}")
 
 
 def positions_from_cu_seqlens(
@@ -121,44 +122,42 @@ def positions_from_cu_seqlens(
     sync outside strict mode is the read of cu_seqlens[-1] when total_tokens is None and
     cu_seqlens is on a device. Vectorized: no Python loop over sequences.
     """
-    validate.tensor(
+    tensor(
         _OP,
         "cu_seqlens",
         cu_seqlens,
         ndims=(1,),
-        dtypes=validate.INDEX_DTYPES,
+        dtypes=INDEX_DTYPES,
         shape_hint="(N+1,) cumulative lengths",
         last_stride_one=False,
     )
     if cu_seqlens.shape[0] < 1:
-        validate.fail(
-            _OP, "cu_seqlens", "at least one element ([0] for no sequences)", f"shape {tuple(cu_seqlens.shape)}"
-        )
+        fail(_OP, "cu_seqlens", "at least one element ([0] for no sequences)", f"shape {tuple(cu_seqlens.shape)}")
     cp_size = _int_arg("cp_size", cp_size, 1)
     cp_rank = _int_arg("cp_rank", cp_rank, 0)
     if cp_rank >= cp_size:
-        validate.fail(_OP, "cp_rank", f"an int in [0, cp_size = {cp_size})", cp_rank)
+        fail(_OP, "cp_rank", f"an int in [0, cp_size = {cp_size})", cp_rank)
     n_seq = cu_seqlens.shape[0] - 1
     if start_positions is not None:
         if cp_size > 1:
-            validate.fail(
+            fail(
                 _OP,
                 "start_positions",
                 "None when cp_size > 1 (offsets of context-parallel shards are not defined)",
                 f"a tensor with cp_size = {cp_size}",
             )
-        validate.tensor(
+        tensor(
             _OP,
             "start_positions",
             start_positions,
             ndims=(1,),
-            dtypes=validate.INDEX_DTYPES,
+            dtypes=INDEX_DTYPES,
             device=cu_seqlens.device,
             shape_hint=(n_seq,),
             last_stride_one=False,
         )
         if start_positions.shape[0] != n_seq:
-            validate.fail(
+            fail(
                 _OP,
                 "start_positions",
                 f"shape ({n_seq},) (one offset per sequence of cu_seqlens)",
@@ -168,7 +167,7 @@ def positions_from_cu_seqlens(
         total_tokens = _int_arg("total_tokens", total_tokens, 0)
 
     on_host = cu_seqlens.device.type == "cpu"
-    if on_host or validate.is_strict():
+    if on_host or is_strict():
         _check_values(cu_seqlens, cp_size, total_tokens, start_positions)
     if total_tokens is None:
         total_tokens = int(cu_seqlens[-1])  # the one host read (a sync on a device)
@@ -178,7 +177,7 @@ def positions_from_cu_seqlens(
 def packed_positions(op: str, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, n_tokens: int) -> torch.Tensor:
     """positions_from_cu_seqlens for an op that took cu_seqlens with q of n_tokens tokens (its
     arguments already checked by the op): errors about the values name that op and cu_seqlens."""
-    if cu_seqlens.device.type == "cpu" or validate.is_strict():
+    if cu_seqlens.device.type == "cpu" or is_strict():
         _check_values(cu_seqlens, cp_size, n_tokens, None, op=op)
     return _positions(cu_seqlens, cp_size, cp_rank, None, n_tokens)
 

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from .pipeline import ANGLE_NAMES, NORM_TOKEN, Variant
+from .variant import ANGLE_NAMES, NORM_TOKEN, Variant
 
 # Roles of an op's arguments (schema order). Non-tensor arguments have role None.
 HEADS = "heads"  # (*T, H, D): token dims and the head dim follow q
@@ -122,15 +122,17 @@ def _store(codes, q_out: bool) -> OpRule:
         ("rotary_dim", None),
         ("k_scale", SCALE),
         ("v_scale", SCALE),
-        ("write_key", None),
+        ("q_norm_weight", wq),
+        ("k_norm_weight", wk),
+        ("norm", None),
+        ("packed", None),
     )
     outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
-    norm = (("q_norm_weight", wq), ("k_norm_weight", wk), ("norm_eps", None), ("norm_weight_offset", None))
     written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
-    return OpRule(args + outs + norm + (("cp_size", None), ("cp_rank", None)), (), written)
+    return OpRule(args + outs, (), written)
 
 
-# The op-schema table (core/library.py and api/store.py define the ops): a rule, or for the
+# The op-schema table (core/dispatch.py defines the ops): a rule, or for the
 # rotation ops (argument index of their encoded Variant, the function deriving the rule from it).
 OPS = {
     "rotate": (8, _rotate),

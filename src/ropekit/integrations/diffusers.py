@@ -53,7 +53,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from ..api.ops import rotate_with_angles
-from ..core.validate import fail
+from ..core.args import fail
 from . import seams
 from .diffusers_forms import BY_ARITY
 

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from ..api import ops
-from ..core import pipeline
+from ..core import memo
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -98,19 +98,19 @@ def plain_plan(q, k, cos, sin, unsqueeze_dim, *, promote_to_q, need_full=False):
         key = (
             "hf plan",
             torch.is_grad_enabled(),
-            pipeline.tensor_key(q),
-            pipeline.tensor_key(k),
-            pipeline.tensor_key(cos),
-            pipeline.tensor_key(sin),
+            memo.tensor_key(q),
+            memo.tensor_key(k),
+            memo.tensor_key(cos),
+            memo.tensor_key(sin),
             unsqueeze_dim,
             promote_to_q,
             need_full,
         )
-        plan = pipeline.lookup(key)
+        plan = memo.lookup(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: decide afresh
         return decide()
     if plan is None:
-        plan = pipeline.remember(key, decide() or False)
+        plan = memo.remember(key, decide() or False)
     return plan or None
 
 

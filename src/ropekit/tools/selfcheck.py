@@ -33,7 +33,7 @@ if __name__ == "__main__" and _wants_interpreter(None):
     os.environ["TRITON_INTERPRET"] = "1"
 
 import ropekit  # noqa: E402
-from ropekit.core import pipeline  # noqa: E402
+from ropekit.core import memo  # noqa: E402
 from ropekit.tools import reference  # noqa: E402
 
 
@@ -395,7 +395,7 @@ def use_cpu_path(interpreter: bool) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-    pipeline.clear()
+    memo.clear()
 
 
 def run_checks(device, checks=None, out=print) -> Tuple[int, int, int]:

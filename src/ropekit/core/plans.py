@@ -1,6 +1,6 @@
 """Launch plans: from a validated call's tensors to the kernels' grid, runtime ints and constexprs.
 
-A plan is made once per call signature (pipeline.Spec keeps it); a launch then needs only the
+A plan is made once per call signature (ropekit.core.variant.Spec keeps it); a launch then needs only the
 tensors' addresses (`fire_rotate`, `fire_store`), passed to Triton's compiled launcher directly
 (ropekit.core.launch). Tile sizes and warps come from ropekit.core.tuning's table.
 """
@@ -15,8 +15,7 @@ import torch
 
 from . import tuning
 from .launch import launch as launch_kernel
-
-NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # pipeline.Variant.norm_q / norm_k: none, each head, all heads
+from .variant import NORM_NONE, NORM_TOKEN
 
 
 def next_pow2(n: int) -> int:
@@ -217,8 +216,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         HALF_PAD=half_pad,
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
-        HAS_POS=angles.max_pos > 0,
-        MROPE=variant.mrope,
+        **angle_meta(angles, variant),
         IN_INTERLEAVED=variant.interleaved,
         OUT_INTERLEAVED=variant.out_interleaved,
         INVERSE=variant.inverse,
@@ -228,10 +226,6 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         PREFETCH=prefetch,
         NORM_Q=variant.norm_q,
         NORM_K=variant.norm_k,
-        PACKED=variant.angles == "packed",
-        FREQS=variant.angles == "freqs",
-        SEARCH_STRIDE=angles.search[0],
-        SEARCH_COARSE=angles.search[1],
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, mrope, n_tokens, elems=block_h * (2 * half_pad + tail_pad)),
     )
@@ -258,7 +252,7 @@ def section_args(variant, half: int) -> tuple:
 
 
 def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None, norm=None) -> None:
-    """Launch rope_kernel; (a, b) as in pipeline.run_rotate; scales: (q's, k's) float32 scalar
+    """Launch rope_kernel; (a, b) as in ropekit.core.run.run_rotate; scales: (q's, k's) float32 scalar
     tensors when the variant is scaled (k's may be None without k); norm: (q's weight, k's weight,
     eps, offset) when the variant normalizes (an absent weight is never read)."""
     meta = plan.meta
@@ -332,29 +326,13 @@ def block_warps(block_h: int, half_pad: int, tail_pad: int, warps: int) -> int:
     return max(warps, min(8, next_pow2(max(1, elems // 1024))))
 
 
-def plan_store(
-    q,
-    k,
-    v,
-    positions,
-    table,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    variant,
-    rot,
-    k_scaled,
-    v_scaled,
-    q_out=None,
-    q_scaled=False,
-    write_key=False,
-    packed=(1, 0),
-):
-    """rope_store_kernel's launch (None for an empty call). positions: the variant's angle source
-    (positions (*T) or (3, *T) with M-RoPE, cu_seqlens for packed angles, None for arange);
-    packed: (cp_size, cp_rank). q_out: None (q rotated in place) or the tensor q is rotated into
-    (its tail copied); write_key: rotated k written back into k too. The variant's norm_q / norm_k
-    normalize q / k first (their tails too)."""
+def plan_store(t, variant, rot: int, packed=(1, 0)):
+    """rope_store_kernel's launch for a store run's operands t (ropekit.core.run.StoreOperands;
+    None for an empty call). t.a: the variant's angle source (positions (*T) or (3, *T) with
+    M-RoPE, cu_seqlens for packed angles, None for arange); packed: (cp_size, cp_rank). The
+    variant says the rest: q into t.q_out (its tail copied) or in place, k written back
+    (write_key), which caches and outputs are scaled, q / k normalized first (tails too)."""
+    q, k, v = t.q, t.k, t.v
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     if n_tokens == 0:
@@ -376,10 +354,10 @@ def plan_store(
         tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "store_block_elems"),
         variant,
     )
-    angles = angle_layout(variant, rot, positions, table, None, packed)
-    block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
-    _, svc_blk, svc_off, svc_h = slot_geometry(v_cache)
-    qo = q if q_out is None else q_out
+    angles = angle_layout(variant, rot, t.a, t.table, None, packed)
+    block_size, skc_blk, skc_off, skc_h = slot_geometry(t.k_cache)
+    _, svc_blk, svc_off, svc_h = slot_geometry(t.v_cache)
+    qo = q if t.q_out is None else t.q_out
     q_tail = q.shape[-1] - rot
     args = (
         S,
@@ -391,7 +369,7 @@ def plan_store(
         angles.max_pos,
         angles.sin_off,
         block_size,
-        k_cache.shape[0] * block_size,
+        t.k_cache.shape[0] * block_size,
         nqb,
         nkb,
         nqb + nkb + nvb,
@@ -405,7 +383,7 @@ def plan_store(
         *angles.strides[2:],  # (table row, column)
         *section_args(variant, half),
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
-        *token_strides(slot_mapping, n_tok),
+        *token_strides(t.slot_mapping, n_tok),
         skc_blk,
         skc_off,
         skc_h,
@@ -419,7 +397,7 @@ def plan_store(
     )  # then the norm's eps and offset, per launch (fire_store)
     il = variant.interleaved
     # q's tail is written when it moves (a separate q_out) or changes (normalized, in place too)
-    q_tail_written = q_tail > 0 and (q_out is not None or variant.norm_q != NORM_NONE)
+    q_tail_written = q_tail > 0 and (variant.q_out or variant.norm_q != NORM_NONE)
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
@@ -428,21 +406,17 @@ def plan_store(
         BLOCK_HV=bhv,
         TAIL_PAD=tail_pad,
         DV_PAD=dv_pad,
-        HAS_POS=angles.max_pos > 0,
-        MROPE=variant.mrope,
-        PACKED=variant.angles == "packed",
-        SEARCH_STRIDE=angles.search[0],
-        SEARCH_COARSE=angles.search[1],
+        **angle_meta(angles, variant, ("HAS_POS", "MROPE", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE")),
         INTERLEAVED=il,
-        K_SCALED=k_scaled,
-        V_SCALED=v_scaled,
-        PACK_Q=_pair_bits(q, q_out) if il else 0,
-        PACK_K=_pair_bits(k, k_cache) if il else 0,
+        K_SCALED=variant.k_scaled,
+        V_SCALED=variant.v_scaled,
+        PACK_Q=_pair_bits(q, t.q_out) if il else 0,
+        PACK_K=_pair_bits(k, t.k_cache) if il else 0,
         NORM_Q=variant.norm_q,
         NORM_K=variant.norm_k,
         TAIL_PAD_Q=next_pow2(q_tail) if q_tail_written else 0,
-        Q_SCALED=q_scaled,
-        WRITE_K=bool(write_key),
+        Q_SCALED=variant.scaled,
+        WRITE_K=variant.write_key,
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, variant.mrope != 0, n_tokens, store=True),
@@ -453,76 +427,24 @@ def plan_store(
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 
 
-def store_inputs(
-    meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None, wq=None, wk=None
-):
-    """(meta, pointer tensors) of one rope_store_kernel launch: packed pairs turned off for base
-    pointers off the word grid (a view may start at an odd element)."""
-    qo = q if q_out is None else q_out
-    if meta["PACK_Q"] and (q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
-        meta = dict(meta, PACK_Q=0)
-    if meta["PACK_K"] and (k.data_ptr() | k_cache.data_ptr()) % (meta["PACK_K"] // 8):
-        meta = dict(meta, PACK_K=0)
-    ptrs = (
-        q,
-        k,
-        v,
-        table if positions is None else positions,
-        table,
-        slot_mapping,
-        k_cache,
-        v_cache,
-        table if ks is None else ks,
-        table if vs is None else vs,
-        qo,
-        table if qs is None else qs,
-        table if wq is None else wq,
-        table if wk is None else wk,
-    )  # scales and weights: never read unless scaled / normalized
-    return meta, ptrs
-
-
-_NO_NORM = (0.0, 0.0)  # eps and offset of a launch without the norm (never read)
-
-
-def fire_store(
-    plan: Optional[Plan],
-    q,
-    k,
-    v,
-    positions,
-    table,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    ks,
-    vs,
-    q_out=None,
-    qs=None,
-    norm=None,
-) -> None:
-    """Launch rope_store_kernel for plan_store's plan. positions: the angle source the plan was
-    made for; ks, vs, qs: float32 scale tensors or None; norm: None, or (q's weight or None, k's
-    weight or None, eps, offset) for a plan whose variant normalizes."""
+def fire_store(plan: Optional[Plan], t, eps: float = 0.0, offset: float = 0.0) -> None:
+    """Launch rope_store_kernel for plan_store's plan with the run's operands t (StoreOperands);
+    eps and offset: the norm's, read only by a plan whose variant normalizes. Packed pairs are
+    turned off for base pointers off the word grid (a view may start at an odd element)."""
     if plan is None:
         return
-    wq = wk = None
-    scalars = _NO_NORM
-    if norm is not None:
-        wq, wk, eps, offset = norm
-        scalars = (float(eps), float(offset))
-    meta, ptrs = store_inputs(
-        plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk
-    )
-    launch_kernel(
-        kernel("rope_store_kernel"),
-        plan.compiled,
-        (meta["PACK_Q"], meta["PACK_K"]),
-        plan.grid,
-        ptrs,
-        plan.args + scalars,
-        meta,
-    )
+    meta = plan.meta
+    qo = t.q if t.q_out is None else t.q_out
+    if meta["PACK_Q"] and (t.q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
+        meta = dict(meta, PACK_Q=0)
+    if meta["PACK_K"] and (t.k.data_ptr() | t.k_cache.data_ptr()) % (meta["PACK_K"] // 8):
+        meta = dict(meta, PACK_K=0)
+    table = t.table  # the slots of what the plan never reads (unscaled, unnormalized) point at it
+    ptrs = (t.q, t.k, t.v, table if t.a is None else t.a, table, t.slot_mapping, t.k_cache, t.v_cache)
+    ptrs += (table if t.ks is None else t.ks, table if t.vs is None else t.vs, qo, table if t.qs is None else t.qs)
+    ptrs += (table if t.wq is None else t.wq, table if t.wk is None else t.wk)
+    variant = (meta["PACK_Q"], meta["PACK_K"])
+    launch_kernel(kernel("rope_store_kernel"), plan.compiled, variant, plan.grid, ptrs, (*plan.args, eps, offset), meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +462,7 @@ def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
     return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), 4
 
 
-def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, scaled: bool) -> Optional[Plan]:
+def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int) -> Optional[Plan]:
     """rerotate_kernel's launch (delta: a tensor, or None for one int shift passed per launch)."""
     if slots.shape[0] == 0:
         return None
@@ -575,9 +497,9 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, sc
         ROWS=rows,
         TAIL_PAD=tail_pad,
         INTERLEAVED=variant.interleaved,
-        HAS_DST=dst_slots is not None,
+        HAS_DST=variant.to_dst,
         DELTA_SCALAR=delta is None,
-        SCALED=scaled,
+        SCALED=variant.k_scaled,
         num_warps=num_warps,
     )
     return Plan((-(-slots.shape[0] // rows), n_blocks), args, meta, 0, {})
@@ -615,9 +537,13 @@ def angle_args(angles: AngleLayout, variant) -> tuple:
     return (*angles.pos_strides, *angles.strides, *section_args(variant, angles.half), *angles.packed)
 
 
-def angle_meta(angles: AngleLayout, variant) -> dict:
-    """The kernels' constexprs of where the angles come from (see kernels.rope.load_angles)."""
-    return dict(
+_ANGLE_META = ("HAS_POS", "MROPE", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE", "FREQS")
+
+
+def angle_meta(angles: AngleLayout, variant, names=_ANGLE_META) -> dict:
+    """The kernels' constexprs of where the angles come from (see kernels.rope.load_angles); names:
+    those the kernel takes (the store's computes no angles: no FREQS)."""
+    meta = dict(
         HAS_POS=angles.max_pos > 0,
         MROPE=variant.mrope,
         PACKED=variant.angles == "packed",
@@ -625,6 +551,7 @@ def angle_meta(angles: AngleLayout, variant) -> dict:
         SEARCH_COARSE=angles.search[1],
         FREQS=variant.angles == "freqs",
     )
+    return meta if names is _ANGLE_META else {n: meta[n] for n in names}
 
 
 def _check_norm_weight(x: torch.Tensor, w: Optional[torch.Tensor], mode: int) -> None:
@@ -633,7 +560,7 @@ def _check_norm_weight(x: torch.Tensor, w: Optional[torch.Tensor], mode: int) ->
     want = {0: None, 1: d, 2: n_heads * d}.get(mode, -1)
     given = None if w is None else w.numel()
     if want == -1 or given != want:
-        from .validate import fail  # imported here: validation is not needed to launch
+        from .args import fail  # imported here: validation is not needed to launch
 
         fail(
             "plan_norm_backward",
@@ -718,7 +645,7 @@ def norm_partials(plan: Plan, device) -> torch.Tensor:
 
 def angle_pointers(meta: dict, a, b) -> tuple:
     """(positions, cos, sin) pointer tensors of a launch from the angle operands (a, b) as
-    pipeline.run_rotate takes them; a slot the plan never reads gets one of them (a valid address)."""
+    ropekit.core.run.run_rotate takes them; a slot the plan never reads gets one of them (a valid address)."""
     if meta["HAS_POS"] or meta["FREQS"]:  # positions (or cu_seqlens); a table, or the inverse frequencies
         return a, b, b
     if a is None:  # arange: the table alone
@@ -729,7 +656,7 @@ def angle_pointers(meta: dict, a, b) -> tuple:
 def fire_norm_backward(plan: Optional[Plan], x, g, gx, w, dw, a, b, eps: float, offset: float) -> None:
     """Launch rope_norm_backward_kernel: gx written, and with a weight the float32 partial sums dw
     (norm_backward_rows(plan), every row written; None for mode 0). Tensors as plan_norm_backward
-    took them, (a, b) the forward's angle operands (pipeline.run_rotate's), eps and offset the
+    took them, (a, b) the forward's angle operands (ropekit.core.run.run_rotate's), eps and offset the
     forward norm's. Nothing to do for an empty call (plan None)."""
     if plan is None:
         return

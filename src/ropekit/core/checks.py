@@ -1,0 +1,517 @@
+"""One entry per op: a call's arguments (the public op's `locals()`, by name) checked into its Spec.
+
+    rope(args)      apply_rope             angles(args)    rotate_with_angles / rotate_angles
+    store(args)     apply_rope_and_store   rerotate(args)  rerotate_kv_cache
+
+Each runs once per call signature (ropekit.core.variant.spec_for memoizes its Spec) and reads only
+shapes, strides, dtypes and devices: the first bad argument raises ValueError (TypeError for a
+wrong type) naming it, before anything is written. What depends on a call's addresses or values is
+checked on every call by the `*_call` entries below (aliasing of written tensors, a new table,
+strict mode's value checks). The rules themselves are ropekit.core.rules (arguments),
+ropekit.core.aliasing (byte ranges), ropekit.core.forms (other libraries' forms) and
+ropekit.core.strict (values).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import aliasing, forms, rules, strict
+from .args import addresses_known, data_readable, fail
+from .variant import (
+    ANGLE_NAMES,
+    CUSTOM_OP,
+    DIRECT,
+    FUNCTION,
+    MROPE_CHUNKED,
+    MROPE_INTERLEAVED,
+    NORM_HEAD,
+    NORM_NONE,
+    NORM_TOKEN,
+    Spec,
+    Variant,
+)
+
+_TABLE_EXCLUSIVE = ("cos_sin_cache", "mrope_section", "cu_seqlens")
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    """Does the Triton kernel run for tensors like x? (CUDA, or CPU under TRITON_INTERPRET=1)"""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def records_grad(*xs) -> bool:
+    """Will autograd record this call? (arguments that are not tensors: no; validation names them)"""
+    return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) is True for x in xs)
+
+
+def door_for(q, grad: bool, normed: bool = False, triton: bool = True) -> str:
+    """The eager door: subclasses (DTensor, ...) and meta tensors go through the dispatcher (the
+    custom ops' fakes give meta outputs their shapes and dtypes), grad through autograd; the CPU
+    path of a normed variant is a direct run (torch ops that autograd records)."""
+    if type(q) is not torch.Tensor or q.device.type == "meta":
+        return CUSTOM_OP
+    if normed and not triton:
+        return DIRECT
+    return FUNCTION if grad else DIRECT
+
+
+def scaled_by(scale) -> bool:
+    """Does a validated scale divide? (a float 1.0 does not: the run skips it)"""
+    return scale is not None and (isinstance(scale, torch.Tensor) or scale != 1.0)
+
+
+def _mrope_code(mrope_section, mrope_interleaved) -> tuple:
+    """(mode, sections) of a Variant for validated M-RoPE arguments."""
+    if mrope_section is None:
+        return 0, (0, 0, 0)
+    return (MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED), tuple(mrope_section)
+
+
+def _heads_first(x, yes: bool):
+    return x.transpose(1, 2) if yes and x is not None else x
+
+
+def _seq(x):
+    return None if x is None else x.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_rope
+
+
+def rope(args: dict) -> Spec:
+    """apply_rope's Spec (names the first bad argument)."""
+    op = "apply_rope"
+    q, k, positions, table = args["q"], args["k"], args["positions"], args["cos_sin_cache"]
+    inplace, layout, inv_freq, axes = args["inplace"], args["layout"], args["inv_freq"], args["axes"]
+    cu_seqlens, cp_size, cp_rank = args["cu_seqlens"], args["cp_size"], args["cp_rank"]
+    mrope_section, mrope_interleaved = args["mrope_section"], args["mrope_interleaved"]
+    weights = (args["q_norm_weight"], args["k_norm_weight"])
+    packed = (1, 0)
+    hf = forms.layout_arg(op, layout, q, sbhd=True)
+    seq = layout == "sbhd"
+    q_t, k_t = _heads_first(q, hf), _heads_first(k, hf)  # tokens first
+    if seq:  # checked as the (B, S, H, D) views the run takes
+        forms.sbhd_args(op, q, k, positions, mrope_section is not None)
+        q_t, k_t = _seq(q_t), _seq(k_t)
+        if isinstance(positions, torch.Tensor) and positions.dim() >= 2:
+            positions = positions.transpose(-1, -2)
+    expand = None  # positions with size-1 dims (HF's (1, S)): the shape each call expands them to
+    if inv_freq is not None or axes is not None:
+        if inv_freq is None:
+            fail(op, "inv_freq", "a tensor when axes is given (axes split inv_freq's pairs)", None)
+        for name, value in zip(_TABLE_EXCLUSIVE, (table, mrope_section, cu_seqlens)):
+            if value is not None:
+                fail(op, name, "None with inv_freq (angles computed from positions x inv_freq)", type(value).__name__)
+        rot, sections = rules.freqs_args(
+            op,
+            q_t,
+            k_t,
+            positions,
+            inv_freq,
+            axes,
+            rotary_dim=args["rotary_dim"],
+            inplace=inplace,
+            any_last_stride=True,
+        )
+        angles, mode, source, b = "freqs", 0, positions, inv_freq
+    else:
+        if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
+            packed = rules.packed_args(op, q_t, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
+        rot, mrope = rules.rope_args(
+            op,
+            q_t,
+            k_t,
+            positions,
+            table,
+            rotary_dim=args["rotary_dim"],
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            inplace=inplace,
+            packed=cu_seqlens is not None,
+            inplace_grad=True,
+            broadcast=True,
+            any_last_stride=True,
+        )
+        rules.no_grad_table(op, table)
+        if layout is None:
+            forms.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None, stacklevel=5)
+        if cu_seqlens is not None:
+            if inplace and addresses_known(q):
+                aliasing.inplace_aliasing(op, q, k, (("cu_seqlens", cu_seqlens),))
+            angles, source = "packed", cu_seqlens
+        else:
+            angles, source = ("table" if positions is not None else "arange"), positions
+        mode, sections = _mrope_code(mrope if angles == "table" else None, mrope_interleaved)
+        b = table
+        if angles == "table":
+            want = ((3,) if mode else ()) + tuple(q_t.shape[:-2])
+            expand = want if tuple(positions.shape) != want else None
+    norm_eps, norm_offset = args["norm_eps"], args["norm_weight_offset"]
+    modes = rules.norm_weights(op, q_t, k_t, *weights, norm_eps, norm_offset, inplace=inplace)
+    normed = modes != (NORM_NONE, NORM_NONE)
+    grad = records_grad(q, k, *weights, inv_freq)
+    out_dtype, inverse = args["out_dtype"], args["inverse"]
+    scaled = rules.out_args(op, q, out_dtype, args["q_scale"], args["k_scale"], inverse, inplace=inplace, grad=grad)
+    if normed:
+        rules.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
+    rules.out_buffers(op, q, k, args["q_out"], args["k_out"], out_dtype, inplace=inplace, grad=grad)
+    last = rules.rotary_position_arg(op, args["rotary_position"], normed)
+    last = last and any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    il = bool(args["interleaved"])
+    variant = Variant(
+        interleaved=il,
+        out_interleaved=il,
+        mrope=mode,
+        sections=sections,
+        angles=angles,
+        inverse=bool(inverse),
+        heads_first=hf,
+        scaled=scaled,
+        norm_q=modes[0],
+        norm_k=modes[1],
+        seq_first=seq,
+        rope_last=last,
+    )
+    triton = triton_runs(q)
+    return Spec(
+        variant,
+        rot,
+        door_for(q, grad, normed, triton),
+        triton,
+        copy_in=any(x is not None and x.shape[-1] > 1 and x.stride(-1) != 1 for x in (q, k)),
+        extents=tuple(aliasing.extent(x) for x in (q, k, source, b, *weights)),
+        packed=packed,
+        angle_shape=expand,
+        inplace=bool(inplace),
+        out_dtype=None if out_dtype == q.dtype else out_dtype,
+        norm_eps=float(norm_eps),
+        norm_offset=float(norm_offset),
+    )
+
+
+def rope_call(spec: Spec, args: dict, a, b) -> None:
+    """apply_rope's checks of this call's addresses and (strict mode) values, before any write:
+    (a, b) the angle operands the run reads."""
+    v = spec.variant
+    if v.angles != "freqs" and (spec.table is None or spec.table() is not b):
+        forms.read_new_table(spec, "apply_rope", b)  # a new table: HF's cos is refused
+    if spec.door is CUSTOM_OP:  # the custom ops check addresses themselves
+        return
+    q, k = args["q"], args["k"]
+    weights = (args["q_norm_weight"], args["k_norm_weight"])
+    names = ANGLE_NAMES[v.angles]
+    if args["inplace"] and aliasing.spans_meet((q, k, a, b, *weights), spec.extents):
+        # exact tests only when the written tensors' byte ranges meet another argument's
+        read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+        aliasing.inplace_aliasing("apply_rope", q, k, read)
+    q_out, k_out = args["q_out"], args["k_out"]
+    if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
+        scales = [s if isinstance(s, torch.Tensor) else None for s in (args["q_scale"], args["k_scale"])]
+        read = (("q", q), ("k", k), (names[0], a), (names[1], b))
+        read += (("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+        read += (("q_scale", scales[0]), ("k_scale", scales[1]))
+        extents = [aliasing.extent(q_out), aliasing.extent(k_out)] + [aliasing.extent(x) for _, x in read]
+        aliasing.out_aliasing("apply_rope", q_out, k_out, read, extents)
+    if strict.is_strict():
+        if v.angles == "packed":
+            strict.packed_values("apply_rope", a, q.shape[0], args["cp_size"])
+        elif v.angles == "freqs":
+            strict.positions_finite("apply_rope", a)
+        elif a is not None:
+            strict.positions_in_range("apply_rope", a, b.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# rotate_with_angles (ropekit.hf's seam, rotate_angles: per-token cos / sin)
+
+
+def angle_columns(q, k, cos, sin, rotary_dim, columns):
+    """(columns of cos / sin to read, settled): HF's full-width [f, f] form reads half of them.
+    settled False when the values could not tell the forms apart (all angles zero): that verdict
+    is then not remembered for the signature."""
+    if columns is not None:
+        return columns, True
+    if rotary_dim is not None:
+        return forms.angle_rotary_dim("rotate_with_angles", cos, rotary_dim), True
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dim() == 0:
+        return None, True  # validation names them
+    if not (data_readable(cos) and data_readable(sin)):
+        return _columns_by_width(q, k, cos), True  # tracing, capturing, a subclass: shapes decide
+    duplicated = forms.duplicated_angles(cos, sin)
+    if duplicated is None:
+        return _columns_by_width(q, k, cos), False
+    return (cos.shape[-1] // 2 if duplicated else None), True
+
+
+def _columns_by_width(q, k, cos):
+    """Without values: HF's form only where rotary_dim // 2 columns could not fit the heads."""
+    width = cos.shape[-1]
+    too_wide = any(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] < 2 * width for x in (q, k))
+    return width // 2 if too_wide and width % 2 == 0 else None
+
+
+def angles(args: dict) -> Spec:
+    """rotate_angles' Spec (names the first bad argument)."""
+    op = "rotate_with_angles"
+    q, k, cos, sin = args["q"], args["k"], args["cos"], args["sin"]
+    interleaved = bool(args["interleaved"])
+    out_il = interleaved if args["out_interleaved"] is None else args["out_interleaved"]
+    heads_first, inplace = args["heads_first"], args["inplace"]
+    weights = (args["q_norm_weight"], args["k_norm_weight"])
+    mrope_section, mrope_interleaved = args["mrope_section"], args["mrope_interleaved"]
+    columns, settled = angle_columns(q, k, cos, sin, args["rotary_dim"], args["columns"])
+    hf = bool(heads_first)
+    if columns is not None and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor):
+        cos, sin = cos[..., :columns], sin[..., :columns]
+    q_t, k_t = _heads_first(q, hf), _heads_first(k, hf)
+    cos_v, sin_v, mrope = rules.angle_args(
+        op, q_t, k_t, cos, sin, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved
+    )
+    if heads_first is None:
+        forms.warn_ambiguous_layout(op, q, False, stacklevel=6)
+    if inplace:
+        read = (("cos", cos_v), ("sin", sin_v), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+        rules.inplace_args(op, q_t, k_t, read, inplace_grad=True)
+    norm = (args["norm_eps"], args["norm_weight_offset"])
+    modes = rules.norm_weights(op, q_t, k_t, *weights, *norm, inplace=inplace)
+    normed = modes != (NORM_NONE, NORM_NONE)
+    grad = records_grad(q, k, *weights)
+    if normed:
+        rules.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != interleaved)
+    mode, sections = _mrope_code(mrope, mrope_interleaved)
+    variant = Variant(
+        interleaved=interleaved,
+        out_interleaved=bool(out_il),
+        mrope=mode,
+        sections=sections,
+        angles="tokens",
+        heads_first=hf,
+        norm_q=modes[0],
+        norm_k=modes[1],
+    )
+    triton = triton_runs(q)
+    door = door_for(q, grad, normed, triton)
+    # broadcast views start where their tensors do, so a launch can take cos and sin as given with
+    # these strides; unless validation had to copy them (cos and sin strides differ): then again per call
+    copied = (
+        door != CUSTOM_OP
+        and not torch.compiler.is_compiling()
+        and (cos_v.data_ptr() != cos.data_ptr() or sin_v.data_ptr() != sin.data_ptr())
+    )
+    sec = cos_v.stride(0) if mode else 0
+    token = cos_v[0] if mode else cos_v
+    n_tok = q.dim() - 2
+    token_strides = (token.stride(0), token.stride(1)) if n_tok == 2 else (0, token.stride(0))
+    return Spec(
+        variant,
+        2 * cos_v.shape[-1],
+        door,
+        triton,
+        copy_angles=copied,
+        angle_shape=tuple(cos_v.shape),
+        angle_strides=(sec, *token_strides, cos_v.stride(-1)),
+        inplace=bool(inplace),
+        norm_eps=float(norm[0]),
+        norm_offset=float(norm[1]),
+        settled=settled,
+    )
+
+
+def angles_call(spec: Spec, args: dict, cos, sin) -> None:
+    """rotate_angles' address checks of this call (in place: q and k against what is read)."""
+    if spec.inplace and spec.door is not CUSTOM_OP:
+        read = (("cos", cos), ("sin", sin), ("q_norm_weight", args["q_norm_weight"]))
+        read += (("k_norm_weight", args["k_norm_weight"]),)
+        aliasing.inplace_aliasing("rotate_with_angles", args["q"], args["k"], read)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_rope_and_store
+
+STORE = "apply_rope_and_store"
+
+
+def store(args: dict) -> Spec:
+    """apply_rope_and_store's Spec, for the store's own tensors (the public op has made its views:
+    MLA's parts, 3-D caches, strided last dims read through copies)."""
+    op = STORE
+    q, k, v, positions = args["q"], args["k"], args["v"], args["positions"]
+    k_cache, v_cache, slot_mapping = args["k_cache"], args["v_cache"], args["slot_mapping"]
+    cu_seqlens, cp_size, cp_rank = args["cu_seqlens"], args["cp_size"], args["cp_rank"]
+    mrope_section, mrope_interleaved = args["mrope_section"], args["mrope_interleaved"]
+    q_out, q_scale, write_key = args["q_out"], args["q_scale"], args["write_key"]
+    weights = (args["q_norm_weight"], args["k_norm_weight"])
+    packed = (1, 0)
+    if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
+        packed = rules.packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
+    rot, mrope, k_scale, v_scale = rules.store_args(
+        op,
+        q,
+        k,
+        v,
+        positions,
+        args["cos_sin_cache"],
+        k_cache,
+        v_cache,
+        slot_mapping,
+        rotary_dim=args["rotary_dim"],
+        k_scale=args["k_scale"],
+        v_scale=args["v_scale"],
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        packed=cu_seqlens is not None,
+    )
+    rules.store_outputs(op, q, k, q_out, q_scale, write_key)
+    modes = store_norm_modes(q, k, *weights, args["norm_eps"], args["norm_weight_offset"])
+    if cu_seqlens is not None:
+        angle_source, a = "packed", cu_seqlens
+    else:
+        angle_source, a = ("table" if positions is not None else "arange"), positions
+    mode = 0
+    if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
+        mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
+    il = bool(args["interleaved"])
+    variant = Variant(
+        interleaved=il,
+        out_interleaved=il,
+        mrope=mode,
+        sections=mrope if mode else (0, 0, 0),
+        angles=angle_source,
+        norm_q=modes[0],
+        norm_k=modes[1],
+        scaled=scaled_by(q_scale),
+        q_out=q_out is not None,
+        write_key=bool(write_key),
+        k_scaled=scaled_by(k_scale),
+        v_scaled=scaled_by(v_scale),
+    )
+    spec = store_spec(args, variant, rot, packed, door_for(q, False), a)
+    spec.norm_eps, spec.norm_offset = float(args["norm_eps"]), float(args["norm_weight_offset"])
+    return spec
+
+
+def store_spec(args: dict, variant: Variant, rot: int, packed, door: str, a) -> Spec:
+    """The Spec of a validated store call (the public op's, or a custom op's for its local tensors)."""
+    t = (args["q"], args["k"], args["v"], args["k_cache"], args["v_cache"], a, args["cos_sin_cache"])
+    t += (args["slot_mapping"], args["q_out"], args["q_norm_weight"], args["k_norm_weight"])
+    return Spec(variant, rot, door, triton_runs(args["q"]), extents=aliasing.store_extents(*t), packed=packed)
+
+
+def store_norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) -> tuple:
+    """(norm_q, norm_k) of the store's norm arguments: NORM_NONE without weights; inference only."""
+    if q_norm_weight is None and k_norm_weight is None:
+        return NORM_NONE, NORM_NONE
+    modes = rules.norm_weights(STORE, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    if torch.is_grad_enabled():
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if w is not None and w.requires_grad:
+                fail(STORE, name, "a tensor that does not require grad (apply_rope_and_store is inference only)", True)
+    return modes
+
+
+def store_weights(variant: Variant, q, k, wq, wk) -> None:
+    """A custom store op's norm weights against the encoded norm modes and the (local) tensors: a
+    weight per mode, of D elements per head or H*D across heads (the kernel reads that many)."""
+    for name, w, x, mode in (("q_norm_weight", wq, q, variant.norm_q), ("k_norm_weight", wk, k, variant.norm_k)):
+        want = {NORM_HEAD: x.shape[-1], NORM_TOKEN: x.shape[-2] * x.shape[-1]}.get(mode)
+        got = None if w is None else w.numel()
+        if got != want:
+            what = "None" if want is None else f"a tensor of {want} elements"
+            fail(STORE, name, f"{what} (norm mode {mode} of the variant)", "None" if w is None else f"{got}")
+
+
+def store_call(spec: Spec, t) -> None:
+    """The store's checks of this call's addresses (and data in strict mode), before any write.
+    t: the run's operands (ropekit.core.run.StoreOperands)."""
+    if strict.is_strict():
+        if spec.variant.angles == "packed":
+            strict.packed_values(STORE, t.a, t.q.shape[0], spec.packed[0])
+        elif t.a is not None:
+            strict.positions_in_range(STORE, t.a, t.table.shape[0])
+        num_slots = t.k_cache.shape[0] * (t.k_cache.shape[1] if t.k_cache.dim() == 4 else 1)
+        strict.slots_in_range(STORE, t.slot_mapping, num_slots)
+        strict.slots_unique(STORE, t.slot_mapping)
+        for name, scale in (("k_scale", t.ks), ("v_scale", t.vs), ("q_scale", t.qs)):
+            if scale is not None:
+                strict.scale_value(STORE, name, scale)
+    # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
+    # a decode loop that passes the same buffers again (a static cache, reused activations) pays
+    # for the addresses and one compare
+    addrs = tuple(0 if x is None else x.data_ptr() for x in t)
+    if spec.plans.get("checked addresses") == addrs:
+        return
+    write_key = spec.variant.write_key
+    ext = spec.extents
+    aliasing.store_aliasing(
+        STORE, t.q, t.k, t.v, t.k_cache, t.v_cache, extents=ext, memo=spec.alias, q_out=t.q_out, write_key=write_key
+    )
+    packed = spec.variant.angles == "packed"
+    # written (q's place taken by q_out when given; k with write_key) against the read-only inputs
+    written = [("q", t.q) if t.q_out is None else ("q_out", t.q_out), ("k_cache", t.k_cache), ("v_cache", t.v_cache)]
+    read = [("cu_seqlens" if packed else "positions", t.a), ("cos_sin_cache", t.table)]
+    read += [("slot_mapping", t.slot_mapping), ("k_scale", t.ks), ("v_scale", t.vs)]
+    # scales: one float32
+    extents = [ext[0] if t.q_out is None else ext[8], ext[1], ext[2]]
+    tail = [ext[5], ext[6], ext[7], 0 if t.ks is None else 4, 0 if t.vs is None else 4]
+    if write_key:
+        written.append(("k", t.k))
+        extents.append(ext[3])
+    if t.qs is not None:
+        read.append(("q_scale", t.qs))
+        tail.append(4)
+    if t.wq is not None or t.wk is not None:
+        read += [("q_norm_weight", t.wq), ("k_norm_weight", t.wk)]
+        tail += [ext[9], ext[10]]
+    aliasing.written_vs_read(STORE, written, read, extents=extents + tail)
+    spec.plans["checked addresses"] = addrs
+
+
+# ---------------------------------------------------------------------------------------------
+# rerotate_kv_cache
+
+REROTATE = "rerotate_kv_cache"
+
+
+def rerotate(args: dict) -> Spec:
+    """rerotate_kv_cache's Spec (names the first bad argument)."""
+    op = REROTATE
+    k_cache, slots, delta, table = args["k_cache"], args["slots"], args["delta"], args["cos_sin_cache"]
+    dst_slots = args["dst_slots"]
+    if not torch.compiler.is_compiling():
+        rules.no_dtensor(op, "re-rotation", ("k_cache", k_cache))
+    rot, _, k_scale, _ = rules.rerotate_args(
+        op,
+        k_cache,
+        slots,
+        delta,
+        table,
+        interleaved=args["interleaved"],
+        rotary_dim=args["rotary_dim"],
+        k_scale=args["k_scale"],
+        dst_slots=dst_slots,
+    )
+    il = bool(args["interleaved"])
+    variant = Variant(il, il, angles="delta", k_scaled=scaled_by(k_scale), to_dst=dst_slots is not None)
+    extents = tuple(aliasing.extent(x) for x in (k_cache, slots, dst_slots, delta, table))
+    return Spec(variant, rot, door_for(k_cache, False), triton_runs(k_cache), extents=extents)
+
+
+def rerotate_call(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+    """The re-rotation's checks of this call's addresses and values (an int shift's range on every
+    call, free; tensors' values in strict mode), before any write."""
+    if delta_int is not None:
+        strict.int_shift(REROTATE, delta_int, table.shape[0])
+    extents = None
+    if spec.extents:
+        extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
+    aliasing.rerotate_aliasing(REROTATE, k_cache, slots, delta, table, k_scale, dst_slots, extents=extents)
+    if strict.is_strict():
+        num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+        shifts = delta if delta is not None else delta_int
+        strict.rerotate_values(REROTATE, slots, shifts, dst_slots, num_slots, table.shape[0])
+        if k_scale is not None:
+            strict.scale_value(REROTATE, "k_scale", k_scale)

@@ -1,0 +1,757 @@
+"""The argument rules of the ops, one function per group of arguments (q / k, the table, M-RoPE,
+inverse frequencies, outputs, packed sequences, per-token angles, caches and slots, scales, norm
+weights). ropekit.core.checks composes them into one entry per op. Shapes, strides, dtypes and
+devices only: no data read, no device sync (those are ropekit.core.strict's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .aliasing import has_internal_overlap, inplace_aliasing
+from .args import (
+    CACHE_DTYPES,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    NUMBERS,
+    OUT_DTYPES,
+    POSITION_DTYPES,
+    TABLE_DTYPES,
+    addresses_known,
+    broadcasts_to,
+    dtype_name,
+    fail,
+    heads_first_hint,
+    tensor,
+)
+from .forms import full_width_angles
+from .strict import int_shift
+
+
+def qk_args(op, q, k, any_last_stride=False) -> tuple:
+    """q and k: rank, dtype, device, unit last stride (unless any_last_stride: apply_rope reads
+    other layouts through a copy), matching token dims. Returns the token shape."""
+    unit = not any_last_stride
+    tensor(op, "q", q, ndims=(3, 4), dtypes=FLOAT_DTYPES, shape_hint="(T, H, D) or (B, S, H, D)", last_stride_one=unit)
+    token_shape = tuple(q.shape[:-2])
+    if k is not None:
+        tensor(
+            op,
+            "k",
+            k,
+            ndims=(q.dim(),),
+            dtypes=FLOAT_DTYPES,
+            device=q.device,
+            shape_hint=lambda: f"with the token dims of q {token_shape}",
+            last_stride_one=unit,
+        )
+        if tuple(k.shape[:-2]) != token_shape:
+            hint = heads_first_hint(q, (k.shape[0], k.shape[2])) if k.dim() == 4 else ""
+            fail(op, "k", f"token dims {token_shape} (those of q)", f"shape {tuple(k.shape)}{hint}")
+        if k.dtype != q.dtype:
+            fail(op, "k", f"the dtype of q ({dtype_name(q.dtype)})", dtype_name(k.dtype))
+    return token_shape
+
+
+def mrope_args(op, mrope_section, mrope_interleaved, half):
+    """None, or the (t, h, w) sections as a tuple summing to half."""
+    if mrope_section is None:
+        if mrope_interleaved:
+            fail(op, "mrope_interleaved", "mrope_section to be given with it", "mrope_section=None")
+        return None
+    if (
+        not isinstance(mrope_section, (list, tuple))
+        or len(mrope_section) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mrope_section)
+    ):
+        fail(op, "mrope_section", "3 non-negative ints (t, h, w) in frequency units", mrope_section)
+    if sum(mrope_section) != half:
+        fail(
+            op,
+            "mrope_section",
+            f"sections summing to rotary_dim // 2 = {half}",
+            f"{tuple(mrope_section)} (sum {sum(mrope_section)})",
+        )
+    return tuple(mrope_section)
+
+
+def head_sizes(op, q, k, rotary_dim):
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and x.shape[-1] < rotary_dim:
+            fail(op, name, f"a head size >= rotary_dim ({rotary_dim})", f"head size {x.shape[-1]}")
+
+
+def table_rotary_dim(op, cos_sin_cache, rotary_dim) -> int:
+    """rotary_dim checked against a [cos | sin] table's width (None: the width)."""
+    width = cos_sin_cache.shape[1]
+    if rotary_dim is None:
+        rotary_dim = width
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        fail(op, "rotary_dim", "a positive even int", rotary_dim)
+    if rotary_dim != width:
+        fail(op, "rotary_dim", f"the width of cos_sin_cache ({width}: [cos | sin] of rotary_dim // 2 each)", rotary_dim)
+    return rotary_dim
+
+
+def rope_args(
+    op,
+    q,
+    k,
+    positions,
+    cos_sin_cache,
+    *,
+    rotary_dim,
+    mrope_section,
+    mrope_interleaved,
+    inplace,
+    packed=False,
+    inplace_grad=False,
+    broadcast=False,
+    any_last_stride=False,
+):
+    """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w).
+    inplace_grad: in place is allowed while q or k requires grad (the plain rotation: its backward
+    needs no input; the norm's does). broadcast: positions may have size-1 dims where the token
+    dims have more (Hugging Face's (1, S) position_ids); the caller expands them. any_last_stride:
+    as qk_args'."""
+    token_shape = qk_args(op, q, k, any_last_stride)
+    device = q.device
+    tensor(
+        op,
+        "cos_sin_cache",
+        cos_sin_cache,
+        ndims=(2,),
+        dtypes=TABLE_DTYPES,
+        device=device,
+        shape_hint="(max_position, rotary_dim)",
+    )
+    rotary_dim = table_rotary_dim(op, cos_sin_cache, rotary_dim)
+    head_sizes(op, q, k, rotary_dim)
+    if cos_sin_cache.shape[0] < 1:
+        fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
+
+    mrope = mrope_args(op, mrope_section, mrope_interleaved, rotary_dim // 2)
+
+    if positions is None:
+        if not packed and token_shape[-1] > cos_sin_cache.shape[0]:
+            fail(
+                op,
+                "positions",
+                f"explicit positions: None means arange({token_shape[-1]}), "
+                f"past the {cos_sin_cache.shape[0]} rows of cos_sin_cache",
+                None,
+            )
+    else:
+        want = ((3,) + token_shape) if mrope is not None else token_shape
+        tensor(
+            op,
+            "positions",
+            positions,
+            ndims=(len(want),),
+            dtypes=INDEX_DTYPES,
+            device=device,
+            shape_hint=want,
+            last_stride_one=False,
+        )
+        shape = tuple(positions.shape)
+        if shape != want and not (broadcast and broadcasts_to(shape, want)):
+            what = "(3, *T) for M-RoPE" if mrope is not None else "*T, the token dims of q"
+            fail(op, "positions", f"shape {want} ({what})", f"shape {shape}{heads_first_hint(q, shape[-2:])}")
+
+    if inplace:
+        read = (("positions", positions), ("cos_sin_cache", cos_sin_cache))
+        inplace_args(op, q, k, read, inplace_grad=inplace_grad)
+    return rotary_dim, mrope
+
+
+def inplace_args(op, q, k, read, *, inplace_grad=False) -> None:
+    """inplace=True: q and k without self-overlap, disjoint from each other and from the read-only
+    tensors `read` ((name, tensor) pairs), and (unless inplace_grad) not requiring grad."""
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and has_internal_overlap(x):
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims when inplace=True",
+                f"strides {tuple(x.stride())}",
+            )
+    # the in-place custom op checks its (local) tensors at run time where addresses are not known here
+    if addresses_known(q):
+        inplace_aliasing(op, q, k, read)
+    if not inplace_grad and torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+        fail(op, "inplace", "False when q or k requires grad (autograd needs the inputs)", True)
+
+
+MAX_AXES = 4
+
+
+def _rotary_dim_of_freqs(op, rotary_dim, half) -> int:
+    rot = 2 * half
+    if rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+            raise TypeError(f"{op}: rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+        if rotary_dim != rot:
+            fail(op, "rotary_dim", f"2 * len(inv_freq) = {rot} (or None)", rotary_dim)
+    return rot
+
+
+def axes_arg(op, axes, half) -> tuple:
+    """() without axes, else the pairs of each axis: 1 to MAX_AXES non-negative ints summing to half."""
+    if axes is None:
+        return ()
+    if (
+        not isinstance(axes, (list, tuple))
+        or not 1 <= len(axes) <= MAX_AXES
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in axes)
+    ):
+        fail(op, "axes", f"1 to {MAX_AXES} non-negative ints (rotary pairs of each axis)", repr(axes))
+    if sum(axes) != half:
+        fail(op, "axes", f"pairs summing to len(inv_freq) = {half}", f"{tuple(axes)} (sum {sum(axes)})")
+    return tuple(axes)
+
+
+def freqs_args(op, q, k, positions, inv_freq, axes, *, rotary_dim, inplace, any_last_stride=False) -> tuple:
+    """Checks of apply_rope with angles computed from positions x inv_freq. Returns
+    (rotary_dim, axes) with axes () when not given."""
+    token_shape = qk_args(op, q, k, any_last_stride)
+    tensor(
+        op,
+        "inv_freq",
+        inv_freq,
+        ndims=(1,),
+        dtypes=(torch.float32,),
+        device=q.device,
+        shape_hint="(rotary_dim // 2,)",
+        last_stride_one=False,
+    )
+    half = inv_freq.shape[0]
+    if half < 1:
+        fail(op, "inv_freq", "at least one frequency", f"shape {tuple(inv_freq.shape)}")
+    rot = _rotary_dim_of_freqs(op, rotary_dim, half)
+    head_sizes(op, q, k, rot)
+    axes = axes_arg(op, axes, half)
+    want = ((len(axes),) if axes else ()) + token_shape
+    what = "(len(axes), *T)" if axes else "*T, the token dims of q"
+    if positions is None:
+        fail(op, "positions", f"a tensor of shape {want} ({what}) with inv_freq", None)
+    tensor(
+        op,
+        "positions",
+        positions,
+        ndims=(len(want),),
+        dtypes=POSITION_DTYPES,
+        device=q.device,
+        shape_hint=want,
+        last_stride_one=False,
+    )
+    if tuple(positions.shape) != want:
+        fail(op, "positions", f"shape {want} ({what})", f"shape {tuple(positions.shape)}")
+    if inplace:
+        inplace_args(op, q, k, (("positions", positions), ("inv_freq", inv_freq)), inplace_grad=True)
+        if inv_freq.requires_grad and torch.is_grad_enabled():
+            fail(op, "inplace", "False when inv_freq requires grad (its gradient needs the outputs)", True)
+    return rot, axes
+
+
+def is_scaled(out_dtype, q_scale, k_scale) -> bool:
+    """Do outputs of this dtype, with these scales, take the kernel's scaled path? (fp8 outputs
+    always do: the kernel casts to fp8 from float32 only, after saturating)"""
+    fp8 = out_dtype is not None and out_dtype.itemsize == 1
+    return fp8 or q_scale is not None or k_scale is not None
+
+
+def out_args(op, q, out_dtype, q_scale, k_scale, inverse, *, inplace, grad) -> bool:
+    """Checks of apply_rope's output options (out_dtype, q_scale, k_scale, inverse). Returns
+    whether the outputs are scaled (see is_scaled)."""
+    if not isinstance(inverse, bool):
+        raise TypeError(f"{op}: inverse: expected a bool, got {type(inverse).__name__}")
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"{op}: out_dtype: expected a torch.dtype or None, got {type(out_dtype).__name__}")
+        if out_dtype not in OUT_DTYPES:
+            fail(op, "out_dtype", f"None or one of ({', '.join(dtype_name(d) for d in OUT_DTYPES)})", out_dtype)
+        if inplace:
+            fail(op, "out_dtype", "None when inplace=True (in place writes q's own dtype)", dtype_name(out_dtype))
+        if grad and out_dtype != q.dtype:
+            fail(
+                op,
+                "out_dtype",
+                "None or q's dtype while q or k requires grad (no gradient through a cast to another dtype)",
+                dtype_name(out_dtype),
+            )
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is None:
+            continue
+        if out_dtype is None:
+            fail(op, name, "None without out_dtype (a scale quantizes outputs of another dtype)", "a scale")
+        scale_arg(op, name, scale, q.device)
+        if grad:
+            fail(op, name, "None while q or k requires grad (no gradient through a quantization)", "a scale")
+    return is_scaled(out_dtype, q_scale, k_scale)
+
+
+def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad) -> None:
+    """Checks of apply_rope's destinations (q_out, k_out) that need no address: each None, or a
+    tensor of its input's shape in the outputs' dtype on q's device, last stride 1, no element
+    twice. Their aliasing with the inputs and each other is checked per call (`out_aliasing`)."""
+    dtype = q.dtype if out_dtype is None else out_dtype
+    for name, out, x, xname in (("q_out", q_out, q, "q"), ("k_out", k_out, k, "k")):
+        if out is None:
+            continue
+        if inplace:
+            fail(op, name, "None when inplace=True (in place writes q and k themselves)", "a tensor")
+        if x is None:
+            fail(op, name, f"None when {xname} is None", "a tensor")
+        if grad:
+            fail(
+                op,
+                name,
+                "None while q or k requires grad (results written into given tensors are not "
+                "differentiable, as with torch's out=)",
+                "a tensor",
+            )
+        tensor(op, name, out, ndims=(x.dim(),), dtypes=(dtype,), device=q.device, shape_hint=f"of {xname}'s shape")
+        if tuple(out.shape) != tuple(x.shape):
+            fail(op, name, f"shape {tuple(x.shape)} (that of {xname})", f"shape {tuple(out.shape)}")
+        if has_internal_overlap(out):
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+                f"strides {tuple(out.stride())}",
+            )
+        if out.requires_grad and torch.is_grad_enabled():
+            fail(op, name, "a tensor that does not require grad (it is written in place)", "requires_grad=True")
+
+
+ROTARY_POSITIONS = ("first", "last")
+
+
+def rotary_position_arg(op, rotary_position, normed) -> bool:
+    """'first' (dims [0, rotary_dim) rotated) or 'last' ([D - rotary_dim, D): DeepSeek's
+    [nope | rope] head). Returns True for 'last'."""
+    if not isinstance(rotary_position, str):
+        raise TypeError(f"{op}: rotary_position: expected a str, got {type(rotary_position).__name__}")
+    if rotary_position not in ROTARY_POSITIONS:
+        fail(op, "rotary_position", "'first' or 'last'", repr(rotary_position))
+    last = rotary_position == "last"
+    if last and normed:
+        fail(
+            op,
+            "rotary_position",
+            "'first' with q_norm_weight / k_norm_weight (the fused norm covers the head from dim 0)",
+            "'last'",
+        )
+    return last
+
+
+def no_grad_table(op, table):
+    """ropekit treats the angles as constants: a table that requires grad is refused under grad mode."""
+    if table.requires_grad and torch.is_grad_enabled():
+        fail(
+            op,
+            "cos_sin_cache",
+            "a tensor that does not require grad (ropekit does not differentiate through the angles)",
+            "requires_grad=True",
+        )
+
+
+def packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section) -> tuple:
+    """apply_rope's packed-sequence arguments: cu_seqlens (N+1,) int32/int64 on q's device with
+    q (T, H, D), positions None, no M-RoPE; cp_size >= 1 and 0 <= cp_rank < cp_size (ints).
+    Returns (cp_size, cp_rank). Values (cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == T,
+    even lengths under CP) are checked only in strict mode (`packed_values`): they need a sync."""
+    for name, v, low in (("cp_size", cp_size, 1), ("cp_rank", cp_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{op}: {name}: expected an int, got {type(v).__name__}")
+        if v < low:
+            fail(op, name, f"an int >= {low}", v)
+    if cu_seqlens is None:
+        if cp_size != 1 or cp_rank != 0:
+            fail(
+                op,
+                "cu_seqlens",
+                f"a tensor when cp_size / cp_rank are given (cp_size={cp_size}, cp_rank={cp_rank})",
+                None,
+            )
+        return 1, 0
+    if cp_rank >= cp_size:
+        fail(op, "cp_rank", f"an int in [0, cp_size = {cp_size})", cp_rank)
+    if positions is not None:
+        fail(
+            op,
+            "positions",
+            "None when cu_seqlens is given (positions are derived from cu_seqlens)",
+            f"a tensor of shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else positions,
+        )
+    if mrope_section is not None:
+        fail(op, "mrope_section", "None with cu_seqlens (M-RoPE takes its (3, *T) positions explicitly)", mrope_section)
+    if q.dim() != 3:
+        fail(op, "q", "a (T, H, D) tensor of packed tokens when cu_seqlens is given", f"shape {tuple(q.shape)}")
+    tensor(
+        op,
+        "cu_seqlens",
+        cu_seqlens,
+        ndims=(1,),
+        dtypes=INDEX_DTYPES,
+        device=q.device,
+        shape_hint="(N+1,) cumulative sequence lengths",
+        last_stride_one=False,
+    )
+    if cu_seqlens.shape[0] < 2:
+        fail(op, "cu_seqlens", "at least two elements (N+1 for N >= 1 sequences)", f"shape {tuple(cu_seqlens.shape)}")
+    return cp_size, cp_rank
+
+
+def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
+    """Checks of per-token cos/sin. Returns (cos, sin, mrope) with cos/sin broadcast to full shape
+    (views; both given the same strides, which the kernel assumes)."""
+    token_shape = qk_args(op, q, k)
+    for name, x in (("cos", cos), ("sin", sin)):
+        tensor(op, name, x, ndims=range(1, 8), dtypes=TABLE_DTYPES, device=q.device, last_stride_one=False)
+        if x.requires_grad and torch.is_grad_enabled():
+            fail(
+                op, name, "a tensor that does not require grad (angles are constants to ropekit)", "requires_grad=True"
+            )
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        fail(
+            op,
+            "sin",
+            f"the shape and dtype of cos {tuple(cos.shape)} {dtype_name(cos.dtype)}",
+            f"{tuple(sin.shape)} {dtype_name(sin.dtype)}",
+        )
+    half = cos.shape[-1]
+    if half < 1:
+        fail(op, "cos", "a last dim of rotary_dim // 2 >= 1", f"shape {tuple(cos.shape)}")
+    full_width_angles(op, q, k, half)
+    head_sizes(op, q, k, 2 * half)
+    mrope = mrope_args(op, mrope_section, mrope_interleaved, half)
+    want = ((3,) if mrope is not None else ()) + token_shape + (half,)
+    try:
+        cos, sin = cos.broadcast_to(want), sin.broadcast_to(want)
+    except RuntimeError:
+        hint = heads_first_hint(q, tuple(cos.shape[-3:-1])) if cos.dim() >= 3 else ""
+        fail(op, "cos", f"a shape broadcastable to {want}", f"shape {tuple(cos.shape)}{hint}")
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, mrope
+
+
+_CACHE_HINT = "(num_blocks, block_size, H, D) or (num_slots, H, D)"
+
+
+def scale_arg(op, name, scale, device):
+    """None, a positive finite float, or a 0-d / 1-element float32 tensor on the device of q."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            fail(op, name, "a 0-d or 1-element tensor (one per-tensor scale)", f"shape {tuple(scale.shape)}")
+        if scale.dtype != torch.float32:
+            fail(op, name, "dtype float32", dtype_name(scale.dtype))
+        if scale.device != device:
+            fail(op, name, f"a tensor on {device} (the device of q)", f"one on {scale.device}")
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(
+            f"{op}: {name}: expected a float, a 1-element float32 tensor or None, got {type(scale).__name__}"
+        )
+    if not (math.isfinite(scale) and scale > 0):
+        fail(op, name, "a finite scale > 0", scale)
+    return float(scale)
+
+
+def store_args(
+    op,
+    q,
+    k,
+    v,
+    positions,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    rotary_dim,
+    k_scale,
+    v_scale,
+    mrope_section=None,
+    mrope_interleaved=False,
+    packed=False,
+):
+    """Checks of apply_rope_and_store's arguments that need no data (positions (*T), (3, *T) with
+    M-RoPE sections, or None: arange, or with packed (cu_seqlens checked by `packed_args`) derived).
+
+    Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or the (t, h, w) sections, scales as
+    given by `scale_arg`.
+    """
+    if k is None:
+        raise TypeError(f"{op}: k: expected a torch.Tensor, got NoneType")
+    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] > 1 and q.stride(-1) != 1:
+        fail(
+            op,
+            "q",
+            "stride 1 in the last dimension (q is rotated in place; with q_out= a strided q is read)",
+            f"strides {tuple(q.stride())}",
+        )
+    rot, mrope = rope_args(
+        op,
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        rotary_dim=rotary_dim,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        inplace=False,
+        packed=packed,
+    )
+    token_shape = tuple(q.shape[:-2])
+    device = q.device
+    tensor(
+        op,
+        "v",
+        v,
+        ndims=(q.dim(),),
+        dtypes=FLOAT_DTYPES,
+        device=device,
+        shape_hint=lambda: f"with the token dims of q {token_shape}",
+        last_stride_one=False,  # only read, through its own last-dim stride
+    )
+    if tuple(v.shape[:-2]) != token_shape:
+        fail(op, "v", f"token dims {token_shape} (those of q)", f"shape {tuple(v.shape)}")
+    tensor(
+        op,
+        "slot_mapping",
+        slot_mapping,
+        ndims=(len(token_shape),),
+        dtypes=INDEX_DTYPES,
+        device=device,
+        shape_hint=token_shape,
+        last_stride_one=False,
+    )
+    if tuple(slot_mapping.shape) != token_shape:
+        fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
+
+    for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
+        tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
+        want = tuple(x.shape[-2:])
+        if tuple(cache.shape[-2:]) != want:
+            fail(op, name, f"(heads, head size) {want}, those of {xname}", f"shape {tuple(cache.shape)}")
+        if has_internal_overlap(cache):
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+                f"strides {tuple(cache.stride())}",
+            )
+    if v_cache.dim() != k_cache.dim() or v_cache.shape[:-2] != k_cache.shape[:-2]:
+        fail(
+            op,
+            "v_cache",
+            f"slot dims {tuple(k_cache.shape[:-2])}, those of k_cache (one slot_mapping addresses both)",
+            f"shape {tuple(v_cache.shape)}",
+        )
+    if has_internal_overlap(q):
+        fail(
+            op,
+            "q",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is rotated in place)",
+            f"strides {tuple(q.stride())}",
+        )
+    if torch.is_grad_enabled():
+        for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.requires_grad:
+                fail(
+                    op,
+                    name,
+                    "a tensor that does not require grad (apply_rope_and_store is inference "
+                    "only: it writes q and the caches in place and is not differentiable)",
+                    "requires_grad=True",
+                )
+
+    k_scale = scale_arg(op, "k_scale", k_scale, device)
+    v_scale = scale_arg(op, "v_scale", v_scale, device)
+    return rot, mrope, k_scale, v_scale
+
+
+def store_outputs(op, q, k, q_out, q_scale, write_key):
+    """Checks of the store's output keywords (no data): q_out like q in any float or fp8 dtype,
+    q_scale only with q_out, write_key a bool with a k that can be written. Returns q_scale as
+    `scale_arg` gives it."""
+    if not isinstance(write_key, bool):
+        raise TypeError(f"{op}: write_key: expected a bool, got {type(write_key).__name__}")
+    if write_key and has_internal_overlap(k):
+        fail(
+            op,
+            "k",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is written back: write_key=True)",
+            f"strides {tuple(k.stride())}",
+        )
+    if q_out is None:
+        if q_scale is not None:
+            fail(op, "q_scale", "None without q_out (q is rotated in place, in its own dtype)", "a scale")
+        return None
+    tensor(
+        op,
+        "q_out",
+        q_out,
+        ndims=(q.dim(),),
+        dtypes=OUT_DTYPES,
+        device=q.device,
+        shape_hint=lambda: f"of q's shape {tuple(q.shape)}",
+    )
+    if q_out.shape != q.shape:
+        fail(op, "q_out", f"shape {tuple(q.shape)} (that of q)", f"shape {tuple(q_out.shape)}")
+    if has_internal_overlap(q_out):
+        fail(
+            op,
+            "q_out",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+            f"strides {tuple(q_out.stride())}",
+        )
+    if torch.is_grad_enabled() and q_out.requires_grad:
+        fail(
+            op,
+            "q_out",
+            "a tensor that does not require grad (apply_rope_and_store is inference only)",
+            "requires_grad=True",
+        )
+    return scale_arg(op, "q_scale", q_scale, q.device)
+
+
+def _on_device(op, name, x, device) -> None:
+    if isinstance(x, torch.Tensor) and x.device != device:
+        fail(op, name, f"a tensor on {device} (the device of k_cache)", f"one on {x.device}")
+
+
+def _slot_vector(op, name, x, n, device) -> None:
+    """slots / dst_slots / delta: a (N,) int32/int64 tensor on the cache's device."""
+    _on_device(op, name, x, device)
+    tensor(op, name, x, ndims=(1,), dtypes=INDEX_DTYPES, shape_hint="(N,)", last_stride_one=False)
+    if n is not None and x.shape[0] != n:
+        fail(op, name, f"shape ({n},) (that of slots)", f"shape {tuple(x.shape)}")
+
+
+def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots):
+    """Checks of rerotate_kv_cache's arguments that need no data.
+
+    Returns (rotary_dim, num_slots, k_scale, delta_int): k_scale as `scale_arg` gives it; delta_int the
+    shift when delta is a Python int, else None.
+    """
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"{op}: k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    device = k_cache.device
+    tensor(op, "k_cache", k_cache, ndims=(3, 4), dtypes=CACHE_DTYPES, shape_hint=_CACHE_HINT)
+    if has_internal_overlap(k_cache):
+        fail(
+            op,
+            "k_cache",
+            "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+            f"strides {tuple(k_cache.stride())}",
+        )
+    if torch.is_grad_enabled() and k_cache.requires_grad:
+        fail(
+            op,
+            "k_cache",
+            "a tensor that does not require grad (rerotate_kv_cache writes the cache in "
+            "place and is not differentiable)",
+            "requires_grad=True",
+        )
+    _slot_vector(op, "slots", slots, None, device)
+    n = slots.shape[0]
+    if dst_slots is not None:
+        _slot_vector(op, "dst_slots", dst_slots, n, device)
+    if isinstance(delta, torch.Tensor):
+        _slot_vector(op, "delta", delta, n, device)
+        delta_int = None
+    elif isinstance(delta, int) and not isinstance(delta, bool):
+        delta_int = int(delta)
+    else:
+        raise TypeError(f"{op}: delta: expected a (N,) or 0-d int32/int64 tensor or an int, got {type(delta).__name__}")
+
+    _on_device(op, "cos_sin_cache", cos_sin_cache, device)
+    tensor(op, "cos_sin_cache", cos_sin_cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
+    if cos_sin_cache.shape[0] < 1:
+        fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
+    rotary_dim = table_rotary_dim(op, cos_sin_cache, rotary_dim)
+    if k_cache.shape[-1] < rotary_dim:
+        fail(op, "k_cache", f"a head size >= rotary_dim ({rotary_dim})", f"head size {k_cache.shape[-1]}")
+    _on_device(op, "k_scale", k_scale, device)
+    k_scale = scale_arg(op, "k_scale", k_scale, device)
+    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    if delta_int is not None:
+        int_shift(op, delta_int, cos_sin_cache.shape[0])
+    return rotary_dim, num_slots, k_scale, delta_int
+
+
+def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, *, inplace=False):
+    """Checks of the q/k RMSNorm arguments (after q and k themselves are checked).
+
+    A weight of shape (D,) normalizes each head, (H*D,) all heads of a token together. Returns the
+    kernel's modes (q, k): 0 no norm, 1 per head, 2 across heads.
+    """
+    modes = []
+    for name, w, xname, x in (("q_norm_weight", q_norm_weight, "q", q), ("k_norm_weight", k_norm_weight, "k", k)):
+        if w is None:
+            modes.append(0)
+            continue
+        if x is None:
+            fail(op, name, f"None when {xname} is None", "a tensor")
+        tensor(
+            op, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, device=q.device, shape_hint=lambda: f"({xname}'s head size,)"
+        )
+        d, h = x.shape[-1], x.shape[-2]
+        if w.shape[0] not in (d, h * d):
+            fail(
+                op,
+                name,
+                f"shape ({d},) (per head) or ({h * d},) (across the {h} heads of {xname})",
+                f"shape {tuple(w.shape)}",
+            )
+        modes.append(1 if w.shape[0] == d else 2)  # one head: per head and across heads agree
+        if inplace and torch.is_grad_enabled() and w.requires_grad:
+            fail(op, "inplace", f"False when {name} requires grad (its gradient needs the unnormalized input)", True)
+    for name, value in (("norm_eps", norm_eps), ("norm_weight_offset", norm_weight_offset)):
+        if isinstance(value, bool) or not isinstance(value, NUMBERS):
+            raise TypeError(f"{op}: {name}: expected a float, got {type(value).__name__}")
+        # comparisons, not math.isfinite: they hold for a symbolic float (torch.compile with
+        # dynamic=True turns a module's eps into one) as a guard instead of a value read
+        if not -math.inf < value < math.inf:
+            fail(op, name, "a finite float", value)
+    if norm_eps < 0:
+        fail(op, "norm_eps", "a float >= 0", norm_eps)
+    return tuple(modes)
+
+
+def norm_flags(op, *, inverse=False, inplace=False, grad=False, out_interleaved=False) -> None:
+    """The flags a norm before the rotation does not compose with, each refused by name."""
+    if inverse:
+        fail(op, "inverse", "False with q_norm_weight / k_norm_weight (a de-rotation has no norm before it)", True)
+    if inplace and grad:
+        fail(
+            op,
+            "inplace",
+            "False with q_norm_weight / k_norm_weight while autograd records the call (the norm's "
+            "backward needs the unnormalized q and k)",
+            True,
+        )
+    if out_interleaved:
+        fail(op, "out_interleaved", "None (or interleaved) with q_norm_weight / k_norm_weight", "another layout")
+
+
+def no_dtensor(op: str, what: str, *named) -> None:
+    """Refuse DTensor arguments of an op that has no DTensor sharding rule yet (named, before any
+    write; DTensor's own error would name an internal op). named: (name, value) pairs."""
+    for name, x in named:
+        if hasattr(x, "device_mesh") and hasattr(x, "placements"):
+            fail(
+                op,
+                name,
+                f"a plain torch.Tensor ({what} has no DTensor sharding rule yet: pass local shards, x.to_local())",
+                f"a DTensor with placements {tuple(x.placements)}",
+            )

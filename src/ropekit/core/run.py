@@ -1,0 +1,312 @@
+"""The run step of every op: a validated call's tensors -> the Triton launch (CUDA tensors, or CPU
+tensors under TRITON_INTERPRET=1: the plan made once per spec, ropekit.core.plans) or the PyTorch
+path on CPU tensors (ropekit.core.cpu), with the same semantics.
+
+    run_rotate          the rotation (every door's forward; the backward with Variant.backward())
+    run_norm_backward   a normed rotation's backward, one tensor (q or k) at a time
+    run_store           the fused RoPE + KV-cache store (StoreOperands)
+    run_rerotate        the re-rotation of cached keys
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import cpu, plans
+from .memo import lookup, remember
+from .variant import MROPE_INTERLEAVED, Spec, Variant
+
+# Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
+# must fail a test, which memory that happens to be zero would hide).
+empty_like = torch.empty_like
+
+
+def heads_first(x, yes: bool):
+    """(B, H, S, D) <-> (B, S, H, D) views: the Hugging Face layout and the kernel's."""
+    return x.transpose(1, 2) if yes and x is not None else x
+
+
+def unit_last_stride(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x itself when its last dim has stride 1 (what the kernel addresses), else a contiguous copy.
+
+    The public ops validate their inputs, but a backward gets whatever autograd produces: the
+    gradient w.r.t. k of `q @ k.transpose(-1, -2)` has a transposed layout, and the gradient of
+    `out.sum()` is an expanded tensor whose strides are all 0. Copying is what autograd requires
+    then; gradients that already have a unit last stride are used as they are (no copy).
+    """
+    if x is None or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        return x
+    return x.contiguous()
+
+
+def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32) clamped to an fp8 dtype's finite range in place (the kernels' rule); x otherwise."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        x.clamp_(-big, big)
+    return x
+
+
+# Float scales become 1-element device tensors, read inside the kernel like a tensor scale. Eager
+# calls reuse one tensor per (value, device), so steady state costs no launch or copy; during CUDA
+# graph capture (or under torch.compile) a fresh one is filled by a kernel that the graph records.
+def scale_tensor(scale, device: torch.device, unit: bool = False) -> Optional[torch.Tensor]:
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    if scale == 1.0 and not unit:
+        return None  # x / 1 == x: skip the division
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.full((1,), scale, dtype=torch.float32, device=device)
+    key = ("scale tensor", type(scale), scale, str(device))
+    t = lookup(key)
+    if t is None:
+        t = remember(key, torch.full((1,), scale, dtype=torch.float32, device=device))
+    return t
+
+
+def angle_views(spec: Spec, cos, sin):
+    """Per-token cos and sin as validation saw them: broadcast to the token shape (only the first
+    rot // 2 columns), copied when their strides differ (the kernel reads both through one set)."""
+    half = spec.rot // 2
+    if cos.shape[-1] != half:
+        cos, sin = cos[..., :half], sin[..., :half]
+    cos, sin = cos.broadcast_to(spec.angle_shape), sin.broadcast_to(spec.angle_shape)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+# ---------------------------------------------------------------------------------------------
+# the rotation
+
+
+def run_rotate(
+    spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None, scales=None, weights=None
+) -> None:
+    """q -> q_out and k -> k_out (outputs may be the inputs: in place), rotated as `variant` says.
+
+    (a, b): (positions or None, [cos | sin] table) for table / arange angles, (cu_seqlens, table)
+    for packed ones, (positions, inverse frequencies) for computed ones, (cos, sin) for per-token
+    angles. layout_key: None when the outputs' layout follows from the spec's signature (forward
+    calls), else a key of the tensors' layouts (gradients). With variant.heads_first the tensors
+    are Hugging Face's (B, H, S, D) views; a launch needs only their addresses.
+    scales: with variant.scaled, (q's, k's) float32 scalar tensors the outputs are divided by.
+    weights: with variant.normed, (q's, k's) RMSNorm weights (None where that tensor is not
+    normalized); eps and offset are the spec's. The CPU path of a normed variant is `norm_rotated`.
+    """
+    if spec.triton:
+        key = (variant, layout_key)
+        plan = spec.plans.get(key)
+        if plan is None:
+            hf = variant.heads_first
+            plan = spec.plans[key] = plans.plan_rotate(
+                heads_first(q, hf),
+                heads_first(k, hf),
+                heads_first(q_out, hf),
+                heads_first(k_out, hf),
+                plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
+                variant,
+            )
+        if plan is not None:
+            norm = None if weights is None else (*weights, spec.norm_eps, spec.norm_offset)
+            plans.fire_rotate(plan, q, k, q_out, k_out, a, b, scales, norm)
+        return
+    if variant.scaled:
+        # rotate into float32, divide by the scale, saturate, cast
+        wide = [None if x is None else torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k)]
+        _cpu_rotate(spec, variant._replace(scaled=False), q, k, wide[0], wide[1], a, b)
+        for w, out, scale in zip(wide, (q_out, k_out), (scales[0], scales[1] if scales[1] is not None else scales[0])):
+            if w is not None:
+                out.copy_(saturate(w.div_(scale), out.dtype))
+        return
+    _cpu_rotate(spec, variant, q, k, q_out, k_out, a, b)
+
+
+def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:
+    """CPU tensors without Triton: ropekit.core.cpu (per-token angles as given: it broadcasts them),
+    with packed positions derived here, and angles from positions x inverse frequencies made here."""
+    table = variant.angles != "tokens"
+    if variant.angles == "packed":  # a: cu_seqlens
+        from .packed import packed_positions
+
+        a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], q.shape[0])
+    elif variant.angles == "freqs":  # a: positions, b: inverse frequencies
+        a, b = cpu.freqs_angles(a, b, variant.sections)
+        table = False
+    cpu.rope(q, k, q_out, k_out, a, b, rot=spec.rot, table=table, variant=variant)
+
+
+def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
+    """Per-token cos and sin (*T, rot // 2) of any angle source, by torch ops (the CPU path of a
+    normed variant; differentiable in inverse frequencies that require grad)."""
+    half = spec.rot // 2
+    sections = variant.sections if variant.mrope else None
+    il_sections = variant.mrope == MROPE_INTERLEAVED
+    if variant.angles == "freqs":
+        from .freqs import pair_positions
+
+        angle = pair_positions(a, variant.sections, half).double() * b.double()
+        return angle.cos().float(), angle.sin().float()
+    if variant.angles == "tokens":
+        cos, sin = a[..., :half], b[..., :half]
+        if sections is not None:
+            cos, sin = cpu.pick_sections(cos, sin, sections, il_sections)
+        return cos.broadcast_to((*token_shape, half)), sin.broadcast_to((*token_shape, half))
+    if variant.angles == "packed":
+        from .packed import packed_positions
+
+        a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], token_shape[0])
+    return cpu.table_angles(b, a, token_shape, spec.rot, sections, il_sections)
+
+
+def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=None, scales=None):
+    """The CPU path of a normed variant: (q_out, k_out) as new tensors, built from differentiable
+    torch ops (autograd through them is the CPU backward). Scaled outputs: divided, saturated, cast."""
+    hf = variant.heads_first
+    q_t, k_t = heads_first(q, hf), heads_first(k, hf)
+    cos, sin = token_angles(spec, variant, a, b, tuple(q_t.shape[:-2]))
+    if variant.inverse:
+        sin = -sin
+    outs = []
+    for i, (x, w) in enumerate(zip((q_t, k_t), weights)):
+        if x is None:
+            outs.append(None)
+            continue
+        dtype = out_dtype or x.dtype
+        y = cpu.norm_rotate(
+            x,
+            w,
+            cos,
+            sin,
+            interleaved=variant.interleaved,
+            eps=spec.norm_eps,
+            offset=spec.norm_offset,
+            out_dtype=torch.float32 if variant.scaled else dtype,
+        )
+        if variant.scaled:
+            y = saturate(y / scales[i if scales[i] is not None else 0], dtype).to(dtype)
+        outs.append(heads_first(y, hf))
+    return outs[0], outs[1]
+
+
+def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
+    """(gradient of x, of w) for one tensor of a normed variant (mode: its NORM_* mode) given its
+    output gradient g: rope_norm_backward_kernel, or on the CPU path the formulas."""
+    if not spec.triton:
+        cos, sin = token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
+        if variant.inverse:
+            sin = -sin
+        return cpu.norm_rotate_backward(
+            x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+        )
+    hf = variant.heads_first
+    g = unit_last_stride(g)
+    gx = empty_like(x)
+    key = ("norm backward", mode, x.shape, x.stride(), g.stride(), None if w is None else w.stride())
+    plan = spec.plans.get(key)
+    if plan is None:
+        plan = spec.plans[key] = plans.plan_norm_backward(
+            heads_first(x, hf),
+            heads_first(g, hf),
+            heads_first(gx, hf),
+            w,
+            plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
+            variant,
+            mode,
+        )
+    if plan is None:  # no tokens
+        return gx.zero_(), (None if w is None else torch.zeros_like(w))
+    dw = None if w is None else plans.norm_partials(plan, x.device)
+    plans.fire_norm_backward(plan, x, g, gx, w, dw, a, b, spec.norm_eps, spec.norm_offset)
+    return gx, (None if w is None else dw.sum(0).to(w.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused store
+
+
+class StoreOperands(NamedTuple):
+    """The tensors of one store run, by name (None where absent): q is rotated in place unless
+    q_out is given; a is the angle source (positions, cu_seqlens, or None for arange); ks, vs, qs
+    float32 scale tensors; wq, wk the norm weights."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: Optional[torch.Tensor]
+    table: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    ks: Optional[torch.Tensor] = None
+    vs: Optional[torch.Tensor] = None
+    q_out: Optional[torch.Tensor] = None
+    qs: Optional[torch.Tensor] = None
+    wq: Optional[torch.Tensor] = None
+    wk: Optional[torch.Tensor] = None
+
+
+def run_store(spec: Spec, t: StoreOperands) -> None:
+    """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
+    rows (and rotated k back into k with write_key), q and k normalized first when the variant says
+    so. The Triton launch (plan made once per spec), or ropekit.core.cpu on CPU tensors."""
+    v = spec.variant
+    if spec.triton:
+        plan = spec.plans.get(None)
+        if plan is None:
+            plan = spec.plans[None] = plans.plan_store(t, v, spec.rot, spec.packed)
+        plans.fire_store(plan, t, spec.norm_eps, spec.norm_offset)
+        return
+    a = t.a
+    if v.angles == "packed":  # CPU: the positions the kernel derives, made here
+        from .packed import packed_positions
+
+        a = packed_positions("apply_rope_and_store", a, spec.packed[0], spec.packed[1], t.q.shape[0])
+    cpu.store_rows(
+        t.q,
+        t.k,
+        t.v,
+        a,
+        t.table,
+        t.k_cache,
+        t.v_cache,
+        t.slot_mapping,
+        interleaved=v.interleaved,
+        rotary_dim=spec.rot,
+        k_scale=t.ks,
+        v_scale=t.vs,
+        q_out=t.q_out,
+        q_scale=t.qs,
+        write_key=v.write_key,
+        sections=v.sections if v.mrope else None,
+        il_sections=v.mrope == MROPE_INTERLEAVED,
+        norm=(t.wq, t.wk, spec.norm_eps, spec.norm_offset) if v.normed else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the re-rotation
+
+
+def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+    """Rows of k_cache rotated by the angle of delta (a tensor, or the int delta_int)."""
+    if spec.triton:
+        plan = spec.plans.get(None)
+        if plan is None:
+            plan = spec.plans[None] = plans.plan_rerotate(
+                k_cache, slots, delta, table, dst_slots, spec.variant, spec.rot
+            )
+        plans.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
+    elif slots.shape[0]:
+        cpu.rerotate_rows(
+            k_cache,
+            slots,
+            delta if delta is not None else delta_int,
+            table,
+            interleaved=spec.variant.interleaved,
+            rotary_dim=spec.rot,
+            k_scale=k_scale,
+            dst_slots=dst_slots,
+        )

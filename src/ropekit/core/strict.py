@@ -1,0 +1,207 @@
+"""Strict mode and the checks that read values (positions, slots, cu_seqlens, scales): one device
+sync each, so they run only in strict mode (`ropekit.strict()` or ROPEKIT_STRICT=1). By default a
+bad value never reads out of bounds; its output is NaN (or the row is skipped) instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+
+import torch
+
+from .args import fail
+
+
+class _State(threading.local):
+    """Per-thread strict mode. The class attribute is the default a new thread sees: a missing
+    attribute of a thread-local costs a raised and caught AttributeError on every check."""
+
+    strict = None
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True):
+    """Within this context, positions (and slots) are checked against their bounds before launch.
+
+    Costs one device sync per call; the default (off) makes a bad position's output NaN instead.
+    `ROPEKIT_STRICT=1` in the environment turns it on globally.
+    """
+    previous = _state.strict
+    _state.strict = enabled
+    try:
+        yield
+    finally:
+        _state.strict = previous
+
+
+def is_strict() -> bool:
+    """Strict mode on? (the `strict()` context of this thread, else ROPEKIT_STRICT as read at import)"""
+    value = _state.strict
+    return _ENV_STRICT if value is None else value
+
+
+# the environment is read once: every call asks, and os.environ costs more than the rest of a check
+_ENV_STRICT = os.environ.get("ROPEKIT_STRICT", "0") not in ("", "0", "false", "False")
+
+
+def positions_finite(op: str, positions: torch.Tensor) -> None:
+    """Strict mode, float positions: name the first that is not finite (one device sync)."""
+    if positions.is_floating_point():
+        bad = ~torch.isfinite(positions)
+        if bool(bad.any()):
+            index = first_index(bad)
+            fail(op, "positions", "finite values", f"positions{list(index)} = {float(positions[index])}")
+
+
+def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
+    """Strict mode: cu_seqlens starts at 0, never decreases, ends at the token count, and has even
+    lengths under context parallelism (one device sync)."""
+    vals = cu_seqlens.tolist()
+    if vals[0] != 0:
+        fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            fail(
+                op,
+                "cu_seqlens",
+                "non-decreasing values (cumulative lengths)",
+                f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}",
+            )
+        if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
+            fail(
+                op,
+                "cu_seqlens",
+                f"even local lengths when cp_size = {cp_size} > 1",
+                f"length {vals[i] - vals[i - 1]} for sequence {i - 1}",
+            )
+    if vals[-1] != n_tokens:
+        fail(op, "cu_seqlens", f"cu_seqlens[-1] == {n_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}")
+
+
+def first_index(bad: torch.Tensor) -> tuple:
+    """The index of the first True element of a bool tensor (row-major order)."""
+    flat = int(bad.flatten().nonzero()[0, 0])
+    return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), tuple(bad.shape)))
+
+
+def positions_in_range(op: str, positions: torch.Tensor, max_position: int) -> None:
+    """Strict mode: name the first out-of-range position (one device sync)."""
+    bad = (positions < 0) | (positions >= max_position)
+    if bool(bad.any()):
+        index = first_index(bad)
+        value = int(positions[index])
+        fail(
+            op,
+            "positions",
+            f"values in [0, {max_position}) (the rows of cos_sin_cache)",
+            f"positions{list(index)} = {value}",
+        )
+
+
+def slots_in_range(op: str, slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Strict mode: name the first slot past the cache (one device sync). Negative slots are padding."""
+    bad = slot_mapping >= num_slots
+    if bool(bad.any()):
+        flat = int(bad.flatten().nonzero()[0, 0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(slot_mapping.shape)))
+        fail(
+            op,
+            "slot_mapping",
+            f"values < {num_slots} (num_blocks * block_size of the caches; < 0 skips a token)",
+            f"slot_mapping{list(index)} = {int(slot_mapping[index])}",
+        )
+
+
+def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
+    """Strict mode: a tensor scale must be finite and > 0 (one device sync)."""
+    value = float(scale.reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        fail(op, name, "a finite scale > 0", value)
+
+
+def int_shift(op, delta: int, max_position: int) -> None:
+    """A Python int delta is a host value: |delta| < max_position is checked for free, every call."""
+    if not -max_position < delta < max_position:
+        fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
+
+
+def _first(op, name, bad, values, expected) -> None:
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        fail(op, name, expected, f"{name}[{i}] = {int(values[i])}")
+
+
+def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> None:
+    """Strict mode (one device sync): slots and dst_slots below num_slots, |delta| below the table's rows
+    for every row that is not padding, and no destination row that is also a source row."""
+    _first(
+        op,
+        "slots",
+        slots >= num_slots,
+        slots,
+        f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)",
+    )
+    live = slots >= 0
+    if dst_slots is not None:
+        _first(
+            op,
+            "dst_slots",
+            dst_slots >= num_slots,
+            dst_slots,
+            f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)",
+        )
+        live = live & (dst_slots >= 0)
+    if isinstance(delta, torch.Tensor):
+        # no abs(): it wraps at the most negative int
+        _first(
+            op,
+            "delta",
+            live & ((delta >= max_position) | (delta <= -max_position)),
+            delta,
+            f"values in (-{max_position}, {max_position}) (the rows of cos_sin_cache) where slots >= 0",
+        )
+    else:
+        int_shift(op, delta, max_position)
+    if dst_slots is not None:
+        sources = slots[live]
+        _first(
+            op,
+            "dst_slots",
+            live & torch.isin(dst_slots, sources),
+            dst_slots,
+            "rows that are not source rows (slots) of the same call",
+        )
+
+
+def slots_unique(op: str, slot_mapping: torch.Tensor) -> None:
+    """Strict mode: no two tokens may name one slot (the k and v rows of a slot could come from
+    different tokens). Names the first duplicated slot and two tokens holding it (one device sync).
+    Negative slots are padding and may repeat."""
+    flat = slot_mapping.reshape(-1).long()
+    if flat.numel() < 2:
+        return
+    order = torch.sort(flat, stable=True)
+    ranks, values = order.indices, order.values
+    dup = (values[1:] == values[:-1]) & (values[1:] >= 0)
+    if not bool(dup.any()):
+        return
+    hits = dup.nonzero().flatten()
+    # among duplicated pairs, the one whose second token comes first in token order
+    second = ranks[hits + 1]
+    j = int(second.argmin())
+    first_tok, second_tok = int(ranks[hits[j]]), int(second[j])
+    shape = tuple(slot_mapping.shape)
+    a = [int(i) for i in torch.unravel_index(torch.tensor(first_tok), shape)]
+    b = [int(i) for i in torch.unravel_index(torch.tensor(second_tok), shape)]
+    fail(
+        op,
+        "slot_mapping",
+        "distinct slots (each cache row written by one token; < 0 skips a token)",
+        f"slot {int(flat[second_tok])} at slot_mapping{a} and slot_mapping{b}",
+    )

@@ -1,0 +1,278 @@
+"""The one record of a call: every flag of every op (`Variant`), what validation concluded about a
+call signature (`Spec`), the custom ops' encoding of the record, and the one signature key.
+
+    Variant     frozen, hashable: every flag a kernel, a launch plan or the CPU path branches on,
+                for the rotation, the fused store and the re-rotation alike. Parsed once from the
+                public call (ropekit.core.checks), then read by name everywhere; the custom ops take
+                it as one int list (`encode` / `decode`, derived from the fields).
+    Spec        the Variant of one call signature plus the rotary width, the door, the launch plans
+                once made, and what the per-call checks need (extents, angle layouts).
+    signature   the one key builder: a call's arguments as (type, shape, strides, dtype, device,
+                requires_grad) or (type, value), plus grad mode; keywords at their defaults cost one
+                identity test each.
+
+Adding a boolean flag: a field here (its custom-op encoding follows the fields), the keyword on the
+public op, its check and its place in the Variant in ropekit.core.checks, its branch in the kernel
+(its constexpr is the field's name in capitals, passed by ropekit.core.plans without an edit), in
+ropekit.core.cpu and in the oracle ropekit.tools.reference.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .memo import lookup, remember, tensor_key, value_key
+
+MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
+NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # Variant.norm_q / norm_k: none, each head, all heads
+# where the angles come from (Variant.angles); the index is the custom ops' code for each
+ANGLE_SOURCES = ("table", "arange", "packed", "tokens", "freqs", "delta")
+# what each angle source's operands (a, b) are called in errors and in the sharding rules
+ANGLE_NAMES = {
+    "table": ("positions", "cos_sin_cache"),
+    "arange": ("positions", "cos_sin_cache"),
+    "packed": ("cu_seqlens", "cos_sin_cache"),
+    "tokens": ("cos", "sin"),
+    "freqs": ("positions", "inv_freq"),
+    "delta": ("delta", "cos_sin_cache"),
+}
+# the three doors of a call (ropekit.core.dispatch)
+DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
+
+
+class Variant(NamedTuple):
+    """Every flag of one call that a kernel, a plan or the CPU path branches on. Frozen and
+    hashable: specs and plans are keyed by it."""
+
+    interleaved: bool = False  # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
+    out_interleaved: bool = False  # layout the rotated pairs are written in (DeepSeek-V3's HF code differs)
+    mrope: int = 0  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
+    sections: Tuple[int, ...] = (0, 0, 0)  # M-RoPE (t, h, w) frequencies per position row;
+    #                                        "freqs": the pairs of each axis, () for one position row
+    angles: str = "table"  # "table": rows of a [cos | sin] table picked by positions;
+    #                                 "freqs": positions x inverse frequencies, computed in the kernel;
+    #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
+    #                                 "delta": row |delta| per cache row, sin negated for delta < 0;
+    #                                 "packed": table rows at positions derived from cu_seqlens
+    inverse: bool = False  # rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))
+    heads_first: bool = False  # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
+    scaled: bool = False  # the rotated outputs (q_out / k_out; the store's q_out) divided by a per-tensor
+    #                       scale, saturated to an fp8 output's range
+    norm_q: int = 0  # RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,))
+    norm_k: int = 0  # RMSNorm of k likewise
+    seq_first: bool = False  # q, k (and given outputs) are (S, B, H, D) (Transformer Engine's 'sbhd'):
+    #                          the rotation's views hand the run (B, S, H, D) views, transpose(0, 1)
+    rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
+    #                          DeepSeek): the run gets views of that part, the rest is copied
+    # the fused store and the re-rotation
+    q_out: bool = False  # store: q rotated into a given q_out (its tail copied), q left untouched
+    write_key: bool = False  # store: rotated (and normalized) k written back into k too
+    k_scaled: bool = False  # store, re-rotation: the k cache holds value / k_scale
+    v_scaled: bool = False  # store: the v cache holds value / v_scale
+    to_dst: bool = False  # re-rotation: rows written into dst_slots (the tail copied), sources untouched
+
+    def encode(self) -> List[int]:
+        """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
+        every field as an int in field order, the angle source by its index in ANGLE_SOURCES, then
+        the sections. The view flags (heads_first, seq_first, rope_last) are left out: the ops take
+        tokens-first views of the rotated part. A new field needs no edit here."""
+        return [_code(f, getattr(self, f)) for f in _CODED] + list(self.sections)
+
+    @staticmethod
+    def decode(codes: Sequence[int]) -> "Variant":
+        """The record `encode` made (tokens first)."""
+        n = len(_CODED)
+        fields = {f: _field(f, c) for f, c in zip(_CODED, codes[:n])}
+        return Variant(sections=tuple(codes[n:]), **fields)
+
+    @property
+    def normed(self) -> bool:
+        """Is q or k normalized before the rotation?"""
+        return self.norm_q != 0 or self.norm_k != 0
+
+    def tokens_first(self) -> "Variant":
+        """This variant for the views the custom ops take: tokens first, the rotated part alone."""
+        return self._replace(heads_first=False, seq_first=False, rope_last=False)
+
+    def backward(self) -> "Variant":
+        """The rotation that maps output gradients to input gradients: the inverse, reading the
+        output layout and writing the input layout."""
+        return self._replace(
+            interleaved=self.out_interleaved, out_interleaved=self.interleaved, inverse=not self.inverse
+        )
+
+
+# Variant's fields in its custom-op encoding, and each field's value <-> int
+_CODED = tuple(f for f in Variant._fields if f not in ("sections", "heads_first", "seq_first", "rope_last"))
+
+
+def _code(field: str, value) -> int:
+    return ANGLE_SOURCES.index(value) if field == "angles" else int(value)
+
+
+def _field(field: str, code: int):
+    if field == "angles":
+        return ANGLE_SOURCES[code]
+    return type(Variant._field_defaults[field])(code)
+
+
+class Spec:
+    """What validation concluded about one call signature, and its plans once made."""
+
+    __slots__ = (
+        "variant",
+        "rot",
+        "door",
+        "triton",
+        "extents",
+        "angle_shape",
+        "angle_strides",
+        "copy_angles",
+        "packed",
+        "plans",
+        "alias",
+        "inplace",
+        "out_dtype",
+        "twin",
+        "halves",
+        "table",
+        "norm_eps",
+        "norm_offset",
+        "copy_in",
+        "settled",
+    )
+
+    def __init__(
+        self,
+        variant: Variant,
+        rot: int,
+        door: str,
+        triton: bool,
+        *,
+        extents=(),
+        angle_shape=None,
+        angle_strides=None,
+        copy_angles=False,
+        packed=(1, 0),
+        inplace=False,
+        out_dtype=None,
+        norm_eps=0.0,
+        norm_offset=0.0,
+        copy_in=False,
+        settled=True,
+    ):
+        self.variant = variant
+        self.rot = rot  # rotated dims
+        self.door = door
+        self.triton = triton  # the Triton kernel runs (CUDA, or the interpreter on CPU)
+        self.extents = extents  # bytes spanned by the call's tensors (cheap overlap tests)
+        self.angle_shape = angle_shape  # per-token angles: the shape cos / sin broadcast to;
+        #                                 table angles: the shape positions expand to (None: as given)
+        self.angle_strides = angle_strides  # per-token angles: the kernel's (sec, b, s, col) strides
+        self.copy_angles = copy_angles  # per-token angles whose strides differ: copied per call
+        self.packed = packed  # packed angles: (cp_size, cp_rank)
+        self.plans: dict = {}  # launch plans by (variant, output / gradient layouts)
+        self.alias: dict = {}  # the store's aliasing verdicts by byte distance
+        self.table = None  # a weak reference to the last [cos | sin] table whose values were read
+        self.inplace = inplace  # the rotation writes into q and k (autograd: marked dirty)
+        self.out_dtype = out_dtype  # dtype of fresh outputs (None: the input's)
+        self.twin = None  # an in-place spec's out-of-place twin (its backward writes fresh tensors)
+        self.halves = None  # specs for q alone and k alone (in-place views under autograd)
+        self.norm_eps = norm_eps  # with variant.normed: RMSNorm's epsilon
+        self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
+        self.copy_in = copy_in  # q or k has a last stride other than 1: read through a contiguous copy
+        self.settled = settled  # False: a verdict from values that could not decide (not memoized)
+
+    def _copy(self, inplace: bool) -> "Spec":
+        twin = Spec(self.variant, self.rot, self.door, self.triton)
+        for name in self.__slots__:
+            if name not in ("plans", "alias", "twin", "halves", "table"):
+                setattr(twin, name, getattr(self, name))
+        twin.inplace = inplace
+        return twin
+
+    def out_of_place(self) -> "Spec":
+        """This spec, or for an in-place one its out-of-place twin (made once)."""
+        if not self.inplace:
+            return self
+        if self.twin is None:
+            self.twin = self._copy(False)
+        return self.twin
+
+    def split(self) -> tuple:
+        """Two specs like this one, for q alone and for k alone (each keeps its own launch plans)."""
+        if self.halves is None:
+            self.halves = (self._copy(self.inplace), self._copy(self.inplace))
+        return self.halves
+
+
+# ---------------------------------------------------------------------------------------------
+# the one signature key
+
+
+def arg_key(x):
+    """One argument's part of a signature key: a tensor's (type, shape, strides, dtype, device,
+    requires_grad), another value with its type (16 and 16.0 hash alike but validate differently);
+    sequences element by element."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return tensor_key(x)
+    return value_key(x)
+
+
+class Signature(NamedTuple):
+    """An op's parameters as the signature key reads them (from the function's own signature: a
+    new keyword needs no edit here). leading: the positional parameters, keyed on every call;
+    keywords: the keyword-only ones, with their defaults (one identity test each while unchanged)."""
+
+    op: str
+    leading: Callable  # args dict -> tuple of the positional parameters' values
+    keywords: Callable  # args dict -> tuple of the keyword-only parameters' values
+    defaults: tuple
+
+    @staticmethod
+    def of(fn, op: str = "") -> "Signature":
+        params = inspect.signature(fn).parameters.values()
+        lead = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        kw = [p for p in params if p.kind is p.KEYWORD_ONLY]
+        return Signature(op or fn.__name__, _getter(lead), _getter([p.name for p in kw]), tuple(p.default for p in kw))
+
+    def key(self, args: dict):
+        """The call's signature key (raises TypeError / AttributeError for an argument it cannot key:
+        the caller then validates afresh)."""
+        kw = self.keywords(args)
+        kw = None if all(map(operator.is_, kw, self.defaults)) else tuple(map(arg_key, kw))
+        return (self.op, torch.is_grad_enabled(), *map(arg_key, self.leading(args)), kw)
+
+
+def _getter(names: list) -> Callable:
+    if not names:
+        return lambda args: ()
+    if len(names) == 1:
+        name = names[0]
+        return lambda args: (args[name],)
+    return operator.itemgetter(*names)
+
+
+def spec_for(sig: Signature, args: dict, check: Callable, keyed: Optional[dict] = None) -> Spec:
+    """The spec of a call: validated once per signature (`check(args) -> Spec`, the op's entry in
+    ropekit.core.checks) and memoized; while tracing (torch.compile) validated without the memo.
+    keyed: the arguments as the key reads them, when a value must not be part of it (a re-rotation's
+    int shift: checked on every call, keyed by its type)."""
+    if torch.compiler.is_compiling():
+        return check(args)
+    try:
+        key = sig.key(args if keyed is None else keyed)
+        spec = lookup(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
+        key = spec = None
+    if spec is None:
+        spec = check(args)
+        if spec.settled:
+            remember(key, spec)
+    return spec
