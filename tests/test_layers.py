@@ -16,13 +16,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ropekit"
 
 LAYERS = (
     ("kernels", ("kernels.rope", "kernels.store", "kernels.rerotate", "kernels.norm", "kernels.positions")),
-    # core, bottom: the memo, the Triton launch internals, the knobs, the checks, the math
+    # core, bottom: the memo, the Triton launch internals, the knobs, the record, the rules, the math
     (
         "core base",
-        ("core.memo", "core.launch", "core.tuning", "core.validate", "core.freqs", "core.packed", "core.cpu"),
+        ("core.memo", "core.launch", "core.tuning", "core.variant", "core.args", "core.freqs"),
     ),
-    ("core plans", ("core.launcher",)),
-    ("core dispatch", ("core.pipeline", "core.sharding", "core.library")),
+    # the checks by job (arguments, byte ranges, other libraries' forms, values), the CPU path, the plans
+    (
+        "core rules",
+        ("core.rules", "core.aliasing", "core.forms", "core.strict", "core.packed", "core.cpu", "core.plans"),
+    ),
+    # one entry per op; the run step; the doors and custom ops; the DTensor rules
+    ("core dispatch", ("core.checks", "core.run", "core.sharding", "core.dispatch")),
     ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
     (
         "integrations",
@@ -150,11 +155,11 @@ def test_no_import_cycle():
 
 def test_the_checker_sees_a_violation(tmp_path):
     """Can these tests fail? An upward import and a private read, as a module would write them."""
-    bad = tmp_path / "validate.py"
-    bad.write_text("from ..api import ops\nfrom .launcher import _tiles\nx = ops._rope_spec\n")
-    deps, private = _imports("core.validate", bad)
-    assert "api.ops" in deps and LEVEL["api.ops"] > LEVEL["core.validate"]
-    assert "core.plans._tiles" in private and "api.ops._rope_spec" in private
+    bad = tmp_path / "checks.py"
+    bad.write_text("from ..api import ops\nfrom .plans import _tiles\nx = ops._views\n")
+    deps, private = _imports("core.checks", bad)
+    assert "api.ops" in deps and LEVEL["api.ops"] > LEVEL["core.checks"]
+    assert "core.plans._tiles" in private and "api.ops._views" in private
     absolute = tmp_path / "cpu.py"
     absolute.write_text("from ropekit import hf\nfrom ropekit.api.store import _run\n")
     deps, private = _imports("core.cpu", absolute)

@@ -23,7 +23,7 @@ import torch
 from ..core import checks, dispatch, forms, run
 from ..core.args import fail
 from ..core.run import angle_views, saturate, scale_tensor, unit_last_stride
-from ..core.variant import CUSTOM_OP, DIRECT, Signature, Spec, spec_for
+from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec, spec_for
 
 Scale = Union[None, float, torch.Tensor]
 
@@ -127,12 +127,12 @@ def apply_rope(
     cannot be rotated in place, as with any in-place torch op).
     """
     args = locals()
-    spec = spec_for(_ROPE, args, checks.rope)
+    spec, door = spec_for(_ROPE, args, checks.rope)
     a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
-    if not torch.compiler.is_compiling():
+    if door is not TRACED:
         checks.rope_call(spec, args, a, b)
     scales = _scales(q.device, q_scale, k_scale) if spec.variant.scaled else None
-    return _views(spec, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
+    return _views(spec, door, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
 
 
 _ROPE = Signature.of(apply_rope)
@@ -163,14 +163,14 @@ def _seq(x):
     return None if x is None else x.transpose(0, 1)
 
 
-def _views(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
+def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out=None):
     """apply_rope's views around its door, as the record says: 'sbhd' tensors as (B, S, H, D)
     views; q or k with a last stride other than 1 read through one contiguous copy (in place: the
     copy rotated, then copied back); with rope_last the door sees the head's last rotary_dim dims
     only. Results in the caller's layout."""
     v = spec.variant
     if not (v.seq_first or v.rope_last or spec.copy_in):
-        return dispatch.through(spec, dispatch.ROTATE, q, k, a, b, weights, scales, q_out, k_out)
+        return dispatch.through(door, dispatch.ROTATE, spec, q, k, a, b, weights, scales, q_out, k_out)
     given = (q, k, q_out, k_out)
     if v.seq_first:
         q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
@@ -180,9 +180,9 @@ def _views(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
             dispatch.no_leaf_written(given[0], given[1])
         q, k = unit_last_stride(q), unit_last_stride(k)
     if v.rope_last:
-        res = _rope_last(spec, q, k, a, b, weights, scales, q_out, k_out)
+        res = _rope_last(spec, door, q, k, a, b, weights, scales, q_out, k_out)
     else:
-        res = dispatch.through(spec, dispatch.ROTATE, q, k, a, b, weights, scales, q_out, k_out)
+        res = dispatch.through(door, dispatch.ROTATE, spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
         for view, x in zip(views, (q, k)):
             if x is not view:
@@ -193,18 +193,18 @@ def _views(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
     return tuple(g if g is not None else r for g, r in zip(given[2:], res))
 
 
-def _rope_last(spec: Spec, q, k, a, b, weights, scales, q_out, k_out):
+def _rope_last(spec: Spec, door: str, q, k, a, b, weights, scales, q_out, k_out):
     """rotary_position='last': the door rotates views of the last rotary_dim dims of each head;
     out of place the leading (unrotated) dims are copied once, with the outputs' scale and dtype."""
     rot = spec.rot
     cut = [None if x is None else x.shape[-1] - rot for x in (q, k)]
     part = [None if x is None else x[..., n:] for x, n in zip((q, k), cut)]
     if spec.inplace:
-        dispatch.through(spec, dispatch.ROTATE, part[0], part[1], a, b, weights, scales)
+        dispatch.through(door, dispatch.ROTATE, spec, part[0], part[1], a, b, weights, scales)
         return q, k
     kept = [None if x is None else _kept(spec, x[..., :n], scales, i) for i, (x, n) in enumerate(zip((q, k), cut))]
     if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
-        rotated = dispatch.through(spec, dispatch.ROTATE, part[0], part[1], a, b, weights, scales)
+        rotated = dispatch.through(door, dispatch.ROTATE, spec, part[0], part[1], a, b, weights, scales)
         return tuple(None if r is None else torch.cat((p.to(r.dtype), r), -1) for p, r in zip(kept, rotated))
     outs = []
     for x, dst, n, p in zip((q, k), (q_out, k_out), cut, kept):
@@ -213,7 +213,7 @@ def _rope_last(spec: Spec, q, k, a, b, weights, scales, q_out, k_out):
             dst[..., :n].copy_(p)
         outs.append(dst)
     dests = (None if o is None else o[..., n:] for o, n in zip(outs, cut))
-    dispatch.through(spec, dispatch.ROTATE, part[0], part[1], a, b, weights, scales, *dests)
+    dispatch.through(door, dispatch.ROTATE, spec, part[0], part[1], a, b, weights, scales, *dests)
     return outs[0], outs[1]
 
 
@@ -342,13 +342,12 @@ def rotate_angles(
         (`_angle_columns`).
     """
     args = locals()
-    spec = spec_for(_ANGLES, args, checks.angles)
-    compiling = torch.compiler.is_compiling()
-    if spec.copy_angles or spec.door is CUSTOM_OP or compiling:
+    spec, door = spec_for(_ANGLES, args, checks.angles)
+    if spec.copy_angles or door is CUSTOM_OP or door is TRACED:
         cos, sin = angle_views(spec, cos, sin)  # as validation saw them (copied when it had to)
-    if not compiling:
+    if door is not TRACED:
         checks.angles_call(spec, args, cos, sin)
-    return dispatch.through(spec, dispatch.ROTATE, q, k, cos, sin, (q_norm_weight, k_norm_weight), None)
+    return dispatch.through(door, dispatch.ROTATE, spec, q, k, cos, sin, (q_norm_weight, k_norm_weight), None)
 
 
 _ANGLES = Signature.of(rotate_angles)

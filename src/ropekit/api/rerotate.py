@@ -18,7 +18,7 @@ import torch
 
 from ..core import checks, dispatch, forms
 from ..core.run import scale_tensor
-from ..core.variant import Signature, spec_for
+from ..core.variant import TRACED, Signature, spec_for
 
 OP = "rerotate_kv_cache"
 
@@ -75,14 +75,13 @@ def rerotate_kv_cache(
     is_tensor = isinstance(delta, torch.Tensor)
     # an int shift's value is checked on every call (its range, free): the key holds its type only
     small_int = type(delta) is int and -(2**62) < delta < 2**62
-    spec = spec_for(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
-    if not torch.compiler.is_compiling() and (spec.table is None or spec.table() is not cos_sin_cache):
+    spec, door = spec_for(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
+    if door is not TRACED and (spec.table is None or spec.table() is not cos_sin_cache):
         forms.read_new_table(spec, OP, cos_sin_cache)  # a new table: HF's cos is refused
     ks = scale_tensor(k_scale, k_cache.device)
     shift = None if is_tensor else int(delta)
-    dispatch.through(
-        spec, dispatch.REROTATE, k_cache, slots, delta if is_tensor else None, shift, cos_sin_cache, ks, dst_slots
-    )
+    delta = delta if is_tensor else None
+    dispatch.through(door, dispatch.REROTATE, spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots)
     return k_cache
 
 

@@ -160,11 +160,13 @@ def apply_rope_and_store(
     if q_out is not None and isinstance(q, torch.Tensor) and q.dim():
         q = unit_last(q)
     args = locals()
-    spec = spec_for(_STORE, args, checks.store)
+    spec, door = spec_for(_STORE, args, checks.store)
     ks, vs, qs = _scales(q.device, k_scale, v_scale, q_scale)
     a = positions if cu_seqlens is None else cu_seqlens
-    t = StoreOperands(q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, q_norm_weight)
-    dispatch.through(spec, dispatch.STORE, t._replace(wk=k_norm_weight))
+    t = StoreOperands(
+        q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, q_norm_weight, k_norm_weight
+    )
+    dispatch.through(door, dispatch.STORE, spec, t)
     return q if q_out is None else q_out
 
 

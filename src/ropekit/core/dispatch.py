@@ -1,7 +1,7 @@
 """The doors of every op, written once: one switch, the autograd Function, and the torch.library
 custom ops, each next to its fake and (the rotation) its autograd rule.
 
-    through(spec, doors, *operands)   the one door switch: torch.compile and tensor subclasses
+    through(door, doors, spec, ...)   the one door switch: torch.compile and tensor subclasses
                                       (DTensor, meta) -> the custom op; eager with grad -> the
                                       autograd Function; otherwise a direct run
     ROTATE / STORE / REROTATE         each op's three doors
@@ -37,13 +37,12 @@ from .freqs import freq_grad
 from .memo import lookup, remember
 from .run import StoreOperands, heads_first, norm_rotated, run_rotate, unit_last_stride
 from .sharding import dtensor_like
-from .variant import ANGLE_NAMES, CUSTOM_OP, DIRECT, FUNCTION, Spec, Variant, arg_key
+from .variant import ANGLE_NAMES, CUSTOM_OP, DIRECT, FUNCTION, TRACED, Spec, Variant, arg_key
 
 
-def through(spec: Spec, doors: dict, *operands):
-    """The one door switch of every op: the custom op while tracing (torch.compile), else the
-    spec's door (chosen by checks.door_for once per signature)."""
-    door = CUSTOM_OP if torch.compiler.is_compiling() else spec.door
+def through(door: str, doors: dict, spec: Spec, *operands):
+    """The one door switch of every op: door as variant.spec_for gives it (the spec's, chosen by
+    checks.door_for once per signature; TRACED while torch.compile traces), doors the op's table."""
     return doors[door](spec, *operands)
 
 
@@ -149,7 +148,7 @@ def _rotate_custom(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=No
     return _into(rotated, *((q, k) if spec.inplace else (q_out, k_out)))
 
 
-ROTATE = {DIRECT: _rotate_direct, FUNCTION: _rotate_function, CUSTOM_OP: _rotate_custom}
+ROTATE = {DIRECT: _rotate_direct, FUNCTION: _rotate_function, CUSTOM_OP: _rotate_custom, TRACED: _rotate_custom}
 
 
 def _zeros(meta):
@@ -467,7 +466,7 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
         torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.q_out, t.qs)
 
 
-STORE = {DIRECT: _store_direct, FUNCTION: _store_direct, CUSTOM_OP: _store_custom}
+STORE = {DIRECT: _store_direct, FUNCTION: _store_direct, CUSTOM_OP: _store_custom, TRACED: _store_custom}
 
 
 def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
@@ -565,7 +564,7 @@ def _rerotate_custom(spec: Spec, k_cache, slots, delta, delta_int, table, k_scal
     torch.ops.ropekit.rerotate_kv_cache(k_cache, slots, delta, shift, table, codes, spec.rot, k_scale, dst_slots)
 
 
-REROTATE = {DIRECT: _rerotate_direct, FUNCTION: _rerotate_direct, CUSTOM_OP: _rerotate_custom}
+REROTATE = {DIRECT: _rerotate_direct, FUNCTION: _rerotate_direct, CUSTOM_OP: _rerotate_custom, TRACED: _rerotate_custom}
 
 
 @torch.library.custom_op("ropekit::rerotate_kv_cache", mutates_args=("k_cache",))

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import inspect
 import operator
+from itertools import compress
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .memo import lookup, remember, tensor_key, value_key
+from .memo import lookup, remember, value_key
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # Variant.norm_q / norm_k: none, each head, all heads
@@ -40,8 +41,9 @@ ANGLE_NAMES = {
     "freqs": ("positions", "inv_freq"),
     "delta": ("delta", "cos_sin_cache"),
 }
-# the three doors of a call (ropekit.core.dispatch)
-DIRECT, FUNCTION, CUSTOM_OP = "direct", "function", "custom_op"
+# the doors of a call (ropekit.core.dispatch): eager without and with autograd, the dispatcher
+# (tensor subclasses, meta), and the dispatcher while torch.compile traces (no per-call checks)
+DIRECT, FUNCTION, CUSTOM_OP, TRACED = "direct", "function", "custom_op", "traced"
 
 
 class Variant(NamedTuple):
@@ -214,14 +216,22 @@ class Spec:
 # the one signature key
 
 
+_Tensor = torch.Tensor
+_SCALARS = frozenset((bool, int, float, str, torch.dtype))
+
+
 def arg_key(x):
     """One argument's part of a signature key: a tensor's (type, shape, strides, dtype, device,
     requires_grad), another value with its type (16 and 16.0 hash alike but validate differently);
     sequences element by element."""
+    t = type(x)
+    if t in _SCALARS:
+        return t, x
     if x is None:
         return None
-    if isinstance(x, torch.Tensor):
-        return tensor_key(x)
+    # the exact type before isinstance: isinstance against torch.Tensor goes through its metaclass
+    if t is _Tensor or isinstance(x, _Tensor):
+        return (t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     return value_key(x)
 
 
@@ -246,7 +256,8 @@ class Signature(NamedTuple):
         """The call's signature key (raises TypeError / AttributeError for an argument it cannot key:
         the caller then validates afresh)."""
         kw = self.keywords(args)
-        kw = None if all(map(operator.is_, kw, self.defaults)) else tuple(map(arg_key, kw))
+        changed = tuple(map(operator.is_not, kw, self.defaults))  # which keywords the call sets
+        kw = (changed, *map(arg_key, compress(kw, changed))) if any(changed) else None
         return (self.op, torch.is_grad_enabled(), *map(arg_key, self.leading(args)), kw)
 
 
@@ -259,13 +270,14 @@ def _getter(names: list) -> Callable:
     return operator.itemgetter(*names)
 
 
-def spec_for(sig: Signature, args: dict, check: Callable, keyed: Optional[dict] = None) -> Spec:
-    """The spec of a call: validated once per signature (`check(args) -> Spec`, the op's entry in
-    ropekit.core.checks) and memoized; while tracing (torch.compile) validated without the memo.
-    keyed: the arguments as the key reads them, when a value must not be part of it (a re-rotation's
-    int shift: checked on every call, keyed by its type)."""
+def spec_for(sig: Signature, args: dict, check: Callable, keyed: Optional[dict] = None) -> Tuple[Spec, str]:
+    """(spec, door) of a call: the spec validated once per signature (`check(args) -> Spec`, the
+    op's entry in ropekit.core.checks) and memoized; the door its spec's, or while tracing
+    (torch.compile: validated afresh, no memo) the custom op. keyed: the arguments as the key reads
+    them, when a value must not be part of it (a re-rotation's int shift: checked on every call,
+    keyed by its type)."""
     if torch.compiler.is_compiling():
-        return check(args)
+        return check(args), TRACED
     try:
         key = sig.key(args if keyed is None else keyed)
         spec = lookup(key)
@@ -275,4 +287,4 @@ def spec_for(sig: Signature, args: dict, check: Callable, keyed: Optional[dict] 
         spec = check(args)
         if spec.settled:
             remember(key, spec)
-    return spec
+    return spec, spec.door
