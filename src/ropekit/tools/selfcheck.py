@@ -221,7 +221,7 @@ def _hf_llama(device):
         import transformers
     except ImportError as e:
         raise NotAvailable(f"transformers not installed ({e})")
-    import ropekit.hf
+    from ropekit.integrations import hf as ropekit_hf
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -239,7 +239,7 @@ def _hf_llama(device):
 
     with torch.no_grad():
         want = model(ids).logits.double()
-        with ropekit.hf.patched(model) as done:
+        with ropekit_hf.patched(model) as done:
             drop_in = modeling_llama.apply_rotary_pos_emb
             if not done or not drop_in.__module__.startswith("ropekit"):
                 raise AssertionError("ropekit.hf.patched(model) did not patch modeling_llama")
