@@ -58,7 +58,7 @@ fails): training, the patched loss equals the unpatched one within `--loss-rtol`
 (same weights, upcast, no grad) is within 1.5x the unpatched output's own error plus 1e-3
 (float32: 1e-5). The loss alone is a weak check (an MSE to a random target barely moves when the
 output does); the output check catches a rotation by the wrong angle. The first patched step also
-counts ropekit's calls (every eager rotation goes through `ropekit.api.ops._run`): a patch that did
+counts ropekit's calls (every call of an op goes through `ropekit.core.dispatch.through`): a patch that did
 nothing shows 0, and that row fails too. Peak memory: `torch.cuda.max_memory_allocated` over each
 variant's steps.
 
@@ -617,20 +617,22 @@ def grad_norm(params: List[torch.nn.Parameter]) -> float:
 def first_step(step: Callable, device: torch.device, count: bool) -> dict:
     """The first step, wall-timed (compilation included when compiled): its loss and outputs, and
     with count, ropekit's eager rotation calls (all of them, and those with a fused norm weight).
-    Every eager rotation of ropekit's public ops (apply_rope, rotate_angles, rotate_with_angles)
-    goes through `ropekit.api.ops._run`, whichever integration made it."""
-    from ropekit.api import ops
+    Every call of ropekit's public rotation ops (apply_rope, rotate_angles, rotate_with_angles)
+    goes through `ropekit.core.dispatch.through` with the rotation's doors, whichever integration
+    made it."""
+    from ropekit.core import dispatch
 
-    real = ops._run
+    real = dispatch.through
     calls = {"ropekit_calls": 0, "fused_norm_calls": 0}
 
-    def counting(spec, *args, **kwargs):
-        calls["ropekit_calls"] += 1
-        calls["fused_norm_calls"] += bool(spec.variant.normed)
-        return real(spec, *args, **kwargs)
+    def counting(door, doors, spec, *args, **kwargs):
+        if doors is dispatch.ROTATE:
+            calls["ropekit_calls"] += 1
+            calls["fused_norm_calls"] += bool(spec.variant.normed)
+        return real(door, doors, spec, *args, **kwargs)
 
     if count:
-        ops._run = counting
+        dispatch.through = counting
     try:
         sync(device)
         t = time.perf_counter()
@@ -638,7 +640,7 @@ def first_step(step: Callable, device: torch.device, count: bool) -> dict:
         sync(device)
         first_s = time.perf_counter() - t
     finally:
-        ops._run = real
+        dispatch.through = real
     result = dict(loss=None if loss is None else loss.item(), outputs=outs, first_step_s=first_s)
     return dict(result, **(calls if count else {}))
 

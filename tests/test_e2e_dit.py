@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ropekit.api import ops  # noqa: E402
+from ropekit.core import dispatch  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_dit.py"
 HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
@@ -109,12 +109,12 @@ def test_wrong_rotation_fails_the_check(e2e, monkeypatch):
     wrong sign is armed only after the patch is in place: the patches verify each rotary helper
     against ropekit first, and a helper that disagrees is left alone (nothing would then rotate
     wrongly)."""
-    real_run, real_set = ops._run, e2e.set_patched
+    real_run, real_set = dispatch.through, e2e.set_patched
     armed = []
 
-    def backwards(spec, q, k, a, b, *args, **kwargs):
+    def backwards(door, doors, spec, q, k, a, b, *args, **kwargs):
         assert spec.variant.angles == "tokens"  # (cos, sin) per token: b is sin
-        return real_run(spec, q, k, a, -b if armed else b, *args, **kwargs)
+        return real_run(door, doors, spec, q, k, a, -b if armed else b, *args, **kwargs)
 
     def set_then_arm(model, library, patched):
         armed.clear()
@@ -122,7 +122,7 @@ def test_wrong_rotation_fails_the_check(e2e, monkeypatch):
         armed.extend([True] if patched else [])
         return report
 
-    monkeypatch.setattr(ops, "_run", backwards)
+    monkeypatch.setattr(dispatch, "through", backwards)
     monkeypatch.setattr(e2e, "set_patched", set_then_arm)
     rows = quick(e2e)
     for r in rows:
