@@ -348,7 +348,7 @@ def test_norm_weight_overlapping_q_is_refused():
     [
         ((0, 1, 3), {}, r"cu_seqlens: expected cu_seqlens\[-1\] == 4 \(the tokens of q\), got cu_seqlens\[-1\] = 3"),
         ((0, 3, 1, 4), {}, r"cu_seqlens: expected non-decreasing values"),
-        ((0, 1, 4), dict(cp_size=2), r"cu_seqlens: expected even local lengths when cp_size = 2 > 1"),
+        ((0, 1, 4), dict(cp_size=2), r"cu_seqlens: expected even local lengths when cp_size > 1 \(cp_size = 2"),
     ],
     ids=["short", "decreasing", "odd-under-cp"],
 )

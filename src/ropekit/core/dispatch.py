@@ -486,66 +486,30 @@ def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
 
 
 # Two ops, not one with an optional q_out: a mutated argument that may be None breaks fake-tensor
-# tracing on torch 2.11 (IndexError), and q is written in place exactly when q_out is absent.
-# variant: Variant.encode() of the call; positions: positions, or cu_seqlens for packed angles.
-@torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k", "k_cache", "v_cache"))
-def _rope_and_store_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    variant: List[int],
-    rotary_dim: int,
-    k_scale: Optional[torch.Tensor],
-    v_scale: Optional[torch.Tensor],
-    q_norm_weight: Optional[torch.Tensor],
-    k_norm_weight: Optional[torch.Tensor],
-    norm: List[float],
-    packed: List[int],
-) -> None:
-    t = StoreOperands(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    _store_body(t._replace(wq=q_norm_weight, wk=k_norm_weight), variant, rotary_dim, norm, packed)
+# tracing on torch 2.11 (IndexError), and q is written in place exactly when q_out is absent. One
+# body and one schema text for both. variant: Variant.encode() of the call; positions: positions,
+# or cu_seqlens for packed angles; norm: [eps, offset]; packed: [cp_size, cp_rank].
+_STORE_SCHEMA = (
+    "(Tensor{q} q, Tensor(a1!) k, Tensor v, Tensor? positions, Tensor cos_sin_cache, Tensor(a5!) k_cache, "
+    "Tensor(a6!) v_cache, Tensor slot_mapping, SymInt[] variant, SymInt rotary_dim, Tensor? k_scale, "
+    "Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, float[] norm, SymInt[] packed{q_out}) -> ()"
+)
 
 
-@torch.library.custom_op("ropekit::rope_and_store_q_out", mutates_args=("q_out", "k", "k_cache", "v_cache"))
-def _rope_and_store_q_out_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    variant: List[int],
-    rotary_dim: int,
-    k_scale: Optional[torch.Tensor],
-    v_scale: Optional[torch.Tensor],
-    q_norm_weight: Optional[torch.Tensor],
-    k_norm_weight: Optional[torch.Tensor],
-    norm: List[float],
-    packed: List[int],
-    q_out: torch.Tensor,
-    q_scale: Optional[torch.Tensor],
-) -> None:
-    t = StoreOperands(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    _store_body(
-        t._replace(q_out=q_out, qs=q_scale, wq=q_norm_weight, wk=k_norm_weight), variant, rotary_dim, norm, packed
-    )
+def _store_op_impl(
+    q, k, v, a, table, k_cache, v_cache, slots, codes, rot, ks, vs, wq, wk, norm, packed, q_out=None, qs=None
+):
+    t = StoreOperands(q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, wq, wk)
+    _store_body(t, codes, rot, norm, packed)
 
 
-@_rope_and_store_op.register_fake
-def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant, rotary_dim, *rest):
-    return None
-
-
-@_rope_and_store_q_out_op.register_fake
-def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant, rotary_dim, *rest):
-    return None
+for _name, _schema, _written in (
+    ("rope_and_store", _STORE_SCHEMA.format(q="(a0!)", q_out=""), "q"),
+    ("rope_and_store_q_out", _STORE_SCHEMA.format(q="", q_out=", Tensor(a16!) q_out, Tensor? q_scale"), "q_out"),
+):
+    _mutated = (_written, "k", "k_cache", "v_cache")
+    _op = torch.library.custom_op(f"ropekit::{_name}", _store_op_impl, mutates_args=_mutated, schema=_schema)
+    _op.register_fake(lambda *args: None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .args import INDEX_DTYPES, fail, tensor
-from .strict import is_strict
+from .strict import cu_seqlens_order, is_strict
 
 _OP = "positions_from_cu_seqlens"
 
@@ -55,24 +55,7 @@ def _check_values(cu: torch.Tensor, cp_size: int, total_tokens: Optional[int], s
     """The data-dependent checks (read cu_seqlens' values: free on CPU, one sync on a device).
     op: the op the user called; another op than positions_from_cu_seqlens took q, not total_tokens."""
     vals = cu.tolist()
-    if vals[0] != 0:
-        fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
-    for i in range(1, len(vals)):
-        if vals[i] < vals[i - 1]:
-            fail(
-                op,
-                "cu_seqlens",
-                "non-decreasing values (cumulative lengths)",
-                f"cu_seqlens[{i}] = {vals[i]} < cu_seqlens[{i - 1}] = {vals[i - 1]}",
-            )
-        if cp_size > 1 and (vals[i] - vals[i - 1]) % 2:
-            fail(
-                op,
-                "cu_seqlens",
-                f"even local lengths when cp_size > 1 (cp_size = {cp_size}: "
-                "each local sequence holds two equal half-chunks)",
-                f"length {vals[i] - vals[i - 1]} for sequence {i - 1}",
-            )
+    cu_seqlens_order(op, vals, cp_size)
     if total_tokens is not None and total_tokens < vals[-1]:
         if op != _OP:
             fail(

@@ -59,10 +59,9 @@ def positions_finite(op: str, positions: torch.Tensor) -> None:
             fail(op, "positions", "finite values", f"positions{list(index)} = {float(positions[index])}")
 
 
-def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
-    """Strict mode: cu_seqlens starts at 0, never decreases, ends at the token count, and has even
-    lengths under context parallelism (one device sync)."""
-    vals = cu_seqlens.tolist()
+def cu_seqlens_order(op, vals, cp_size) -> None:
+    """cu_seqlens' values (a list) start at 0, never decrease, and have even lengths under context
+    parallelism (each local sequence holds two equal half-chunks)."""
     if vals[0] != 0:
         fail(op, "cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] = {vals[0]}")
     for i in range(1, len(vals)):
@@ -77,9 +76,17 @@ def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
             fail(
                 op,
                 "cu_seqlens",
-                f"even local lengths when cp_size = {cp_size} > 1",
+                f"even local lengths when cp_size > 1 (cp_size = {cp_size}: "
+                "each local sequence holds two equal half-chunks)",
                 f"length {vals[i] - vals[i - 1]} for sequence {i - 1}",
             )
+
+
+def packed_values(op, cu_seqlens, n_tokens, cp_size) -> None:
+    """Strict mode: cu_seqlens' order (cu_seqlens_order), and its end at the token count (one
+    device sync)."""
+    vals = cu_seqlens.tolist()
+    cu_seqlens_order(op, vals, cp_size)
     if vals[-1] != n_tokens:
         fail(op, "cu_seqlens", f"cu_seqlens[-1] == {n_tokens} (the tokens of q)", f"cu_seqlens[-1] = {vals[-1]}")
 
