@@ -33,15 +33,16 @@ def weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, GAP: tl.conste
 
 
 @triton.jit
-def tail_dim(j, HALF: tl.constexpr, GAP: tl.constexpr):
-    """Column (within a head) of tail element j, the j-th dim that no rotated pair holds. Partners
-    HALF apart: the dims past the pairs, 2 * HALF + j. Partners GAP = D/2 apart (rotary_position=
-    'halves', Gemma 4's p-RoPE): [HALF, GAP), then [GAP + HALF, 2 * GAP). The one place a tail
-    index becomes a column; the first branch is the usual layouts' code, unchanged."""
+def tail_at(row, j, HALF: tl.constexpr, GAP: tl.constexpr):
+    """Where tail element j (the j-th dim no rotated pair holds) of the head at `row` (a pointer,
+    or an offset) sits. Partners HALF apart: past the pairs, row + 2 * HALF + j. Partners GAP =
+    D/2 apart (rotary_position='halves', Gemma 4's p-RoPE): [HALF, GAP), then [GAP + HALF, 2 * GAP).
+    The one place a tail index becomes a column; the first branch is the usual layouts' code as
+    it was (the same expression, so the same compiled code)."""
     if GAP == HALF:
-        return 2 * HALF + j
+        return row + 2 * HALF + j
     else:
-        return HALF + j + tl.where(j >= GAP - HALF, HALF, 0)
+        return row + HALF + j + tl.where(j >= GAP - HALF, HALF, 0)
 
 
 @triton.jit
@@ -56,12 +57,13 @@ def load_tail(
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """The dims no rotated pair holds (tail_dim) of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
+    """The dims no rotated pair holds (tail_at) of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
     h = head0 + tl.arange(0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
     mt = (h[:, None] < n_heads) & (j < tail_len)
-    cols = tail_dim(j, HALF, GAP)
-    return tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + cols, mask=mt, other=0.0).to(tl.float32)
+    return tl.load(tail_at(x_base + h.to(tl.int64)[:, None] * stride_x_head, j, HALF, GAP), mask=mt, other=0.0).to(
+        tl.float32
+    )
 
 
 @triton.jit
@@ -121,13 +123,13 @@ def _sum_squares(
     the ROT rotated ones read as one contiguous row per head (their pair layout does not matter to
     a sum; with partners GAP = D/2 apart, as the two runs of the pairs' members), then the tail."""
     h = head0 + tl.arange(0, BLOCK_H)
-    row = x_base + h.to(tl.int64)[:, None] * stride_x_head
     if GAP == ROT // 2:
         j = tl.arange(0, ROT_PAD)[None, :]
         m = (h[:, None] < n_heads) & (j < ROT)
-        x = tl.load(row + j, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
         ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
     else:
+        row = x_base + h.to(tl.int64)[:, None] * stride_x_head
         j = tl.arange(0, ROT_PAD // 2)[None, :]
         m = (h[:, None] < n_heads) & (j < ROT // 2)
         x1 = tl.load(row + j, mask=m, other=0.0).to(tl.float32)
@@ -202,7 +204,7 @@ def load_norm_weights(
     if TAIL_PAD > 0:
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = on & (h[:, None] < n_heads) & (j < tail_len)
-        wt = tl.load(w_ptr + row + tail_dim(j, HALF, GAP), mask=mt, other=0.0).to(tl.float32) + offset
+        wt = tl.load(tail_at(w_ptr + row, j, HALF, GAP), mask=mt, other=0.0).to(tl.float32) + offset
         wt = tl.where(on, wt, 1.0)
     return w1, w2, wt
 

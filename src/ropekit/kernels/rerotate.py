@@ -19,7 +19,7 @@ the other rows (one row per program left W12's MLA case, 64 dims a row, latency-
 import triton
 import triton.language as tl
 
-from .norm import tail_dim
+from .norm import tail_at
 
 
 @triton.jit
@@ -134,6 +134,5 @@ def rerotate_kernel(
         # into another row: the dims no pair holds move unchanged (same dtype: a bit copy)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = live[:, None] & (j < tail_len)
-        cols = tail_dim(j, HALF, GAP)
-        t = tl.load(src_row + cols, mask=mt)
-        tl.store(dst_row + cols, t, mask=mt)
+        t = tl.load(tail_at(src_row, j, HALF, GAP), mask=mt)
+        tl.store(tail_at(dst_row, j, HALF, GAP), t, mask=mt)

@@ -7,7 +7,7 @@ Every variant is the same program with different compile-time flags:
                       'halves' (Gemma 4's p-RoPE: the pairs (i, i + D/2), i < HALF, of the whole head)
     partial rotary    HALF < head size / 2; the tail is written when TAIL_PAD > 0 (its tile width: the
                       launcher sets it out of place, where the tail is copied, and with a norm); tail
-                      element j is at column norm.tail_dim(j): 2 * HALF + j, or around the pairs
+                      element j is at norm.tail_at(row, j): column 2 * HALF + j, or around the pairs
                       when GAP is D/2
     angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
                       FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
@@ -41,7 +41,7 @@ from .norm import (
     load_tail,
     norm_backward,
     norm_heads_given,
-    tail_dim,
+    tail_at,
     weight_cols,
 )
 from .positions import packed_position
@@ -340,7 +340,7 @@ def _rotate_store(
 ):
     """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0: read
     from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too).
-    Pairs (i, GAP + i) and the tail's columns: load_heads' and tail_dim's layout."""
+    Pairs (i, GAP + i) and the tail's columns: load_heads' and tail_at's layout."""
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
     o_row = o_base + h64[:, None] * stride_o_head
@@ -363,14 +363,13 @@ def _rotate_store(
         x_row = x_base + h64[:, None] * stride_x_head
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
-        cols = tail_dim(j, HALF, GAP)
         if TAIL_GIVEN:
             t = t_given
         else:
-            t = tl.load(x_row + cols, mask=mt)
+            t = tl.load(tail_at(x_row, j, HALF, GAP), mask=mt)
         if SCALED:
             t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
-        tl.store(o_row + cols, t.to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), t.to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -862,7 +861,7 @@ def _store_grad(
         h = head0 + tl.arange(0, BLOCK_H)
         jt = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (jt < tail)
-        ptr = gx_base + h.to(tl.int64)[:, None] * stride_gx_head + tail_dim(jt, HALF, GAP)
+        ptr = tail_at(gx_base + h.to(tl.int64)[:, None] * stride_gx_head, jt, HALF, GAP)
         tl.store(ptr, gxt.to(gx_base.dtype.element_ty), mask=mt)
 
 
@@ -899,10 +898,9 @@ def _put_dw_heads(
     if TAIL_PAD > 0:
         jt = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (jt < tail)
-        ct = tail_dim(jt, HALF, GAP)
         if ACCUMULATE:
-            dt += tl.load(hrow + ct, mask=mt, other=0.0)
-        tl.store(hrow + ct, dt, mask=mt)
+            dt += tl.load(tail_at(hrow, jt, HALF, GAP), mask=mt, other=0.0)
+        tl.store(tail_at(hrow, jt, HALF, GAP), dt, mask=mt)
 
 
 @triton.jit
@@ -1305,4 +1303,4 @@ def rope_norm_backward_kernel(
         tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
         if TAIL_PAD > 0:
             jt = tl.arange(0, TAIL_PAD)
-            tl.store(row + tail_dim(jt, HALF, GAP), tl.sum(acc_t, axis=0), mask=jt < tail)
+            tl.store(tail_at(row, jt, HALF, GAP), tl.sum(acc_t, axis=0), mask=jt < tail)

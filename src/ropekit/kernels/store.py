@@ -25,7 +25,7 @@ backend's cast treats values out of range.
 import triton
 import triton.language as tl
 
-from .norm import load_tail, norm_heads, tail_dim
+from .norm import load_tail, norm_heads, tail_at
 from .rope import load_angles, load_heads, pdl_prologue, saturate, store_heads
 
 
@@ -158,7 +158,7 @@ def _put_heads(
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(o_row + tail_dim(j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
