@@ -357,7 +357,12 @@ def apply_rope(
             1, disjoint from every input and from each other; written by the kernel and returned.
             Either may be given alone (the other output is a new tensor).
         rotary_position: 'first' rotates dims [0, rotary_dim); 'last' rotates [D - rotary_dim, D)
-            (DeepSeek's [nope | rope] heads), the leading dims kept. Not with the norm.
+            (DeepSeek's [nope | rope] heads), the leading dims kept, not with the norm; 'halves'
+            rotates the pairs (i, i + D/2) for i < rotary_dim / 2 (Gemma 4's p-RoPE: the table holds
+            the rotated pairs' angles only, ropekit.cos_sin_cache(..., rotated_only=True)), the dims
+            [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D) kept (copied out of place, untouched in
+            place, normalized with the norm, scaled with fp8 outputs). 'halves' needs
+            interleaved=False, an even D, and q and k of one head size.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -636,10 +641,16 @@ def _rope_spec(
     if normed:
         validate.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
     validate.out_buffers(op, q, k, q_out, k_out, out_dtype, inplace=inplace, grad=grad)
-    last = validate.rotary_position_arg(op, rotary_position, normed)
-    last = last and any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    position = validate.rotary_position_arg(op, rotary_position, normed)
     il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last)
+    if position == "halves":
+        validate.halves_args(op, q_t, k_t, il)
+    # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
+    partial = any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    last, halves = position == "last" and partial, position == "halves" and partial
+    variant = Variant(
+        il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last, rope_halves=halves
+    )
     triton = pipeline.triton_runs(q)
     weights = (q_norm_weight, k_norm_weight)
     return Spec(

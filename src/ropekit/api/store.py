@@ -27,6 +27,7 @@ Scale = Union[None, float, torch.Tensor]
 _MEMO = memo.MEMO  # read here without a function call per op call
 NORM_EPS, NORM_OFFSET = 1e-6, 0.0  # the norm's defaults (the public op's and the custom ops')
 _CP_SIZE, _CP_RANK = 1, 0  # no context parallelism
+_FIRST = "first"  # rotary_position's default
 
 
 def checks(
@@ -115,6 +116,7 @@ def _store_spec(
     q_out,
     q_scale,
     write_key,
+    rotary_position,
 ) -> Spec:
     """Validate a public call (no data read) and make its Spec (the eager door q's type picks)."""
     packed = (1, 0)
@@ -147,7 +149,13 @@ def _store_spec(
     if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
         mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
     il = bool(interleaved)
-    variant = Variant(il, il, mode, mrope if mode else (0, 0, 0), angles, norm_q=modes[0], norm_k=modes[1])
+    halves = validate.rotary_position_arg(OP, rotary_position, allowed=("first", "halves")) == "halves"
+    if halves:
+        validate.halves_args(OP, q, k, il)
+    halves = halves and k.shape[-1] > rot  # whole heads: the usual variant
+    variant = Variant(
+        il, il, mode, mrope if mode else (0, 0, 0), angles, norm_q=modes[0], norm_k=modes[1], rope_halves=halves
+    )
     weights = (q_norm_weight, k_norm_weight)
     return _spec(q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, weights, variant, rot, packed, None)
 
@@ -235,6 +243,7 @@ def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, 
         sections=variant.sections if variant.mrope else None,
         il_sections=variant.mrope == MROPE_INTERLEAVED,
         norm=norm,
+        halves=variant.rope_halves,
     )
 
 
@@ -456,7 +465,7 @@ def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant
     return None
 
 
-def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset) -> tuple:
+def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset, position) -> tuple:
     """The part of a call signature the rarer keywords contribute, each value with its type."""
     return (
         None if mrope_section is None else value_key(mrope_section),
@@ -465,6 +474,7 @@ def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_
         value_key(cp_rank),
         value_key(norm_eps),
         value_key(norm_weight_offset),
+        value_key(position),
     )
 
 
@@ -506,6 +516,7 @@ def apply_rope_and_store(
     q_out: Optional[torch.Tensor] = None,
     q_scale: Scale = None,
     k_nope: Optional[torch.Tensor] = None,
+    rotary_position: str = _FIRST,
 ) -> torch.Tensor:
     """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
     their slots. One launch, whatever the keywords.
@@ -564,6 +575,10 @@ def apply_rope_and_store(
             (num_blocks, block_size, Hk, L)) with k_cache the rope cache (kpe_cache, R wide), or
             None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
             layout) and is split at L. One launch either way.
+        rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
+            for i < rotary_dim / 2 (Gemma 4's p-RoPE, apply_rope's keyword), the other dims kept
+            (untouched in q in place, copied into q_out and the cache rows, normalized with the
+            norm); needs interleaved=False, an even D and q and k of one head size.
 
     Returns q (rotated in place), or q_out when given. Rows of the caches that no slot names are
     never touched. Duplicate slots (two tokens naming one slot) are a caller error: without
@@ -641,7 +656,10 @@ def apply_rope_and_store(
                 and cp_rank is _CP_RANK
                 and norm_eps is NORM_EPS
                 and norm_weight_offset is NORM_OFFSET
-                else rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset),
+                and rotary_position is _FIRST
+                else rare_key(
+                    mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset, rotary_position
+                ),
                 scale_key(k_scale),
                 scale_key(v_scale),
                 type(write_key),
@@ -678,6 +696,7 @@ def apply_rope_and_store(
             q_out=q_out,
             q_scale=q_scale,
             write_key=write_key,
+            rotary_position=rotary_position,
         )
         if not compiling:
             pipeline.remember(key, spec)
