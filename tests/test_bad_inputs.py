@@ -233,10 +233,10 @@ ROWS = [
     R(
         "rope-rotary-position-value",
         "apply_rope",
-        "rotary_position not 'first' or 'last'",
+        "rotary_position not 'first', 'last' or 'halves'",
         "rotary_position='end'",
         ValueError,
-        "rotary_position: expected 'first' or 'last', got 'end'",
+        "rotary_position: expected 'first', 'last' or 'halves', got 'end'",
         lambda: rope_args(cos_sin_cache=make_cache(16, 32), rotary_position="end"),
     ),
     R(
@@ -250,6 +250,48 @@ ROWS = [
         lambda: rope_args(
             inplace=False, cos_sin_cache=make_cache(16, 32), rotary_position="last", q_norm_weight=torch.ones(D)
         ),
+    ),
+    R(
+        "rope-halves-interleaved",
+        "apply_rope",
+        "rotary_position='halves' with interleaved pairs",
+        "rotary_position='halves', interleaved=True",
+        ValueError,
+        "interleaved: expected False with rotary_position='halves' (its pairs are (i, i + D/2)), got True",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 16), rotary_position="halves", interleaved=True),
+    ),
+    R(
+        "rope-halves-odd-head",
+        "apply_rope",
+        "rotary_position='halves' with an odd head size",
+        "q and k of head size 63",
+        ValueError,
+        "q: expected an even head size with rotary_position='halves' (pairs (i, i + D/2)), got shape (4, 3, 63)",
+        lambda: rope_args(
+            q=torch.randn(T, HQ, 63),
+            k=torch.randn(T, HK, 63),
+            cos_sin_cache=make_cache(16, 16),
+            rotary_position="halves",
+        ),
+    ),
+    R(
+        "rope-halves-head-sizes",
+        "apply_rope",
+        "rotary_position='halves' with q and k of different head sizes",
+        "q of head size 64, k of 32",
+        ValueError,
+        "k: expected head size 64 (that of q) with rotary_position='halves' (one partner distance, D/2), "
+        "got shape (4, 2, 32)",
+        lambda: rope_args(k=torch.randn(T, HK, 32), cos_sin_cache=make_cache(16, 16), rotary_position="halves"),
+    ),
+    R(
+        "rope-halves-rotary-dim",
+        "apply_rope",
+        "rotary_position='halves' with more pairs than D/2 (rotary_dim > D)",
+        "a table of width 66, head size 64",
+        ValueError,
+        "q: expected a head size >= rotary_dim (66), got head size 64",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 66), rotary_position="halves"),
     ),
     R(
         "angles-q-last-stride",
@@ -650,6 +692,24 @@ ROWS = [
         TypeError,
         "k: expected a torch.Tensor, got NoneType",
         lambda: store_args(k=None),
+    ),
+    R(
+        "store-rotary-position",
+        "apply_rope_and_store",
+        "rotary_position not 'first' or 'halves'",
+        "rotary_position='last'",
+        ValueError,
+        "rotary_position: expected 'first' or 'halves', got 'last'",
+        lambda: store_args(rotary_position="last"),
+    ),
+    R(
+        "store-halves-interleaved",
+        "apply_rope_and_store",
+        "rotary_position='halves' with interleaved pairs",
+        "rotary_position='halves', interleaved=True",
+        ValueError,
+        "interleaved: expected False with rotary_position='halves' (its pairs are (i, i + D/2)), got True",
+        lambda: store_args(cos_sin_cache=make_cache(16, 16), rotary_position="halves", interleaved=True),
     ),
     R(
         "store-v-token-dims",

@@ -29,7 +29,6 @@ import torch
 import ropekit
 from ropekit.api.rerotate import rerotate_kv_cache
 from ropekit.core import memo, plans, strict
-from ropekit.core.variant import Variant
 from ropekit.tools import reference
 
 try:
@@ -861,6 +860,8 @@ def test_torch_compile_fullgraph_mla_views():
 
 
 def test_opcheck():
+    from ropekit.core.pipeline import Variant
+
     args = (
         torch.randn(2, 4, 1, 32),
         torch.tensor([1, 0, 5]),
@@ -873,8 +874,11 @@ def test_opcheck():
         torch.tensor([2, 3, -1]),
     )
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
-    pairs = Variant(True, True, angles="delta").encode()
-    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), pairs, 32, None, None)
+    interleaved = Variant(True, True, angles="delta").encode()
+    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), interleaved, 32, None, None)
+    torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
+    halves = Variant(angles="delta", rope_halves=True).encode()  # rotary_position='halves': pairs (i, i + 16)
+    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, 2, make_cache(8, 8), halves, 8, None, None)
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
 
 

@@ -117,7 +117,12 @@ def apply_rope(
             1, disjoint from every input and from each other; written by the kernel and returned.
             Either may be given alone (the other output is a new tensor).
         rotary_position: 'first' rotates dims [0, rotary_dim); 'last' rotates [D - rotary_dim, D)
-            (DeepSeek's [nope | rope] heads), the leading dims kept. Not with the norm.
+            (DeepSeek's [nope | rope] heads), the leading dims kept, not with the norm; 'halves'
+            rotates the pairs (i, i + D/2) for i < rotary_dim / 2 (Gemma 4's p-RoPE: the table holds
+            the rotated pairs' angles only, ropekit.cos_sin_cache(..., rotated_only=True)), the dims
+            [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D) kept (copied out of place, untouched in
+            place, normalized with the norm, scaled with fp8 outputs). 'halves' needs
+            interleaved=False, an even D, and q and k of one head size.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an

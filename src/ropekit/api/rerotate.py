@@ -1,6 +1,7 @@
 """Re-rotation of cached keys by a position shift: `rerotate_kv_cache`, one launch of `rerotate_kernel`.
 
-    rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots)
+    rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots,
+                      rotary_position)
 
 Serving engines that evict tokens (attention sinks + a sliding window, H2O-style eviction), shift a
 context or compact a cache move keys to new positions. RoPE composes, so a cached key rotated for
@@ -35,6 +36,7 @@ def rerotate_kv_cache(
     rotary_dim: Optional[int] = None,
     k_scale: Scale = None,
     dst_slots: Optional[torch.Tensor] = None,
+    rotary_position: str = "first",
 ) -> torch.Tensor:
     """Re-rotate cached keys by a position shift: the key stored at position p ends as if stored at p + delta.
 
@@ -58,6 +60,9 @@ def rerotate_kv_cache(
             source rows are left untouched, the dims past rotary_dim are copied. A dst slot < 0 skips
             the row. Destination rows must not be source rows of the same call (strict mode checks
             it; otherwise the result is unspecified, as it is for duplicate slots or dst slots).
+        rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
+            for i < rotary_dim / 2 (Gemma 4's p-RoPE, as apply_rope rotated them), the other dims
+            kept (untouched in place, copied with dst_slots); needs interleaved=False and an even D.
 
     Returns k_cache. Rows that no (slot, dst slot) pair writes are never touched.
 

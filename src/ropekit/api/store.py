@@ -54,6 +54,7 @@ def apply_rope_and_store(
     q_out: Optional[torch.Tensor] = None,
     q_scale: Scale = None,
     k_nope: Optional[torch.Tensor] = None,
+    rotary_position: str = "first",
 ) -> torch.Tensor:
     """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
     their slots. One launch, whatever the keywords.
@@ -112,6 +113,10 @@ def apply_rope_and_store(
             (num_blocks, block_size, Hk, L)) with k_cache the rope cache (kpe_cache, R wide), or
             None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
             layout) and is split at L. One launch either way.
+        rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
+            for i < rotary_dim / 2 (Gemma 4's p-RoPE, apply_rope's keyword), the other dims kept
+            (untouched in q in place, copied into q_out and the cache rows, normalized with the
+            norm); needs interleaved=False, an even D and q and k of one head size.
 
     Returns q (rotated in place), or q_out when given. Rows of the caches that no slot names are
     never touched. Duplicate slots (two tokens naming one slot) are a caller error: without

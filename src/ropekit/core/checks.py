@@ -159,9 +159,12 @@ def rope(args: dict) -> Spec:
     if normed:
         rules.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
     rules.out_buffers(op, q, k, args["q_out"], args["k_out"], out_dtype, inplace=inplace, grad=grad)
-    last = rules.rotary_position_arg(op, args["rotary_position"], normed)
-    last = last and any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    position = rules.rotary_position_arg(op, args["rotary_position"], normed)
     il = bool(args["interleaved"])
+    if position == "halves":
+        rules.halves_args(op, q_t, k_t, il)
+    # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
+    partial = any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
@@ -174,7 +177,8 @@ def rope(args: dict) -> Spec:
         norm_q=modes[0],
         norm_k=modes[1],
         seq_first=seq,
-        rope_last=last,
+        rope_last=position == "last" and partial,
+        rope_halves=position == "halves" and partial,
     )
     triton = triton_runs(q)
     return Spec(
@@ -375,11 +379,15 @@ def store(args: dict) -> Spec:
     if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
         mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
     il = bool(args["interleaved"])
+    halves = rules.rotary_position_arg(op, args["rotary_position"], allowed=("first", "halves")) == "halves"
+    if halves:
+        rules.halves_args(op, q, k, il)
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
         mrope=mode,
         sections=mrope if mode else (0, 0, 0),
+        rope_halves=halves and k.shape[-1] > rot,  # whole heads: the usual variant
         angles=angle_source,
         norm_q=modes[0],
         norm_k=modes[1],
@@ -495,7 +503,17 @@ def rerotate(args: dict) -> Spec:
         dst_slots=dst_slots,
     )
     il = bool(args["interleaved"])
-    variant = Variant(il, il, angles="delta", k_scaled=scaled_by(k_scale), to_dst=dst_slots is not None)
+    halves = rules.rotary_position_arg(op, args["rotary_position"], allowed=("first", "halves")) == "halves"
+    if halves:
+        rules.halves_args(op, k_cache, None, il, q_name="k_cache")
+    variant = Variant(
+        il,
+        il,
+        angles="delta",
+        rope_halves=halves and k_cache.shape[-1] > rot,
+        k_scaled=scaled_by(k_scale),
+        to_dst=dst_slots is not None,
+    )
     extents = tuple(aliasing.extent(x) for x in (k_cache, slots, dst_slots, delta, table))
     return Spec(variant, rot, door_for(k_cache, False), triton_runs(k_cache), extents=extents)
 

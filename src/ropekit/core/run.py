@@ -184,6 +184,7 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
             eps=spec.norm_eps,
             offset=spec.norm_offset,
             out_dtype=torch.float32 if variant.scaled else dtype,
+            halves=variant.rope_halves,
         )
         if variant.scaled:
             y = saturate(y / scales[i if scales[i] is not None else 0], dtype).to(dtype)
@@ -199,7 +200,15 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
         if variant.inverse:
             sin = -sin
         return cpu.norm_rotate_backward(
-            x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+            x,
+            g,
+            w,
+            cos,
+            sin,
+            interleaved=variant.interleaved,
+            eps=spec.norm_eps,
+            offset=spec.norm_offset,
+            halves=variant.rope_halves,
         )
     hf = variant.heads_first
     g = unit_last_stride(g)
@@ -283,6 +292,7 @@ def run_store(spec: Spec, t: StoreOperands) -> None:
         sections=v.sections if v.mrope else None,
         il_sections=v.mrope == MROPE_INTERLEAVED,
         norm=(t.wq, t.wk, spec.norm_eps, spec.norm_offset) if v.normed else None,
+        halves=v.rope_halves,
     )
 
 
@@ -309,4 +319,5 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
             rotary_dim=spec.rot,
             k_scale=k_scale,
             dst_slots=dst_slots,
+            halves=spec.variant.rope_halves,
         )

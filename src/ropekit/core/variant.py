@@ -70,6 +70,9 @@ class Variant(NamedTuple):
     #                          the rotation's views hand the run (B, S, H, D) views, transpose(0, 1)
     rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
     #                          DeepSeek): the run gets views of that part, the rest is copied
+    rope_halves: bool = False  # half-split pairs (i, i + D/2), i < rotary_dim / 2, of the whole head
+    #                            (rotary_position='halves', Gemma 4's p-RoPE): the kernels' GAP is D/2
+    #                            and the kept dims are [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D)
     # the fused store and the re-rotation
     q_out: bool = False  # store: q rotated into a given q_out (its tail copied), q left untouched
     write_key: bool = False  # store: rotated (and normalized) k written back into k too

@@ -25,7 +25,7 @@ backend's cast treats values out of range.
 import triton
 import triton.language as tl
 
-from .norm import load_tail, norm_heads
+from .norm import load_tail, norm_heads, tail_at
 from .rope import load_angles, load_heads, pdl_prologue, saturate, store_heads
 
 
@@ -83,6 +83,7 @@ def _rope_heads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     NORM: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of one token (x_base: its first element), RMS-normalized when
     NORM != 0 (1 per head, 2 across the block's heads) and rotated by (c, sn): float32 tiles o1, o2
@@ -90,7 +91,7 @@ def _rope_heads(
     with the head; otherwise a placeholder)."""
     # the evict_first hint was measured on this kernel: its inputs are read once
     x1, x2 = load_heads(
-        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first"
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first", GAP
     )
     t = x1
     if NORM != 0:
@@ -111,9 +112,10 @@ def _rope_heads(
             BLOCK_H,
             TAIL_PAD,
             INTERLEAVED,
+            GAP,
         )
     elif TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
     cb = c[None, :]
     sb = sn[None, :]
     return x1 * cb - x2 * sb, x2 * cb + x1 * sb, t
@@ -137,6 +139,7 @@ def _put_heads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     SCALED: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store _rope_heads' tiles at o_base (a token's first element) in o's dtype: the rotated pairs,
     and the tail t when TAIL_PAD > 0. SCALED: divided by the float32 scalar at o_scale_ptr first;
@@ -149,13 +152,13 @@ def _put_heads(
     out_ty = o_base.dtype.element_ty
     o1 = saturate(o1, out_ty)
     o2 = saturate(o2, out_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(o_row + 2 * HALF + j, saturate(t, out_ty).to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -225,6 +228,7 @@ def _store_block(
     TAIL_PAD_Q: tl.constexpr,
     Q_SCALED: tl.constexpr,
     WRITE_K: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Head block blk of token (b, s): q's blocks (rotated in place or into q_out), then k's
     (rotated into the slot's cache row, and back into k with WRITE_K), then v's (copied into the
@@ -257,6 +261,7 @@ def _store_block(
             INTERLEAVED,
             PACK_Q,
             NORM_Q,
+            GAP,
         )
         # qo_ptr is q itself when rotating in place; its tail is then written only when normalized
         # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
@@ -277,6 +282,7 @@ def _store_block(
             INTERLEAVED,
             PACK_Q,
             Q_SCALED,
+            GAP,
         )
     elif blk < n_q_blocks + n_k_blocks:
         if store or WRITE_K:
@@ -300,6 +306,7 @@ def _store_block(
                 INTERLEAVED,
                 PACK_K,
                 NORM_K,
+                GAP,
             )
             if store:
                 _put_heads(
@@ -319,6 +326,7 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     K_SCALED,
+                    GAP,
                 )
             if WRITE_K:
                 # after the cache row: the row's tail was read from k. k's own tail changes only
@@ -340,6 +348,7 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     False,
+                    GAP,
                 )
     elif store:
         _copy_heads(
@@ -426,6 +435,7 @@ def rope_store_kernel(
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_HQ: tl.constexpr,  # heads of q per head block
     BLOCK_HK: tl.constexpr,  # heads of k per head block
     BLOCK_HV: tl.constexpr,  # heads of v per head block
@@ -573,4 +583,5 @@ def rope_store_kernel(
             TAIL_PAD_Q,
             Q_SCALED,
             WRITE_K,
+            GAP,
         )
