@@ -24,7 +24,7 @@ import triton.language  # noqa: F401
 
 import ropekit
 from ropekit.api.modules import hf_rope_args
-from ropekit.core import pipeline, tuning
+from ropekit.core import memo, tuning
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, rel_err
@@ -495,13 +495,13 @@ def interpreted_and_cpu(monkeypatch):
                 monkeypatch.delenv("TRITON_INTERPRET", raising=False)
             else:
                 monkeypatch.setenv("TRITON_INTERPRET", interpret)
-            pipeline.clear()
+            memo.clear()
             results.append(fn())
-        pipeline.clear()
+        memo.clear()
         return results
 
     yield run
-    pipeline.clear()
+    memo.clear()
 
 
 def _same(a, b, R=None):

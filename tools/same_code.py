@@ -42,8 +42,17 @@ def _child(src: Path, out: Path) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ropekit.core import launcher, tuning
-    from ropekit.core.pipeline import Variant
+    from ropekit.core import tuning
+
+    try:  # the one-call-path core
+        from ropekit.core import plans as launcher
+        from ropekit.core.run import StoreOperands
+        from ropekit.core.variant import Variant
+    except ImportError:  # a base revision before it
+        from ropekit.core import launcher
+        from ropekit.core.pipeline import Variant
+
+        StoreOperands = None
     from ropekit.kernels.rerotate import rerotate_kernel
     from ropekit.kernels.rope import rope_kernel, rope_norm_backward_kernel
     from ropekit.kernels.store import rope_store_kernel
@@ -96,12 +105,19 @@ def _child(src: Path, out: Path) -> None:
             ptrs = (q, q, gx, w, dw, pos, tab, tab)
             compile_one(rope_norm_backward_kernel, ptrs, (*plan.args, 1e-6, 0.0), plan.meta, f"norm_bwd_{mode}_{rot}")
         caches = torch.empty(16, 16, HK, D), torch.empty(16, 16, HK, D)
-        plan = launcher.plan_store(
-            q, k, k, pos, tab, *caches, pos, Variant(), rot, False, False, None, False, False, (1, 0)
-        )
-        meta, ptrs = launcher.store_inputs(plan.meta, q, k, k, pos, tab, *caches, pos, None, None)
+        if StoreOperands is not None:
+            t = StoreOperands(q, k, k, pos, tab, *caches, pos)
+            plan = launcher.plan_store(t, Variant(), rot)
+            ptrs = (q, k, k, pos, tab, pos, *caches, tab, tab, q, tab, tab, tab)  # fire_store's pointers
+            meta = plan.meta
+        else:
+            plan = launcher.plan_store(
+                q, k, k, pos, tab, *caches, pos, Variant(), rot, False, False, None, False, False, (1, 0)
+            )
+            meta, ptrs = launcher.store_inputs(plan.meta, q, k, k, pos, tab, *caches, pos, None, None)
         compile_one(rope_store_kernel, ptrs, (*plan.args, 0.0, 0.0), meta, f"store_{rot}")
-        plan = launcher.plan_rerotate(caches[0], pos, None, tab, None, Variant(angles="delta"), rot, False)
+        rerotate = (caches[0], pos, None, tab, None, Variant(angles="delta"), rot)
+        plan = launcher.plan_rerotate(*rerotate) if StoreOperands else launcher.plan_rerotate(*rerotate, False)
         ptrs = (caches[0], pos, pos, pos, tab, tab)
         compile_one(rerotate_kernel, ptrs, (3, *plan.args), plan.meta, f"rerotate_{rot}")
 

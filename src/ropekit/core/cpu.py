@@ -459,7 +459,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     """
     interleaved, out_interleaved, inverse = variant.interleaved, variant.out_interleaved, variant.inverse
     sections = variant.sections if variant.mrope else None
-    il_sections = variant.mrope == 2  # pipeline.MROPE_INTERLEAVED (Qwen3-VL)
+    il_sections = variant.mrope == 2  # variant.MROPE_INTERLEAVED (Qwen3-VL)
     heads_first = variant.heads_first
     if heads_first:  # work on (B, S, H, D) views: the tensors' memory order, heads next to D
         q, k, q_out, k_out = (None if x is None else x.transpose(1, 2) for x in (q, k, q_out, k_out))

@@ -22,7 +22,7 @@ class LayoutWarning(UserWarning):
 def layout_arg(op, layout, q, sbhd=False) -> bool:
     """layout: None or 'thd' / 'bshd' (tokens first: (T, H, D) / (B, S, H, D)) or 'bhsd' (Hugging
     Face's (B, H, S, D)); with sbhd also 'sbhd' (Transformer Engine's (S, B, H, D), apply_rope's).
-    Returns True for 'bhsd' (the pipeline's heads_first)."""
+    Returns True for 'bhsd' (Variant.heads_first)."""
     if layout is None:
         return False
     if not isinstance(layout, str):
