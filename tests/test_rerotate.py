@@ -860,7 +860,7 @@ def test_torch_compile_fullgraph_mla_views():
 
 
 def test_opcheck():
-    from ropekit.core.pipeline import Variant
+    from ropekit.core.variant import Variant
 
     args = (
         torch.randn(2, 4, 1, 32),

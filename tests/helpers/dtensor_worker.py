@@ -146,6 +146,10 @@ def main(rank, world, port, out):
             cache.shape[1],
             None,
             None,
+            None,
+            None,
+            [1e-6, 0.0],
+            [1, 0],
         )
         errors["store_token_sharded"] = None
     except RuntimeError as e:
