@@ -638,11 +638,11 @@ CASES = [
         OP + "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2), got int8",
     ),
     (
-        "k-nope-with-v",
+        "k-nope-beside-v-cache-width",
         good(),
         {"k_nope": torch.randn(T_, HK_, D_)},
         ValueError,
-        OP + "v: expected None when k_nope is given (k_nope is the cache row's non-rope part), got a tensor",
+        OP + "k_cache: expected (heads, head size) (2, 128), those of k and k_nope together, got shape (2, 4, 2, 64)",
     ),
     (
         "k-nope-type",

@@ -73,6 +73,10 @@ class Variant(NamedTuple):
     #                          ops.py hands the run (B, S, H, D) views, transpose(0, 1)
     rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
     #                          DeepSeek): ops.py hands the run views of that part, the rest is copied
+    nope_q: bool = False  # the store's q is the rope part of the head: q_out's dims past the rotated
+    #                       ones are read from q_nope, a tensor of its own (FlashInfer's q_rope / q_nope)
+    nope_k: bool = False  # the store's k is the rope part: the k cache row's dims past the rotated ones
+    #                       are read from k_nope, beside v (FlashInfer's GQA / MHA k_rope / k_nope)
 
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
