@@ -534,6 +534,32 @@ def test_q_nope_with_mla_k_nope(device, programs):
     close(q_out, reference.rotate(q.double().cpu(), c, s, interleaved=True), torch.float32, "q_out")
 
 
+def test_flashinfer_mla_append_call_form(device):
+    """docs/store.md's row for FlashInfer's MLA rope_quantize_fp8_append_paged_kv_cache: 2-D k parts
+    unsqueezed, its 3-D (pages, page_size, D) ckv / kpe caches as they are, q's parts into q_out;
+    the same bytes as the joint-row spelling."""
+    T, H, R, L = 5, 4, 16, 32
+    q = torch.randn(T, H, R + L, dtype=torch.bfloat16, device=device)
+    k_rope = torch.randn(T, R, dtype=torch.bfloat16, device=device)
+    k_nope = torch.randn(T, L, dtype=torch.bfloat16, device=device)
+    table = make_cache(40, R, device=device)
+    pos = torch.randint(0, 40, (T,), device=device)
+    slots = shuffled_slots(T, 12, device)
+    q_rope, q_nope = parts_of(q, R)
+    ckv, kpe = (torch.full((3, 4, n), NAN, device=device).to(E4M3) for n in (L, R))
+    q_out = poisoned_like(q, E4M3)
+    kw = dict(q_scale=0.5, k_scale=0.25, v_scale=0.25)
+    apply_rope_and_store(q_rope, k_rope.unsqueeze(1), None, pos, table, kpe, ckv, slots, k_nope=k_nope.unsqueeze(1),
+                         q_nope=q_nope, q_out=q_out, **kw)  # fmt: skip
+    joint = torch.full((3, 4, 1, L + R), NAN, device=device).to(E4M3)
+    want_q = poisoned_like(q, E4M3)
+    apply_rope_and_store(q_rope, k_rope.unsqueeze(1), None, pos, table, joint, None, slots, k_nope=k_nope.unsqueeze(1),
+                         q_nope=q_nope, q_out=want_q, **kw)  # fmt: skip
+    assert torch.equal(bits(q_out), bits(want_q))
+    assert torch.equal(bits(ckv), bits(joint[..., 0, :L])) and torch.equal(bits(kpe), bits(joint[..., 0, L:]))
+    assert not ckv.view(-1, L)[slots[slots >= 0]].float().isnan().any()
+
+
 def test_parts_reference_path_matches_the_kernel(monkeypatch):
     """Plain CPU (ropekit.core.cpu on whole heads) and the interpreted kernel give the same bytes
     for both parts' forms (fp8 exact values, so bit-equal)."""
