@@ -94,6 +94,21 @@ def parts_args(**change):
     )
 
 
+def rope_parts_args(**change):
+    """apply_rope out of place with q in two parts: q (T, HQ, R_) and q_nope into q_out (T, HQ, 2 R_)."""
+    return _edit(
+        rope_args(
+            inplace=False,
+            q=torch.randn(T, HQ, R_),
+            k=torch.randn(T, HK, R_),
+            cos_sin_cache=make_cache(16, R_),
+            q_nope=torch.randn(T, HQ, R_),
+            q_out=torch.full((T, HQ, D), NAN),
+        ),
+        change,
+    )
+
+
 def _edit(a, change):
     for name, fn in change.items():
         a[name] = fn(a) if callable(fn) else fn
@@ -934,6 +949,79 @@ ROWS = [
         ValueError,
         "k: expected memory disjoint from q (which is written)",
         lambda: store_args(k=lambda a: a["q"][:, 1:]),
+    ),
+    # ---- apply_rope: heads in two parts (q_nope, k_nope) --------------------------------------
+    R(
+        "rope-q-nope-inplace",
+        "apply_rope",
+        "q_nope with inplace=True",
+        "q_nope given, inplace=True",
+        ValueError,
+        "q_nope: expected None when inplace=True (the output is the whole head, a new tensor), got a tensor",
+        lambda: rope_parts_args(inplace=True, q_out=None),
+    ),
+    R(
+        "rope-k-nope-without-k",
+        "apply_rope",
+        "k_nope with k None",
+        "k=None, k_nope given",
+        ValueError,
+        "k_nope: expected None when k is None, got a tensor",
+        lambda: rope_parts_args(k=None, k_nope=torch.randn(T, HK, R_)),
+    ),
+    R(
+        "rope-q-nope-norm",
+        "apply_rope",
+        "q_nope with q_norm_weight",
+        "q_norm_weight=torch.ones(32)",
+        ValueError,
+        "q_nope: expected None with q_norm_weight (the norm covers a whole head, not one given in two parts)",
+        lambda: rope_parts_args(q_norm_weight=torch.ones(R_)),
+    ),
+    R(
+        "rope-q-nope-q-width",
+        "apply_rope",
+        "q wider than rotary_dim beside q_nope",
+        "q of head size 64, rotary_dim 32",
+        ValueError,
+        "q: expected head size 32 (rotary_dim: with q_nope given, q is the rope part), got shape (4, 3, 64)",
+        lambda: rope_parts_args(q=torch.randn(T, HQ, D), q_out=None),
+    ),
+    R(
+        "rope-q-nope-heads",
+        "apply_rope",
+        "q_nope's head count differs from q's",
+        "q_nope with 2 heads, q with 3",
+        ValueError,
+        "q_nope: expected token dims and heads (4, 3) (those of q), got shape (4, 2, 32)",
+        lambda: rope_parts_args(q_nope=torch.randn(T, HQ - 1, R_)),
+    ),
+    R(
+        "rope-q-nope-dtype",
+        "apply_rope",
+        "q_nope of an unsupported dtype",
+        "float64 q_nope",
+        ValueError,
+        "q_nope: expected dtype in (float16, bfloat16, float32), got float64",
+        lambda: rope_parts_args(q_nope=lambda a: a["q_nope"].double()),
+    ),
+    R(
+        "rope-q-nope-out-shape",
+        "apply_rope",
+        "q_out not as wide as q and q_nope together",
+        "q_out of shape (4, 3, 32)",
+        ValueError,
+        "q_out: expected shape (4, 3, 64) (q's head and q_nope's together), got shape (4, 3, 32)",
+        lambda: rope_parts_args(q_out=torch.full((T, HQ, R_), NAN)),
+    ),
+    R(
+        "rope-q-nope-in-out",
+        "apply_rope",
+        "q_nope overlaps q_out",
+        "q_nope = q_out[..., 32:]",
+        ValueError,
+        "q_nope: expected memory disjoint from q_out (which is written)",
+        lambda: rope_parts_args(q_nope=lambda a: a["q_out"][..., R_:]),
     ),
     # ---- apply_rope_and_store: heads in two parts (q_nope, k_nope beside v) -----------------------
     R(

@@ -99,6 +99,18 @@ def _destinations(t, grad):
     return (q, k, torch.randint(0, MAXPOS, (t,)), q_out, k_out), (0, 0, 0, 0, 0)
 
 
+def _parts(t, grad):
+    """q and k as rope halves with their no-rope halves given apart (q_nope / k_nope)."""
+    q, k = _qk(t, grad=grad)
+    q_nope = torch.randn(t, H, D // 2, requires_grad=grad)
+    k_nope = torch.randn(t, HK, D // 2, requires_grad=grad)
+    return (q[..., : D // 2], q_nope, k[..., : D // 2], k_nope, torch.randint(0, MAXPOS, (t,))), (0, 0, 0, 0, 0)
+
+
+def _parts_fn(q, q_nope, k, k_nope, p, **kw):
+    return ropekit.apply_rope(q, k, p, _on(q.device)["half_cache"], q_nope=q_nope, k_nope=k_nope, **kw)
+
+
 def _angles(t, grad):
     q, k = _qk(t, grad=grad)
     ang = torch.rand(t, D // 2) * 6
@@ -149,6 +161,8 @@ ROTATIONS = {
             q, k, p, _on(q.device)["half_cache"], rotary_dim=D // 2, rotary_position="last"
         ),
     ),
+    "parts": (_parts, _parts_fn),
+    "parts_last": (_parts, lambda *a: _parts_fn(*a, rotary_position="last")),
     "angles": (_angles, lambda q, k, c, s: ropekit.rotate_with_angles(q, k, c, s)),
     "freqs_cis": (_cis, lambda q, k, fc: ropekit.rotate_with_angles(q, k, freqs_cis=fc)),
 }
@@ -260,6 +274,7 @@ NO_GRAD_ONLY = {
     ),
     "store_mla_3d": (_store_mla, _store_mla_fn),
     "store": (_store, _store_fn),
+    "parts_fp8": (_parts, lambda *a: _parts_fn(*a, out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0)),
     "store_parts": (_store_parts, _store_parts_fn),
     "store_split_k": (_store_parts, _store_split_k_fn),
     "rerotate": (_rerotate, _rerotate_fn),

@@ -179,6 +179,14 @@ CASES = {
     "apply_rope bhsd": _apply_rope_bhsd,
     "apply_rope inplace": _apply_rope_inplace,
     "apply_rope backward": _apply_rope_backward,
+    "apply_rope q_nope k_nope": lambda d: ropekit.apply_rope(
+        *(x[..., : D // 2] for x in _qk(d)),
+        torch.arange(T, device=d),
+        _table(d, rot=D // 2),
+        q_nope=_qk(d)[0][..., D // 2 :],
+        k_nope=_qk(d)[1],
+        rotary_position="last",
+    ),  # fmt: skip
     "rotate_with_angles": _rotate_with_angles,
     "rotate_with_angles rotary_dim": lambda d: _rotate_with_angles(d, rotary_dim=D),
     "rotate_with_angles inplace": lambda d: _rotate_with_angles(d, inplace=True),

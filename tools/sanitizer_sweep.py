@@ -19,7 +19,7 @@ What a configuration covers (drawn with random.Random(seed)):
   backward (the custom-op path and the inverse rotation). The conventions on the same inputs:
   layout='sbhd' ((S, B, H, D) views, (S, B) positions), destinations q_out= / k_out= (slices of
   NaN buffers, fp8 with scales too), rotary_position='last', q and k of last stride 2 (the
-  documented copy, out of place and in place).
+  documented copy, out of place and in place), q and k as rope parts with q_nope / k_nope.
 - rotate_with_angles: per-token cos/sin, broadcast over the batch, views of Hugging Face's
   duplicated halves, M-RoPE (3, *T, half) angles, out_interleaved != interleaved.
 - apply_rope_and_store: paged NHD and HND caches, flat, joint k/v buffers, padded caches, MLA
@@ -507,8 +507,19 @@ def run_rope_conventions(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, 
     destinations (views of NaN buffers, fp8 ones too: nothing around them written),
     rotary_position='last', and q / k with last stride 2 (the documented copy, out of place then
     in place: the copy is written back, nothing else of their buffers)."""
-    form = r.choice(("dest", "last", "strided") + (("sbhd",) if len(lead) == 2 else ()))
+    rot = kw["rotary_dim"]
+    form = r.choice(
+        ("dest", "last", "strided") + (("sbhd",) if len(lead) == 2 else ()) + (("parts",) if q.shape[-1] > rot else ())
+    )
     cfg.update(conv=form)
+    if form == "parts":  # q (and k where wider than rot) as rope parts with their no-rope parts apart
+        kk, kn = (k[..., :rot], k[..., rot:]) if k is not None and k.shape[-1] > rot else (k, None)
+        qo, ko = ropekit.apply_rope(q[..., :rot], kk, pos_d, table_d, q_nope=q[..., rot:], k_nope=kn, **kw)
+        sync(device)
+        close(qo, rq, dtype, "q_out (parts)")
+        if k is not None:
+            close(ko, rk, dtype, "k_out (parts)")
+        return 1
     if form == "sbhd":  # (S, B, H, D) views and (S, B) positions ((3, S, B) with M-RoPE)
         seq = lambda x: None if x is None else x.transpose(0, 1)  # noqa: E731
         p = None if pos_d is None else pos_d.transpose(-1, -2)
@@ -519,7 +530,6 @@ def run_rope_conventions(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, 
             close(seq(ko), rk, dtype, "k_out (sbhd)")
         return 1
     if form == "last":  # the rotated dims at the end of each head, the leading ones copied
-        rot = kw["rotary_dim"]
 
         def want(x64):
             n = x64.shape[-1] - rot

@@ -73,10 +73,11 @@ class Variant(NamedTuple):
     #                          ops.py hands the run (B, S, H, D) views, transpose(0, 1)
     rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
     #                          DeepSeek): ops.py hands the run views of that part, the rest is copied
-    nope_q: bool = False  # the store's q is the rope part of the head: q_out's dims past the rotated
-    #                       ones are read from q_nope, a tensor of its own (FlashInfer's q_rope / q_nope)
-    nope_k: bool = False  # the store's k is the rope part: the k cache row's dims past the rotated ones
-    #                       are read from k_nope, beside v (FlashInfer's GQA / MHA k_rope / k_nope)
+    nope_q: bool = False  # q is the rope part of the head and q_nope, a tensor of its own, the rest
+    #                       (FlashInfer's q_rope / q_nope): the store's kernel reads q_out's dims past
+    #                       the rotated ones from it; apply_rope's output joins it (ops.py, a view form)
+    nope_k: bool = False  # k likewise with k_nope: the store's k cache row (beside v, GQA / MHA), or
+    #                       apply_rope's k output
 
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
@@ -98,8 +99,9 @@ class Variant(NamedTuple):
         return self.norm_q != 0 or self.norm_k != 0
 
     def tokens_first(self) -> "Variant":
-        """This variant for the views the custom ops take: tokens first, the rotated part alone."""
-        return self._replace(heads_first=False, seq_first=False, rope_last=False)
+        """This variant for the views the rotation's custom ops take: tokens first, the rotated part
+        alone (apply_rope's no-rope parts given apart are joined to it in ops.py)."""
+        return self._replace(heads_first=False, seq_first=False, rope_last=False, nope_q=False, nope_k=False)
 
     def with_scaled(self, scaled: bool) -> "Variant":
         """This variant with its outputs scaled (fp8) or not."""

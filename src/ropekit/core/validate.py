@@ -441,12 +441,13 @@ def out_args(op, q, out_dtype, q_scale, k_scale, inverse, *, inplace, grad) -> b
     return is_scaled(out_dtype, q_scale, k_scale)
 
 
-def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad) -> None:
+def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad, parts=(None, None)) -> None:
     """Checks of apply_rope's destinations (q_out, k_out) that need no address: each None, or a
     tensor of its input's shape in the outputs' dtype on q's device, last stride 1, no element
-    twice. Their aliasing with the inputs and each other is checked per call (`out_aliasing`)."""
+    twice (with q_nope / k_nope, parts: the head of both parts together). Their aliasing with the
+    inputs and each other is checked per call (`out_aliasing`)."""
     dtype = q.dtype if out_dtype is None else out_dtype
-    for name, out, x, xname in (("q_out", q_out, q, "q"), ("k_out", k_out, k, "k")):
+    for name, out, x, xname, part in (("q_out", q_out, q, "q", parts[0]), ("k_out", k_out, k, "k", parts[1])):
         if out is None:
             continue
         if inplace:
@@ -462,8 +463,11 @@ def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad) -> None:
                 "a tensor",
             )
         tensor(op, name, out, ndims=(x.dim(),), dtypes=(dtype,), device=q.device, shape_hint=f"of {xname}'s shape")
-        if tuple(out.shape) != tuple(x.shape):
-            fail(op, name, f"shape {tuple(x.shape)} (that of {xname})", f"shape {tuple(out.shape)}")
+        want, what = tuple(x.shape), f"that of {xname}"
+        if part is not None:
+            want, what = (*want[:-1], want[-1] + part.shape[-1]), f"{xname}'s head and {xname}_nope's together"
+        if tuple(out.shape) != want:
+            fail(op, name, f"shape {want} ({what})", f"shape {tuple(out.shape)}")
         if has_internal_overlap(out):
             fail(
                 op,
@@ -1138,10 +1142,11 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out
                 )
 
 
-def nope_part(op, name, x, rope, rot) -> None:
+def nope_part(op, name, x, rope, rot, *, inference=True) -> None:
     """q_nope / k_nope: a head's no-rope part given apart from its rope part `rope` (q / k): a float
     tensor on rope's device with its token dims and heads, any strides (only read, the last one
-    included); rope then holds exactly the rotary dims."""
+    included); rope then holds exactly the rotary dims. inference: one that requires grad is
+    refused under grad mode (the store); apply_rope's outputs carry its gradient."""
     rope_name = name[0]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name}: expected a torch.Tensor or None, got {type(x).__name__}")
@@ -1165,7 +1170,7 @@ def nope_part(op, name, x, rope, rot) -> None:
             f"head size {rot} (rotary_dim: with {name} given, {rope_name} is the rope part)",
             f"shape {tuple(rope.shape)}",
         )
-    if torch.is_grad_enabled() and x.requires_grad:
+    if inference and torch.is_grad_enabled() and x.requires_grad:
         fail(op, name, f"a tensor that does not require grad ({op} is inference only)", "requires_grad=True")
 
 
