@@ -399,6 +399,26 @@ def test_vllm_plugin_forward_row(tmp_path, cpu_env):
     assert cells["W4"]["status"] != "ok", cells["W4"]
 
 
+def ropekit_row_passes(w, sizes):
+    """The ropekit peer's call of row w at these sizes passes the row's float64 check (on the CPU
+    tensors given, as the bench's CPU mode runs); returns the row's base inputs."""
+    from ropekit.core import pipeline
+    from ropekit.tools.bench import peers
+
+    pipeline.clear()
+    table = workloads.make_table(w, sizes, "cpu")
+    base = workloads.make_inputs(w, sizes, table, "cpu", 0)
+    exp = workloads.expected(w, base, workloads.Oracle())
+    inp = workloads.clone_inputs(base)
+    bound = peers.Ropekit().make(w, inp)
+    got = workloads.canon(w, inp, bound.canon(bound.fn()))
+    assert set(got) == set(exp)
+    errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
+    assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
+    pipeline.clear()
+    return base
+
+
 CONVENTION_ROWS = ("W7-KNOPE", "W7-QNOPE", "W1-SBHD", "W2-OUT", "W2-STRIDED", "W6-LAST")
 
 
@@ -408,24 +428,11 @@ def test_convention_rows_check_and_bytes(cpu_env, wid):
     (pure-PyTorch CPU path, as the bench's CPU mode runs); the bytes are the plain row's, except
     that a q rotated in place on a narrower table moves its rotated dims only, and an fp8 q_out
     is written at one byte; other peers are n/a."""
-    from ropekit.core import pipeline
     from ropekit.tools.bench import peers
 
-    pipeline.clear()
     w = workloads.BY_ID[wid]
     s = w.sizes(True)
-    if w.kind == "store":
-        s = dict(s, T=16)
-    table = workloads.make_table(w, s, "cpu")
-    base = workloads.make_inputs(w, s, table, "cpu", 0)
-    exp = workloads.expected(w, base, workloads.Oracle())
-    inp = workloads.clone_inputs(base)
-    bound = peers.Ropekit().make(w, inp)
-    got = workloads.canon(w, inp, bound.canon(bound.fn()))
-    assert set(got) == set(exp)
-    errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
-    assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
-    pipeline.clear()
+    base = ropekit_row_passes(w, dict(s, T=16) if w.kind == "store" else s)
     nb = lambda x: x.numel() * x.element_size()  # noqa: E731
     plain = workloads.BY_ID[w.group]
     if w.kind != "store":

@@ -1175,22 +1175,13 @@ def test_gpu_cuda_graph_forms():
 def test_bench_rows_check_and_bytes(monkeypatch, wid):
     """Each row's ropekit call passes its own float64 check (pure-PyTorch CPU path, as the bench's
     CPU mode runs); the bytes are the plain row's plus the form's extra traffic; other peers are n/a."""
+    from test_bench import ropekit_row_passes
+
     from ropekit.tools.bench import peers, workloads
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
     w = workloads.BY_ID[wid]
-    s = dict(w.sizes(True), T=16)
-    table = workloads.make_table(w, s, "cpu")
-    base = workloads.make_inputs(w, s, table, "cpu", 0)
-    exp = workloads.expected(w, base, workloads.Oracle())
-    inp = workloads.clone_inputs(base)
-    bound = peers.Ropekit().make(w, inp)
-    got = workloads.canon(w, inp, bound.canon(bound.fn()))
-    assert set(got) == set(exp)
-    errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
-    assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
-    pipeline.clear()
+    base = ropekit_row_passes(w, dict(w.sizes(True), T=16))
     nb = lambda x: x.numel() * x.element_size()  # noqa: E731
     q, k, v, kc = base["q"], base["k"], base["v"], base["k_cache"]
     rows = (k.numel() + v.numel()) * kc.element_size()

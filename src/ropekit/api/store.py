@@ -45,13 +45,13 @@ def checks(
     q_scale,
     write_key,
     norm,
-    *,
-    q_nope=None,
-    k_nope=None,
+    parts=(None, None),
 ) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write.
     a: the angle source (positions, cu_seqlens with packed angles, or None); norm: None or
-    (q's weight, k's weight, eps, offset); q_nope, k_nope: the heads' no-rope parts (read only)."""
+    (q's weight, k's weight, eps, offset); parts: (q_nope, k_nope), the heads' no-rope parts given
+    apart (read only; None where not given)."""
+    q_nope, k_nope = parts
     if validate.is_strict():
         strict_checks(spec, q, a, cos_sin_cache, k_cache, slot_mapping, (k_scale, v_scale, q_scale))
     # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
@@ -228,37 +228,20 @@ def _spec(
     )
 
 
-def _run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, **parts) -> None:
+def _run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts) -> None:
     """Address checks, then the run step: the body of the eager door and of the custom ops.
-    parts: q_nope= and k_nope=, the heads' no-rope parts of a variant that reads them."""
-    checks(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, **parts)
-    run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, **parts)
+    parts: (q_nope, k_nope), the heads' no-rope parts of a variant that reads them."""
+    checks(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
+    run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
 
 
 def run(
-    spec,
-    q,
-    k,
-    v,
-    a,
-    table,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    ks,
-    vs,
-    q_out,
-    qs,
-    write_key,
-    norm,
-    *,
-    q_nope=None,
-    k_nope=None,
+    spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts=(None, None)
 ) -> None:
     """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
     rows (and rotated k back into k with write_key), q and k normalized first with norm. The Triton
     launch (plan made once per spec), or ropekit.core.cpu on CPU tensors. With the variant's
-    nope_q / nope_k, q_nope / k_nope are the dims after the rotated ones in q_out / the k rows."""
+    nope_q / nope_k, parts (q_nope, k_nope) are the dims after the rotated ones in q_out / the k rows."""
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
@@ -279,31 +262,12 @@ def run(
                 qs is not None,
                 write_key,
                 spec.packed,
-                q_nope=q_nope,
-                k_nope=k_nope,
+                parts=parts,
             )
-        launcher.fire_store(
-            plan,
-            q,
-            k,
-            v,
-            a,
-            table,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            ks,
-            vs,
-            q_out,
-            qs,
-            norm,
-            q_nope=q_nope,
-            k_nope=k_nope,
-        )
+        launcher.fire_store(plan, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, norm, parts)
         return
     variant = spec.variant
     if variant.nope_q or variant.nope_k:  # CPU: whole heads, as one tensor each would hold them
-        parts = (q_nope, k_nope)
         _cpu_parts(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
         return
     if variant.angles == "packed":  # CPU: the positions the kernel derives, made here
@@ -414,13 +378,12 @@ def _op_body(
     eps,
     offset,
     cp,
-    *,
-    q_nope=None,
-    k_nope=None,
+    parts=(None, None),
 ):
     """The body of both store ops: the memoized spec of these (local) tensors and the encoded
     variant, then the checks and the run step. a: positions, or cu_seqlens for packed angles;
-    q_nope, k_nope: the no-rope parts the variant's nope_q / nope_k say are given."""
+    parts: (q_nope, k_nope), the no-rope parts the variant's nope_q / nope_k say are given."""
+    q_nope, k_nope = parts
     key = (
         "rope_and_store op",
         tensor_key(q),
@@ -451,30 +414,11 @@ def _op_body(
         for name, part, given in (("q_nope", q_nope, variant.nope_q), ("k_nope", k_nope, variant.nope_k)):
             if (part is not None) != given:  # the kernel reads the part exactly when the variant says so
                 validate.fail(OP, name, f"{'a tensor' if given else 'None'} (as the variant says)", type(part).__name__)
-        parts = (q_nope, k_nope)
         spec = pipeline.remember(
             key, _spec(q, k, v, a, table, k_cache, v_cache, slots, q_out, (wq, wk), parts, variant, rot, cp, DIRECT)
         )
     norm = (wq, wk, eps, offset) if spec.variant.normed else None
-    _run(
-        spec,
-        q,
-        k,
-        v,
-        a,
-        table,
-        k_cache,
-        v_cache,
-        slots,
-        ks,
-        vs,
-        q_out,
-        qs,
-        write_key,
-        norm,
-        q_nope=q_nope,
-        k_nope=k_nope,
-    )
+    _run(spec, q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, write_key, norm, parts)
 
 
 def op_weights(variant: Variant, q, k, wq, wk) -> None:
@@ -537,7 +481,7 @@ def _rope_and_store_op(
         norm_eps,
         norm_weight_offset,
         (cp_size, cp_rank),
-        k_nope=k_nope,
+        (None, k_nope),
     )
 
 
@@ -588,26 +532,26 @@ def _rope_and_store_q_out_op(
         norm_eps,
         norm_weight_offset,
         (cp_size, cp_rank),
-        q_nope=q_nope,
-        k_nope=k_nope,
+        (q_nope, k_nope),
     )
 
 
-def store_op(spec: Spec, args: Sequence, write_key: bool, q_out, q_scale, norm, q_nope=None, k_nope=None) -> None:
+def store_op(spec: Spec, args: Sequence, write_key: bool, q_out, q_scale, norm, parts=(None, None)) -> None:
     """The store's custom op for a validated call (the dispatcher's door): args are the eight
     leading tensors both ops share (q ... slot_mapping) then k_scale, v_scale; norm as `run` takes
-    it; q_nope, k_nope: the no-rope parts (passed by name, so the usual call's schema is unchanged)."""
+    it; parts: (q_nope, k_nope), passed to the op by name (the usual call's schema is unchanged)."""
+    q_nope, k_nope = parts
     q, k, v, a, table, k_cache, v_cache, slots, ks, vs = args
     head = (q, k, v, a, table, k_cache, v_cache, slots, spec.variant.encode(), spec.rot, ks, vs)
     wq, wk, eps, offset = (None, None, NORM_EPS, NORM_OFFSET) if norm is None else norm
     tail = (wq, wk, float(eps), float(offset), *spec.packed)
-    parts = {} if k_nope is None else {"k_nope": k_nope}
+    named = {} if k_nope is None else {"k_nope": k_nope}
     if q_out is None:
-        torch.ops.ropekit.rope_and_store(*head, write_key, *tail, **parts)
+        torch.ops.ropekit.rope_and_store(*head, write_key, *tail, **named)
     else:
         if q_nope is not None:
-            parts["q_nope"] = q_nope
-        torch.ops.ropekit.rope_and_store_q_out(*head, write_key, q_out, q_scale, *tail, **parts)
+            named["q_nope"] = q_nope
+        torch.ops.ropekit.rope_and_store_q_out(*head, write_key, q_out, q_scale, *tail, **named)
 
 
 @_rope_and_store_op.register_fake
@@ -868,22 +812,20 @@ def apply_rope_and_store(
     dev = q.device
     ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
     qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
-    parts = dict(q_nope=q_nope, k_nope=k_nope)
+    parts = (q_nope, k_nope)
     if compiling or spec.door is CUSTOM_OP:  # the dispatcher: DTensor, torch.compile
         _dispatch(
-            spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, **parts
+            spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts
         )
         return q if q_out is None else q_out
-    _run(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, **parts)
+    _run(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
     # the kernel writes through raw pointers, which autograd does not see: bump the version counters
     # so that anything that saved q or a cache for a backward raises instead of reading new values
     bump_versions(q if q_out is None else q_out, k_cache, v_cache, k if write_key else None)
     return q if q_out is None else q_out
 
 
-def _dispatch(
-    spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, q_nope, k_nope
-) -> None:
+def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts):
     """The custom-op door: plain tensors (tables, positions, scales, weights) become replicated
     DTensors like q for a DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     if spec.door is CUSTOM_OP:
@@ -891,7 +833,7 @@ def _dispatch(
         a, table, slot_mapping, ks, vs, qs, wq, wk = dtensor_like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)
         norm = None if norm is None else (wq, wk, norm[2], norm[3])
     args = (q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs)
-    store_op(spec, args, write_key, q_out, qs, norm, q_nope=q_nope, k_nope=k_nope)
+    store_op(spec, args, write_key, q_out, qs, norm, parts)
 
 
 def bump_versions(*written) -> None:

@@ -349,17 +349,16 @@ def plan_store(
     q_scaled=False,
     write_key=False,
     packed=(1, 0),
-    *,
-    q_nope=None,
-    k_nope=None,
+    parts=(None, None),
 ):
     """rope_store_kernel's launch (None for an empty call). positions: the variant's angle source
     (positions (*T) or (3, *T) with M-RoPE, cu_seqlens for packed angles, None for arange);
     packed: (cp_size, cp_rank). q_out: None (q rotated in place) or the tensor q is rotated into
     (its tail copied); write_key: rotated k written back into k too. The variant's norm_q / norm_k
-    normalize q / k first (their tails too). With the variant's nope_q / nope_k, q_nope / k_nope
-    are the heads' no-rope parts (q, k then hold the rotary dims only): the tails of q_out / the k
-    cache rows are read from them."""
+    normalize q / k first (their tails too). parts: (q_nope, k_nope), with the variant's nope_q /
+    nope_k the heads' no-rope parts (q, k then hold the rotary dims only): the tails of q_out / the
+    k cache rows are read from them."""
+    q_nope, k_nope = parts
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     if n_tokens == 0:
@@ -472,27 +471,11 @@ def nope_strides(x, n_tok: int) -> tuple:
 
 
 def store_inputs(
-    meta: dict,
-    q,
-    k,
-    v,
-    positions,
-    table,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    ks,
-    vs,
-    q_out=None,
-    qs=None,
-    wq=None,
-    wk=None,
-    *,
-    q_nope=None,
-    k_nope=None,
+    meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk, parts
 ):
     """(meta, pointer tensors) of one rope_store_kernel launch: packed pairs turned off for base
-    pointers off the word grid (a view may start at an odd element)."""
+    pointers off the word grid (a view may start at an odd element). parts: (q_nope, k_nope)."""
+    q_nope, k_nope = parts
     qo = q if q_out is None else q_out
     if meta["PACK_Q"] and (q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
         meta = dict(meta, PACK_Q=0)
@@ -537,14 +520,12 @@ def fire_store(
     q_out=None,
     qs=None,
     norm=None,
-    *,
-    q_nope=None,
-    k_nope=None,
+    parts=(None, None),
 ) -> None:
     """Launch rope_store_kernel for plan_store's plan. positions: the angle source the plan was
     made for; ks, vs, qs: float32 scale tensors or None; norm: None, or (q's weight or None, k's
-    weight or None, eps, offset) for a plan whose variant normalizes; q_nope, k_nope: the no-rope
-    parts of a plan whose variant reads them (None otherwise)."""
+    weight or None, eps, offset) for a plan whose variant normalizes; parts: (q_nope, k_nope), the
+    no-rope parts of a plan whose variant reads them (None otherwise)."""
     if plan is None:
         return
     wq = wk = None
@@ -553,23 +534,7 @@ def fire_store(
         wq, wk, eps, offset = norm
         scalars = (float(eps), float(offset))
     meta, ptrs = store_inputs(
-        plan.meta,
-        q,
-        k,
-        v,
-        positions,
-        table,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        ks,
-        vs,
-        q_out,
-        qs,
-        wq,
-        wk,
-        q_nope=q_nope,
-        k_nope=k_nope,
+        plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk, parts
     )
     launch_kernel(
         kernel("rope_store_kernel"),

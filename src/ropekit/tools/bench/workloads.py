@@ -313,25 +313,22 @@ _FORMS = [
     ),
 ]
 _W1, _W2, _W6 = (next(w for w in WORKLOADS if w.id == i) for i in ("W1", "W2", "W6"))
+_W7_R64 = replace(_W7, full=dict(_W7.full, R=64), quick=dict(_W7.quick, R=64))  # the heads' rope part: 64 of 128
 _FORMS += [
     replace(
-        _W7,
+        _W7_R64,
         id="W7-KNOPE",
         name="store_k_nope",
         what="W7 with each k head as FlashInfer's parts: rope 64 (k) + no-rope 64 (k_nope) beside v; "
         "q rotated in place on its first 64 dims",
-        full=dict(_W7.full, R=64),
-        quick=dict(_W7.quick, R=64),
         store_forms=("k_nope",),
     ),
     replace(
-        _W7,
+        _W7_R64,
         id="W7-QNOPE",
         name="store_q_nope_fp8_q",
         what="W7-KNOPE with q as rope 64 + q_nope 64 into an e4m3 q_out [rotated | q_nope], q_scale 0.5 "
         "(FlashInfer's rope_quantize_fp8_append_paged_kv_cache, GQA)",
-        full=dict(_W7.full, R=64),
-        quick=dict(_W7.quick, R=64),
         store_forms=("k_nope", "q_nope", "fp8_q_out"),
     ),
     replace(
