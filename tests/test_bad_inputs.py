@@ -267,10 +267,10 @@ ROWS = [
     R(
         "rope-rotary-position-value",
         "apply_rope",
-        "rotary_position not 'first' or 'last'",
+        "rotary_position not 'first', 'last' or 'halves'",
         "rotary_position='end'",
         ValueError,
-        "rotary_position: expected 'first' or 'last', got 'end'",
+        "rotary_position: expected 'first', 'last' or 'halves', got 'end'",
         lambda: rope_args(cos_sin_cache=make_cache(16, 32), rotary_position="end"),
     ),
     R(
@@ -284,6 +284,48 @@ ROWS = [
         lambda: rope_args(
             inplace=False, cos_sin_cache=make_cache(16, 32), rotary_position="last", q_norm_weight=torch.ones(D)
         ),
+    ),
+    R(
+        "rope-halves-interleaved",
+        "apply_rope",
+        "rotary_position='halves' with interleaved pairs",
+        "rotary_position='halves', interleaved=True",
+        ValueError,
+        "interleaved: expected False with rotary_position='halves' (its pairs are (i, i + D/2)), got True",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 16), rotary_position="halves", interleaved=True),
+    ),
+    R(
+        "rope-halves-odd-head",
+        "apply_rope",
+        "rotary_position='halves' with an odd head size",
+        "q and k of head size 63",
+        ValueError,
+        "q: expected an even head size with rotary_position='halves' (pairs (i, i + D/2)), got shape (4, 3, 63)",
+        lambda: rope_args(
+            q=torch.randn(T, HQ, 63),
+            k=torch.randn(T, HK, 63),
+            cos_sin_cache=make_cache(16, 16),
+            rotary_position="halves",
+        ),
+    ),
+    R(
+        "rope-halves-head-sizes",
+        "apply_rope",
+        "rotary_position='halves' with q and k of different head sizes",
+        "q of head size 64, k of 32",
+        ValueError,
+        "k: expected head size 64 (that of q) with rotary_position='halves' (one partner distance, D/2), "
+        "got shape (4, 2, 32)",
+        lambda: rope_args(k=torch.randn(T, HK, 32), cos_sin_cache=make_cache(16, 16), rotary_position="halves"),
+    ),
+    R(
+        "rope-halves-rotary-dim",
+        "apply_rope",
+        "rotary_position='halves' with more pairs than D/2 (rotary_dim > D)",
+        "a table of width 66, head size 64",
+        ValueError,
+        "q: expected a head size >= rotary_dim (66), got head size 64",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 66), rotary_position="halves"),
     ),
     R(
         "angles-q-last-stride",
@@ -686,6 +728,24 @@ ROWS = [
         lambda: store_args(k=None),
     ),
     R(
+        "store-rotary-position",
+        "apply_rope_and_store",
+        "rotary_position not 'first' or 'halves'",
+        "rotary_position='last'",
+        ValueError,
+        "rotary_position: expected 'first' or 'halves', got 'last'",
+        lambda: store_args(rotary_position="last"),
+    ),
+    R(
+        "store-halves-interleaved",
+        "apply_rope_and_store",
+        "rotary_position='halves' with interleaved pairs",
+        "rotary_position='halves', interleaved=True",
+        ValueError,
+        "interleaved: expected False with rotary_position='halves' (its pairs are (i, i + D/2)), got True",
+        lambda: store_args(cos_sin_cache=make_cache(16, 16), rotary_position="halves", interleaved=True),
+    ),
+    R(
         "store-v-token-dims",
         "apply_rope_and_store",
         "v's token dims differ from q's",
@@ -1023,7 +1083,25 @@ ROWS = [
         "q_nope: expected memory disjoint from q_out (which is written)",
         lambda: rope_parts_args(q_nope=lambda a: a["q_out"][..., R_:]),
     ),
+    R(
+        "rope-q-nope-halves",
+        "apply_rope",
+        "q_nope with rotary_position='halves'",
+        "q_nope given, rotary_position='halves'",
+        ValueError,
+        "q_nope: expected None with rotary_position='halves' (its pairs span the whole head), got a tensor",
+        lambda: rope_parts_args(rotary_position="halves"),
+    ),
     # ---- apply_rope_and_store: heads in two parts (q_nope, k_nope beside v) -----------------------
+    R(
+        "store-k-nope-halves",
+        "apply_rope_and_store",
+        "k_nope (beside v) with rotary_position='halves'",
+        "k_nope given, rotary_position='halves'",
+        ValueError,
+        "k_nope: expected None with rotary_position='halves' (its pairs span the whole head), got a tensor",
+        lambda: parts_args(q_nope=None, q_out=None, rotary_position="halves"),
+    ),
     R(
         "store-k-nope-type",
         "apply_rope_and_store",

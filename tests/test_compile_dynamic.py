@@ -163,6 +163,16 @@ ROTATIONS = {
     ),
     "parts": (_parts, _parts_fn),
     "parts_last": (_parts, lambda *a: _parts_fn(*a, rotary_position="last")),
+    "halves": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["half_cache"], rotary_position="halves"),
+    ),
+    "halves_norm": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], q_norm_weight=_on(q.device)["w"], rotary_position="halves"
+        ),
+    ),
     "angles": (_angles, lambda q, k, c, s: ropekit.rotate_with_angles(q, k, c, s)),
     "freqs_cis": (_cis, lambda q, k, fc: ropekit.rotate_with_angles(q, k, freqs_cis=fc)),
 }
@@ -234,6 +244,17 @@ def _rerotate_fn(k_cache, slots, delta):
     return k_cache
 
 
+def _store_halves_fn(q, k, v, p, k_cache, v_cache, slots):
+    table = _on(q.device)["half_cache"]
+    ropekit.apply_rope_and_store(q, k, v, p, table, k_cache, v_cache, slots, rotary_position="halves")
+    return q, k_cache, v_cache
+
+
+def _rerotate_halves_fn(k_cache, slots, delta):
+    ropekit.rerotate_kv_cache(k_cache, slots, delta, _on(k_cache.device)["half_cache"], rotary_position="halves")
+    return k_cache
+
+
 def _module(t, grad):
     q, k = _qk(t, grad=False)
     return (torch.randint(0, MAXPOS, (t,)), q.flatten(1), k.flatten(1)), (0, 0, 0)
@@ -272,6 +293,14 @@ NO_GRAD_ONLY = {
             q, k, p, _on(q.device)["half_cache"], out_dtype=torch.float8_e4m3fn, q_scale=0.5, rotary_position="last"
         ),
     ),
+    "inplace_halves": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], rotary_position="halves", inplace=True
+        ),
+    ),
+    "store_halves": (_store, _store_halves_fn),
+    "rerotate_halves": (_rerotate, _rerotate_halves_fn),
     "store_mla_3d": (_store_mla, _store_mla_fn),
     "store": (_store, _store_fn),
     "parts_fp8": (_parts, lambda *a: _parts_fn(*a, out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0)),

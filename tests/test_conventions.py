@@ -290,7 +290,9 @@ def test_rotary_part_last_fp8_and_gradient(device):
 def test_rotary_position_refusals():
     cache = make_cache(16, 16)
     q = torch.randn(3, 2, 32)
-    with pytest.raises(ValueError, match=r"apply_rope: rotary_position: expected 'first' or 'last', got 'end'"):
+    with pytest.raises(
+        ValueError, match=r"apply_rope: rotary_position: expected 'first', 'last' or 'halves', got 'end'"
+    ):
         ropekit.apply_rope(q, None, None, cache, rotary_position="end")
     with pytest.raises(ValueError, match=r"apply_rope: rotary_position: expected 'first' with q_norm_weight"):
         ropekit.apply_rope(q, None, None, cache, rotary_position="last", q_norm_weight=torch.ones(32))

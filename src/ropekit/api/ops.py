@@ -398,7 +398,12 @@ def apply_rope(
             1, disjoint from every input and from each other; written by the kernel and returned.
             Either may be given alone (the other output is a new tensor).
         rotary_position: 'first' rotates dims [0, rotary_dim); 'last' rotates [D - rotary_dim, D)
-            (DeepSeek's [nope | rope] heads), the leading dims kept. Not with the norm.
+            (DeepSeek's [nope | rope] heads), the leading dims kept, not with the norm; 'halves'
+            rotates the pairs (i, i + D/2) for i < rotary_dim / 2 (Gemma 4's p-RoPE: the table holds
+            the rotated pairs' angles only, ropekit.cos_sin_cache(..., rotated_only=True)), the dims
+            [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D) kept (copied out of place, untouched in
+            place, normalized with the norm, scaled with fp8 outputs). 'halves' needs
+            interleaved=False, an even D, and q and k of one head size.
         q_nope, k_nope: a head's no-rope part as a tensor of its own (FlashInfer's q_nope /
             k_nope of rope_quantize_fp8), (*T, H, N) in the call's layout, any float dtype and
             strides, on q's device: q (k) is then the rope part, rotary_dim wide, and the output
@@ -696,11 +701,18 @@ def _rope_spec(
     if normed:
         validate.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
     validate.out_buffers(op, q, k, q_out, k_out, out_dtype, inplace=inplace, grad=grad, parts=(q_nope, k_nope))
-    last = validate.rotary_position_arg(op, rotary_position, normed)
-    last = last and (any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t)))
+    position = validate.rotary_position_arg(op, rotary_position, normed)
     il = bool(interleaved)
+    if position == "halves":
+        validate.halves_args(op, q_t, k_t, il)
+        for name, given in zip(("q_nope", "k_nope"), parts):
+            if given:  # p-RoPE's pairs span the whole head: no part of it is apart
+                fail(op, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor")
+    # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
+    partial = any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    last, halves = position == "last" and partial, position == "halves" and partial
     variant = Variant(
-        il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last,
+        il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last, rope_halves=halves,
         nope_q=parts[0], nope_k=parts[1],
     )  # fmt: skip
     triton = pipeline.triton_runs(q)

@@ -27,6 +27,7 @@ Scale = Union[None, float, torch.Tensor]
 _MEMO = memo.MEMO  # read here without a function call per op call
 NORM_EPS, NORM_OFFSET = 1e-6, 0.0  # the norm's defaults (the public op's and the custom ops')
 _CP_SIZE, _CP_RANK = 1, 0  # no context parallelism
+_FIRST = "first"  # rotary_position's default
 
 
 def checks(
@@ -138,6 +139,7 @@ def _store_spec(
     write_key,
     q_nope,
     k_nope,
+    rotary_position,
 ) -> Spec:
     """Validate a public call (no data read) and make its Spec (the eager door q's type picks).
     k_nope: GQA / MHA's no-rope key part beside v (MLA's k_nope has taken v's place before)."""
@@ -183,6 +185,15 @@ def _store_spec(
     if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
         mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
     il = bool(interleaved)
+    position = validate.rotary_position_arg(OP, rotary_position, allowed=("first", "halves"))
+    if position == "halves":
+        validate.halves_args(OP, q, k, il)
+        for name, part in (("q_nope", q_nope), ("k_nope", k_nope)):
+            if part is not None:  # p-RoPE's pairs span the whole head: no part of it is apart
+                validate.fail(
+                    OP, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor"
+                )
+    halves = position == "halves" and k.shape[-1] > rot  # whole heads: the usual variant
     variant = Variant(
         il,
         il,
@@ -191,6 +202,7 @@ def _store_spec(
         angles,
         norm_q=modes[0],
         norm_k=modes[1],
+        rope_halves=halves,
         nope_q=q_nope is not None,
         nope_k=k_nope is not None,
     )
@@ -293,6 +305,7 @@ def run(
         sections=variant.sections if variant.mrope else None,
         il_sections=variant.mrope == MROPE_INTERLEAVED,
         norm=norm,
+        halves=variant.rope_halves,
     )
 
 
@@ -564,7 +577,7 @@ def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant
     return None
 
 
-def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset) -> tuple:
+def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset, position) -> tuple:
     """The part of a call signature the rarer keywords contribute, each value with its type."""
     return (
         None if mrope_section is None else value_key(mrope_section),
@@ -573,6 +586,7 @@ def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_
         value_key(cp_rank),
         value_key(norm_eps),
         value_key(norm_weight_offset),
+        value_key(position),
     )
 
 
@@ -615,6 +629,7 @@ def apply_rope_and_store(
     q_scale: Scale = None,
     k_nope: Optional[torch.Tensor] = None,
     q_nope: Optional[torch.Tensor] = None,
+    rotary_position: str = _FIRST,
 ) -> torch.Tensor:
     """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
     their slots. One launch, whatever the keywords.
@@ -685,6 +700,10 @@ def apply_rope_and_store(
             (*T, Hq, R + N) receives rotated q in dims [0, R) and q_nope in [R, R + N), both
             divided by q_scale and saturated like the rotated dims (FlashInfer's q_rope_out and
             q_nope_out are the views q_out[..., :R] and q_out[..., R:]). Not with q_norm_weight.
+        rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
+            for i < rotary_dim / 2 (Gemma 4's p-RoPE, apply_rope's keyword), the other dims kept
+            (untouched in q in place, copied into q_out and the cache rows, normalized with the
+            norm); needs interleaved=False, an even D and q and k of one head size.
 
     Returns q (rotated in place), or q_out when given. Rows of the caches that no slot names are
     never touched. Duplicate slots (two tokens naming one slot) are a caller error: without
@@ -764,7 +783,10 @@ def apply_rope_and_store(
                 and cp_rank is _CP_RANK
                 and norm_eps is NORM_EPS
                 and norm_weight_offset is NORM_OFFSET
-                else rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset),
+                and rotary_position is _FIRST
+                else rare_key(
+                    mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset, rotary_position
+                ),
                 scale_key(k_scale),
                 scale_key(v_scale),
                 type(write_key),
@@ -804,6 +826,7 @@ def apply_rope_and_store(
             write_key=write_key,
             q_nope=q_nope,
             k_nope=k_nope,
+            rotary_position=rotary_position,
         )
         if not compiling:
             pipeline.remember(key, spec)

@@ -23,6 +23,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def pair_gap(variant, half: int, head_size: int) -> int:
+    """The kernels' GAP: columns from a half-split pair's first member to its second. half, or with
+    rotary_position='halves' (variant.rope_halves) half the head, pairs (i, i + D/2)."""
+    return head_size // 2 if variant.rope_halves else half
+
+
 def token_strides(x: torch.Tensor, n_tok: int):
     """(stride of b, stride of s) of the token dims; b's stride is 0 when there is one token dim."""
     return (x.stride(0), x.stride(1)) if n_tok == 2 else (0, x.stride(0))
@@ -215,6 +221,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, d_q),
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
         HAS_POS=angles.max_pos > 0,
@@ -431,6 +438,7 @@ def plan_store(
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, k.shape[-1]),
         BLOCK_HQ=bhq,
         BLOCK_HK=bhk,
         BLOCK_HV=bhv,
@@ -593,6 +601,7 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, sc
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, d),
         BLOCK_H=block_h,
         ROWS=rows,
         TAIL_PAD=tail_pad,
@@ -714,6 +723,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, d),
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
         IN_INTERLEAVED=variant.interleaved,

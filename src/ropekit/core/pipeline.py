@@ -73,6 +73,9 @@ class Variant(NamedTuple):
     #                          ops.py hands the run (B, S, H, D) views, transpose(0, 1)
     rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
     #                          DeepSeek): ops.py hands the run views of that part, the rest is copied
+    rope_halves: bool = False  # half-split pairs (i, i + D/2), i < rotary_dim / 2, of the whole head
+    #                            (rotary_position='halves', Gemma 4's p-RoPE): the kernels' GAP is D/2
+    #                            and the kept dims are [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D)
     nope_q: bool = False  # q is the rope part of the head and q_nope, a tensor of its own, the rest
     #                       (FlashInfer's q_rope / q_nope): the store's kernel reads q_out's dims past
     #                       the rotated ones from it; apply_rope's output joins it (ops.py, a view form)
@@ -365,6 +368,7 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
             eps=spec.norm_eps,
             offset=spec.norm_offset,
             out_dtype=torch.float32 if variant.scaled else dtype,
+            halves=variant.rope_halves,
         )
         if variant.scaled:
             y = saturate(y / scales[i if scales[i] is not None else 0], dtype).to(dtype)
@@ -379,7 +383,15 @@ def norm_backward_cpu(spec: Spec, variant: Variant, x, g, w, a, b):
     if variant.inverse:
         sin = -sin
     return cpu.norm_rotate_backward(
-        x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+        x,
+        g,
+        w,
+        cos,
+        sin,
+        interleaved=variant.interleaved,
+        eps=spec.norm_eps,
+        offset=spec.norm_offset,
+        halves=variant.rope_halves,
     )
 
 
@@ -452,6 +464,7 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
             rotary_dim=spec.rot,
             k_scale=k_scale,
             dst_slots=dst_slots,
+            halves=spec.variant.rope_halves,
         )
 
 

@@ -486,25 +486,49 @@ def out_aliasing(op, q_out, k_out, read, extents=None) -> None:
     written_vs_read(op, (("q_out", q_out), ("k_out", k_out)), read, extents)
 
 
-ROTARY_POSITIONS = ("first", "last")
+ROTARY_POSITIONS = ("first", "last", "halves")
 
 
-def rotary_position_arg(op, rotary_position, normed) -> bool:
-    """'first' (dims [0, rotary_dim) rotated) or 'last' ([D - rotary_dim, D): DeepSeek's
-    [nope | rope] head). Returns True for 'last'."""
+def rotary_position_arg(op, rotary_position, normed=False, allowed=ROTARY_POSITIONS) -> str:
+    """'first' (dims [0, rotary_dim) rotated), 'last' ([D - rotary_dim, D): DeepSeek's [nope | rope]
+    head) or 'halves' (pairs (i, i + D/2), i < rotary_dim / 2: Gemma 4's p-RoPE), among the
+    values `allowed` (the op's). Returns it."""
     if not isinstance(rotary_position, str):
         raise TypeError(f"{op}: rotary_position: expected a str, got {type(rotary_position).__name__}")
-    if rotary_position not in ROTARY_POSITIONS:
-        fail(op, "rotary_position", "'first' or 'last'", repr(rotary_position))
-    last = rotary_position == "last"
-    if last and normed:
+    if rotary_position not in allowed:
+        words = [repr(p) for p in allowed]
+        fail(op, "rotary_position", f"{', '.join(words[:-1])} or {words[-1]}", repr(rotary_position))
+    if rotary_position == "last" and normed:
         fail(
             op,
             "rotary_position",
             "'first' with q_norm_weight / k_norm_weight (the fused norm covers the head from dim 0)",
             "'last'",
         )
-    return last
+    return rotary_position
+
+
+def halves_args(op, q, k, interleaved, q_name="q", k_name="k") -> None:
+    """rotary_position='halves': half-split pairs (i, i + D/2) of the whole head, so interleaved is
+    False, D is even, and q and k share it (the partner distance D/2 is one constant of the launch).
+    rotary_dim <= D is checked with the table."""
+    if interleaved:
+        fail(op, "interleaved", "False with rotary_position='halves' (its pairs are (i, i + D/2))", "True")
+    d = q.shape[-1]
+    if d % 2:
+        fail(
+            op,
+            q_name,
+            "an even head size with rotary_position='halves' (pairs (i, i + D/2))",
+            f"shape {tuple(q.shape)}",
+        )
+    if k is not None and k.shape[-1] != d:
+        fail(
+            op,
+            k_name,
+            f"head size {d} (that of {q_name}) with rotary_position='halves' (one partner distance, D/2)",
+            f"shape {tuple(k.shape)}",
+        )
 
 
 def no_grad_table(op, table):

@@ -2,9 +2,13 @@
 
 Every variant is the same program with different compile-time flags:
 
-    rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1)
+    rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1);
+                      half-split pairs are (i, GAP + i): GAP is HALF, or D/2 for rotary_position=
+                      'halves' (Gemma 4's p-RoPE: the pairs (i, i + D/2), i < HALF, of the whole head)
     partial rotary    HALF < head size / 2; the tail is written when TAIL_PAD > 0 (its tile width: the
-                      launcher sets it out of place, where the tail is copied, and with a norm)
+                      launcher sets it out of place, where the tail is copied, and with a norm); tail
+                      element j is at norm.tail_at(row, j): column 2 * HALF + j, or around the pairs
+                      when GAP is D/2
     angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
                       FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
                       float positions, no table); otherwise per-token cos/sin rows addressed by
@@ -37,6 +41,7 @@ from .norm import (
     load_tail,
     norm_backward,
     norm_heads_given,
+    tail_at,
     weight_cols,
 )
 from .positions import packed_position
@@ -239,9 +244,11 @@ def load_heads(
     IN_INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     EVICT: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
-    [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
+    [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element. Half-split
+    pairs are (i, GAP + i): GAP is HALF, or D/2 with rotary_position='halves'."""
     h = head0 + tl.arange(0, BLOCK_H)
     x_row = x_base + h.to(tl.int64)[:, None] * stride_x_head  # (BLOCK_H, 1) pointers
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -255,7 +262,7 @@ def load_heads(
         x1, x2 = tl.split(x)
     else:
         x1 = tl.load(x_row + i, mask=m, eviction_policy=EVICT).to(tl.float32)
-        x2 = tl.load(x_row + HALF + i, mask=m, eviction_policy=EVICT).to(tl.float32)
+        x2 = tl.load(x_row + GAP + i, mask=m, eviction_policy=EVICT).to(tl.float32)
     return x1, x2
 
 
@@ -272,9 +279,11 @@ def store_heads(
     BLOCK_H: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store o1, o2 (float32, (BLOCK_H, HALF_PAD)) as the rotated dims of heads [head0, head0 +
-    BLOCK_H) of one token, in o's dtype; o_base points at the token's first element."""
+    BLOCK_H) of one token, in o's dtype; o_base points at the token's first element. Half-split
+    pairs are (i, GAP + i), as load_heads reads them."""
     h = head0 + tl.arange(0, BLOCK_H)
     o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -288,7 +297,7 @@ def store_heads(
         tl.store(o_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
     else:
         tl.store(o_row + i, o1.to(out_ty), mask=m)
-        tl.store(o_row + HALF + i, o2.to(out_ty), mask=m)
+        tl.store(o_row + GAP + i, o2.to(out_ty), mask=m)
 
 
 @triton.jit
@@ -327,9 +336,11 @@ def _rotate_store(
     PACK: tl.constexpr,
     t_given,
     TAIL_GIVEN: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0: read
-    from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too)."""
+    from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too).
+    Pairs (i, GAP + i) and the tail's columns: load_heads' and tail_at's layout."""
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
     o_row = o_base + h64[:, None] * stride_o_head
@@ -344,10 +355,10 @@ def _rotate_store(
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = saturate(o1 * inv, o_base.dtype.element_ty)
         o2 = saturate(o2 * inv, o_base.dtype.element_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, GAP)
 
     if TAIL_PAD > 0:
-        # partial rotary, out of place: the dims past rotary_dim are copied unchanged
+        # partial rotary, out of place: the dims no pair holds are copied unchanged
         out_ty = o_base.dtype.element_ty
         x_row = x_base + h64[:, None] * stride_x_head
         j = tl.arange(0, TAIL_PAD)[None, :]
@@ -355,10 +366,10 @@ def _rotate_store(
         if TAIL_GIVEN:
             t = t_given
         else:
-            t = tl.load(x_row + 2 * HALF + j, mask=mt)
+            t = tl.load(tail_at(x_row, j, HALF, GAP), mask=mt)
         if SCALED:
             t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
-        tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), t.to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -435,6 +446,7 @@ def _norm_select(
     NORM_Q: tl.constexpr,
     NORM_K: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
@@ -461,6 +473,7 @@ def _norm_select(
         TAIL_PAD,
         INTERLEAVED,
         GROUP_GIVEN,
+        GAP,
     )
 
 
@@ -520,6 +533,7 @@ def rope_kernel(
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_H: tl.constexpr,  # heads per head block
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail to write)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
@@ -591,7 +605,7 @@ def rope_kernel(
         stride_ko_head,
         BLOCK_H,
     )
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "", GAP)
     c, sn = load_angles(
         cos_ptr,
         sin_ptr + sin_off,
@@ -663,7 +677,17 @@ def rope_kernel(
                 # its loads go out before this block's stores: two blocks in flight. Safe in
                 # place too: blocks are disjoint and validation refuses partial overlaps.
                 n1, n2 = load_heads(
-                    nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
+                    nx_base,
+                    next_stride_x_head,
+                    n_n_heads,
+                    n_head0,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    IN_INTERLEAVED,
+                    PACK,
+                    "",
+                    GAP,
                 )
         else:
             blk = blk0
@@ -679,7 +703,7 @@ def rope_kernel(
                 first = blk == n_q_blocks
             if first:
                 r_group = group_inv_rms(
-                    x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
+                    x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
                 )
         if NORM_Q != 0 or NORM_K != 0:
             x1, x2, t_norm = _norm_select(
@@ -705,6 +729,7 @@ def rope_kernel(
                 NORM_Q,
                 NORM_K,
                 HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2),
+                GAP,
             )
         _rotate_store(
             x_base,
@@ -729,11 +754,22 @@ def rope_kernel(
             PACK,
             t_norm,
             NORM_Q != 0 or NORM_K != 0,
+            GAP,
         )
         if HEAD_LOOP:
             if not PREFETCH:
                 n1, n2 = load_heads(
-                    nx_base, next_stride_x_head, n_n_heads, n_head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, ""
+                    nx_base,
+                    next_stride_x_head,
+                    n_n_heads,
+                    n_head0,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    IN_INTERLEAVED,
+                    PACK,
+                    "",
+                    GAP,
                 )
             x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
                 nx_base,
@@ -762,6 +798,7 @@ def _unrotate(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INVERSE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """gz, the gradient before the forward's rotation, from g's rotated pairs (g1, g2) of heads
     [head0, head0 + BLOCK_H) (the transpose of the rotation), and g's tail (read; float32 tiles)."""
@@ -773,7 +810,7 @@ def _unrotate(
     gz2 = g2 * cb - g1 * sb
     gzt = gz1
     if TAIL_PAD > 0:
-        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
     return gz1, gz2, gzt
 
 
@@ -790,13 +827,14 @@ def _load_x(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
     is `placeholder` when TAIL_PAD is 0)."""
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, "")
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, "", GAP)
     xt = placeholder
     if TAIL_PAD > 0:
-        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
     return x1, x2, xt
 
 
@@ -815,14 +853,15 @@ def _store_grad(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
-    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0)
+    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, GAP)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         jt = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (jt < tail)
-        ptr = gx_base + h.to(tl.int64)[:, None] * stride_gx_head + 2 * HALF + jt
+        ptr = tail_at(gx_base + h.to(tl.int64)[:, None] * stride_gx_head, jt, HALF, GAP)
         tl.store(ptr, gxt.to(gx_base.dtype.element_ty), mask=mt)
 
 
@@ -841,6 +880,7 @@ def _put_dw_heads(
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
     norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
@@ -848,7 +888,7 @@ def _put_dw_heads(
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = weight_cols(i, HALF, INTERLEAVED)
+    c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
     hrow = row + h.to(tl.int64)[:, None] * (2 * HALF + tail)
     if ACCUMULATE:
         d1 += tl.load(hrow + c1, mask=m, other=0.0)
@@ -859,8 +899,8 @@ def _put_dw_heads(
         jt = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (jt < tail)
         if ACCUMULATE:
-            dt += tl.load(hrow + 2 * HALF + jt, mask=mt, other=0.0)
-        tl.store(hrow + 2 * HALF + jt, dt, mask=mt)
+            dt += tl.load(tail_at(hrow, jt, HALF, GAP), mask=mt, other=0.0)
+        tl.store(tail_at(hrow, jt, HALF, GAP), dt, mask=mt)
 
 
 @triton.jit
@@ -883,19 +923,20 @@ def _block_terms(
     IN_INTERLEAVED: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """What the across-heads backward needs of heads [head0, head0 + BLOCK_H) of one token: x, gz
     (the unrotated output gradient) and the weight (w + offset) at the same columns, float32 tiles
     (rotated pairs' members, then the tail)."""
-    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "", GAP)
     gz1, gz2, gzt = _unrotate(
-        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
+        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
     )
     x1, x2, xt = _load_x(
-        x_base, stride_x_head, n_heads, head0, tail, gz1, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
+        x_base, stride_x_head, n_heads, head0, tail, gz1, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, GAP
     )
     w1, w2, wt = load_norm_weights(
-        w_ptr, n_heads, head0, tail, 2, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
+        w_ptr, n_heads, head0, tail, 2, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, GAP
     )
     return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
 
@@ -923,6 +964,7 @@ def _across_backward_token(
     IN_INTERLEAVED: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """The across-heads (mode 2) backward of one token, its heads walked BLOCK_H at a time: a
     pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean term every head's
@@ -951,6 +993,7 @@ def _across_backward_token(
             IN_INTERLEAVED,
             OUT_INTERLEAVED,
             INVERSE,
+            GAP,
         )
         bss, bgd = group_sums(
             x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
@@ -981,6 +1024,7 @@ def _across_backward_token(
             IN_INTERLEAVED,
             OUT_INTERLEAVED,
             INVERSE,
+            GAP,
         )
         gx1, gx2, gxt, d1, d2, dt = norm_backward(
             x1,
@@ -1017,8 +1061,11 @@ def _across_backward_token(
             BLOCK_H,
             TAIL_PAD,
             IN_INTERLEAVED,
+            GAP,
         )
-        _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, True)
+        _put_dw_heads(
+            row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, True, GAP
+        )
     # the next token adds to the row elements written here, maybe by other threads of the program
     tl.debug_barrier()
 
@@ -1068,6 +1115,7 @@ def rope_norm_backward_kernel(
     norm_offset,  # added to the weight (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_H: tl.constexpr,  # heads per head block (NORM 2: a program walks all blocks of its tokens)
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
@@ -1106,12 +1154,12 @@ def rope_norm_backward_kernel(
         # the row is accumulated in memory, block by block, token by token: start it at zero
         for hz in tl.range(0, n_heads, BLOCK_H):
             _put_dw_heads(
-                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False
+                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False, GAP
             )
         tl.debug_barrier()
     if NORM == 1:
         w1, w2, wt = load_norm_weights(
-            w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED
+            w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, GAP
         )
     else:
         w1, w2, wt = zero + 1.0, zero + 1.0, acc_t + 1.0
@@ -1124,7 +1172,9 @@ def rope_norm_backward_kernel(
             x_base = x_ptr + (b * stride_x_batch + s * stride_x_token)
             g_base = g_ptr + (b * stride_g_batch + s * stride_g_token)
             gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
-            g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "")
+            g1, g2 = load_heads(
+                g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "", GAP
+            )
             c, sn = load_angles(
                 cos_ptr,
                 sin_ptr + sin_off,
@@ -1177,10 +1227,11 @@ def rope_norm_backward_kernel(
                     IN_INTERLEAVED,
                     OUT_INTERLEAVED,
                     INVERSE,
+                    GAP,
                 )
             else:
                 gz1, gz2, gzt = _unrotate(
-                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
+                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
                 )
                 if NORM == 1:
                     x1, x2, xt = _load_x(
@@ -1195,6 +1246,7 @@ def rope_norm_backward_kernel(
                         BLOCK_H,
                         TAIL_PAD,
                         IN_INTERLEAVED,
+                        GAP,
                     )
                     r = inv_rms(
                         x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, 1.0, False
@@ -1240,14 +1292,15 @@ def rope_norm_backward_kernel(
                     BLOCK_H,
                     TAIL_PAD,
                     IN_INTERLEAVED,
+                    GAP,
                 )
     if NORM == 1:
         # one partial row per program and head block: per-head weights sum their heads too
         row = dw_ptr + (p * n_blocks + blk) * dw_row
         fm = tl.arange(0, HALF_PAD) < HALF
-        c1, c2 = weight_cols(i, HALF, IN_INTERLEAVED)
+        c1, c2 = weight_cols(i, HALF, IN_INTERLEAVED, GAP)
         tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
         tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
         if TAIL_PAD > 0:
             jt = tl.arange(0, TAIL_PAD)
-            tl.store(row + 2 * HALF + jt, tl.sum(acc_t, axis=0), mask=jt < tail)
+            tl.store(tail_at(row, jt, HALF, GAP), tl.sum(acc_t, axis=0), mask=jt < tail)

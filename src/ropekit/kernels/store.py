@@ -30,7 +30,7 @@ q_out are laid out as one head would be: the rotated dims first, then the no-rop
 import triton
 import triton.language as tl
 
-from .norm import load_tail, norm_heads
+from .norm import load_tail, norm_heads, tail_at
 from .rope import load_angles, load_heads, pdl_prologue, saturate, store_heads
 
 
@@ -106,6 +106,7 @@ def _rope_heads(
     PACK: tl.constexpr,
     NORM: tl.constexpr,
     NOPE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of one token (x_base: its first element), RMS-normalized when
     NORM != 0 (1 per head, 2 across the block's heads) and rotated by (c, sn): float32 tiles o1, o2
@@ -115,7 +116,7 @@ def _rope_heads(
     and per dim); never with NORM (validation refuses the norm of a head given in two parts)."""
     # the evict_first hint was measured on this kernel: its inputs are read once
     x1, x2 = load_heads(
-        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first"
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first", GAP
     )
     t = x1
     if NORM != 0:
@@ -136,11 +137,12 @@ def _rope_heads(
             BLOCK_H,
             TAIL_PAD,
             INTERLEAVED,
+            GAP,
         )
     elif NOPE and TAIL_PAD > 0:
         t = _load_nope(t_base, stride_t_head, stride_t_dim, n_heads, head0, tail_len, BLOCK_H, TAIL_PAD)
     elif TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
     cb = c[None, :]
     sb = sn[None, :]
     return x1 * cb - x2 * sb, x2 * cb + x1 * sb, t
@@ -164,6 +166,7 @@ def _put_heads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     SCALED: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store _rope_heads' tiles at o_base (a token's first element) in o's dtype: the rotated pairs,
     and the tail t when TAIL_PAD > 0. SCALED: divided by the float32 scalar at o_scale_ptr first;
@@ -176,13 +179,13 @@ def _put_heads(
     out_ty = o_base.dtype.element_ty
     o1 = saturate(o1, out_ty)
     o2 = saturate(o2, out_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(o_row + 2 * HALF + j, saturate(t, out_ty).to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -264,6 +267,7 @@ def _store_block(
     WRITE_K: tl.constexpr,
     NOPE_Q: tl.constexpr,
     NOPE_K: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Head block blk of token (b, s): q's blocks (rotated in place or into q_out), then k's
     (rotated into the slot's cache row, and back into k with WRITE_K), then v's (copied into the
@@ -301,6 +305,7 @@ def _store_block(
             PACK_Q,
             NORM_Q,
             NOPE_Q,
+            GAP,
         )
         # qo_ptr is q itself when rotating in place; its tail is then written only when normalized
         # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
@@ -321,6 +326,7 @@ def _store_block(
             INTERLEAVED,
             PACK_Q,
             Q_SCALED,
+            GAP,
         )
     elif blk < n_q_blocks + n_k_blocks:
         if store or WRITE_K:
@@ -348,6 +354,7 @@ def _store_block(
                 PACK_K,
                 NORM_K,
                 NOPE_K,
+                GAP,
             )
             if store:
                 _put_heads(
@@ -367,6 +374,7 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     K_SCALED,
+                    GAP,
                 )
             if WRITE_K:
                 # after the cache row: the row's tail was read from k. k's own tail changes only
@@ -388,6 +396,7 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     False,
+                    GAP,
                 )
     elif store:
         _copy_heads(
@@ -484,6 +493,7 @@ def rope_store_kernel(
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_HQ: tl.constexpr,  # heads of q per head block
     BLOCK_HK: tl.constexpr,  # heads of k per head block
     BLOCK_HV: tl.constexpr,  # heads of v per head block
@@ -645,4 +655,5 @@ def rope_store_kernel(
             WRITE_K,
             NOPE_Q,
             NOPE_K,
+            GAP,
         )
