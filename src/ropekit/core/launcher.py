@@ -479,11 +479,27 @@ def nope_strides(x, n_tok: int) -> tuple:
 
 
 def store_inputs(
-    meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk, parts
+    meta: dict,
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slots,
+    ks,
+    vs,
+    q_out=None,
+    qs=None,
+    wq=None,
+    wk=None,
+    parts=(),
 ):
     """(meta, pointer tensors) of one rope_store_kernel launch: packed pairs turned off for base
-    pointers off the word grid (a view may start at an odd element). parts: (q_nope, k_nope)."""
-    q_nope, k_nope = parts
+    pointers off the word grid (a view may start at an odd element). parts: (q_nope, k_nope), or
+    () without them."""
+    q_nope, k_nope = parts or (None, None)
     qo = q if q_out is None else q_out
     if meta["PACK_Q"] and (q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
         meta = dict(meta, PACK_Q=0)
@@ -495,7 +511,7 @@ def store_inputs(
         v,
         table if positions is None else positions,
         table,
-        slot_mapping,
+        slots,
         k_cache,
         v_cache,
         table if ks is None else ks,
