@@ -17,15 +17,20 @@ What a configuration covers (drawn with random.Random(seed)):
   extremes): their rows must come back NaN, never an out-of-bounds read; in place and out of
   place (out of place then in place on the same inputs), k None; some with requires_grad and a
   backward (the custom-op path and the inverse rotation); rotary_position='halves' (Gemma 4's
-  p-RoPE: the pairs (i, i + D/2), the other dims kept) now and then, with the norm and the store too.
+  p-RoPE: the pairs (i, i + D/2), the other dims kept) now and then, with the norm and the store
+  too. The conventions on the same inputs: layout='sbhd' ((S, B, H, D) views, (S, B) positions),
+  destinations q_out= / k_out= (slices of NaN buffers, fp8 with scales too),
+  rotary_position='last', q and k of last stride 2 (the documented copy, out of place and in
+  place), q and k as rope parts with q_nope / k_nope.
 - rotate_with_angles: per-token cos/sin, broadcast over the batch, views of Hugging Face's
   duplicated halves, M-RoPE (3, *T, half) angles, out_interleaved != interleaved.
 - apply_rope_and_store: paged NHD and HND caches, flat, joint k/v buffers, padded caches, MLA
   views of one joint row; fp16/bf16/fp32/fp8 (e4m3 and e5m2) caches, float and tensor scales;
   slot_mapping with padding (< 0) and slots past the cache; bad positions; the serving-engine
   forms: write_key (k written back), q_out in bf16/fp32/e4m3/e5m2 with q_scale, MLA's k_nope
-  (into views of the row, or the joint row split by the op), last dims that are not contiguous
-  (v read through its stride, k and q with q_out through a copy).
+  (into views of the row, or the joint row split by the op), FlashInfer's heads in two parts
+  (k as its rope part with k_nope beside v, q with q_nope into q_out), last dims that are not
+  contiguous (v, k_nope and q_nope read through their strides, k and q with q_out through a copy).
 - rerotate_kv_cache: the same cache layouts and dtypes, in place and into dst slots, int32/int64
   slots (strided too), tensor and int shifts with ones past the table (extremes included), padding
   and slots past the cache, float and tensor scales; rotary_position='halves' now and then.
@@ -457,6 +462,12 @@ def run_rope(r, gen, device, cfg):
         n_ops += run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw)
         for b in bufs:
             b.check()
+    if r.random() < 0.4:
+        n_ops += run_rope_conventions(
+            r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw
+        )
+        for b in bufs:
+            b.check()
 
     # in place on the same inputs: the rotated dims change, the tails and all else stay
     for cols in rotated_cols(rot, Dq, t["halves"]):
@@ -504,6 +515,90 @@ def run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead
     if k is not None:
         close(k8, (rk / kscale).clamp(-big, big), f8, "k_out (fp8)")
     return 1
+
+
+def run_rope_conventions(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw):
+    """Issue #33's conventions of apply_rope on the same inputs: layout='sbhd' (two token dims),
+    destinations (views of NaN buffers, fp8 ones too: nothing around them written),
+    rotary_position='last', and q / k with last stride 2 (the documented copy, out of place then
+    in place: the copy is written back, nothing else of their buffers)."""
+    rot, halves = kw["rotary_dim"], kw["rotary_position"] == "halves"
+    forms = ("dest", "strided") + (("sbhd",) if len(lead) == 2 else ())
+    if not halves:  # these place the rotated dims themselves
+        forms += ("last",) + (("parts",) if q.shape[-1] > rot else ())
+    form = r.choice(forms)
+    cfg.update(conv=form)
+    if form == "parts":  # q (and k where wider than rot) as rope parts with their no-rope parts apart
+        kk, kn = (k[..., :rot], k[..., rot:]) if k is not None and k.shape[-1] > rot else (k, None)
+        qo, ko = ropekit.apply_rope(q[..., :rot], kk, pos_d, table_d, q_nope=q[..., rot:], k_nope=kn, **kw)  # first
+        sync(device)
+        close(qo, rq, dtype, "q_out (parts)")
+        if k is not None:
+            close(ko, rk, dtype, "k_out (parts)")
+        return 1
+    if form == "sbhd":  # (S, B, H, D) views and (S, B) positions ((3, S, B) with M-RoPE)
+        seq = lambda x: None if x is None else x.transpose(0, 1)  # noqa: E731
+        p = None if pos_d is None else pos_d.transpose(-1, -2)
+        qo, ko = ropekit.apply_rope(seq(q), seq(k), p, table_d, layout="sbhd", **kw)
+        sync(device)
+        close(seq(qo), rq, dtype, "q_out (sbhd)")
+        if k is not None:
+            close(seq(ko), rk, dtype, "k_out (sbhd)")
+        return 1
+    if form == "last":  # the rotated dims at the end of each head, the leading ones copied
+
+        def want(x64):
+            n = x64.shape[-1] - rot
+            return torch.cat((x64[..., :n], reference.apply_rope(x64[..., n:], None, pos, tab64, **kw)[0]), -1)
+
+        qo, ko = ropekit.apply_rope(q, k, pos_d, table_d, **dict(kw, rotary_position="last"))
+        sync(device)
+        close(qo, want(q64), dtype, "q_out (rope last)")
+        if k is not None:
+            close(ko, want(k64), dtype, "k_out (rope last)")
+        return 1
+    bufs = []
+    if form == "dest":  # the caller's buffers: slices of wider NaN buffers, in the outputs' dtype
+        f8 = r.choice(FP8S) if r.random() < 0.3 else None
+        qsc, ksc = (r.choice((0.5, 2.0)), r.choice((0.25, 1.0))) if f8 is not None else (None, None)
+        outs = []
+        for name, x, want, sc in (("q_out", q, rq, qsc), ("k_out", k, rk, ksc)):
+            if x is None:
+                outs.append(None)
+                continue
+            pad = r.choice((0, 8))
+            b = Buf(name, torch.full((*x.shape[:-1], x.shape[-1] + pad), NAN).to(f8 or dtype), device)
+            bufs.append(b)
+            spec, view = b.view(b.cpu[..., pad:] if r.random() < 0.5 else b.cpu[..., : x.shape[-1]])
+            if f8 is not None:
+                big = torch.finfo(f8).max
+                want = (want / sc).clamp(-big, big)
+            b.expect(spec, want)
+            outs.append(view)
+        scaled = {} if f8 is None else dict(out_dtype=f8, q_scale=qsc, k_scale=ksc)
+        got = ropekit.apply_rope(q, k, pos_d, table_d, q_out=outs[0], k_out=outs[1], **scaled, **kw)
+        sync(device)
+        if got[0] is not outs[0] or got[1] is not outs[1]:
+            raise Failure("apply_rope did not return its destinations")
+        cfg.update(conv=f"dest {str(f8)[6:] if f8 is not None else ''}".strip())
+    else:  # "strided": q and k every other element of buffers of their own
+        views = []
+        for x in (q, k):
+            views.append(None if x is None else dim_strided("q" if x is q else "k", bufs, x, device))
+        qo, ko = ropekit.apply_rope(views[0], views[1], pos_d, table_d, **kw)
+        sync(device)
+        close(qo, rq, dtype, "q_out (strided)")
+        if k is not None:
+            close(ko, rk, dtype, "k_out (strided)")
+        for b, want in zip(bufs, (rq, rk)):
+            spec = b.view(b.cpu[..., 0])[0]
+            for cols in rotated_cols(rot, want.shape[-1], halves):
+                b.expect(spec, want, cols=cols)
+        ropekit.apply_rope(views[0], views[1], pos_d, table_d, inplace=True, **kw)
+        sync(device)
+    for b in bufs:
+        b.check()
+    return 1 if form == "dest" else 2
 
 
 def _angles_template(r):
@@ -652,6 +747,9 @@ def _store_template(r):
         write_key=r.random() < 0.3,
         q_out=r.choice((None, None, None, BF16, F32, FP8, E5M2)),
         k_nope=layout == "mla" and r.random() < 0.6,
+        # FlashInfer's heads in two parts (views of the whole heads): k as rope part + k_nope beside
+        # v where k has dims past rotary_dim, and q + q_nope into q_out likewise
+        parts=layout != "mla" and r.random() < 0.4,
     )
 
 
@@ -826,6 +924,12 @@ def run_store(r, gen, device, cfg):
         kw["k_nope"], v = v, None
         if r.random() < 0.5:
             kc, vc = kcb.dev, None
+    if t["parts"] and k.shape[-1] > rot:  # the rows [rotated k | k_nope]: the same bytes as whole k
+        k, kw["k_nope"] = k[..., :rot], k[..., rot:]
+        cfg.update(parts="k")
+    if t["parts"] and q_out is not None and q.shape[-1] > rot:  # q_out [rotated q | q_nope]
+        q, kw["q_nope"] = q[..., :rot], q[..., rot:]
+        cfg.update(parts=cfg.get("parts", "") + "q")
     out = apply_rope_and_store(
         q,
         k,

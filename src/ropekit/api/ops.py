@@ -56,6 +56,8 @@ def apply_rope(
     q_out: Optional[torch.Tensor] = None,
     k_out: Optional[torch.Tensor] = None,
     rotary_position: str = "first",
+    q_nope: Optional[torch.Tensor] = None,
+    k_nope: Optional[torch.Tensor] = None,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -123,6 +125,13 @@ def apply_rope(
             [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D) kept (copied out of place, untouched in
             place, normalized with the norm, scaled with fp8 outputs). 'halves' needs
             interleaved=False, an even D, and q and k of one head size.
+        q_nope, k_nope: a head's no-rope part as a tensor of its own (FlashInfer's q_nope /
+            k_nope of rope_quantize_fp8), (*T, H, N) in the call's layout, any float dtype and
+            strides, on q's device: q (k) is then the rope part, rotary_dim wide, and the output
+            is the whole head, (*T, H, rotary_dim + N): [rotated q | q_nope] ([q_nope | rotated
+            q] with rotary_position='last'), the nope part divided by the scale and saturated
+            with fp8 outputs, as a kept tail is. Out of place only; either may be given alone;
+            gradients reach both parts. Not with the norm of that tensor.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -137,7 +146,8 @@ def apply_rope(
     if door is not TRACED:
         checks.rope_call(spec, args, a, b)
     scales = _scales(q.device, q_scale, k_scale) if spec.variant.scaled else None
-    return _views(spec, door, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
+    weights, parts = (q_norm_weight, k_norm_weight), (q_nope, k_nope)
+    return _views(spec, door, q, k, a, b, weights, scales, q_out, k_out, parts)
 
 
 _ROPE = Signature.of(apply_rope)
@@ -168,24 +178,26 @@ def _seq(x):
     return None if x is None else x.transpose(0, 1)
 
 
-def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out=None):
+def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out=None, parts=(None, None)):
     """apply_rope's views around its door, as the record says: 'sbhd' tensors as (B, S, H, D)
     views; q or k with a last stride other than 1 read through one contiguous copy (in place: the
     copy rotated, then copied back); with rope_last the door sees the head's last rotary_dim dims
-    only. Results in the caller's layout."""
+    only; with nope_q / nope_k (parts: q_nope, k_nope) the outputs are whole heads, the door's
+    rotation joined to the part. Results in the caller's layout."""
     v = spec.variant
-    if not (v.seq_first or v.rope_last or spec.copy_in):
+    if not (v.seq_first or v.rope_last or spec.copy_in or v.nope_q or v.nope_k):
         return dispatch.through(door, dispatch.ROTATE, spec, q, k, a, b, weights, scales, q_out, k_out)
     given = (q, k, q_out, k_out)
     if v.seq_first:
         q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
+        parts = tuple(map(_seq, parts))
     views = (q, k)
     if spec.copy_in:
         if spec.inplace and checks.records_grad(q, k):  # the copy is no leaf: name the caller's
             dispatch.no_leaf_written(given[0], given[1])
         q, k = unit_last_stride(q), unit_last_stride(k)
-    if v.rope_last:
-        res = _rope_last(spec, door, q, k, a, b, weights, scales, q_out, k_out)
+    if v.rope_last or v.nope_q or v.nope_k:
+        res = _kept_apart(spec, door, q, k, a, b, weights, scales, q_out, k_out, parts)
     else:
         res = dispatch.through(door, dispatch.ROTATE, spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
@@ -198,28 +210,62 @@ def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out
     return tuple(g if g is not None else r for g, r in zip(given[2:], res))
 
 
-def _rope_last(spec: Spec, door: str, q, k, a, b, weights, scales, q_out, k_out):
-    """rotary_position='last': the door rotates views of the last rotary_dim dims of each head;
-    out of place the leading (unrotated) dims are copied once, with the outputs' scale and dtype."""
-    rot = spec.rot
-    cut = [None if x is None else x.shape[-1] - rot for x in (q, k)]
-    part = [None if x is None else x[..., n:] for x, n in zip((q, k), cut)]
+def _kept_apart(spec: Spec, door: str, q, k, a, b, weights, scales, q_out, k_out, parts):
+    """Heads whose unrotated dims the door does not see: rotary_position='last' (the door rotates
+    views of the last rotary_dim dims of each head; the leading dims are kept) and the no-rope
+    parts given apart (q_nope, k_nope: q / k are the rope parts, the outputs whole heads [rotated |
+    nope], [nope | rotated] with 'last'). In place the door rotates the views; out of place the
+    kept dims are copied once, with the outputs' scale and dtype, beside the door's rotation."""
+    rot, last = spec.rot, spec.variant.rope_last
+    split = [_split(x, p, rot, last) for x, p in zip((q, k), parts)]
+    rope, kept_src, width = ([s[i] for s in split] for i in range(3))
     if spec.inplace:
-        dispatch.through(door, dispatch.ROTATE, spec, part[0], part[1], a, b, weights, scales)
+        dispatch.through(door, dispatch.ROTATE, spec, rope[0], rope[1], a, b, weights, scales)
         return q, k
-    kept = [None if x is None else _kept(spec, x[..., :n], scales, i) for i, (x, n) in enumerate(zip((q, k), cut))]
+    kept = [None if c is None else _kept(spec, c, scales, i) for i, c in enumerate(kept_src)]
     if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
-        rotated = dispatch.through(door, dispatch.ROTATE, spec, part[0], part[1], a, b, weights, scales)
-        return tuple(None if r is None else torch.cat((p.to(r.dtype), r), -1) for p, r in zip(kept, rotated))
-    outs = []
-    for x, dst, n, p in zip((q, k), (q_out, k_out), cut, kept):
-        if x is not None:
-            dst = run.empty_like(x, dtype=spec.out_dtype) if dst is None else dst
-            dst[..., :n].copy_(p)
+        rotated = dispatch.through(door, dispatch.ROTATE, spec, rope[0], rope[1], a, b, weights, scales)
+        return tuple(_joined(r, c, last) for r, c in zip(rotated, kept))
+    outs, into = [], []
+    for x, p, dst, c, n in zip((q, k), parts, (q_out, k_out), kept, width):
+        if x is not None and dst is None:
+            dst = _fresh(x, (*x.shape[:-1], x.shape[-1] + (0 if p is None else n)), spec.out_dtype)
+        if c is not None:  # the kept dims at the front with 'last', after the rotated ones otherwise
+            (dst[..., :n] if last else dst[..., dst.shape[-1] - n :]).copy_(c)
         outs.append(dst)
-    dests = (None if o is None else o[..., n:] for o, n in zip(outs, cut))
-    dispatch.through(door, dispatch.ROTATE, spec, part[0], part[1], a, b, weights, scales, *dests)
+        into.append(None if dst is None or c is None else (dst[..., n:] if last else dst[..., : dst.shape[-1] - n]))
+    dests = (i if c is not None else o for i, o, c in zip(into, outs, kept))
+    dispatch.through(door, dispatch.ROTATE, spec, rope[0], rope[1], a, b, weights, scales, *dests)
     return outs[0], outs[1]
+
+
+def _split(x, part, rot: int, last: bool) -> tuple:
+    """(what the door rotates, the kept dims or None, their width) of one input: x and its no-rope
+    part given apart; x's last rot dims and its leading ones with 'last'; else x whole (its own
+    tail, if any, kept by the kernel)."""
+    if x is not None and part is not None:
+        return x, part, part.shape[-1]
+    if x is not None and last and x.shape[-1] > rot:
+        n = x.shape[-1] - rot
+        return x[..., n:], x[..., :n], n
+    return x, None, 0
+
+
+def _joined(rotated, kept, last: bool):
+    """An output of the autograd / subclass door with its kept dims: torch.cat (whose backward
+    splits the gradient)."""
+    if rotated is None or kept is None:
+        return rotated
+    kept = kept.to(rotated.dtype)
+    return torch.cat((kept, rotated) if last else (rotated, kept), -1)
+
+
+def _fresh(x, shape, dtype):
+    """A new output of `shape` for input x: empty_like(x)'s layout rule when the head is x's own
+    width, else contiguous (a head joined from two parts has no layout to follow)."""
+    if tuple(shape) == tuple(x.shape):
+        return run.empty_like(x, dtype=dtype)
+    return run.empty_like(x.new_empty(shape), dtype=dtype)
 
 
 def _kept(spec: Spec, x, scales, i):

@@ -54,6 +54,7 @@ def apply_rope_and_store(
     q_out: Optional[torch.Tensor] = None,
     q_scale: Scale = None,
     k_nope: Optional[torch.Tensor] = None,
+    q_nope: Optional[torch.Tensor] = None,
     rotary_position: str = "first",
 ) -> torch.Tensor:
     """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
@@ -67,7 +68,7 @@ def apply_rope_and_store(
             MLA's q_pe view of a 192-wide head and a separate k_pe are fine). A last stride other
             than 1 is read through one copy (not with write_key, which writes k).
         v: (*T, Hv, Dv), copied into v_cache; Dv may differ from Dk (MLA: latent 512, rope 64).
-            Any strides, the last one included (read in place, no copy). None with k_nope.
+            Any strides, the last one included (read in place, no copy). None with MLA's k_nope.
         positions: (*T) int32/int64, (3, *T) with mrope_section, or None for arange over the
             last token dim (or for positions derived from cu_seqlens).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended.
@@ -107,12 +108,24 @@ def apply_rope_and_store(
             rope_quantize_fp8 + paged append in one launch).
         q_scale: None, a float or a 1-element float32 tensor, only with q_out: q_out stores
             rotated q / q_scale (same rule as k_scale).
-        k_nope: MLA with the key in two parts (FlashInfer's append_paged_mla_kv_cache): k is the
-            rope part (*T, Hk, R), rotated into k_cache; k_nope (*T, Hk, L) is copied unrotated
-            into v_cache (v must be None). v_cache may be the nope cache (FlashInfer's ckv_cache,
-            (num_blocks, block_size, Hk, L)) with k_cache the rope cache (kpe_cache, R wide), or
-            None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
-            layout) and is split at L. One launch either way.
+        k_nope: the key's no-rope part, a tensor of its own (k is then the rope part, (*T, Hk,
+            R) with R = rotary_dim). Two forms, told apart by v:
+            - v given (GQA / MHA, FlashInfer's rope_quantize_fp8_append_paged_kv_cache with
+              no_rope_dim > 0): k_nope (*T, Hk, N), k_cache (..., Hk, R + N); each k cache row
+              receives rotated k in dims [0, R) and k_nope in [R, R + N) (FlashInfer's order),
+              v goes to v_cache as usual. Any strides, the last one included (read in place).
+              Not with k_norm_weight (the norm covers a whole head).
+            - v None (MLA, FlashInfer's append_paged_mla_kv_cache): k_nope (*T, Hk, L) is copied
+              unrotated into v_cache, the nope cache (FlashInfer's ckv_cache, (num_blocks,
+              block_size, Hk, L)), with k_cache the rope cache (kpe_cache, R wide); or v_cache
+              None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
+              layout) and is split at L.
+            One launch either way; float dtypes, on q's device, token dims and heads of k.
+        q_nope: only with q_out: q's no-rope part, a tensor of its own (*T, Hq, N), any strides
+            (read in place); q is then the rope part (*T, Hq, R) with R = rotary_dim, and q_out
+            (*T, Hq, R + N) receives rotated q in dims [0, R) and q_nope in [R, R + N), both
+            divided by q_scale and saturated like the rotated dims (FlashInfer's q_rope_out and
+            q_nope_out are the views q_out[..., :R] and q_out[..., R:]). Not with q_norm_weight.
         rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
             for i < rotary_dim / 2 (Gemma 4's p-RoPE, apply_rope's keyword), the other dims kept
             (untouched in q in place, copied into q_out and the cache rows, normalized with the
@@ -156,9 +169,11 @@ def apply_rope_and_store(
     composes with the norm. DTensor: weights replicated; an (H*D,) weight with head-sharded q / k
     is refused (ropekit.distributed).
     """
-    k_cache, v_cache = paged_mla(k_cache, k), paged_mla(v_cache, v if k_nope is None else k_nope)
-    if k_nope is not None:
+    mla = k_nope is not None and v is None  # else k_nope (if any) is GQA / MHA's, beside v
+    k_cache, v_cache = paged_mla(k_cache, k), paged_mla(v_cache, k_nope if mla else v)
+    if mla:
         v, k_cache, v_cache = mla_parts(k, v, k_cache, v_cache, k_nope)
+        k_nope = None
     # strided last dims of read-only inputs: one copy each (q rotated in place is refused by validation)
     if isinstance(k, torch.Tensor) and write_key is False and k.dim():
         k = unit_last(k)
@@ -168,8 +183,9 @@ def apply_rope_and_store(
     spec, door = spec_for(_STORE, args, checks.store)
     ks, vs, qs = _scales(q.device, k_scale, v_scale, q_scale)
     a = positions if cu_seqlens is None else cu_seqlens
+    weights = (q_norm_weight, k_norm_weight)
     t = StoreOperands(
-        q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, q_norm_weight, k_norm_weight
+        q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, *weights, q_nope, k_nope
     )
     dispatch.through(door, dispatch.STORE, spec, t)
     return q if q_out is None else q_out
@@ -209,11 +225,9 @@ def paged_mla(cache, x):
 
 
 def mla_parts(k, v, k_cache, v_cache, k_nope):
-    """MLA's split key as the store's (v, k_cache, v_cache): k_nope takes v's place (copied
-    unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and is
-    split at k_nope's width."""
-    if v is not None:
-        fail(OP, "v", "None when k_nope is given (k_nope is the cache row's non-rope part)", "a tensor")
+    """MLA's split key (v None) as the store's (v, k_cache, v_cache): k_nope takes v's place
+    (copied unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and
+    is split at k_nope's width."""
     if not isinstance(k_nope, torch.Tensor):
         raise TypeError(f"{OP}: k_nope: expected a torch.Tensor or None, got {type(k_nope).__name__}")
     if v_cache is None and isinstance(k_cache, torch.Tensor) and isinstance(k, torch.Tensor) and k_cache.dim() > 0:

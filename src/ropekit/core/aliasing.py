@@ -181,12 +181,25 @@ def extent(x) -> int:
 
 
 def store_extents(
-    q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None, q_out=None, wq=None, wk=None
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions=None,
+    table=None,
+    slot_mapping=None,
+    q_out=None,
+    wq=None,
+    wk=None,
+    qn=None,
+    kn=None,
 ) -> tuple:
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
     `store_aliasing` takes them in), then of positions (or cu_seqlens), table, slot_mapping, q_out,
-    the norm weights of q and k; 0 for an empty tensor or None."""
-    return tuple(extent(x) for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out, wq, wk))
+    the norm weights of q and k, the no-rope parts q_nope and k_nope; 0 for an empty tensor or None."""
+    tensors = (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out, wq, wk, qn, kn)
+    return tuple(extent(x) for x in tensors)
 
 
 def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out=None, write_key=False) -> None:

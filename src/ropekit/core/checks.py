@@ -153,18 +153,25 @@ def rope(args: dict) -> Spec:
     norm_eps, norm_offset = args["norm_eps"], args["norm_weight_offset"]
     modes = rules.norm_weights(op, q_t, k_t, *weights, norm_eps, norm_offset, inplace=inplace)
     normed = modes != (NORM_NONE, NORM_NONE)
-    grad = records_grad(q, k, *weights, inv_freq)
+    q_nope, k_nope = args["q_nope"], args["k_nope"]
+    parts = nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes)
+    grad = records_grad(q, k, *weights, inv_freq, q_nope, k_nope)
     out_dtype, inverse = args["out_dtype"], args["inverse"]
     scaled = rules.out_args(op, q, out_dtype, args["q_scale"], args["k_scale"], inverse, inplace=inplace, grad=grad)
     if normed:
         rules.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
-    rules.out_buffers(op, q, k, args["q_out"], args["k_out"], out_dtype, inplace=inplace, grad=grad)
+    rules.out_buffers(
+        op, q, k, args["q_out"], args["k_out"], out_dtype, inplace=inplace, grad=grad, parts=(q_nope, k_nope)
+    )
     position = rules.rotary_position_arg(op, args["rotary_position"], normed)
     il = bool(args["interleaved"])
     if position == "halves":
         rules.halves_args(op, q_t, k_t, il)
+        for name, given in zip(("q_nope", "k_nope"), parts):
+            if given:  # p-RoPE's pairs span the whole head: no part of it is apart
+                fail(op, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor")
     # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
-    partial = any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    partial = any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
@@ -179,6 +186,8 @@ def rope(args: dict) -> Spec:
         seq_first=seq,
         rope_last=position == "last" and partial,
         rope_halves=position == "halves" and partial,
+        nope_q=parts[0],
+        nope_k=parts[1],
     )
     triton = triton_runs(q)
     return Spec(
@@ -195,6 +204,25 @@ def rope(args: dict) -> Spec:
         norm_eps=float(norm_eps),
         norm_offset=float(norm_offset),
     )
+
+
+def nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:
+    """(nope_q, nope_k) of validated no-rope parts: each None, or a tensor of its rope part's dims
+    but the last (`rules.nope_part`), out of place, its tensor not normalized."""
+    given = []
+    for name, part, x, mode in (("q_nope", q_nope, q, modes[0]), ("k_nope", k_nope, k, modes[1])):
+        given.append(part is not None)
+        if part is None:
+            continue
+        if x is None:
+            fail(op, name, "None when k is None", "a tensor")
+        if inplace:
+            fail(op, name, "None when inplace=True (the output is the whole head, a new tensor)", "a tensor")
+        if mode != NORM_NONE:
+            norm = f"{name[0]}_norm_weight"
+            fail(op, name, f"None with {norm} (the norm covers a whole head, not one given in two parts)", "a tensor")
+        rules.nope_part(op, name, part, x, rot, inference=False)
+    return tuple(given)
 
 
 def rope_call(spec: Spec, args: dict, a, b) -> None:
@@ -215,7 +243,14 @@ def rope_call(spec: Spec, args: dict, a, b) -> None:
     q_out, k_out = args["q_out"], args["k_out"]
     if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
         scales = [s if isinstance(s, torch.Tensor) else None for s in (args["q_scale"], args["k_scale"])]
-        read = (("q", q), ("k", k), (names[0], a), (names[1], b))
+        read = (
+            ("q", q),
+            ("k", k),
+            ("q_nope", args["q_nope"]),
+            ("k_nope", args["k_nope"]),
+            (names[0], a),
+            (names[1], b),
+        )
         read += (("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
         read += (("q_scale", scales[0]), ("k_scale", scales[1]))
         extents = [aliasing.extent(q_out), aliasing.extent(k_out)] + [aliasing.extent(x) for _, x in read]
@@ -349,6 +384,8 @@ def store(args: dict) -> Spec:
     mrope_section, mrope_interleaved = args["mrope_section"], args["mrope_interleaved"]
     q_out, q_scale, write_key = args["q_out"], args["q_scale"], args["write_key"]
     weights = (args["q_norm_weight"], args["k_norm_weight"])
+    # GQA / MHA's key in two parts beside v (MLA's k_nope, v None, has taken v's place before)
+    q_nope, k_nope = args["q_nope"], args["k_nope"]
     packed = (1, 0)
     if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
         packed = rules.packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
@@ -368,9 +405,17 @@ def store(args: dict) -> Spec:
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
         packed=cu_seqlens is not None,
+        k_nope=k_nope,
     )
-    rules.store_outputs(op, q, k, q_out, q_scale, write_key)
+    if q_nope is not None:
+        if q_out is None:
+            fail(op, "q_nope", "None without q_out (q_out receives the rotated q and q_nope after it)", "a tensor")
+        rules.nope_part(op, "q_nope", q_nope, q, rot)
+    rules.store_outputs(op, q, k, q_out, q_scale, write_key, q_nope=q_nope)
     modes = store_norm_modes(q, k, *weights, args["norm_eps"], args["norm_weight_offset"])
+    for name, part, weight in (("q_nope", q_nope, "q_norm_weight"), ("k_nope", k_nope, "k_norm_weight")):
+        if part is not None and modes[name == "k_nope"] != NORM_NONE:
+            fail(op, name, f"None with {weight} (the norm covers a whole head, not one given in two parts)", "a tensor")
     if cu_seqlens is not None:
         angle_source, a = "packed", cu_seqlens
     else:
@@ -382,12 +427,17 @@ def store(args: dict) -> Spec:
     halves = rules.rotary_position_arg(op, args["rotary_position"], allowed=("first", "halves")) == "halves"
     if halves:
         rules.halves_args(op, q, k, il)
+        for name, part in (("q_nope", q_nope), ("k_nope", k_nope)):
+            if part is not None:  # p-RoPE's pairs span the whole head: no part of it is apart
+                fail(op, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor")
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
         mrope=mode,
         sections=mrope if mode else (0, 0, 0),
         rope_halves=halves and k.shape[-1] > rot,  # whole heads: the usual variant
+        nope_q=q_nope is not None,
+        nope_k=k_nope is not None,
         angles=angle_source,
         norm_q=modes[0],
         norm_k=modes[1],
@@ -405,7 +455,8 @@ def store(args: dict) -> Spec:
 def store_spec(args: dict, variant: Variant, rot: int, packed, door: str, a) -> Spec:
     """The Spec of a validated store call (the public op's, or a custom op's for its local tensors)."""
     t = (args["q"], args["k"], args["v"], args["k_cache"], args["v_cache"], a, args["cos_sin_cache"])
-    t += (args["slot_mapping"], args["q_out"], args["q_norm_weight"], args["k_norm_weight"])
+    t += (args["slot_mapping"], args["q_out"], args["q_norm_weight"], args["k_norm_weight"], args["q_nope"])
+    t += (args["k_nope"],)
     return Spec(variant, rot, door, triton_runs(args["q"]), extents=aliasing.store_extents(*t), packed=packed)
 
 
@@ -421,9 +472,13 @@ def store_norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
     return modes
 
 
-def store_weights(variant: Variant, q, k, wq, wk) -> None:
+def store_weights(variant: Variant, q, k, wq, wk, qn, kn) -> None:
     """A custom store op's norm weights against the encoded norm modes and the (local) tensors: a
-    weight per mode, of D elements per head or H*D across heads (the kernel reads that many)."""
+    weight per mode, of D elements per head or H*D across heads (the kernel reads that many); its
+    no-rope parts exactly where the variant says (the kernel reads them then)."""
+    for name, part, given in (("q_nope", qn, variant.nope_q), ("k_nope", kn, variant.nope_k)):
+        if (part is not None) != given:
+            fail(STORE, name, f"{'a tensor' if given else 'None'} (as the variant says)", type(part).__name__)
     for name, w, x, mode in (("q_norm_weight", wq, q, variant.norm_q), ("k_norm_weight", wk, k, variant.norm_k)):
         want = {NORM_HEAD: x.shape[-1], NORM_TOKEN: x.shape[-2] * x.shape[-1]}.get(mode)
         got = None if w is None else w.numel()
@@ -474,6 +529,9 @@ def store_call(spec: Spec, t) -> None:
     if t.wq is not None or t.wk is not None:
         read += [("q_norm_weight", t.wq), ("k_norm_weight", t.wk)]
         tail += [ext[9], ext[10]]
+    if t.qn is not None or t.kn is not None:
+        read += [("q_nope", t.qn), ("k_nope", t.kn)]
+        tail += [ext[11], ext[12]]
     aliasing.written_vs_read(STORE, written, read, extents=extents + tail)
     spec.plans["checked addresses"] = addrs
 

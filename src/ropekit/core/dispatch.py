@@ -461,9 +461,9 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
     t = t._replace(a=a, table=table, slot_mapping=slots, ks=ks, vs=vs, qs=qs, wq=wq, wk=wk)
     head = (*t[:8], spec.variant.encode(), spec.rot, t.ks, t.vs, t.wq, t.wk, [spec.norm_eps, spec.norm_offset])
     if t.q_out is None:
-        torch.ops.ropekit.rope_and_store(*head, list(spec.packed))
+        torch.ops.ropekit.rope_and_store(*head, list(spec.packed), t.kn)
     else:
-        torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.q_out, t.qs)
+        torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.kn, t.q_out, t.qs, t.qn)
 
 
 STORE = {DIRECT: _store_direct, FUNCTION: _store_direct, CUSTOM_OP: _store_custom, TRACED: _store_custom}
@@ -474,9 +474,9 @@ def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
 
     def make():
         variant = Variant.decode(codes)
-        checks.store_weights(variant, t.q, t.k, t.wq, t.wk)
+        checks.store_weights(variant, t.q, t.k, t.wq, t.wk, t.qn, t.kn)
         names = ("q", "k", "v", "positions", "cos_sin_cache", "k_cache", "v_cache", "slot_mapping")
-        args = dict(zip(names, t[:8]), q_out=t.q_out, q_norm_weight=t.wq, k_norm_weight=t.wk)
+        args = dict(zip(names, t[:8]), q_out=t.q_out, q_norm_weight=t.wq, k_norm_weight=t.wk, q_nope=t.qn, k_nope=t.kn)
         spec = checks.store_spec(args, variant, rot, tuple(packed), DIRECT, t.a)
         spec.norm_eps, spec.norm_offset = norm[0], norm[1]
         return spec
@@ -492,20 +492,44 @@ def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
 _STORE_SCHEMA = (
     "(Tensor{q} q, Tensor(a1!) k, Tensor v, Tensor? positions, Tensor cos_sin_cache, Tensor(a5!) k_cache, "
     "Tensor(a6!) v_cache, Tensor slot_mapping, SymInt[] variant, SymInt rotary_dim, Tensor? k_scale, "
-    "Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, float[] norm, SymInt[] packed{q_out}) -> ()"
+    "Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, float[] norm, SymInt[] packed, "
+    "Tensor? k_nope{q_out}) -> ()"
 )
 
 
 def _store_op_impl(
-    q, k, v, a, table, k_cache, v_cache, slots, codes, rot, ks, vs, wq, wk, norm, packed, q_out=None, qs=None
+    q,
+    k,
+    v,
+    a,
+    table,
+    k_cache,
+    v_cache,
+    slots,
+    codes,
+    rot,
+    ks,
+    vs,
+    wq,
+    wk,
+    norm,
+    packed,
+    kn,
+    q_out=None,
+    qs=None,
+    qn=None,
 ):
-    t = StoreOperands(q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, wq, wk)
+    t = StoreOperands(q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, wq, wk, qn, kn)
     _store_body(t, codes, rot, norm, packed)
 
 
 for _name, _schema, _written in (
     ("rope_and_store", _STORE_SCHEMA.format(q="(a0!)", q_out=""), "q"),
-    ("rope_and_store_q_out", _STORE_SCHEMA.format(q="", q_out=", Tensor(a16!) q_out, Tensor? q_scale"), "q_out"),
+    (
+        "rope_and_store_q_out",
+        _STORE_SCHEMA.format(q="", q_out=", Tensor(a17!) q_out, Tensor? q_scale, Tensor? q_nope"),
+        "q_out",
+    ),
 ):
     _mutated = (_written, "k", "k_cache", "v_cache")
     _op = torch.library.custom_op(f"ropekit::{_name}", _store_op_impl, mutates_args=_mutated, schema=_schema)

@@ -338,8 +338,10 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
     None for an empty call). t.a: the variant's angle source (positions (*T) or (3, *T) with
     M-RoPE, cu_seqlens for packed angles, None for arange); packed: (cp_size, cp_rank). The
     variant says the rest: q into t.q_out (its tail copied) or in place, k written back
-    (write_key), which caches and outputs are scaled, q / k normalized first (tails too)."""
-    q, k, v = t.q, t.k, t.v
+    (write_key), which caches and outputs are scaled, q / k normalized first (tails too), and with
+    nope_q / nope_k the heads' no-rope parts t.qn / t.kn (q, k then hold the rotary dims only): the
+    tails of q_out / the k cache rows are read from them."""
+    q, k, v, q_nope, k_nope = t.q, t.k, t.v, t.qn, t.kn
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     if n_tokens == 0:
@@ -347,7 +349,10 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
     S = q.shape[n_tok - 1]
     half = rot // 2
     n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
-    d_k, d_v = k.shape[-1], v.shape[-1]
+    d_v = v.shape[-1]
+    # the widths past the rotary dims: q's / k's own tails, or the no-rope parts given apart
+    q_tail = q_nope.shape[-1] if variant.nope_q else q.shape[-1] - rot
+    k_tail = k_nope.shape[-1] if variant.nope_k else k.shape[-1] - rot
     head_loop = tuning.get("store_head_loop")
     if head_loop is None:
         head_loop = not tuning.decode_sized(n_tokens)
@@ -355,7 +360,7 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         half,
         n_q,
         n_k,
-        d_k - rot,
+        k_tail,
         n_v,
         d_v,
         tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "store_block_elems"),
@@ -365,13 +370,12 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
     block_size, skc_blk, skc_off, skc_h = slot_geometry(t.k_cache)
     _, svc_blk, svc_off, svc_h = slot_geometry(t.v_cache)
     qo = q if t.q_out is None else t.q_out
-    q_tail = q.shape[-1] - rot
     args = (
         S,
         n_q,
         n_k,
         n_v,
-        d_k - rot,
+        k_tail,
         d_v,
         angles.max_pos,
         angles.sin_off,
@@ -401,6 +405,8 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         qo.stride(-2),
         v.stride(-1),
         q_tail,
+        *nope_strides(q_nope if variant.nope_q else None, n_tok),
+        *nope_strides(k_nope if variant.nope_k else None, n_tok),
     )  # then the norm's eps and offset, per launch (fire_store)
     il = variant.interleaved
     # q's tail is written when it moves (a separate q_out) or changes (normalized, in place too)
@@ -408,7 +414,7 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
-        GAP=pair_gap(variant, half, d_k),
+        GAP=pair_gap(variant, half, k.shape[-1]),
         BLOCK_HQ=bhq,
         BLOCK_HK=bhk,
         BLOCK_HV=bhv,
@@ -425,6 +431,8 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         TAIL_PAD_Q=next_pow2(q_tail) if q_tail_written else 0,
         Q_SCALED=variant.scaled,
         WRITE_K=variant.write_key,
+        NOPE_Q=variant.nope_q,
+        NOPE_K=variant.nope_k,
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, variant.mrope != 0, n_tokens, store=True),
@@ -433,6 +441,13 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         tails = max(tail_pad, meta["TAIL_PAD_Q"])
         meta["num_warps"] = block_warps(max(bhq, bhk), half_pad, tails, meta["num_warps"])
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
+
+
+def nope_strides(x, n_tok: int) -> tuple:
+    """(b, s, head, dim) strides of a no-rope part (q_nope, k_nope); zeros when there is none."""
+    if x is None:
+        return 0, 0, 0, 0
+    return (*token_strides(x, n_tok), x.stride(-2), x.stride(-1))
 
 
 def fire_store(plan: Optional[Plan], t, eps: float = 0.0, offset: float = 0.0) -> None:
@@ -451,6 +466,7 @@ def fire_store(plan: Optional[Plan], t, eps: float = 0.0, offset: float = 0.0) -
     ptrs = (t.q, t.k, t.v, table if t.a is None else t.a, table, t.slot_mapping, t.k_cache, t.v_cache)
     ptrs += (table if t.ks is None else t.ks, table if t.vs is None else t.vs, qo, table if t.qs is None else t.qs)
     ptrs += (table if t.wq is None else t.wq, table if t.wk is None else t.wk)
+    ptrs += (table if t.qn is None else t.qn, table if t.kn is None else t.kn)  # the no-rope parts
     variant = (meta["PACK_Q"], meta["PACK_K"])
     launch_kernel(kernel("rope_store_kernel"), plan.compiled, variant, plan.grid, ptrs, (*plan.args, eps, offset), meta)
 

@@ -239,7 +239,7 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
 class StoreOperands(NamedTuple):
     """The tensors of one store run, by name (None where absent): q is rotated in place unless
     q_out is given; a is the angle source (positions, cu_seqlens, or None for arange); ks, vs, qs
-    float32 scale tensors; wq, wk the norm weights."""
+    float32 scale tensors; wq, wk the norm weights; qn, kn the heads' no-rope parts given apart."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -255,6 +255,8 @@ class StoreOperands(NamedTuple):
     qs: Optional[torch.Tensor] = None
     wq: Optional[torch.Tensor] = None
     wk: Optional[torch.Tensor] = None
+    qn: Optional[torch.Tensor] = None  # q's no-rope part given apart (with q_out), Variant.nope_q
+    kn: Optional[torch.Tensor] = None  # k's likewise (the k cache rows' tails), Variant.nope_k
 
 
 def run_store(spec: Spec, t: StoreOperands) -> None:
@@ -267,6 +269,9 @@ def run_store(spec: Spec, t: StoreOperands) -> None:
         if plan is None:
             plan = spec.plans[None] = plans.plan_store(t, v, spec.rot, spec.packed)
         plans.fire_store(plan, t, spec.norm_eps, spec.norm_offset)
+        return
+    if v.nope_q or v.nope_k:
+        _store_parts_cpu(spec, t)
         return
     a = t.a
     if v.angles == "packed":  # CPU: the positions the kernel derives, made here
@@ -294,6 +299,19 @@ def run_store(spec: Spec, t: StoreOperands) -> None:
         norm=(t.wq, t.wk, spec.norm_eps, spec.norm_offset) if v.normed else None,
         halves=v.rope_halves,
     )
+
+
+def _store_parts_cpu(spec: Spec, t: StoreOperands) -> None:
+    """The CPU path of heads given in two parts (q_nope, k_nope): the run on whole heads (rope
+    part, then no-rope part: torch.cat, a copy), rotated k written back into k's own dims with
+    write_key (a head in two parts is never normalized)."""
+    whole_q = t.q if t.qn is None else torch.cat((t.q, t.qn), -1)
+    whole_k = t.k if t.kn is None else torch.cat((t.k, t.kn), -1)
+    plain = Spec(spec.variant._replace(nope_q=False, nope_k=False), spec.rot, spec.door, spec.triton)
+    plain.packed, plain.norm_eps, plain.norm_offset = spec.packed, spec.norm_eps, spec.norm_offset
+    run_store(plain, t._replace(q=whole_q, k=whole_k, qn=None, kn=None))
+    if spec.variant.write_key and whole_k is not t.k:
+        t.k.copy_(whole_k[..., : t.k.shape[-1]])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,7 +129,9 @@ def _store(codes, q_out: bool) -> OpRule:
     )
     outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
     written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
-    return OpRule(args + outs, (), written)
+    parts = (("k_nope", HEADS),)  # the heads' no-rope parts, given apart: like q and k
+    outs += (("q_nope", HEADS),) if q_out else ()
+    return OpRule(args + parts + outs, (), written)
 
 
 # The op-schema table (core/dispatch.py defines the ops): a rule, or for the

@@ -73,6 +73,11 @@ class Variant(NamedTuple):
     rope_halves: bool = False  # half-split pairs (i, i + D/2), i < rotary_dim / 2, of the whole head
     #                            (rotary_position='halves', Gemma 4's p-RoPE): the kernels' GAP is D/2
     #                            and the kept dims are [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D)
+    nope_q: bool = False  # q is the rope part of the head and q_nope, a tensor of its own, the rest
+    #                       (FlashInfer's q_rope / q_nope): the store's kernel reads q_out's dims past
+    #                       the rotated ones from it; apply_rope's output joins it (ops.py, a view form)
+    nope_k: bool = False  # k likewise with k_nope: the store's k cache row (beside v, GQA / MHA), or
+    #                       apply_rope's k output
     # the fused store and the re-rotation
     q_out: bool = False  # store: q rotated into a given q_out (its tail copied), q left untouched
     write_key: bool = False  # store: rotated (and normalized) k written back into k too
@@ -100,8 +105,9 @@ class Variant(NamedTuple):
         return self.norm_q != 0 or self.norm_k != 0
 
     def tokens_first(self) -> "Variant":
-        """This variant for the views the custom ops take: tokens first, the rotated part alone."""
-        return self._replace(heads_first=False, seq_first=False, rope_last=False)
+        """This variant for the views the rotation's custom ops take: tokens first, the rotated part
+        alone (apply_rope's no-rope parts given apart are joined to it in ops.py)."""
+        return self._replace(heads_first=False, seq_first=False, rope_last=False, nope_q=False, nope_k=False)
 
     def backward(self) -> "Variant":
         """The rotation that maps output gradients to input gradients: the inverse, reading the
