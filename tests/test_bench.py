@@ -402,10 +402,10 @@ def test_vllm_plugin_forward_row(tmp_path, cpu_env):
 def ropekit_row_passes(w, sizes):
     """The ropekit peer's call of row w at these sizes passes the row's float64 check (on the CPU
     tensors given, as the bench's CPU mode runs); returns the row's base inputs."""
-    from ropekit.core import pipeline
+    from ropekit.core import memo
     from ropekit.tools.bench import peers
 
-    pipeline.clear()
+    memo.clear()
     table = workloads.make_table(w, sizes, "cpu")
     base = workloads.make_inputs(w, sizes, table, "cpu", 0)
     exp = workloads.expected(w, base, workloads.Oracle())
@@ -415,7 +415,7 @@ def ropekit_row_passes(w, sizes):
     assert set(got) == set(exp)
     errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
     assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
-    pipeline.clear()
+    memo.clear()
     return base
 
 

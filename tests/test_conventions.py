@@ -383,13 +383,13 @@ def test_parts_on_the_cpu_path_match_the_kernel(monkeypatch):
     results = []
     for interpret in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
-        pipeline.clear()
+        memo.clear()
         for last in ("first", "last"):
             q_out = _nan(4, 3, 24)
             results.append(
                 ropekit.apply_rope(q, k, pos, cache, q_nope=q_nope, k_nope=k_nope, q_out=q_out, rotary_position=last)
             )
-    pipeline.clear()
+    memo.clear()
     for a, b in zip(results[:2], results[2:]):
         for x, y in zip(a, b):
             assert torch.equal(x.isnan(), y.isnan()) and rel_err(x.nan_to_num(), y.nan_to_num()) < 1e-6

@@ -542,7 +542,9 @@ def test_threads_have_their_own_scratch(cpu_path):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("module", ["cpu", "pipeline", "ops", "library", "store", "rerotate", "hf"])
+@pytest.mark.parametrize(
+    "module", ["core.cpu", "core.run", "core.dispatch", "api.ops", "api.store", "api.rerotate", "hf"]
+)
 def test_run_path_does_not_use_the_oracle(module):
     """reference.py is the tests' oracle only: no module the ops run imports it."""
     try:

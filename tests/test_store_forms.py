@@ -574,7 +574,7 @@ def test_parts_reference_path_matches_the_kernel(monkeypatch):
     results = []
     for interpret in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
-        pipeline.clear()
+        memo.clear()
         caches = Caches(nhd, 2, 4, Hk, R + N, R + N, E5M2, "cpu")
         q_out, kk = poisoned_like(q, E5M2), k_rope.clone()
         apply_rope_and_store(
@@ -582,7 +582,7 @@ def test_parts_reference_path_matches_the_kernel(monkeypatch):
             write_key=True, q_nope=q_nope, k_nope=k_nope,
         )  # fmt: skip
         results.append([x.clone() for x in (q_out, kk, *caches.bases)])
-    pipeline.clear()
+    memo.clear()
     for a, b in zip(*results):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(bits(a)[~a.isnan()], bits(b)[~b.isnan()])
 
@@ -962,16 +962,15 @@ def test_opcheck_with_the_parts():
         torch.tensor([6, -1, 2]),
     )
     k_nope = torch.randn(T, 1, N)
-    codes = pipeline.Variant(nope_k=True).encode()
-    torch.library.opcheck(
-        torch.ops.ropekit.rope_and_store.default, (*head, codes, R, None, None, True), {"k_nope": k_nope}
-    )
-    codes = pipeline.Variant(nope_q=True, nope_k=True).encode()
+    unnormed = (None, None, [1e-6, 0.0], [1, 0])  # weights, [eps, offset], [cp_size, cp_rank]
+    codes = variant.Variant(nope_k=True, write_key=True).encode()
+    torch.library.opcheck(torch.ops.ropekit.rope_and_store.default, (*head, codes, R, None, None, *unnormed, k_nope))
+    codes = variant.Variant(nope_q=True, nope_k=True, q_out=True, scaled=True, k_scaled=True).encode()
     q_out, q_nope = torch.zeros(T, H, R + N, dtype=torch.float16), torch.randn(T, H, N)
-    args = (*head, codes, R, torch.tensor([2.0]), None, False, q_out, torch.tensor([0.5]))
-    torch.library.opcheck(torch.ops.ropekit.rope_and_store_q_out.default, args, {"q_nope": q_nope, "k_nope": k_nope})
+    args = (*head, codes, R, torch.tensor([2.0]), None, *unnormed, q_out, torch.tensor([0.5]), k_nope)
+    torch.library.opcheck(torch.ops.ropekit.rope_and_store_q_out.default, (*args, q_nope))
     with pytest.raises(ValueError, match=r"^apply_rope_and_store: q_nope: expected a tensor \(as the variant says\)"):
-        torch.ops.ropekit.rope_and_store_q_out(*args, k_nope=k_nope)
+        torch.ops.ropekit.rope_and_store_q_out(*args, None)
 
 
 def _compiled_forms(q, k, v, pos, table, kc, vc, slots, q_out):

@@ -463,7 +463,7 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
     if t.q_out is None:
         torch.ops.ropekit.rope_and_store(*head, list(spec.packed), t.kn)
     else:
-        torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.kn, t.q_out, t.qs, t.qn)
+        torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.q_out, t.qs, t.kn, t.qn)
 
 
 STORE = {DIRECT: _store_direct, FUNCTION: _store_direct, CUSTOM_OP: _store_custom, TRACED: _store_custom}
@@ -492,48 +492,36 @@ def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
 _STORE_SCHEMA = (
     "(Tensor{q} q, Tensor(a1!) k, Tensor v, Tensor? positions, Tensor cos_sin_cache, Tensor(a5!) k_cache, "
     "Tensor(a6!) v_cache, Tensor slot_mapping, SymInt[] variant, SymInt rotary_dim, Tensor? k_scale, "
-    "Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, float[] norm, SymInt[] packed, "
-    "Tensor? k_nope{q_out}) -> ()"
+    "Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, float[] norm, SymInt[] packed{rest}) -> ()"
 )
 
 
-def _store_op_impl(
-    q,
-    k,
-    v,
-    a,
-    table,
-    k_cache,
-    v_cache,
-    slots,
-    codes,
-    rot,
-    ks,
-    vs,
-    wq,
-    wk,
-    norm,
-    packed,
-    kn,
-    q_out=None,
-    qs=None,
-    qn=None,
-):
-    t = StoreOperands(q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, wq, wk, qn, kn)
+def _store_in_place(q, k, v, a, table, kc, vc, slots, codes, rot, ks, vs, wq, wk, norm, packed, k_nope=None):
+    t = StoreOperands(q, k, v, a, table, kc, vc, slots, ks, vs, None, None, wq, wk, None, k_nope)
     _store_body(t, codes, rot, norm, packed)
 
 
-for _name, _schema, _written in (
-    ("rope_and_store", _STORE_SCHEMA.format(q="(a0!)", q_out=""), "q"),
+def _store_q_out(
+    q, k, v, a, table, kc, vc, slots, codes, rot, ks, vs, wq, wk, norm, packed, q_out, qs, kn=None, qn=None
+):
+    t = StoreOperands(q, k, v, a, table, kc, vc, slots, ks, vs, q_out, qs, wq, wk, qn, kn)
+    _store_body(t, codes, rot, norm, packed)
+
+
+for _name, _impl, _rest, _written in (
+    ("rope_and_store", _store_in_place, ", Tensor? k_nope=None", "q"),
     (
         "rope_and_store_q_out",
-        _STORE_SCHEMA.format(q="", q_out=", Tensor(a17!) q_out, Tensor? q_scale, Tensor? q_nope"),
+        _store_q_out,
+        ", Tensor(a16!) q_out, Tensor? q_scale, Tensor? k_nope=None, Tensor? q_nope=None",
         "q_out",
     ),
 ):
-    _mutated = (_written, "k", "k_cache", "v_cache")
-    _op = torch.library.custom_op(f"ropekit::{_name}", _store_op_impl, mutates_args=_mutated, schema=_schema)
-    _op.register_fake(lambda *args: None)
+    _schema = _STORE_SCHEMA.format(q="(a0!)" if _written == "q" else "", rest=_rest)
+    _op = torch.library.custom_op(
+        f"ropekit::{_name}", _impl, mutates_args=(_written, "k", "k_cache", "v_cache"), schema=_schema
+    )
+    _op.register_fake(lambda *args, **kwargs: None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,9 +129,8 @@ def _store(codes, q_out: bool) -> OpRule:
     )
     outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
     written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
-    parts = (("k_nope", HEADS),)  # the heads' no-rope parts, given apart: like q and k
-    outs += (("q_nope", HEADS),) if q_out else ()
-    return OpRule(args + parts + outs, (), written)
+    parts = (("k_nope", HEADS),) + ((("q_nope", HEADS),) if q_out else ())  # no-rope parts: like q and k
+    return OpRule(args + outs + parts, (), written)
 
 
 # The op-schema table (core/dispatch.py defines the ops): a rule, or for the
