@@ -46,7 +46,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import hf_census, hf_forms, hf_plan
+from . import hf_census, hf_forms
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -150,11 +150,11 @@ def _math_llama4(xq, xk, freqs_cis):
 def _rotate_halves_table(q, k, cos, sin, ud, *, promote_to_q, need_full, interleaved, out_interleaved, math):
     """The drop-ins that rotate by cos[..., :R/2] / sin[..., :R/2] of HF's (B or 1, S, R) tables:
     HF's own math when the kernel cannot reproduce it, else ropekit (the tables passed unsliced)."""
-    plan = hf_plan.plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
+    plan = hf_forms.plain_plan(q, k, cos, sin, ud, promote_to_q=promote_to_q, need_full=need_full)
     if plan is None:
         return math(q, k, cos, sin, ud)
     hd, r = plan
-    return hf_plan.rotate_hf_layout(
+    return hf_forms.rotate_hf_layout(
         q, k, cos, sin, hd, interleaved=interleaved, out_interleaved=out_interleaved, columns=r // 2
     )
 
@@ -176,7 +176,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         k,
         cos,
         sin,
-        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_forms.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=True,
         need_full=False,
         interleaved=False,
@@ -193,7 +193,7 @@ def olmo_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1
         k,
         cos,
         sin,
-        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_forms.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=False,
         need_full=True,
         interleaved=False,
@@ -213,7 +213,7 @@ def glm_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
         k,
         cos,
         sin,
-        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_forms.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=True,
         need_full=False,
         interleaved=True,
@@ -226,13 +226,13 @@ def cohere_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim
     """HF's Cohere / Cohere2 `apply_rotary_pos_emb`: pairs (2i, 2i+1) over the whole head, with
     cos/sin laid out [f0, f0, f1, f1, ...] (read through the stride-2 view cos[..., 0::2]);
     math in float32, outputs in q's dtype."""
-    ud = hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim)
-    plan = hf_plan.plain_plan(q, k, cos, sin, ud, promote_to_q=False, need_full=True)
+    ud = hf_forms.unsqueeze_dim(position_ids, unsqueeze_dim)
+    plan = hf_forms.plain_plan(q, k, cos, sin, ud, promote_to_q=False, need_full=True)
     if plan is None or k.dtype != q.dtype:
         return _math_cohere(q, k, cos, sin, ud)
     hd, _ = plan
     half = cos.shape[-1] // 2  # the stride-2 views hold every frequency once: read them all
-    return hf_plan.rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
+    return hf_forms.rotate_hf_layout(q, k, cos[..., 0::2], sin[..., 0::2], hd, interleaved=True, columns=half)
 
 
 def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -247,7 +247,7 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
         k,
         cos,
         sin,
-        hf_plan.unsqueeze_dim(position_ids, unsqueeze_dim),
+        hf_forms.unsqueeze_dim(position_ids, unsqueeze_dim),
         promote_to_q=True,
         need_full=True,
         interleaved=True,
@@ -265,8 +265,8 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
     (transformers 5.x merges the sections inside the rotary embedding and calls the plain
     `apply_rotary_pos_emb`; both are supported.)
     """
-    ok = hf_plan.kernel_takes(q, k, (cos, sin), promote_to_q=True) and cos.dim() == 4 and cos.shape[0] == 3
-    hd = hf_plan.heads_dim(unsqueeze_dim) if ok else None
+    ok = hf_forms.kernel_takes(q, k, (cos, sin), promote_to_q=True) and cos.dim() == 4 and cos.shape[0] == 3
+    hd = hf_forms.heads_dim(unsqueeze_dim) if ok else None
     sections = None
     if hd is not None:
         try:
@@ -275,7 +275,7 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
             sections = None
     if sections is not None:
         r = cos.shape[-1]
-        qt, kt = hf_plan.tokens_first(q, hd), hf_plan.tokens_first(k, hd)
+        qt, kt = hf_forms.tokens_first(q, hd), hf_forms.tokens_first(k, hd)
         tokens = tuple(qt.shape[:2])
         if not (
             len(sections) == 3
@@ -285,13 +285,13 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
             and q.shape[-1] == r
             and k.shape[-1] == r
             and tuple(kt.shape[:2]) == tokens
-            and hf_plan.fits(tuple(cos.shape[1:3]), tokens)
+            and hf_forms.fits(tuple(cos.shape[1:3]), tokens)
         ):
             sections = None
     if sections is None:
         return _math_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim)
     half = cos.shape[-1] // 2
-    return hf_plan.rotate_hf_layout(q, k, cos, sin, hd, interleaved=False, mrope_section=sections, columns=half)
+    return hf_forms.rotate_hf_layout(q, k, cos, sin, hd, interleaved=False, mrope_section=sections, columns=half)
 
 
 def llama4_apply_rotary_emb(xq, xk, freqs_cis):
