@@ -85,19 +85,13 @@ def _load_nope(
 
 @triton.jit
 def _rope_heads(
-    x_base,
-    stride_x_head,
-    n_heads,
+    src,
+    nope,
     head0,
-    tail_len,
     c,
     sn,
     w_ptr,
-    norm_eps,
-    norm_offset,
-    t_base,
-    stride_t_head,
-    stride_t_dim,
+    norm,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -108,18 +102,21 @@ def _rope_heads(
     NOPE: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """Heads [head0, head0 + BLOCK_H) of one token (x_base: its first element), RMS-normalized when
-    NORM != 0 (1 per head, 2 across the block's heads) and rotated by (c, sn): float32 tiles o1, o2
-    (the rotated pairs' members) and t, the tail past the rotary dims (TAIL_PAD > 0: normalized
-    with the head; otherwise a placeholder). NOPE: x holds the rotary dims only and the tail is
-    read from its own tensor instead (t_base: the token's first element of it, strides per head
-    and per dim); never with NORM (validation refuses the norm of a head given in two parts)."""
+    """Heads [head0, head0 + BLOCK_H) of one token, RMS-normalized when NORM != 0 (1 per head, 2
+    across the block's heads) and rotated by (c, sn): float32 tiles o1, o2 (the rotated pairs'
+    members) and t, the tail past the rotary dims (TAIL_PAD > 0: normalized with the head;
+    otherwise a placeholder). src: (x_base, stride_x_head, n_heads, tail_len), x_base the token's
+    first element; norm: (eps, offset). NOPE: x holds the rotary dims only and the tail is read
+    from its own tensor, nope = (its token's first element, stride per head, stride per dim);
+    never with NORM (validation refuses the norm of a head given in two parts)."""
+    x_base, stride_x_head, n_heads, tail_len = src
     # the evict_first hint was measured on this kernel: its inputs are read once
     x1, x2 = load_heads(
         x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first", GAP
     )
     t = x1
     if NORM != 0:
+        eps, offset = norm
         x1, x2, t = norm_heads(
             x_base,
             stride_x_head,
@@ -130,8 +127,8 @@ def _rope_heads(
             x2,
             w_ptr,
             NORM,
-            norm_eps,
-            norm_offset,
+            eps,
+            offset,
             HALF,
             HALF_PAD,
             BLOCK_H,
@@ -140,6 +137,7 @@ def _rope_heads(
             GAP,
         )
     elif NOPE and TAIL_PAD > 0:
+        t_base, stride_t_head, stride_t_dim = nope
         t = _load_nope(t_base, stride_t_head, stride_t_dim, n_heads, head0, tail_len, BLOCK_H, TAIL_PAD)
     elif TAIL_PAD > 0:
         t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -150,11 +148,8 @@ def _rope_heads(
 
 @triton.jit
 def _put_heads(
-    o_base,
-    stride_o_head,
-    n_heads,
+    dst,
     head0,
-    tail_len,
     o1,
     o2,
     t,
@@ -168,9 +163,10 @@ def _put_heads(
     SCALED: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """Store _rope_heads' tiles at o_base (a token's first element) in o's dtype: the rotated pairs,
-    and the tail t when TAIL_PAD > 0. SCALED: divided by the float32 scalar at o_scale_ptr first;
-    an fp8 output saturates."""
+    """Store _rope_heads' tiles in o's dtype: the rotated pairs, and the tail t when TAIL_PAD > 0.
+    dst: (o_base, stride_o_head, n_heads, tail_len), o_base a token's first element (or a cache
+    row's). SCALED: divided by the float32 scalar at o_scale_ptr first; an fp8 output saturates."""
+    o_base, stride_o_head, n_heads, tail_len = dst
     if SCALED:
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = o1 * inv
@@ -186,235 +182,6 @@ def _put_heads(
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
         tl.store(tail_at(o_row, j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
-
-
-@triton.jit
-def _store_block(
-    blk,
-    b,
-    s,
-    c,
-    sn,
-    slot,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    kc_ptr,
-    vc_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    qo_ptr,
-    q_scale_ptr,
-    n_q_heads,
-    n_k_heads,
-    n_v_heads,
-    k_tail,
-    d_v,
-    block_size,
-    num_slots,
-    n_q_blocks,
-    n_k_blocks,
-    stride_q_batch,
-    stride_q_token,
-    stride_q_head,
-    stride_k_batch,
-    stride_k_token,
-    stride_k_head,
-    stride_v_batch,
-    stride_v_token,
-    stride_v_head,
-    stride_k_cache_block,
-    stride_k_cache_slot,
-    stride_k_cache_head,
-    stride_v_cache_block,
-    stride_v_cache_slot,
-    stride_v_cache_head,
-    stride_qo_batch,
-    stride_qo_token,
-    stride_qo_head,
-    stride_v_dim,
-    q_tail,
-    wq_ptr,
-    wk_ptr,
-    norm_eps,
-    norm_offset,
-    qn_ptr,
-    kn_ptr,
-    stride_qn_batch,
-    stride_qn_token,
-    stride_qn_head,
-    stride_qn_dim,
-    stride_kn_batch,
-    stride_kn_token,
-    stride_kn_head,
-    stride_kn_dim,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_HV: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    K_SCALED: tl.constexpr,
-    V_SCALED: tl.constexpr,
-    PACK_Q: tl.constexpr,
-    PACK_K: tl.constexpr,
-    NORM_Q: tl.constexpr,
-    NORM_K: tl.constexpr,
-    TAIL_PAD_Q: tl.constexpr,
-    Q_SCALED: tl.constexpr,
-    WRITE_K: tl.constexpr,
-    NOPE_Q: tl.constexpr,
-    NOPE_K: tl.constexpr,
-    GAP: tl.constexpr,
-):
-    """Head block blk of token (b, s): q's blocks (rotated in place or into q_out), then k's
-    (rotated into the slot's cache row, and back into k with WRITE_K), then v's (copied into the
-    row). c, sn: the token's angles (unused for v). NOPE_Q / NOPE_K: q's / k's dims past the
-    rotary ones are read from q_nope / k_nope (qn_ptr, kn_ptr) and land after the rotated ones."""
-    # int64 before any arithmetic: block * stride is the offset that passes 2^31 on big caches
-    store = (slot >= 0) & (slot < num_slots)
-    cache_blk = slot // block_size
-    cache_off = slot - cache_blk * block_size
-    if blk < n_q_blocks:
-        # a slot past the cache is an error nothing can be written for: flag it in q (NaN),
-        # as a bad position does. A vector compare: scalar-and-vector masks trip the interpreter.
-        bad = (tl.zeros([HALF_PAD], tl.int64) + slot) >= num_slots
-        c = tl.where(bad, float("nan"), c)
-        head0 = blk * BLOCK_HQ
-        o1, o2, t = _rope_heads(
-            q_ptr + (b * stride_q_batch + s * stride_q_token),
-            stride_q_head,
-            n_q_heads,
-            head0,
-            q_tail,
-            c,
-            sn,
-            wq_ptr,
-            norm_eps,
-            norm_offset,
-            qn_ptr + (b * stride_qn_batch + s * stride_qn_token),
-            stride_qn_head,
-            stride_qn_dim,
-            HALF,
-            HALF_PAD,
-            BLOCK_HQ,
-            TAIL_PAD_Q,
-            INTERLEAVED,
-            PACK_Q,
-            NORM_Q,
-            NOPE_Q,
-            GAP,
-        )
-        # qo_ptr is q itself when rotating in place; its tail is then written only when normalized
-        # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
-        _put_heads(
-            qo_ptr + (b * stride_qo_batch + s * stride_qo_token),
-            stride_qo_head,
-            n_q_heads,
-            head0,
-            q_tail,
-            o1,
-            o2,
-            t,
-            q_scale_ptr,
-            HALF,
-            HALF_PAD,
-            BLOCK_HQ,
-            TAIL_PAD_Q,
-            INTERLEAVED,
-            PACK_Q,
-            Q_SCALED,
-            GAP,
-        )
-    elif blk < n_q_blocks + n_k_blocks:
-        if store or WRITE_K:
-            head0 = (blk - n_q_blocks) * BLOCK_HK
-            k_base = k_ptr + (b * stride_k_batch + s * stride_k_token)
-            o1, o2, t = _rope_heads(
-                k_base,
-                stride_k_head,
-                n_k_heads,
-                head0,
-                k_tail,
-                c,
-                sn,
-                wk_ptr,
-                norm_eps,
-                norm_offset,
-                kn_ptr + (b * stride_kn_batch + s * stride_kn_token),
-                stride_kn_head,
-                stride_kn_dim,
-                HALF,
-                HALF_PAD,
-                BLOCK_HK,
-                TAIL_PAD,
-                INTERLEAVED,
-                PACK_K,
-                NORM_K,
-                NOPE_K,
-                GAP,
-            )
-            if store:
-                _put_heads(
-                    kc_ptr + (cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot),
-                    stride_k_cache_head,
-                    n_k_heads,
-                    head0,
-                    k_tail,
-                    o1,
-                    o2,
-                    t,
-                    k_scale_ptr,
-                    HALF,
-                    HALF_PAD,
-                    BLOCK_HK,
-                    TAIL_PAD,
-                    INTERLEAVED,
-                    PACK_K,
-                    K_SCALED,
-                    GAP,
-                )
-            if WRITE_K:
-                # after the cache row: the row's tail was read from k. k's own tail changes only
-                # when normalized (in place, like q's)
-                _put_heads(
-                    k_base,
-                    stride_k_head,
-                    n_k_heads,
-                    head0,
-                    k_tail,
-                    o1,
-                    o2,
-                    t,
-                    k_scale_ptr,
-                    HALF,
-                    HALF_PAD,
-                    BLOCK_HK,
-                    TAIL_PAD if NORM_K != 0 else 0,
-                    INTERLEAVED,
-                    PACK_K,
-                    False,
-                    GAP,
-                )
-    elif store:
-        _copy_heads(
-            v_ptr,
-            vc_ptr,
-            b * stride_v_batch + s * stride_v_token,
-            cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot,
-            stride_v_head,
-            stride_v_dim,
-            stride_v_cache_head,
-            n_v_heads,
-            (blk - n_q_blocks - n_k_blocks) * BLOCK_HV,
-            d_v,
-            v_scale_ptr,
-            BLOCK_HV,
-            DV_PAD,
-            V_SCALED,
-        )
 
 
 @triton.jit
@@ -572,88 +339,137 @@ def rope_store_kernel(
     else:
         c = tl.zeros([HALF_PAD], tl.float32)  # v's block: no angles
         sn = c
+    norm = (norm_eps, norm_offset)
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
             blk = i
         else:
             blk = tl.program_id(1)  # int32-ok: as above
-        _store_block(
-            blk,
-            b,
-            s,
-            c,
-            sn,
-            slot,
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            kc_ptr,
-            vc_ptr,
-            k_scale_ptr,
-            v_scale_ptr,
-            qo_ptr,
-            q_scale_ptr,
-            n_q_heads,
-            n_k_heads,
-            n_v_heads,
-            k_tail,
-            d_v,
-            block_size,
-            num_slots,
-            n_q_blocks,
-            n_k_blocks,
-            stride_q_batch,
-            stride_q_token,
-            stride_q_head,
-            stride_k_batch,
-            stride_k_token,
-            stride_k_head,
-            stride_v_batch,
-            stride_v_token,
-            stride_v_head,
-            stride_k_cache_block,
-            stride_k_cache_slot,
-            stride_k_cache_head,
-            stride_v_cache_block,
-            stride_v_cache_slot,
-            stride_v_cache_head,
-            stride_qo_batch,
-            stride_qo_token,
-            stride_qo_head,
-            stride_v_dim,
-            q_tail,
-            wq_ptr,
-            wk_ptr,
-            norm_eps,
-            norm_offset,
-            qn_ptr,
-            kn_ptr,
-            stride_qn_batch,
-            stride_qn_token,
-            stride_qn_head,
-            stride_qn_dim,
-            stride_kn_batch,
-            stride_kn_token,
-            stride_kn_head,
-            stride_kn_dim,
-            HALF,
-            HALF_PAD,
-            BLOCK_HQ,
-            BLOCK_HK,
-            BLOCK_HV,
-            TAIL_PAD,
-            DV_PAD,
-            INTERLEAVED,
-            K_SCALED,
-            V_SCALED,
-            PACK_Q,
-            PACK_K,
-            NORM_Q,
-            NORM_K,
-            TAIL_PAD_Q,
-            Q_SCALED,
-            WRITE_K,
-            NOPE_Q,
-            NOPE_K,
-            GAP,
-        )
+        # the slot's cache row; int64 before any arithmetic: block * stride passes 2^31 on big caches
+        store = (slot >= 0) & (slot < num_slots)
+        cache_blk = slot // block_size
+        cache_off = slot - cache_blk * block_size
+        # each tensor's heads at this token as the helpers take them, (first element, head stride,
+        # heads, tail), and the no-rope parts, (first element, head stride, dim stride)
+        if blk < n_q_blocks:
+            # a slot past the cache is an error nothing can be written for: flag it in q (NaN),
+            # as a bad position does. A vector compare: scalar-and-vector masks trip the interpreter.
+            bad = (tl.zeros([HALF_PAD], tl.int64) + slot) >= num_slots
+            cq = tl.where(bad, float("nan"), c)
+            head0 = blk * BLOCK_HQ
+            q_src = (q_ptr + (b * stride_q_batch + s * stride_q_token), stride_q_head, n_q_heads, q_tail)
+            q_nope = (qn_ptr + (b * stride_qn_batch + s * stride_qn_token), stride_qn_head, stride_qn_dim)
+            o1, o2, kept = _rope_heads(
+                q_src,
+                q_nope,
+                head0,
+                cq,
+                sn,
+                wq_ptr,
+                norm,
+                HALF,
+                HALF_PAD,
+                BLOCK_HQ,
+                TAIL_PAD_Q,
+                INTERLEAVED,
+                PACK_Q,
+                NORM_Q,
+                NOPE_Q,
+                GAP,
+            )
+            # q_dst is q itself when rotating in place; its tail is then written only when normalized
+            # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
+            q_dst = (qo_ptr + (b * stride_qo_batch + s * stride_qo_token), stride_qo_head, n_q_heads, q_tail)
+            _put_heads(
+                q_dst,
+                head0,
+                o1,
+                o2,
+                kept,
+                q_scale_ptr,
+                HALF,
+                HALF_PAD,
+                BLOCK_HQ,
+                TAIL_PAD_Q,
+                INTERLEAVED,
+                PACK_Q,
+                Q_SCALED,
+                GAP,
+            )
+        elif blk < n_q_blocks + n_k_blocks:
+            if store or WRITE_K:
+                head0 = (blk - n_q_blocks) * BLOCK_HK
+                k_src = (k_ptr + (b * stride_k_batch + s * stride_k_token), stride_k_head, n_k_heads, k_tail)
+                k_nope = (kn_ptr + (b * stride_kn_batch + s * stride_kn_token), stride_kn_head, stride_kn_dim)
+                o1, o2, kept = _rope_heads(
+                    k_src,
+                    k_nope,
+                    head0,
+                    c,
+                    sn,
+                    wk_ptr,
+                    norm,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_HK,
+                    TAIL_PAD,
+                    INTERLEAVED,
+                    PACK_K,
+                    NORM_K,
+                    NOPE_K,
+                    GAP,
+                )
+                if store:
+                    k_row = kc_ptr + (cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot)
+                    _put_heads(
+                        (k_row, stride_k_cache_head, n_k_heads, k_tail),
+                        head0,
+                        o1,
+                        o2,
+                        kept,
+                        k_scale_ptr,
+                        HALF,
+                        HALF_PAD,
+                        BLOCK_HK,
+                        TAIL_PAD,
+                        INTERLEAVED,
+                        PACK_K,
+                        K_SCALED,
+                        GAP,
+                    )
+                if WRITE_K:
+                    # after the cache row: the row's tail was read from k. k's own tail changes only
+                    # when normalized (in place, like q's)
+                    _put_heads(
+                        k_src,
+                        head0,
+                        o1,
+                        o2,
+                        kept,
+                        k_scale_ptr,
+                        HALF,
+                        HALF_PAD,
+                        BLOCK_HK,
+                        TAIL_PAD if NORM_K != 0 else 0,
+                        INTERLEAVED,
+                        PACK_K,
+                        False,
+                        GAP,
+                    )
+        elif store:
+            _copy_heads(
+                v_ptr,
+                vc_ptr,
+                b * stride_v_batch + s * stride_v_token,
+                cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot,
+                stride_v_head,
+                stride_v_dim,
+                stride_v_cache_head,
+                n_v_heads,
+                (blk - n_q_blocks - n_k_blocks) * BLOCK_HV,
+                d_v,
+                v_scale_ptr,
+                BLOCK_HV,
+                DV_PAD,
+                V_SCALED,
+            )
