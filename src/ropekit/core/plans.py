@@ -15,7 +15,21 @@ import torch
 
 from . import tuning
 from .launch import launch as launch_kernel
-from .variant import NORM_NONE, NORM_TOKEN
+from .variant import NORM_NONE, NORM_TOKEN, Variant
+
+
+@functools.lru_cache(maxsize=None)
+def _flag_names(kernel_name: str) -> tuple:
+    """Variant's fields that the kernel takes as constexprs of the same name in capitals."""
+    params = {p.name for p in kernel(kernel_name).params if p.is_constexpr}
+    return tuple(f for f in Variant._fields if f.upper() in params)
+
+
+def variant_flags(kernel_name: str, variant) -> dict:
+    """The record's flags as the kernel's constexprs, by name (INTERLEAVED <- variant.interleaved,
+    NORM_Q <- variant.norm_q, ...): a new field of the record reaches every kernel that declares its
+    constexpr without an edit here. Flags that are not a field (GAP, the tiles, PACK) are planned."""
+    return {f.upper(): getattr(variant, f) for f in _flag_names(kernel_name)}
 
 
 def next_pow2(n: int) -> int:
@@ -420,19 +434,11 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         BLOCK_HV=bhv,
         TAIL_PAD=tail_pad,
         DV_PAD=dv_pad,
-        **angle_meta(angles, variant, ("HAS_POS", "MROPE", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE")),
-        INTERLEAVED=il,
-        K_SCALED=variant.k_scaled,
-        V_SCALED=variant.v_scaled,
+        **angle_meta(angles, variant, ("HAS_POS", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE")),
+        **variant_flags("rope_store_kernel", variant),
         PACK_Q=_pair_bits(q, t.q_out) if il else 0,
         PACK_K=_pair_bits(k, t.k_cache) if il else 0,
-        NORM_Q=variant.norm_q,
-        NORM_K=variant.norm_k,
         TAIL_PAD_Q=next_pow2(q_tail) if q_tail_written else 0,
-        Q_SCALED=variant.scaled,
-        WRITE_K=variant.write_key,
-        NOPE_Q=variant.nope_q,
-        NOPE_K=variant.nope_k,
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, variant.mrope != 0, n_tokens, store=True),
@@ -521,10 +527,8 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int) ->
         BLOCK_H=block_h,
         ROWS=rows,
         TAIL_PAD=tail_pad,
-        INTERLEAVED=variant.interleaved,
-        HAS_DST=variant.to_dst,
+        **variant_flags("rerotate_kernel", variant),
         DELTA_SCALAR=delta is None,
-        SCALED=variant.k_scaled,
         num_warps=num_warps,
     )
     return Plan((-(-slots.shape[0] // rows), n_blocks), args, meta, 0, {})

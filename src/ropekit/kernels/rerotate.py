@@ -35,14 +35,14 @@ def rerotate_kernel(
     # pointers
     k_cache_ptr,  # the cache (or a view of it: MLA's rope part); read and written
     slots_ptr,  # (N,) int32/int64 source slots; < 0 = padding
-    dst_slots_ptr,  # (N,) destination slots (read only when HAS_DST)
+    dst_slots_ptr,  # (N,) destination slots (read only when TO_DST)
     delta_ptr,  # (N,) int32/int64 shifts (read only when not DELTA_SCALAR)
     table_ptr,  # [cos | sin] table, (max_position, rotary_dim); sin at table_ptr + sin_offset
-    k_scale_ptr,  # float32 per-tensor scale (read only when SCALED)
+    k_scale_ptr,  # float32 per-tensor scale (read only when K_SCALED)
     # sizes
     delta_value,  # the shift of every row when DELTA_SCALAR (a Python int; int64 when large)
     n_heads,  # H of the cache
-    tail_len,  # head size - rotary_dim (copied to the destination when HAS_DST)
+    tail_len,  # head size - rotary_dim (copied to the destination when TO_DST)
     max_position,  # rows of the table: |delta| must be below it
     sin_offset,  # element offset of the sin half from table_ptr
     block_size,  # slots per cache block (1 for a flat cache)
@@ -65,9 +65,9 @@ def rerotate_kernel(
     ROWS: tl.constexpr,  # rows per program
     TAIL_PAD: tl.constexpr,  # tail length rounded up to a power of two; 0 when nothing is copied
     INTERLEAVED: tl.constexpr,  # pairs (2i, 2i+1) instead of halves (i, i + HALF)
-    HAS_DST: tl.constexpr,  # write into dst slots (the source rows stay untouched)
+    TO_DST: tl.constexpr,  # write into dst slots (the source rows stay untouched)
     DELTA_SCALAR: tl.constexpr,  # one shift for all rows (delta_value) instead of a tensor
-    SCALED: tl.constexpr,  # the cache holds value / k_scale (fp8): dequantize, rotate, quantize
+    K_SCALED: tl.constexpr,  # the cache holds value / k_scale (fp8): dequantize, rotate, quantize
 ):
     """Program (p, j): rows [p * ROWS, (p + 1) * ROWS), heads [j * BLOCK_H, (j + 1) * BLOCK_H)."""
     m = tl.arange(0, ROWS * BLOCK_H)  # a flat tile of (row, head) pairs
@@ -78,7 +78,7 @@ def rerotate_kernel(
     # index loads without masks: lanes past the last row read row 0 (always there) and are dropped
     safe_row = tl.where(in_rows, row, 0)
     src = tl.where(in_rows, tl.load(slots_ptr + safe_row * stride_slots).to(tl.int64), -1)
-    if HAS_DST:
+    if TO_DST:
         dst = tl.where(in_rows, tl.load(dst_slots_ptr + safe_row * stride_dst_slots).to(tl.int64), -1)
     else:
         dst = src
@@ -113,14 +113,14 @@ def rerotate_kernel(
     else:
         x1 = tl.load(src_row + i, mask=fmask).to(tl.float32)
         x2 = tl.load(src_row + GAP + i, mask=fmask).to(tl.float32)
-    if SCALED:
+    if K_SCALED:
         # dequantize, rotate in float32, quantize back with the same scale
         scale = tl.load(k_scale_ptr).to(tl.float32)
         x1 = x1 * scale
         x2 = x2 * scale
     o1 = x1 * c - x2 * sn
     o2 = x2 * c + x1 * sn
-    if SCALED:
+    if K_SCALED:
         o1 = o1 / scale
         o2 = o2 / scale
     out_ty = k_cache_ptr.dtype.element_ty

@@ -1,7 +1,7 @@
 """Fused RoPE + KV-cache store: the second entry point of the one kernel family.
 
 One launch rotates q (in place, or into a separate q_out such as an fp8 attention input), rotates
-k straight into its cache row (and, with WRITE_K, back into k too) and copies v into its cache row,
+k straight into its cache row (and, with WRITE_KEY, back into k too) and copies v into its cache row,
 so k never makes a round trip through memory. It reuses `load_angles`, `load_heads` and
 `store_heads` from .rope and the norm helpers from .norm: the rotation math, the angle lookup and
 the int64 addressing are the same code as `rope_kernel`; only the output addresses (a cache row
@@ -187,7 +187,7 @@ def _put_heads(
 @triton.jit
 def rope_store_kernel(
     q_ptr,  # q, (*T, Hq, D): rotated in place unless Q_OUT
-    k_ptr,  # k, (*T, Hk, Dk): read (and written with WRITE_K)
+    k_ptr,  # k, (*T, Hk, Dk): read (and written with WRITE_KEY)
     v_ptr,  # v, (*T, Hv, Dv): read (MLA: the non-rope part of the key)
     pos_ptr,  # positions (*T) (the table again when HAS_POS is off: never read then)
     tab_ptr,  # the [cos | sin] table (max_pos, 2 * HALF) with sin at tab_ptr + sin_off
@@ -197,7 +197,7 @@ def rope_store_kernel(
     k_scale_ptr,  # K_SCALED: the float32 scale k is divided by (fp8 cache)
     v_scale_ptr,  # V_SCALED: v's scale
     qo_ptr,  # where rotated q goes: q itself (in place), or a separate q_out (*T, Hq, D)
-    q_scale_ptr,  # Q_SCALED: the float32 scale q_out's values are divided by
+    q_scale_ptr,  # SCALED: the float32 scale q_out's values are divided by
     wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride (the table when unread)
     wk_ptr,  # NORM_K: k's RMSNorm weight likewise
     qn_ptr,  # NOPE_Q: q_nope (*T, Hq, N), q's dims past the rotary ones (the table when unread)
@@ -279,15 +279,15 @@ def rope_store_kernel(
     NORM_Q: tl.constexpr,  # q's RMSNorm: 0 none, 1 per head, 2 across heads (one block holds them)
     NORM_K: tl.constexpr,  # k's RMSNorm likewise
     TAIL_PAD_Q: tl.constexpr,  # q's tail tile width when written (0: the tail stays as it is)
-    Q_SCALED: tl.constexpr,  # q_out written divided by q's scale
-    WRITE_K: tl.constexpr,  # rotated (normalized) k written back into k, every token
+    SCALED: tl.constexpr,  # q_out written divided by q's scale (Variant.scaled)
+    WRITE_KEY: tl.constexpr,  # rotated (normalized) k written back into k, every token
     NOPE_Q: tl.constexpr,  # q is the rope part: q_out's dims past the rotated ones come from q_nope
     NOPE_K: tl.constexpr,  # k is the rope part: the cache row's dims past the rotated ones come from k_nope
     HEAD_LOOP: tl.constexpr,  # one program per token walks all n_blocks head blocks
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
     """Program (t, j): token t; head block j of q (rotated in place or into q_out), then of k
-    (rotated into its cache row, and into k with WRITE_K), then of v (copied into its cache row).
+    (rotated into its cache row, and into k with WRITE_KEY), then of v (copied into its cache row).
     With HEAD_LOOP program t walks all of the token's blocks itself: its slot and angles are
     loaded once instead of once per block.
 
@@ -393,11 +393,11 @@ def rope_store_kernel(
                 TAIL_PAD_Q,
                 INTERLEAVED,
                 PACK_Q,
-                Q_SCALED,
+                SCALED,
                 GAP,
             )
         elif blk < n_q_blocks + n_k_blocks:
-            if store or WRITE_K:
+            if store or WRITE_KEY:
                 head0 = (blk - n_q_blocks) * BLOCK_HK
                 k_src = (k_ptr + (b * stride_k_batch + s * stride_k_token), stride_k_head, n_k_heads, k_tail)
                 k_nope = (kn_ptr + (b * stride_kn_batch + s * stride_kn_token), stride_kn_head, stride_kn_dim)
@@ -437,7 +437,7 @@ def rope_store_kernel(
                         K_SCALED,
                         GAP,
                     )
-                if WRITE_K:
+                if WRITE_KEY:
                     # after the cache row: the row's tail was read from k. k's own tail changes only
                     # when normalized (in place, like q's)
                     _put_heads(
