@@ -8,6 +8,7 @@ tensors' addresses (`fire_rotate`, `fire_store`), passed to Triton's compiled la
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import NamedTuple, Optional
 
@@ -21,8 +22,12 @@ from .variant import NORM_NONE, NORM_TOKEN, Variant
 @functools.lru_cache(maxsize=None)
 def _flag_names(kernel_name: str) -> tuple:
     """Variant's fields that the kernel takes as constexprs of the same name in capitals."""
-    params = {p.name for p in kernel(kernel_name).params if p.is_constexpr}
-    return tuple(f for f in Variant._fields if f.upper() in params)
+    import triton.language as tl  # imported here: Triton loads lazily
+
+    # the Python function's own signature (Triton's compiled and interpreted kernels both keep it)
+    params = inspect.signature(kernel(kernel_name).fn).parameters.values()
+    constexprs = {p.name for p in params if p.annotation is tl.constexpr}
+    return tuple(f for f in Variant._fields if f.upper() in constexprs)
 
 
 def variant_flags(kernel_name: str, variant) -> dict:
