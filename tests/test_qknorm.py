@@ -233,9 +233,11 @@ def test_across_heads_wan_sized_on_gpu():
         assert rel(got, want) < GRAD_RTOL[torch.bfloat16], name
 
 
-def test_across_heads_plan_keeps_small_blocks():
-    """The launcher gives an across-heads forward the per-head block size once the head loop is
-    on, and one block of all heads without it (decode-sized calls)."""
+def test_across_heads_plan_blocks():
+    """The launcher's across-heads forward: by default one block of all of a tensor's heads in
+    power-of-two tiles (40 = 32 + 8), q's block then k's; with whole_heads off and the head loop on,
+    the per-head block size (a pre-pass sums the group); without the head loop (decode-sized calls),
+    whole heads whatever the knob (the norm group must be one block)."""
     from ropekit.core import launcher, tuning
 
     q, k = inputs(T=(4,), Hq=40, Hk=6, D=16)
@@ -244,10 +246,16 @@ def test_across_heads_plan_keeps_small_blocks():
     angles = launcher.angle_layout(variant, 16, torch.arange(4), cache, None)
     with tuning.override(decode_block_elems=32, head_loop=True):
         plan = launcher.plan_rotate(q, k, q, k, angles, variant)
-        assert plan.meta["HEAD_LOOP"] and plan.meta["BLOCK_H"] == 2 and plan.args[8] == 20 + 3
-    with tuning.override(decode_block_elems=32, head_loop=False):
+        tiles = (plan.meta["BLOCK_H"], plan.meta["BLOCK_H2"], plan.meta["BLOCK_H3"])
+        assert plan.meta["WHOLE"] and tiles == (32, 8, 0) and plan.args[8] == 2 and plan.grid == (4, 1)
+    with tuning.override(decode_block_elems=32, head_loop=True, whole_heads=False):
         plan = launcher.plan_rotate(q, k, q, k, angles, variant)
-        assert plan.meta["BLOCK_H"] == 64 and plan.grid == (4, 2)
+        assert not plan.meta["WHOLE"] and plan.meta["BLOCK_H"] == 2 and plan.args[8] == 20 + 3
+    for whole in (None, False):
+        with tuning.override(decode_block_elems=32, head_loop=False, whole_heads=whole):
+            plan = launcher.plan_rotate(q, k, q, k, angles, variant)
+            assert plan.meta["WHOLE"] and plan.meta["BLOCK_H"] == 32 and plan.meta["BLOCK_H2"] == 8
+            assert plan.grid == (4, 2)
 
 
 def test_bad_position_is_nan_in_rotated_dims_only(device):
