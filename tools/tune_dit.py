@@ -1,14 +1,15 @@
 """Usage: PYTHONPATH=src python3 tools/tune_dit.py [--settings NAME,...] [--workloads W13,...] [--tiny] [--out FILE]
 
 The image / video prologue's knob sweep (benchmarks/PERF_LOG.md): W13, W13-FB, W14, W14-FB, W15 and,
-as regression guards, W1 and W2, run by the bench's own code (ropekit.tools.bench: its workload
-builders, its float64 check and its timer, `runner.run_one`: CUDA events, L2 flushed, median), once
-per knob setting of ropekit.core.tuning below. Prints one markdown table: percent of the copy
-bandwidth measured in the same run and microseconds, a row per setting, a column per workload, and
-a last row with each workload's same-size copy (percent of the large copy; a cell's percent of its
-same-size copy is its percent over that one). A cell whose outputs miss the float64 reference says
-WRONG and why. Only per-tensor changes W15, W1 and W2 (head_loop is every launch's knob; the other
-settings touch normed launches only, so their W15 / W1 / W2 cells show the run's noise). About 4
+as regression guards, W1, W2 and W9 / W9-FB (Qwen3's per-head norm: its weight reads changed too),
+run by the bench's own code (ropekit.tools.bench: its workload builders, its float64 check and its
+timer, `runner.run_one`: CUDA events, L2 flushed, median), once per knob setting of
+ropekit.core.tuning below. Prints one markdown table: percent of the copy bandwidth measured in the
+same run and microseconds, a row per setting, a column per workload, and a last row with each
+workload's same-size copy (percent of the large copy; a cell's percent of its same-size copy is its
+percent over that one). A cell whose outputs miss the float64 reference says WRONG and why. W15, W1
+and W2 change only under per-tensor (head_loop is every launch's knob); the other rows touch
+normed launches only (W9's included), so their W15 / W1 / W2 cells show the run's noise. About 4
 minutes on an H200.
 
 --tiny: a few tokens per workload (TINY), forced without CUDA, where the kernels run in the Triton
@@ -36,7 +37,7 @@ from ropekit.tools.bench import peers as P  # noqa: E402
 from ropekit.tools.bench import runner, timing  # noqa: E402
 from ropekit.tools.bench import workloads as W  # noqa: E402
 
-WORKLOADS = ("W13", "W13-FB", "W14", "W14-FB", "W15", "W1", "W2")
+WORKLOADS = ("W13", "W13-FB", "W14", "W14-FB", "W15", "W1", "W2", "W9", "W9-FB")
 
 # --tiny: each workload's shape with a few tokens (the bench's quick sizes take minutes interpreted)
 TINY = {
@@ -45,6 +46,7 @@ TINY = {
     "W15": dict(B=1, Hp=2, H=16, D=64),
     "W1": dict(B=1, S=8, Hq=32, Hk=8, D=128, P=64),
     "W2": dict(T=8, Hq=64, Hk=8, D=128, P=64),
+    "W9": dict(B=1, S=8, Hq=32, Hk=8, D=128, P=64),
 }
 
 # name -> knobs (ropekit.core.tuning; the table shows them as ROPEKIT_* variables); "defaults" first
