@@ -236,11 +236,11 @@ def _weight_words(w_row, i, m):
     per pair (16-bit weights: 32-bit words, 32-bit weights: 64-bit words): float32 (R, .) tiles."""
     ty = w_row.dtype.element_ty
     if tl.constexpr(ty.primitive_bitwidth) == 16:
-        word = tl.load(w_row.to(tl.pointer_type(tl.uint32)) + i, mask=m, other=0)
+        word = tl.load(w_row.to(tl.pointer_type(tl.uint32)) + i, mask=m, other=0, eviction_policy="evict_last")
         lo = word.to(tl.uint16)
         hi = (word >> 16).to(tl.uint16)
     else:
-        word = tl.load(w_row.to(tl.pointer_type(tl.uint64)) + i, mask=m, other=0)
+        word = tl.load(w_row.to(tl.pointer_type(tl.uint64)) + i, mask=m, other=0, eviction_policy="evict_last")
         lo = word.to(tl.uint32)
         hi = (word >> 32).to(tl.uint32)
     return lo.to(ty, bitcast=True).to(tl.float32), hi.to(ty, bitcast=True).to(tl.float32)
@@ -266,7 +266,8 @@ def load_norm_weights(
     then never read). Mode 2 weights are (H*D,): head h starts at h * D, (BLOCK_H, .) tiles.
     SHARED_ROW (no mode 2 in the launch): every head has the same (D,) row, read once as (1, .)
     tiles that broadcast over the heads, not once per head. W_PAIRS (interleaved columns, the
-    weight's base 16-byte aligned): each pair (2i, 2i+1) read as one word, vectorized."""
+    weight's base 16-byte aligned): each pair (2i, 2i+1) read as one word, vectorized. Every token
+    reads the same weight: kept in cache before the streamed q and k (evict_last)."""
     d = 2 * HALF + tail_len
     if SHARED_ROW:
         mode_v = tl.zeros([1, 1], tl.int32) + mode
@@ -284,14 +285,15 @@ def load_norm_weights(
         w1, w2 = _weight_words(w_ptr + row, i, m)
     else:
         c1, c2 = weight_cols(i, HALF, INTERLEAVED)
-        w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
     w1 = tl.where(on, w1 + offset, 1.0)
     w2 = tl.where(on, w2 + offset, 1.0)
     wt = w1
     if TAIL_PAD > 0:
         j = tl.arange(0, TAIL_PAD)[None, :]
-        wt = tl.load(w_ptr + row + 2 * HALF + j, mask=live & (j < tail_len), other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + row + 2 * HALF + j, mask=live & (j < tail_len), other=0.0, eviction_policy="evict_last")
+        wt = wt.to(tl.float32)
         wt = tl.where(on, wt + offset, 1.0)
     return w1, w2, wt
 
