@@ -75,6 +75,40 @@ def store_args(**change):
     return _edit(a, change)
 
 
+R_ = D // 2  # the rope part's width in the two-part rows (rotary_dim), the no-rope part's too
+
+
+def parts_args(**change):
+    """apply_rope_and_store with both heads in two parts: q (T, HQ, R_) and q_nope into a float32
+    q_out (T, HQ, 2 R_); k (T, HK, R_) and k_nope beside v into 2 R_-wide cache rows."""
+    return _edit(
+        store_args(
+            q=torch.randn(T, HQ, R_),
+            k=torch.randn(T, HK, R_),
+            cos_sin_cache=make_cache(16, R_),
+            q_nope=torch.randn(T, HQ, R_),
+            k_nope=torch.randn(T, HK, R_),
+            q_out=torch.full((T, HQ, D), NAN),
+        ),
+        change,
+    )
+
+
+def rope_parts_args(**change):
+    """apply_rope out of place with q in two parts: q (T, HQ, R_) and q_nope into q_out (T, HQ, 2 R_)."""
+    return _edit(
+        rope_args(
+            inplace=False,
+            q=torch.randn(T, HQ, R_),
+            k=torch.randn(T, HK, R_),
+            cos_sin_cache=make_cache(16, R_),
+            q_nope=torch.randn(T, HQ, R_),
+            q_out=torch.full((T, HQ, D), NAN),
+        ),
+        change,
+    )
+
+
 def _edit(a, change):
     for name, fn in change.items():
         a[name] = fn(a) if callable(fn) else fn
@@ -233,10 +267,10 @@ ROWS = [
     R(
         "rope-rotary-position-value",
         "apply_rope",
-        "rotary_position not 'first' or 'last'",
+        "rotary_position not 'first', 'last' or 'halves'",
         "rotary_position='end'",
         ValueError,
-        "rotary_position: expected 'first' or 'last', got 'end'",
+        "rotary_position: expected 'first', 'last' or 'halves', got 'end'",
         lambda: rope_args(cos_sin_cache=make_cache(16, 32), rotary_position="end"),
     ),
     R(
@@ -250,6 +284,48 @@ ROWS = [
         lambda: rope_args(
             inplace=False, cos_sin_cache=make_cache(16, 32), rotary_position="last", q_norm_weight=torch.ones(D)
         ),
+    ),
+    R(
+        "rope-halves-interleaved",
+        "apply_rope",
+        "rotary_position='halves' with interleaved pairs",
+        "rotary_position='halves', interleaved=True",
+        ValueError,
+        "interleaved: expected False with rotary_position='halves' (its pairs are (i, i + D/2)), got True",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 16), rotary_position="halves", interleaved=True),
+    ),
+    R(
+        "rope-halves-odd-head",
+        "apply_rope",
+        "rotary_position='halves' with an odd head size",
+        "q and k of head size 63",
+        ValueError,
+        "q: expected an even head size with rotary_position='halves' (pairs (i, i + D/2)), got shape (4, 3, 63)",
+        lambda: rope_args(
+            q=torch.randn(T, HQ, 63),
+            k=torch.randn(T, HK, 63),
+            cos_sin_cache=make_cache(16, 16),
+            rotary_position="halves",
+        ),
+    ),
+    R(
+        "rope-halves-head-sizes",
+        "apply_rope",
+        "rotary_position='halves' with q and k of different head sizes",
+        "q of head size 64, k of 32",
+        ValueError,
+        "k: expected head size 64 (that of q) with rotary_position='halves' (one partner distance, D/2), "
+        "got shape (4, 2, 32)",
+        lambda: rope_args(k=torch.randn(T, HK, 32), cos_sin_cache=make_cache(16, 16), rotary_position="halves"),
+    ),
+    R(
+        "rope-halves-rotary-dim",
+        "apply_rope",
+        "rotary_position='halves' with more pairs than D/2 (rotary_dim > D)",
+        "a table of width 66, head size 64",
+        ValueError,
+        "q: expected a head size >= rotary_dim (66), got head size 64",
+        lambda: rope_args(cos_sin_cache=make_cache(16, 66), rotary_position="halves"),
     ),
     R(
         "angles-q-last-stride",
@@ -652,6 +728,24 @@ ROWS = [
         lambda: store_args(k=None),
     ),
     R(
+        "store-rotary-position",
+        "apply_rope_and_store",
+        "rotary_position not 'first' or 'halves'",
+        "rotary_position='last'",
+        ValueError,
+        "rotary_position: expected 'first' or 'halves', got 'last'",
+        lambda: store_args(rotary_position="last"),
+    ),
+    R(
+        "store-halves-interleaved",
+        "apply_rope_and_store",
+        "rotary_position='halves' with interleaved pairs",
+        "rotary_position='halves', interleaved=True",
+        ValueError,
+        "interleaved: expected False with rotary_position='halves' (its pairs are (i, i + D/2)), got True",
+        lambda: store_args(cos_sin_cache=make_cache(16, 16), rotary_position="halves", interleaved=True),
+    ),
+    R(
         "store-v-token-dims",
         "apply_rope_and_store",
         "v's token dims differ from q's",
@@ -916,6 +1010,260 @@ ROWS = [
         "k: expected memory disjoint from q (which is written)",
         lambda: store_args(k=lambda a: a["q"][:, 1:]),
     ),
+    # ---- apply_rope: heads in two parts (q_nope, k_nope) --------------------------------------
+    R(
+        "rope-q-nope-inplace",
+        "apply_rope",
+        "q_nope with inplace=True",
+        "q_nope given, inplace=True",
+        ValueError,
+        "q_nope: expected None when inplace=True (the output is the whole head, a new tensor), got a tensor",
+        lambda: rope_parts_args(inplace=True, q_out=None),
+    ),
+    R(
+        "rope-k-nope-without-k",
+        "apply_rope",
+        "k_nope with k None",
+        "k=None, k_nope given",
+        ValueError,
+        "k_nope: expected None when k is None, got a tensor",
+        lambda: rope_parts_args(k=None, k_nope=torch.randn(T, HK, R_)),
+    ),
+    R(
+        "rope-q-nope-norm",
+        "apply_rope",
+        "q_nope with q_norm_weight",
+        "q_norm_weight=torch.ones(32)",
+        ValueError,
+        "q_nope: expected None with q_norm_weight (the norm covers a whole head, not one given in two parts)",
+        lambda: rope_parts_args(q_norm_weight=torch.ones(R_)),
+    ),
+    R(
+        "rope-q-nope-q-width",
+        "apply_rope",
+        "q wider than rotary_dim beside q_nope",
+        "q of head size 64, rotary_dim 32",
+        ValueError,
+        "q: expected head size 32 (rotary_dim: with q_nope given, q is the rope part), got shape (4, 3, 64)",
+        lambda: rope_parts_args(q=torch.randn(T, HQ, D), q_out=None),
+    ),
+    R(
+        "rope-q-nope-heads",
+        "apply_rope",
+        "q_nope's head count differs from q's",
+        "q_nope with 2 heads, q with 3",
+        ValueError,
+        "q_nope: expected token dims and heads (4, 3) (those of q), got shape (4, 2, 32)",
+        lambda: rope_parts_args(q_nope=torch.randn(T, HQ - 1, R_)),
+    ),
+    R(
+        "rope-q-nope-dtype",
+        "apply_rope",
+        "q_nope of an unsupported dtype",
+        "float64 q_nope",
+        ValueError,
+        "q_nope: expected dtype in (float16, bfloat16, float32), got float64",
+        lambda: rope_parts_args(q_nope=lambda a: a["q_nope"].double()),
+    ),
+    R(
+        "rope-q-nope-out-shape",
+        "apply_rope",
+        "q_out not as wide as q and q_nope together",
+        "q_out of shape (4, 3, 32)",
+        ValueError,
+        "q_out: expected shape (4, 3, 64) (q's head and q_nope's together), got shape (4, 3, 32)",
+        lambda: rope_parts_args(q_out=torch.full((T, HQ, R_), NAN)),
+    ),
+    R(
+        "rope-q-nope-in-out",
+        "apply_rope",
+        "q_nope overlaps q_out",
+        "q_nope = q_out[..., 32:]",
+        ValueError,
+        "q_nope: expected memory disjoint from q_out (which is written)",
+        lambda: rope_parts_args(q_nope=lambda a: a["q_out"][..., R_:]),
+    ),
+    R(
+        "rope-q-nope-halves",
+        "apply_rope",
+        "q_nope with rotary_position='halves'",
+        "q_nope given, rotary_position='halves'",
+        ValueError,
+        "q_nope: expected None with rotary_position='halves' (its pairs span the whole head), got a tensor",
+        lambda: rope_parts_args(rotary_position="halves"),
+    ),
+    # ---- apply_rope_and_store: heads in two parts (q_nope, k_nope beside v) -----------------------
+    R(
+        "store-k-nope-halves",
+        "apply_rope_and_store",
+        "k_nope (beside v) with rotary_position='halves'",
+        "k_nope given, rotary_position='halves'",
+        ValueError,
+        "k_nope: expected None with rotary_position='halves' (its pairs span the whole head), got a tensor",
+        lambda: parts_args(q_nope=None, q_out=None, rotary_position="halves"),
+    ),
+    R(
+        "store-k-nope-type",
+        "apply_rope_and_store",
+        "k_nope (beside v) not a tensor",
+        "k_nope=[1.0]",
+        TypeError,
+        "k_nope: expected a torch.Tensor or None, got list",
+        lambda: parts_args(k_nope=[1.0]),
+    ),
+    R(
+        "store-k-nope-rank",
+        "apply_rope_and_store",
+        "k_nope of the wrong rank",
+        "k_nope of shape (4, 64)",
+        ValueError,
+        "k_nope: expected a 3-D tensor (*T, H, N) with the token dims and heads (4, 2) of k",
+        lambda: parts_args(k_nope=torch.randn(T, 2 * R_)),
+    ),
+    R(
+        "store-k-nope-dtype",
+        "apply_rope_and_store",
+        "k_nope of an unsupported dtype",
+        "float64 k_nope",
+        ValueError,
+        "k_nope: expected dtype in (float16, bfloat16, float32), got float64",
+        lambda: parts_args(k_nope=lambda a: a["k_nope"].double()),
+    ),
+    R(
+        "store-k-nope-device",
+        "apply_rope_and_store",
+        "k_nope on another device",
+        "k_nope on meta",
+        ValueError,
+        "k_nope: expected a tensor on cpu (the device of q)",
+        lambda: parts_args(k_nope=lambda a: a["k_nope"].to("meta")),
+    ),
+    R(
+        "store-k-nope-token-dims",
+        "apply_rope_and_store",
+        "k_nope's token dims differ from k's",
+        "k_nope of shape (3, 2, 32)",
+        ValueError,
+        "k_nope: expected token dims and heads (4, 2) (those of k), got shape (3, 2, 32)",
+        lambda: parts_args(k_nope=torch.randn(T - 1, HK, R_)),
+    ),
+    R(
+        "store-k-nope-heads",
+        "apply_rope_and_store",
+        "k_nope's head count differs from k's",
+        "k_nope with 3 heads, k with 2",
+        ValueError,
+        "k_nope: expected token dims and heads (4, 2) (those of k), got shape (4, 3, 32)",
+        lambda: parts_args(k_nope=torch.randn(T, HK + 1, R_)),
+    ),
+    R(
+        "store-k-nope-k-width",
+        "apply_rope_and_store",
+        "k wider than rotary_dim beside k_nope",
+        "k of head size 64, rotary_dim 32",
+        ValueError,
+        "k: expected head size 32 (rotary_dim: with k_nope given, k is the rope part), got shape (4, 2, 64)",
+        lambda: parts_args(k=torch.randn(T, HK, 2 * R_)),
+    ),
+    R(
+        "store-k-nope-cache-width",
+        "apply_rope_and_store",
+        "k_cache rows not as wide as k and k_nope together",
+        "k_cache head size 32, k 32 + k_nope 32",
+        ValueError,
+        "k_cache: expected (heads, head size) (2, 64), those of k and k_nope together, got shape (2, 4, 2, 32)",
+        lambda: parts_args(k_cache=torch.full((2, 4, HK, R_), NAN)),
+    ),
+    R(
+        "store-k-nope-norm",
+        "apply_rope_and_store",
+        "k_nope (beside v) with k_norm_weight",
+        "k_norm_weight=torch.ones(32)",
+        ValueError,
+        "k_nope: expected None with k_norm_weight (the norm covers a whole head, not one given in two parts)",
+        lambda: parts_args(k_norm_weight=torch.ones(R_)),
+    ),
+    R(
+        "store-k-nope-grad",
+        "apply_rope_and_store",
+        "k_nope that requires grad, grad mode on",
+        "k_nope.requires_grad_()",
+        ValueError,
+        "k_nope: expected a tensor that does not require grad",
+        lambda: parts_args(k_nope=lambda a: a["k_nope"].requires_grad_()),
+    ),
+    R(
+        "store-k-nope-in-cache",
+        "apply_rope_and_store",
+        "k_nope overlaps a cache",
+        "k_nope = k_cache[0, :, :, 32:]",
+        ValueError,
+        "k_nope: expected memory disjoint from k_cache (which is written)",
+        lambda: parts_args(k_nope=lambda a: a["k_cache"][0, :, :, R_:]),
+    ),
+    R(
+        "store-q-nope-without-q-out",
+        "apply_rope_and_store",
+        "q_nope without q_out",
+        "q_nope given, q_out None",
+        ValueError,
+        "q_nope: expected None without q_out (q_out receives the rotated q and q_nope after it), got a tensor",
+        lambda: parts_args(q_out=None),
+    ),
+    R(
+        "store-q-nope-type",
+        "apply_rope_and_store",
+        "q_nope not a tensor",
+        "q_nope=3",
+        TypeError,
+        "q_nope: expected a torch.Tensor or None, got int",
+        lambda: parts_args(q_nope=3),
+    ),
+    R(
+        "store-q-nope-heads",
+        "apply_rope_and_store",
+        "q_nope's head count differs from q's",
+        "q_nope with 2 heads, q with 3",
+        ValueError,
+        "q_nope: expected token dims and heads (4, 3) (those of q), got shape (4, 2, 32)",
+        lambda: parts_args(q_nope=torch.randn(T, HQ - 1, R_)),
+    ),
+    R(
+        "store-q-nope-q-width",
+        "apply_rope_and_store",
+        "q wider than rotary_dim beside q_nope",
+        "q of head size 64, rotary_dim 32",
+        ValueError,
+        "q: expected head size 32 (rotary_dim: with q_nope given, q is the rope part), got shape (4, 3, 64)",
+        lambda: parts_args(q=torch.randn(T, HQ, 2 * R_)),
+    ),
+    R(
+        "store-q-nope-q-out-shape",
+        "apply_rope_and_store",
+        "q_out not as wide as q and q_nope together",
+        "q_out of shape (4, 3, 32)",
+        ValueError,
+        "q_out: expected shape (4, 3, 64) (q's head, then q_nope's), got shape (4, 3, 32)",
+        lambda: parts_args(q_out=torch.full((T, HQ, R_), NAN)),
+    ),
+    R(
+        "store-q-nope-norm",
+        "apply_rope_and_store",
+        "q_nope with q_norm_weight",
+        "q_norm_weight=torch.ones(32)",
+        ValueError,
+        "q_nope: expected None with q_norm_weight (the norm covers a whole head, not one given in two parts)",
+        lambda: parts_args(q_norm_weight=torch.ones(R_)),
+    ),
+    R(
+        "store-q-nope-in-q-out",
+        "apply_rope_and_store",
+        "q_nope overlaps q_out",
+        "q_nope = q_out[..., 32:]",
+        ValueError,
+        "q_nope: expected memory disjoint from q_out (which is written)",
+        lambda: parts_args(q_nope=lambda a: a["q_out"][..., R_:]),
+    ),
 ]
 
 
@@ -1103,6 +1451,39 @@ def _store_mla_3d_cache():
     assert torch.equal(rows[3, :D], v[1, 0]) and not rows[3].isnan().any() and rows[1].isnan().all()
 
 
+def _store_k_nope_v_none_is_mla():
+    """k_nope with v None keeps MLA's meaning: k_nope goes to v_cache (the nope / ckv cache), not
+    after k in the k_cache row (that needs v beside it)."""
+    args = store_args(
+        k=torch.randn(T, 1, R_),
+        v=None,
+        cos_sin_cache=make_cache(16, R_),
+        k_cache=torch.full((2, 4, 1, R_), NAN),
+        v_cache=torch.full((2, 4, 1, D), NAN),
+        k_nope=torch.randn(T, 1, D),
+    )
+    apply_rope_and_store(**args)
+    assert torch.equal(args["v_cache"][0, 3, 0], args["k_nope"][1, 0])  # token 1 -> slot 3
+    assert not args["k_cache"][0, 3].isnan().any() and args["k_cache"][0, 1].isnan().all()
+
+
+def _store_parts_strided():
+    """No-rope parts whose last dim is strided are read in place (no copy) and give the bytes of
+    contiguous ones."""
+    outs = []
+    for strided in (False, True):
+        torch.manual_seed(0)  # the same values both times
+        args = parts_args()
+        if strided:
+            for name in ("q_nope", "k_nope"):
+                wide = torch.full((*args[name].shape, 3), NAN)
+                wide[..., 1] = args[name]
+                args[name] = wide[..., 1]
+        apply_rope_and_store(**args)
+        outs.append((args["q_out"], args["k_cache"]))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(*outs)) and not outs[1][0].isnan().any()
+
+
 HANDLED = {
     "ok-position-out-of-range": _rope_nan_rows,
     "ok-position-out-of-range-partial": _rope_nan_rows_partial,
@@ -1118,6 +1499,8 @@ HANDLED = {
     "ok-empty-tokens": _empty,
     "ok-last-stride": _last_stride_copied,
     "ok-store-mla-3d-cache": _store_mla_3d_cache,
+    "ok-store-k-nope-v-none-is-mla": _store_k_nope_v_none_is_mla,
+    "ok-store-parts-strided": _store_parts_strided,
 }
 
 

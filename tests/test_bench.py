@@ -30,7 +30,7 @@ def test_bench_cli_cpu_quick(tmp_path, capsys, cpu_env):
             "cpu",
             "--quick",
             "--workloads",
-            "W1,W3",
+            "train_8b,W3",  # W1 by its name: the id would select its group (W1-SBHD too)
             "--out",
             str(out),
             "--results-md",
@@ -132,7 +132,16 @@ def test_wrong_output_is_reported_not_timed(cpu_env):
 
 
 def test_workload_selection_and_bytes():
-    assert [w.id for w in workloads.select("W7")] == ["W7", "W7-T64", "W7-WK", "W7-WK-E5M2", "W7-T64-WK"]
+    assert [w.id for w in workloads.select("W7")] == [
+        "W7",
+        "W7-T64",
+        "W7-WK",
+        "W7-WK-E5M2",
+        "W7-T64-WK",
+        "W7-KNOPE",
+        "W7-QNOPE",
+    ]
+    assert [w.id for w in workloads.select("W2,W6")] == ["W2", "W2-OUT", "W2-STRIDED", "W6", "W6-LAST"]
     assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3", "W3-1"]
     assert [w.id for w in workloads.select("W3-1")] == ["W3-1"]
     assert [w.id for w in workloads.select("decode_b64_one_set")] == ["W3-1"]
@@ -388,3 +397,50 @@ def test_vllm_plugin_forward_row(tmp_path, cpu_env):
     assert r["status"] == "ok" and r["time_us"] > 0 and max(r["rel_err"].values()) <= 1e-2, r
     assert r["host_us"] > 0
     assert cells["W4"]["status"] != "ok", cells["W4"]
+
+
+def ropekit_row_passes(w, sizes):
+    """The ropekit peer's call of row w at these sizes passes the row's float64 check (on the CPU
+    tensors given, as the bench's CPU mode runs); returns the row's base inputs."""
+    from ropekit.core import pipeline
+    from ropekit.tools.bench import peers
+
+    pipeline.clear()
+    table = workloads.make_table(w, sizes, "cpu")
+    base = workloads.make_inputs(w, sizes, table, "cpu", 0)
+    exp = workloads.expected(w, base, workloads.Oracle())
+    inp = workloads.clone_inputs(base)
+    bound = peers.Ropekit().make(w, inp)
+    got = workloads.canon(w, inp, bound.canon(bound.fn()))
+    assert set(got) == set(exp)
+    errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
+    assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
+    pipeline.clear()
+    return base
+
+
+CONVENTION_ROWS = ("W7-KNOPE", "W7-QNOPE", "W1-SBHD", "W2-OUT", "W2-STRIDED", "W6-LAST")
+
+
+@pytest.mark.parametrize("wid", CONVENTION_ROWS)
+def test_convention_rows_check_and_bytes(cpu_env, wid):
+    """The rows of issue #33's conventions: the ropekit call passes the plain row's float64 check
+    (pure-PyTorch CPU path, as the bench's CPU mode runs); the bytes are the plain row's, except
+    that a q rotated in place on a narrower table moves its rotated dims only, and an fp8 q_out
+    is written at one byte; other peers are n/a."""
+    from ropekit.tools.bench import peers
+
+    w = workloads.BY_ID[wid]
+    s = w.sizes(True)
+    base = ropekit_row_passes(w, dict(s, T=16) if w.kind == "store" else s)
+    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
+    plain = workloads.BY_ID[w.group]
+    if w.kind != "store":
+        assert workloads.min_bytes(w, base) == workloads.min_bytes(plain, base)
+    else:
+        q, k, v, kc = base["q"], base["k"], base["v"], base["k_cache"]
+        rows = (k.numel() + v.numel()) * kc.element_size()
+        q_moved = nb(q) + q.numel() if "q_nope" in w.store_forms else 2 * nb(q) * 64 // 128
+        assert workloads.min_bytes(w, base) == q_moved + nb(k) + nb(v) + rows
+    with pytest.raises(peers.PeerSkip):
+        peers.forms_only_ropekit(peers.Reference(), w)

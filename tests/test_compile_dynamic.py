@@ -99,6 +99,18 @@ def _destinations(t, grad):
     return (q, k, torch.randint(0, MAXPOS, (t,)), q_out, k_out), (0, 0, 0, 0, 0)
 
 
+def _parts(t, grad):
+    """q and k as rope halves with their no-rope halves given apart (q_nope / k_nope)."""
+    q, k = _qk(t, grad=grad)
+    q_nope = torch.randn(t, H, D // 2, requires_grad=grad)
+    k_nope = torch.randn(t, HK, D // 2, requires_grad=grad)
+    return (q[..., : D // 2], q_nope, k[..., : D // 2], k_nope, torch.randint(0, MAXPOS, (t,))), (0, 0, 0, 0, 0)
+
+
+def _parts_fn(q, q_nope, k, k_nope, p, **kw):
+    return ropekit.apply_rope(q, k, p, _on(q.device)["half_cache"], q_nope=q_nope, k_nope=k_nope, **kw)
+
+
 def _angles(t, grad):
     q, k = _qk(t, grad=grad)
     ang = torch.rand(t, D // 2) * 6
@@ -149,6 +161,18 @@ ROTATIONS = {
             q, k, p, _on(q.device)["half_cache"], rotary_dim=D // 2, rotary_position="last"
         ),
     ),
+    "parts": (_parts, _parts_fn),
+    "parts_last": (_parts, lambda *a: _parts_fn(*a, rotary_position="last")),
+    "halves": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["half_cache"], rotary_position="halves"),
+    ),
+    "halves_norm": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], q_norm_weight=_on(q.device)["w"], rotary_position="halves"
+        ),
+    ),
     "angles": (_angles, lambda q, k, c, s: ropekit.rotate_with_angles(q, k, c, s)),
     "freqs_cis": (_cis, lambda q, k, fc: ropekit.rotate_with_angles(q, k, freqs_cis=fc)),
 }
@@ -183,6 +207,33 @@ def _store_mla_fn(q, k, latent, p, mla, slots):
     return q, mla
 
 
+def _store_parts(t, grad):
+    """Heads in two parts (FlashInfer's rope / no-rope inputs): q and k the rope halves, q_nope into
+    q_out after rotated q, k_nope beside v into the k cache rows after rotated k."""
+    q, k = _qk(t, grad=False)
+    q_nope, k_nope = torch.randn(t, H, D // 2), torch.randn(t, HK, D // 2)
+    v = torch.randn(t, HK, D)
+    k_cache = torch.full((BLOCKS, BLOCK, HK, D), float("nan"))
+    v_cache = torch.full((BLOCKS, BLOCK, HK, D), float("nan"))
+    q_out = torch.full((t, H, D), float("nan"))
+    slots = torch.randperm(BLOCKS * BLOCK)[:t]
+    args = (q[..., : D // 2], q_nope, k[..., : D // 2], k_nope, v, torch.randint(0, MAXPOS, (t,)))
+    return args + (k_cache, v_cache, q_out, slots), (0, 0, 0, 0, 0, 0, None, None, 0, 0)
+
+
+def _store_parts_fn(q, q_nope, k, k_nope, v, p, k_cache, v_cache, q_out, slots):
+    cache = _on(q.device)["half_cache"]
+    ropekit.apply_rope_and_store(
+        q, k, v, p, cache, k_cache, v_cache, slots, q_out=q_out, q_scale=0.5, q_nope=q_nope, k_nope=k_nope
+    )
+    return q_out, k_cache, v_cache
+
+
+def _store_split_k_fn(q, q_nope, k, k_nope, v, p, k_cache, v_cache, q_out, slots):
+    ropekit.apply_rope_and_store(q, k, v, p, _on(q.device)["half_cache"], k_cache, v_cache, slots, k_nope=k_nope)
+    return q, k_cache, v_cache
+
+
 def _rerotate(t, grad):
     k_cache = torch.randn(BLOCKS, BLOCK, HK, D)
     return (k_cache, torch.randperm(BLOCKS * BLOCK)[:t], torch.randint(-MAXPOS + 1, MAXPOS, (t,))), (None, 0, 0)
@@ -190,6 +241,17 @@ def _rerotate(t, grad):
 
 def _rerotate_fn(k_cache, slots, delta):
     ropekit.rerotate_kv_cache(k_cache, slots, delta, _on(k_cache.device)["cache"])
+    return k_cache
+
+
+def _store_halves_fn(q, k, v, p, k_cache, v_cache, slots):
+    table = _on(q.device)["half_cache"]
+    ropekit.apply_rope_and_store(q, k, v, p, table, k_cache, v_cache, slots, rotary_position="halves")
+    return q, k_cache, v_cache
+
+
+def _rerotate_halves_fn(k_cache, slots, delta):
+    ropekit.rerotate_kv_cache(k_cache, slots, delta, _on(k_cache.device)["half_cache"], rotary_position="halves")
     return k_cache
 
 
@@ -231,8 +293,19 @@ NO_GRAD_ONLY = {
             q, k, p, _on(q.device)["half_cache"], out_dtype=torch.float8_e4m3fn, q_scale=0.5, rotary_position="last"
         ),
     ),
+    "inplace_halves": (
+        _plain,
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["half_cache"], rotary_position="halves", inplace=True
+        ),
+    ),
+    "store_halves": (_store, _store_halves_fn),
+    "rerotate_halves": (_rerotate, _rerotate_halves_fn),
     "store_mla_3d": (_store_mla, _store_mla_fn),
     "store": (_store, _store_fn),
+    "parts_fp8": (_parts, lambda *a: _parts_fn(*a, out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0)),
+    "store_parts": (_store_parts, _store_parts_fn),
+    "store_split_k": (_store_parts, _store_split_k_fn),
     "rerotate": (_rerotate, _rerotate_fn),
     "module": (_module, lambda p, q, k: _on(q.device)["module"](p, q, k)),
 }

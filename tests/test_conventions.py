@@ -290,10 +290,132 @@ def test_rotary_part_last_fp8_and_gradient(device):
 def test_rotary_position_refusals():
     cache = make_cache(16, 16)
     q = torch.randn(3, 2, 32)
-    with pytest.raises(ValueError, match=r"apply_rope: rotary_position: expected 'first' or 'last', got 'end'"):
+    with pytest.raises(
+        ValueError, match=r"apply_rope: rotary_position: expected 'first', 'last' or 'halves', got 'end'"
+    ):
         ropekit.apply_rope(q, None, None, cache, rotary_position="end")
     with pytest.raises(ValueError, match=r"apply_rope: rotary_position: expected 'first' with q_norm_weight"):
         ropekit.apply_rope(q, None, None, cache, rotary_position="last", q_norm_weight=torch.ones(32))
+
+
+# ---------------------------------------------------------------------------------------------
+# heads in two parts: q_nope= / k_nope= (FlashInfer's rope_quantize_fp8 inputs)
+
+
+def _joined(rope, nope, last):
+    """The whole head the two parts stand for: [rope | nope], [nope | rope] with last."""
+    return torch.cat((nope, rope) if last else (rope, nope), -1)
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["first", "last"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_parts_give_whole_heads(device, last, interleaved):
+    """q / k the rope parts, q_nope / k_nope (strided, another dtype) their no-rope parts: the outputs
+    are the whole heads rotated, the parts placed as rotary_position says; a bad position gives NaN in
+    the rotated dims only."""
+    cache = make_cache(16, 16, device=device)
+    q, k = torch.randn(2, 3, 4, 16, device=device), torch.randn(2, 3, 1, 16, device=device)
+    q_nope = _strided(2, 3, 4, 24, device=device)
+    k_nope = torch.randn(2, 3, 1, 8, device=device, dtype=torch.float16)
+    pos = torch.randint(0, 16, (2, 3), device=device)
+    pos[0, 1] = 16
+    kw = dict(interleaved=interleaved, rotary_position="last" if last else "first")
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, q_nope=q_nope, k_nope=k_nope, **kw)
+    assert got_q.shape == (2, 3, 4, 40) and got_k.shape == (2, 3, 1, 24) and got_q.is_contiguous()
+    for got, x, n in ((got_q, q, q_nope), (got_k, k, k_nope)):
+        want = _want(_joined(x, n.float(), last), cache, pos, last=last, interleaved=interleaved)
+        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+        assert rel_err(got.nan_to_num(), want.nan_to_num()) < TOL[torch.float32]
+    # one part alone: the other output as without parts
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, q_nope=q_nope, **kw)
+    assert got_k.shape == k.shape and torch.equal(got_k.isnan(), _want(k, cache, pos).isnan())
+
+
+def test_parts_into_fp8_destinations_and_layouts(device):
+    """FlashInfer's rope_quantize_fp8 in one call: e4m3 destinations (a strided view), scales, the
+    nope parts divided and saturated; 'bhsd' and 'sbhd' parts in the call's layout."""
+    cache = make_cache(16, 16, device=device)
+    pos = torch.randint(0, 16, (5,), device=device)
+    q, q_nope = torch.randn(5, 3, 16, device=device) * 8, torch.randn(5, 3, 32, device=device) * 8
+    q_nope[0, 0, :4] = 1e4  # saturated
+    k, k_nope = torch.randn(5, 1, 16, device=device), torch.randn(5, 1, 32, device=device)
+    buf = _nan(5, 3, 64, dtype=FP8, device=device)
+    q_out = buf[..., 8:56]
+    got_q, got_k = ropekit.apply_rope(
+        q, k, pos, cache, q_nope=q_nope, k_nope=k_nope, out_dtype=FP8, q_scale=0.5, k_scale=0.25, q_out=q_out
+    )
+    assert got_q is q_out and got_k.dtype == FP8 and got_k.shape == (5, 1, 48)
+    fp8_close(q_out, _want(torch.cat((q, q_nope), -1), cache, pos, scale=0.5, dtype=FP8), FP8)
+    fp8_close(got_k, _want(torch.cat((k, k_nope), -1), cache, pos, scale=0.25, dtype=FP8), FP8)
+    assert q_out.float()[0, 0, 16:20].eq(448).all() and buf[..., :8].float().isnan().all()
+    # Hugging Face's (B, H, S, D) and Transformer Engine's (S, B, H, D): parts laid out as q is
+    qh, nh = q.view(1, 5, 3, 16).transpose(1, 2), q_nope.view(1, 5, 3, 32).transpose(1, 2)
+    out, _ = ropekit.apply_rope(qh, None, pos.view(1, 5), cache, q_nope=nh, layout="bhsd")
+    want = _want(torch.cat((q, q_nope), -1).view(1, 5, 3, 48), cache, pos.view(1, 5))
+    assert rel_err(out.transpose(1, 2), want) < TOL[torch.float32]
+    qs, ns = q.view(5, 1, 3, 16), q_nope.view(5, 1, 3, 32)
+    out, _ = ropekit.apply_rope(qs, None, pos.view(5, 1), cache, q_nope=ns, layout="sbhd")
+    assert rel_err(out.transpose(0, 1), want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["first", "last"])
+def test_parts_gradients(device, last):
+    """Gradients reach both parts: the rope part's is the inverse rotation, the nope part's passes."""
+    cache = make_cache(16, 16, device=device)
+    pos = torch.randint(0, 16, (4,), device=device)
+    q = torch.randn(4, 2, 16, device=device, requires_grad=True)
+    q_nope = torch.randn(4, 2, 8, device=device, requires_grad=True)
+    out, _ = ropekit.apply_rope(q, None, pos, cache, q_nope=q_nope, rotary_position="last" if last else "first")
+    g = torch.randn_like(out)
+    out.backward(g)
+    c, s = reference.angles_from_table(cache.double(), pos, (4,))
+    g_rope, g_nope = (g[..., 8:], g[..., :8]) if last else (g[..., :16], g[..., 16:])
+    assert rel_err(q.grad, reference.rotate(g_rope.double(), c, s, inverse=True)) < TOL[torch.float32]
+    assert torch.equal(q_nope.grad, g_nope)
+
+
+def test_parts_on_the_cpu_path_match_the_kernel(monkeypatch):
+    """The pure-PyTorch path and the interpreted kernel: the same values for the two-part forms."""
+    cache = make_cache(16, 16)
+    pos = torch.tensor([3, 15, 0, 16])
+    q, q_nope = torch.randn(4, 3, 16), _strided(4, 3, 8)
+    k, k_nope = torch.randn(4, 1, 16), torch.randn(4, 1, 24)
+    results = []
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        pipeline.clear()
+        for last in ("first", "last"):
+            q_out = _nan(4, 3, 24)
+            results.append(
+                ropekit.apply_rope(q, k, pos, cache, q_nope=q_nope, k_nope=k_nope, q_out=q_out, rotary_position=last)
+            )
+    pipeline.clear()
+    for a, b in zip(results[:2], results[2:]):
+        for x, y in zip(a, b):
+            assert torch.equal(x.isnan(), y.isnan()) and rel_err(x.nan_to_num(), y.nan_to_num()) < 1e-6
+
+
+def test_parts_refused_by_name_and_nothing_written():
+    cache = make_cache(16, 16)
+    q, k, pos = torch.randn(4, 3, 16), torch.randn(4, 2, 16), torch.randint(0, 16, (4,))
+    q_nope = torch.randn(4, 3, 8)
+    q_out = _nan(4, 3, 24)
+    cases = [
+        (dict(q_nope=q_nope, inplace=True), "q_nope: expected None when inplace=True"),
+        (dict(k=None, k_nope=torch.randn(4, 2, 8)), "k_nope: expected None when k is None"),
+        (dict(q_nope=q_nope, q_norm_weight=torch.ones(16)), "q_nope: expected None with q_norm_weight"),
+        (dict(q=torch.randn(4, 3, 24), q_nope=q_nope), "q: expected head size 16 (rotary_dim: with q_nope given"),
+        (dict(q_nope=torch.randn(4, 2, 8)), "q_nope: expected token dims and heads (4, 3) (those of q)"),
+        (dict(q_nope=q_nope, q_out=_nan(4, 3, 16)), "q_out: expected shape (4, 3, 24) (q's head and q_nope's"),
+        (dict(q_nope=q_out[..., 16:], q_out=q_out), "q_nope: expected memory disjoint from q_out (which is written)"),
+    ]
+    for kw, msg in cases:
+        args = dict(q=q, k=k, positions=pos, cos_sin_cache=cache)
+        args.update(kw)
+        q0 = args["q"].clone()
+        with pytest.raises(ValueError, match=re.escape("apply_rope: " + msg)):
+            ropekit.apply_rope(**args)
+        assert torch.equal(args["q"], q0) and q_out.isnan().all()
 
 
 # ---------------------------------------------------------------------------------------------

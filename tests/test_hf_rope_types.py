@@ -69,12 +69,18 @@ def test_tables_match_transformers(rope_type):
 
     # the table from_hf_config builds (its arguments) against HF's cos / sin (halves [f, f]) at the same positions
     args = hf_rope_args(config)
-    assert args["rotary_dim"] == HEAD
     table = ropekit.cos_sin_cache(HEAD, MAX_POS, args["base"], args["rope_scaling"]).double()
     cos, sin = hf_rope(torch.zeros(1, MAX_POS, HEAD), torch.arange(MAX_POS)[None])
     rows = torch.cat((cos[0, :, : HEAD // 2], sin[0, :, : HEAD // 2]), dim=-1).double()
     torch.testing.assert_close(table, rows, rtol=0, atol=2e-5)
-    assert ropekit.RotaryEmbedding.from_hf_config(config).rotary_dim == HEAD
+    module = ropekit.RotaryEmbedding.from_hf_config(config)
+    if rope_type == "proportional":  # p-RoPE: the rotated pairs (i, i + HEAD/2) only, their columns of HF's table
+        rot = 2 * int(PARAMS[rope_type]["partial_rotary_factor"] * HEAD // 2)
+        assert (args["rotary_dim"], args["rotary_position"], module.rotary_dim) == (rot, "halves", rot)
+        cols = list(range(rot // 2)) + list(range(HEAD // 2, HEAD // 2 + rot // 2))
+        assert torch.equal(module.cos_sin_cache.double(), table[:, cols])
+    else:
+        assert args["rotary_dim"] == HEAD and module.rotary_dim == HEAD
 
 
 def test_proportional_rotates_only_its_fraction():

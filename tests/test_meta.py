@@ -116,6 +116,28 @@ def _store_q_out(device):
     return _store(device, q_out=torch.empty(T, HQ, D, dtype=torch.float8_e4m3fn).to(device), q_scale=2.0)
 
 
+def _store_parts(device, q_nope=True):
+    """Heads in two parts: q and k the rope halves; k_nope beside v after rotated k in the k rows,
+    q_nope (when given) after rotated q in an fp8 q_out."""
+    q, k = _qk(device)
+    g = torch.Generator().manual_seed(1)
+    k_nope = torch.randn(T, HK, D // 2, generator=g).to(device)
+    v = torch.randn(T, HK, D, generator=g).to(device)
+    k_cache, v_cache = _caches(device)
+    kw = dict(k_nope=k_nope)
+    if q_nope:
+        kw.update(
+            q_nope=torch.randn(T, HQ, D // 2, generator=g).to(device),
+            q_out=torch.empty(T, HQ, D, dtype=torch.float8_e4m3fn).to(device),
+            q_scale=2.0,
+        )
+    out = ropekit.apply_rope_and_store(
+        q[..., : D // 2], k[..., : D // 2], v, torch.arange(T, device=device), _table(device, rot=D // 2), k_cache,
+        v_cache, torch.arange(T, device=device), **kw,
+    )  # fmt: skip
+    return out, k_cache, v_cache
+
+
 def _rerotate(device, delta=3):
     k_cache, _ = _caches(device)
     if isinstance(delta, torch.Tensor):
@@ -157,6 +179,14 @@ CASES = {
     "apply_rope bhsd": _apply_rope_bhsd,
     "apply_rope inplace": _apply_rope_inplace,
     "apply_rope backward": _apply_rope_backward,
+    "apply_rope q_nope k_nope": lambda d: ropekit.apply_rope(
+        *(x[..., : D // 2] for x in _qk(d)),
+        torch.arange(T, device=d),
+        _table(d, rot=D // 2),
+        q_nope=_qk(d)[0][..., D // 2 :],
+        k_nope=_qk(d)[1],
+        rotary_position="last",
+    ),  # fmt: skip
     "rotate_with_angles": _rotate_with_angles,
     "rotate_with_angles rotary_dim": lambda d: _rotate_with_angles(d, rotary_dim=D),
     "rotate_with_angles inplace": lambda d: _rotate_with_angles(d, inplace=True),
@@ -165,6 +195,8 @@ CASES = {
     "apply_rope_and_store": _store,
     "apply_rope_and_store write_key": lambda d: _store(d, write_key=True),
     "apply_rope_and_store q_out": _store_q_out,
+    "apply_rope_and_store k_nope beside v": lambda d: _store_parts(d, q_nope=False),
+    "apply_rope_and_store q_nope k_nope": _store_parts,
     "rerotate_kv_cache": _rerotate,
     "rerotate_kv_cache tensor delta": lambda d: _rerotate(d, torch.tensor(3)),
     "RotaryEmbedding": _module,

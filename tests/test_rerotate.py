@@ -860,19 +860,25 @@ def test_torch_compile_fullgraph_mla_views():
 
 
 def test_opcheck():
+    from ropekit.core.pipeline import Variant
+
     args = (
         torch.randn(2, 4, 1, 32),
         torch.tensor([1, 0, 5]),
         torch.tensor([2, -1, 3]),
         0,
         make_cache(8, 32),
-        False,
+        Variant(angles="delta").encode(),
         32,
         torch.tensor([2.0]),
         torch.tensor([2, 3, -1]),
     )
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
-    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), True, 32, None, None)
+    interleaved = Variant(True, True, angles="delta").encode()
+    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, -3, make_cache(8, 32), interleaved, 32, None, None)
+    torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
+    halves = Variant(angles="delta", rope_halves=True).encode()  # rotary_position='halves': pairs (i, i + 16)
+    args = (torch.randn(8, 2, 32), torch.tensor([1, 0, 5]), None, 2, make_cache(8, 8), halves, 8, None, None)
     torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
 
 

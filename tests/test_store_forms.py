@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from test_store import NAN, TOL, Caches, bits, flat, hnd, inputs, kv_joint, mla, nhd, shuffled_slots
+from test_store import LAYOUTS, NAN, TOL, Caches, bits, flat, hnd, inputs, kv_joint, mla, nhd, shuffled_slots
 
 from ropekit.api.store import apply_rope_and_store
 from ropekit.core import pipeline, tuning, validate
@@ -402,6 +402,212 @@ def test_k_nope_with_fp8_and_write_key(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# heads in two parts (FlashInfer's rope / no-rope inputs): k_nope beside v, q_nope with q_out
+
+
+def parts_of(x, R, strided=False):
+    """x (*T, H, R + N) as its rope part (*T, H, R) and its no-rope part (*T, H, N), each a tensor of
+    its own; strided: the no-rope part every other element of a wider NaN buffer (read in place)."""
+    rope, nope = x[..., :R].clone(), x[..., R:].clone()
+    if strided:
+        buf = torch.full((*nope.shape, 2), NAN, device=x.device).to(x.dtype)
+        buf[..., 0] = nope
+        nope = buf[..., 0]
+    return rope, nope
+
+
+def run_parts(q, k, v, pos, table, caches, slots, *, split_q, q_out=None, write_key=False, il=False, **kw):
+    """The op on q's and k's heads given in two parts (k always, q with split_q), checked against the
+    float64 oracle of the whole heads q (*T, Hq, R + Nq) and k (*T, Hk, R + Nk) as run_forms checks
+    a whole-head call; the parts themselves must keep their bits. strided=True: strided no-rope parts."""
+    strided = kw.pop("strided", False)
+    R = table.shape[1]
+    before = [b.clone() for b in caches.bases]
+    q0_64 = q.double().cpu()
+    q64, k64, bases, masks = oracle(
+        q, k, v, pos, table, caches, slots, il=il, ks=kw.get("k_scale"), vs=kw.get("v_scale"), qs=kw.get("q_scale")
+    )
+    k_rope, k_nope = parts_of(k, R, strided)
+    parts = {"k_nope": k_nope}
+    q_rope = q
+    if split_q:
+        q_rope, parts["q_nope"] = parts_of(q, R, strided)
+    read = [(n, x, x.clone()) for n, x in dict(parts, q=q_rope if q_out is not None else None).items() if x is not None]
+    k0 = k_rope.clone()
+    out = apply_rope_and_store(
+        q_rope, k_rope, v, pos, table, caches.k, caches.v, slots, interleaved=il, q_out=q_out, write_key=write_key,
+        **parts, **kw,
+    )  # fmt: skip
+    if q_out is None:
+        assert out is q_rope
+        close(q_rope, torch.cat((q64[..., :R], q0_64[..., R:]), -1), q.dtype, "q")
+    else:
+        assert out is q_out
+        close(q_out, saturated(q64 / scale_of(kw.get("q_scale")), q_out.dtype), q_out.dtype, "q_out")
+    for name, x, x0 in read:
+        assert torch.equal(bits(x), bits(x0)), f"{name} was written"
+    if write_key:
+        close(k_rope, k64[..., :R], k_rope.dtype, "k written back")
+    else:
+        assert torch.equal(bits(k_rope), bits(k0)), "k was written without write_key"
+    check_caches(caches, before, bases, masks)
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "flat", "kv_joint", "padded"])
+def test_split_key_beside_v(device, layout, interleaved, programs):
+    """GQA's key as rope (k) and no-rope (k_nope) parts: each cache row [rotated k | k_nope], v into
+    v_cache; q rotated in place. Padding, a slot past the cache and a bad position among the tokens."""
+    T, Hq, Hk, R, N = 6, 4, 2, 32, 32
+    q, k, v, pos, table = inputs(T, Hq, Hk, R + N, R + N, R + N, R, torch.bfloat16, device)
+    pos[1] = table.shape[0]  # past the table: q's and the row's rotated dims NaN, k_nope's copied
+    caches = Caches(LAYOUTS[layout], 2, 4, Hk, R + N, R + N, torch.bfloat16, device)
+    slots = shuffled_slots(T, caches.num_slots, device)
+    slots[2] = caches.num_slots  # past the cache: nothing stored, q flagged
+    run_parts(q, k, v, pos, table, caches, slots, split_q=False, il=interleaved)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_split_key_and_q_nope_with_write_key(device, cache_dtype, programs):
+    """Both heads in two parts, strided no-rope parts (read in place), q_out in fp32 with a scale,
+    k written back (its rope dims only), token dims (B, S), N differing for q and k."""
+    B, S, Hq, Hk, R = 2, 3, 4, 1, 16
+    q = torch.randn(B, S, Hq, R + 48, device=device)
+    k = torch.randn(B, S, Hk, R + 16, device=device)
+    v = torch.randn(B, S, Hk, 40, dtype=torch.bfloat16, device=device)
+    table = make_cache(32, R, device=device)
+    pos = torch.randint(0, 32, (B, S), device=device)
+    caches = Caches(nhd, 3, 4, Hk, R + 16, 40, cache_dtype, device)
+    slots = shuffled_slots(B * S, caches.num_slots, device).view(B, S)
+    q_out = poisoned_like(q, torch.float32)
+    run_parts(q, k, v, pos, table, caches, slots, split_q=True, q_out=q_out, q_scale=0.5, k_scale=2.0,
+              write_key=True, strided=True, il=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_parts_into_fp8_exact(device, dtype):
+    """fp8 q_out and caches from exactly representable values at position 0 (the identity) and
+    power-of-two scales: every byte is torch's cast of the saturated value / scale, the no-rope
+    parts' bytes too (they are divided and saturated like the rotated dims)."""
+    T, Hq, Hk, R, N = 4, 3, 2, 32, 32
+    qs, ks, vs = 0.25, 2.0, 0.5
+    big = 2.0 * torch.finfo(dtype).max * 8
+    q = exact_values((T, Hq, R + N), dtype, qs, device, big=big)
+    k = exact_values((T, Hk, R + N), dtype, ks, device, big=big)
+    v = exact_values((T, Hk, R + N), dtype, vs, device, big=big)
+    caches = Caches(nhd, 2, 4, Hk, R + N, R + N, dtype, device)
+    q_out = poisoned_like(q, dtype)
+    pos = torch.zeros(T, dtype=torch.long, device=device)
+    slots = shuffled_slots(T, caches.num_slots, device)
+    run_parts(q, k, v, pos, make_cache(8, R, device=device), caches, slots, split_q=True, q_out=q_out,
+              q_scale=qs, k_scale=torch.tensor([ks], device=device), v_scale=vs)  # fmt: skip
+    assert torch.equal(bits(q_out), bits(saturated(q.double() / qs, dtype).to(dtype)))
+    rows = caches.k.flatten(0, 1)[slots[slots >= 0]]
+    want = saturated(k[(slots >= 0)].double() / ks, dtype).to(dtype)
+    assert torch.equal(bits(rows), bits(want)), "k rows' bytes are not the saturated cast"
+    assert (q_out[..., R:].float().abs() == torch.finfo(dtype).max).any(), "no no-rope value was saturated"
+
+
+def test_q_nope_with_mla_k_nope(device, programs):
+    """FlashInfer's MLA append with q's parts: q_pe and q_nope into one fp32 q_out [rotated | nope],
+    k_pe and the latent k_nope into the joint row (v None), k_nope's MLA meaning unchanged."""
+    T, H, R, L = 5, 4, 16, 32
+    q = torch.randn(T, H, R + 24, dtype=torch.bfloat16, device=device)
+    k_pe = torch.randn(T, 1, R, dtype=torch.bfloat16, device=device)
+    latent = torch.randn(T, 1, L, dtype=torch.bfloat16, device=device)
+    table = make_cache(40, R, device=device)
+    pos = torch.randint(0, 40, (T,), device=device)
+    slots = shuffled_slots(T, 12, device)
+    q_rope, q_nope = parts_of(q, R)
+    got = Caches(mla, 3, 4, 1, R, L, torch.bfloat16, device)
+    q_out = poisoned_like(q, torch.float32)
+    out = apply_rope_and_store(
+        q_rope, k_pe, None, pos, table, got.bases[0], None, slots, interleaved=True, k_nope=latent,
+        q_nope=q_nope, q_out=q_out,
+    )  # fmt: skip
+    assert out is q_out
+    want = Caches(mla, 3, 4, 1, R, L, torch.bfloat16, device)
+    run_forms(q, k_pe, latent, pos, table, want, slots, il=True, q_out=poisoned_like(q, torch.float32))
+    assert torch.equal(bits(got.bases[0]), bits(want.bases[0]))
+    c, s = reference.angles_from_table(table.double().cpu(), pos.cpu(), (T,))
+    close(q_out, reference.rotate(q.double().cpu(), c, s, interleaved=True), torch.float32, "q_out")
+
+
+def test_flashinfer_mla_append_call_form(device):
+    """docs/store.md's row for FlashInfer's MLA rope_quantize_fp8_append_paged_kv_cache: 2-D k parts
+    unsqueezed, its 3-D (pages, page_size, D) ckv / kpe caches as they are, q's parts into q_out;
+    the same bytes as the joint-row spelling."""
+    T, H, R, L = 5, 4, 16, 32
+    q = torch.randn(T, H, R + L, dtype=torch.bfloat16, device=device)
+    k_rope = torch.randn(T, R, dtype=torch.bfloat16, device=device)
+    k_nope = torch.randn(T, L, dtype=torch.bfloat16, device=device)
+    table = make_cache(40, R, device=device)
+    pos = torch.randint(0, 40, (T,), device=device)
+    slots = shuffled_slots(T, 12, device)
+    q_rope, q_nope = parts_of(q, R)
+    ckv, kpe = (torch.full((3, 4, n), NAN, device=device).to(E4M3) for n in (L, R))
+    q_out = poisoned_like(q, E4M3)
+    kw = dict(q_scale=0.5, k_scale=0.25, v_scale=0.25)
+    apply_rope_and_store(q_rope, k_rope.unsqueeze(1), None, pos, table, kpe, ckv, slots, k_nope=k_nope.unsqueeze(1),
+                         q_nope=q_nope, q_out=q_out, **kw)  # fmt: skip
+    joint = torch.full((3, 4, 1, L + R), NAN, device=device).to(E4M3)
+    want_q = poisoned_like(q, E4M3)
+    apply_rope_and_store(q_rope, k_rope.unsqueeze(1), None, pos, table, joint, None, slots, k_nope=k_nope.unsqueeze(1),
+                         q_nope=q_nope, q_out=want_q, **kw)  # fmt: skip
+    assert torch.equal(bits(q_out), bits(want_q))
+    assert torch.equal(bits(ckv), bits(joint[..., 0, :L])) and torch.equal(bits(kpe), bits(joint[..., 0, L:]))
+    assert not ckv.view(-1, L)[slots[slots >= 0]].float().isnan().any()
+
+
+def test_parts_reference_path_matches_the_kernel(monkeypatch):
+    """Plain CPU (ropekit.core.cpu on whole heads) and the interpreted kernel give the same bytes
+    for both parts' forms (fp8 exact values, so bit-equal)."""
+    T, Hq, Hk, R, N = 4, 3, 2, 32, 16
+    q = exact_values((T, Hq, R + N), E5M2, 1.0, "cpu", big=1e5)
+    k = exact_values((T, Hk, R + N), E5M2, 0.5, "cpu", big=1e5)
+    v = exact_values((T, Hk, R + N), E5M2, 2.0, "cpu")
+    pos = torch.tensor([0, 0, 9, 0])  # 9: past the table (NaN rotated dims)
+    table = make_cache(4, R)
+    slots = torch.tensor([5, 8, -1, 2])  # 8: past the cache
+    (q_rope, q_nope), (k_rope, k_nope) = parts_of(q, R, True), parts_of(k, R, True)
+    results = []
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        pipeline.clear()
+        caches = Caches(nhd, 2, 4, Hk, R + N, R + N, E5M2, "cpu")
+        q_out, kk = poisoned_like(q, E5M2), k_rope.clone()
+        apply_rope_and_store(
+            q_rope, kk, v, pos, table, caches.k, caches.v, slots, q_out=q_out, k_scale=0.5, v_scale=2.0,
+            write_key=True, q_nope=q_nope, k_nope=k_nope,
+        )  # fmt: skip
+        results.append([x.clone() for x in (q_out, kk, *caches.bases)])
+    pipeline.clear()
+    for a, b in zip(*results):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(bits(a)[~a.isnan()], bits(b)[~b.isnan()])
+
+
+def test_parts_give_the_bytes_of_whole_heads(device, programs):
+    """The two-part call writes exactly what the whole-head call writes (same kernel math)."""
+    T, Hq, Hk, R, N = 5, 4, 2, 32, 32
+    q, k, v, pos, table = inputs(T, Hq, Hk, R + N, R + N, R + N, R, torch.bfloat16, device)
+    slots = shuffled_slots(T, 8, device)
+    outs = []
+    for split in (False, True):
+        caches = Caches(hnd, 2, 4, Hk, R + N, R + N, E4M3, device)
+        q_out, kk = poisoned_like(q, torch.bfloat16), k.clone()
+        parts = {}
+        qq = q
+        if split:
+            (qq, parts["q_nope"]), (kk, parts["k_nope"]) = parts_of(q, R), parts_of(k, R)
+        apply_rope_and_store(qq, kk, v, pos, table, caches.k, caches.v, slots, q_out=q_out, q_scale=2.0,
+                             k_scale=0.5, write_key=True, **parts)  # fmt: skip
+        outs.append([bits(x) for x in (q_out, kk[..., :R], *caches.bases)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
 # strided last dims and the output layout rule
 
 
@@ -638,11 +844,11 @@ CASES = [
         OP + "k_cache: expected dtype in (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2), got int8",
     ),
     (
-        "k-nope-with-v",
+        "k-nope-beside-v-cache-width",
         good(),
         {"k_nope": torch.randn(T_, HK_, D_)},
         ValueError,
-        OP + "v: expected None when k_nope is given (k_nope is the cache row's non-rope part), got a tensor",
+        OP + "k_cache: expected (heads, head size) (2, 128), those of k and k_nope together, got shape (2, 4, 2, 64)",
     ),
     (
         "k-nope-type",
@@ -737,6 +943,32 @@ def test_opcheck_with_the_new_arguments():
         torch.tensor([0.5]),
     )
     torch.library.opcheck(torch.ops.ropekit.rope_and_store_q_out.default, args)
+
+
+def test_opcheck_with_the_parts():
+    """The schemas' q_nope / k_nope: read-only operands of both ops, by name."""
+    T, H, R, N = 3, 2, 16, 8
+    head = (
+        torch.randn(T, H, R),
+        torch.randn(T, 1, R),
+        torch.randn(T, 1, R + N),
+        torch.tensor([1, 0, 5]),
+        make_cache(8, R),
+        torch.zeros(8, 1, R + N),
+        torch.zeros(8, 1, R + N, dtype=torch.bfloat16),
+        torch.tensor([6, -1, 2]),
+    )
+    k_nope = torch.randn(T, 1, N)
+    codes = pipeline.Variant(nope_k=True).encode()
+    torch.library.opcheck(
+        torch.ops.ropekit.rope_and_store.default, (*head, codes, R, None, None, True), {"k_nope": k_nope}
+    )
+    codes = pipeline.Variant(nope_q=True, nope_k=True).encode()
+    q_out, q_nope = torch.zeros(T, H, R + N, dtype=torch.float16), torch.randn(T, H, N)
+    args = (*head, codes, R, torch.tensor([2.0]), None, False, q_out, torch.tensor([0.5]))
+    torch.library.opcheck(torch.ops.ropekit.rope_and_store_q_out.default, args, {"q_nope": q_nope, "k_nope": k_nope})
+    with pytest.raises(ValueError, match=r"^apply_rope_and_store: q_nope: expected a tensor \(as the variant says\)"):
+        torch.ops.ropekit.rope_and_store_q_out(*args, k_nope=k_nope)
 
 
 def _compiled_forms(q, k, v, pos, table, kc, vc, slots, q_out):
@@ -846,6 +1078,46 @@ def test_gpu_mla_k_nope_fp8_joint_row(programs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, E4M3], ids=["bf16", "e4m3"])
+def test_gpu_w7_shape_heads_in_two_parts(cache_dtype, programs):
+    """W7's heads as FlashInfer's rope / no-rope inputs (64 + 64): q_nope into an e4m3 q_out, k_nope
+    beside v into the k rows, random values, a bad position and a slot past the cache."""
+    T, Hq, Hk, D, R = 1024, 32, 8, 128, 64
+    q, k, v, pos, table = inputs(T, Hq, Hk, D, D, D, R, torch.bfloat16, "cuda", max_pos=8192)
+    pos[5] = -1
+    caches = Caches(nhd, 80, 16, Hk, D, D, cache_dtype, "cuda")
+    slots = shuffled_slots(T, caches.num_slots, "cuda", n_pad=7)
+    slots[9] = caches.num_slots + 1
+    scale = {} if cache_dtype == torch.bfloat16 else dict(k_scale=torch.tensor([0.05], device="cuda"), v_scale=0.04)
+    run_parts(q, k, v, pos, table, caches, slots, split_q=True, q_out=poisoned_like(q, E4M3), q_scale=0.02,
+              write_key=True, **scale)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_mla_q_nope_absorbed(programs):
+    """DeepSeek's absorbed decode: q_pe (64) and q_nope (512) of 128 heads into one e4m3 q_out
+    [rotated | nope], k_pe and the 512 latent into an e4m3 joint row, strided parts."""
+    T, H, R, L = 256, 128, 64, 512
+    q = torch.randn(T, H, R + L, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(T, 1, R + L, dtype=torch.bfloat16, device="cuda")
+    table = make_cache(4096, R, device="cuda")
+    pos = torch.randint(0, 4096, (T,), device="cuda")
+    caches = Caches(mla, 20, 16, 1, R, L, E4M3, "cuda")
+    slots = shuffled_slots(T, caches.num_slots, "cuda")
+    q_rope, q_nope = parts_of(q, R, strided=True)
+    k_pe, latent = k[..., :R].contiguous(), k[..., R:].contiguous()
+    q_out = poisoned_like(q, E4M3)
+    kw = dict(interleaved=True, k_scale=0.05, v_scale=0.05)
+    apply_rope_and_store(q_rope, k_pe, None, pos, table, caches.bases[0], None, slots, k_nope=latent,
+                         q_nope=q_nope, q_out=q_out, q_scale=0.1, **kw)  # fmt: skip
+    c, s = reference.angles_from_table(table.double().cpu(), pos.cpu(), (T,))
+    close(q_out, saturated(reference.rotate(q.double().cpu(), c, s, interleaved=True) / 0.1, E4M3), E4M3, "q_out")
+    want = Caches(mla, 20, 16, 1, R, L, E4M3, "cuda")
+    apply_rope_and_store(q_rope.clone(), k_pe, latent, pos, table, want.k, want.v, slots, **kw)
+    assert torch.equal(bits(caches.bases[0]), bits(want.bases[0]))
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_forms():
     """Captured once with tensor scales, replayed on new data and new scale values."""
     T, Hq, Hk, D = 16, 4, 2, 64
@@ -903,22 +1175,13 @@ def test_gpu_cuda_graph_forms():
 def test_bench_rows_check_and_bytes(monkeypatch, wid):
     """Each row's ropekit call passes its own float64 check (pure-PyTorch CPU path, as the bench's
     CPU mode runs); the bytes are the plain row's plus the form's extra traffic; other peers are n/a."""
+    from test_bench import ropekit_row_passes
+
     from ropekit.tools.bench import peers, workloads
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    pipeline.clear()
     w = workloads.BY_ID[wid]
-    s = dict(w.sizes(True), T=16)
-    table = workloads.make_table(w, s, "cpu")
-    base = workloads.make_inputs(w, s, table, "cpu", 0)
-    exp = workloads.expected(w, base, workloads.Oracle())
-    inp = workloads.clone_inputs(base)
-    bound = peers.Ropekit().make(w, inp)
-    got = workloads.canon(w, inp, bound.canon(bound.fn()))
-    assert set(got) == set(exp)
-    errs = {n: workloads.rel_err(got[n], e) for n, e in exp.items()}
-    assert max(errs.values()) <= workloads.tolerance(torch.bfloat16), errs
-    pipeline.clear()
+    base = ropekit_row_passes(w, dict(w.sizes(True), T=16))
     nb = lambda x: x.numel() * x.element_size()  # noqa: E731
     q, k, v, kc = base["q"], base["k"], base["v"], base["k_cache"]
     rows = (k.numel() + v.numel()) * kc.element_size()

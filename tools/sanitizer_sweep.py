@@ -16,18 +16,24 @@ What a configuration covers (drawn with random.Random(seed)):
   (contiguous or strided), None, and out-of-range ones (negative, == max_position, the int32 / int64
   extremes): their rows must come back NaN, never an out-of-bounds read; in place and out of
   place (out of place then in place on the same inputs), k None; some with requires_grad and a
-  backward (the custom-op path and the inverse rotation).
+  backward (the custom-op path and the inverse rotation); rotary_position='halves' (Gemma 4's
+  p-RoPE: the pairs (i, i + D/2), the other dims kept) now and then, with the norm and the store
+  too. The conventions on the same inputs: layout='sbhd' ((S, B, H, D) views, (S, B) positions),
+  destinations q_out= / k_out= (slices of NaN buffers, fp8 with scales too),
+  rotary_position='last', q and k of last stride 2 (the documented copy, out of place and in
+  place), q and k as rope parts with q_nope / k_nope.
 - rotate_with_angles: per-token cos/sin, broadcast over the batch, views of Hugging Face's
   duplicated halves, M-RoPE (3, *T, half) angles, out_interleaved != interleaved.
 - apply_rope_and_store: paged NHD and HND caches, flat, joint k/v buffers, padded caches, MLA
   views of one joint row; fp16/bf16/fp32/fp8 (e4m3 and e5m2) caches, float and tensor scales;
   slot_mapping with padding (< 0) and slots past the cache; bad positions; the serving-engine
   forms: write_key (k written back), q_out in bf16/fp32/e4m3/e5m2 with q_scale, MLA's k_nope
-  (into views of the row, or the joint row split by the op), last dims that are not contiguous
-  (v read through its stride, k and q with q_out through a copy).
+  (into views of the row, or the joint row split by the op), FlashInfer's heads in two parts
+  (k as its rope part with k_nope beside v, q with q_nope into q_out), last dims that are not
+  contiguous (v, k_nope and q_nope read through their strides, k and q with q_out through a copy).
 - rerotate_kv_cache: the same cache layouts and dtypes, in place and into dst slots, int32/int64
   slots (strided too), tensor and int shifts with ones past the table (extremes included), padding
-  and slots past the cache, float and tensor scales.
+  and slots past the cache, float and tensor scales; rotary_position='halves' now and then.
 - refusals: overlapping in-place q/k, overlapping caches, a cache overlapping k: must raise
   ValueError with nothing written (the address checks, on device tensors).
 
@@ -251,6 +257,12 @@ def positions_tensor(r, gen, lead, max_pos, mrope, dtype, bad, how="contig"):
     return p
 
 
+def rotated_cols(rot, D, halves):
+    """The columns of a head a rotation writes: [0, rot), or with rotary_position='halves' the two
+    runs of its pairs (i, i + D/2), [0, rot/2) and [D/2, D/2 + rot/2)."""
+    return (slice(0, rot // 2), slice(D // 2, D // 2 + rot // 2)) if halves else (slice(0, rot),)
+
+
 def table_view(r, max_pos, rot, dtype):
     t = make_table(max_pos, rot, dtype)
     if r.random() < 0.35:  # a column slice of a wider buffer
@@ -343,6 +355,7 @@ def _rope_template(r):
     Dq, Dk, rot = r.choice(HEADS)
     Hq = r.choice((1, 3, 8))
     mrope = r.choice(MROPE[rot]) if rot in MROPE and r.random() < 0.25 else None
+    il = r.random() < 0.5
     return dict(
         form=r.choice(TOKEN_FORMS),
         pos_layout=r.choice(POS_LAYOUTS),
@@ -352,12 +365,14 @@ def _rope_template(r):
         Hq=Hq,
         Hk=r.choice((0, 1, 2, Hq)),
         dtype=r.choice(DTYPES),
-        il=r.random() < 0.5,
+        il=il,
         mrope=mrope,
         mrope_il=mrope is not None and r.random() < 0.5,
         tdtype=r.choice((F32, F32, F32, BF16, F16)),
         pdtype=r.choice((torch.int32, torch.int64)),
         grad=r.random() < 0.2,
+        # rotary_position='halves': half-split pairs of one head size, a partial rotation
+        halves=not il and Dq == Dk and rot < Dq and r.random() < 0.6,
     )
 
 
@@ -390,8 +405,10 @@ def run_rope(r, gen, device, cfg):
         pos=None if pos is None else f"{str(pdtype)[6:]}{'!' if bad else ''}",
         style=style,
         grad=int(grad),
+        halves=int(t["halves"]),
     )
-    kw = dict(interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il)
+    position = "halves" if t["halves"] else "first"
+    kw = dict(interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il, rotary_position=position)
 
     q64 = q.detach().cpu().double()
     k64 = None if k is None else k.detach().cpu().double()
@@ -418,10 +435,11 @@ def run_rope(r, gen, device, cfg):
         c, s = reference.angles_from_table(
             tab64, pos, lead, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il
         )
-        close(qg.grad, reference.rotate(gq.double(), c, s, interleaved=il, inverse=True), dtype, "q.grad")
+        back = dict(interleaved=il, inverse=True, rotary_position=position)
+        close(qg.grad, reference.rotate(gq.double(), c, s, **back), dtype, "q.grad")
         if k is not None:
             close(ko.detach(), rk, dtype, "k_out (grad)")
-            close(kg.grad, reference.rotate(gk.double(), c, s, interleaved=il, inverse=True), dtype, "k.grad")
+            close(kg.grad, reference.rotate(gk.double(), c, s, **back), dtype, "k.grad")
         for b in bufs:
             b.check()
         return n_ops
@@ -444,11 +462,18 @@ def run_rope(r, gen, device, cfg):
         n_ops += run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw)
         for b in bufs:
             b.check()
+    if r.random() < 0.4:
+        n_ops += run_rope_conventions(
+            r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw
+        )
+        for b in bufs:
+            b.check()
 
     # in place on the same inputs: the rotated dims change, the tails and all else stay
-    qb.expect(qs, rq, cols=slice(0, rot))
-    if k is not None:
-        kb.expect(ks, rk, cols=slice(0, rot))
+    for cols in rotated_cols(rot, Dq, t["halves"]):
+        qb.expect(qs, rq, cols=cols)
+        if k is not None:
+            kb.expect(ks, rk, cols=cols)
     out = ropekit.apply_rope(q, k, pos_d, table_d, inplace=True, **kw)
     sync(device)
     n_ops += 1
@@ -473,10 +498,10 @@ def run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead
             mrope_section=kw["mrope_section"],
             mrope_interleaved=kw["mrope_interleaved"],
         )
-        il = kw["interleaved"]
-        close(qi, reference.rotate(q64, c, s, interleaved=il, inverse=True), dtype, "q_out (inverse)")
+        back = dict(interleaved=kw["interleaved"], inverse=True, rotary_position=kw["rotary_position"])
+        close(qi, reference.rotate(q64, c, s, **back), dtype, "q_out (inverse)")
         if k is not None:
-            close(ki, reference.rotate(k64, c, s, interleaved=il, inverse=True), dtype, "k_out (inverse)")
+            close(ki, reference.rotate(k64, c, s, **back), dtype, "k_out (inverse)")
         return 1
     f8 = r.choice(FP8S)
     qs, kscale = r.choice((0.25, 1.0, 3.0)), r.choice((0.5, 2.0))
@@ -490,6 +515,90 @@ def run_rope_outputs(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead
     if k is not None:
         close(k8, (rk / kscale).clamp(-big, big), f8, "k_out (fp8)")
     return 1
+
+
+def run_rope_conventions(r, q, k, q64, k64, pos, tab64, pos_d, table_d, rq, rk, lead, dtype, device, cfg, kw):
+    """Issue #33's conventions of apply_rope on the same inputs: layout='sbhd' (two token dims),
+    destinations (views of NaN buffers, fp8 ones too: nothing around them written),
+    rotary_position='last', and q / k with last stride 2 (the documented copy, out of place then
+    in place: the copy is written back, nothing else of their buffers)."""
+    rot, halves = kw["rotary_dim"], kw["rotary_position"] == "halves"
+    forms = ("dest", "strided") + (("sbhd",) if len(lead) == 2 else ())
+    if not halves:  # these place the rotated dims themselves
+        forms += ("last",) + (("parts",) if q.shape[-1] > rot else ())
+    form = r.choice(forms)
+    cfg.update(conv=form)
+    if form == "parts":  # q (and k where wider than rot) as rope parts with their no-rope parts apart
+        kk, kn = (k[..., :rot], k[..., rot:]) if k is not None and k.shape[-1] > rot else (k, None)
+        qo, ko = ropekit.apply_rope(q[..., :rot], kk, pos_d, table_d, q_nope=q[..., rot:], k_nope=kn, **kw)  # first
+        sync(device)
+        close(qo, rq, dtype, "q_out (parts)")
+        if k is not None:
+            close(ko, rk, dtype, "k_out (parts)")
+        return 1
+    if form == "sbhd":  # (S, B, H, D) views and (S, B) positions ((3, S, B) with M-RoPE)
+        seq = lambda x: None if x is None else x.transpose(0, 1)  # noqa: E731
+        p = None if pos_d is None else pos_d.transpose(-1, -2)
+        qo, ko = ropekit.apply_rope(seq(q), seq(k), p, table_d, layout="sbhd", **kw)
+        sync(device)
+        close(seq(qo), rq, dtype, "q_out (sbhd)")
+        if k is not None:
+            close(seq(ko), rk, dtype, "k_out (sbhd)")
+        return 1
+    if form == "last":  # the rotated dims at the end of each head, the leading ones copied
+
+        def want(x64):
+            n = x64.shape[-1] - rot
+            return torch.cat((x64[..., :n], reference.apply_rope(x64[..., n:], None, pos, tab64, **kw)[0]), -1)
+
+        qo, ko = ropekit.apply_rope(q, k, pos_d, table_d, **dict(kw, rotary_position="last"))
+        sync(device)
+        close(qo, want(q64), dtype, "q_out (rope last)")
+        if k is not None:
+            close(ko, want(k64), dtype, "k_out (rope last)")
+        return 1
+    bufs = []
+    if form == "dest":  # the caller's buffers: slices of wider NaN buffers, in the outputs' dtype
+        f8 = r.choice(FP8S) if r.random() < 0.3 else None
+        qsc, ksc = (r.choice((0.5, 2.0)), r.choice((0.25, 1.0))) if f8 is not None else (None, None)
+        outs = []
+        for name, x, want, sc in (("q_out", q, rq, qsc), ("k_out", k, rk, ksc)):
+            if x is None:
+                outs.append(None)
+                continue
+            pad = r.choice((0, 8))
+            b = Buf(name, torch.full((*x.shape[:-1], x.shape[-1] + pad), NAN).to(f8 or dtype), device)
+            bufs.append(b)
+            spec, view = b.view(b.cpu[..., pad:] if r.random() < 0.5 else b.cpu[..., : x.shape[-1]])
+            if f8 is not None:
+                big = torch.finfo(f8).max
+                want = (want / sc).clamp(-big, big)
+            b.expect(spec, want)
+            outs.append(view)
+        scaled = {} if f8 is None else dict(out_dtype=f8, q_scale=qsc, k_scale=ksc)
+        got = ropekit.apply_rope(q, k, pos_d, table_d, q_out=outs[0], k_out=outs[1], **scaled, **kw)
+        sync(device)
+        if got[0] is not outs[0] or got[1] is not outs[1]:
+            raise Failure("apply_rope did not return its destinations")
+        cfg.update(conv=f"dest {str(f8)[6:] if f8 is not None else ''}".strip())
+    else:  # "strided": q and k every other element of buffers of their own
+        views = []
+        for x in (q, k):
+            views.append(None if x is None else dim_strided("q" if x is q else "k", bufs, x, device))
+        qo, ko = ropekit.apply_rope(views[0], views[1], pos_d, table_d, **kw)
+        sync(device)
+        close(qo, rq, dtype, "q_out (strided)")
+        if k is not None:
+            close(ko, rk, dtype, "k_out (strided)")
+        for b, want in zip(bufs, (rq, rk)):
+            spec = b.view(b.cpu[..., 0])[0]
+            for cols in rotated_cols(rot, want.shape[-1], halves):
+                b.expect(spec, want, cols=cols)
+        ropekit.apply_rope(views[0], views[1], pos_d, table_d, inplace=True, **kw)
+        sync(device)
+    for b in bufs:
+        b.check()
+    return 1 if form == "dest" else 2
 
 
 def _angles_template(r):
@@ -638,6 +747,9 @@ def _store_template(r):
         write_key=r.random() < 0.3,
         q_out=r.choice((None, None, None, BF16, F32, FP8, E5M2)),
         k_nope=layout == "mla" and r.random() < 0.6,
+        # FlashInfer's heads in two parts (views of the whole heads): k as rope part + k_nope beside
+        # v where k has dims past rotary_dim, and q + q_nope into q_out likewise
+        parts=layout != "mla" and r.random() < 0.4,
     )
 
 
@@ -812,6 +924,12 @@ def run_store(r, gen, device, cfg):
         kw["k_nope"], v = v, None
         if r.random() < 0.5:
             kc, vc = kcb.dev, None
+    if t["parts"] and k.shape[-1] > rot:  # the rows [rotated k | k_nope]: the same bytes as whole k
+        k, kw["k_nope"] = k[..., :rot], k[..., rot:]
+        cfg.update(parts="k")
+    if t["parts"] and q_out is not None and q.shape[-1] > rot:  # q_out [rotated q | q_nope]
+        q, kw["q_nope"] = q[..., :rot], q[..., rot:]
+        cfg.update(parts=cfg.get("parts", "") + "q")
     out = apply_rope_and_store(
         q,
         k,
@@ -910,6 +1028,8 @@ def run_rerotate(r, gen, device, cfg):
     num_slots = NB * BS
     max_pos = r.choice((16, 64))
     il, to_dst = r.random() < 0.5, r.random() < 0.5
+    halves = not il and rot < D and r.random() < 0.3  # rotary_position='halves'
+    position = "halves" if halves else "first"
     bases = []
 
     def alloc(name, shape):
@@ -941,7 +1061,10 @@ def run_rerotate(r, gen, device, cfg):
         extremes = [max_pos, -max_pos, 2**31 - 1, -(2**31) + 1]
         extremes += [-(2**63) + 1] if ddtype == torch.int64 else []
         delta[r.randrange(n)] = r.choice(extremes)
-    delta = delta.to(ddtype) if r.random() < 0.8 else int(delta[0])
+    if r.random() < 0.8:
+        delta = delta.to(ddtype)
+    else:  # one int shift for every row: one past the table is refused by name (not this sweep's subject)
+        delta = int(delta[0]) if -max_pos < int(delta[0]) < max_pos else max_pos - 1
     slots = slots.to(sdtype)
     if r.random() < 0.3:  # a strided slots view
         slots = torch.stack((slots, slots), 1)[:, 0]
@@ -962,6 +1085,7 @@ def run_rerotate(r, gen, device, cfg):
         dst=int(to_dst),
         delta="int" if isinstance(delta, int) else str(ddtype)[6:],
         scale=type(scale).__name__,
+        halves=int(halves),
     )
 
     # the oracle, in float64 on CPU, over the same view of the base
@@ -975,6 +1099,7 @@ def run_rerotate(r, gen, device, cfg):
         rotary_dim=rot,
         k_scale=None if scale is None else float(scale),
         dst_slots=dst,
+        rotary_position=position,
     )
     src = slots.long()
     out = src if dst is None else dst.long()
@@ -983,7 +1108,8 @@ def run_rerotate(r, gen, device, cfg):
     for slot in out[ok].tolist():
         idx = (slot // BS, slot % BS) if len(spec[0]) == 4 else (slot,)
         if dst is None:
-            m[idx][..., :rot] = True
+            for cols in rotated_cols(rot, D, halves):
+                m[idx][..., cols] = True
         else:
             m[idx] = True
 
@@ -996,6 +1122,7 @@ def run_rerotate(r, gen, device, cfg):
         rotary_dim=rot,
         k_scale=scale.to(device) if isinstance(scale, torch.Tensor) else scale,
         dst_slots=None if dst is None else dst.to(sdtype).to(device),
+        rotary_position=position,
     )
     sync(device)
     if res is not kc:
@@ -1063,9 +1190,15 @@ def run_norm(r, gen, device, cfg):
         style=style,
         grad=int(grad),
         bad=int(bad),
+        halves=int(t["halves"]),
     )
     kw = dict(
-        interleaved=il, rotary_dim=rot, mrope_section=mrope, mrope_interleaved=mrope_il, norm_weight_offset=t["offset"]
+        interleaved=il,
+        rotary_dim=rot,
+        mrope_section=mrope,
+        mrope_interleaved=mrope_il,
+        norm_weight_offset=t["offset"],
+        rotary_position="halves" if t["halves"] else "first",
     )
     d64 = lambda x: None if x is None else x.detach().cpu().double()  # noqa: E731
     rq, rk = reference.rms_norm_rope(
@@ -1112,9 +1245,10 @@ def run_norm(r, gen, device, cfg):
     for b in bufs:
         b.check()
     # in place: a normalized tensor changes in every column (tail included), a plain one in the rotated ones
-    qb.expect(qs, rq, cols=None if wq is not None else slice(0, rot))
-    if k is not None:
-        kb.expect(ks, rk, cols=None if wk is not None else slice(0, rot))
+    for cols in rotated_cols(rot, Dq, t["halves"]):
+        qb.expect(qs, rq, cols=None if wq is not None else cols)
+        if k is not None:
+            kb.expect(ks, rk, cols=None if wk is not None else cols)
     ropekit.apply_rope(q, k, pos_d, table_d, inplace=True, q_norm_weight=wq, k_norm_weight=wk, **kw)
     sync(device)
     for b in bufs:
@@ -1154,7 +1288,9 @@ def _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad):
         cache=str(cdtype)[6:],
         norm=(0 if wq is None else 1, 0 if wk is None else 1),
         bad=int(bad),
+        halves=int(t["halves"]),
     )
+    position = "halves" if t["halves"] else "first"
     d64 = lambda x: None if x is None else x.double()  # noqa: E731
     rq, rk = reference.rms_norm_rope(
         q.double(),
@@ -1166,6 +1302,7 @@ def _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad):
         q_norm_weight=d64(wq),
         k_norm_weight=d64(wk),
         norm_weight_offset=t["offset"],
+        rotary_position=position,
     )
     k_cache = randn((NB, BS, Hk, Dk), F32, gen).to(cdtype)
     v_cache = randn((NB, BS, Hk, Dk), F32, gen).to(cdtype)
@@ -1185,6 +1322,7 @@ def _run_norm_store(r, gen, device, cfg, t, lead, max_pos, bad):
         q_norm_weight=None if wq is None else wq.to(device),
         k_norm_weight=None if wk is None else wk.to(device),
         norm_weight_offset=t["offset"],
+        rotary_position=position,
     )
     sync(device)
     close(qd, rq, dtype, "q (norm, store)")

@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..core.freqs import cos_sin_cache, parse_scaling
-from ..core.validate import INDEX_DTYPES, fail
+from ..core.freqs import cos_sin_cache, parse_scaling, rotated_pairs
+from ..core.validate import INDEX_DTYPES, fail, rotary_position_arg
 from .ops import apply_rope
 from .store import apply_rope_and_store
 
@@ -110,6 +110,13 @@ class RotaryEmbedding(nn.Module):
         inplace: True (default) rotates query and key in place and returns them; False returns
             new tensors and leaves the inputs untouched (what training needs: autograd keeps the
             inputs).
+        rotary_position: (keyword only) 'first' (default: dims [0, rotary_dim) rotated) or
+            'halves': the pairs (i, i + head_size/2), i < rotary_dim / 2 (Gemma 4's p-RoPE;
+            apply_rope's keyword), the other dims kept; needs is_neox_style and an even head_size.
+            With rope_type 'proportional' the table then holds the rotated pairs only, frequencies
+            base ** (-2i / head_size) (cos_sin_cache(head_size, ..., rotated_only=True)), and
+            rotary_dim must be its width, 2 * int(partial_rotary_factor * head_size // 2):
+            from_hf_config builds Gemma 4's modules so.
 
     LongRoPE tables longer than original_max_position_embeddings hold two segments, the short
     factors' rows then the long factors' rows, and each call picks one for the whole batch as HF
@@ -132,6 +139,7 @@ class RotaryEmbedding(nn.Module):
         mrope_section=None,
         mrope_interleaved: Optional[bool] = None,
         max_position_embeddings: Optional[int] = None,
+        rotary_position: str = "first",
     ):
         super().__init__()
         op = "RotaryEmbedding"
@@ -176,6 +184,22 @@ class RotaryEmbedding(nn.Module):
         self.mrope_section = mrope_section
         self.mrope_interleaved = bool(mrope_interleaved) and mrope_section is not None
         self.cache_dtype = torch.float32 if dtype is None else dtype
+        self.rotary_position = rotary_position_arg(op, rotary_position, allowed=("first", "halves"))
+        if self.rotary_position == "halves":
+            if not self.is_neox_style:
+                fail(op, "is_neox_style", "True with rotary_position='halves' (pairs (i, i + head_size/2))", False)
+            if head_size % 2:
+                fail(op, "head_size", "an even integer with rotary_position='halves'", head_size)
+            if self.rope_type == "proportional":
+                width = 2 * rotated_pairs(head_size, params, op)
+                if rotary_dim != width:
+                    fail(
+                        op,
+                        "rotary_dim",
+                        f"2 * int(partial_rotary_factor * head_size // 2) = {width} (the rotated pairs of "
+                        "rope_type 'proportional' with rotary_position='halves')",
+                        rotary_dim,
+                    )
 
         # LongRoPE: a short segment [0, original) before the long one when the table is longer
         self._long_offset = 0
@@ -194,9 +218,12 @@ class RotaryEmbedding(nn.Module):
     # -- the table ---------------------------------------------------------------------------
 
     def _build(self, device) -> torch.Tensor:
-        """The table on `device` (computed in float64, stored in cache_dtype); empty on meta."""
+        """The table on `device` (computed in float64, stored in cache_dtype); empty on meta.
+        p-RoPE with rotary_position='halves': the rotated pairs of the head's frequencies only."""
+        narrow = self.rotary_position == "halves" and self.rope_type == "proportional"
+        width = self.head_size if narrow else self.rotary_dim
         tables = [
-            cos_sin_cache(self.rotary_dim, length, self.base, params, dtype=self.cache_dtype, device=device)
+            cos_sin_cache(width, length, self.base, params, dtype=self.cache_dtype, device=device, rotated_only=narrow)
             for length, params in self._segments
         ]
         return tables[0] if len(tables) == 1 else torch.cat(tables, dim=0)
@@ -336,6 +363,7 @@ class RotaryEmbedding(nn.Module):
                 k_norm_weight=k_norm_weight,
                 norm_eps=norm_eps,
                 norm_weight_offset=norm_weight_offset,
+                rotary_position=self.rotary_position,
             )
         except (ValueError, TypeError) as e:
             error = _in_callers_words(e, "apply_rope", "RotaryEmbedding.forward", self.max_position)
@@ -425,6 +453,7 @@ class RotaryEmbedding(nn.Module):
                 k_norm_weight=k_norm_weight,
                 norm_eps=norm_eps,
                 norm_weight_offset=norm_weight_offset,
+                rotary_position=self.rotary_position,
             )
         except (ValueError, TypeError) as e:
             raise _in_callers_words(e, "apply_rope_and_store", op, self.max_position) from None
@@ -438,6 +467,8 @@ class RotaryEmbedding(nn.Module):
         )
         if self._long_offset:
             s += f", long_from={self._long_offset}"
+        if self.rotary_position != "first":
+            s += f", rotary_position={self.rotary_position!r}"
         return s + f", inplace={self.inplace}, cache_dtype={str(self.cache_dtype).replace('torch.', '')}"
 
     # -- Hugging Face configs ----------------------------------------------------------------
@@ -465,7 +496,11 @@ class RotaryEmbedding(nn.Module):
         Table length (override with max_position): max_position_embeddings, or for linear,
         dynamic and yarn max(max_position_embeddings, original * factor), as vLLM sizes them.
         Dynamic NTK's frequencies are those for that length. `layer_type` picks one entry of a
-        per-layer-type rope_parameters dict (e.g. "sliding_attention").
+        per-layer-type rope_parameters dict (e.g. "sliding_attention"), and that layer type's head
+        size where the config sets one per layer (Gemma 4's full-attention layers: per_layer_config,
+        or global_head_dim in a config.json dict). rope_type 'proportional' (Gemma 4's p-RoPE)
+        rotates the pairs (i, i + head_size/2) of its rotated fraction only: rotary_position=
+        'halves', rotary_dim 2 * int(partial_rotary_factor * head_size // 2), a table of those pairs.
         """
         args = hf_rope_args(config, layer_type=layer_type)
         if max_position is not None:
@@ -523,6 +558,7 @@ class RotaryEmbedding(nn.Module):
             rotary_dim=self.rotary_dim,
             k_scale=k_scale,
             dst_slots=dst_slots,
+            rotary_position=self.rotary_position,
         )
 
 
@@ -588,16 +624,21 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
     params.pop("type", None)
     params["rope_type"] = rope_type
 
-    head_size = _get(config, "qk_rope_head_dim") or _get(config, "head_dim")
+    head_size = _get(config, "qk_rope_head_dim") or _layer_head_dim(config, layer_type) or _get(config, "head_dim")
     if head_size is None:
         hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
         if not hidden or not heads:
             fail(op, "config", "head_dim, or hidden_size and num_attention_heads", "neither")
         head_size = hidden // heads
+    position = "first"
     if _get(config, "rotary_dim") is not None:  # GPT-J / CodeGen: absolute
         rotary_dim = int(_get(config, "rotary_dim"))
-    elif rope_type == "proportional":  # p-RoPE: a full-width table whose tail frequencies are 0
-        rotary_dim = int(head_size)
+    elif rope_type == "proportional":  # p-RoPE: the pairs (i, i + D/2) of the rotated fraction only
+        rotated = rotated_pairs(int(head_size), params, op)
+        if 0 < rotated < head_size // 2:
+            rotary_dim, position = 2 * rotated, "halves"
+        else:  # every pair turns, or none does: the whole head, as a full-width table says
+            rotary_dim = int(head_size)
     else:
         fraction = (
             params.pop("partial_rotary_factor", None)
@@ -638,4 +679,29 @@ def hf_rope_args(config, layer_type: Optional[str] = None) -> dict:
         base=base,
         is_neox_style=not interleave,
         rope_scaling=params,
+        rotary_position=position,
     )
+
+
+def _layer_head_dim(config, layer_type: Optional[str]):
+    """The head size of one layer type where the config sets it per layer (None elsewhere): an HF
+    config object's per_layer_config view, a config.json dict's per_layer_config entry for the
+    first layer of that type, or Gemma 4's global_head_dim for its full-attention layers."""
+    if layer_type is None:
+        return None
+    if not isinstance(config, dict):
+        if not getattr(config, "is_heterogeneous", False):
+            return None
+        try:
+            return getattr(config.per_layer_config[layer_type], "head_dim", None)
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+    per_layer, types = config.get("per_layer_config"), config.get("layer_types")
+    if isinstance(per_layer, dict) and isinstance(types, list) and layer_type in types:
+        index = types.index(layer_type)
+        entry = per_layer.get(str(index), per_layer.get(index))
+        if isinstance(entry, dict) and entry.get("head_dim") is not None:
+            return entry["head_dim"]
+    if layer_type == "full_attention":
+        return config.get("global_head_dim")
+    return None

@@ -193,24 +193,27 @@ def _seq(x):
     return None if x is None else x.transpose(0, 1)
 
 
-def _call(spec: Spec, door, q, k, a, b, weights, scales, q_out=None, k_out=None):
+def _call(spec: Spec, door, q, k, a, b, weights, scales, q_out=None, k_out=None, parts=(None, None)):
     """apply_rope's views around its door (`_run`, or `_custom_op` under torch.compile), as the
     record says: 'sbhd' tensors as (B, S, H, D) views; q or k with a last stride other than 1
     read through one contiguous copy (in place: the copy rotated, then copied back); with
-    rope_last the door sees the head's last rotary_dim dims only. Results in the caller's layout."""
+    rope_last the door sees the head's last rotary_dim dims only; with nope_q / nope_k (parts:
+    q_nope, k_nope) the outputs are whole heads, the door's rotation joined to the part. Results
+    in the caller's layout."""
     v = spec.variant
-    if not (v.seq_first or v.rope_last or spec.copy_in):
+    if not (v.seq_first or v.rope_last or spec.copy_in or v.nope_q or v.nope_k):
         return door(spec, q, k, a, b, weights, scales, q_out, k_out)
     given = (q, k, q_out, k_out)
     if v.seq_first:
         q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
+        parts = tuple(map(_seq, parts))
     views = (q, k)
     if spec.copy_in:
         if spec.inplace and pipeline.records_grad(q, k):  # the copy is no leaf: name the caller's
             _no_leaf_written(given[0], given[1])
         q, k = pipeline.unit_last_stride(q), pipeline.unit_last_stride(k)
-    if v.rope_last:
-        res = _rope_last(spec, door, q, k, a, b, weights, scales, q_out, k_out)
+    if v.rope_last or v.nope_q or v.nope_k:
+        res = _kept_apart(spec, door, q, k, a, b, weights, scales, q_out, k_out, parts)
     else:
         res = door(spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
@@ -223,27 +226,63 @@ def _call(spec: Spec, door, q, k, a, b, weights, scales, q_out=None, k_out=None)
     return tuple(g if g is not None else r for g, r in zip(given[2:], res))
 
 
-def _rope_last(spec: Spec, door, q, k, a, b, weights, scales, q_out, k_out):
-    """rotary_position='last': the door rotates views of the last rotary_dim dims of each head;
-    out of place the leading (unrotated) dims are copied once, with the outputs' scale and dtype."""
-    rot = spec.rot
-    cut = [None if x is None else x.shape[-1] - rot for x in (q, k)]
-    part = [None if x is None else x[..., n:] for x, n in zip((q, k), cut)]
+def _kept_apart(spec: Spec, door, q, k, a, b, weights, scales, q_out, k_out, parts):
+    """Heads whose unrotated dims the door does not see: rotary_position='last' (the door rotates
+    views of the last rotary_dim dims of each head; the leading dims are kept) and the no-rope
+    parts given apart (q_nope, k_nope: q / k are the rope parts, the outputs whole heads [rotated |
+    nope], [nope | rotated] with 'last'). In place the door rotates the views; out of place the
+    kept dims are copied once, with the outputs' scale and dtype, beside the door's rotation."""
+    rot, last = spec.rot, spec.variant.rope_last
+    split = [_split(x, p, rot, last) for x, p in zip((q, k), parts)]
+    rope, kept_src, width = ([s[i] for s in split] for i in range(3))
     if spec.inplace:
-        door(spec, part[0], part[1], a, b, weights, scales)
+        door(spec, rope[0], rope[1], a, b, weights, scales)
         return q, k
-    kept = [None if x is None else _kept(spec, x[..., :n], scales, i) for i, (x, n) in enumerate(zip((q, k), cut))]
+    kept = [None if c is None else _kept(spec, c, scales, i) for i, c in enumerate(kept_src)]
     if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
-        rotated = door(spec, part[0], part[1], a, b, weights, scales)
-        return tuple(None if r is None else torch.cat((p.to(r.dtype), r), -1) for p, r in zip(kept, rotated))
-    outs = []
-    for x, dst, n, p in zip((q, k), (q_out, k_out), cut, kept):
-        if x is not None:
-            dst = pipeline.empty_like(x, dtype=spec.out_dtype) if dst is None else dst
-            dst[..., :n].copy_(p)
+        rotated = door(spec, rope[0], rope[1], a, b, weights, scales)
+        return tuple(_joined(r, c, last) for r, c in zip(rotated, kept))
+    outs, into = [], []
+    for x, p, dst, c, n in zip((q, k), parts, (q_out, k_out), kept, width):
+        if x is not None and dst is None:
+            dst = _fresh(x, (*x.shape[:-1], x.shape[-1] + (0 if p is None else n)), spec.out_dtype)
+        if c is not None:  # the kept dims at the front with 'last', after the rotated ones otherwise
+            (dst[..., :n] if last else dst[..., dst.shape[-1] - n :]).copy_(c)
         outs.append(dst)
-    door(spec, part[0], part[1], a, b, weights, scales, *(None if o is None else o[..., n:] for o, n in zip(outs, cut)))
+        into.append(None if dst is None or c is None else (dst[..., n:] if last else dst[..., : dst.shape[-1] - n]))
+    door(
+        spec, rope[0], rope[1], a, b, weights, scales, *(i if c is not None else o for i, o, c in zip(into, outs, kept))
+    )
     return outs[0], outs[1]
+
+
+def _split(x, part, rot: int, last: bool) -> tuple:
+    """(what the door rotates, the kept dims or None, their width) of one input: x and its no-rope
+    part given apart; x's last rot dims and its leading ones with 'last'; else x whole (its own
+    tail, if any, kept by the kernel)."""
+    if x is not None and part is not None:
+        return x, part, part.shape[-1]
+    if x is not None and last and x.shape[-1] > rot:
+        n = x.shape[-1] - rot
+        return x[..., n:], x[..., :n], n
+    return x, None, 0
+
+
+def _joined(rotated, kept, last: bool):
+    """An output of the autograd / subclass door with its kept dims: torch.cat (whose backward
+    splits the gradient)."""
+    if rotated is None or kept is None:
+        return rotated
+    kept = kept.to(rotated.dtype)
+    return torch.cat((kept, rotated) if last else (rotated, kept), -1)
+
+
+def _fresh(x, shape, dtype):
+    """A new output of `shape` for input x: empty_like(x)'s layout rule when the head is x's own
+    width, else contiguous (a head joined from two parts has no layout to follow)."""
+    if tuple(shape) == tuple(x.shape):
+        return pipeline.empty_like(x, dtype=dtype)
+    return pipeline.empty_like(x.new_empty(shape), dtype=dtype)
 
 
 def _kept(spec: Spec, x, scales, i):
@@ -296,6 +335,8 @@ def apply_rope(
     q_out: Optional[torch.Tensor] = None,
     k_out: Optional[torch.Tensor] = None,
     rotary_position: str = "first",
+    q_nope: Optional[torch.Tensor] = None,
+    k_nope: Optional[torch.Tensor] = None,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -357,7 +398,19 @@ def apply_rope(
             1, disjoint from every input and from each other; written by the kernel and returned.
             Either may be given alone (the other output is a new tensor).
         rotary_position: 'first' rotates dims [0, rotary_dim); 'last' rotates [D - rotary_dim, D)
-            (DeepSeek's [nope | rope] heads), the leading dims kept. Not with the norm.
+            (DeepSeek's [nope | rope] heads), the leading dims kept, not with the norm; 'halves'
+            rotates the pairs (i, i + D/2) for i < rotary_dim / 2 (Gemma 4's p-RoPE: the table holds
+            the rotated pairs' angles only, ropekit.cos_sin_cache(..., rotated_only=True)), the dims
+            [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D) kept (copied out of place, untouched in
+            place, normalized with the norm, scaled with fp8 outputs). 'halves' needs
+            interleaved=False, an even D, and q and k of one head size.
+        q_nope, k_nope: a head's no-rope part as a tensor of its own (FlashInfer's q_nope /
+            k_nope of rope_quantize_fp8), (*T, H, N) in the call's layout, any float dtype and
+            strides, on q's device: q (k) is then the rope part, rotary_dim wide, and the output
+            is the whole head, (*T, H, rotary_dim + N): [rotated q | q_nope] ([q_nope | rotated
+            q] with rotary_position='last'), the nope part divided by the scale and saturated
+            with fp8 outputs, as a kept tail is. Out of place only; either may be given alone;
+            gradients reach both parts. Not with the norm of that tensor.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -393,12 +446,15 @@ def apply_rope(
         q_out,
         k_out,
         rotary_position,
+        q_nope,
+        k_nope,
     )
+    parts = (q_nope, k_nope)
     if torch.compiler.is_compiling():
         spec = _rope_spec(*args)
         a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
         scales = _scales(spec, q, q_scale, k_scale)
-        return _call(spec, _custom_op, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out)
+        return _call(spec, _custom_op, q, k, a, b, (q_norm_weight, k_norm_weight), scales, q_out, k_out, parts)
     try:
         # the optional tensors, absent in most calls: one test instead of six calls
         if (
@@ -410,6 +466,8 @@ def apply_rope(
             and k_scale is None
             and q_out is None
             and k_out is None
+            and q_nope is None
+            and k_nope is None
         ):
             optional = None
         else:
@@ -422,6 +480,8 @@ def apply_rope(
                 _scale_key(k_scale),
                 tensor_key(q_out),
                 tensor_key(k_out),
+                tensor_key(q_nope),
+                tensor_key(k_nope),
             )
         flags = (
             interleaved,
@@ -472,19 +532,21 @@ def apply_rope(
             read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
             validate.inplace_aliasing("apply_rope", q, k, read)
         if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
-            _out_aliasing(spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale)
+            _out_aliasing(spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale, parts)
         if validate.is_strict():
             _strict_values(spec, q, a, b, cp_size)
-    return _call(spec, _run, q, k, a, b, weights, _scales(spec, q, q_scale, k_scale), q_out, k_out)
+    return _call(spec, _run, q, k, a, b, weights, _scales(spec, q, q_scale, k_scale), q_out, k_out, parts)
 
 
-def _out_aliasing(spec: Spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale) -> None:
+def _out_aliasing(spec: Spec, q, k, a, b, weights, q_out, k_out, q_scale, k_scale, parts=(None, None)) -> None:
     """Destinations share no byte with an input or each other: checked on every call (addresses),
     exactly only where byte ranges meet."""
     names = ANGLE_NAMES[spec.variant.angles]
     read = (
         ("q", q),
         ("k", k),
+        ("q_nope", parts[0]),
+        ("k_nope", parts[1]),
         (names[0], a),
         (names[1], b),
         ("q_norm_weight", weights[0]),
@@ -572,6 +634,8 @@ def _rope_spec(
     q_out,
     k_out,
     rotary_position,
+    q_nope=None,
+    k_nope=None,
 ) -> Spec:
     """Validate one apply_rope signature into its spec (names the first bad argument)."""
     op = "apply_rope"
@@ -631,15 +695,26 @@ def _rope_spec(
         op, q_t, k_t, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, inplace=inplace
     )
     normed = modes != (0, 0)
-    grad = pipeline.records_grad(q, k, q_norm_weight, k_norm_weight, inv_freq)
+    parts = _nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes)
+    grad = pipeline.records_grad(q, k, q_norm_weight, k_norm_weight, inv_freq, q_nope, k_nope)
     scaled = validate.out_args(op, q, out_dtype, q_scale, k_scale, inverse, inplace=inplace, grad=grad)
     if normed:
         validate.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
-    validate.out_buffers(op, q, k, q_out, k_out, out_dtype, inplace=inplace, grad=grad)
-    last = validate.rotary_position_arg(op, rotary_position, normed)
-    last = last and any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    validate.out_buffers(op, q, k, q_out, k_out, out_dtype, inplace=inplace, grad=grad, parts=(q_nope, k_nope))
+    position = validate.rotary_position_arg(op, rotary_position, normed)
     il = bool(interleaved)
-    variant = Variant(il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last)
+    if position == "halves":
+        validate.halves_args(op, q_t, k_t, il)
+        for name, given in zip(("q_nope", "k_nope"), parts):
+            if given:  # p-RoPE's pairs span the whole head: no part of it is apart
+                fail(op, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor")
+    # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
+    partial = any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    last, halves = position == "last" and partial, position == "halves" and partial
+    variant = Variant(
+        il, il, mode, sections, angles, inverse, hf, scaled, *modes, seq_first=seq, rope_last=last, rope_halves=halves,
+        nope_q=parts[0], nope_k=parts[1],
+    )  # fmt: skip
     triton = pipeline.triton_runs(q)
     weights = (q_norm_weight, k_norm_weight)
     return Spec(
@@ -656,6 +731,25 @@ def _rope_spec(
         norm_eps=float(norm_eps),
         norm_offset=float(norm_weight_offset),
     )
+
+
+def _nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:
+    """(nope_q, nope_k) of validated no-rope parts: each None, or a tensor of its rope part's dims
+    but the last (`validate.nope_part`), out of place, its tensor not normalized."""
+    given = []
+    for name, part, x, mode in (("q_nope", q_nope, q, modes[0]), ("k_nope", k_nope, k, modes[1])):
+        given.append(part is not None)
+        if part is None:
+            continue
+        if x is None:
+            fail(op, name, "None when k is None", "a tensor")
+        if inplace:
+            fail(op, name, "None when inplace=True (the output is the whole head, a new tensor)", "a tensor")
+        if mode != pipeline.NORM_NONE:
+            norm = f"{name[0]}_norm_weight"
+            fail(op, name, f"None with {norm} (the norm covers a whole head, not one given in two parts)", "a tensor")
+        validate.nope_part(op, name, part, x, rot, inference=False)
+    return tuple(given)
 
 
 # ---------------------------------------------------------------------------------------------

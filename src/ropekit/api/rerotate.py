@@ -1,6 +1,7 @@
 """Re-rotation of cached keys by a position shift: validation -> plan -> one launch of `rerotate_kernel`.
 
-    rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots)
+    rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots,
+                      rotary_position)
 
 Serving engines that evict tokens (attention sinks + a sliding window, H2O-style eviction), shift a
 context or compact a cache move keys to new positions. RoPE composes, so a cached key rotated for
@@ -11,7 +12,7 @@ under TRITON_INTERPRET=1, otherwise the pure-PyTorch reference, with the same se
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -57,10 +58,19 @@ def _run(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> N
     pipeline.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
 
 
-def _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, table) -> Spec:
+def _variant(op, k_cache, interleaved, rotary_position, rot) -> Variant:
+    """The record of a validated call: the pair layout (interleaved, or with rotary_position='halves'
+    the pairs (i, i + D/2) of the cache's heads, refused with interleaved or an odd D)."""
     il = bool(interleaved)
+    halves = validate.rotary_position_arg(op, rotary_position, allowed=("first", "halves")) == "halves"
+    if halves:
+        validate.halves_args(op, k_cache, None, il, q_name="k_cache")
+    return Variant(il, il, angles="delta", rope_halves=halves and k_cache.shape[-1] > rot)
+
+
+def _spec(rot, variant, door, k_cache, slots, dst_slots, delta, table) -> Spec:
     return Spec(
-        Variant(il, il, angles="delta"),
+        variant,
         rot,
         door,
         pipeline.triton_runs(k_cache),
@@ -79,7 +89,7 @@ def _rerotate_op(
     delta: Optional[torch.Tensor],
     delta_int: int,
     cos_sin_cache: torch.Tensor,
-    interleaved: bool,
+    variant: List[int],
     rotary_dim: int,
     k_scale: Optional[torch.Tensor],
     dst_slots: Optional[torch.Tensor],
@@ -90,21 +100,22 @@ def _rerotate_op(
         tensor_key(slots),
         tensor_key(delta),
         tensor_key(cos_sin_cache),
-        interleaved,
+        tuple(variant),
         rotary_dim,
         tensor_key(k_scale),
         tensor_key(dst_slots),
     )
     spec = _MEMO.get(key)
     if spec is None:
+        v = Variant.decode(variant)
         spec = pipeline.remember(
-            key, _spec(rotary_dim, interleaved, pipeline.DIRECT, k_cache, slots, dst_slots, delta, cos_sin_cache)
+            key, _spec(rotary_dim, v, pipeline.DIRECT, k_cache, slots, dst_slots, delta, cos_sin_cache)
         )
     _run(spec, k_cache, slots, delta, None if delta is not None else delta_int, cos_sin_cache, k_scale, dst_slots)
 
 
 @_rerotate_op.register_fake
-def _(k_cache, slots, delta, delta_int, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots):
+def _(k_cache, slots, delta, delta_int, cos_sin_cache, variant, rotary_dim, k_scale, dst_slots):
     return None
 
 
@@ -122,6 +133,7 @@ def rerotate_kv_cache(
     rotary_dim: Optional[int] = None,
     k_scale: Scale = None,
     dst_slots: Optional[torch.Tensor] = None,
+    rotary_position: str = "first",
 ) -> torch.Tensor:
     """Re-rotate cached keys by a position shift: the key stored at position p ends as if stored at p + delta.
 
@@ -145,6 +157,9 @@ def rerotate_kv_cache(
             source rows are left untouched, the dims past rotary_dim are copied. A dst slot < 0 skips
             the row. Destination rows must not be source rows of the same call (strict mode checks
             it; otherwise the result is unspecified, as it is for duplicate slots or dst slots).
+        rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
+            for i < rotary_dim / 2 (Gemma 4's p-RoPE, as apply_rope rotated them), the other dims
+            kept (untouched in place, copied with dst_slots); needs interleaved=False and an even D.
 
     Returns k_cache. Rows that no (slot, dst slot) pair writes are never touched.
 
@@ -170,13 +185,14 @@ def rerotate_kv_cache(
             k_scale=k_scale,
             dst_slots=dst_slots,
         )
+        variant = _variant(OP, k_cache, interleaved, rotary_position, rot)
         torch.ops.ropekit.rerotate_kv_cache(
             k_cache,
             slots,
             None if delta_int is not None else delta,
             0 if delta_int is None else delta_int,
             cos_sin_cache,
-            bool(interleaved),
+            variant.encode(),
             rot,
             pipeline.scale_tensor(k_scale, k_cache.device),
             dst_slots,
@@ -184,7 +200,7 @@ def rerotate_kv_cache(
         return k_cache
 
     # eager: validation and the launch plan are made once per call signature
-    key = _call_key(k_cache, slots, delta, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots)
+    key = _call_key(k_cache, slots, delta, cos_sin_cache, interleaved, rotary_dim, k_scale, dst_slots, rotary_position)
     spec = _MEMO.get(key) if key is not None else None
     if spec is None:
         validate.no_dtensor(OP, "re-rotation", ("k_cache", k_cache))
@@ -199,8 +215,9 @@ def rerotate_kv_cache(
             k_scale=k_scale,
             dst_slots=dst_slots,
         )
+        variant = _variant(OP, k_cache, interleaved, rotary_position, rot)
         door = pipeline.door_for(k_cache, False)
-        spec = pipeline.remember(key, _spec(rot, interleaved, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
+        spec = pipeline.remember(key, _spec(rot, variant, door, k_cache, slots, dst_slots, delta, cos_sin_cache))
     if spec.table is None or spec.table() is not cos_sin_cache:  # a new table: HF's cos is refused
         validate.read_new_table(spec, OP, cos_sin_cache)
     is_tensor = isinstance(delta, torch.Tensor)
@@ -212,7 +229,7 @@ def rerotate_kv_cache(
             delta if is_tensor else None,
             0 if is_tensor else int(delta),
             cos_sin_cache,
-            spec.variant.interleaved,
+            spec.variant.encode(),
             spec.rot,
             ks,
             dst_slots,
@@ -236,7 +253,7 @@ def rerotate_kv_cache(
 _MEMO = memo.MEMO  # read here without a function call per op call
 
 
-def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, dst_slots):
+def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, dst_slots, rotary_position):
     """A hashable signature of a call (all that validation reads, with types; an int delta's value
     is checked only for its range, so only the fact that it is a small int is part of the key), or
     None when the call must be validated afresh."""
@@ -264,6 +281,8 @@ def _call_key(k_cache, slots, delta, table, interleaved, rotary_dim, k_scale, ds
             rotary_dim,
             skey,
             tensor_key(dst_slots),
+            type(rotary_position),
+            rotary_position,
         )
         hash(key)
         return key

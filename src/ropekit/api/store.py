@@ -27,14 +27,32 @@ Scale = Union[None, float, torch.Tensor]
 _MEMO = memo.MEMO  # read here without a function call per op call
 NORM_EPS, NORM_OFFSET = 1e-6, 0.0  # the norm's defaults (the public op's and the custom ops')
 _CP_SIZE, _CP_RANK = 1, 0  # no context parallelism
+_FIRST = "first"  # rotary_position's default
 
 
 def checks(
-    spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale, write_key, norm
+    spec,
+    q,
+    k,
+    v,
+    a,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    k_scale,
+    v_scale,
+    q_out,
+    q_scale,
+    write_key,
+    norm,
+    parts=(None, None),
 ) -> None:
     """The checks that need real tensors (addresses; data in strict mode), before any write.
     a: the angle source (positions, cu_seqlens with packed angles, or None); norm: None or
-    (q's weight, k's weight, eps, offset)."""
+    (q's weight, k's weight, eps, offset); parts: (q_nope, k_nope), the heads' no-rope parts given
+    apart (read only; None where not given)."""
+    q_nope, k_nope = parts
     if validate.is_strict():
         strict_checks(spec, q, a, cos_sin_cache, k_cache, slot_mapping, (k_scale, v_scale, q_scale))
     # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
@@ -42,6 +60,7 @@ def checks(
     # for the addresses and one compare
     weights = (None, None) if norm is None else norm[:2]
     tensors = (q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out, q_scale, *weights)
+    tensors += (q_nope, k_nope)
     addrs = tuple(0 if x is None else x.data_ptr() for x in tensors)
     if spec.plans.get("checked addresses") == (addrs, write_key):
         return
@@ -71,6 +90,9 @@ def checks(
     if norm is not None:
         read += [("q_norm_weight", norm[0]), ("k_norm_weight", norm[1])]
         tail += [ext[9], ext[10]]
+    if q_nope is not None or k_nope is not None:
+        read += [("q_nope", q_nope), ("k_nope", k_nope)]
+        tail += [ext[11], ext[12]]
     validate.written_vs_read(OP, written, read, extents=extents + tail)
     spec.plans["checked addresses"] = (addrs, write_key)
 
@@ -115,8 +137,12 @@ def _store_spec(
     q_out,
     q_scale,
     write_key,
+    q_nope,
+    k_nope,
+    rotary_position,
 ) -> Spec:
-    """Validate a public call (no data read) and make its Spec (the eager door q's type picks)."""
+    """Validate a public call (no data read) and make its Spec (the eager door q's type picks).
+    k_nope: GQA / MHA's no-rope key part beside v (MLA's k_nope has taken v's place before)."""
     packed = (1, 0)
     if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
         packed = validate.packed_args(OP, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
@@ -136,9 +162,21 @@ def _store_spec(
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
         packed=cu_seqlens is not None,
+        k_nope=k_nope,
     )
-    validate.store_outputs(OP, q, k, q_out, q_scale, write_key)
+    if q_nope is not None:
+        if q_out is None:
+            validate.fail(
+                OP, "q_nope", "None without q_out (q_out receives the rotated q and q_nope after it)", "a tensor"
+            )
+        validate.nope_part(OP, "q_nope", q_nope, q, rot)
+    validate.store_outputs(OP, q, k, q_out, q_scale, write_key, q_nope=q_nope)
     modes = norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    for name, part, weight in (("q_nope", q_nope, "q_norm_weight"), ("k_nope", k_nope, "k_norm_weight")):
+        if part is not None and modes[name == "k_nope"] != pipeline.NORM_NONE:
+            validate.fail(
+                OP, name, f"None with {weight} (the norm covers a whole head, not one given in two parts)", "a tensor"
+            )
     if cu_seqlens is not None:
         angles, a = "packed", cu_seqlens
     else:
@@ -147,9 +185,30 @@ def _store_spec(
     if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
         mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
     il = bool(interleaved)
-    variant = Variant(il, il, mode, mrope if mode else (0, 0, 0), angles, norm_q=modes[0], norm_k=modes[1])
+    position = validate.rotary_position_arg(OP, rotary_position, allowed=("first", "halves"))
+    if position == "halves":
+        validate.halves_args(OP, q, k, il)
+        for name, part in (("q_nope", q_nope), ("k_nope", k_nope)):
+            if part is not None:  # p-RoPE's pairs span the whole head: no part of it is apart
+                validate.fail(
+                    OP, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor"
+                )
+    halves = position == "halves" and k.shape[-1] > rot  # whole heads: the usual variant
+    variant = Variant(
+        il,
+        il,
+        mode,
+        mrope if mode else (0, 0, 0),
+        angles,
+        norm_q=modes[0],
+        norm_k=modes[1],
+        rope_halves=halves,
+        nope_q=q_nope is not None,
+        nope_k=k_nope is not None,
+    )
     weights = (q_norm_weight, k_norm_weight)
-    return _spec(q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, weights, variant, rot, packed, None)
+    parts = (q_nope, k_nope)
+    return _spec(q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, weights, parts, variant, rot, packed)
 
 
 def norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) -> tuple:
@@ -166,28 +225,35 @@ def norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
     return modes
 
 
-def _spec(q, k, v, a, table, k_cache, v_cache, slot_mapping, q_out, weights, variant, rot, packed, door) -> Spec:
-    """The Spec of a validated call (door None: the eager door q's type picks)."""
+def _spec(
+    q, k, v, a, table, k_cache, v_cache, slot_mapping, q_out, weights, parts, variant, rot, packed, door=None
+) -> Spec:
+    """The Spec of a validated call (door None: the eager door q's type picks). weights: the norm
+    weights (q's, k's); parts: the no-rope parts (q_nope, k_nope), None where not given."""
     return Spec(
         variant,
         rot,
         pipeline.door_for(q, False) if door is None else door,
         pipeline.triton_runs(q),
-        extents=validate.store_extents(q, k, v, k_cache, v_cache, a, table, slot_mapping, q_out, *weights),
+        extents=validate.store_extents(q, k, v, k_cache, v_cache, a, table, slot_mapping, q_out, *weights, *parts),
         packed=packed,
     )
 
 
-def _run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
-    """Address checks, then the run step: the body of the eager door and of the custom ops."""
-    checks(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
-    run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
+def _run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts) -> None:
+    """Address checks, then the run step: the body of the eager door and of the custom ops.
+    parts: (q_nope, k_nope), the heads' no-rope parts of a variant that reads them."""
+    checks(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
+    run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
 
 
-def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
+def run(
+    spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts=(None, None)
+) -> None:
     """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
     rows (and rotated k back into k with write_key), q and k normalized first with norm. The Triton
-    launch (plan made once per spec), or ropekit.core.cpu on CPU tensors."""
+    launch (plan made once per spec), or ropekit.core.cpu on CPU tensors. With the variant's
+    nope_q / nope_k, parts (q_nope, k_nope) are the dims after the rotated ones in q_out / the k rows."""
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
@@ -208,10 +274,14 @@ def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, 
                 qs is not None,
                 write_key,
                 spec.packed,
+                parts=parts,
             )
-        launcher.fire_store(plan, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, norm)
+        launcher.fire_store(plan, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, norm, parts)
         return
     variant = spec.variant
+    if variant.nope_q or variant.nope_k:  # CPU: whole heads, as one tensor each would hold them
+        _cpu_parts(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
+        return
     if variant.angles == "packed":  # CPU: the positions the kernel derives, made here
         from ..core.packed import packed_positions
 
@@ -235,7 +305,22 @@ def run(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, 
         sections=variant.sections if variant.mrope else None,
         il_sections=variant.mrope == MROPE_INTERLEAVED,
         norm=norm,
+        halves=variant.rope_halves,
     )
+
+
+def _cpu_parts(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts):
+    """The CPU path of heads given in two parts (q_nope, k_nope): the run on whole heads (rope
+    part, then no-rope part: torch.cat, a copy), rotated k written back into k's own dims with
+    write_key. norm: the other tensor's norm, if any (a head in two parts is never normalized)."""
+    q_nope, k_nope = parts
+    whole_q = q if q_nope is None else torch.cat((q, q_nope), -1)
+    whole_k = k if k_nope is None else torch.cat((k, k_nope), -1)
+    one = spec.variant._replace(nope_q=False, nope_k=False)
+    plain = Spec(one, spec.rot, spec.door, spec.triton, packed=spec.packed)
+    run(plain, whole_q, whole_k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
+    if write_key and whole_k is not k:
+        k.copy_(whole_k[..., : k.shape[-1]])
 
 
 def unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -263,11 +348,9 @@ def paged_mla(cache, x):
 
 
 def mla_parts(k, v, k_cache, v_cache, k_nope):
-    """MLA's split key as the store's (v, k_cache, v_cache): k_nope takes v's place (copied
-    unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and is
-    split at k_nope's width."""
-    if v is not None:
-        validate.fail(OP, "v", "None when k_nope is given (k_nope is the cache row's non-rope part)", "a tensor")
+    """MLA's split key (v None) as the store's (v, k_cache, v_cache): k_nope takes v's place
+    (copied unrotated into v_cache); with v_cache None, k_cache is the joint row [nope | rope] and
+    is split at k_nope's width."""
     if not isinstance(k_nope, torch.Tensor):
         raise TypeError(f"{OP}: k_nope: expected a torch.Tensor or None, got {type(k_nope).__name__}")
     if v_cache is None and isinstance(k_cache, torch.Tensor) and isinstance(k, torch.Tensor) and k_cache.dim() > 0:
@@ -288,10 +371,32 @@ def mla_parts(k, v, k_cache, v_cache, k_nope):
 
 
 def _op_body(
-    q, k, v, a, table, k_cache, v_cache, slots, codes, rot, ks, vs, write_key, q_out, qs, wq, wk, eps, offset, cp
+    q,
+    k,
+    v,
+    a,
+    table,
+    k_cache,
+    v_cache,
+    slots,
+    codes,
+    rot,
+    ks,
+    vs,
+    write_key,
+    q_out,
+    qs,
+    wq,
+    wk,
+    eps,
+    offset,
+    cp,
+    parts=(None, None),
 ):
     """The body of both store ops: the memoized spec of these (local) tensors and the encoded
-    variant, then the checks and the run step. a: positions, or cu_seqlens for packed angles."""
+    variant, then the checks and the run step. a: positions, or cu_seqlens for packed angles;
+    parts: (q_nope, k_nope), the no-rope parts the variant's nope_q / nope_k say are given."""
+    q_nope, k_nope = parts
     key = (
         "rope_and_store op",
         tensor_key(q),
@@ -312,16 +417,21 @@ def _op_body(
         tensor_key(wq),
         tensor_key(wk),
         cp,
+        tensor_key(q_nope),
+        tensor_key(k_nope),
     )
     spec = _MEMO.get(key)
     if spec is None:
         variant = Variant.decode(codes)
         op_weights(variant, q, k, wq, wk)
+        for name, part, given in (("q_nope", q_nope, variant.nope_q), ("k_nope", k_nope, variant.nope_k)):
+            if (part is not None) != given:  # the kernel reads the part exactly when the variant says so
+                validate.fail(OP, name, f"{'a tensor' if given else 'None'} (as the variant says)", type(part).__name__)
         spec = pipeline.remember(
-            key, _spec(q, k, v, a, table, k_cache, v_cache, slots, q_out, (wq, wk), variant, rot, cp, DIRECT)
+            key, _spec(q, k, v, a, table, k_cache, v_cache, slots, q_out, (wq, wk), parts, variant, rot, cp, DIRECT)
         )
     norm = (wq, wk, eps, offset) if spec.variant.normed else None
-    _run(spec, q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, write_key, norm)
+    _run(spec, q, k, v, a, table, k_cache, v_cache, slots, ks, vs, q_out, qs, write_key, norm, parts)
 
 
 def op_weights(variant: Variant, q, k, wq, wk) -> None:
@@ -337,8 +447,9 @@ def op_weights(variant: Variant, q, k, wq, wk) -> None:
 
 # Two ops, not one with an optional q_out: a mutated argument that may be None breaks fake-tensor
 # tracing on torch 2.11 (IndexError), and q is written in place exactly when q_out is absent.
-# variant: pipeline.Variant.encode() of the call (interleaving, M-RoPE, angle source, norm modes);
-# positions: positions, or cu_seqlens when the variant's angles are packed.
+# variant: pipeline.Variant.encode() of the call (interleaving, M-RoPE, angle source, norm modes,
+# no-rope parts); positions: positions, or cu_seqlens when the variant's angles are packed; q_nope,
+# k_nope: the heads' no-rope parts when given apart (read only; q_nope only with q_out).
 @torch.library.custom_op("ropekit::rope_and_store", mutates_args=("q", "k", "k_cache", "v_cache"))
 def _rope_and_store_op(
     q: torch.Tensor,
@@ -360,6 +471,7 @@ def _rope_and_store_op(
     norm_weight_offset: float = NORM_OFFSET,
     cp_size: int = 1,
     cp_rank: int = 0,
+    k_nope: Optional[torch.Tensor] = None,
 ) -> None:
     _op_body(
         q,
@@ -382,6 +494,7 @@ def _rope_and_store_op(
         norm_eps,
         norm_weight_offset,
         (cp_size, cp_rank),
+        (None, k_nope),
     )
 
 
@@ -408,6 +521,8 @@ def _rope_and_store_q_out_op(
     norm_weight_offset: float = NORM_OFFSET,
     cp_size: int = 1,
     cp_rank: int = 0,
+    q_nope: Optional[torch.Tensor] = None,
+    k_nope: Optional[torch.Tensor] = None,
 ) -> None:
     _op_body(
         q,
@@ -430,20 +545,26 @@ def _rope_and_store_q_out_op(
         norm_eps,
         norm_weight_offset,
         (cp_size, cp_rank),
+        (q_nope, k_nope),
     )
 
 
-def store_op(spec: Spec, args: Sequence, write_key: bool, q_out, q_scale, norm) -> None:
+def store_op(spec: Spec, args: Sequence, write_key: bool, q_out, q_scale, norm, parts=(None, None)) -> None:
     """The store's custom op for a validated call (the dispatcher's door): args are the eight
-    leading tensors both ops share (q ... slot_mapping) then k_scale, v_scale; norm as `run` takes it."""
+    leading tensors both ops share (q ... slot_mapping) then k_scale, v_scale; norm as `run` takes
+    it; parts: (q_nope, k_nope), passed to the op by name (the usual call's schema is unchanged)."""
+    q_nope, k_nope = parts
     q, k, v, a, table, k_cache, v_cache, slots, ks, vs = args
     head = (q, k, v, a, table, k_cache, v_cache, slots, spec.variant.encode(), spec.rot, ks, vs)
     wq, wk, eps, offset = (None, None, NORM_EPS, NORM_OFFSET) if norm is None else norm
     tail = (wq, wk, float(eps), float(offset), *spec.packed)
+    named = {} if k_nope is None else {"k_nope": k_nope}
     if q_out is None:
-        torch.ops.ropekit.rope_and_store(*head, write_key, *tail)
+        torch.ops.ropekit.rope_and_store(*head, write_key, *tail, **named)
     else:
-        torch.ops.ropekit.rope_and_store_q_out(*head, write_key, q_out, q_scale, *tail)
+        if q_nope is not None:
+            named["q_nope"] = q_nope
+        torch.ops.ropekit.rope_and_store_q_out(*head, write_key, q_out, q_scale, *tail, **named)
 
 
 @_rope_and_store_op.register_fake
@@ -456,7 +577,7 @@ def _(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, variant
     return None
 
 
-def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset) -> tuple:
+def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset, position) -> tuple:
     """The part of a call signature the rarer keywords contribute, each value with its type."""
     return (
         None if mrope_section is None else value_key(mrope_section),
@@ -465,6 +586,7 @@ def rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_
         value_key(cp_rank),
         value_key(norm_eps),
         value_key(norm_weight_offset),
+        value_key(position),
     )
 
 
@@ -506,6 +628,8 @@ def apply_rope_and_store(
     q_out: Optional[torch.Tensor] = None,
     q_scale: Scale = None,
     k_nope: Optional[torch.Tensor] = None,
+    q_nope: Optional[torch.Tensor] = None,
+    rotary_position: str = _FIRST,
 ) -> torch.Tensor:
     """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
     their slots. One launch, whatever the keywords.
@@ -518,7 +642,7 @@ def apply_rope_and_store(
             MLA's q_pe view of a 192-wide head and a separate k_pe are fine). A last stride other
             than 1 is read through one copy (not with write_key, which writes k).
         v: (*T, Hv, Dv), copied into v_cache; Dv may differ from Dk (MLA: latent 512, rope 64).
-            Any strides, the last one included (read in place, no copy). None with k_nope.
+            Any strides, the last one included (read in place, no copy). None with MLA's k_nope.
         positions: (*T) int32/int64, (3, *T) with mrope_section, or None for arange over the
             last token dim (or for positions derived from cu_seqlens).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended.
@@ -558,12 +682,28 @@ def apply_rope_and_store(
             rope_quantize_fp8 + paged append in one launch).
         q_scale: None, a float or a 1-element float32 tensor, only with q_out: q_out stores
             rotated q / q_scale (same rule as k_scale).
-        k_nope: MLA with the key in two parts (FlashInfer's append_paged_mla_kv_cache): k is the
-            rope part (*T, Hk, R), rotated into k_cache; k_nope (*T, Hk, L) is copied unrotated
-            into v_cache (v must be None). v_cache may be the nope cache (FlashInfer's ckv_cache,
-            (num_blocks, block_size, Hk, L)) with k_cache the rope cache (kpe_cache, R wide), or
-            None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
-            layout) and is split at L. One launch either way.
+        k_nope: the key's no-rope part, a tensor of its own (k is then the rope part, (*T, Hk,
+            R) with R = rotary_dim). Two forms, told apart by v:
+            - v given (GQA / MHA, FlashInfer's rope_quantize_fp8_append_paged_kv_cache with
+              no_rope_dim > 0): k_nope (*T, Hk, N), k_cache (..., Hk, R + N); each k cache row
+              receives rotated k in dims [0, R) and k_nope in [R, R + N) (FlashInfer's order),
+              v goes to v_cache as usual. Any strides, the last one included (read in place).
+              Not with k_norm_weight (the norm covers a whole head).
+            - v None (MLA, FlashInfer's append_paged_mla_kv_cache): k_nope (*T, Hk, L) is copied
+              unrotated into v_cache, the nope cache (FlashInfer's ckv_cache, (num_blocks,
+              block_size, Hk, L)), with k_cache the rope cache (kpe_cache, R wide); or v_cache
+              None: k_cache is then the joint row (..., Hk, L + R) [nope | rope] (DeepSeek's
+              layout) and is split at L.
+            One launch either way; float dtypes, on q's device, token dims and heads of k.
+        q_nope: only with q_out: q's no-rope part, a tensor of its own (*T, Hq, N), any strides
+            (read in place); q is then the rope part (*T, Hq, R) with R = rotary_dim, and q_out
+            (*T, Hq, R + N) receives rotated q in dims [0, R) and q_nope in [R, R + N), both
+            divided by q_scale and saturated like the rotated dims (FlashInfer's q_rope_out and
+            q_nope_out are the views q_out[..., :R] and q_out[..., R:]). Not with q_norm_weight.
+        rotary_position: 'first' (dims [0, rotary_dim) rotated) or 'halves': the pairs (i, i + D/2)
+            for i < rotary_dim / 2 (Gemma 4's p-RoPE, apply_rope's keyword), the other dims kept
+            (untouched in q in place, copied into q_out and the cache rows, normalized with the
+            norm); needs interleaved=False, an even D and q and k of one head size.
 
     Returns q (rotated in place), or q_out when given. Rows of the caches that no slot names are
     never touched. Duplicate slots (two tokens naming one slot) are a caller error: without
@@ -603,9 +743,11 @@ def apply_rope_and_store(
     composes with the norm. DTensor: weights replicated; an (H*D,) weight with head-sharded q / k
     is refused (ropekit.distributed).
     """
-    k_cache, v_cache = paged_mla(k_cache, k), paged_mla(v_cache, v if k_nope is None else k_nope)
-    if k_nope is not None:
+    mla = k_nope is not None and v is None  # else k_nope (if any) is GQA / MHA's, beside v
+    k_cache, v_cache = paged_mla(k_cache, k), paged_mla(v_cache, k_nope if mla else v)
+    if mla:
         v, k_cache, v_cache = mla_parts(k, v, k_cache, v_cache, k_nope)
+        k_nope = None
     # strided last dims of read-only inputs: one copy each (q rotated in place is refused by validation)
     if isinstance(k, torch.Tensor) and write_key is False and k.dim():
         k = unit_last(k)
@@ -641,13 +783,17 @@ def apply_rope_and_store(
                 and cp_rank is _CP_RANK
                 and norm_eps is NORM_EPS
                 and norm_weight_offset is NORM_OFFSET
-                else rare_key(mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset),
+                and rotary_position is _FIRST
+                else rare_key(
+                    mrope_section, mrope_interleaved, cp_size, cp_rank, norm_eps, norm_weight_offset, rotary_position
+                ),
                 scale_key(k_scale),
                 scale_key(v_scale),
                 type(write_key),
                 write_key,
                 None if q_out is None else tensor_key(q_out),
                 None if q_scale is None else scale_key(q_scale),
+                None if q_nope is None and k_nope is None else (tensor_key(q_nope), tensor_key(k_nope)),
             )
             spec = _MEMO.get(key)
         except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
@@ -678,6 +824,9 @@ def apply_rope_and_store(
             q_out=q_out,
             q_scale=q_scale,
             write_key=write_key,
+            q_nope=q_nope,
+            k_nope=k_nope,
+            rotary_position=rotary_position,
         )
         if not compiling:
             pipeline.remember(key, spec)
@@ -686,24 +835,28 @@ def apply_rope_and_store(
     dev = q.device
     ks, vs = pipeline.scale_tensor(k_scale, dev), pipeline.scale_tensor(v_scale, dev)
     qs = None if q_scale is None else pipeline.scale_tensor(q_scale, dev)
+    parts = (q_nope, k_nope)
     if compiling or spec.door is CUSTOM_OP:  # the dispatcher: DTensor, torch.compile
-        _dispatch(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
+        _dispatch(
+            spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts
+        )
         return q if q_out is None else q_out
-    _run(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm)
+    _run(spec, q, k, v, a, cos_sin_cache, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts)
     # the kernel writes through raw pointers, which autograd does not see: bump the version counters
     # so that anything that saved q or a cache for a backward raises instead of reading new values
     bump_versions(q if q_out is None else q_out, k_cache, v_cache, k if write_key else None)
     return q if q_out is None else q_out
 
 
-def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm) -> None:
+def _dispatch(spec, q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, write_key, norm, parts):
     """The custom-op door: plain tensors (tables, positions, scales, weights) become replicated
     DTensors like q for a DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     if spec.door is CUSTOM_OP:
         wq, wk = (None, None) if norm is None else norm[:2]
         a, table, slot_mapping, ks, vs, qs, wq, wk = dtensor_like(q, a, table, slot_mapping, ks, vs, qs, wq, wk)
         norm = None if norm is None else (wq, wk, norm[2], norm[3])
-    store_op(spec, (q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs), write_key, q_out, qs, norm)
+    args = (q, k, v, a, table, k_cache, v_cache, slot_mapping, ks, vs)
+    store_op(spec, args, write_key, q_out, qs, norm, parts)
 
 
 def bump_versions(*written) -> None:

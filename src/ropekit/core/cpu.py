@@ -4,7 +4,7 @@
     table_angles(cos_sin_cache, positions, token_shape, rot, sections, il_sections) -> (cos, sin)
     angles_at(cos_table, sin_table, positions, token_shape, sections, il_sections) -> (cos, sin)
     pick_sections(cos, sin, sections, il_sections) -> (cos, sin)            per-token M-RoPE angles
-    rotate(x, out, cos, sin, *, interleaved, out_interleaved, inverse) -> out
+    rotate(x, out, cos, sin, *, interleaved, out_interleaved, inverse, halves) -> out
     store_rows(q, k, v, positions, table, k_cache, v_cache, slot_mapping, ...)   the fused store
     rerotate_rows(k_cache, slots, delta, table, ...)                        re-rotation of cache rows
     norm_rotate(x, weight, cos, sin, *, interleaved, eps, offset)          RMSNorm then rotation
@@ -360,11 +360,39 @@ def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
         _stage_block(block, _Angles(c[index], s[index], ang.ct), rot, interleaved)
 
 
-def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleaved: bool) -> None:
+def rotated_dims(x: torch.Tensor, rot: int, halves: bool = False) -> tuple:
+    """Views of the dims of x (*, D) a rotation of rot dims writes: [0, rot), or with halves
+    (rotary_position='halves', pairs (i, i + D/2)) [0, rot/2) and [D/2, D/2 + rot/2)."""
+    if not halves:
+        return (x[..., :rot],)
+    half, gap = rot // 2, x.shape[-1] // 2
+    return x[..., :half], x[..., gap : gap + half]
+
+
+def _rotate_halves(x, out, ang: _Angles, half: int) -> None:
+    """rotary_position='halves': the pairs (i, D/2 + i), i < half, of x (*T, H, D) rotated into out
+    (x itself: in place, only the pairs written); out of place the other dims are copied."""
+    gap = x.shape[-1] // 2
+    x1, x2 = (p.to(ang.ct) for p in rotated_dims(x, 2 * half, True))
+    o1 = x1 * ang.c - x2 * ang.s
+    o2 = x2 * ang.c + x1 * ang.s
+    if out.data_ptr() != x.data_ptr():
+        out[..., half:gap].copy_(x[..., half:gap])
+        out[..., gap + half :].copy_(x[..., gap + half :])
+    out[..., :half].copy_(o1)
+    out[..., gap : gap + half].copy_(o2)
+
+
+def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleaved: bool, halves: bool = False) -> None:
     """Rotate the first rot dims of each (x, out) pair (tensors (*T, H, D) of one token shape; out
     may be x), copying the tail when out is not x. Small tensors with one layout in and out that
     need a scratch copy (in place, or not in the compute dtype) are staged together; float32 out of
-    place writes out directly; large tensors go through in blocks."""
+    place writes out directly; large tensors go through in blocks. halves: the pairs (i, i + D/2)
+    instead (rotary_position='halves', `_rotate_halves`)."""
+    if halves:
+        for x, out in pairs:
+            _rotate_halves(x, out, ang, rot // 2)
+        return
     ct = ang.ct
     staged = []
     for x, out in pairs:
@@ -392,8 +420,10 @@ def rotate(
     interleaved: bool = False,
     out_interleaved: Optional[bool] = None,
     inverse: bool = False,
+    halves: bool = False,
 ) -> torch.Tensor:
-    """Rotate the first 2 * cos.shape[-1] dims of every head of x into out. Returns out.
+    """Rotate the first 2 * cos.shape[-1] dims of every head of x into out (with halves the pairs
+    (i, i + D/2), i < cos.shape[-1]: rotary_position='halves'). Returns out.
 
     x: (*T, H, D) fp16/bf16/fp32/fp64. out: x's shape, any float dtype (x itself: in place; no
     partial overlap). cos, sin: broadcastable to (*T, half), any float dtype; the first 2 * half
@@ -403,7 +433,7 @@ def rotate(
     """
     out_il = interleaved if out_interleaved is None else out_interleaved
     ang = _prepare(cos, sin, compute_dtype(x), inverse, -2)
-    _rotate_all(((x, out),), ang, 2 * cos.shape[-1], interleaved, out_il)
+    _rotate_all(((x, out),), ang, 2 * cos.shape[-1], interleaved, out_il, halves)
     return out
 
 
@@ -425,7 +455,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     first rot // 2 columns are read. q, k: (*T, H, D), or (B, H, S, D) with variant.heads_first.
     rot: rotated dims. variant: the call's flag record (pipeline.Variant), read as it is:
     interleaved / out_interleaved pair layouts, inverse, mrope (1 chunked, 2 interleaved) with its
-    (t, h, w) sections, heads_first.
+    (t, h, w) sections, heads_first, rope_halves (pairs (i, i + D/2)).
     """
     interleaved, out_interleaved, inverse = variant.interleaved, variant.out_interleaved, variant.inverse
     sections = variant.sections if variant.mrope else None
@@ -456,7 +486,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
 
     ang = make() if srcs is None else _cached_angles(srcs, key, make)
     pairs = ((q, q_out),) if k is None or k.numel() == 0 else ((q, q_out), (k, k_out))
-    _rotate_all(pairs, ang, rot, interleaved, out_interleaved)
+    _rotate_all(pairs, ang, rot, interleaved, out_interleaved, variant.rope_halves)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +531,7 @@ def store_rows(
     sections=None,
     il_sections=False,
     norm=None,
+    halves=False,
 ) -> None:
     """The fused store: rotated q into q_out (None: q, in place), divided by q_scale; rotated k and
     v (divided by their scale) rounded once into their cache rows, fp8 saturated; with write_key
@@ -508,7 +539,8 @@ def store_rows(
     flags its token's rotated dims of q with NaN. Scales: None or 1-element float32 tensors.
     q, k, v: (*T, H, D); caches (num_blocks, block_size, Hk, D) or (num_slots, Hk, D); positions
     (*T), (3, *T) with M-RoPE sections, or None (arange). norm: None, or (q's weight or None, k's
-    weight or None, eps, offset): RMSNorm of q / k (their whole heads) first (tails included)."""
+    weight or None, eps, offset): RMSNorm of q / k (their whole heads) first (tails included).
+    halves: the rotated pairs are (i, i + D/2) (rotary_position='halves')."""
     if norm is not None:
         _normed_store(
             q,
@@ -529,6 +561,7 @@ def store_rows(
                 write_key=write_key,
                 sections=sections,
                 il_sections=il_sections,
+                halves=halves,
             ),
             norm,
         )
@@ -543,19 +576,22 @@ def store_rows(
     flagged = bool(bad.any())
     target = q if q_out is None else q_out
     if q_scale is None and target.dtype.itemsize > 1:  # straight into q (or q_out)
-        _rotate_all(((q, target),), ang, rot, interleaved, interleaved)
+        _rotate_all(((q, target),), ang, rot, interleaved, interleaved, halves)
         if flagged:
-            target[..., :rot][bad] = float("nan")
+            for part in rotated_dims(target, rot, halves):
+                part[bad] = float("nan")
     else:
         wide = torch.empty(q.shape, dtype=torch.float32)
-        _rotate_all(((q, wide),), ang, rot, interleaved, interleaved)
+        _rotate_all(((q, wide),), ang, rot, interleaved, interleaved, halves)
         if flagged:
-            wide[..., :rot][bad] = float("nan")
+            for part in rotated_dims(wide, rot, halves):
+                part[bad] = float("nan")
         target.copy_(_rounded_into(wide, q_scale, target.dtype))
     k_rot = torch.empty(k.shape, dtype=torch.float32)
-    _rotate_all(((k, k_rot),), ang, rot, interleaved, interleaved)
+    _rotate_all(((k, k_rot),), ang, rot, interleaved, interleaved, halves)
     if write_key:
-        k[..., :rot] = k_rot[..., :rot]
+        for dst, src in zip(rotated_dims(k, rot, halves), rotated_dims(k_rot, rot, halves)):
+            dst.copy_(src)
     keep = (slots >= 0) & ~bad
     idx = slots[keep]
     for cache, rows, scale in ((k_cache, k_rot, k_scale), (v_cache, v, v_scale)):
@@ -575,13 +611,13 @@ def _normed_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, kw,
         k.copy_(kn)
 
 
-def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_scale, dst_slots) -> None:
+def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_scale, dst_slots, halves=False) -> None:
     """Re-rotation: the row at slots[i] rotated by the angle of delta[i] (the inverse angle of
     |delta[i]| when negative), written to dst_slots[i] (or back to slots[i]); with dst_slots the
     dims past rotary_dim are copied. Rows with a slot or dst slot outside [0, num_slots) are
     skipped; |delta| past the table gives NaN rotated dims. k_cache: (num_blocks, block_size, H, D)
     or (num_slots, H, D), written in place; slots (N,); delta (N,) tensor or int; k_scale: the cache
-    holds value / k_scale."""
+    holds value / k_scale; halves: the rotated pairs are (i, i + D/2) (rotary_position='halves')."""
     rot = rotary_dim
     n = slots.shape[0]
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
@@ -595,14 +631,20 @@ def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_sc
     x = k_cache[_cache_rows(k_cache, src)].to(ct)  # a gathered copy: (n, H, D)
     scale = None if k_scale is None else torch.as_tensor(k_scale, dtype=ct).reshape(())
     if scale is not None:
-        x[..., :rot] *= scale
+        for part in rotated_dims(x, rot, halves):
+            part *= scale
     cos, sin = table_angles(table, d.abs(), (d.shape[0],), rot)
     sin = torch.where((d < 0).unsqueeze(-1), -sin, sin)
-    rotate(x, x, cos, sin, interleaved=interleaved)
+    rotate(x, x, cos, sin, interleaved=interleaved, halves=halves)
     if scale is not None:
-        x[..., :rot] /= scale
-    view = k_cache if dst_slots is not None else k_cache[..., :rot]
-    view[_cache_rows(k_cache, dst)] = (x if dst_slots is not None else x[..., :rot]).to(k_cache.dtype)
+        for part in rotated_dims(x, rot, halves):
+            part /= scale
+    rows = _cache_rows(k_cache, dst)
+    if dst_slots is not None:  # another row: the kept dims move too
+        k_cache[rows] = x.to(k_cache.dtype)
+        return
+    for view, part in zip(rotated_dims(k_cache, rot, halves), rotated_dims(x, rot, halves)):
+        view[rows] = part.to(k_cache.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,29 +673,37 @@ def _rotated(y, cos, sin, interleaved: bool):
     return y * torch.cat((c, c), -1) + torch.cat((-y2, y1), -1) * torch.cat((s, s), -1)
 
 
-def norm_rotate(x, weight, cos, sin, *, interleaved: bool, eps: float, offset: float, out_dtype=None) -> torch.Tensor:
-    """x (*T, H, D) RMS-normalized (when weight is given: the whole head, tail included), then its
-    first 2 * cos.shape[-1] dims rotated; math in float32, one rounding to out_dtype (None: x's).
-    Built from differentiable ops: autograd through it gives the gradients of x and of the weight."""
-    y = x.to(compute_dtype(x)) if weight is None else rms_norm(x, weight, eps=eps, offset=offset)
+def _turned(y, cos, sin, interleaved: bool, halves: bool):
+    """y (*T, H, D) with its rotated dims (the first 2 * cos.shape[-1], or with halves the pairs
+    (i, i + D/2)) rotated by cos / sin (*T, half), the other dims as they are; differentiable."""
     rot = 2 * cos.shape[-1]
+    if halves:
+        half, gap = rot // 2, y.shape[-1] // 2
+        c, s = cos.to(y.dtype).unsqueeze(-2), sin.to(y.dtype).unsqueeze(-2)
+        y1, y2 = rotated_dims(y, rot, True)
+        return torch.cat((y1 * c - y2 * s, y[..., half:gap], y2 * c + y1 * s, y[..., gap + half :]), -1)
     r = _rotated(y[..., :rot], cos, sin, interleaved)
-    if rot < y.shape[-1]:
-        r = torch.cat((r, y[..., rot:]), -1)
-    return r.to(out_dtype or x.dtype)
+    return r if rot == y.shape[-1] else torch.cat((r, y[..., rot:]), -1)
 
 
-def norm_rotate_backward(x, g, weight, cos, sin, *, interleaved: bool, eps: float, offset: float):
+def norm_rotate(
+    x, weight, cos, sin, *, interleaved: bool, eps: float, offset: float, out_dtype=None, halves: bool = False
+) -> torch.Tensor:
+    """x (*T, H, D) RMS-normalized (when weight is given: the whole head, tail included), then its
+    first 2 * cos.shape[-1] dims rotated (halves: the pairs (i, i + D/2), rotary_position='halves');
+    math in float32, one rounding to out_dtype (None: x's). Built from differentiable ops: autograd
+    through it gives the gradients of x and of the weight."""
+    y = x.to(compute_dtype(x)) if weight is None else rms_norm(x, weight, eps=eps, offset=offset)
+    return _turned(y, cos, sin, interleaved, halves).to(out_dtype or x.dtype)
+
+
+def norm_rotate_backward(x, g, weight, cos, sin, *, interleaved: bool, eps: float, offset: float, halves=False):
     """(gradient of x, of weight) of norm_rotate given its output gradient g, by the formulas (no
     autograd: custom ops run this below autograd). With n = x * r, r = rsqrt(mean(x^2) + eps) over
     the norm group and gz = the transposed rotation of g: gx = r * (gz w' - n mean(gz w' n)),
     dw = sum of gz * n over tokens (and heads, per-head weights). Math in float32 (float64)."""
     ct = compute_dtype(x)
-    rot = 2 * cos.shape[-1]
-    g = g.to(ct)
-    gz = _rotated(g[..., :rot], cos, -sin, interleaved)  # the transpose of a rotation: by -angle
-    if rot < g.shape[-1]:
-        gz = torch.cat((gz, g[..., rot:]), -1)
+    gz = _turned(g.to(ct), cos, -sin, interleaved, halves)  # the transpose of a rotation: by -angle
     if weight is None:
         return gz.to(x.dtype), None
     per_head = weight.shape[-1] == x.shape[-1]

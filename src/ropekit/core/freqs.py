@@ -21,7 +21,9 @@ once for a fixed length instead of per forward call:
 - yarn: a `factor` of None means max_position / original_max_position_embeddings, as in HF.
 - proportional (Gemma 4's p-RoPE): `rotary_dim` is the whole head and `partial_rotary_factor` is
   read: the table is full width, its last pairs have frequency 0 (they are passed through by the
-  rotation). A kernel layout that skips those pairs instead is not implemented.
+  rotation), HF's own table. `cos_sin_cache(..., rotated_only=True)` keeps the rotated pairs only,
+  (max_position, 2 * int(partial_rotary_factor * rotary_dim // 2)), for the kernel layout that
+  skips the others: apply_rope(..., rotary_position='halves').
 """
 
 from __future__ import annotations
@@ -243,14 +245,19 @@ def _llama3(rotary_dim, base, params, max_position, op):
     return torch.where(medium, blended, inv_freq), 1.0
 
 
-def _proportional(rotary_dim, base, params, max_position, op):
-    # Gemma 4's p-RoPE: rotary_dim is the whole head; the first fraction of its pairs (i, i + D/2)
-    # turn with the head's frequencies base ** (-2i / D), the rest have frequency 0 (cos 1, sin 0)
+def rotated_pairs(rotary_dim: int, params: dict, op: str) -> int:
+    """proportional: the pairs that turn, int(partial_rotary_factor * rotary_dim // 2), as HF counts them."""
     fraction = params.get("partial_rotary_factor", 1.0)
     if not _is_number(fraction) or not 0 <= fraction <= 1:
         fail(op, "scaling['partial_rotary_factor']", "a number in [0, 1]", repr(fraction))
+    return int(fraction * rotary_dim // 2)
+
+
+def _proportional(rotary_dim, base, params, max_position, op):
+    # Gemma 4's p-RoPE: rotary_dim is the whole head; the first fraction of its pairs (i, i + D/2)
+    # turn with the head's frequencies base ** (-2i / D), the rest have frequency 0 (cos 1, sin 0)
+    rotated = rotated_pairs(rotary_dim, params, op)
     factor = _positive(op, "scaling['factor']", params.get("factor", 1.0))
-    rotated = int(fraction * rotary_dim // 2)
     inv = torch.zeros(rotary_dim // 2, dtype=torch.float64, device=_CPU)
     inv[:rotated] = _plain(rotary_dim, base)[:rotated]
     return inv / factor, 1.0
@@ -323,6 +330,8 @@ def cos_sin_cache(
     scaling: Optional[dict] = None,
     dtype: torch.dtype = torch.float32,
     device=None,
+    *,
+    rotated_only: bool = False,
 ) -> torch.Tensor:
     """The (max_position, rotary_dim) table whose row p is [cos(p * f) | sin(p * f)] * attention_factor.
 
@@ -330,15 +339,29 @@ def cos_sin_cache(
     Angles and cos/sin are computed in float64 and rounded once to `dtype` (float32 by default;
     keep it float32 for accuracy, bf16/fp16 tables are accepted by apply_rope). `device` None
     means the current default device; on "meta" only the shape is made.
+
+    rotated_only: the pairs the rope type turns, and no others. For "proportional" (Gemma 4's
+    p-RoPE, rotary_dim the head size D) that is the first R / 2 = int(partial_rotary_factor * D // 2)
+    frequencies base ** (-2i / D): a (max_position, R) table for apply_rope(...,
+    rotary_position='halves'), which rotates the pairs (i, i + D/2), i < R / 2, and keeps the rest
+    (the same rotation as the full-width table, without reading or computing its zero-frequency
+    pairs). Every other rope type turns all its pairs: the table is the same as without it.
     """
     op = "cos_sin_cache"
     _positive_int(op, "max_position", max_position)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         fail(op, "dtype", "a floating-point torch.dtype", repr(dtype))
+    if not isinstance(rotated_only, bool):
+        raise TypeError(f"{op}: rotated_only: expected a bool, got {type(rotated_only).__name__}")
     freqs, attention_factor = _inv_freq64(op, rotary_dim, base, scaling, max_position)
+    if rotated_only:
+        rope_type, params = parse_scaling(scaling, op)
+        if rope_type == "proportional":
+            freqs = freqs[: rotated_pairs(rotary_dim, params, op)]
+    width = 2 * freqs.shape[0]
     target = torch.get_default_device() if device is None else torch.device(device)
     if target.type == "meta":
-        return torch.empty(max_position, rotary_dim, dtype=dtype, device=target)
+        return torch.empty(max_position, width, dtype=dtype, device=target)
     # float64 where the device has it (CPU, CUDA); elsewhere compute on the CPU and copy
     work = target if target.type in ("cpu", "cuda") else torch.device("cpu")
     positions = torch.arange(max_position, dtype=torch.float64, device=work)
@@ -392,12 +415,13 @@ def pair_positions(positions: torch.Tensor, axes, half: int) -> torch.Tensor:
     return positions.index_select(0, rows).movedim(0, -1)
 
 
-def _pairs(x: torch.Tensor, half: int, interleaved: bool):
-    """The two members of each rotated pair of x (*T, H, D) as float32 views (*T, H, half)."""
+def _pairs(x: torch.Tensor, half: int, interleaved: bool, gap: int):
+    """The two members of each rotated pair of x (*T, H, D) as float32 views (*T, H, half); half-split
+    pairs are (i, gap + i) (gap: half, or D/2 with rotary_position='halves')."""
     x = x.float()
     if interleaved:
         return x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-    return x[..., :half], x[..., half : 2 * half]
+    return x[..., :half], x[..., gap : gap + half]
 
 
 def freq_grad(outs, grads, positions: torch.Tensor, half: int, variant) -> torch.Tensor:
@@ -412,8 +436,9 @@ def freq_grad(outs, grads, positions: torch.Tensor, half: int, variant) -> torch
             continue
         if variant.heads_first:  # (B, H, S, D) -> (B, S, H, D)
             o, g = o.transpose(1, 2), g.transpose(1, 2)
-        o1, o2 = _pairs(o, half, variant.out_interleaved)
-        g1, g2 = _pairs(g, half, variant.out_interleaved)
+        gap = o.shape[-1] // 2 if variant.rope_halves else half
+        o1, o2 = _pairs(o, half, variant.out_interleaved, gap)
+        g1, g2 = _pairs(g, half, variant.out_interleaved, gap)
         d_angle = d_angle + (g2 * o1 - g1 * o2).sum(-2)
     p = pair_positions(positions, variant.sections, half).to(torch.float32)
     d = (p * d_angle).reshape(-1, half).sum(0)

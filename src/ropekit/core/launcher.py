@@ -23,6 +23,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def pair_gap(variant, half: int, head_size: int) -> int:
+    """The kernels' GAP: columns from a half-split pair's first member to its second. half, or with
+    rotary_position='halves' (variant.rope_halves) half the head, pairs (i, i + D/2)."""
+    return head_size // 2 if variant.rope_halves else half
+
+
 def token_strides(x: torch.Tensor, n_tok: int):
     """(stride of b, stride of s) of the token dims; b's stride is 0 when there is one token dim."""
     return (x.stride(0), x.stride(1)) if n_tok == 2 else (0, x.stride(0))
@@ -244,6 +250,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, d_q),
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
         HAS_POS=angles.max_pos > 0,
@@ -389,12 +396,16 @@ def plan_store(
     q_scaled=False,
     write_key=False,
     packed=(1, 0),
+    parts=(None, None),
 ):
     """rope_store_kernel's launch (None for an empty call). positions: the variant's angle source
     (positions (*T) or (3, *T) with M-RoPE, cu_seqlens for packed angles, None for arange);
     packed: (cp_size, cp_rank). q_out: None (q rotated in place) or the tensor q is rotated into
     (its tail copied); write_key: rotated k written back into k too. The variant's norm_q / norm_k
-    normalize q / k first (their tails too)."""
+    normalize q / k first (their tails too). parts: (q_nope, k_nope), with the variant's nope_q /
+    nope_k the heads' no-rope parts (q, k then hold the rotary dims only): the tails of q_out / the
+    k cache rows are read from them."""
+    q_nope, k_nope = parts
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     if n_tokens == 0:
@@ -402,7 +413,10 @@ def plan_store(
     S = q.shape[n_tok - 1]
     half = rot // 2
     n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
-    d_k, d_v = k.shape[-1], v.shape[-1]
+    d_v = v.shape[-1]
+    # the widths past the rotary dims: q's / k's own tails, or the no-rope parts given apart
+    q_tail = q_nope.shape[-1] if variant.nope_q else q.shape[-1] - rot
+    k_tail = k_nope.shape[-1] if variant.nope_k else k.shape[-1] - rot
     head_loop = tuning.get("store_head_loop")
     if head_loop is None:
         head_loop = not tuning.decode_sized(n_tokens)
@@ -410,7 +424,7 @@ def plan_store(
         half,
         n_q,
         n_k,
-        d_k - rot,
+        k_tail,
         n_v,
         d_v,
         tuning.get("decode_block_elems" if tuning.decode_sized(n_tokens) else "store_block_elems"),
@@ -420,13 +434,12 @@ def plan_store(
     block_size, skc_blk, skc_off, skc_h = slot_geometry(k_cache)
     _, svc_blk, svc_off, svc_h = slot_geometry(v_cache)
     qo = q if q_out is None else q_out
-    q_tail = q.shape[-1] - rot
     args = (
         S,
         n_q,
         n_k,
         n_v,
-        d_k - rot,
+        k_tail,
         d_v,
         angles.max_pos,
         angles.sin_off,
@@ -456,6 +469,8 @@ def plan_store(
         qo.stride(-2),
         v.stride(-1),
         q_tail,
+        *nope_strides(q_nope if variant.nope_q else None, n_tok),
+        *nope_strides(k_nope if variant.nope_k else None, n_tok),
     )  # then the norm's eps and offset, per launch (fire_store)
     il = variant.interleaved
     # q's tail is written when it moves (a separate q_out) or changes (normalized, in place too)
@@ -463,6 +478,7 @@ def plan_store(
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, k.shape[-1]),
         BLOCK_HQ=bhq,
         BLOCK_HK=bhk,
         BLOCK_HV=bhv,
@@ -483,6 +499,8 @@ def plan_store(
         TAIL_PAD_Q=next_pow2(q_tail) if q_tail_written else 0,
         Q_SCALED=q_scaled,
         WRITE_K=bool(write_key),
+        NOPE_Q=variant.nope_q,
+        NOPE_K=variant.nope_k,
         HEAD_LOOP=head_loop,
         **pdl_meta(q, n_tokens),
         num_warps=tuning.warps(head_loop, variant.mrope != 0, n_tokens, store=True),
@@ -493,11 +511,35 @@ def plan_store(
     return Plan((n_tokens, 1 if head_loop else nqb + nkb + nvb), args, meta, 0, {})
 
 
+def nope_strides(x, n_tok: int) -> tuple:
+    """(b, s, head, dim) strides of a no-rope part (q_nope, k_nope); zeros when there is none."""
+    if x is None:
+        return 0, 0, 0, 0
+    return (*token_strides(x, n_tok), x.stride(-2), x.stride(-1))
+
+
 def store_inputs(
-    meta: dict, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out=None, qs=None, wq=None, wk=None
+    meta: dict,
+    q,
+    k,
+    v,
+    positions,
+    table,
+    k_cache,
+    v_cache,
+    slots,
+    ks,
+    vs,
+    q_out=None,
+    qs=None,
+    wq=None,
+    wk=None,
+    parts=(),
 ):
     """(meta, pointer tensors) of one rope_store_kernel launch: packed pairs turned off for base
-    pointers off the word grid (a view may start at an odd element)."""
+    pointers off the word grid (a view may start at an odd element). parts: (q_nope, k_nope), or
+    () without them."""
+    q_nope, k_nope = parts or (None, None)
     qo = q if q_out is None else q_out
     if meta["PACK_Q"] and (q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
         meta = dict(meta, PACK_Q=0)
@@ -509,7 +551,7 @@ def store_inputs(
         v,
         table if positions is None else positions,
         table,
-        slot_mapping,
+        slots,
         k_cache,
         v_cache,
         table if ks is None else ks,
@@ -518,7 +560,9 @@ def store_inputs(
         table if qs is None else qs,
         table if wq is None else wq,
         table if wk is None else wk,
-    )  # scales and weights: never read unless scaled / normalized
+        table if q_nope is None else q_nope,
+        table if k_nope is None else k_nope,
+    )  # scales, weights and no-rope parts: never read unless scaled / normalized / given
     return meta, ptrs
 
 
@@ -540,10 +584,12 @@ def fire_store(
     q_out=None,
     qs=None,
     norm=None,
+    parts=(None, None),
 ) -> None:
     """Launch rope_store_kernel for plan_store's plan. positions: the angle source the plan was
     made for; ks, vs, qs: float32 scale tensors or None; norm: None, or (q's weight or None, k's
-    weight or None, eps, offset) for a plan whose variant normalizes."""
+    weight or None, eps, offset) for a plan whose variant normalizes; parts: (q_nope, k_nope), the
+    no-rope parts of a plan whose variant reads them (None otherwise)."""
     if plan is None:
         return
     wq = wk = None
@@ -552,7 +598,7 @@ def fire_store(
         wq, wk, eps, offset = norm
         scalars = (float(eps), float(offset))
     meta, ptrs = store_inputs(
-        plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk
+        plan.meta, q, k, v, positions, table, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs, wq, wk, parts
     )
     launch_kernel(
         kernel("rope_store_kernel"),
@@ -611,6 +657,7 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int, sc
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, d),
         BLOCK_H=block_h,
         ROWS=rows,
         TAIL_PAD=tail_pad,
@@ -739,6 +786,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
+        GAP=pair_gap(variant, half, d),
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
         IN_INTERLEAVED=variant.interleaved,

@@ -73,6 +73,14 @@ class Variant(NamedTuple):
     #                          ops.py hands the run (B, S, H, D) views, transpose(0, 1)
     rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
     #                          DeepSeek): ops.py hands the run views of that part, the rest is copied
+    rope_halves: bool = False  # half-split pairs (i, i + D/2), i < rotary_dim / 2, of the whole head
+    #                            (rotary_position='halves', Gemma 4's p-RoPE): the kernels' GAP is D/2
+    #                            and the kept dims are [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D)
+    nope_q: bool = False  # q is the rope part of the head and q_nope, a tensor of its own, the rest
+    #                       (FlashInfer's q_rope / q_nope): the store's kernel reads q_out's dims past
+    #                       the rotated ones from it; apply_rope's output joins it (ops.py, a view form)
+    nope_k: bool = False  # k likewise with k_nope: the store's k cache row (beside v, GQA / MHA), or
+    #                       apply_rope's k output
 
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
@@ -94,8 +102,9 @@ class Variant(NamedTuple):
         return self.norm_q != 0 or self.norm_k != 0
 
     def tokens_first(self) -> "Variant":
-        """This variant for the views the custom ops take: tokens first, the rotated part alone."""
-        return self._replace(heads_first=False, seq_first=False, rope_last=False)
+        """This variant for the views the rotation's custom ops take: tokens first, the rotated part
+        alone (apply_rope's no-rope parts given apart are joined to it in ops.py)."""
+        return self._replace(heads_first=False, seq_first=False, rope_last=False, nope_q=False, nope_k=False)
 
     def with_scaled(self, scaled: bool) -> "Variant":
         """This variant with its outputs scaled (fp8) or not."""
@@ -359,6 +368,7 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
             eps=spec.norm_eps,
             offset=spec.norm_offset,
             out_dtype=torch.float32 if variant.scaled else dtype,
+            halves=variant.rope_halves,
         )
         if variant.scaled:
             y = saturate(y / scales[i if scales[i] is not None else 0], dtype).to(dtype)
@@ -373,7 +383,15 @@ def norm_backward_cpu(spec: Spec, variant: Variant, x, g, w, a, b):
     if variant.inverse:
         sin = -sin
     return cpu.norm_rotate_backward(
-        x, g, w, cos, sin, interleaved=variant.interleaved, eps=spec.norm_eps, offset=spec.norm_offset
+        x,
+        g,
+        w,
+        cos,
+        sin,
+        interleaved=variant.interleaved,
+        eps=spec.norm_eps,
+        offset=spec.norm_offset,
+        halves=variant.rope_halves,
     )
 
 
@@ -446,6 +464,7 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
             rotary_dim=spec.rot,
             k_scale=k_scale,
             dst_slots=dst_slots,
+            halves=spec.variant.rope_halves,
         )
 
 

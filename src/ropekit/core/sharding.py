@@ -127,7 +127,9 @@ def _store(codes, q_out: bool) -> OpRule:
     outs = (("q_out", HEADS), ("q_scale", SCALE)) if q_out else ()
     norm = (("q_norm_weight", wq), ("k_norm_weight", wk), ("norm_eps", None), ("norm_weight_offset", None))
     written = ("q_out" if q_out else "q", "k", "k_cache", "v_cache")
-    return OpRule(args + outs + norm + (("cp_size", None), ("cp_rank", None)), (), written)
+    parts = (("q_nope", HEADS),) if q_out else ()  # the heads' no-rope parts, given apart: like q and k
+    parts += (("k_nope", HEADS),)
+    return OpRule(args + outs + norm + (("cp_size", None), ("cp_rank", None)) + parts, (), written)
 
 
 # The op-schema table (core/library.py and api/store.py define the ops): a rule, or for the

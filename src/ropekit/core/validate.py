@@ -441,12 +441,13 @@ def out_args(op, q, out_dtype, q_scale, k_scale, inverse, *, inplace, grad) -> b
     return is_scaled(out_dtype, q_scale, k_scale)
 
 
-def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad) -> None:
+def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad, parts=(None, None)) -> None:
     """Checks of apply_rope's destinations (q_out, k_out) that need no address: each None, or a
     tensor of its input's shape in the outputs' dtype on q's device, last stride 1, no element
-    twice. Their aliasing with the inputs and each other is checked per call (`out_aliasing`)."""
+    twice (with q_nope / k_nope, parts: the head of both parts together). Their aliasing with the
+    inputs and each other is checked per call (`out_aliasing`)."""
     dtype = q.dtype if out_dtype is None else out_dtype
-    for name, out, x, xname in (("q_out", q_out, q, "q"), ("k_out", k_out, k, "k")):
+    for name, out, x, xname, part in (("q_out", q_out, q, "q", parts[0]), ("k_out", k_out, k, "k", parts[1])):
         if out is None:
             continue
         if inplace:
@@ -462,8 +463,11 @@ def out_buffers(op, q, k, q_out, k_out, out_dtype, *, inplace, grad) -> None:
                 "a tensor",
             )
         tensor(op, name, out, ndims=(x.dim(),), dtypes=(dtype,), device=q.device, shape_hint=f"of {xname}'s shape")
-        if tuple(out.shape) != tuple(x.shape):
-            fail(op, name, f"shape {tuple(x.shape)} (that of {xname})", f"shape {tuple(out.shape)}")
+        want, what = tuple(x.shape), f"that of {xname}"
+        if part is not None:
+            want, what = (*want[:-1], want[-1] + part.shape[-1]), f"{xname}'s head and {xname}_nope's together"
+        if tuple(out.shape) != want:
+            fail(op, name, f"shape {want} ({what})", f"shape {tuple(out.shape)}")
         if has_internal_overlap(out):
             fail(
                 op,
@@ -482,25 +486,49 @@ def out_aliasing(op, q_out, k_out, read, extents=None) -> None:
     written_vs_read(op, (("q_out", q_out), ("k_out", k_out)), read, extents)
 
 
-ROTARY_POSITIONS = ("first", "last")
+ROTARY_POSITIONS = ("first", "last", "halves")
 
 
-def rotary_position_arg(op, rotary_position, normed) -> bool:
-    """'first' (dims [0, rotary_dim) rotated) or 'last' ([D - rotary_dim, D): DeepSeek's
-    [nope | rope] head). Returns True for 'last'."""
+def rotary_position_arg(op, rotary_position, normed=False, allowed=ROTARY_POSITIONS) -> str:
+    """'first' (dims [0, rotary_dim) rotated), 'last' ([D - rotary_dim, D): DeepSeek's [nope | rope]
+    head) or 'halves' (pairs (i, i + D/2), i < rotary_dim / 2: Gemma 4's p-RoPE), among the
+    values `allowed` (the op's). Returns it."""
     if not isinstance(rotary_position, str):
         raise TypeError(f"{op}: rotary_position: expected a str, got {type(rotary_position).__name__}")
-    if rotary_position not in ROTARY_POSITIONS:
-        fail(op, "rotary_position", "'first' or 'last'", repr(rotary_position))
-    last = rotary_position == "last"
-    if last and normed:
+    if rotary_position not in allowed:
+        words = [repr(p) for p in allowed]
+        fail(op, "rotary_position", f"{', '.join(words[:-1])} or {words[-1]}", repr(rotary_position))
+    if rotary_position == "last" and normed:
         fail(
             op,
             "rotary_position",
             "'first' with q_norm_weight / k_norm_weight (the fused norm covers the head from dim 0)",
             "'last'",
         )
-    return last
+    return rotary_position
+
+
+def halves_args(op, q, k, interleaved, q_name="q", k_name="k") -> None:
+    """rotary_position='halves': half-split pairs (i, i + D/2) of the whole head, so interleaved is
+    False, D is even, and q and k share it (the partner distance D/2 is one constant of the launch).
+    rotary_dim <= D is checked with the table."""
+    if interleaved:
+        fail(op, "interleaved", "False with rotary_position='halves' (its pairs are (i, i + D/2))", "True")
+    d = q.shape[-1]
+    if d % 2:
+        fail(
+            op,
+            q_name,
+            "an even head size with rotary_position='halves' (pairs (i, i + D/2))",
+            f"shape {tuple(q.shape)}",
+        )
+    if k is not None and k.shape[-1] != d:
+        fail(
+            op,
+            k_name,
+            f"head size {d} (that of {q_name}) with rotary_position='halves' (one partner distance, D/2)",
+            f"shape {tuple(k.shape)}",
+        )
 
 
 def no_grad_table(op, table):
@@ -882,9 +910,11 @@ def store_args(
     mrope_section=None,
     mrope_interleaved=False,
     packed=False,
+    k_nope=None,
 ):
     """Checks of apply_rope_and_store's arguments that need no data (positions (*T), (3, *T) with
     M-RoPE sections, or None: arange, or with packed (cu_seqlens checked by `packed_args`) derived).
+    k_nope: GQA / MHA's no-rope key part beside v (`nope_part`); k_cache's rows then hold k and it.
 
     Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or the (t, h, w) sections, scales as
     given by `scale_arg`.
@@ -936,10 +966,14 @@ def store_args(
     )
     if tuple(slot_mapping.shape) != token_shape:
         fail(op, "slot_mapping", f"shape {token_shape} (the token dims of q)", f"shape {tuple(slot_mapping.shape)}")
+    if k_nope is not None:
+        nope_part(op, "k_nope", k_nope, k, rot)
 
     for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
         tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
         want = tuple(x.shape[-2:])
+        if name == "k_cache" and k_nope is not None:
+            want, xname = (want[0], want[1] + k_nope.shape[-1]), "k and k_nope together"
         if tuple(cache.shape[-2:]) != want:
             fail(op, name, f"(heads, head size) {want}, those of {xname}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
@@ -1067,12 +1101,25 @@ def extent(x) -> int:
 
 
 def store_extents(
-    q, k, v, k_cache, v_cache, positions=None, table=None, slot_mapping=None, q_out=None, wq=None, wk=None
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions=None,
+    table=None,
+    slot_mapping=None,
+    q_out=None,
+    wq=None,
+    wk=None,
+    q_nope=None,
+    k_nope=None,
 ) -> tuple:
     """Bytes from the first element to one past the last of q, k_cache, v_cache, k, v (the order
     `store_aliasing` takes them in), then of positions (or cu_seqlens), table, slot_mapping, q_out,
-    the norm weights of q and k; 0 for an empty tensor or None."""
-    return tuple(extent(x) for x in (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out, wq, wk))
+    the norm weights of q and k, the no-rope parts q_nope and k_nope; 0 for an empty tensor or None."""
+    tensors = (q, k_cache, v_cache, k, v, positions, table, slot_mapping, q_out, wq, wk, q_nope, k_nope)
+    return tuple(extent(x) for x in tensors)
 
 
 def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out=None, write_key=False) -> None:
@@ -1119,10 +1166,42 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out
                 )
 
 
-def store_outputs(op, q, k, q_out, q_scale, write_key):
-    """Checks of the store's output keywords (no data): q_out like q in any float or fp8 dtype,
-    q_scale only with q_out, write_key a bool with a k that can be written. Returns q_scale as
-    `scale_arg` gives it."""
+def nope_part(op, name, x, rope, rot, *, inference=True) -> None:
+    """q_nope / k_nope: a head's no-rope part given apart from its rope part `rope` (q / k): a float
+    tensor on rope's device with its token dims and heads, any strides (only read, the last one
+    included); rope then holds exactly the rotary dims. inference: one that requires grad is
+    refused under grad mode (the store); apply_rope's outputs carry its gradient."""
+    rope_name = name[0]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name}: expected a torch.Tensor or None, got {type(x).__name__}")
+    lead = tuple(rope.shape[:-1])
+    tensor(
+        op,
+        name,
+        x,
+        ndims=(rope.dim(),),
+        dtypes=FLOAT_DTYPES,
+        device=rope.device,
+        shape_hint=lambda: f"(*T, H, N) with the token dims and heads {lead} of {rope_name}",
+        last_stride_one=False,
+    )
+    if tuple(x.shape[:-1]) != lead:
+        fail(op, name, f"token dims and heads {lead} (those of {rope_name})", f"shape {tuple(x.shape)}")
+    if rope.shape[-1] != rot:
+        fail(
+            op,
+            rope_name,
+            f"head size {rot} (rotary_dim: with {name} given, {rope_name} is the rope part)",
+            f"shape {tuple(rope.shape)}",
+        )
+    if inference and torch.is_grad_enabled() and x.requires_grad:
+        fail(op, name, f"a tensor that does not require grad ({op} is inference only)", "requires_grad=True")
+
+
+def store_outputs(op, q, k, q_out, q_scale, write_key, q_nope=None):
+    """Checks of the store's output keywords (no data): q_out like q in any float or fp8 dtype
+    (with q_nope: q's head and q_nope's after it), q_scale only with q_out, write_key a bool with a
+    k that can be written. Returns q_scale as `scale_arg` gives it."""
     if not isinstance(write_key, bool):
         raise TypeError(f"{op}: write_key: expected a bool, got {type(write_key).__name__}")
     if write_key and has_internal_overlap(k):
@@ -1136,6 +1215,9 @@ def store_outputs(op, q, k, q_out, q_scale, write_key):
         if q_scale is not None:
             fail(op, "q_scale", "None without q_out (q is rotated in place, in its own dtype)", "a scale")
         return None
+    want, what = tuple(q.shape), "that of q"
+    if q_nope is not None:
+        want, what = (*want[:-1], want[-1] + q_nope.shape[-1]), "q's head, then q_nope's"
     tensor(
         op,
         "q_out",
@@ -1143,10 +1225,10 @@ def store_outputs(op, q, k, q_out, q_scale, write_key):
         ndims=(q.dim(),),
         dtypes=OUT_DTYPES,
         device=q.device,
-        shape_hint=lambda: f"of q's shape {tuple(q.shape)}",
+        shape_hint=lambda: f"of q's shape {want}" if q_nope is None else f"of shape {want} ({what})",
     )
-    if q_out.shape != q.shape:
-        fail(op, "q_out", f"shape {tuple(q.shape)} (that of q)", f"shape {tuple(q_out.shape)}")
+    if tuple(q_out.shape) != want:
+        fail(op, "q_out", f"shape {want} ({what})", f"shape {tuple(q_out.shape)}")
     if has_internal_overlap(q_out):
         fail(
             op,

@@ -24,23 +24,47 @@ import triton.language as tl
 
 
 @triton.jit
-def weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Columns (within a head) of x1[i] and x2[i]: (i, HALF + i) half-split, (2i, 2i + 1) pairs."""
+def weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, GAP: tl.constexpr):
+    """Columns (within a head) of x1[i] and x2[i]: (i, GAP + i) half-split (GAP is HALF, or D/2
+    with rotary_position='halves'), (2i, 2i + 1) pairs."""
     if INTERLEAVED:
         return 2 * i, 2 * i + 1
     else:
-        return i, HALF + i
+        return i, GAP + i
+
+
+@triton.jit
+def tail_at(row, j, HALF: tl.constexpr, GAP: tl.constexpr):
+    """Where tail element j (the j-th dim no rotated pair holds) of the head at `row` (a pointer,
+    or an offset) sits. Partners HALF apart: past the pairs, row + 2 * HALF + j. Partners GAP =
+    D/2 apart (rotary_position='halves', Gemma 4's p-RoPE): [HALF, GAP), then [GAP + HALF, 2 * GAP).
+    The one place a tail index becomes a column; the first branch is the usual layouts' code as
+    it was (the same expression, so the same compiled code)."""
+    if GAP == HALF:
+        return row + 2 * HALF + j
+    else:
+        return row + HALF + j + tl.where(j >= GAP - HALF, HALF, 0)
 
 
 @triton.jit
 def load_tail(
-    x_base, stride_x_head, n_heads, head0, tail_len, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
 ):
-    """The dims past the rotary ones of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
+    """The dims no rotated pair holds (tail_at) of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
     h = head0 + tl.arange(0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
     mt = (h[:, None] < n_heads) & (j < tail_len)
-    return tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + 2 * HALF + j, mask=mt, other=0.0).to(tl.float32)
+    return tl.load(tail_at(x_base + h.to(tl.int64)[:, None] * stride_x_head, j, HALF, GAP), mask=mt, other=0.0).to(
+        tl.float32
+    )
 
 
 @triton.jit
@@ -94,17 +118,26 @@ def _sum_squares(
     BLOCK_H: tl.constexpr,
     ROT: tl.constexpr,
     TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Sum of x^2 (float32 scalar) over heads [head0, head0 + BLOCK_H) of one token, all their dims:
     the ROT rotated ones read as one contiguous row per head (their pair layout does not matter to
-    a sum), then the tail."""
+    a sum; with partners GAP = D/2 apart, as the two runs of the pairs' members), then the tail."""
     h = head0 + tl.arange(0, BLOCK_H)
-    j = tl.arange(0, ROT_PAD)[None, :]
-    m = (h[:, None] < n_heads) & (j < ROT)
-    x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
-    ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+    if GAP == ROT // 2:
+        j = tl.arange(0, ROT_PAD)[None, :]
+        m = (h[:, None] < n_heads) & (j < ROT)
+        x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
+        ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+    else:
+        row = x_base + h.to(tl.int64)[:, None] * stride_x_head
+        j = tl.arange(0, ROT_PAD // 2)[None, :]
+        m = (h[:, None] < n_heads) & (j < ROT // 2)
+        x1 = tl.load(row + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(row + GAP + j, mask=m, other=0.0).to(tl.float32)
+        ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
     if TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD, GAP)
         ss += tl.sum(tl.sum(t * t, axis=1), axis=0)
     return ss
 
@@ -120,6 +153,7 @@ def group_inv_rms(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Mode 2's inverse rms of one token (float32 scalar): rsqrt(mean(x^2) + eps) over all n_heads
     heads of x (x_base: the token's first element), walked BLOCK_H heads at a time. The caller reads
@@ -128,9 +162,11 @@ def group_inv_rms(
     # two blocks a trip: their loads go out together (two in flight, not one), and the sums are
     # reduced as soon as they land, so the registers are held only briefly
     for head0 in tl.range(0, n_heads, 2 * BLOCK_H):
-        ss += _sum_squares(x_base, stride_x_head, n_heads, head0, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD)
         ss += _sum_squares(
-            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD
+            x_base, stride_x_head, n_heads, head0, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD, GAP
+        )
+        ss += _sum_squares(
+            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD, GAP
         )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
@@ -173,11 +209,12 @@ def _tile_sum_squares_at(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """tile_sum_squares with the tile's tail read here (the norm reads it again, from cache)."""
     t = x1
     if TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
     return tile_sum_squares(x1, x2, t, n_heads, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
 
 
@@ -201,16 +238,18 @@ def tiles_inv_rms(
     BLOCK_H2: tl.constexpr,
     BLOCK_H3: tl.constexpr,
     TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Mode 2's inverse rms of one token (float32 scalar) from all its heads held in up to three
     tiles: (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3
-    after those (a tile of 0 heads is absent). No head is read again (only the tails, from cache)."""
+    after those (a tile of 0 heads is absent). No head is read again (only the tails, from cache).
+    The pairs' layout (GAP) matters only to the tails' columns (tail_at)."""
     ss = _tile_sum_squares_at(
-        x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
+        x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
     )
     if BLOCK_H2 > 0:
         ss += _tile_sum_squares_at(
-            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD
+            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, GAP
         )
     if BLOCK_H3 > 0:
         ss += _tile_sum_squares_at(
@@ -225,6 +264,7 @@ def tiles_inv_rms(
             HALF_PAD,
             BLOCK_H3,
             TAIL_PAD,
+            GAP,
         )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
@@ -261,6 +301,7 @@ def load_norm_weights(
     INTERLEAVED: tl.constexpr,
     SHARED_ROW: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """(w + offset) at x1's, x2's and the tail's columns, float32 tiles; 1.0 in mode 0 (the weight is
     then never read). Mode 2 weights are (H*D,): head h starts at h * D, (BLOCK_H, .) tiles.
@@ -284,7 +325,7 @@ def load_norm_weights(
     if INTERLEAVED and W_PAIRS:
         w1, w2 = _weight_words(w_ptr + row, i, m)
     else:
-        c1, c2 = weight_cols(i, HALF, INTERLEAVED)
+        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
         w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
         w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
     w1 = tl.where(on, w1 + offset, 1.0)
@@ -292,7 +333,9 @@ def load_norm_weights(
     wt = w1
     if TAIL_PAD > 0:
         j = tl.arange(0, TAIL_PAD)[None, :]
-        wt = tl.load(w_ptr + row + 2 * HALF + j, mask=live & (j < tail_len), other=0.0, eviction_policy="evict_last")
+        wt = tl.load(
+            tail_at(w_ptr + row, j, HALF, GAP), mask=live & (j < tail_len), other=0.0, eviction_policy="evict_last"
+        )
         wt = wt.to(tl.float32)
         wt = tl.where(on, wt + offset, 1.0)
     return w1, w2, wt
@@ -316,6 +359,7 @@ def norm_heads(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
     members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
@@ -342,6 +386,7 @@ def norm_heads(
         False,
         False,
         False,
+        GAP,
     )
 
 
@@ -367,13 +412,14 @@ def norm_heads_given(
     GROUP_GIVEN: tl.constexpr,
     SHARED_ROW: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
     its heads (group_inv_rms or tiles_inv_rms), so the block may hold a few of them; SHARED_ROW and
     W_PAIRS: how the weight is read (load_norm_weights)."""
     t = x1
     if TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
     r = inv_rms(
         x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, r_group, GROUP_GIVEN
     )[:, None]
@@ -391,6 +437,7 @@ def norm_heads_given(
         INTERLEAVED,
         SHARED_ROW,
         W_PAIRS,
+        GAP,
     )
     y1 = x1 * r * w1
     y2 = x2 * r * w2

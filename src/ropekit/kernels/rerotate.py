@@ -19,6 +19,8 @@ the other rows (one row per program left W12's MLA case, 64 dims a row, latency-
 import triton
 import triton.language as tl
 
+from .norm import tail_at
+
 
 @triton.jit
 def _slot_offset(slot, block_size, stride_block, stride_offset):
@@ -58,6 +60,7 @@ def rerotate_kernel(
     # meta
     HALF: tl.constexpr,  # rotary_dim // 2
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_H: tl.constexpr,  # heads per program
     ROWS: tl.constexpr,  # rows per program
     TAIL_PAD: tl.constexpr,  # tail length rounded up to a power of two; 0 when nothing is copied
@@ -109,7 +112,7 @@ def rerotate_kernel(
         x1, x2 = tl.split(x)
     else:
         x1 = tl.load(src_row + i, mask=fmask).to(tl.float32)
-        x2 = tl.load(src_row + HALF + i, mask=fmask).to(tl.float32)
+        x2 = tl.load(src_row + GAP + i, mask=fmask).to(tl.float32)
     if SCALED:
         # dequantize, rotate in float32, quantize back with the same scale
         scale = tl.load(k_scale_ptr).to(tl.float32)
@@ -126,10 +129,10 @@ def rerotate_kernel(
         tl.store(dst_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=fmask[:, :, None])
     else:
         tl.store(dst_row + i, o1.to(out_ty), mask=fmask)
-        tl.store(dst_row + HALF + i, o2.to(out_ty), mask=fmask)
+        tl.store(dst_row + GAP + i, o2.to(out_ty), mask=fmask)
     if TAIL_PAD > 0:
-        # into another row: the dims past rotary_dim move unchanged (same dtype: a bit copy)
+        # into another row: the dims no pair holds move unchanged (same dtype: a bit copy)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = live[:, None] & (j < tail_len)
-        t = tl.load(src_row + 2 * HALF + j, mask=mt)
-        tl.store(dst_row + 2 * HALF + j, t, mask=mt)
+        t = tl.load(tail_at(src_row, j, HALF, GAP), mask=mt)
+        tl.store(tail_at(dst_row, j, HALF, GAP), t, mask=mt)

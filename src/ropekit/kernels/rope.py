@@ -2,9 +2,13 @@
 
 Every variant is the same program with different compile-time flags:
 
-    rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1)
+    rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1);
+                      half-split pairs are (i, GAP + i): GAP is HALF, or D/2 for rotary_position=
+                      'halves' (Gemma 4's p-RoPE: the pairs (i, i + D/2), i < HALF, of the whole head)
     partial rotary    HALF < head size / 2; the tail is written when TAIL_PAD > 0 (its tile width: the
-                      launcher sets it out of place, where the tail is copied, and with a norm)
+                      launcher sets it out of place, where the tail is copied, and with a norm); tail
+                      element j is at norm.tail_at(row, j): column 2 * HALF + j, or around the pairs
+                      when GAP is D/2
     angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
                       FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
                       float positions, no table); otherwise per-token cos/sin rows addressed by
@@ -37,6 +41,7 @@ from .norm import (
     load_tail,
     norm_backward,
     norm_heads_given,
+    tail_at,
     tiles_inv_rms,
     weight_cols,
 )
@@ -240,9 +245,11 @@ def load_heads(
     IN_INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     EVICT: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the two members of each rotated pair of heads
-    [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element."""
+    [head0, head0 + BLOCK_H) of one token; x_base points at the token's first element. Half-split
+    pairs are (i, GAP + i): GAP is HALF, or D/2 with rotary_position='halves'."""
     h = head0 + tl.arange(0, BLOCK_H)
     x_row = x_base + h.to(tl.int64)[:, None] * stride_x_head  # (BLOCK_H, 1) pointers
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -256,7 +263,7 @@ def load_heads(
         x1, x2 = tl.split(x)
     else:
         x1 = tl.load(x_row + i, mask=m, eviction_policy=EVICT).to(tl.float32)
-        x2 = tl.load(x_row + HALF + i, mask=m, eviction_policy=EVICT).to(tl.float32)
+        x2 = tl.load(x_row + GAP + i, mask=m, eviction_policy=EVICT).to(tl.float32)
     return x1, x2
 
 
@@ -273,16 +280,17 @@ def load_tiles(
     BLOCK_H3: tl.constexpr,
     IN_INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """load_heads of a head block held in up to three tiles, every load issued before any is used:
     (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 heads after them, (z1, z2) of BLOCK_H3
     after those. A tile of 0 heads is absent: its pair is (x1, x2) again, never used."""
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "", GAP)
     y1, y2 = x1, x2
     z1, z2 = x1, x2
     if BLOCK_H2 > 0:
         y1, y2 = load_heads(
-            x_base, stride_x_head, n_heads, head0 + BLOCK_H, HALF, HALF_PAD, BLOCK_H2, IN_INTERLEAVED, PACK, ""
+            x_base, stride_x_head, n_heads, head0 + BLOCK_H, HALF, HALF_PAD, BLOCK_H2, IN_INTERLEAVED, PACK, "", GAP
         )
     if BLOCK_H3 > 0:
         z1, z2 = load_heads(
@@ -296,6 +304,7 @@ def load_tiles(
             IN_INTERLEAVED,
             PACK,
             "",
+            GAP,
         )
     return x1, x2, y1, y2, z1, z2
 
@@ -313,9 +322,11 @@ def store_heads(
     BLOCK_H: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store o1, o2 (float32, (BLOCK_H, HALF_PAD)) as the rotated dims of heads [head0, head0 +
-    BLOCK_H) of one token, in o's dtype; o_base points at the token's first element."""
+    BLOCK_H) of one token, in o's dtype; o_base points at the token's first element. Half-split
+    pairs are (i, GAP + i), as load_heads reads them."""
     h = head0 + tl.arange(0, BLOCK_H)
     o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -329,7 +340,7 @@ def store_heads(
         tl.store(o_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
     else:
         tl.store(o_row + i, o1.to(out_ty), mask=m)
-        tl.store(o_row + HALF + i, o2.to(out_ty), mask=m)
+        tl.store(o_row + GAP + i, o2.to(out_ty), mask=m)
 
 
 @triton.jit
@@ -368,9 +379,11 @@ def _rotate_store(
     PACK: tl.constexpr,
     t_given,
     TAIL_GIVEN: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0: read
-    from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too)."""
+    from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too).
+    Pairs (i, GAP + i) and the tail's columns: load_heads' and tail_at's layout."""
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
     o_row = o_base + h64[:, None] * stride_o_head
@@ -385,10 +398,10 @@ def _rotate_store(
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = saturate(o1 * inv, o_base.dtype.element_ty)
         o2 = saturate(o2 * inv, o_base.dtype.element_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, GAP)
 
     if TAIL_PAD > 0:
-        # partial rotary, out of place: the dims past rotary_dim are copied unchanged
+        # partial rotary, out of place: the dims no pair holds are copied unchanged
         out_ty = o_base.dtype.element_ty
         x_row = x_base + h64[:, None] * stride_x_head
         j = tl.arange(0, TAIL_PAD)[None, :]
@@ -396,10 +409,10 @@ def _rotate_store(
         if TAIL_GIVEN:
             t = t_given
         else:
-            t = tl.load(x_row + 2 * HALF + j, mask=mt)
+            t = tl.load(tail_at(x_row, j, HALF, GAP), mask=mt)
         if SCALED:
             t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
-        tl.store(o_row + 2 * HALF + j, t.to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), t.to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -477,6 +490,7 @@ def _norm_select(
     NORM_K: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
@@ -506,6 +520,7 @@ def _norm_select(
         GROUP_GIVEN,
         not (NORM_Q == 2 or NORM_K == 2),
         W_PAIRS,
+        GAP,
     )
 
 
@@ -544,6 +559,7 @@ def _tile_out(
     NORM_K: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of block blk, loaded as (x1, x2): normalized (with a norm),
     rotated by (c, sn) and stored, the tail too (_rotate_store)."""
@@ -573,6 +589,7 @@ def _tile_out(
             NORM_K,
             GROUP_GIVEN,
             W_PAIRS,
+            GAP,
         )
     _rotate_store(
         x_base,
@@ -597,6 +614,7 @@ def _tile_out(
         PACK,
         t_norm,
         NORM_Q != 0 or NORM_K != 0,
+        GAP,
     )
 
 
@@ -656,6 +674,7 @@ def rope_kernel(
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_H: tl.constexpr,  # heads per head block
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail to write)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
@@ -736,7 +755,7 @@ def rope_kernel(
         BLOCK_H,
     )
     x1, x2, y1, y2, z1, z2 = load_tiles(
-        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, IN_INTERLEAVED, PACK
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, IN_INTERLEAVED, PACK, GAP
     )
     c, sn = load_angles(
         cos_ptr,
@@ -820,6 +839,7 @@ def rope_kernel(
                     BLOCK_H3,
                     IN_INTERLEAVED,
                     PACK,
+                    GAP,
                 )
         else:
             blk = blk0
@@ -844,6 +864,7 @@ def rope_kernel(
                 BLOCK_H2,
                 BLOCK_H3,
                 TAIL_PAD,
+                GAP,
             )
         elif HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2):
             # across heads with small blocks: before a tensor's first block, its inverse rms over
@@ -856,7 +877,7 @@ def rope_kernel(
                 first = blk == n_q_blocks
             if first:
                 r_group = group_inv_rms(
-                    x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
+                    x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
                 )
         group_given = (HEAD_LOOP or WHOLE) and (NORM_Q == 2 or NORM_K == 2)
         _tile_out(
@@ -893,6 +914,7 @@ def rope_kernel(
             NORM_K,
             group_given,
             W_PAIRS,
+            GAP,
         )
         if BLOCK_H2 > 0:
             _tile_out(
@@ -929,6 +951,7 @@ def rope_kernel(
                 NORM_K,
                 group_given,
                 W_PAIRS,
+                GAP,
             )
         if BLOCK_H3 > 0:
             _tile_out(
@@ -965,6 +988,7 @@ def rope_kernel(
                 NORM_K,
                 group_given,
                 W_PAIRS,
+                GAP,
             )
         if HEAD_LOOP:
             if not PREFETCH:
@@ -980,6 +1004,7 @@ def rope_kernel(
                     BLOCK_H3,
                     IN_INTERLEAVED,
                     PACK,
+                    GAP,
                 )
             x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
                 nx_base,
@@ -1008,6 +1033,7 @@ def _unrotate(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INVERSE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """gz, the gradient before the forward's rotation, from g's rotated pairs (g1, g2) of heads
     [head0, head0 + BLOCK_H) (the transpose of the rotation), and g's tail (read; float32 tiles)."""
@@ -1019,7 +1045,7 @@ def _unrotate(
     gz2 = g2 * cb - g1 * sb
     gzt = gz1
     if TAIL_PAD > 0:
-        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
     return gz1, gz2, gzt
 
 
@@ -1037,13 +1063,14 @@ def _load_x(
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
     is `placeholder` when TAIL_PAD is 0)."""
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "")
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
     xt = placeholder
     if TAIL_PAD > 0:
-        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
     return x1, x2, xt
 
 
@@ -1063,14 +1090,15 @@ def _store_grad(
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
-    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
+    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         jt = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (jt < tail)
-        ptr = gx_base + h.to(tl.int64)[:, None] * stride_gx_head + 2 * HALF + jt
+        ptr = tail_at(gx_base + h.to(tl.int64)[:, None] * stride_gx_head, jt, HALF, GAP)
         tl.store(ptr, gxt.to(gx_base.dtype.element_ty), mask=mt)
 
 
@@ -1089,6 +1117,7 @@ def _put_dw_heads(
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
     norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
@@ -1096,7 +1125,7 @@ def _put_dw_heads(
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = weight_cols(i, HALF, INTERLEAVED)
+    c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
     hrow = row + h.to(tl.int64)[:, None] * (2 * HALF + tail)
     if ACCUMULATE:
         d1 += tl.load(hrow + c1, mask=m, other=0.0)
@@ -1107,8 +1136,8 @@ def _put_dw_heads(
         jt = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (jt < tail)
         if ACCUMULATE:
-            dt += tl.load(hrow + 2 * HALF + jt, mask=mt, other=0.0)
-        tl.store(hrow + 2 * HALF + jt, dt, mask=mt)
+            dt += tl.load(tail_at(hrow, jt, HALF, GAP), mask=mt, other=0.0)
+        tl.store(tail_at(hrow, jt, HALF, GAP), dt, mask=mt)
 
 
 @triton.jit
@@ -1136,17 +1165,18 @@ def _tile_terms(
     INVERSE: tl.constexpr,
     NORM: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """What a norm's backward needs of heads [head0, head0 + BLOCK_H) of one token, given their
     loaded pairs of x (x1, x2) and of g (g1, g2): x, gz (the unrotated output gradient) and the
     weight (w + offset) at the same columns, float32 tiles (rotated pairs' members, then the tail;
     the tails are read here). Per head (NORM 1) the weight is a (1, .) row shared by the heads."""
     gz1, gz2, gzt = _unrotate(
-        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
+        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
     )
     xt = gz1
     if TAIL_PAD > 0:
-        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD)
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
     w1, w2, wt = load_norm_weights(
         w_ptr,
         n_heads,
@@ -1161,6 +1191,7 @@ def _tile_terms(
         IN_INTERLEAVED,
         NORM == 1,
         W_PAIRS,
+        GAP,
     )
     return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
 
@@ -1187,11 +1218,12 @@ def _block_terms(
     INVERSE: tl.constexpr,
     PACK: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """_tile_terms of heads [head0, head0 + BLOCK_H) of one token across heads (NORM 2), their x
     and g read here."""
-    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "")
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "")
+    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP)
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "", GAP)
     return _tile_terms(
         x_base,
         g_base,
@@ -1216,6 +1248,7 @@ def _block_terms(
         INVERSE,
         2,
         W_PAIRS,
+        GAP,
     )
 
 
@@ -1245,6 +1278,7 @@ def _tile_grads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     NORM: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """The norm's backward of heads [head0, head0 + BLOCK_H) of one token (tiles as _tile_terms
     returns them): gx stored, the weight-gradient terms gz * n returned. Per head (NORM 1) each head
@@ -1292,6 +1326,7 @@ def _tile_grads(
         TAIL_PAD,
         INTERLEAVED,
         PACK,
+        GAP,
     )
     return d1, d2, dt
 
@@ -1321,6 +1356,7 @@ def _across_backward_token(
     INVERSE: tl.constexpr,
     PACK: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """The across-heads (mode 2) backward of one token, its heads walked BLOCK_H at a time: a
     pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean term every head's
@@ -1351,6 +1387,7 @@ def _across_backward_token(
             INVERSE,
             PACK,
             W_PAIRS,
+            GAP,
         )
         bss, bgd = group_sums(
             x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
@@ -1382,6 +1419,7 @@ def _across_backward_token(
             INVERSE,
             PACK,
             W_PAIRS,
+            GAP,
         )
         d1, d2, dt = _tile_grads(
             gx_base,
@@ -1408,8 +1446,11 @@ def _across_backward_token(
             IN_INTERLEAVED,
             PACK,
             2,
+            GAP,
         )
-        _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, True)
+        _put_dw_heads(
+            row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, True, GAP
+        )
     # the next token adds to the row elements written here, maybe by other threads of the program
     tl.debug_barrier()
 
@@ -1452,6 +1493,7 @@ def _whole_backward_token(
     PACK: tl.constexpr,
     NORM: tl.constexpr,
     W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """The norm's backward of one token whose every head is in registers: x's and g's pairs in up to
     three tiles (a: BLOCK_H heads from 0, b: BLOCK_H2 after them, c: BLOCK_H3 after those; an absent
@@ -1484,6 +1526,7 @@ def _whole_backward_token(
         INVERSE,
         NORM,
         W_PAIRS,
+        GAP,
     )
     xbt, gzb1, gzb2, gzbt, wb1, wb2, wbt = xat, gza1, gza2, gzat, wa1, wa2, wat
     xct, gzc1, gzc2, gzct, wc1, wc2, wct = xat, gza1, gza2, gzat, wa1, wa2, wat
@@ -1512,6 +1555,7 @@ def _whole_backward_token(
             INVERSE,
             NORM,
             W_PAIRS,
+            GAP,
         )
     if BLOCK_H3 > 0:
         xc1, xc2, xct, gzc1, gzc2, gzct, wc1, wc2, wct = _tile_terms(
@@ -1538,6 +1582,7 @@ def _whole_backward_token(
             INVERSE,
             NORM,
             W_PAIRS,
+            GAP,
         )
     r = tl.zeros([], tl.float32) + 1.0
     mean = tl.zeros([], tl.float32)
@@ -1585,6 +1630,7 @@ def _whole_backward_token(
         IN_INTERLEAVED,
         PACK,
         NORM,
+        GAP,
     )
     db1, db2, dbt = da1, da2, dat
     dc1, dc2, dct = da1, da2, dat
@@ -1614,6 +1660,7 @@ def _whole_backward_token(
             IN_INTERLEAVED,
             PACK,
             NORM,
+            GAP,
         )
     if BLOCK_H3 > 0:
         dc1, dc2, dct = _tile_grads(
@@ -1641,6 +1688,7 @@ def _whole_backward_token(
             IN_INTERLEAVED,
             PACK,
             NORM,
+            GAP,
         )
     return da1, da2, dat, db1, db2, dbt, dc1, dc2, dct
 
@@ -1700,6 +1748,7 @@ def rope_norm_backward_kernel(
     norm_offset,  # added to the weight (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two (tile width)
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_H: tl.constexpr,  # heads per head block (NORM 2: a program walks all blocks of its tokens)
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
@@ -1761,7 +1810,7 @@ def rope_norm_backward_kernel(
         # the row is accumulated in memory, block by block, token by token: start it at zero
         for hz in tl.range(0, n_heads, BLOCK_H):
             _put_dw_heads(
-                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False
+                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False, GAP
             )
         tl.debug_barrier()
     if NORM == 1 and not WHOLE:
@@ -1779,6 +1828,7 @@ def rope_norm_backward_kernel(
             IN_INTERLEAVED,
             True,
             W_PAIRS,
+            GAP,
         )
     else:
         w1, w2, wt = zero + 1.0, zero + 1.0, acc_t + 1.0
@@ -1805,13 +1855,25 @@ def rope_norm_backward_kernel(
                     BLOCK_H3,
                     OUT_INTERLEAVED,
                     PACK,
+                    GAP,
                 )
                 xa1, xa2, xb1, xb2, xc1, xc2 = load_tiles(
-                    x_base, stride_x_head, n_heads, 0, HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, IN_INTERLEAVED, PACK
+                    x_base,
+                    stride_x_head,
+                    n_heads,
+                    0,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    BLOCK_H2,
+                    BLOCK_H3,
+                    IN_INTERLEAVED,
+                    PACK,
+                    GAP,
                 )
             else:
                 g1, g2 = load_heads(
-                    g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, ""
+                    g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP
                 )
             c, sn = load_angles(
                 cos_ptr,
@@ -1880,6 +1942,7 @@ def rope_norm_backward_kernel(
                     PACK,
                     NORM,
                     W_PAIRS,
+                    GAP,
                 )
                 acc1 += da1
                 acc2 += da2
@@ -1920,10 +1983,11 @@ def rope_norm_backward_kernel(
                     INVERSE,
                     PACK,
                     W_PAIRS,
+                    GAP,
                 )
             else:
                 gz1, gz2, gzt = _unrotate(
-                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE
+                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
                 )
                 if NORM == 1:
                     x1, x2, xt = _load_x(
@@ -1939,6 +2003,7 @@ def rope_norm_backward_kernel(
                         TAIL_PAD,
                         IN_INTERLEAVED,
                         PACK,
+                        GAP,
                     )
                     d1, d2, dt = _tile_grads(
                         gx_base,
@@ -1965,6 +2030,7 @@ def rope_norm_backward_kernel(
                         IN_INTERLEAVED,
                         PACK,
                         NORM,
+                        GAP,
                     )
                     acc1 += d1
                     acc2 += d2
@@ -1986,12 +2052,13 @@ def rope_norm_backward_kernel(
                         TAIL_PAD,
                         IN_INTERLEAVED,
                         PACK,
+                        GAP,
                     )
     if NORM == 2 and WHOLE:
         # the program's sums of every head, kept in registers over its tokens: stored once
         row = dw_ptr + p * dw_row
         _put_dw_heads(
-            row, n_heads, 0, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False
+            row, n_heads, 0, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False, GAP
         )
         if BLOCK_H2 > 0:
             _put_dw_heads(
@@ -2008,6 +2075,7 @@ def rope_norm_backward_kernel(
                 TAIL_PAD,
                 IN_INTERLEAVED,
                 False,
+                GAP,
             )
         if BLOCK_H3 > 0:
             _put_dw_heads(
@@ -2024,6 +2092,7 @@ def rope_norm_backward_kernel(
                 TAIL_PAD,
                 IN_INTERLEAVED,
                 False,
+                GAP,
             )
     if NORM == 1:
         # one partial row per program and head block: per-head weights sum their heads too (and, WHOLE,
@@ -2037,9 +2106,9 @@ def rope_norm_backward_kernel(
             e1, e2, et = _row_sums(accc1, accc2, accc_t, TAIL_PAD)
             s1, s2, st = s1 + e1, s2 + e2, st + et
         fm = tl.arange(0, HALF_PAD) < HALF
-        c1, c2 = weight_cols(i, HALF, IN_INTERLEAVED)
+        c1, c2 = weight_cols(i, HALF, IN_INTERLEAVED, GAP)
         tl.store(row + c1.reshape([HALF_PAD]), s1, mask=fm)
         tl.store(row + c2.reshape([HALF_PAD]), s2, mask=fm)
         if TAIL_PAD > 0:
             jt = tl.arange(0, TAIL_PAD)
-            tl.store(row + 2 * HALF + jt, st, mask=jt < tail)
+            tl.store(tail_at(row, jt, HALF, GAP), st, mask=jt < tail)

@@ -20,12 +20,17 @@ fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its s
 the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .rope's
 `saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
 backend's cast treats values out of range.
+
+Heads in two parts (FlashInfer's rope / no-rope inputs): with NOPE_K, k holds the rotary dims only
+and the cache row's dims past them are read from k_nope, a tensor with its own strides, beside v;
+with NOPE_Q, q holds the rotary dims only and q_out's dims past them come from q_nope. The row and
+q_out are laid out as one head would be: the rotated dims first, then the no-rope ones.
 """
 
 import triton
 import triton.language as tl
 
-from .norm import load_tail, norm_heads
+from .norm import load_tail, norm_heads, tail_at
 from .rope import load_angles, load_heads, pdl_prologue, saturate, store_heads
 
 
@@ -65,6 +70,20 @@ def _copy_heads(
 
 
 @triton.jit
+def _load_nope(
+    t_base, stride_t_head, stride_t_dim, n_heads, head0, tail_len, BLOCK_H: tl.constexpr, TAIL_PAD: tl.constexpr
+):
+    """The tail of heads [head0, head0 + BLOCK_H) from a tensor of its own (q_nope, k_nope: t_base
+    is the token's first element), float32, 0 where masked. stride_t_dim: its last-dim stride (Triton
+    specializes the usual 1)."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, TAIL_PAD)[None, :]
+    mt = (h[:, None] < n_heads) & (j < tail_len)
+    at = t_base + h.to(tl.int64)[:, None] * stride_t_head + j.to(tl.int64) * stride_t_dim
+    return tl.load(at, mask=mt, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rope_heads(
     x_base,
     stride_x_head,
@@ -76,6 +95,9 @@ def _rope_heads(
     w_ptr,
     norm_eps,
     norm_offset,
+    t_base,
+    stride_t_head,
+    stride_t_dim,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -83,14 +105,18 @@ def _rope_heads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     NORM: tl.constexpr,
+    NOPE: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of one token (x_base: its first element), RMS-normalized when
     NORM != 0 (1 per head, 2 across the block's heads) and rotated by (c, sn): float32 tiles o1, o2
     (the rotated pairs' members) and t, the tail past the rotary dims (TAIL_PAD > 0: normalized
-    with the head; otherwise a placeholder)."""
+    with the head; otherwise a placeholder). NOPE: x holds the rotary dims only and the tail is
+    read from its own tensor instead (t_base: the token's first element of it, strides per head
+    and per dim); never with NORM (validation refuses the norm of a head given in two parts)."""
     # the evict_first hint was measured on this kernel: its inputs are read once
     x1, x2 = load_heads(
-        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first"
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "evict_first", GAP
     )
     t = x1
     if NORM != 0:
@@ -111,9 +137,12 @@ def _rope_heads(
             BLOCK_H,
             TAIL_PAD,
             INTERLEAVED,
+            GAP,
         )
+    elif NOPE and TAIL_PAD > 0:
+        t = _load_nope(t_base, stride_t_head, stride_t_dim, n_heads, head0, tail_len, BLOCK_H, TAIL_PAD)
     elif TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
     cb = c[None, :]
     sb = sn[None, :]
     return x1 * cb - x2 * sb, x2 * cb + x1 * sb, t
@@ -137,6 +166,7 @@ def _put_heads(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     SCALED: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Store _rope_heads' tiles at o_base (a token's first element) in o's dtype: the rotated pairs,
     and the tail t when TAIL_PAD > 0. SCALED: divided by the float32 scalar at o_scale_ptr first;
@@ -149,13 +179,13 @@ def _put_heads(
     out_ty = o_base.dtype.element_ty
     o1 = saturate(o1, out_ty)
     o2 = saturate(o2, out_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
         o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(o_row + 2 * HALF + j, saturate(t, out_ty).to(out_ty), mask=mt)
+        tl.store(tail_at(o_row, j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
 
 
 @triton.jit
@@ -208,6 +238,16 @@ def _store_block(
     wk_ptr,
     norm_eps,
     norm_offset,
+    qn_ptr,
+    kn_ptr,
+    stride_qn_batch,
+    stride_qn_token,
+    stride_qn_head,
+    stride_qn_dim,
+    stride_kn_batch,
+    stride_kn_token,
+    stride_kn_head,
+    stride_kn_dim,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -225,10 +265,14 @@ def _store_block(
     TAIL_PAD_Q: tl.constexpr,
     Q_SCALED: tl.constexpr,
     WRITE_K: tl.constexpr,
+    NOPE_Q: tl.constexpr,
+    NOPE_K: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     """Head block blk of token (b, s): q's blocks (rotated in place or into q_out), then k's
     (rotated into the slot's cache row, and back into k with WRITE_K), then v's (copied into the
-    row). c, sn: the token's angles (unused for v)."""
+    row). c, sn: the token's angles (unused for v). NOPE_Q / NOPE_K: q's / k's dims past the
+    rotary ones are read from q_nope / k_nope (qn_ptr, kn_ptr) and land after the rotated ones."""
     # int64 before any arithmetic: block * stride is the offset that passes 2^31 on big caches
     store = (slot >= 0) & (slot < num_slots)
     cache_blk = slot // block_size
@@ -250,6 +294,9 @@ def _store_block(
             wq_ptr,
             norm_eps,
             norm_offset,
+            qn_ptr + (b * stride_qn_batch + s * stride_qn_token),
+            stride_qn_head,
+            stride_qn_dim,
             HALF,
             HALF_PAD,
             BLOCK_HQ,
@@ -257,6 +304,8 @@ def _store_block(
             INTERLEAVED,
             PACK_Q,
             NORM_Q,
+            NOPE_Q,
+            GAP,
         )
         # qo_ptr is q itself when rotating in place; its tail is then written only when normalized
         # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
@@ -277,6 +326,7 @@ def _store_block(
             INTERLEAVED,
             PACK_Q,
             Q_SCALED,
+            GAP,
         )
     elif blk < n_q_blocks + n_k_blocks:
         if store or WRITE_K:
@@ -293,6 +343,9 @@ def _store_block(
                 wk_ptr,
                 norm_eps,
                 norm_offset,
+                kn_ptr + (b * stride_kn_batch + s * stride_kn_token),
+                stride_kn_head,
+                stride_kn_dim,
                 HALF,
                 HALF_PAD,
                 BLOCK_HK,
@@ -300,6 +353,8 @@ def _store_block(
                 INTERLEAVED,
                 PACK_K,
                 NORM_K,
+                NOPE_K,
+                GAP,
             )
             if store:
                 _put_heads(
@@ -319,6 +374,7 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     K_SCALED,
+                    GAP,
                 )
             if WRITE_K:
                 # after the cache row: the row's tail was read from k. k's own tail changes only
@@ -340,6 +396,7 @@ def _store_block(
                     INTERLEAVED,
                     PACK_K,
                     False,
+                    GAP,
                 )
     elif store:
         _copy_heads(
@@ -376,11 +433,13 @@ def rope_store_kernel(
     q_scale_ptr,  # Q_SCALED: the float32 scale q_out's values are divided by
     wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride (the table when unread)
     wk_ptr,  # NORM_K: k's RMSNorm weight likewise
+    qn_ptr,  # NOPE_Q: q_nope (*T, Hq, N), q's dims past the rotary ones (the table when unread)
+    kn_ptr,  # NOPE_K: k_nope (*T, Hk, N), k's dims past the rotary ones, beside v (the table when unread)
     S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
     n_q_heads,  # Hq
     n_k_heads,  # Hk
     n_v_heads,  # Hv
-    k_tail,  # Dk - rotary_dim: k's dims copied unrotated into the cache
+    k_tail,  # Dk - rotary_dim (k_nope's width with NOPE_K): k's dims copied unrotated into the cache
     d_v,  # Dv
     max_pos,  # table rows: positions outside [0, max_pos) read nothing and give NaN
     sin_off,  # elements from tab_ptr to sin's first column
@@ -421,11 +480,20 @@ def rope_store_kernel(
     stride_qo_token,
     stride_qo_head,
     stride_v_dim,  # v's last-dim stride (1 as a rule: Triton specializes it; any value is read right)
-    q_tail,  # Dq - rotary_dim: written when TAIL_PAD_Q > 0 (q normalized, or a separate q_out)
+    q_tail,  # Dq - rotary_dim (N with NOPE_Q): written when TAIL_PAD_Q > 0 (q normalized, or a separate q_out)
+    stride_qn_batch,  # NOPE_Q: q_nope's stride of b (0 with one token dim)
+    stride_qn_token,  # ... of s
+    stride_qn_head,  # ... between heads
+    stride_qn_dim,  # ... of its last dim (any: it is only read)
+    stride_kn_batch,  # NOPE_K: k_nope's strides likewise
+    stride_kn_token,
+    stride_kn_head,
+    stride_kn_dim,
     norm_eps,  # RMSNorm epsilon
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
     HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
+    GAP: tl.constexpr,  # columns from a half-split pair's first member to its second: HALF, or D/2 (halves)
     BLOCK_HQ: tl.constexpr,  # heads of q per head block
     BLOCK_HK: tl.constexpr,  # heads of k per head block
     BLOCK_HV: tl.constexpr,  # heads of v per head block
@@ -446,6 +514,8 @@ def rope_store_kernel(
     TAIL_PAD_Q: tl.constexpr,  # q's tail tile width when written (0: the tail stays as it is)
     Q_SCALED: tl.constexpr,  # q_out written divided by q's scale
     WRITE_K: tl.constexpr,  # rotated (normalized) k written back into k, every token
+    NOPE_Q: tl.constexpr,  # q is the rope part: q_out's dims past the rotated ones come from q_nope
+    NOPE_K: tl.constexpr,  # k is the rope part: the cache row's dims past the rotated ones come from k_nope
     HEAD_LOOP: tl.constexpr,  # one program per token walks all n_blocks head blocks
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
@@ -556,6 +626,16 @@ def rope_store_kernel(
             wk_ptr,
             norm_eps,
             norm_offset,
+            qn_ptr,
+            kn_ptr,
+            stride_qn_batch,
+            stride_qn_token,
+            stride_qn_head,
+            stride_qn_dim,
+            stride_kn_batch,
+            stride_kn_token,
+            stride_kn_head,
+            stride_kn_dim,
             HALF,
             HALF_PAD,
             BLOCK_HQ,
@@ -573,4 +653,7 @@ def rope_store_kernel(
             TAIL_PAD_Q,
             Q_SCALED,
             WRITE_K,
+            NOPE_Q,
+            NOPE_K,
+            GAP,
         )

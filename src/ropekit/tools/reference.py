@@ -6,7 +6,8 @@ how tests use it) and returns tensors in the input dtype.
 
 Conventions shared with the kernels:
 - a cos/sin table row holds `rotary_dim // 2` frequencies; the cache is `[cos | sin]` per row;
-- half-split rotation pairs dims (i, i + half); interleaved pairs (2i, 2i + 1);
+- half-split rotation pairs dims (i, i + half); interleaved pairs (2i, 2i + 1); with
+  rotary_position='halves' (Gemma 4's p-RoPE) the pairs are (i, i + D/2), i < half, of the whole head;
 - a position outside `[0, max_position)` makes that token's rotated dims NaN (the tail is kept).
 """
 
@@ -41,18 +42,31 @@ def rotate(
     interleaved: bool = False,
     out_interleaved: Optional[bool] = None,
     inverse: bool = False,
+    rotary_position: str = "first",
 ) -> torch.Tensor:
     """Rotate the first `2 * cos.shape[-1]` dims of every head of x.
 
     x: (*T, H, D). cos, sin: broadcastable to (*T, half). Returns a new tensor in x's dtype.
     `out_interleaved` (default: `interleaved`) picks the layout the rotated pairs are written in;
-    `inverse` rotates by the negative angle (the backward of the forward rotation).
+    `inverse` rotates by the negative angle (the backward of the forward rotation);
+    rotary_position='halves' rotates the pairs (i, i + D/2), i < half, instead (half-split only),
+    every other dim kept.
     """
     if out_interleaved is None:
         out_interleaved = interleaved
     ct = compute_dtype(x)
     half = cos.shape[-1]
     rot = 2 * half
+    if rotary_position == "halves":
+        gap = x.shape[-1] // 2
+        c, s = cos.to(ct).unsqueeze(-2), sin.to(ct).unsqueeze(-2)
+        if inverse:
+            s = -s
+        x1, x2 = x[..., :half].to(ct), x[..., gap : gap + half].to(ct)
+        out = x.clone()
+        out[..., :half] = (x1 * c - x2 * s).to(x.dtype)
+        out[..., gap : gap + half] = (x2 * c + x1 * s).to(x.dtype)
+        return out
     xr = x[..., :rot].to(ct)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
@@ -141,6 +155,7 @@ def apply_rope(
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
     inplace: bool = False,
+    rotary_position: str = "first",
 ):
     """Same contract as `ropekit.apply_rope` (no validation: the public op validates)."""
     token_shape = q.shape[:-2]
@@ -152,8 +167,8 @@ def apply_rope(
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
     )
-    q_out = rotate(q, cos, sin, interleaved=interleaved)
-    k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved)
+    q_out = rotate(q, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+    k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
     if inplace:
         q.copy_(q_out)
         if k is not None:
@@ -182,6 +197,7 @@ def apply_rope_and_store(
     k_norm_weight=None,
     norm_eps=1e-6,
     norm_weight_offset=0.0,
+    rotary_position="first",
 ):
     """Oracle for the fused store: rotate q in place, rotate k, write k and v rows at their slots.
 
@@ -203,6 +219,7 @@ def apply_rope_and_store(
         k_norm_weight=k_norm_weight,
         norm_eps=norm_eps,
         norm_weight_offset=norm_weight_offset,
+        rotary_position=rotary_position,
     )
     q.copy_(q_rot)
     slots = slot_mapping.long()
@@ -222,7 +239,16 @@ def apply_rope_and_store(
 
 
 def rerotate_kv_cache(
-    k_cache, slots, delta, cos_sin_cache, *, interleaved=False, rotary_dim=None, k_scale=None, dst_slots=None
+    k_cache,
+    slots,
+    delta,
+    cos_sin_cache,
+    *,
+    interleaved=False,
+    rotary_dim=None,
+    k_scale=None,
+    dst_slots=None,
+    rotary_position="first",
 ):
     """Oracle of `ropekit.rerotate_kv_cache`: re-rotate cache rows by a position shift.
 
@@ -232,7 +258,8 @@ def rerotate_kv_cache(
     |delta[i]| when negative), so it holds the key for p + delta[i], and written to dst_slots[i] (or
     back to slots[i]). Rows with a negative slot or dst slot, or one >= num_slots, are skipped; a
     |delta| outside the table makes the row's rotated dims NaN. k_scale: the cache holds value /
-    k_scale. With dst_slots the dims past rotary_dim are copied unchanged. Returns k_cache.
+    k_scale. With dst_slots the dims past rotary_dim are copied unchanged. rotary_position='halves':
+    the rotated pairs are (i, i + D/2), the other dims kept likewise. Returns k_cache.
     """
     rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
     half = rot // 2
@@ -252,9 +279,11 @@ def rerotate_kv_cache(
         return (idx // block_size, idx % block_size) if k_cache.dim() == 4 else (idx,)
 
     ct = compute_dtype(k_cache)
-    x = k_cache[rows(src)]  # a gathered copy: (n, H, D)
-    tail = x[..., rot:].clone()
-    x = x[..., :rot].to(ct)
+    row = k_cache[rows(src)]  # a gathered copy: (n, H, D)
+    # the rotated dims, gathered into the first-rot layout (rotary_position='halves': two runs)
+    gap = k_cache.shape[-1] // 2 if rotary_position == "halves" else half
+    cols = torch.cat((torch.arange(half), torch.arange(gap, gap + half))).to(k_cache.device)
+    x = row[..., cols].to(ct)
     scale = None if k_scale is None else float(k_scale.reshape(()) if isinstance(k_scale, torch.Tensor) else k_scale)
     if scale is not None:
         x = x * scale
@@ -264,10 +293,9 @@ def rerotate_kv_cache(
     out = rotate(x, cos, sin, interleaved=interleaved)
     if scale is not None:
         out = out / scale
-    view = k_cache[..., :rot]
-    view[rows(dst)] = out.to(k_cache.dtype)
-    if dst_slots is not None and rot < k_cache.shape[-1]:
-        k_cache[..., rot:][rows(dst)] = tail
+    # the whole row back: its other dims unchanged in place (src is dst), copied with dst_slots
+    row[..., cols] = out.to(k_cache.dtype)
+    k_cache[rows(dst)] = row
     return k_cache
 
 
@@ -300,6 +328,7 @@ def rms_norm_rope(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    rotary_position: str = "first",
 ):
     """Oracle of apply_rope with q/k RMSNorm: each of q and k normalized (when its weight is given;
     the whole head, tail included) then rotated; one rounding to the input dtype. Differentiable
@@ -318,5 +347,5 @@ def rms_norm_rope(
             outs.append(None)
             continue
         y = x if w is None else rms_norm(x, w, eps=norm_eps, offset=norm_weight_offset)
-        outs.append(rotate(y, cos, sin, interleaved=interleaved).to(x.dtype))
+        outs.append(rotate(y, cos, sin, interleaved=interleaved, rotary_position=rotary_position).to(x.dtype))
     return outs[0], outs[1]

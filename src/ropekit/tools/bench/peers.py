@@ -197,6 +197,8 @@ class Ropekit(Peer):
         il, ms = wl.interleaved, wl.mrope_section
         pos, cache = inp.get("positions"), inp["cache"]
         ident = lambda o: tuple(o)  # noqa: E731
+        if wl.rope_forms:
+            return rope_form(self._op("apply_rope"), wl, inp)
         if wl.kind == "rope":
             op = self._op("apply_rope")
             q, k = inp["q"], inp["k"]
@@ -211,6 +213,8 @@ class Ropekit(Peer):
         if wl.kind == "store":
             op = self._op("apply_rope_and_store")
             q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
+            if "k_nope" in wl.store_forms:
+                return store_parts_form(op, wl, inp)
             if "write_key" in wl.store_forms:
                 return Bound(
                     lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il, write_key=True),
@@ -225,6 +229,46 @@ class Ropekit(Peer):
 
     def note(self, wl):
         return f"{self.module}.{'apply_rope_and_store' if wl.kind == 'store' else 'apply_rope'}"
+
+
+def rope_form(op, wl: W.Workload, inp) -> Bound:
+    """apply_rope in one of its conventions (Workload.rope_forms) on the plain row's inputs: the
+    layouts the convention takes are made here (untimed), the canonical outputs in the plain row's
+    layout."""
+    il, pos, cache = wl.interleaved, inp.get("positions"), inp["cache"]
+    form = wl.rope_forms[0]
+    if form == "last":  # MLA's whole q: the rotated dims are the last R, in place
+        q, k_pe = inp["q"], inp["k_pe"]
+        fn = lambda: op(q, k_pe, pos, cache, interleaved=il, rotary_position="last", inplace=True)  # noqa: E731
+        return Bound(fn, lambda o: (q, k_pe))
+    q, k = inp["q"], inp["k"]
+    if form == "sbhd":  # Transformer Engine's (S, B, H, D), contiguous; positions None: arange over S
+        q_s, k_s = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()
+        fn = lambda: op(q_s, k_s, None, cache, interleaved=il, layout="sbhd")  # noqa: E731
+        return Bound(fn, lambda o: (o[0].transpose(0, 1), o[1].transpose(0, 1)))
+    if form == "out":  # the caller's buffers
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        fn = lambda: op(q, k, pos, cache, interleaved=il, q_out=q_out, k_out=k_out)  # noqa: E731
+        return Bound(fn, tuple)
+    # "strided": every other element of a buffer twice as wide
+    q_2, k_2 = (torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device) for x in (q, k))
+    q_2[..., ::2], k_2[..., ::2] = q, k
+    q_s, k_s = q_2[..., ::2], k_2[..., ::2]
+    return Bound(lambda: op(q_s, k_s, pos, cache, interleaved=il), tuple)
+
+
+def store_parts_form(op, wl: W.Workload, inp) -> Bound:
+    """apply_rope_and_store with k (and with "q_nope" q) given as FlashInfer's rope and no-rope
+    parts: views of the rows of the plain inputs (R = the table's width), q_nope into q_out."""
+    R = inp["cache"].shape[-1]
+    q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
+    pos, cache = inp.get("positions"), inp["cache"]
+    kw = dict(interleaved=wl.interleaved, k_nope=k[..., R:])
+    if "q_nope" not in wl.store_forms:
+        return Bound(lambda: op(q, k[..., :R], v, pos, cache, kc, vc, slots, **kw), lambda o: (q, kc, vc))
+    q_out = inp["q_out"]
+    kw.update(q_nope=q[..., R:], q_out=q_out, q_scale=W.Q_SCALE)
+    return Bound(lambda: op(q[..., :R], k[..., :R], v, pos, cache, kc, vc, slots, **kw), lambda o: (q_out, kc, vc))
 
 
 class Reference(Ropekit):
@@ -917,10 +961,13 @@ for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn):
 
 
 def forms_only_ropekit(peer: Peer, wl: W.Workload) -> None:
-    """The store's serving forms (W7-WK, W10-FP8Q, e5m2 caches) are ropekit's keywords: other
-    peers are n/a there (their plain store rows are beside them)."""
+    """The store's serving forms (W7-WK, W10-FP8Q, W7-KNOPE, e5m2 caches) and apply_rope's
+    conventions (W1-SBHD, W2-OUT, W2-STRIDED, W6-LAST) are ropekit's keywords: other peers are n/a
+    there (their plain rows are beside them)."""
     if (wl.store_forms or wl.cache_dtype == "e5m2") and peer.name != "ropekit":
         raise PeerSkip("n/a", "a ropekit store form (see the plain store row for this peer)")
+    if wl.rope_forms and peer.name != "ropekit":
+        raise PeerSkip("n/a", "a ropekit apply_rope convention (see the plain row for this peer)")
 
 
 def all_peers() -> List[Peer]:

@@ -46,8 +46,15 @@ class Workload:
     packed: Optional[Tuple[int, int]] = None  # W11: (sequences, cp_size): THD tokens with cu_seqlens
     cache_dtype: str = ""  # store workloads: "" (the activation dtype), "fp8" (float8_e4m3fn) or "e5m2"
     # store workloads: apply_rope_and_store's serving forms, "write_key" (rotated k written back
-    # into k) and "fp8_q_out" (q rotated into a separate e4m3 q_out, scale Q_SCALE)
+    # into k), "fp8_q_out" (q rotated into a separate e4m3 q_out, scale Q_SCALE), "k_nope" (k given
+    # as its rope part and its no-rope part k_nope beside v: sizes' R is the rope width) and
+    # "q_nope" (q likewise, its no-rope part into q_out after rotated q)
     store_forms: Tuple[str, ...] = ()
+    # rope / mla workloads: apply_rope's conventions on the plain row's inputs, "sbhd" (q and k
+    # contiguous (S, B, H, D), layout='sbhd'), "out" (destinations q_out= / k_out=), "last" (MLA's
+    # whole (T, H, nope + rope) q with rotary_position='last', in place) and "strided" (q and k
+    # with last stride 2: read through the documented copy)
+    rope_forms: Tuple[str, ...] = ()
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
     one_set_calls: int = 0
@@ -305,6 +312,48 @@ _FORMS = [
         store_forms=("fp8_q_out",),
     ),
 ]
+_W1, _W2, _W6 = (next(w for w in WORKLOADS if w.id == i) for i in ("W1", "W2", "W6"))
+_W7_R64 = replace(_W7, full=dict(_W7.full, R=64), quick=dict(_W7.quick, R=64))  # the heads' rope part: 64 of 128
+_FORMS += [
+    replace(
+        _W7_R64,
+        id="W7-KNOPE",
+        name="store_k_nope",
+        what="W7 with each k head as FlashInfer's parts: rope 64 (k) + no-rope 64 (k_nope) beside v; "
+        "q rotated in place on its first 64 dims",
+        store_forms=("k_nope",),
+    ),
+    replace(
+        _W7_R64,
+        id="W7-QNOPE",
+        name="store_q_nope_fp8_q",
+        what="W7-KNOPE with q as rope 64 + q_nope 64 into an e4m3 q_out [rotated | q_nope], q_scale 0.5 "
+        "(FlashInfer's rope_quantize_fp8_append_paged_kv_cache, GQA)",
+        store_forms=("k_nope", "q_nope", "fp8_q_out"),
+    ),
+    replace(
+        _W1,
+        id="W1-SBHD",
+        name="train_8b_sbhd",
+        what="W1's q and k contiguous (S, B, H, D), layout='sbhd' (Transformer Engine's)",
+        rope_forms=("sbhd",),
+    ),
+    replace(_W2, id="W2-OUT", name="prefill_70b_out", what="W2 into given q_out= / k_out=", rope_forms=("out",)),
+    replace(
+        _W2,
+        id="W2-STRIDED",
+        name="prefill_70b_strided",
+        what="W2 with q and k of last stride 2 (every other element of a buffer): the documented copy",
+        rope_forms=("strided",),
+    ),
+    replace(
+        _W6,
+        id="W6-LAST",
+        name="mla_rope_last",
+        what="W6 on the whole (T, 128, 192) q: rotary_dim 64, rotary_position='last', in place",
+        rope_forms=("last",),
+    ),
+]
 for _w in _FORMS:  # each beside its plain store rows (the table keeps this order)
     WORKLOADS.insert(max(i for i, w in enumerate(WORKLOADS) if w.group == _w.group) + 1, _w)
 Q_SCALE = 0.5  # fp8_q_out: q_out holds rotated q / Q_SCALE
@@ -518,15 +567,19 @@ def min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
 
 def store_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
     """The fused store: q, k, v read; q written (or q_out); the k and v rows written in the
-    cache's dtype; k written again with write_key."""
+    cache's dtype; k written again with write_key. q rotated in place by a table narrower than
+    its head (partial rotary, the k_nope rows): only its rotated dims are read and written."""
 
     def nb(t):
         return t.numel() * t.element_size()
 
     rows = (inp["k"].numel() + inp["v"].numel()) * inp["k_cache"].element_size()
     q_written = nb(inp["q_out"]) if "q_out" in inp else nb(inp["q"])
+    q_read, rot = nb(inp["q"]), inp["cache"].shape[-1]
+    if "q_out" not in inp and wl.kind == "store" and rot < inp["q"].shape[-1]:
+        q_read = q_written = nb(inp["q"]) * rot // inp["q"].shape[-1]  # in place: the tail is not touched
     k_back = nb(inp["k"]) if "write_key" in wl.store_forms else 0
-    return nb(inp["q"]) + q_written + nb(inp["k"]) + nb(inp["v"]) + rows + k_back
+    return q_read + q_written + nb(inp["k"]) + nb(inp["v"]) + rows + k_back
 
 
 def as_stored(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
