@@ -17,7 +17,7 @@ import torch
 import ropekit
 from ropekit.api.modules import RotaryEmbedding
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import pipeline
+from ropekit.core import pipeline, tuning
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -368,6 +368,39 @@ def test_backward_low_precision_weights_and_inputs(dtype, device):
     for name, got, want in backward_case(q, k, pos, cache, kw):
         assert got.dtype == dtype, name
         assert rel(got, want) < GRAD_RTOL[dtype], name
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole"])
+@pytest.mark.parametrize(
+    "wdtypes",
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)],
+    ids=str,
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_of_two_dtypes(mode, wdtypes, whole, poison, device):
+    """q's and k's norm weights in different dtypes (an fp32 q weight beside a bf16 k weight): the
+    forward kernel reads both through one pointer select, so the launcher gives it both as float32
+    (exact); forward and the gradients of q, k and both weights (each in its weight's dtype)
+    against float64, through the whole-heads tiles and the small blocks."""
+    q, k = inputs(dtype=torch.bfloat16, device=device)
+    cache = make_cache(32, 48, device=device)  # partial rotary: the normalized tail too
+    pos = torch.randint(0, 32, (5,), device=device)
+    across = mode == "across"
+    kw = dict(
+        q_norm_weight=weights(q, across, wdtypes[0], device),
+        k_norm_weight=weights(k, across, wdtypes[1], device),
+        norm_eps=1e-6,
+        norm_weight_offset=1.0,
+    )
+    rq, rk = oracle(q, k, pos, cache, **kw)
+    with tuning.override(whole_heads=whole, head_loop=True, block_elems=128, across_block_elems=128):
+        qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
+        assert rel(qo, rq) < RTOL[torch.bfloat16] and rel(ko, rk) < RTOL[torch.bfloat16]
+        grads = backward_case(q, k, pos, cache, kw)
+    dtypes = {"q": torch.bfloat16, "k": torch.bfloat16, "wq": wdtypes[0], "wk": wdtypes[1]}
+    for name, got, want in grads:
+        assert got.dtype == dtypes[name], name
+        assert rel(got, want) < GRAD_RTOL[torch.bfloat16], name
 
 
 def test_backward_weight_only_and_unused_output(device):

@@ -322,6 +322,10 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None, norm=None) ->
     else:
         wq, wk, eps, offset = norm
         wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
+        if wq.dtype != wk.dtype:
+            # q and k share one code path that selects the weight's pointer, and a select needs one
+            # pointer type: weights of two dtypes are read as float32 (exact; a (D,) or (H*D,) copy)
+            wq, wk = wq.float(), wk.float()
         wa, wb = wq.data_ptr() % 16, wk.data_ptr() % 16
         if meta["W_PAIRS"] and (wa or wb):
             meta = dict(meta, W_PAIRS=False)  # a weight off the 16-byte grid: its element loads
