@@ -281,15 +281,16 @@ def test_past_2_31_elements_on_gpu(poison):
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("source", ["table-tail", "freqs-axial"])
 def test_many_small_head_blocks(poison, source, mode, layout):
-    """40 heads in blocks of 2 (block_elems 16, 4 rotated pairs a head): across heads, each token's
-    sums run over all 20 blocks before any gradient is written, and the weight-gradient row
-    accumulates over several tokens a program; per head, blocks stay independent."""
+    """40 heads in blocks of 2 (block_elems 16, 4 rotated pairs a head, whole heads off): across
+    heads, each token's sums run over all 20 blocks before any gradient is written, and the
+    weight-gradient row accumulates in memory over several tokens a program; per head, blocks stay
+    independent."""
     torch.manual_seed(5)
     if source == "table-tail":
         case = table_case(torch.tensor([[3, 0, 15], [7, 7, 1]]), 40, 16, 8)  # tail of 8 dims
     else:
         case = freqs_case(torch.randint(0, 40, (3, 5)), (2, 2, 4), 40, 16)
-    with tuning.override(block_elems=16, across_block_elems=16, norm_bwd_programs=2):
+    with tuning.override(block_elems=16, across_block_elems=16, norm_bwd_programs=2, whole_heads=False):
         angles = plans.angle_layout(case.variant(*layout), case.rot, case.a, case.b, None, case.packed)
         x = torch.empty(case.shape)
         plan = plans.plan_norm_backward(x, x, x, weight(case, mode), angles, case.variant(*layout), mode)

@@ -306,16 +306,29 @@ def test_inverse_frequencies_and_their_gradient(device, poison):
 # the fused QK-RMSNorm: per head and across heads, forward and backward
 
 
+# the normed programs' layouts: the launcher's own choice; one program per token walking head blocks
+# of 2 heads (the across-heads pre-pass and prefetch) with whole heads off; whole heads (a tensor's
+# heads of a token in up to three tiles, the group summed in registers; the backward too) with the
+# head loop and with a program per tensor; one program per head block (whole heads by the rule)
+NORM_KNOBS = {
+    "planned": {},
+    "head_loop": dict(
+        whole_heads=False, head_loop=True, block_elems=2 * 8, across_block_elems=2 * 8, decode_block_elems=2 * 8
+    ),
+    "whole_loop": dict(whole_heads=True, head_loop=True),
+    "whole_per_tensor": dict(whole_heads=True, head_loop=False),
+    "block_programs": dict(head_loop=False),
+}
+
+
 @pytest.mark.parametrize("mode", ["head", "across"])
-@pytest.mark.parametrize("knobs", ["planned", "head_loop", "block_programs"])
-def test_norm_forward_and_backward(device, poison, mode, knobs):
-    D, R, Hq, Hk = 32, 8, 4, 2
-    over = {
-        "planned": {},
-        # one program per token walking head blocks of 2 heads: the across-heads pre-pass and prefetch
-        "head_loop": dict(head_loop=True, block_elems=2 * 8, across_block_elems=2 * 8, decode_block_elems=2 * 8),
-        "block_programs": dict(head_loop=False),
-    }[knobs]
+@pytest.mark.parametrize("knobs", sorted(NORM_KNOBS))
+@pytest.mark.parametrize("Hq, Hk", [(4, 2), (7, 3)], ids=str)  # 7 = 4 + 2 + 1 tiles, k's partly masked
+def test_norm_forward_and_backward(device, poison, mode, knobs, Hq, Hk):
+    """Both norms through every program layout, whole heads on and off: the kept dims (both runs,
+    [R/2, D/2) and [D/2 + R/2, D)) normalized with the rotated ones; gradients of q, k and weights."""
+    D, R = 32, 8
+    over = NORM_KNOBS[knobs]
     q0 = rnd(5, Hq, D, device=device, seed=23)
     k0 = rnd(5, Hk, D, device=device, seed=24)
     n_q, n_k = (D, D) if mode == "head" else (Hq * D, Hk * D)
@@ -341,14 +354,17 @@ def test_norm_forward_and_backward(device, poison, mode, knobs):
         assert rel_err(got.grad, want.grad) < 1e-5
 
 
-def test_norm_in_place_normalizes_the_kept_dims(device):
-    D, R = 32, 8
-    q = rnd(4, 2, D, device=device, seed=29)
-    w = (1 + 0.3 * rnd(D, seed=30)).to(device)
+@pytest.mark.parametrize("mode", ["head", "across"])
+@pytest.mark.parametrize("whole", [False, True])
+def test_norm_in_place_normalizes_the_kept_dims(device, mode, whole):
+    D, R, H = 32, 8, 3
+    q = rnd(4, H, D, device=device, seed=29)
+    w = (1 + 0.3 * rnd(D * (H if mode == "across" else 1), seed=30)).to(device)
     want = hf_rope(hf_norm(q.cpu(), w.cpu()), torch.arange(4), R)
-    ropekit.apply_rope(
-        q, None, None, table(D, R, device=device), q_norm_weight=w, inplace=True, rotary_position="halves"
-    )
+    with tuning.override(whole_heads=whole, head_loop=True, block_elems=2 * 8, across_block_elems=2 * 8):
+        ropekit.apply_rope(
+            q, None, None, table(D, R, device=device), q_norm_weight=w, inplace=True, rotary_position="halves"
+        )
     close(q, want, torch.float32)
 
 

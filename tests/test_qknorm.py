@@ -17,7 +17,7 @@ import torch
 import ropekit
 from ropekit.api.modules import RotaryEmbedding
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import checks, memo, plans, variant
+from ropekit.core import checks, memo, plans, tuning, variant
 from ropekit.tools import reference
 
 from conftest import make_cache
@@ -233,9 +233,11 @@ def test_across_heads_wan_sized_on_gpu():
         assert rel(got, want) < GRAD_RTOL[torch.bfloat16], name
 
 
-def test_across_heads_plan_keeps_small_blocks():
-    """The launcher gives an across-heads forward the per-head block size once the head loop is
-    on, and one block of all heads without it (decode-sized calls)."""
+def test_across_heads_plan_blocks():
+    """The launcher's across-heads forward: by default one block of all of a tensor's heads in
+    power-of-two tiles (40 = 32 + 8), q's block then k's; with whole_heads off and the head loop on,
+    the per-head block size (a pre-pass sums the group); without the head loop (decode-sized calls),
+    whole heads whatever the knob (the norm group must be one block)."""
     from ropekit.core import tuning
 
     q, k = inputs(T=(4,), Hq=40, Hk=6, D=16)
@@ -244,10 +246,16 @@ def test_across_heads_plan_keeps_small_blocks():
     angles = plans.angle_layout(rec, 16, torch.arange(4), cache, None)
     with tuning.override(decode_block_elems=32, head_loop=True):
         plan = plans.plan_rotate(q, k, q, k, angles, rec)
-        assert plan.meta["HEAD_LOOP"] and plan.meta["BLOCK_H"] == 2 and plan.args[8] == 20 + 3
-    with tuning.override(decode_block_elems=32, head_loop=False):
+        tiles = (plan.meta["BLOCK_H"], plan.meta["BLOCK_H2"], plan.meta["BLOCK_H3"])
+        assert plan.meta["WHOLE"] and tiles == (32, 8, 0) and plan.args[8] == 2 and plan.grid == (4, 1)
+    with tuning.override(decode_block_elems=32, head_loop=True, whole_heads=False):
         plan = plans.plan_rotate(q, k, q, k, angles, rec)
-        assert plan.meta["BLOCK_H"] == 64 and plan.grid == (4, 2)
+        assert not plan.meta["WHOLE"] and plan.meta["BLOCK_H"] == 2 and plan.args[8] == 20 + 3
+    for whole in (None, False):
+        with tuning.override(decode_block_elems=32, head_loop=False, whole_heads=whole):
+            plan = plans.plan_rotate(q, k, q, k, angles, rec)
+            assert plan.meta["WHOLE"] and plan.meta["BLOCK_H"] == 32 and plan.meta["BLOCK_H2"] == 8
+            assert plan.grid == (4, 2)
 
 
 def test_bad_position_is_nan_in_rotated_dims_only(device):
@@ -360,6 +368,39 @@ def test_backward_low_precision_weights_and_inputs(dtype, device):
     for name, got, want in backward_case(q, k, pos, cache, kw):
         assert got.dtype == dtype, name
         assert rel(got, want) < GRAD_RTOL[dtype], name
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole"])
+@pytest.mark.parametrize(
+    "wdtypes",
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)],
+    ids=str,
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_of_two_dtypes(mode, wdtypes, whole, poison, device):
+    """q's and k's norm weights in different dtypes (an fp32 q weight beside a bf16 k weight): the
+    forward kernel reads both through one pointer select, so the launcher gives it both as float32
+    (exact); forward and the gradients of q, k and both weights (each in its weight's dtype)
+    against float64, through the whole-heads tiles and the small blocks."""
+    q, k = inputs(dtype=torch.bfloat16, device=device)
+    cache = make_cache(32, 48, device=device)  # partial rotary: the normalized tail too
+    pos = torch.randint(0, 32, (5,), device=device)
+    across = mode == "across"
+    kw = dict(
+        q_norm_weight=weights(q, across, wdtypes[0], device),
+        k_norm_weight=weights(k, across, wdtypes[1], device),
+        norm_eps=1e-6,
+        norm_weight_offset=1.0,
+    )
+    rq, rk = oracle(q, k, pos, cache, **kw)
+    with tuning.override(whole_heads=whole, head_loop=True, block_elems=128, across_block_elems=128):
+        qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
+        assert rel(qo, rq) < RTOL[torch.bfloat16] and rel(ko, rk) < RTOL[torch.bfloat16]
+        grads = backward_case(q, k, pos, cache, kw)
+    dtypes = {"q": torch.bfloat16, "k": torch.bfloat16, "wq": wdtypes[0], "wk": wdtypes[1]}
+    for name, got, want in grads:
+        assert got.dtype == dtypes[name], name
+        assert rel(got, want) < GRAD_RTOL[torch.bfloat16], name
 
 
 def test_backward_weight_only_and_unused_output(device):

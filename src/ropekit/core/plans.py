@@ -126,6 +126,29 @@ def _tiles(half: int, n_q: int, n_k: int, tail: int, block_elems: int):
     return half_pad, block_h, tail_pad, n_q_blocks, n_k_blocks
 
 
+def head_tiles(n_heads: int) -> tuple:
+    """(BLOCK_H, BLOCK_H2, BLOCK_H3): n_heads in at most three power-of-two tiles, largest first, by
+    the binary decomposition of n_heads (40 = 32 + 8, 24 = 16 + 8, 7 = 4 + 2 + 1: no padded rows), the
+    third rounded up to a power of two when more bits remain (15 = 8 + 4 + 4); 0 for an absent tile."""
+    tiles = []
+    rest = int(n_heads)
+    while rest > 0 and len(tiles) < 2:
+        tiles.append(1 << (rest.bit_length() - 1))
+        rest -= tiles[-1]
+    if rest > 0:
+        tiles.append(next_pow2(rest))
+    return tuple(tiles + [0] * (3 - len(tiles)))
+
+
+def _whole_heads(mode_across: bool, n_heads: int, other_heads: int, block_h: int) -> bool:
+    """The whole_heads knob, or its rule (tuning.py): across heads, or per head when the tensors have
+    one head count (other_heads: k's, or 0 without k) that per-head blocks of block_h would pad."""
+    whole = tuning.get("whole_heads")
+    if whole is not None:
+        return bool(whole)
+    return mode_across or (other_heads in (0, n_heads) and n_heads % block_h != 0)
+
+
 class Plan(NamedTuple):
     """A kernel launch minus its tensors."""
 
@@ -193,15 +216,21 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     else:
         block_elems = tuning.get("across_block_elems" if across else "block_elems")
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(half, n_q, n_k, tail, block_elems)
-    if across and not head_loop:
-        # one program per head block: the norm group must be one block (all heads of a token; fine
-        # for decode-sized calls, which are latency-bound). With the head loop, blocks keep their
-        # size and the kernel sums the group in a pre-pass over the token's blocks.
-        block_h = next_pow2(max(n_q, n_k))
+    # whole heads: a block is all of a tensor's heads, in tiles. Required across heads without the
+    # head loop (a program per head block: the norm group must be one block); with the head loop the
+    # alternative is small blocks and a pre-pass over the token's blocks (whole_heads=False).
+    whole = normed and ((across and not head_loop) or _whole_heads(across, n_q, n_k, block_h))
+    tiles = (block_h, 0, 0)
+    if whole:
+        tiles = head_tiles(max(n_q, n_k))
+        block_h = tiles[0]
         nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
-    # M-RoPE's three masked row loads and a norm's reductions already hold the registers
-    prefetch = head_loop and (not (mrope or normed) if prefetch is None else prefetch)
+    # M-RoPE's three masked row loads and a norm's reductions in small blocks already hold the
+    # registers; whole heads prefetch k's tiles while q's are normalized (ptxas, sm_90, Wan's 40 heads
+    # of 128 at 4 warps: 96 registers without, 113 with: 5 programs an SM with one token's tensor in
+    # flight each, or 4 with two)
+    prefetch = head_loop and ((whole or not (mrope or normed)) if prefetch is None else prefetch)
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         ins = (q, k) if variant.interleaved else ()
@@ -243,28 +272,31 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
         **angle_meta(angles, variant),
-        IN_INTERLEAVED=variant.interleaved,
-        OUT_INTERLEAVED=variant.out_interleaved,
-        INVERSE=variant.inverse,
-        SCALED=variant.scaled,
+        **variant_flags("rope_kernel", variant),
         PACK=pack,
         HEAD_LOOP=head_loop,
         PREFETCH=prefetch,
-        NORM_Q=variant.norm_q,
-        NORM_K=variant.norm_k,
         **pdl_meta(q, n_tokens),
+        WHOLE=whole,
+        BLOCK_H2=tiles[1],
+        BLOCK_H3=tiles[2],
+        W_PAIRS=normed and variant.interleaved and bool(tuning.get("weight_pairs")),
         num_warps=tuning.warps(head_loop, mrope, n_tokens, elems=block_h * (2 * half_pad + tail_pad)),
     )
     if normed and not tuning.get("num_warps"):
-        meta["num_warps"] = norm_warps(block_h, half_pad, tail_pad)
+        meta["num_warps"] = tuning.get("norm_warps") or norm_warps(sum(tiles), half_pad, tail_pad, whole)
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
 
 
-def norm_warps(block_h: int, half_pad: int, tail_pad: int) -> int:
+def norm_warps(block_h: int, half_pad: int, tail_pad: int, whole: bool = False) -> int:
     """Warps of a normed launch: one per 1024 elements of a head block, 2 to 8 (W13's per-head
-    blocks of 2048 ran fastest with 2; across-heads blocks hold a whole token, up to 64 heads of
-    128, and need more to stay in registers)."""
+    blocks of 2048 ran fastest with 2). Whole heads (block_h: all of a tensor's heads): 4, 8 past
+    8192 elements. Fewer warps hold a token in fewer registers in all (ptxas, sm_90, Wan's 40 heads
+    of 128: 2 / 4 / 8 / 16 warps take 154 / 96 / 79 / 62 registers a thread, 6 / 5 / 3 / 2
+    programs an SM); 2 leave little to hide each thread's longer chain."""
     elems = block_h * (2 * half_pad + tail_pad)
+    if whole:
+        return 4 if elems <= 8192 else 8
     return max(2, min(8, next_pow2(max(1, elems // 1024))))
 
 
@@ -298,8 +330,15 @@ def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None, norm=None) ->
     else:
         wq, wk, eps, offset = norm
         wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
+        if wq.dtype != wk.dtype:
+            # q and k share one code path that selects the weight's pointer, and a select needs one
+            # pointer type: weights of two dtypes are read as float32 (exact; a (D,) or (H*D,) copy)
+            wq, wk = wq.float(), wk.float()
+        wa, wb = wq.data_ptr() % 16, wk.data_ptr() % 16
+        if meta["W_PAIRS"] and (wa or wb):
+            meta = dict(meta, W_PAIRS=False)  # a weight off the 16-byte grid: its element loads
         # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
-        args, variant = (*plan.args, wq, wk, eps, offset), (meta["PACK"], wq.data_ptr() % 16, wk.data_ptr() % 16)
+        args, variant = (*plan.args, wq, wk, eps, offset), (meta["PACK"], wa, wb)
     launch_kernel(kernel("rope_kernel"), plan.compiled, variant, plan.grid, ptrs, args, meta)
 
 
@@ -571,15 +610,15 @@ def angle_args(angles: AngleLayout, variant) -> tuple:
     return (*angles.pos_strides, *angles.strides, *section_args(variant, angles.half), *angles.packed)
 
 
-_ANGLE_META = ("HAS_POS", "MROPE", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE", "FREQS")
+_ANGLE_META = ("HAS_POS", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE", "FREQS")
 
 
 def angle_meta(angles: AngleLayout, variant, names=_ANGLE_META) -> dict:
     """The kernels' constexprs of where the angles come from (see kernels.rope.load_angles); names:
-    those the kernel takes (the store's computes no angles: no FREQS)."""
+    those the kernel takes (the store's computes no angles: no FREQS). M-RoPE's layout is a field
+    of the record (variant_flags)."""
     meta = dict(
         HAS_POS=angles.max_pos > 0,
-        MROPE=variant.mrope,
         PACKED=variant.angles == "packed",
         SEARCH_STRIDE=angles.search[0],
         SEARCH_COARSE=angles.search[1],
@@ -629,9 +668,16 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     block_elems = tuning.get("across_block_elems" if mode == 2 else "block_elems")
     block_h = min(next_pow2(n_heads), next_pow2(max(1, block_elems // (2 * half_pad))))
     # across heads (mode 2) each program walks all head blocks of its tokens (the norm group is the
-    # token): one program along heads
-    n_blocks = 1 if mode == 2 else -(-n_heads // block_h)
+    # token): one program along heads. Whole heads: one block of every head, in tiles
+    knob = tuning.get("whole_heads")
+    whole = mode != 0 and (mode == 2 if knob is None else bool(knob))
+    tiles = head_tiles(n_heads) if whole else (block_h, 0, 0)
+    block_h = tiles[0]
+    n_blocks = 1 if (mode == 2 or whole) else -(-n_heads // block_h)
     per_program = -(-n_tokens // max(1, tuning.get("norm_bwd_programs")))
+    pack = 0
+    if variant.interleaved or variant.out_interleaved:
+        pack = _pair_bits(*((x, gx) if variant.interleaved else ()), *((g,) if variant.out_interleaved else ()))
     args = (
         n_tokens,
         x.shape[n_tok - 1],
@@ -656,14 +702,26 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         GAP=pair_gap(variant, half, d),
         BLOCK_H=block_h,
         TAIL_PAD=tail_pad,
-        IN_INTERLEAVED=variant.interleaved,
-        OUT_INTERLEAVED=variant.out_interleaved,
-        INVERSE=variant.inverse,
+        **variant_flags("rope_norm_backward_kernel", variant),
         NORM=mode,
         **angle_meta(angles, variant),
-        num_warps=max(4, norm_warps(block_h, half_pad, tail_pad)),
+        PACK=pack,
+        WHOLE=whole,
+        BLOCK_H2=tiles[1],
+        BLOCK_H3=tiles[2],
+        W_PAIRS=mode != 0 and variant.interleaved and bool(tuning.get("weight_pairs")),
+        num_warps=tuning.get("norm_bwd_warps") or norm_bwd_warps(sum(tiles), half_pad, tail_pad, whole),
     )
-    return Plan((-(-n_tokens // per_program), n_blocks), args, meta, 0, {})
+    return Plan((-(-n_tokens // per_program), n_blocks), args, meta, pack // 8, {})
+
+
+def norm_bwd_warps(block_h: int, half_pad: int, tail_pad: int, whole: bool) -> int:
+    """Warps of the norm's backward: norm_warps' rule, at least 4; whole heads 4 up to 6144 elements
+    (ptxas, sm_90, Wan's 40 heads of 128 across heads: 243 registers a thread at 4 warps, 2 programs
+    an SM; 165 at 8 and 109 at 16, one program; 2 warps spill), else 8."""
+    if whole:
+        return 4 if block_h * (2 * half_pad + tail_pad) <= 6144 else 8
+    return max(4, norm_warps(block_h, half_pad, tail_pad))
 
 
 def norm_backward_rows(plan: Plan) -> tuple:
@@ -695,16 +753,21 @@ def fire_norm_backward(plan: Optional[Plan], x, g, gx, w, dw, a, b, eps: float, 
     forward norm's. Nothing to do for an empty call (plan None)."""
     if plan is None:
         return
+    meta = plan.meta
+    if plan.pack_bytes and (x.data_ptr() | g.data_ptr() | gx.data_ptr()) % plan.pack_bytes:
+        meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
+    if meta["W_PAIRS"] and w.data_ptr() % 16:
+        meta = dict(meta, W_PAIRS=False)  # a weight off the 16-byte grid: its element loads
     # mode 0 never reads the weight nor writes the partial sums: those slots get g (a valid address)
-    ptrs = (x, g, gx, g if w is None else w, g if dw is None else dw, *angle_pointers(plan.meta, a, b))
+    ptrs = (x, g, gx, g if w is None else w, g if dw is None else dw, *angle_pointers(meta, a, b))
     launch_kernel(
         kernel("rope_norm_backward_kernel"),
         plan.compiled,
-        (),
+        (meta["PACK"], meta["W_PAIRS"]),
         plan.grid,
         ptrs,
         (*plan.args, float(eps), float(offset)),
-        plan.meta,
+        meta,
     )
 
 

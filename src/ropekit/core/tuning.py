@@ -62,6 +62,25 @@ KNOBS: Dict[str, Knob] = {
         "rows are gathered by slot, so a program takes several to overlap "
         "their dependent slot -> table -> cache loads",
     ),
+    "whole_heads": Knob(
+        None,
+        "None: a normed rope_kernel launch holds each tensor's heads of a token whole (one head "
+        "block in up to three power-of-two tiles, the binary decomposition of H: 40 = 32 + 8, no "
+        "padded rows; its loads all in flight before the norm's sums, no second read) when the norm "
+        "is across heads, or per head when q and k have one head count that the per-head blocks "
+        "would pad (Flux's 24 heads in blocks of 16); the norm's backward across heads (its "
+        "weight-gradient row then stays in registers over a program's tokens); True / False force "
+        "it, per-head backwards included (sweeps: tools/tune_dit.py)",
+    ),
+    "norm_warps": Knob(0, "0: norm_warps' rule for a normed rope_kernel launch; else this many warps"),
+    "norm_bwd_warps": Knob(
+        0, "0: the rule of plan_norm_backward (4 to 8); else this many warps for the norm's backward"
+    ),
+    "weight_pairs": Knob(
+        True,
+        "interleaved norm weights read as one 32- or 64-bit word per (2i, 2i+1) pair when 16-byte "
+        "aligned (vectorized), instead of two strided element loads; False: the element loads",
+    ),
     "norm_bwd_programs": Knob(
         1024,
         "rope_norm_backward_kernel programs along tokens, each walking its share of them and "
@@ -85,7 +104,8 @@ KNOBS: Dict[str, Knob] = {
         None,
         "None: with the head loop, issue the next head block's loads before this "
         "block's stores, except for M-RoPE, whose three masked row loads already "
-        "hold the registers (prefetching there lowered occupancy and W4)",
+        "hold the registers (prefetching there lowered occupancy and W4), and a norm in "
+        "small blocks (its reductions); whole heads prefetch (k's tiles during q's norm)",
     ),
 }
 

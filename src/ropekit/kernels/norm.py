@@ -7,12 +7,13 @@ The norm group is one head (mode 1: weight (D,), Qwen3 / Gemma 3) or all heads o
 rotated pair, for BLOCK_H heads of one token; these helpers add the tail past the rotary dims, so
 the whole head is normalized, and scale everything before the rotation.
 
-Across heads, two schemes. With a head loop (one program walks all head blocks of a token), blocks
-stay small and a pre-pass over the tensor's head blocks of the token (group_inv_rms) sums the
-squares first; the block pass then reads the heads again, from cache (the token's heads were just
-read), and scales by that inverse rms. Holding all heads in one block instead (up to 64 heads of 128
-padded) is far past the register file and spilled (Wan 2.1: 16% of copy bandwidth). Without the
-head loop (decode-sized calls, the fused store) one block holds all heads and inv_rms sums them.
+Across heads, three schemes. Whole heads (rope_kernel's WHOLE): a head block is all of a tensor's
+heads of one token, held in up to three power-of-two tiles (the binary decomposition of H: 40 =
+32 + 8, no padded rows), every tile's loads issued before any reduction; tiles_inv_rms sums them in
+registers, nothing is read twice. Small blocks with a head loop (one program walks all head blocks
+of a token): a pre-pass over the tensor's head blocks (group_inv_rms) sums the squares first; the
+block pass then reads the heads again, from cache, and scales by that inverse rms. One padded block
+(the fused store): inv_rms sums it (a block of 64 padded heads of 128 spilled in rope_kernel).
 
 Modes are runtime values here: q and k share one code path in rope_kernel (a scalar select), so a
 block of q may be normalized while a block of k is not. Mode 0 leaves x unchanged.
@@ -172,6 +173,120 @@ def group_inv_rms(
 
 
 @triton.jit
+def tile_sum_squares(
+    x1,
+    x2,
+    t,
+    n_heads,
+    head0,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
+    """Sum of x^2 (float32 scalar) over heads [head0, head0 + BLOCK_H) of one token held in registers:
+    the rotated pairs' members x1, x2 (masked lanes, loaded without `other`, left out) and the tail t
+    (0 where masked, load_tail; unused when TAIL_PAD is 0)."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    m = (h[:, None] < n_heads) & (i < HALF)
+    ss = tl.sum(tl.sum(tl.where(m, x1 * x1 + x2 * x2, 0.0), axis=1), axis=0)
+    if TAIL_PAD > 0:
+        ss += tl.sum(tl.sum(t * t, axis=1), axis=0)
+    return ss
+
+
+@triton.jit
+def _tile_sum_squares_at(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    x1,
+    x2,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """tile_sum_squares with the tile's tail read here (the norm reads it again, from cache)."""
+    t = x1
+    if TAIL_PAD > 0:
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
+    return tile_sum_squares(x1, x2, t, n_heads, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+
+
+@triton.jit
+def tiles_inv_rms(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    tail_len,
+    eps,
+    x1,
+    x2,
+    y1,
+    y2,
+    z1,
+    z2,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_H2: tl.constexpr,
+    BLOCK_H3: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """Mode 2's inverse rms of one token (float32 scalar) from all its heads held in up to three
+    tiles: (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3
+    after those (a tile of 0 heads is absent). No head is read again (only the tails, from cache).
+    The pairs' layout (GAP) matters only to the tails' columns (tail_at)."""
+    ss = _tile_sum_squares_at(
+        x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
+    )
+    if BLOCK_H2 > 0:
+        ss += _tile_sum_squares_at(
+            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, GAP
+        )
+    if BLOCK_H3 > 0:
+        ss += _tile_sum_squares_at(
+            x_base,
+            stride_x_head,
+            n_heads,
+            head0 + BLOCK_H + BLOCK_H2,
+            tail_len,
+            z1,
+            z2,
+            HALF,
+            HALF_PAD,
+            BLOCK_H3,
+            TAIL_PAD,
+            GAP,
+        )
+    count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
+    return 1.0 / tl.sqrt(ss / count + eps)
+
+
+@triton.jit
+def _weight_words(w_row, i, m):
+    """Interleaved weight columns (2i, 2i+1) of rows w_row ((R, 1) pointers, word-aligned), one word
+    per pair (16-bit weights: 32-bit words, 32-bit weights: 64-bit words): float32 (R, .) tiles."""
+    ty = w_row.dtype.element_ty
+    if tl.constexpr(ty.primitive_bitwidth) == 16:
+        word = tl.load(w_row.to(tl.pointer_type(tl.uint32)) + i, mask=m, other=0, eviction_policy="evict_last")
+        lo = word.to(tl.uint16)
+        hi = (word >> 16).to(tl.uint16)
+    else:
+        word = tl.load(w_row.to(tl.pointer_type(tl.uint64)) + i, mask=m, other=0, eviction_policy="evict_last")
+        lo = word.to(tl.uint32)
+        hi = (word >> 32).to(tl.uint32)
+    return lo.to(ty, bitcast=True).to(tl.float32), hi.to(ty, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def load_norm_weights(
     w_ptr,
     n_heads,
@@ -184,28 +299,45 @@ def load_norm_weights(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    SHARED_ROW: tl.constexpr,
+    W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """(w + offset) at x1's, x2's and the tail's columns, float32 (BLOCK_H, .) tiles; 1.0 in mode 0
-    (the weight is then never read). Mode 2 weights are (H*D,): head h starts at h * D."""
-    h = head0 + tl.arange(0, BLOCK_H)
+    """(w + offset) at x1's, x2's and the tail's columns, float32 tiles; 1.0 in mode 0 (the weight is
+    then never read). Mode 2 weights are (H*D,): head h starts at h * D, (BLOCK_H, .) tiles.
+    SHARED_ROW (no mode 2 in the launch): every head has the same (D,) row, read once as (1, .)
+    tiles that broadcast over the heads, not once per head. W_PAIRS (interleaved columns, the
+    weight's base 16-byte aligned): each pair (2i, 2i+1) read as one word, vectorized. Every token
+    reads the same weight: kept in cache before the streamed q and k (evict_last)."""
     d = 2 * HALF + tail_len
-    mode_v = tl.zeros([BLOCK_H, 1], tl.int32) + mode
+    if SHARED_ROW:
+        mode_v = tl.zeros([1, 1], tl.int32) + mode
+        row = tl.zeros([1, 1], tl.int64)
+        live = mode_v != 0
+    else:
+        h = head0 + tl.arange(0, BLOCK_H)
+        mode_v = tl.zeros([BLOCK_H, 1], tl.int32) + mode
+        row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)  # int64: h * D scaled below 2^63
+        live = (mode_v != 0) & (h[:, None] < n_heads)
     on = mode_v != 0
-    row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)  # int64: h * D scaled below 2^63
     i = tl.arange(0, HALF_PAD)[None, :]
-    m = on & (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
-    w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0).to(tl.float32) + offset
-    w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0).to(tl.float32) + offset
-    w1 = tl.where(on, w1, 1.0)
-    w2 = tl.where(on, w2, 1.0)
+    m = live & (i < HALF)
+    if INTERLEAVED and W_PAIRS:
+        w1, w2 = _weight_words(w_ptr + row, i, m)
+    else:
+        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
+        w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    w1 = tl.where(on, w1 + offset, 1.0)
+    w2 = tl.where(on, w2 + offset, 1.0)
     wt = w1
     if TAIL_PAD > 0:
         j = tl.arange(0, TAIL_PAD)[None, :]
-        mt = on & (h[:, None] < n_heads) & (j < tail_len)
-        wt = tl.load(tail_at(w_ptr + row, j, HALF, GAP), mask=mt, other=0.0).to(tl.float32) + offset
-        wt = tl.where(on, wt, 1.0)
+        wt = tl.load(
+            tail_at(w_ptr + row, j, HALF, GAP), mask=live & (j < tail_len), other=0.0, eviction_policy="evict_last"
+        )
+        wt = wt.to(tl.float32)
+        wt = tl.where(on, wt + offset, 1.0)
     return w1, w2, wt
 
 
@@ -252,6 +384,8 @@ def norm_heads(
         TAIL_PAD,
         INTERLEAVED,
         False,
+        False,
+        False,
         GAP,
     )
 
@@ -276,10 +410,13 @@ def norm_heads_given(
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
+    SHARED_ROW: tl.constexpr,
+    W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
     """norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
-    its heads (group_inv_rms), so the block may hold a few of them."""
+    its heads (group_inv_rms or tiles_inv_rms), so the block may hold a few of them; SHARED_ROW and
+    W_PAIRS: how the weight is read (load_norm_weights)."""
     t = x1
     if TAIL_PAD > 0:
         t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -287,7 +424,20 @@ def norm_heads_given(
         x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, r_group, GROUP_GIVEN
     )[:, None]
     w1, w2, wt = load_norm_weights(
-        w_ptr, n_heads, head0, tail_len, mode, offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, GAP
+        w_ptr,
+        n_heads,
+        head0,
+        tail_len,
+        mode,
+        offset,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        SHARED_ROW,
+        W_PAIRS,
+        GAP,
     )
     y1 = x1 * r * w1
     y2 = x2 * r * w2
@@ -381,13 +531,10 @@ def group_sums(
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
-    sq = tl.where(m, x1 * x1 + x2 * x2, 0.0)
-    dot = tl.where(m, gz1 * w1 * x1 + gz2 * w2 * x2, 0.0)
-    ss = tl.sum(tl.sum(sq, axis=1), axis=0)
-    gd = tl.sum(tl.sum(dot, axis=1), axis=0)
+    ss = tile_sum_squares(x1, x2, xt, n_heads, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)  # xt: 0 where masked
+    gd = tl.sum(tl.sum(tl.where(m, gz1 * w1 * x1 + gz2 * w2 * x2, 0.0), axis=1), axis=0)
     if TAIL_PAD > 0:
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = (h[:, None] < n_heads) & (j < tail_len)
-        ss += tl.sum(tl.sum(tl.where(mt, xt * xt, 0.0), axis=1), axis=0)
         gd += tl.sum(tl.sum(tl.where(mt, gzt * wt * xt, 0.0), axis=1), axis=0)
     return ss, gd

@@ -2,7 +2,7 @@
 
 Every variant is the same program with different compile-time flags:
 
-    rotation layout   IN_INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1);
+    rotation layout   INTERLEAVED / OUT_INTERLEAVED   half-split (Llama/NeoX) or pairs (2i, 2i+1);
                       half-split pairs are (i, GAP + i): GAP is HALF, or D/2 for rotary_position=
                       'halves' (Gemma 4's p-RoPE: the pairs (i, i + D/2), i < HALF, of the whole head)
     partial rotary    HALF < head size / 2; the tail is written when TAIL_PAD > 0 (its tile width: the
@@ -42,6 +42,7 @@ from .norm import (
     norm_backward,
     norm_heads_given,
     tail_at,
+    tiles_inv_rms,
     weight_cols,
 )
 from .positions import packed_position
@@ -241,7 +242,7 @@ def load_heads(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     EVICT: tl.constexpr,
     GAP: tl.constexpr,
@@ -253,9 +254,9 @@ def load_heads(
     x_row = x_base + h.to(tl.int64)[:, None] * stride_x_head  # (BLOCK_H, 1) pointers
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
-    if IN_INTERLEAVED and PACK != 0:
+    if INTERLEAVED and PACK != 0:
         x1, x2 = _load_pairs(x_row, i, m, x_base.dtype.element_ty, PACK, EVICT)
-    elif IN_INTERLEAVED:
+    elif INTERLEAVED:
         # pairs (2i, 2i+1): one contiguous (BLOCK_H, HALF, 2) load, split into even and odd lanes
         pair = tl.arange(0, 2)[None, None, :]
         x = tl.load(x_row[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
@@ -264,6 +265,48 @@ def load_heads(
         x1 = tl.load(x_row + i, mask=m, eviction_policy=EVICT).to(tl.float32)
         x2 = tl.load(x_row + GAP + i, mask=m, eviction_policy=EVICT).to(tl.float32)
     return x1, x2
+
+
+@triton.jit
+def load_tiles(
+    x_base,
+    stride_x_head,
+    n_heads,
+    head0,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_H2: tl.constexpr,
+    BLOCK_H3: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """load_heads of a head block held in up to three tiles, every load issued before any is used:
+    (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 heads after them, (z1, z2) of BLOCK_H3
+    after those. A tile of 0 heads is absent: its pair is (x1, x2) again, never used."""
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
+    y1, y2 = x1, x2
+    z1, z2 = x1, x2
+    if BLOCK_H2 > 0:
+        y1, y2 = load_heads(
+            x_base, stride_x_head, n_heads, head0 + BLOCK_H, HALF, HALF_PAD, BLOCK_H2, INTERLEAVED, PACK, "", GAP
+        )
+    if BLOCK_H3 > 0:
+        z1, z2 = load_heads(
+            x_base,
+            stride_x_head,
+            n_heads,
+            head0 + BLOCK_H + BLOCK_H2,
+            HALF,
+            HALF_PAD,
+            BLOCK_H3,
+            INTERLEAVED,
+            PACK,
+            "",
+            GAP,
+        )
+    return x1, x2, y1, y2, z1, z2
 
 
 @triton.jit
@@ -446,11 +489,13 @@ def _norm_select(
     NORM_Q: tl.constexpr,
     NORM_K: tl.constexpr,
     GROUP_GIVEN: tl.constexpr,
+    W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
     """norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
-    mode 2 scales by r_group, the token's inverse rms over all of this tensor's heads."""
+    mode 2 scales by r_group, the token's inverse rms over all of this tensor's heads. Without a
+    norm across heads in the launch, a weight is one row shared by the heads (read once a tile)."""
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
@@ -473,6 +518,102 @@ def _norm_select(
         TAIL_PAD,
         INTERLEAVED,
         GROUP_GIVEN,
+        not (NORM_Q == 2 or NORM_K == 2),
+        W_PAIRS,
+        GAP,
+    )
+
+
+@triton.jit
+def _tile_out(
+    blk,
+    n_q_blocks,
+    x_base,
+    o_base,
+    stride_x_head,
+    stride_o_head,
+    n_heads,
+    head0,
+    tail,
+    x1,
+    x2,
+    c,
+    sn,
+    q_scale_ptr,
+    k_scale_ptr,
+    wq_ptr,
+    wk_ptr,
+    norm_eps,
+    norm_offset,
+    r_group,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    OUT_INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    SCALED: tl.constexpr,
+    PACK: tl.constexpr,
+    NORM_Q: tl.constexpr,
+    NORM_K: tl.constexpr,
+    GROUP_GIVEN: tl.constexpr,
+    W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """Heads [head0, head0 + BLOCK_H) of block blk, loaded as (x1, x2): normalized (with a norm),
+    rotated by (c, sn) and stored, the tail too (_rotate_store)."""
+    t_norm = x1
+    if NORM_Q != 0 or NORM_K != 0:
+        x1, x2, t_norm = _norm_select(
+            blk,
+            n_q_blocks,
+            x_base,
+            stride_x_head,
+            n_heads,
+            head0,
+            tail,
+            x1,
+            x2,
+            wq_ptr,
+            wk_ptr,
+            norm_eps,
+            norm_offset,
+            r_group,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            INTERLEAVED,
+            NORM_Q,
+            NORM_K,
+            GROUP_GIVEN,
+            W_PAIRS,
+            GAP,
+        )
+    _rotate_store(
+        x_base,
+        o_base,
+        stride_x_head,
+        stride_o_head,
+        n_heads,
+        head0,
+        tail,
+        x1,
+        x2,
+        c,
+        sn,
+        tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr),
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        OUT_INTERLEAVED,
+        INVERSE,
+        SCALED,
+        PACK,
+        t_norm,
+        NORM_Q != 0 or NORM_K != 0,
         GAP,
     )
 
@@ -538,7 +679,7 @@ def rope_kernel(
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail to write)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
     MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
-    IN_INTERLEAVED: tl.constexpr,  # inputs hold pairs (2i, 2i+1); else halves (i, i + HALF)
+    INTERLEAVED: tl.constexpr,  # inputs hold pairs (2i, 2i+1); else halves (i, i + HALF)
     OUT_INTERLEAVED: tl.constexpr,  # outputs written as pairs
     INVERSE: tl.constexpr,  # rotate by -angle (the backward, or a de-rotation)
     SCALED: tl.constexpr,  # outputs divided by their scale and saturated to an fp8 output's range
@@ -552,6 +693,10 @@ def rope_kernel(
     SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
     FREQS: tl.constexpr,  # angles computed from positions (any axis rows) x inverse frequencies at cos_ptr
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
+    WHOLE: tl.constexpr,  # a head block is all of a tensor's heads (q's block, then k's), in up to three tiles
+    BLOCK_H2: tl.constexpr,  # WHOLE: heads of the block's second tile, after BLOCK_H (0: none)
+    BLOCK_H3: tl.constexpr,  # WHOLE: heads of its third tile, after BLOCK_H + BLOCK_H2 (0: none)
+    W_PAIRS: tl.constexpr,  # interleaved norm weights read as one word per pair (both 16-byte aligned)
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -561,10 +706,14 @@ def rope_kernel(
     Without HEAD_LOOP the head loads are issued before the dependent position -> cos/sin loads,
     so their latencies overlap.
     NORM_Q / NORM_K: RMSNorm of q's / k's heads before the rotation (0 none, 1 per head, 2 across
-    heads); with either on, TAIL_PAD covers the tail in place too (it is normalized). Across heads
-    with HEAD_LOOP, blocks are as small as per head: before a tensor's first block the program sums
-    the squares over all that tensor's heads of its token (a pre-pass, .norm.group_inv_rms);
-    without HEAD_LOOP the launcher makes one head block hold all of a tensor's heads.
+    heads); with either on, TAIL_PAD covers the tail in place too (it is normalized). WHOLE: a block
+    is all of a tensor's heads of the token, in tiles of BLOCK_H, BLOCK_H2 and BLOCK_H3 heads (the
+    binary decomposition of the head count: no padded rows), every tile loaded before any is
+    reduced; across heads, .norm.tiles_inv_rms sums the tiles in registers. Across heads with
+    HEAD_LOOP and without WHOLE, blocks are as small as per head: before a tensor's first block the
+    program sums the squares over all that tensor's heads of its token (a pre-pass,
+    .norm.group_inv_rms, the blocks then read again from cache). Without HEAD_LOOP, a norm across
+    heads needs WHOLE (the launcher sets it).
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.positions).
     """
@@ -605,7 +754,9 @@ def rope_kernel(
         stride_ko_head,
         BLOCK_H,
     )
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, IN_INTERLEAVED, PACK, "", GAP)
+    x1, x2, y1, y2, z1, z2 = load_tiles(
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
+    )
     c, sn = load_angles(
         cos_ptr,
         sin_ptr + sin_off,
@@ -676,7 +827,7 @@ def rope_kernel(
             if PREFETCH:
                 # its loads go out before this block's stores: two blocks in flight. Safe in
                 # place too: blocks are disjoint and validation refuses partial overlaps.
-                n1, n2 = load_heads(
+                n1, n2, ny1, ny2, nz1, nz2 = load_tiles(
                     nx_base,
                     next_stride_x_head,
                     n_n_heads,
@@ -684,15 +835,38 @@ def rope_kernel(
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
-                    IN_INTERLEAVED,
+                    BLOCK_H2,
+                    BLOCK_H3,
+                    INTERLEAVED,
                     PACK,
-                    "",
                     GAP,
                 )
         else:
             blk = blk0
-        t_norm = x1
-        if HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2):
+        if WHOLE and (NORM_Q == 2 or NORM_K == 2):
+            # the block is the tensor's every head, in registers: the group's sum needs no second read
+            r_group = tiles_inv_rms(
+                x_base,
+                stride_x_head,
+                n_heads,
+                head0,
+                tail,
+                norm_eps,
+                x1,
+                x2,
+                y1,
+                y2,
+                z1,
+                z2,
+                HALF,
+                HALF_PAD,
+                BLOCK_H,
+                BLOCK_H2,
+                BLOCK_H3,
+                TAIL_PAD,
+                GAP,
+            )
+        elif HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2):
             # across heads with small blocks: before a tensor's first block, its inverse rms over
             # all the token's heads (a pre-pass; the blocks then read those heads again, cached)
             if NORM_Q == 2 and NORM_K == 2:
@@ -705,33 +879,10 @@ def rope_kernel(
                 r_group = group_inv_rms(
                     x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
                 )
-        if NORM_Q != 0 or NORM_K != 0:
-            x1, x2, t_norm = _norm_select(
-                blk,
-                n_q_blocks,
-                x_base,
-                stride_x_head,
-                n_heads,
-                head0,
-                tail,
-                x1,
-                x2,
-                wq_ptr,
-                wk_ptr,
-                norm_eps,
-                norm_offset,
-                r_group,
-                HALF,
-                HALF_PAD,
-                BLOCK_H,
-                TAIL_PAD,
-                IN_INTERLEAVED,
-                NORM_Q,
-                NORM_K,
-                HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2),
-                GAP,
-            )
-        _rotate_store(
+        group_given = (HEAD_LOOP or WHOLE) and (NORM_Q == 2 or NORM_K == 2)
+        _tile_out(
+            blk,
+            n_q_blocks,
             x_base,
             o_base,
             stride_x_head,
@@ -743,22 +894,105 @@ def rope_kernel(
             x2,
             c,
             sn,
-            tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr),
+            q_scale_ptr,
+            k_scale_ptr,
+            wq_ptr,
+            wk_ptr,
+            norm_eps,
+            norm_offset,
+            r_group,
             HALF,
             HALF_PAD,
             BLOCK_H,
             TAIL_PAD,
+            INTERLEAVED,
             OUT_INTERLEAVED,
             INVERSE,
             SCALED,
             PACK,
-            t_norm,
-            NORM_Q != 0 or NORM_K != 0,
+            NORM_Q,
+            NORM_K,
+            group_given,
+            W_PAIRS,
             GAP,
         )
+        if BLOCK_H2 > 0:
+            _tile_out(
+                blk,
+                n_q_blocks,
+                x_base,
+                o_base,
+                stride_x_head,
+                stride_o_head,
+                n_heads,
+                head0 + BLOCK_H,
+                tail,
+                y1,
+                y2,
+                c,
+                sn,
+                q_scale_ptr,
+                k_scale_ptr,
+                wq_ptr,
+                wk_ptr,
+                norm_eps,
+                norm_offset,
+                r_group,
+                HALF,
+                HALF_PAD,
+                BLOCK_H2,
+                TAIL_PAD,
+                INTERLEAVED,
+                OUT_INTERLEAVED,
+                INVERSE,
+                SCALED,
+                PACK,
+                NORM_Q,
+                NORM_K,
+                group_given,
+                W_PAIRS,
+                GAP,
+            )
+        if BLOCK_H3 > 0:
+            _tile_out(
+                blk,
+                n_q_blocks,
+                x_base,
+                o_base,
+                stride_x_head,
+                stride_o_head,
+                n_heads,
+                head0 + BLOCK_H + BLOCK_H2,
+                tail,
+                z1,
+                z2,
+                c,
+                sn,
+                q_scale_ptr,
+                k_scale_ptr,
+                wq_ptr,
+                wk_ptr,
+                norm_eps,
+                norm_offset,
+                r_group,
+                HALF,
+                HALF_PAD,
+                BLOCK_H3,
+                TAIL_PAD,
+                INTERLEAVED,
+                OUT_INTERLEAVED,
+                INVERSE,
+                SCALED,
+                PACK,
+                NORM_Q,
+                NORM_K,
+                group_given,
+                W_PAIRS,
+                GAP,
+            )
         if HEAD_LOOP:
             if not PREFETCH:
-                n1, n2 = load_heads(
+                n1, n2, ny1, ny2, nz1, nz2 = load_tiles(
                     nx_base,
                     next_stride_x_head,
                     n_n_heads,
@@ -766,9 +1000,10 @@ def rope_kernel(
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
-                    IN_INTERLEAVED,
+                    BLOCK_H2,
+                    BLOCK_H3,
+                    INTERLEAVED,
                     PACK,
-                    "",
                     GAP,
                 )
             x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
@@ -780,7 +1015,7 @@ def rope_kernel(
                 n_head0,
                 n_tail,
             )
-            x1, x2 = n1, n2
+            x1, x2, y1, y2, z1, z2 = n1, n2, ny1, ny2, nz1, nz2
 
 
 @triton.jit
@@ -827,11 +1062,12 @@ def _load_x(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
     GAP: tl.constexpr,
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
     is `placeholder` when TAIL_PAD is 0)."""
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, "", GAP)
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
     xt = placeholder
     if TAIL_PAD > 0:
         xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -853,10 +1089,11 @@ def _store_grad(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
     GAP: tl.constexpr,
 ):
     """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
-    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, 0, GAP)
+    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
         h = head0 + tl.arange(0, BLOCK_H)
         jt = tl.arange(0, TAIL_PAD)[None, :]
@@ -904,6 +1141,62 @@ def _put_dw_heads(
 
 
 @triton.jit
+def _tile_terms(
+    x_base,
+    g_base,
+    w_ptr,
+    c,
+    sn,
+    stride_x_head,
+    stride_g_head,
+    n_heads,
+    head0,
+    tail,
+    norm_offset,
+    x1,
+    x2,
+    g1,
+    g2,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    NORM: tl.constexpr,
+    W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """What a norm's backward needs of heads [head0, head0 + BLOCK_H) of one token, given their
+    loaded pairs of x (x1, x2) and of g (g1, g2): x, gz (the unrotated output gradient) and the
+    weight (w + offset) at the same columns, float32 tiles (rotated pairs' members, then the tail;
+    the tails are read here). Per head (NORM 1) the weight is a (1, .) row shared by the heads."""
+    gz1, gz2, gzt = _unrotate(
+        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+    )
+    xt = gz1
+    if TAIL_PAD > 0:
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
+    w1, w2, wt = load_norm_weights(
+        w_ptr,
+        n_heads,
+        head0,
+        tail,
+        NORM,
+        norm_offset,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        NORM == 1,
+        W_PAIRS,
+        GAP,
+    )
+    return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
+
+
+@triton.jit
 def _block_terms(
     x_base,
     g_base,
@@ -920,25 +1213,122 @@ def _block_terms(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
+    PACK: tl.constexpr,
+    W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """What the across-heads backward needs of heads [head0, head0 + BLOCK_H) of one token: x, gz
-    (the unrotated output gradient) and the weight (w + offset) at the same columns, float32 tiles
-    (rotated pairs' members, then the tail)."""
-    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "", GAP)
-    gz1, gz2, gzt = _unrotate(
-        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+    """_tile_terms of heads [head0, head0 + BLOCK_H) of one token across heads (NORM 2), their x
+    and g read here."""
+    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP)
+    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
+    return _tile_terms(
+        x_base,
+        g_base,
+        w_ptr,
+        c,
+        sn,
+        stride_x_head,
+        stride_g_head,
+        n_heads,
+        head0,
+        tail,
+        norm_offset,
+        x1,
+        x2,
+        g1,
+        g2,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        INVERSE,
+        2,
+        W_PAIRS,
+        GAP,
     )
-    x1, x2, xt = _load_x(
-        x_base, stride_x_head, n_heads, head0, tail, gz1, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, GAP
+
+
+@triton.jit
+def _tile_grads(
+    gx_base,
+    stride_gx_head,
+    n_heads,
+    head0,
+    tail,
+    x1,
+    x2,
+    xt,
+    gz1,
+    gz2,
+    gzt,
+    w1,
+    w2,
+    wt,
+    r_group,
+    mean_group,
+    norm_eps,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACK: tl.constexpr,
+    NORM: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """The norm's backward of heads [head0, head0 + BLOCK_H) of one token (tiles as _tile_terms
+    returns them): gx stored, the weight-gradient terms gz * n returned. Per head (NORM 1) each head
+    has its own inverse rms; across heads (NORM 2) the token's r_group and mean_group (from the
+    group's sums) are given."""
+    if NORM == 2:
+        r = tl.zeros([BLOCK_H, 1], tl.float32) + r_group
+    else:
+        r = inv_rms(x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, 1.0, False)[
+            :, None
+        ]
+    gx1, gx2, gxt, d1, d2, dt = norm_backward(
+        x1,
+        x2,
+        xt,
+        gz1,
+        gz2,
+        gzt,
+        n_heads,
+        head0,
+        tail,
+        w1,
+        w2,
+        wt,
+        r,
+        NORM,
+        mean_group,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
     )
-    w1, w2, wt = load_norm_weights(
-        w_ptr, n_heads, head0, tail, 2, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, GAP
+    _store_grad(
+        gx_base,
+        stride_gx_head,
+        n_heads,
+        head0,
+        tail,
+        gx1,
+        gx2,
+        gxt,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        PACK,
+        GAP,
     )
-    return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
+    return d1, d2, dt
 
 
 @triton.jit
@@ -961,16 +1351,18 @@ def _across_backward_token(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
-    IN_INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
+    PACK: tl.constexpr,
+    W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
     """The across-heads (mode 2) backward of one token, its heads walked BLOCK_H at a time: a
     pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean term every head's
     gradient needs), then a pass writes gx and adds gz*n to the weight-gradient row (in memory: a
-    row of all H*D columns would not stay in registers). The second pass re-reads the token's heads
-    right after the first, from cache."""
+    row of all H*D columns would not stay in registers at this block size). The second pass re-reads
+    the token's heads right after the first, from cache."""
     ss = tl.zeros([], tl.float32)
     gd = tl.zeros([], tl.float32)
     for head0 in tl.range(0, n_heads, BLOCK_H):
@@ -990,9 +1382,11 @@ def _across_backward_token(
             HALF_PAD,
             BLOCK_H,
             TAIL_PAD,
-            IN_INTERLEAVED,
+            INTERLEAVED,
             OUT_INTERLEAVED,
             INVERSE,
+            PACK,
+            W_PAIRS,
             GAP,
         )
         bss, bgd = group_sums(
@@ -1003,7 +1397,6 @@ def _across_backward_token(
     count = (n_heads * (2 * HALF + tail)).to(tl.float32)
     r = 1.0 / tl.sqrt(ss / count + norm_eps)
     mean = r * gd / count  # mean(gz * w' * n), n = x * r
-    r_tile = tl.zeros([BLOCK_H, 1], tl.float32) + r
     for head0 in tl.range(0, n_heads, BLOCK_H):
         x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = _block_terms(
             x_base,
@@ -1021,58 +1414,296 @@ def _across_backward_token(
             HALF_PAD,
             BLOCK_H,
             TAIL_PAD,
-            IN_INTERLEAVED,
+            INTERLEAVED,
             OUT_INTERLEAVED,
             INVERSE,
+            PACK,
+            W_PAIRS,
             GAP,
         )
-        gx1, gx2, gxt, d1, d2, dt = norm_backward(
+        d1, d2, dt = _tile_grads(
+            gx_base,
+            stride_gx_head,
+            n_heads,
+            head0,
+            tail,
             x1,
             x2,
             xt,
             gz1,
             gz2,
             gzt,
-            n_heads,
-            head0,
-            tail,
             w1,
             w2,
             wt,
-            r_tile,
-            2,
+            r,
             mean,
+            norm_eps,
             HALF,
             HALF_PAD,
             BLOCK_H,
             TAIL_PAD,
-        )
-        _store_grad(
-            gx_base,
-            stride_gx_head,
-            n_heads,
-            head0,
-            tail,
-            gx1,
-            gx2,
-            gxt,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            IN_INTERLEAVED,
+            INTERLEAVED,
+            PACK,
+            2,
             GAP,
         )
-        _put_dw_heads(
-            row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, True, GAP
-        )
+        _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP)
     # the next token adds to the row elements written here, maybe by other threads of the program
     tl.debug_barrier()
 
 
+@triton.jit
+def _whole_backward_token(
+    x_base,
+    g_base,
+    gx_base,
+    w_ptr,
+    c,
+    sn,
+    xa1,
+    xa2,
+    xb1,
+    xb2,
+    xc1,
+    xc2,
+    ga1,
+    ga2,
+    gb1,
+    gb2,
+    gc1,
+    gc2,
+    stride_x_head,
+    stride_g_head,
+    stride_gx_head,
+    n_heads,
+    tail,
+    norm_eps,
+    norm_offset,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_H2: tl.constexpr,
+    BLOCK_H3: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    PACK: tl.constexpr,
+    NORM: tl.constexpr,
+    W_PAIRS: tl.constexpr,
+    GAP: tl.constexpr,
+):
+    """The norm's backward of one token whose every head is in registers: x's and g's pairs in up to
+    three tiles (a: BLOCK_H heads from 0, b: BLOCK_H2 after them, c: BLOCK_H3 after those; an absent
+    tile repeats a). Across heads (NORM 2) the group's sums run over the tiles, then each tile's gx
+    is stored; nothing is read twice. Returns each tile's weight-gradient terms (d1, d2, dt) for the
+    caller to sum over its tokens in registers (an absent tile's are a's, never used)."""
+    b0 = BLOCK_H
+    c0 = BLOCK_H + BLOCK_H2
+    xa1, xa2, xat, gza1, gza2, gzat, wa1, wa2, wat = _tile_terms(
+        x_base,
+        g_base,
+        w_ptr,
+        c,
+        sn,
+        stride_x_head,
+        stride_g_head,
+        n_heads,
+        0,
+        tail,
+        norm_offset,
+        xa1,
+        xa2,
+        ga1,
+        ga2,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        INVERSE,
+        NORM,
+        W_PAIRS,
+        GAP,
+    )
+    xbt, gzb1, gzb2, gzbt, wb1, wb2, wbt = xat, gza1, gza2, gzat, wa1, wa2, wat
+    xct, gzc1, gzc2, gzct, wc1, wc2, wct = xat, gza1, gza2, gzat, wa1, wa2, wat
+    if BLOCK_H2 > 0:
+        xb1, xb2, xbt, gzb1, gzb2, gzbt, wb1, wb2, wbt = _tile_terms(
+            x_base,
+            g_base,
+            w_ptr,
+            c,
+            sn,
+            stride_x_head,
+            stride_g_head,
+            n_heads,
+            b0,
+            tail,
+            norm_offset,
+            xb1,
+            xb2,
+            gb1,
+            gb2,
+            HALF,
+            HALF_PAD,
+            BLOCK_H2,
+            TAIL_PAD,
+            INTERLEAVED,
+            INVERSE,
+            NORM,
+            W_PAIRS,
+            GAP,
+        )
+    if BLOCK_H3 > 0:
+        xc1, xc2, xct, gzc1, gzc2, gzct, wc1, wc2, wct = _tile_terms(
+            x_base,
+            g_base,
+            w_ptr,
+            c,
+            sn,
+            stride_x_head,
+            stride_g_head,
+            n_heads,
+            c0,
+            tail,
+            norm_offset,
+            xc1,
+            xc2,
+            gc1,
+            gc2,
+            HALF,
+            HALF_PAD,
+            BLOCK_H3,
+            TAIL_PAD,
+            INTERLEAVED,
+            INVERSE,
+            NORM,
+            W_PAIRS,
+            GAP,
+        )
+    r = tl.zeros([], tl.float32) + 1.0
+    mean = tl.zeros([], tl.float32)
+    if NORM == 2:
+        ss, gd = group_sums(
+            xa1, xa2, xat, gza1, gza2, gzat, n_heads, 0, tail, wa1, wa2, wat, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
+        )
+        if BLOCK_H2 > 0:
+            bss, bgd = group_sums(
+                xb1, xb2, xbt, gzb1, gzb2, gzbt, n_heads, b0, tail, wb1, wb2, wbt, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD
+            )
+            ss += bss
+            gd += bgd
+        if BLOCK_H3 > 0:
+            css, cgd = group_sums(
+                xc1, xc2, xct, gzc1, gzc2, gzct, n_heads, c0, tail, wc1, wc2, wct, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD
+            )
+            ss += css
+            gd += cgd
+        count = (n_heads * (2 * HALF + tail)).to(tl.float32)
+        r = 1.0 / tl.sqrt(ss / count + norm_eps)
+        mean = r * gd / count  # mean(gz * w' * n), n = x * r
+    da1, da2, dat = _tile_grads(
+        gx_base,
+        stride_gx_head,
+        n_heads,
+        0,
+        tail,
+        xa1,
+        xa2,
+        xat,
+        gza1,
+        gza2,
+        gzat,
+        wa1,
+        wa2,
+        wat,
+        r,
+        mean,
+        norm_eps,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        PACK,
+        NORM,
+        GAP,
+    )
+    db1, db2, dbt = da1, da2, dat
+    dc1, dc2, dct = da1, da2, dat
+    if BLOCK_H2 > 0:
+        db1, db2, dbt = _tile_grads(
+            gx_base,
+            stride_gx_head,
+            n_heads,
+            b0,
+            tail,
+            xb1,
+            xb2,
+            xbt,
+            gzb1,
+            gzb2,
+            gzbt,
+            wb1,
+            wb2,
+            wbt,
+            r,
+            mean,
+            norm_eps,
+            HALF,
+            HALF_PAD,
+            BLOCK_H2,
+            TAIL_PAD,
+            INTERLEAVED,
+            PACK,
+            NORM,
+            GAP,
+        )
+    if BLOCK_H3 > 0:
+        dc1, dc2, dct = _tile_grads(
+            gx_base,
+            stride_gx_head,
+            n_heads,
+            c0,
+            tail,
+            xc1,
+            xc2,
+            xct,
+            gzc1,
+            gzc2,
+            gzct,
+            wc1,
+            wc2,
+            wct,
+            r,
+            mean,
+            norm_eps,
+            HALF,
+            HALF_PAD,
+            BLOCK_H3,
+            TAIL_PAD,
+            INTERLEAVED,
+            PACK,
+            NORM,
+            GAP,
+        )
+    return da1, da2, dat, db1, db2, dbt, dc1, dc2, dct
+
+
+@triton.jit
+def _row_sums(acc1, acc2, acc_t, TAIL_PAD: tl.constexpr):
+    """Per-head weight-gradient terms of a tile summed over its heads: (HALF_PAD,) and (TAIL_PAD,)."""
+    s1 = tl.sum(acc1, axis=0)
+    st = s1
+    if TAIL_PAD > 0:
+        st = tl.sum(acc_t, axis=0)
+    return s1, tl.sum(acc2, axis=0), st
+
+
 @triton.jit(do_not_specialize=["n_tokens", "S", "max_pos", "n_seqs", "tokens_per_program"])
 def rope_norm_backward_kernel(
-    x_ptr,  # the forward's input (q or k), (*T, H, D) in the IN_INTERLEAVED layout: read when NORM
+    x_ptr,  # the forward's input (q or k), (*T, H, D) in the INTERLEAVED layout: read when NORM
     g_ptr,  # the output gradient, (*T, H, D) in the OUT_INTERLEAVED layout: read
     gx_ptr,  # the input gradient, (*T, H, D) in x's layout: written
     w_ptr,  # NORM: the RMSNorm weight, (D,) or (H*D,), unit stride; else never read
@@ -1085,7 +1716,7 @@ def rope_norm_backward_kernel(
     n_heads,  # H
     tail,  # D - rotary_dim: dims past the rotated ones (normalized, or copied)
     max_pos,  # table rows: positions outside [0, max_pos) read nothing and give NaN
-    n_blocks,  # head blocks (the grid's second axis; 1 when NORM is 2: each program walks them all)
+    n_blocks,  # head blocks (the grid's second axis; 1 when NORM is 2 or WHOLE: each program walks them all)
     sin_off,  # elements from sin_ptr to sin's first column
     tokens_per_program,  # tokens each program walks (the grid's first axis covers n_tokens)
     dw_row,  # elements per partial-sum row: D per head (NORM 1), H*D across heads (NORM 2)
@@ -1120,7 +1751,7 @@ def rope_norm_backward_kernel(
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
     MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
-    IN_INTERLEAVED: tl.constexpr,  # x and gx hold pairs (2i, 2i+1); else halves (i, i + HALF)
+    INTERLEAVED: tl.constexpr,  # x and gx hold pairs (2i, 2i+1); else halves (i, i + HALF)
     OUT_INTERLEAVED: tl.constexpr,  # g holds pairs
     INVERSE: tl.constexpr,  # the forward rotated by -angle
     NORM: tl.constexpr,  # the forward's RMSNorm: 0 none, 1 per head, 2 across heads
@@ -1128,6 +1759,11 @@ def rope_norm_backward_kernel(
     SEARCH_STRIDE: tl.constexpr,  # PACKED: cu_seqlens entries per block of the two-level search
     SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
     FREQS: tl.constexpr,  # angles computed from positions (any axis rows) x inverse frequencies at cos_ptr
+    PACK: tl.constexpr,  # 0, or bits of a (2i, 2i+1) pair moved as one word (x, g and gx pair-aligned)
+    WHOLE: tl.constexpr,  # NORM 1 or 2: a token's every head in registers, tiles of BLOCK_H, BLOCK_H2, BLOCK_H3
+    BLOCK_H2: tl.constexpr,  # WHOLE: heads of the second tile, after BLOCK_H (0: none)
+    BLOCK_H3: tl.constexpr,  # WHOLE: heads of the third tile, after BLOCK_H + BLOCK_H2 (0: none)
+    W_PAIRS: tl.constexpr,  # interleaved weight read as one word per pair (16-byte aligned)
 ):
     """Backward of RMSNorm + rotation for one tensor (q or k): program (p, j) takes tokens
     [p * tokens_per_program, (p + 1) * tokens_per_program) of head block j.
@@ -1139,6 +1775,9 @@ def rope_norm_backward_kernel(
     Weight gradient: each program sums gz * n over its tokens (and its heads, per-head weights)
     in registers and writes one float32 row of dw_ptr (row p * n_blocks + j); the launcher sums the
     rows with torch. No atomics: the result is deterministic and the rows are few (one per program).
+    WHOLE: one block, a token's every head in up to three tiles (x's and g's loads all issued before
+    the angles); across heads the row of H*D sums then stays in registers too. Across heads without
+    WHOLE, the heads are walked in blocks twice a token and the row is added to in memory.
     """
     p = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
@@ -1149,17 +1788,45 @@ def rope_norm_backward_kernel(
     acc_t = zero
     if TAIL_PAD > 0:
         acc_t = tl.zeros([BLOCK_H, TAIL_PAD], tl.float32)
-    if NORM == 2:
+    # WHOLE: the second and third tiles' sums (absent tiles: placeholders, never used)
+    accb1, accb2, accb_t = acc1, acc2, acc_t
+    accc1, accc2, accc_t = acc1, acc2, acc_t
+    if BLOCK_H2 > 0:
+        accb1 = tl.zeros([BLOCK_H2, HALF_PAD], tl.float32)
+        accb2 = accb1
+        accb_t = accb1
+        if TAIL_PAD > 0:
+            accb_t = tl.zeros([BLOCK_H2, TAIL_PAD], tl.float32)
+    if BLOCK_H3 > 0:
+        accc1 = tl.zeros([BLOCK_H3, HALF_PAD], tl.float32)
+        accc2 = accc1
+        accc_t = accc1
+        if TAIL_PAD > 0:
+            accc_t = tl.zeros([BLOCK_H3, TAIL_PAD], tl.float32)
+    if NORM == 2 and not WHOLE:
         row = dw_ptr + p * dw_row  # this program's weight-gradient partial sums (one program along heads)
         # the row is accumulated in memory, block by block, token by token: start it at zero
         for hz in tl.range(0, n_heads, BLOCK_H):
             _put_dw_heads(
-                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, False, GAP
+                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
             )
         tl.debug_barrier()
-    if NORM == 1:
+    if NORM == 1 and not WHOLE:
         w1, w2, wt = load_norm_weights(
-            w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, IN_INTERLEAVED, GAP
+            w_ptr,
+            n_heads,
+            head0,
+            tail,
+            NORM,
+            norm_offset,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+            TAIL_PAD,
+            INTERLEAVED,
+            True,
+            W_PAIRS,
+            GAP,
         )
     else:
         w1, w2, wt = zero + 1.0, zero + 1.0, acc_t + 1.0
@@ -1172,9 +1839,40 @@ def rope_norm_backward_kernel(
             x_base = x_ptr + (b * stride_x_batch + s * stride_x_token)
             g_base = g_ptr + (b * stride_g_batch + s * stride_g_token)
             gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
-            g1, g2 = load_heads(
-                g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, 0, "", GAP
-            )
+            if WHOLE:
+                # every head of g and x in flight before the angles
+                ga1, ga2, gb1, gb2, gc1, gc2 = load_tiles(
+                    g_base,
+                    stride_g_head,
+                    n_heads,
+                    0,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    BLOCK_H2,
+                    BLOCK_H3,
+                    OUT_INTERLEAVED,
+                    PACK,
+                    GAP,
+                )
+                xa1, xa2, xb1, xb2, xc1, xc2 = load_tiles(
+                    x_base,
+                    stride_x_head,
+                    n_heads,
+                    0,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    BLOCK_H2,
+                    BLOCK_H3,
+                    INTERLEAVED,
+                    PACK,
+                    GAP,
+                )
+            else:
+                g1, g2 = load_heads(
+                    g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP
+                )
             c, sn = load_angles(
                 cos_ptr,
                 sin_ptr + sin_off,
@@ -1204,7 +1902,61 @@ def rope_norm_backward_kernel(
                 SEARCH_COARSE,
                 FREQS,
             )
-            if NORM == 2:
+            if WHOLE:
+                da1, da2, dat, db1, db2, dbt, dc1, dc2, dct = _whole_backward_token(
+                    x_base,
+                    g_base,
+                    gx_base,
+                    w_ptr,
+                    c,
+                    sn,
+                    xa1,
+                    xa2,
+                    xb1,
+                    xb2,
+                    xc1,
+                    xc2,
+                    ga1,
+                    ga2,
+                    gb1,
+                    gb2,
+                    gc1,
+                    gc2,
+                    stride_x_head,
+                    stride_g_head,
+                    stride_gx_head,
+                    n_heads,
+                    tail,
+                    norm_eps,
+                    norm_offset,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    BLOCK_H2,
+                    BLOCK_H3,
+                    TAIL_PAD,
+                    INTERLEAVED,
+                    INVERSE,
+                    PACK,
+                    NORM,
+                    W_PAIRS,
+                    GAP,
+                )
+                acc1 += da1
+                acc2 += da2
+                if TAIL_PAD > 0:
+                    acc_t += dat
+                if BLOCK_H2 > 0:
+                    accb1 += db1
+                    accb2 += db2
+                    if TAIL_PAD > 0:
+                        accb_t += dbt
+                if BLOCK_H3 > 0:
+                    accc1 += dc1
+                    accc2 += dc2
+                    if TAIL_PAD > 0:
+                        accc_t += dct
+            elif NORM == 2:
                 _across_backward_token(
                     x_base,
                     g_base,
@@ -1224,9 +1976,11 @@ def rope_norm_backward_kernel(
                     HALF_PAD,
                     BLOCK_H,
                     TAIL_PAD,
-                    IN_INTERLEAVED,
+                    INTERLEAVED,
                     OUT_INTERLEAVED,
                     INVERSE,
+                    PACK,
+                    W_PAIRS,
                     GAP,
                 )
             else:
@@ -1245,62 +1999,114 @@ def rope_norm_backward_kernel(
                         HALF_PAD,
                         BLOCK_H,
                         TAIL_PAD,
-                        IN_INTERLEAVED,
+                        INTERLEAVED,
+                        PACK,
                         GAP,
                     )
-                    r = inv_rms(
-                        x1, x2, xt, n_heads, head0, tail, NORM, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, 1.0, False
-                    )[:, None]
-                    gx1, gx2, gxt, d1, d2, dt = norm_backward(
+                    d1, d2, dt = _tile_grads(
+                        gx_base,
+                        stride_gx_head,
+                        n_heads,
+                        head0,
+                        tail,
                         x1,
                         x2,
                         xt,
                         gz1,
                         gz2,
                         gzt,
-                        n_heads,
-                        head0,
-                        tail,
                         w1,
                         w2,
                         wt,
-                        r,
-                        NORM,
+                        1.0,
                         0.0,
+                        norm_eps,
                         HALF,
                         HALF_PAD,
                         BLOCK_H,
                         TAIL_PAD,
+                        INTERLEAVED,
+                        PACK,
+                        NORM,
+                        GAP,
                     )
                     acc1 += d1
                     acc2 += d2
                     if TAIL_PAD > 0:
                         acc_t += dt
                 else:
-                    gx1, gx2, gxt = gz1, gz2, gzt
-                _store_grad(
-                    gx_base,
-                    stride_gx_head,
-                    n_heads,
-                    head0,
-                    tail,
-                    gx1,
-                    gx2,
-                    gxt,
-                    HALF,
-                    HALF_PAD,
-                    BLOCK_H,
-                    TAIL_PAD,
-                    IN_INTERLEAVED,
-                    GAP,
-                )
+                    _store_grad(
+                        gx_base,
+                        stride_gx_head,
+                        n_heads,
+                        head0,
+                        tail,
+                        gz1,
+                        gz2,
+                        gzt,
+                        HALF,
+                        HALF_PAD,
+                        BLOCK_H,
+                        TAIL_PAD,
+                        INTERLEAVED,
+                        PACK,
+                        GAP,
+                    )
+    if NORM == 2 and WHOLE:
+        # the program's sums of every head, kept in registers over its tokens: stored once
+        row = dw_ptr + p * dw_row
+        _put_dw_heads(
+            row, n_heads, 0, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
+        )
+        if BLOCK_H2 > 0:
+            _put_dw_heads(
+                row,
+                n_heads,
+                BLOCK_H,
+                tail,
+                accb1,
+                accb2,
+                accb_t,
+                HALF,
+                HALF_PAD,
+                BLOCK_H2,
+                TAIL_PAD,
+                INTERLEAVED,
+                False,
+                GAP,
+            )
+        if BLOCK_H3 > 0:
+            _put_dw_heads(
+                row,
+                n_heads,
+                BLOCK_H + BLOCK_H2,
+                tail,
+                accc1,
+                accc2,
+                accc_t,
+                HALF,
+                HALF_PAD,
+                BLOCK_H3,
+                TAIL_PAD,
+                INTERLEAVED,
+                False,
+                GAP,
+            )
     if NORM == 1:
-        # one partial row per program and head block: per-head weights sum their heads too
+        # one partial row per program and head block: per-head weights sum their heads too (and, WHOLE,
+        # every tile's)
         row = dw_ptr + (p * n_blocks + blk) * dw_row
+        s1, s2, st = _row_sums(acc1, acc2, acc_t, TAIL_PAD)
+        if BLOCK_H2 > 0:
+            b1, b2, bt = _row_sums(accb1, accb2, accb_t, TAIL_PAD)
+            s1, s2, st = s1 + b1, s2 + b2, st + bt
+        if BLOCK_H3 > 0:
+            e1, e2, et = _row_sums(accc1, accc2, accc_t, TAIL_PAD)
+            s1, s2, st = s1 + e1, s2 + e2, st + et
         fm = tl.arange(0, HALF_PAD) < HALF
-        c1, c2 = weight_cols(i, HALF, IN_INTERLEAVED, GAP)
-        tl.store(row + c1.reshape([HALF_PAD]), tl.sum(acc1, axis=0), mask=fm)
-        tl.store(row + c2.reshape([HALF_PAD]), tl.sum(acc2, axis=0), mask=fm)
+        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
+        tl.store(row + c1.reshape([HALF_PAD]), s1, mask=fm)
+        tl.store(row + c2.reshape([HALF_PAD]), s2, mask=fm)
         if TAIL_PAD > 0:
             jt = tl.arange(0, TAIL_PAD)
-            tl.store(tail_at(row, jt, HALF, GAP), tl.sum(acc_t, axis=0), mask=jt < tail)
+            tl.store(tail_at(row, jt, HALF, GAP), st, mask=jt < tail)
