@@ -126,25 +126,9 @@ def _freq_angles(freq_ptr, pos_tok, stride_pos_row, col, fmask, SEC_T, SEC_H, SE
 
 @triton.jit
 def load_angles(
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
+    src,
     b,
     s,
-    max_pos,
-    stride_pos_row,
-    stride_pos_batch,
-    stride_pos_token,
-    stride_angle_row,
-    stride_angle_batch,
-    stride_angle_token,
-    stride_angle_col,
-    SEC_T,
-    SEC_H,
-    SEC_W,
-    n_seqs,
-    cp_size,
-    cp_rank,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HAS_POS: tl.constexpr,
@@ -154,7 +138,11 @@ def load_angles(
     SEARCH_COARSE: tl.constexpr,
     FREQS: tl.constexpr,
 ):
-    """cos and sin of one token, float32 vectors of HALF_PAD (NaN where the position is out of range).
+    """cos and sin of token (b, s), float32 vectors of HALF_PAD (NaN where the position is out of range).
+
+    src: the kernel's angle arguments as one group, ((pos_ptr, stride_pos_row, stride_pos_batch,
+    stride_pos_token), (cos_ptr, sin_ptr, max_pos), (stride_angle_row, stride_angle_batch,
+    stride_angle_token, stride_angle_col), (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank)).
 
     FREQS: computed from positions (stride_pos_row apart per axis) and the inverse frequencies at
     cos_ptr, SEC_T / SEC_H / SEC_W the axis sections (_freq_angles).
@@ -163,6 +151,11 @@ def load_angles(
     section (masked vector loads: a third of the table traffic of whole rows) and merges them with
     selects: a per-frequency gather would not vectorize.
     """
+    pos, tab, strides, rows = src
+    pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token = pos
+    cos_ptr, sin_ptr, max_pos = tab
+    stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col = strides
+    SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank = rows
     i = tl.arange(0, HALF_PAD)
     fmask = i < HALF
     col = i.to(tl.int64) * stride_angle_col
@@ -416,36 +409,17 @@ def _rotate_store(
 
 
 @triton.jit
-def _select(
-    blk,
-    n_q_blocks,
-    b,
-    s,
-    q_ptr,
-    k_ptr,
-    qo_ptr,
-    ko_ptr,
-    n_q_heads,
-    n_k_heads,
-    q_tail,
-    k_tail,
-    stride_q_batch,
-    stride_q_token,
-    stride_q_head,
-    stride_k_batch,
-    stride_k_token,
-    stride_k_head,
-    stride_qo_batch,
-    stride_qo_token,
-    stride_qo_head,
-    stride_ko_batch,
-    stride_ko_token,
-    stride_ko_head,
-    BLOCK_H: tl.constexpr,
-):
+def _select(blk, n_q_blocks, b, s, q_io, k_io, BLOCK_H: tl.constexpr):
     """Head block blk (q's blocks, then k's) of token (b, s): its input and output token pointers,
     head strides, head count, first head and tail length. Scalar selects, no branch: q and k
-    (one dtype) take one code path."""
+    (one dtype) take one code path. q_io, k_io: a tensor and its output as the kernel groups them,
+    (x_ptr, o_ptr, heads, tail, (x's b, s, head strides), (the output's b, s, head strides))."""
+    q_ptr, qo_ptr, n_q_heads, q_tail, q_strides, qo_strides = q_io
+    k_ptr, ko_ptr, n_k_heads, k_tail, k_strides, ko_strides = k_io
+    stride_q_batch, stride_q_token, stride_q_head = q_strides
+    stride_qo_batch, stride_qo_token, stride_qo_head = qo_strides
+    stride_k_batch, stride_k_token, stride_k_head = k_strides
+    stride_ko_batch, stride_ko_token, stride_ko_head = ko_strides
     is_q = blk < n_q_blocks
     head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
     x_base = tl.where(
@@ -727,65 +701,29 @@ def rope_kernel(
         blk0 = 0
     else:
         blk0 = tl.program_id(1)  # int32-ok: a head-block index (< 65536), scaled by a constexpr block size
+    # q and k with their outputs, as _select takes them: (x, o, heads, tail, x's (b, s, head)
+    # strides, o's (b, s, head) strides)
+    q_strides = (stride_q_batch, stride_q_token, stride_q_head)
+    qo_strides = (stride_qo_batch, stride_qo_token, stride_qo_head)
+    k_strides = (stride_k_batch, stride_k_token, stride_k_head)
+    ko_strides = (stride_ko_batch, stride_ko_token, stride_ko_head)
+    q_io = (q_ptr, qo_ptr, n_q_heads, q_tail, q_strides, qo_strides)
+    k_io = (k_ptr, ko_ptr, n_k_heads, k_tail, k_strides, ko_strides)
     x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
-        blk0,
-        n_q_blocks,
-        b,
-        s,
-        q_ptr,
-        k_ptr,
-        qo_ptr,
-        ko_ptr,
-        n_q_heads,
-        n_k_heads,
-        q_tail,
-        k_tail,
-        stride_q_batch,
-        stride_q_token,
-        stride_q_head,
-        stride_k_batch,
-        stride_k_token,
-        stride_k_head,
-        stride_qo_batch,
-        stride_qo_token,
-        stride_qo_head,
-        stride_ko_batch,
-        stride_ko_token,
-        stride_ko_head,
-        BLOCK_H,
+        blk0, n_q_blocks, b, s, q_io, k_io, BLOCK_H
     )
     x1, x2, y1, y2, z1, z2 = load_tiles(
         x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
     )
-    c, sn = load_angles(
-        cos_ptr,
-        sin_ptr + sin_off,
-        pos_ptr,
-        b,
-        s,
-        max_pos,
-        stride_pos_row,
-        stride_pos_batch,
-        stride_pos_token,
-        stride_angle_row,
-        stride_angle_batch,
-        stride_angle_token,
-        stride_angle_col,
-        SEC_T,
-        SEC_H,
-        SEC_W,
-        n_seqs,
-        cp_size,
-        cp_rank,
-        HALF,
-        HALF_PAD,
-        HAS_POS,
-        MROPE,
-        PACKED,
-        SEARCH_STRIDE,
-        SEARCH_COARSE,
-        FREQS,
+    # where the token's angles come from, as load_angles takes them (positions, table or inverse
+    # frequencies, M-RoPE sections or axes, packed sequences)
+    angles = (
+        (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+        (cos_ptr, sin_ptr + sin_off, max_pos),
+        (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
+        (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
     )
+    c, sn = load_angles(angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS)
     # one loop body for both layouts: with HEAD_LOOP it walks every head block, next block's loads
     # in flight; otherwise it runs once for this program's block (a one-trip loop the compiler drops)
     if HEAD_LOOP:
@@ -798,31 +736,7 @@ def rope_kernel(
             blk = i
             # the next block (past the last one: every lane masked, nothing read)
             nx_base, no_base, next_stride_x_head, next_stride_o_head, n_n_heads, n_head0, n_tail = _select(
-                blk + 1,
-                n_q_blocks,
-                b,
-                s,
-                q_ptr,
-                k_ptr,
-                qo_ptr,
-                ko_ptr,
-                n_q_heads,
-                n_k_heads,
-                q_tail,
-                k_tail,
-                stride_q_batch,
-                stride_q_token,
-                stride_q_head,
-                stride_k_batch,
-                stride_k_token,
-                stride_k_head,
-                stride_qo_batch,
-                stride_qo_token,
-                stride_qo_head,
-                stride_ko_batch,
-                stride_ko_token,
-                stride_ko_head,
-                BLOCK_H,
+                blk + 1, n_q_blocks, b, s, q_io, k_io, BLOCK_H
             )
             if PREFETCH:
                 # its loads go out before this block's stores: two blocks in flight. Safe in
@@ -1455,31 +1369,10 @@ def _across_backward_token(
 
 @triton.jit
 def _whole_backward_token(
-    x_base,
-    g_base,
-    gx_base,
-    w_ptr,
-    c,
-    sn,
-    xa1,
-    xa2,
-    xb1,
-    xb2,
-    xc1,
-    xc2,
-    ga1,
-    ga2,
-    gb1,
-    gb2,
-    gc1,
-    gc2,
-    stride_x_head,
-    stride_g_head,
-    stride_gx_head,
-    n_heads,
-    tail,
-    norm_eps,
-    norm_offset,
+    tok,
+    cs,
+    x_tiles,
+    g_tiles,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -1498,6 +1391,13 @@ def _whole_backward_token(
     tile repeats a). Across heads (NORM 2) the group's sums run over the tiles, then each tile's gx
     is stored; nothing is read twice. Returns each tile's weight-gradient terms (d1, d2, dt) for the
     caller to sum over its tokens in registers (an absent tile's are a's, never used)."""
+    # tok: the token's (x, g, gx first elements, weight, their head strides, heads, tail, eps,
+    # offset); cs: its angles; x_tiles / g_tiles: x's and g's pairs, tile by tile (a, b, c)
+    x_base, g_base, gx_base, w_ptr, stride_x_head, stride_g_head, stride_gx_head, n_heads, tail, eps, offset = tok
+    norm_eps, norm_offset = eps, offset
+    c, sn = cs
+    xa1, xa2, xb1, xb2, xc1, xc2 = x_tiles
+    ga1, ga2, gb1, gb2, gc1, gc2 = g_tiles
     b0 = BLOCK_H
     c0 = BLOCK_H + BLOCK_H2
     xa1, xa2, xat, gza1, gza2, gzat, wa1, wa2, wat = _tile_terms(
@@ -1873,62 +1773,23 @@ def rope_norm_backward_kernel(
                 g1, g2 = load_heads(
                     g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP
                 )
+            angles = (  # where the token's angles come from, as load_angles takes them
+                (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+                (cos_ptr, sin_ptr + sin_off, max_pos),
+                (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
+                (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
+            )
             c, sn = load_angles(
-                cos_ptr,
-                sin_ptr + sin_off,
-                pos_ptr,
-                b,
-                s,
-                max_pos,
-                stride_pos_row,
-                stride_pos_batch,
-                stride_pos_token,
-                stride_angle_row,
-                stride_angle_batch,
-                stride_angle_token,
-                stride_angle_col,
-                SEC_T,
-                SEC_H,
-                SEC_W,
-                n_seqs,
-                cp_size,
-                cp_rank,
-                HALF,
-                HALF_PAD,
-                HAS_POS,
-                MROPE,
-                PACKED,
-                SEARCH_STRIDE,
-                SEARCH_COARSE,
-                FREQS,
+                angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS
             )
             if WHOLE:
+                tok = (x_base, g_base, gx_base, w_ptr, stride_x_head, stride_g_head, stride_gx_head, n_heads)
+                tok += (tail, norm_eps, norm_offset)
                 da1, da2, dat, db1, db2, dbt, dc1, dc2, dct = _whole_backward_token(
-                    x_base,
-                    g_base,
-                    gx_base,
-                    w_ptr,
-                    c,
-                    sn,
-                    xa1,
-                    xa2,
-                    xb1,
-                    xb2,
-                    xc1,
-                    xc2,
-                    ga1,
-                    ga2,
-                    gb1,
-                    gb2,
-                    gc1,
-                    gc2,
-                    stride_x_head,
-                    stride_g_head,
-                    stride_gx_head,
-                    n_heads,
-                    tail,
-                    norm_eps,
-                    norm_offset,
+                    tok,
+                    (c, sn),
+                    (xa1, xa2, xb1, xb2, xc1, xc2),
+                    (ga1, ga2, gb1, gb2, gc1, gc2),
                     HALF,
                     HALF_PAD,
                     BLOCK_H,

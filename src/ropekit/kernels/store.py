@@ -307,35 +307,15 @@ def rope_store_kernel(
     # q's and k's head blocks need the token's angles, v's do not. With HEAD_LOOP the grid is one
     # block wide: program 0 of axis 1 walks every block, so it loads them.
     if tl.program_id(1) < n_q_blocks + n_k_blocks:  # int32-ok: a head-block index (< 65536)
-        c, sn = load_angles(
-            tab_ptr,
-            tab_ptr + sin_off,
-            pos_ptr,
-            b,
-            s,
-            max_pos,
-            stride_pos_row,
-            stride_pos_batch,
-            stride_pos_token,
-            0,
-            0,
-            stride_angle_token,
-            stride_angle_col,
-            sec_t,
-            sec_h,
-            sec_w,
-            n_seqs,
-            cp_size,
-            cp_rank,
-            HALF,
-            HALF_PAD,
-            HAS_POS,
-            MROPE,
-            PACKED,
-            SEARCH_STRIDE,
-            SEARCH_COARSE,
-            False,
+        # where the token's angles come from, as load_angles takes them (table rows only: no
+        # per-token angles, no computed ones)
+        angles = (
+            (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+            (tab_ptr, tab_ptr + sin_off, max_pos),
+            (0, 0, stride_angle_token, stride_angle_col),
+            (sec_t, sec_h, sec_w, n_seqs, cp_size, cp_rank),
         )
+        c, sn = load_angles(angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, False)
     else:
         c = tl.zeros([HALF_PAD], tl.float32)  # v's block: no angles
         sn = c
