@@ -98,12 +98,18 @@ def _child(src: Path, out: Path) -> None:
                     args = plan.args + ((torch.ones(D), torch.ones(HK * D), 1e-6, 0.0) if v.normed else ())
                     ptrs = (q, k, qo, ko, pos, tab, tab, tab, tab)
                     compile_one(rope_kernel, ptrs, args, plan.meta, f"rope_{name}_{rot}_loop{int(head_loop)}")
-        for mode in (1, 2):
+        # the norm's backward per head and across heads, with the knob's default and with a token's
+        # heads walked in blocks (whole_heads off: the across-heads pre-pass)
+        for mode, whole in ((1, None), (2, None), (2, False)):
             v, w, gx = Variant(norm_q=mode), torch.ones(D if mode == 1 else H * D), torch.empty_like(q)
-            plan = launcher.plan_norm_backward(q, q, gx, w, launcher.angle_layout(v, rot, pos, tab, None), v, mode)
+            knobs = {} if whole is None else {"whole_heads": whole}
+            with tuning.override(**knobs):
+                angles = launcher.angle_layout(v, rot, pos, tab, None)
+                plan = launcher.plan_norm_backward(q, q, gx, w, angles, v, mode)
             dw = torch.empty(launcher.norm_backward_rows(plan))
             ptrs = (q, q, gx, w, dw, pos, tab, tab)
-            compile_one(rope_norm_backward_kernel, ptrs, (*plan.args, 1e-6, 0.0), plan.meta, f"norm_bwd_{mode}_{rot}")
+            name = f"norm_bwd_{mode}_{rot}" + ("" if whole is None else "_blocks")
+            compile_one(rope_norm_backward_kernel, ptrs, (*plan.args, 1e-6, 0.0), plan.meta, name)
         caches = torch.empty(16, 16, HK, D), torch.empty(16, 16, HK, D)
         if StoreOperands is not None:
             t = StoreOperands(q, k, k, pos, tab, *caches, pos)

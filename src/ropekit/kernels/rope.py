@@ -1056,17 +1056,9 @@ def _put_dw_heads(
 
 @triton.jit
 def _tile_terms(
-    x_base,
-    g_base,
-    w_ptr,
-    c,
-    sn,
-    stride_x_head,
-    stride_g_head,
-    n_heads,
+    tok,
+    cs,
     head0,
-    tail,
-    norm_offset,
     x1,
     x2,
     g1,
@@ -1084,7 +1076,11 @@ def _tile_terms(
     """What a norm's backward needs of heads [head0, head0 + BLOCK_H) of one token, given their
     loaded pairs of x (x1, x2) and of g (g1, g2): x, gz (the unrotated output gradient) and the
     weight (w + offset) at the same columns, float32 tiles (rotated pairs' members, then the tail;
-    the tails are read here). Per head (NORM 1) the weight is a (1, .) row shared by the heads."""
+    the tails are read here), as one group `terms` (x1, x2, xt, gz1, gz2, gzt, w1, w2, wt). Per
+    head (NORM 1) the weight is a (1, .) row shared by the heads. tok: the token's group (x, g, gx
+    first elements, weight, their head strides, heads, tail, eps, offset); cs: its angles."""
+    x_base, g_base, _, w_ptr, stride_x_head, stride_g_head, _, n_heads, tail, _, norm_offset = tok
+    c, sn = cs
     gz1, gz2, gzt = _unrotate(
         g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
     )
@@ -1112,17 +1108,9 @@ def _tile_terms(
 
 @triton.jit
 def _block_terms(
-    x_base,
-    g_base,
-    w_ptr,
-    c,
-    sn,
-    stride_x_head,
-    stride_g_head,
-    n_heads,
+    tok,
+    cs,
     head0,
-    tail,
-    norm_offset,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -1136,55 +1124,37 @@ def _block_terms(
 ):
     """_tile_terms of heads [head0, head0 + BLOCK_H) of one token across heads (NORM 2), their x
     and g read here."""
+    x_base, g_base, stride_x_head, stride_g_head, n_heads = tok[0], tok[1], tok[4], tok[5], tok[7]
     g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP)
     x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
     return _tile_terms(
-        x_base,
-        g_base,
-        w_ptr,
-        c,
-        sn,
-        stride_x_head,
-        stride_g_head,
-        n_heads,
-        head0,
-        tail,
-        norm_offset,
-        x1,
-        x2,
-        g1,
-        g2,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        INTERLEAVED,
-        INVERSE,
-        2,
-        W_PAIRS,
-        GAP,
+        tok, cs, head0, x1, x2, g1, g2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, INVERSE, 2, W_PAIRS, GAP
     )
 
 
 @triton.jit
-def _tile_grads(
-    gx_base,
-    stride_gx_head,
+def _tile_sums(
+    terms,
     n_heads,
     head0,
     tail,
-    x1,
-    x2,
-    xt,
-    gz1,
-    gz2,
-    gzt,
-    w1,
-    w2,
-    wt,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+):
+    """group_sums (.norm) of a tile's terms (_tile_terms' group)."""
+    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    return group_sums(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+
+
+@triton.jit
+def _tile_grads(
+    tok,
+    head0,
+    terms,
     r_group,
     mean_group,
-    norm_eps,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -1194,10 +1164,12 @@ def _tile_grads(
     NORM: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """The norm's backward of heads [head0, head0 + BLOCK_H) of one token (tiles as _tile_terms
+    """The norm's backward of heads [head0, head0 + BLOCK_H) of one token (terms as _tile_terms
     returns them): gx stored, the weight-gradient terms gz * n returned. Per head (NORM 1) each head
     has its own inverse rms; across heads (NORM 2) the token's r_group and mean_group (from the
     group's sums) are given."""
+    gx_base, stride_gx_head, n_heads, tail, norm_eps = tok[2], tok[6], tok[7], tok[8], tok[9]
+    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
     if NORM == 2:
         r = tl.zeros([BLOCK_H, 1], tl.float32) + r_group
     else:
@@ -1247,20 +1219,9 @@ def _tile_grads(
 
 @triton.jit
 def _across_backward_token(
-    x_base,
-    g_base,
-    gx_base,
-    w_ptr,
+    tok,
+    cs,
     row,
-    c,
-    sn,
-    stride_x_head,
-    stride_g_head,
-    stride_gx_head,
-    n_heads,
-    tail,
-    norm_eps,
-    norm_offset,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -1272,95 +1233,30 @@ def _across_backward_token(
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """The across-heads (mode 2) backward of one token, its heads walked BLOCK_H at a time: a
-    pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean term every head's
-    gradient needs), then a pass writes gx and adds gz*n to the weight-gradient row (in memory: a
-    row of all H*D columns would not stay in registers at this block size). The second pass re-reads
-    the token's heads right after the first, from cache."""
+    """The across-heads (mode 2) backward of one token (tok, cs: _tile_terms'), its heads walked
+    BLOCK_H at a time: a pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean
+    term every head's gradient needs), then a pass writes gx and adds gz*n to the weight-gradient
+    row (in memory: a row of all H*D columns would not stay in registers at this block size). The
+    second pass re-reads the token's heads right after the first, from cache."""
+    n_heads, tail, norm_eps = tok[7], tok[8], tok[9]
     ss = tl.zeros([], tl.float32)
     gd = tl.zeros([], tl.float32)
     for head0 in tl.range(0, n_heads, BLOCK_H):
-        x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = _block_terms(
-            x_base,
-            g_base,
-            w_ptr,
-            c,
-            sn,
-            stride_x_head,
-            stride_g_head,
-            n_heads,
-            head0,
-            tail,
-            norm_offset,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            INTERLEAVED,
-            OUT_INTERLEAVED,
-            INVERSE,
-            PACK,
-            W_PAIRS,
-            GAP,
+        terms = _block_terms(
+            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS, GAP
         )
-        bss, bgd = group_sums(
-            x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
-        )
+        bss, bgd = _tile_sums(terms, n_heads, head0, tail, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         ss += bss
         gd += bgd
     count = (n_heads * (2 * HALF + tail)).to(tl.float32)
     r = 1.0 / tl.sqrt(ss / count + norm_eps)
     mean = r * gd / count  # mean(gz * w' * n), n = x * r
     for head0 in tl.range(0, n_heads, BLOCK_H):
-        x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = _block_terms(
-            x_base,
-            g_base,
-            w_ptr,
-            c,
-            sn,
-            stride_x_head,
-            stride_g_head,
-            n_heads,
-            head0,
-            tail,
-            norm_offset,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            INTERLEAVED,
-            OUT_INTERLEAVED,
-            INVERSE,
-            PACK,
-            W_PAIRS,
-            GAP,
+        terms = _block_terms(
+            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS, GAP
         )
         d1, d2, dt = _tile_grads(
-            gx_base,
-            stride_gx_head,
-            n_heads,
-            head0,
-            tail,
-            x1,
-            x2,
-            xt,
-            gz1,
-            gz2,
-            gzt,
-            w1,
-            w2,
-            wt,
-            r,
-            mean,
-            norm_eps,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            INTERLEAVED,
-            PACK,
-            2,
-            GAP,
+            tok, head0, terms, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, 2, GAP
         )
         _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP)
     # the next token adds to the row elements written here, maybe by other threads of the program
@@ -1390,57 +1286,23 @@ def _whole_backward_token(
     three tiles (a: BLOCK_H heads from 0, b: BLOCK_H2 after them, c: BLOCK_H3 after those; an absent
     tile repeats a). Across heads (NORM 2) the group's sums run over the tiles, then each tile's gx
     is stored; nothing is read twice. Returns each tile's weight-gradient terms (d1, d2, dt) for the
-    caller to sum over its tokens in registers (an absent tile's are a's, never used)."""
-    # tok: the token's (x, g, gx first elements, weight, their head strides, heads, tail, eps,
-    # offset); cs: its angles; x_tiles / g_tiles: x's and g's pairs, tile by tile (a, b, c)
-    x_base, g_base, gx_base, w_ptr, stride_x_head, stride_g_head, stride_gx_head, n_heads, tail, eps, offset = tok
-    norm_eps, norm_offset = eps, offset
-    c, sn = cs
+    caller to sum over its tokens in registers (an absent tile's are a's, never used). tok, cs: the
+    token's group and angles (_tile_terms'); x_tiles / g_tiles: x's and g's pairs, tile by tile."""
+    n_heads, tail, norm_eps = tok[7], tok[8], tok[9]
     xa1, xa2, xb1, xb2, xc1, xc2 = x_tiles
     ga1, ga2, gb1, gb2, gc1, gc2 = g_tiles
     b0 = BLOCK_H
     c0 = BLOCK_H + BLOCK_H2
-    xa1, xa2, xat, gza1, gza2, gzat, wa1, wa2, wat = _tile_terms(
-        x_base,
-        g_base,
-        w_ptr,
-        c,
-        sn,
-        stride_x_head,
-        stride_g_head,
-        n_heads,
-        0,
-        tail,
-        norm_offset,
-        xa1,
-        xa2,
-        ga1,
-        ga2,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        INTERLEAVED,
-        INVERSE,
-        NORM,
-        W_PAIRS,
-        GAP,
+    ta = _tile_terms(
+        tok, cs, 0, xa1, xa2, ga1, ga2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, INVERSE, NORM, W_PAIRS, GAP
     )
-    xbt, gzb1, gzb2, gzbt, wb1, wb2, wbt = xat, gza1, gza2, gzat, wa1, wa2, wat
-    xct, gzc1, gzc2, gzct, wc1, wc2, wct = xat, gza1, gza2, gzat, wa1, wa2, wat
+    tb = ta
+    tc = ta
     if BLOCK_H2 > 0:
-        xb1, xb2, xbt, gzb1, gzb2, gzbt, wb1, wb2, wbt = _tile_terms(
-            x_base,
-            g_base,
-            w_ptr,
-            c,
-            sn,
-            stride_x_head,
-            stride_g_head,
-            n_heads,
+        tb = _tile_terms(
+            tok,
+            cs,
             b0,
-            tail,
-            norm_offset,
             xb1,
             xb2,
             gb1,
@@ -1456,18 +1318,10 @@ def _whole_backward_token(
             GAP,
         )
     if BLOCK_H3 > 0:
-        xc1, xc2, xct, gzc1, gzc2, gzct, wc1, wc2, wct = _tile_terms(
-            x_base,
-            g_base,
-            w_ptr,
-            c,
-            sn,
-            stride_x_head,
-            stride_g_head,
-            n_heads,
+        tc = _tile_terms(
+            tok,
+            cs,
             c0,
-            tail,
-            norm_offset,
             xc1,
             xc2,
             gc1,
@@ -1485,108 +1339,28 @@ def _whole_backward_token(
     r = tl.zeros([], tl.float32) + 1.0
     mean = tl.zeros([], tl.float32)
     if NORM == 2:
-        ss, gd = group_sums(
-            xa1, xa2, xat, gza1, gza2, gzat, n_heads, 0, tail, wa1, wa2, wat, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
-        )
+        ss, gd = _tile_sums(ta, n_heads, 0, tail, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         if BLOCK_H2 > 0:
-            bss, bgd = group_sums(
-                xb1, xb2, xbt, gzb1, gzb2, gzbt, n_heads, b0, tail, wb1, wb2, wbt, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD
-            )
+            bss, bgd = _tile_sums(tb, n_heads, b0, tail, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD)
             ss += bss
             gd += bgd
         if BLOCK_H3 > 0:
-            css, cgd = group_sums(
-                xc1, xc2, xct, gzc1, gzc2, gzct, n_heads, c0, tail, wc1, wc2, wct, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD
-            )
+            css, cgd = _tile_sums(tc, n_heads, c0, tail, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD)
             ss += css
             gd += cgd
         count = (n_heads * (2 * HALF + tail)).to(tl.float32)
         r = 1.0 / tl.sqrt(ss / count + norm_eps)
         mean = r * gd / count  # mean(gz * w' * n), n = x * r
-    da1, da2, dat = _tile_grads(
-        gx_base,
-        stride_gx_head,
-        n_heads,
-        0,
-        tail,
-        xa1,
-        xa2,
-        xat,
-        gza1,
-        gza2,
-        gzat,
-        wa1,
-        wa2,
-        wat,
-        r,
-        mean,
-        norm_eps,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        INTERLEAVED,
-        PACK,
-        NORM,
-        GAP,
-    )
+    da1, da2, dat = _tile_grads(tok, 0, ta, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP)
     db1, db2, dbt = da1, da2, dat
     dc1, dc2, dct = da1, da2, dat
     if BLOCK_H2 > 0:
         db1, db2, dbt = _tile_grads(
-            gx_base,
-            stride_gx_head,
-            n_heads,
-            b0,
-            tail,
-            xb1,
-            xb2,
-            xbt,
-            gzb1,
-            gzb2,
-            gzbt,
-            wb1,
-            wb2,
-            wbt,
-            r,
-            mean,
-            norm_eps,
-            HALF,
-            HALF_PAD,
-            BLOCK_H2,
-            TAIL_PAD,
-            INTERLEAVED,
-            PACK,
-            NORM,
-            GAP,
+            tok, b0, tb, r, mean, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP
         )
     if BLOCK_H3 > 0:
         dc1, dc2, dct = _tile_grads(
-            gx_base,
-            stride_gx_head,
-            n_heads,
-            c0,
-            tail,
-            xc1,
-            xc2,
-            xct,
-            gzc1,
-            gzc2,
-            gzct,
-            wc1,
-            wc2,
-            wct,
-            r,
-            mean,
-            norm_eps,
-            HALF,
-            HALF_PAD,
-            BLOCK_H3,
-            TAIL_PAD,
-            INTERLEAVED,
-            PACK,
-            NORM,
-            GAP,
+            tok, c0, tc, r, mean, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP
         )
     return da1, da2, dat, db1, db2, dbt, dc1, dc2, dct
 
@@ -1782,9 +1556,10 @@ def rope_norm_backward_kernel(
             c, sn = load_angles(
                 angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS
             )
+            # the token's group as the backward's helpers take it
+            tok = (x_base, g_base, gx_base, w_ptr, stride_x_head, stride_g_head, stride_gx_head, n_heads)
+            tok += (tail, norm_eps, norm_offset)
             if WHOLE:
-                tok = (x_base, g_base, gx_base, w_ptr, stride_x_head, stride_g_head, stride_gx_head, n_heads)
-                tok += (tail, norm_eps, norm_offset)
                 da1, da2, dat, db1, db2, dbt, dc1, dc2, dct = _whole_backward_token(
                     tok,
                     (c, sn),
@@ -1819,20 +1594,9 @@ def rope_norm_backward_kernel(
                         accc_t += dct
             elif NORM == 2:
                 _across_backward_token(
-                    x_base,
-                    g_base,
-                    gx_base,
-                    w_ptr,
+                    tok,
+                    (c, sn),
                     row,
-                    c,
-                    sn,
-                    stride_x_head,
-                    stride_g_head,
-                    stride_gx_head,
-                    n_heads,
-                    tail,
-                    norm_eps,
-                    norm_offset,
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
@@ -1865,23 +1629,11 @@ def rope_norm_backward_kernel(
                         GAP,
                     )
                     d1, d2, dt = _tile_grads(
-                        gx_base,
-                        stride_gx_head,
-                        n_heads,
+                        tok,
                         head0,
-                        tail,
-                        x1,
-                        x2,
-                        xt,
-                        gz1,
-                        gz2,
-                        gzt,
-                        w1,
-                        w2,
-                        wt,
+                        (x1, x2, xt, gz1, gz2, gzt, w1, w2, wt),
                         1.0,
                         0.0,
-                        norm_eps,
                         HALF,
                         HALF_PAD,
                         BLOCK_H,
