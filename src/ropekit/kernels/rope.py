@@ -500,25 +500,11 @@ def _norm_select(
 
 @triton.jit
 def _tile_out(
-    blk,
-    n_q_blocks,
-    x_base,
-    o_base,
-    stride_x_head,
-    stride_o_head,
-    n_heads,
+    block,
     head0,
-    tail,
-    x1,
-    x2,
-    c,
-    sn,
-    q_scale_ptr,
-    k_scale_ptr,
-    wq_ptr,
-    wk_ptr,
-    norm_eps,
-    norm_offset,
+    xs,
+    cs,
+    params,
     r_group,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -535,8 +521,14 @@ def _tile_out(
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """Heads [head0, head0 + BLOCK_H) of block blk, loaded as (x1, x2): normalized (with a norm),
-    rotated by (c, sn) and stored, the tail too (_rotate_store)."""
+    """Heads [head0, head0 + BLOCK_H) of a head block, loaded as xs = (x1, x2): normalized (with a
+    norm), rotated by cs = (c, sn) and stored, the tail too (_rotate_store). block: the block as the
+    kernel selected it (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads,
+    tail); params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset)."""
+    blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
+    x1, x2 = xs
+    c, sn = cs
+    q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset = params
     t_norm = x1
     if NORM_Q != 0 or NORM_K != 0:
         x1, x2, t_norm = _norm_select(
@@ -730,6 +722,7 @@ def rope_kernel(
         n_iter = n_blocks
     else:
         n_iter = 1
+    params = (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset)  # as _tile_out takes them
     r_group = tl.zeros([], tl.float32) + 1.0  # across heads with HEAD_LOOP: the current tensor's inverse rms
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
@@ -794,26 +787,13 @@ def rope_kernel(
                     x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
                 )
         group_given = (HEAD_LOOP or WHOLE) and (NORM_Q == 2 or NORM_K == 2)
+        block = (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail)
         _tile_out(
-            blk,
-            n_q_blocks,
-            x_base,
-            o_base,
-            stride_x_head,
-            stride_o_head,
-            n_heads,
+            block,
             head0,
-            tail,
-            x1,
-            x2,
-            c,
-            sn,
-            q_scale_ptr,
-            k_scale_ptr,
-            wq_ptr,
-            wk_ptr,
-            norm_eps,
-            norm_offset,
+            (x1, x2),
+            (c, sn),
+            params,
             r_group,
             HALF,
             HALF_PAD,
@@ -832,25 +812,11 @@ def rope_kernel(
         )
         if BLOCK_H2 > 0:
             _tile_out(
-                blk,
-                n_q_blocks,
-                x_base,
-                o_base,
-                stride_x_head,
-                stride_o_head,
-                n_heads,
+                block,
                 head0 + BLOCK_H,
-                tail,
-                y1,
-                y2,
-                c,
-                sn,
-                q_scale_ptr,
-                k_scale_ptr,
-                wq_ptr,
-                wk_ptr,
-                norm_eps,
-                norm_offset,
+                (y1, y2),
+                (c, sn),
+                params,
                 r_group,
                 HALF,
                 HALF_PAD,
@@ -869,25 +835,11 @@ def rope_kernel(
             )
         if BLOCK_H3 > 0:
             _tile_out(
-                blk,
-                n_q_blocks,
-                x_base,
-                o_base,
-                stride_x_head,
-                stride_o_head,
-                n_heads,
+                block,
                 head0 + BLOCK_H + BLOCK_H2,
-                tail,
-                z1,
-                z2,
-                c,
-                sn,
-                q_scale_ptr,
-                k_scale_ptr,
-                wq_ptr,
-                wk_ptr,
-                norm_eps,
-                norm_offset,
+                (z1, z2),
+                (c, sn),
+                params,
                 r_group,
                 HALF,
                 HALF_PAD,
