@@ -262,10 +262,7 @@ def load_heads(
 
 @triton.jit
 def load_tiles(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
+    at,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -277,7 +274,10 @@ def load_tiles(
 ):
     """load_heads of a head block held in up to three tiles, every load issued before any is used:
     (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 heads after them, (z1, z2) of BLOCK_H3
-    after those. A tile of 0 heads is absent: its pair is (x1, x2) again, never used."""
+    after those. A tile of 0 heads is absent: its pair is (x1, x2) again, never used.
+    at: (x_base, stride_x_head, n_heads, head0), the token's first element, the head stride, the
+    heads and the block's first head."""
+    x_base, stride_x_head, n_heads, head0 = at
     x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
     y1, y2 = x1, x2
     z1, z2 = x1, x2
@@ -441,19 +441,10 @@ def _select(blk, n_q_blocks, b, s, q_io, k_io, BLOCK_H: tl.constexpr):
 
 @triton.jit
 def _norm_select(
-    blk,
-    n_q_blocks,
-    x_base,
-    stride_x_head,
-    n_heads,
+    block,
     head0,
-    tail,
-    x1,
-    x2,
-    wq_ptr,
-    wk_ptr,
-    norm_eps,
-    norm_offset,
+    xs,
+    params,
     r_group,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -469,7 +460,11 @@ def _norm_select(
     """norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
     mode 2 scales by r_group, the token's inverse rms over all of this tensor's heads. Without a
-    norm across heads in the launch, a weight is one row shared by the heads (read once a tile)."""
+    norm across heads in the launch, a weight is one row shared by the heads (read once a tile).
+    block, xs, params: _tile_out's."""
+    blk, n_q_blocks, x_base, _, stride_x_head, _, n_heads, tail = block
+    x1, x2 = xs
+    _, _, wq_ptr, wk_ptr, norm_eps, norm_offset = params
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
@@ -532,19 +527,10 @@ def _tile_out(
     t_norm = x1
     if NORM_Q != 0 or NORM_K != 0:
         x1, x2, t_norm = _norm_select(
-            blk,
-            n_q_blocks,
-            x_base,
-            stride_x_head,
-            n_heads,
+            block,
             head0,
-            tail,
-            x1,
-            x2,
-            wq_ptr,
-            wk_ptr,
-            norm_eps,
-            norm_offset,
+            (x1, x2),
+            params,
             r_group,
             HALF,
             HALF_PAD,
@@ -705,7 +691,7 @@ def rope_kernel(
         blk0, n_q_blocks, b, s, q_io, k_io, BLOCK_H
     )
     x1, x2, y1, y2, z1, z2 = load_tiles(
-        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
+        (x_base, stride_x_head, n_heads, head0), HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
     )
     # where the token's angles come from, as load_angles takes them (positions, table or inverse
     # frequencies, M-RoPE sections or axes, packed sequences)
@@ -735,10 +721,7 @@ def rope_kernel(
                 # its loads go out before this block's stores: two blocks in flight. Safe in
                 # place too: blocks are disjoint and validation refuses partial overlaps.
                 n1, n2, ny1, ny2, nz1, nz2 = load_tiles(
-                    nx_base,
-                    next_stride_x_head,
-                    n_n_heads,
-                    n_head0,
+                    (nx_base, next_stride_x_head, n_n_heads, n_head0),
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
@@ -859,10 +842,7 @@ def rope_kernel(
         if HEAD_LOOP:
             if not PREFETCH:
                 n1, n2, ny1, ny2, nz1, nz2 = load_tiles(
-                    nx_base,
-                    next_stride_x_head,
-                    n_n_heads,
-                    n_head0,
+                    (nx_base, next_stride_x_head, n_n_heads, n_head0),
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
@@ -1468,10 +1448,7 @@ def rope_norm_backward_kernel(
             if WHOLE:
                 # every head of g and x in flight before the angles
                 ga1, ga2, gb1, gb2, gc1, gc2 = load_tiles(
-                    g_base,
-                    stride_g_head,
-                    n_heads,
-                    0,
+                    (g_base, stride_g_head, n_heads, 0),
                     HALF,
                     HALF_PAD,
                     BLOCK_H,
@@ -1482,10 +1459,7 @@ def rope_norm_backward_kernel(
                     GAP,
                 )
                 xa1, xa2, xb1, xb2, xc1, xc2 = load_tiles(
-                    x_base,
-                    stride_x_head,
-                    n_heads,
-                    0,
+                    (x_base, stride_x_head, n_heads, 0),
                     HALF,
                     HALF_PAD,
                     BLOCK_H,

@@ -187,26 +187,6 @@ WORKLOADS: List[Workload] = [
         positions="packed",
         packed=(2401, 1),
     ),
-    Workload(
-        "W11-N64",
-        "packed_64",
-        "rope",
-        "W11 as 64 sequences",
-        full=_llama8b(T=65536, N=64, P=131072),
-        quick=_llama8b(T=512, N=4, P=131072),
-        positions="packed",
-        packed=(64, 1),
-    ),
-    Workload(
-        "W11-CP2",
-        "packed_2401_cp2",
-        "rope",
-        "W11 on context-parallel rank 0 of 2 (dual-chunk positions of sequences twice as long)",
-        full=_llama8b(T=65536, N=2401, P=131072),
-        quick=_llama8b(T=512, N=19, P=131072),
-        positions="packed",
-        packed=(2401, 2),
-    ),
     # q/k RMSNorm + RoPE (Qwen3-8B: 32 q heads, 8 kv heads of 128, per-head norm weights (128,))
     Workload(
         "W9",
@@ -277,6 +257,26 @@ WORKLOADS: List[Workload] = [
 ]
 
 # the store's serving forms beside the plain store rows (same sizes, inputs and slots per seed)
+# W11's other packings, right after it
+_W11 = next(w for w in WORKLOADS if w.id == "W11")
+WORKLOADS[WORKLOADS.index(_W11) + 1 : WORKLOADS.index(_W11) + 1] = [
+    replace(
+        _W11,
+        id="W11-N64",
+        name="packed_64",
+        what="W11 as 64 sequences",
+        full=_llama8b(T=65536, N=64, P=131072),
+        quick=_llama8b(T=512, N=4, P=131072),
+        packed=(64, 1),
+    ),
+    replace(
+        _W11,
+        id="W11-CP2",
+        name="packed_2401_cp2",
+        what="W11 on context-parallel rank 0 of 2 (dual-chunk positions of sequences twice as long)",
+        packed=(2401, 2),
+    ),
+]
 _W7, _W7_T64, _W10, _W10_T64 = (next(w for w in WORKLOADS if w.id == i) for i in ("W7", "W7-T64", "W10", "W10-T64"))
 _FORMS = [
     replace(
