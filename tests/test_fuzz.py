@@ -559,9 +559,9 @@ def _snapshot(args):
 
 
 def _raises(op, fn, args, exc, fragment):
-    strict = args.pop("strict", False)
+    strict_mode = args.pop("strict", False)
     snap = _snapshot(args)
-    with strict.strict(strict):
+    with ropekit.strict(strict_mode):
         with pytest.raises(exc) as info:
             fn(**args)
     msg = str(info.value)
