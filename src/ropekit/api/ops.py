@@ -23,7 +23,7 @@ import torch
 from ..core import checks, dispatch, forms, run
 from ..core.args import fail
 from ..core.run import angle_views, saturate, scale_tensor, unit_last_stride
-from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec, spec_for
+from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec, public, spec_for
 
 Scale = Union[None, float, torch.Tensor]
 
@@ -140,16 +140,21 @@ def apply_rope(
     place too (autograd's in-place rules: q and k are marked dirty; a leaf that requires grad
     cannot be rotated in place, as with any in-place torch op).
     """
-    args = locals()
+
+
+def _apply_rope(args: dict):
+    """apply_rope's body, given its arguments by name (variant.public)."""
     spec, door = spec_for(_ROPE, args, checks.rope)
-    a, b = _operands(spec, positions, cos_sin_cache, cu_seqlens, inv_freq)
+    q, k = args["q"], args["k"]
+    a, b = _operands(spec, args["positions"], args["cos_sin_cache"], args["cu_seqlens"], args["inv_freq"])
     if door is not TRACED:
         checks.rope_call(spec, args, a, b)
-    scales = _scales(q.device, q_scale, k_scale) if spec.variant.scaled else None
-    weights, parts = (q_norm_weight, k_norm_weight), (q_nope, k_nope)
-    return _views(spec, door, q, k, a, b, weights, scales, q_out, k_out, parts)
+    scales = _scales(q.device, args["q_scale"], args["k_scale"]) if spec.variant.scaled else None
+    weights, parts = (args["q_norm_weight"], args["k_norm_weight"]), (args["q_nope"], args["k_nope"])
+    return _views(spec, door, q, k, a, b, weights, scales, args["q_out"], args["k_out"], parts)
 
 
+apply_rope = public(apply_rope, _apply_rope)
 _ROPE = Signature.of(apply_rope)
 
 
@@ -392,13 +397,19 @@ def rotate_angles(
         unsliced with columns = rotary_dim // 2); None: decided by rotary_dim, else by the values
         (`_angle_columns`).
     """
-    args = locals()
+
+
+def _rotate_angles(args: dict):
+    """rotate_angles' body, given its arguments by name (variant.public)."""
     spec, door = spec_for(_ANGLES, args, checks.angles)
+    cos, sin = args["cos"], args["sin"]
     if spec.copy_angles or door is CUSTOM_OP or door is TRACED:
         cos, sin = angle_views(spec, cos, sin)  # as validation saw them (copied when it had to)
     if door is not TRACED:
         checks.angles_call(spec, args, cos, sin)
-    return dispatch.through(door, dispatch.ROTATE, spec, q, k, cos, sin, (q_norm_weight, k_norm_weight), None)
+    weights = (args["q_norm_weight"], args["k_norm_weight"])
+    return dispatch.through(door, dispatch.ROTATE, spec, args["q"], args["k"], cos, sin, weights, None)
 
 
+rotate_angles = public(rotate_angles, _rotate_angles)
 _ANGLES = Signature.of(rotate_angles)

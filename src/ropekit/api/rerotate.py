@@ -19,7 +19,7 @@ import torch
 
 from ..core import checks, dispatch, forms
 from ..core.run import scale_tensor
-from ..core.variant import TRACED, Signature, spec_for
+from ..core.variant import TRACED, Signature, public, spec_for
 
 OP = "rerotate_kv_cache"
 
@@ -74,20 +74,25 @@ def rerotate_kv_cache(
 
     fp8: keep |value / k_scale| <= 448 (e4m3's range); nothing is clamped. Inference only.
     """
+
+
+def _rerotate_kv_cache(args: dict):
+    """rerotate_kv_cache's body, given its arguments by name (variant.public)."""
+    k_cache, slots, delta, table = args["k_cache"], args["slots"], args["delta"], args["cos_sin_cache"]
     if isinstance(delta, torch.Tensor) and delta.dim() == 0 and isinstance(slots, torch.Tensor) and slots.dim() == 1:
-        delta = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
-    args = locals()
+        delta = args["delta"] = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
     is_tensor = isinstance(delta, torch.Tensor)
     # an int shift's value is checked on every call (its range, free): the key holds its type only
     small_int = type(delta) is int and -(2**62) < delta < 2**62
     spec, door = spec_for(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
-    if door is not TRACED and (spec.table is None or spec.table() is not cos_sin_cache):
-        forms.read_new_table(spec, OP, cos_sin_cache)  # a new table: HF's cos is refused
-    ks = scale_tensor(k_scale, k_cache.device)
+    if door is not TRACED and (spec.table is None or spec.table() is not table):
+        forms.read_new_table(spec, OP, table)  # a new table: HF's cos is refused
+    ks = scale_tensor(args["k_scale"], k_cache.device)
     shift = None if is_tensor else int(delta)
     delta = delta if is_tensor else None
-    dispatch.through(door, dispatch.REROTATE, spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots)
+    dispatch.through(door, dispatch.REROTATE, spec, k_cache, slots, delta, shift, table, ks, args["dst_slots"])
     return k_cache
 
 
+rerotate_kv_cache = public(rerotate_kv_cache, _rerotate_kv_cache)
 _REROTATE = Signature.of(rerotate_kv_cache)

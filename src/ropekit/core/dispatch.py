@@ -458,7 +458,7 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
     """Plain tensors (tables, positions, scales, weights) become replicated DTensors like q for a
     DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     a, table, slots, ks, vs, qs, wq, wk = dtensor_like(t.q, t.a, t.table, t.slot_mapping, t.ks, t.vs, t.qs, t.wq, t.wk)
-    t = t._replace(a=a, table=table, slot_mapping=slots, ks=ks, vs=vs, qs=qs, wq=wq, wk=wk)
+    t = StoreOperands(t.q, t.k, t.v, a, table, t.k_cache, t.v_cache, slots, ks, vs, t.q_out, qs, wq, wk, t.qn, t.kn)
     head = (*t[:8], spec.variant.encode(), spec.rot, t.ks, t.vs, t.wq, t.wk, [spec.norm_eps, spec.norm_offset])
     if t.q_out is None:
         torch.ops.ropekit.rope_and_store(*head, list(spec.packed), t.kn)

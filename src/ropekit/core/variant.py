@@ -19,6 +19,7 @@ ropekit.core.cpu and in the oracle ropekit.tools.reference.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from itertools import compress
@@ -277,6 +278,29 @@ def _getter(names: list) -> Callable:
         name = names[0]
         return lambda args: (args[name],)
     return operator.itemgetter(*names)
+
+
+def public(declared: Callable, body: Callable) -> Callable:
+    """A public op: `declared`'s signature and documentation (a def whose body is its docstring),
+    run as body(args), args its arguments by name (a dict, the parameters in their order). The
+    function is generated from the signature, so the arguments are listed once, where the op
+    declares them, and the call traces under torch.compile (a dict literal; torch 2.11's compiler
+    cannot trace locals())."""
+    params = inspect.signature(declared).parameters.values()
+    scope = {"_body": body}
+    written, star = [], False
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star:
+            written.append("*")
+            star = True
+        if p.default is p.empty:
+            written.append(p.name)
+        else:  # the declared default object itself: keywords at their defaults are one identity test
+            scope[f"_default_{p.name}"] = p.default
+            written.append(f"{p.name}=_default_{p.name}")
+    by_name = ", ".join(f"{p.name!r}: {p.name}" for p in params)
+    exec(f"def {declared.__name__}({', '.join(written)}):\n    return _body({{{by_name}}})\n", scope)
+    return functools.update_wrapper(scope[declared.__name__], declared)
 
 
 def spec_for(sig: Signature, args: dict, check: Callable, keyed: Optional[dict] = None) -> Tuple[Spec, str]:
