@@ -413,8 +413,11 @@ def store(args: dict) -> Spec:
         rules.nope_part(op, "q_nope", q_nope, q, rot)
     rules.store_outputs(op, q, k, q_out, q_scale, write_key, q_nope=q_nope)
     modes = store_norm_modes(q, k, *weights, args["norm_eps"], args["norm_weight_offset"])
-    for name, part, weight in (("q_nope", q_nope, "q_norm_weight"), ("k_nope", k_nope, "k_norm_weight")):
-        if part is not None and modes[name == "k_nope"] != NORM_NONE:
+    for name, part, weight, mode in (
+        ("q_nope", q_nope, "q_norm_weight", modes[0]),
+        ("k_nope", k_nope, "k_norm_weight", modes[1]),
+    ):
+        if part is not None and mode != NORM_NONE:
             fail(op, name, f"None with {weight} (the norm covers a whole head, not one given in two parts)", "a tensor")
     if cu_seqlens is not None:
         angle_source, a = "packed", cu_seqlens
