@@ -573,6 +573,29 @@ def test_helper_return_value_flows_back(tmp_path):
     assert found == [(line_of(src, "return tl.program_id"), "_row_offset", "tl.program_id(0) * stride")]
 
 
+def test_tuple_concatenation_keeps_each_element(tmp_path):
+    # a group grown with += hands each element on as it was: the float value's product next to a
+    # pointer does not make the pointer's offset narrow, and the narrow offset is still found
+    found, src = run_audit(
+        tmp_path,
+        """
+        @triton.jit
+        def _use(group, BLOCK: tl.constexpr):
+            base, eps, off = group[0], group[1], group[2]
+            v = tl.load(base + tl.arange(0, BLOCK))
+            tl.store(base + off + tl.arange(0, BLOCK), v + eps)
+
+        @triton.jit
+        def kernel(x_ptr, stride, eps_val, BLOCK: tl.constexpr):
+            v = tl.load(x_ptr + tl.arange(0, BLOCK))
+            group = (x_ptr,)
+            group += (v * v * eps_val, tl.program_id(0) * stride)
+            _use(group, BLOCK)
+    """,
+    )
+    assert found == [(line_of(src, "group += ("), "kernel", "tl.program_id(0) * stride")]
+
+
 def test_helper_constexpr_like_argument_is_constant(tmp_path):
     # a helper parameter that every caller fills with a constexpr acts as a constant
     found, _ = run_audit(

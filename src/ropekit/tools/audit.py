@@ -944,7 +944,9 @@ class _Function:
 
     # -- arithmetic ----------------------------------------------------------------------
 
-    def _binop(self, op: ast.operator, left: _AnyVal, right: _AnyVal, node: ast.AST) -> _Val:
+    def _binop(self, op: ast.operator, left: _AnyVal, right: _AnyVal, node: ast.AST) -> _AnyVal:
+        if isinstance(op, ast.Add) and isinstance(left, _Tup) and isinstance(right, _Tup):
+            return _Tup(left.elts + right.elts)  # tuple concatenation keeps each element's value
         lhs, rhs = _flat(left), _flat(right)
         if isinstance(op, (ast.Add, ast.Sub)):
             if lhs.ptr and not rhs.ptr:
