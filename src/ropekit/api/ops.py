@@ -7,8 +7,9 @@
     rotate_angles(...)                                 the same for ropekit.hf: HF's (B, H, S, D)
                                                        layout and HF's unsliced cos / sin tables
 
-Every op goes the one call path: its arguments (`locals()`) -> the memoized spec of their
-signature (ropekit.core.variant.spec_for; validated once by the op's entry in ropekit.core.checks,
+Every op goes the one call path: its arguments by name (a dict; ropekit.core.variant.public
+generates each op from its declaration) -> the memoized spec of their signature
+(ropekit.core.variant.spec_for; validated once by the op's entry in ropekit.core.checks,
 whose `Variant` is the record of every flag) -> this call's address checks -> one door
 (ropekit.core.dispatch.through). What is written here is each op's own part: its keywords, the
 angle operands it hands the run, and the rotation's views (layouts, rotated part last).
@@ -160,7 +161,7 @@ _ROPE = Signature.of(apply_rope)
 
 def _scales(device, *scales) -> tuple:
     """(q's, k's) float32 scale tensors of a scaled variant: floats become cached device tensors,
-    None 1.0. (A public op's body holds no comprehension: its locals() must hold no unset cell.)"""
+    None 1.0."""
     return tuple(scale_tensor(1.0 if s is None else s, device, unit=True) for s in scales)
 
 

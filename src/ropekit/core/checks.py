@@ -1,4 +1,4 @@
-"""One entry per op: a call's arguments (the public op's `locals()`, by name) checked into its Spec.
+"""One entry per op: a call's arguments (the public op's, by name) checked into its Spec.
 
     rope(args)      apply_rope             angles(args)    rotate_with_angles / rotate_angles
     store(args)     apply_rope_and_store   rerotate(args)  rerotate_kv_cache

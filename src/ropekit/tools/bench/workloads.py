@@ -1048,6 +1048,9 @@ _FB = "through autograd, forward then backward (q, k and both norm weights)"
 WORKLOADS += [
     _W13,
     replace(_W13, id="W13-FB", name="flux_fwd_bwd", kind="axialfb", what="W13 " + _FB),
+    # W13's kernel (~35 us) is shorter than its eager host path: do_bench's per-call events can
+    # enclose the launch, so the kernel's own figure is this row's
+    replace(_W13, id="W13-G", name="flux_graph", graph=True, what="W13 under CUDA-graph replay"),
     _W14,
     replace(_W14, id="W14-FB", name="wan_fwd_bwd", kind="axialfb", what="W14 " + _FB),
     Workload(
