@@ -184,7 +184,8 @@ def test_weight_pair_words(wdtype, misalign, pairs, poison):
 
 
 def test_plans_default_rule():
-    """Defaults: across heads, whole heads (k's tiles prefetched, 4 warps); per head, whole only when
+    """Defaults: across heads, whole heads (k's tiles prefetched, 2 warps up to 8192 elements, 8
+    past); per head, whole only when
     q and k share a head count that the per-head blocks would pad (Flux's 24 in blocks of 16), else
     the blocks (Qwen3's 32 and 8 heads); the backward whole across heads only."""
     t = 2048  # past decode-sized: the head loop
@@ -199,7 +200,8 @@ def test_plans_default_rule():
         return fwd.meta, bwd.meta
 
     wan, wan_b = plan(40, 40, 2)
-    assert (wan["WHOLE"], wan["BLOCK_H"], wan["BLOCK_H2"], wan["PREFETCH"], wan["num_warps"]) == (True, 32, 8, True, 4)
+    assert (wan["WHOLE"], wan["BLOCK_H"], wan["BLOCK_H2"], wan["PREFETCH"], wan["num_warps"]) == (True, 32, 8, True, 2)
+    assert plans.norm_warps(64, 64, 0, whole=True) == 2 and plans.norm_warps(128, 64, 0, whole=True) == 8
     assert wan["W_PAIRS"] and wan_b["WHOLE"] and wan_b["PACK"] == 32 and wan_b["num_warps"] == 4
     flux, flux_b = plan(24, 24, 1)
     assert flux["WHOLE"] and (flux["BLOCK_H"], flux["BLOCK_H2"]) == (16, 8) and not flux_b["WHOLE"]

@@ -291,9 +291,10 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
 def norm_warps(block_h: int, half_pad: int, tail_pad: int, whole: bool = False) -> int:
     """Warps of a normed launch: one per 1024 elements of a head block, 2 to 8 (W13's per-head
     blocks of 2048 ran fastest with 2). Whole heads (block_h: all of a tensor's heads): 2, 8 past
-    8192 elements (the H200 sweep: W13's 24 heads 72% of copy at 2 warps, 32% at 4; W14's 40
-    heads 83% at 2, 82% at 4; ptxas, sm_90, Wan's 40 heads of 128: 2 / 4 / 8 / 16 warps take
-    154 / 96 / 79 / 62 registers a thread, 6 / 5 / 3 / 2 programs an SM)."""
+    8192 elements (the H200 sweep: W14's 40 heads 83% of copy at 2 warps, 82% at 4; W13's short
+    forward is bound by host time there, so its rows do not rank the counts; ptxas, sm_90, Wan's 40
+    heads of 128: 2 / 4 / 8 / 16 warps take 154 / 96 / 79 / 62 registers a thread, 6 / 5 / 3 / 2
+    programs an SM)."""
     elems = block_h * (2 * half_pad + tail_pad)
     if whole:
         return 2 if elems <= 8192 else 8
