@@ -1,17 +1,19 @@
 """Training and inference steps of small random-weight image / video transformers (Flux.1, Wan 2.1,
-Flux 2, HunyuanVideo 1.5, LTX-2, a DINOv3 ViT), with and without ropekit's patch.
+Flux 2, HunyuanVideo 1.5, LTX-2, a DINOv3 ViT) and of a Qwen3 language model, with and without
+ropekit's patch.
 
     PYTHONPATH=src python benchmarks/e2e_dit.py --out OUT/e2e_dit.json [--quick] [--compile]
         [--models flux,wan,flux2,hunyuan_video15,ltx2,dinov3] [--step train,infer] [--steps 10]
         [--warmup 3] [--rounds 2] [--wan-latent 21,60,104] [--flux2-image 64,64]
         [--hv15-latent 16,30,53] [--ltx2-latent 16,16,24] [--vit-batch 32] [--vit-image 512]
+        [--lm-layers 4] [--lm-tokens 2,4096]
 
 The models are the libraries' own classes with their real widths and only a few blocks, random
 weights from a fixed seed, on CUDA in bf16 (parameters cast as `from_pretrained(torch_dtype=
 torch.bfloat16)` casts them: bf16 except the class's `_keep_in_fp32_modules`; buffers such as
 Wan's float32 rotary table as the constructor made them). The diffusers ones are patched with
-`ropekit.diffusers.patch(model)`, the transformers one with `ropekit.hf.patch(model)`; diffusers
-is imported only when a diffusers model is selected.
+`ropekit.diffusers.patch(model)`, the transformers ones with `ropekit.hf.patch(model)` (Qwen3 with
+`fuse_qk_norm=True`); diffusers is imported only when a diffusers model is selected.
 
     flux    Flux.1  FluxTransformer2DModel: 24 heads x 128 = 3072 wide, joint_attention_dim 4096,
             pooled_projection_dim 768, axes_dims_rope (16, 56, 56), in_channels 64 (2 x 2 packed
@@ -44,6 +46,10 @@ is imported only when a diffusers model is selected.
     dinov3  DINOv3 ViT-L/16 DINOv3ViTModel (transformers): 16 heads x 64 = 1024 wide, ffn 4096, 4
             register tokens, 2-D RoPE on the patch tokens (rope_theta 100); 4 layers.
             Input: B=32 images at 512 x 512 = 32 x (1024 patches + 5 prefix tokens).
+    qwen3   Qwen3-8B Qwen3Model (transformers, no LM head): 32 query / 8 key-value heads x 128 =
+            4096 wide, ffn 12288, q / k RMSNorm per head (fused into the rotation by the patch),
+            rope_theta 1e6; 4 layers. Input: B=2 sequences of 4096 tokens (W1's shape at Llama-3-
+            8B's heads; the inference step is that prefill).
 
 A training step is: gradients set to None, forward, MSE loss (float32) of every output to a fixed
 random target, backward. No optimizer step: the weights stay fixed, so every step does the same
@@ -266,6 +272,26 @@ DINOV3_CONFIG = {
 }  # fmt: skip
 DINOV3_INPUT = {"full": (32, 512), "quick": (2, 16)}  # batch, image side in pixels
 
+# Qwen3-8B's widths (transformers' Qwen3Config) with 4 layers
+QWEN3_FULL = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    num_hidden_layers=4,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+)
+QWEN3_CONFIG = {
+    "full": QWEN3_FULL,
+    "quick": {**QWEN3_FULL, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 1, "max_position_embeddings": 64},
+}  # fmt: skip
+QWEN3_TOKENS = {"full": (2, 4096), "quick": (2, 8)}  # batch, sequence length
+
 SCHEDULE = {"full": dict(warmup=3, steps=10, rounds=2), "quick": dict(warmup=1, steps=2, rounds=1)}
 LOSS_RTOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}  # about one rounding of the dtype
 OUTPUT_SLACK = {torch.bfloat16: 1e-3, torch.float32: 1e-5}  # added to 1.5x the unpatched error
@@ -407,6 +433,10 @@ def vit_forward(model, inputs: dict) -> Sequence[torch.Tensor]:
     return [model(**inputs).last_hidden_state]
 
 
+def lm_forward(model, inputs: dict) -> Sequence[torch.Tensor]:
+    return [model(**inputs, use_cache=False).last_hidden_state]
+
+
 def diffusers_case(model: str, cls_name: str, cfg: dict, device, dtype, **fields) -> dict:
     """A diffusers model's case: its class (diffusers imported here, only for the models that are
     run), built from cfg; fields: blocks, tokens, seq_tokens, inputs."""
@@ -529,6 +559,27 @@ def dinov3_case(size: str, device, dtype, gen, args) -> dict:
     )
 
 
+def qwen3_case(size: str, device, dtype, gen, args) -> dict:
+    from transformers import Qwen3Config, Qwen3Model
+
+    cfg = dict(QWEN3_CONFIG[size])
+    if args.lm_layers:
+        cfg.update(num_hidden_layers=args.lm_layers)
+    batch, seq = args.lm_tokens or QWEN3_TOKENS[size]
+    config = Qwen3Config(attn_implementation="sdpa", **cfg)
+    return dict(
+        model="qwen3",
+        library="transformers+qknorm",
+        blocks=f"{cfg['num_hidden_layers']}",
+        hidden=cfg["hidden_size"],
+        tokens=f"{batch} x {seq}",
+        seq_tokens=seq,
+        build=lambda: build(lambda: Qwen3Model(config), device, dtype),
+        inputs=dict(input_ids=torch.randint(3, cfg["vocab_size"], (batch, seq), generator=gen).to(device)),
+        forward=lm_forward,
+    )
+
+
 CASES = {
     "flux": flux_case,
     "wan": wan_case,
@@ -536,6 +587,7 @@ CASES = {
     "hunyuan_video15": hv15_case,
     "ltx2": ltx2_case,
     "dinov3": dinov3_case,
+    "qwen3": qwen3_case,
 }
 
 
@@ -560,8 +612,13 @@ def set_patched(model: torch.nn.Module, library: str, patched: bool) -> dict:
     rh.unpatch()
     if not patched:
         return {}
-    report = rh.patch(model)
-    return dict(fused_modules=0, functions={family: names for family, names in report.items()})
+    # "transformers+qknorm": the q / k RMSNorm fused into the rotation as well
+    report = rh.patch(model, fuse_qk_norm=library.endswith("+qknorm"))
+    fused = {n[: -len(".forward")] for names in report.values() for n in names if n.endswith("Attention.forward")}
+    return dict(
+        fused_modules=sum(type(m).__name__ in fused for m in model.modules()),
+        functions={family: names for family, names in report.items()},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -890,6 +947,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--vit-layers", type=int, default=None, help="DINOv3 ViT layers (default 4)")
     p.add_argument("--vit-batch", type=int, default=None, help="DINOv3 ViT images per batch (default 32)")
     p.add_argument("--vit-image", type=int, default=None, help="DINOv3 ViT image side in pixels (default 512)")
+    p.add_argument("--lm-layers", type=int, default=None, help="Qwen3 layers (default 4)")
+    p.add_argument("--lm-tokens", type=ints, default=None, help="Qwen3 batch,sequence length (default 2,4096)")
     p.add_argument("--loss-rtol", type=float, default=None, help="patched vs unpatched loss, relative")
     args = p.parse_args(argv)
     args.models = args.models.split(",")

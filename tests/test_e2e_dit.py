@@ -27,14 +27,15 @@ from ropekit.core import dispatch  # noqa: E402
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_dit.py"
 HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
 DIFFUSERS_MODELS = ("flux", "wan", "flux2", "hunyuan_video15", "ltx2")
-MODELS = (DIFFUSERS_MODELS if HAS_DIFFUSERS else ()) + ("dinov3",)
+MODELS = (DIFFUSERS_MODELS if HAS_DIFFUSERS else ()) + ("dinov3", "qwen3")
 
 # ropekit calls in one patched forward of each tiny model, and how many of them fuse the QK-RMSNorm:
 # Flux.1, 1 double + 1 single block: the 4 + 2 norms of q / k, each its own call; Wan, 1 block: its
 # self-attention's q and k norms; Flux 2, 1 double + 1 single: q and k of each attention through
 # apply_rotary_emb; HunyuanVideo 1.5, 1 block: the video q and k; LTX-2, 1 block: q and k of the
 # video and audio self-attention and of the audio-to-video and video-to-audio attention (the text
-# cross-attentions have no rotation); DINOv3, 1 layer: one call for q and k.
+# cross-attentions have no rotation); DINOv3, 1 layer: one call for q and k; Qwen3, 1 layer: one
+# call for q and k with both norms fused.
 CALLS = {
     "flux": (6, 6),
     "wan": (2, 2),
@@ -42,6 +43,7 @@ CALLS = {
     "hunyuan_video15": (2, 0),
     "ltx2": (8, 0),
     "dinov3": (1, 0),
+    "qwen3": (1, 1),
 }
 
 
@@ -190,7 +192,8 @@ def test_quick_on_cuda(e2e):
 @pytest.mark.gpu
 def test_quick_on_cuda_with_compile(e2e):
     """torch.compile of both variants, training and inference, for one model of each patch: the
-    fused norm (Flux.1), diffusers' rotary helpers (Flux 2), transformers' rotary function (DINOv3)."""
-    models = [m for m in ("flux", "flux2", "dinov3") if m in MODELS]
+    fused norm (Flux.1), diffusers' rotary helpers (Flux 2), transformers' rotary function (DINOv3) and
+    its fused QK-norm (Qwen3)."""
+    models = [m for m in ("flux", "flux2", "dinov3", "qwen3") if m in MODELS]
     rows = e2e.main(["--quick", "--device", "cuda", "--compile", "--models", ",".join(models)])
     check_cuda_rows(e2e, rows, models, ("eager", "compile"))
