@@ -75,6 +75,16 @@ def _llama8b(**kw):
     return dict(Hq=32, Hk=8, D=128, **kw)
 
 
+_W1 = Workload(
+    "W1",
+    "train_8b",
+    "rope",
+    "Llama-3-8B training step, HF layout (q/k are (B,H,S,D) views of (B,S,H,D))",
+    full=_llama8b(B=4, S=4096, P=8192),
+    quick=_llama8b(B=2, S=128, P=8192),
+    layout="bshd",
+    positions="none",
+)
 _W3 = Workload(
     "W3",
     "decode_b64",
@@ -89,16 +99,7 @@ _W3 = Workload(
 )
 
 WORKLOADS: List[Workload] = [
-    Workload(
-        "W1",
-        "train_8b",
-        "rope",
-        "Llama-3-8B training step, HF layout (q/k are (B,H,S,D) views of (B,S,H,D))",
-        full=_llama8b(B=4, S=4096, P=8192),
-        quick=_llama8b(B=2, S=128, P=8192),
-        layout="bshd",
-        positions="none",
-    ),
+    _W1,
     Workload(
         "W2",
         "prefill_70b",
@@ -165,16 +166,7 @@ WORKLOADS: List[Workload] = [
         graph=True,
         host=True,
     ),
-    Workload(
-        "W8",
-        "train_8b_fwd_bwd",
-        "fwdbwd",
-        "W1 through autograd, forward then backward",
-        full=_llama8b(B=4, S=4096, P=8192),
-        quick=_llama8b(B=2, S=128, P=8192),
-        layout="bshd",
-        positions="none",
-    ),
+    replace(_W1, id="W8", name="train_8b_fwd_bwd", kind="fwdbwd", what="W1 through autograd, forward then backward"),
     # W11: THD packing; positions="packed" gives inputs cu_seqlens (this rank's local lengths) and
     # the same tokens' explicit positions (the `ropekit` peer times those, `ropekit-cu` the cu_seqlens path)
     Workload(
@@ -312,7 +304,7 @@ _FORMS = [
         store_forms=("fp8_q_out",),
     ),
 ]
-_W1, _W2, _W6 = (next(w for w in WORKLOADS if w.id == i) for i in ("W1", "W2", "W6"))
+_W2, _W6 = (next(w for w in WORKLOADS if w.id == i) for i in ("W2", "W6"))
 _W7_R64 = replace(_W7, full=dict(_W7.full, R=64), quick=dict(_W7.quick, R=64))  # the heads' rope part: 64 of 128
 _FORMS += [
     replace(
