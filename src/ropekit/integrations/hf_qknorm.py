@@ -1,4 +1,5 @@
-"""Hugging Face: q/k RMSNorm + RoPE of Qwen3, Qwen3-MoE, Gemma 3 and OLMo 2 in one ropekit launch.
+"""Hugging Face: q/k RMSNorm + RoPE in one ropekit launch, for the rows written here (Qwen3,
+Qwen3-MoE, Gemma 3, OLMo 2) and the families hf_qknorm_detect finds in a model.
 
 `ropekit.hf.patch(model, fuse_qk_norm=True)` ends here. These families' attention forwards call
 `self.q_norm(...)` / `self.k_norm(...)` and then the modeling module's `apply_rotary_pos_emb`. The
