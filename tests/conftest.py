@@ -51,6 +51,18 @@ TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 @pytest.fixture
+def hf_unpatched():
+    """transformers unpatched before and after a test (the HF test files use it for every test),
+    and Dynamo's caches cleared after it: a patch changes what compiled graphs called."""
+    from ropekit import hf
+
+    hf.unpatch()
+    yield
+    hf.unpatch()
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def poison(monkeypatch):
     """Fresh outputs come back filled with NaN, so any element the kernel skips fails the test."""
 

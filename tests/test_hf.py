@@ -52,12 +52,7 @@ def _available(family):
         return False
 
 
-@pytest.fixture(autouse=True)
-def _restore_hf():
-    """Every test starts and ends with transformers unpatched."""
-    hf.unpatch()
-    yield
-    hf.unpatch()
+pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
 
 
 @pytest.fixture

@@ -23,12 +23,7 @@ from ropekit.integrations import hf_census, hf_forms  # noqa: E402
 from conftest import DEVICES  # noqa: E402
 from helpers.hf_models import TINY_LM, TINY_MLA  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _restore_hf():
-    hf.unpatch()
-    yield
-    hf.unpatch()
+pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
 
 
 def test_every_rotary_function_is_patched_or_left_with_a_reason():

@@ -16,12 +16,7 @@ COMMON = dict(TINY_LM, head_dim=8)
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
-@pytest.fixture(autouse=True)
-def _restore_hf():
-    hf.unpatch()
-    yield
-    hf.unpatch()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

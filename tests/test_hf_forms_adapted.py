@@ -22,11 +22,7 @@ from ropekit.api import ops  # noqa: E402
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(autouse=True)
-def _restore_hf():
-    hf.unpatch()
-    yield
-    hf.unpatch()
+pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
 
 
 def _patched(family, name):

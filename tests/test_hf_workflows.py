@@ -24,12 +24,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _restore_hf():
-    hf.unpatch()
-    yield
-    hf.unpatch()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
 
 
 @pytest.fixture
