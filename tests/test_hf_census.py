@@ -149,6 +149,31 @@ def test_docs_table_is_current():
     assert section == hf_table.render(), "docs/hf.md is stale: run python -m ropekit.tools.hf_table --write"
 
 
+def test_a_left_function_that_calls_a_replaced_one_says_so():
+    """Gemma 4's apply_multidimensional_rope is left (its signature is no form's), but it calls
+    apply_rotary_pos_emb, which ropekit replaces, on each part of the head: the report says its
+    rotations run ropekit's kernel, and they do (one call a part, HF's result)."""
+    gemma4 = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    report = hf.patch(families=["gemma4"])
+    reason = report.left["gemma4"]["apply_multidimensional_rope"]
+    assert "it calls apply_rotary_pos_emb, which ropekit replaces" in reason
+    # a function left that calls no replaced one keeps its plain reason
+    assert all("ropekit replaces" not in r for f, left in report.left.items() if f != "gemma4" for r in left.values())
+    g = torch.Generator().manual_seed(0)
+    b, s, h, d, parts = 2, 5, 3, 16, 2
+    x = torch.randn(b, s, h, d, generator=g)
+    angles = torch.randn(b, s, parts, d // (2 * parts), generator=g, dtype=torch.float64)
+    cos = torch.cat([torch.cat((angles[:, :, i].cos(),) * 2, -1) for i in range(parts)], -1).float()
+    sin = torch.cat([torch.cat((angles[:, :, i].sin(),) * 2, -1) for i in range(parts)], -1).float()
+    position_ids = torch.zeros(b, s, parts, dtype=torch.long)
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got = gemma4.apply_multidimensional_rope(x, cos, sin, position_ids)
+    assert spy.call_count == parts
+    hf.unpatch()
+    want = gemma4.apply_multidimensional_rope(x.double(), cos.double(), sin.double(), position_ids)
+    assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_vision_form_in_a_tiny_vision_tower(device):
     """The vision form (tokens (S, H, D), float32 math, outputs in the inputs' dtypes): Qwen2-VL's

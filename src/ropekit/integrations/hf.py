@@ -479,15 +479,18 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
     report.unfused.update(unfused)
     for entry in found:
         module = hf_census.load(entry)
+        # HF's functions: the ones recorded when an earlier call replaced them
+        originals = {} if isinstance(module, str) else _hf_functions(entry, module)
         for name in entry.names:
             label, key = hf_census.label(entry, name), (entry.module, name)
             if isinstance(module, str):
                 form = module
-            else:  # HF's function: the one recorded when an earlier call replaced it
-                original = _ORIGINALS.get(key, getattr(module, name, None))
+            else:
+                original = originals[name]
                 form = hf_census.verdict(entry.module, original)
             if isinstance(form, str):
-                report.left.setdefault(entry.family, {})[label] = form
+                reason = form if isinstance(module, str) else hf_census.left_reason(entry, form, original, originals)
+                report.left.setdefault(entry.family, {})[label] = reason
                 continue
             if key not in _ORIGINALS:
                 _ORIGINALS[key] = original
@@ -502,6 +505,11 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
         for family, swapped in hf_qknorm.patch([f for f in names if f in report], specs).items():
             _add_names(report, family, swapped)
     return report
+
+
+def _hf_functions(entry, module) -> Dict[str, object]:
+    """{name: HF's function} of an entry: the one recorded when an earlier call replaced it."""
+    return {name: _ORIGINALS.get((entry.module, name), getattr(module, name, None)) for name in entry.names}
 
 
 def _add_names(report: Dict[str, List[str]], family: str, names) -> None:

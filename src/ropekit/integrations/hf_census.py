@@ -295,6 +295,34 @@ def verdict(module_name: str, fn) -> Union[hf_forms.Form, str]:
     return form
 
 
+def _global_names(code) -> set:
+    """The global names a code object reads, its comprehensions' and nested functions' included."""
+    if code is None:
+        return set()
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _global_names(const)
+    return names
+
+
+def left_reason(entry: Entry, reason: str, fn, originals: Dict[str, object]) -> str:
+    """Why HF function fn of entry's module is left (reason), and, when it calls rotary functions
+    of its module that ropekit replaces (read off its code; their verdict is a form), that its
+    rotations still run ropekit's kernel once they are replaced: Gemma 4's
+    apply_multidimensional_rope calls apply_rotary_pos_emb on each part of the head.
+    originals: {name: HF's function} of the entry's names."""
+    called = _global_names(getattr(fn, "__code__", None))
+    through = [
+        n
+        for n, original in originals.items()
+        if n in called and original is not fn and isinstance(verdict(entry.module, original), hf_forms.Form)
+    ]
+    if not through:
+        return reason
+    return f"{reason}; it calls {', '.join(through)}, which ropekit replaces: its rotations run ropekit's kernel"
+
+
 def entries(model=None, families=None) -> List[Entry]:
     """scan(), narrowed to the modules of the model's submodules and / or to families."""
     found = list(scan())

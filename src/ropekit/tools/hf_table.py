@@ -34,18 +34,25 @@ def rows() -> List[Row]:
     out = []
     for entry in hf_census.scan():
         module = hf_census.load(entry)
+        # HF's functions, also while patched
+        originals = {} if isinstance(module, str) else {n: _hf(getattr(module, n, None)) for n in entry.names}
         for name in entry.names:
             if isinstance(module, str):
                 verdict = module
-            else:  # HF's function, also while patched
-                fn = getattr(module, name, None)
-                verdict = hf_census.verdict(entry.module, getattr(fn, "ropekit_original", fn))
+            else:
+                verdict = hf_census.verdict(entry.module, originals[name])
+                if isinstance(verdict, str):
+                    verdict = hf_census.left_reason(entry, verdict, originals[name], originals)
             form = verdict if isinstance(verdict, hf_forms.Form) else None
             vision = "vision" in name or "2d" in name or (form is not None and form.kind == "vision")
             out.append(
                 Row(entry.family, hf_census.label(entry, name), vision, form and form.name, None if form else verdict)
             )
     return out
+
+
+def _hf(fn):
+    return getattr(fn, "ropekit_original", fn)
 
 
 def _totals(found: List[Row], vision: bool) -> str:
