@@ -145,16 +145,17 @@ def test_a_patch_that_does_nothing_fails(e2e, monkeypatch):
 
 
 def test_vit_alone_does_not_import_diffusers(tmp_path):
-    """The GPU host may lack diffusers: a run of the transformers model alone must not import it."""
+    """The GPU host may lack diffusers: a run of the transformers model alone must not import it
+    (a fresh process: after the run, diffusers is not among its imported modules)."""
     code = (
         "import sys, importlib.util, torch\n"
-        "sys.modules['diffusers'] = None  # any import of diffusers now raises ImportError\n"
         "torch.set_num_threads(1)\n"
         f"spec = importlib.util.spec_from_file_location('e2e', {str(SCRIPT)!r})\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         f"rows = m.main(['--quick', '--device', 'cpu', '--models', 'dinov3', '--step', 'infer', "
         f"'--out', {str(tmp_path / 'vit.json')!r}])\n"
         "assert not m.failed(rows) and len(rows) == 1\n"
+        "assert 'diffusers' not in sys.modules, 'the ViT run imported diffusers'\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

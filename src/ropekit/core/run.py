@@ -116,7 +116,7 @@ def run_rotate(
     if variant.scaled:
         # rotate into float32, divide by the scale, saturate, cast
         wide = [None if x is None else torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k)]
-        _cpu_rotate(spec, variant._replace(scaled=False), q, k, wide[0], wide[1], a, b)
+        _cpu_rotate(spec, variant.unscaled(), q, k, wide[0], wide[1], a, b)
         for w, out, scale in zip(wide, (q_out, k_out), (scales[0], scales[1] if scales[1] is not None else scales[0])):
             if w is not None:
                 out.copy_(saturate(w.div_(scale), out.dtype))
@@ -258,6 +258,10 @@ class StoreOperands(NamedTuple):
     qn: Optional[torch.Tensor] = None  # q's no-rope part given apart (with q_out), Variant.nope_q
     kn: Optional[torch.Tensor] = None  # k's likewise (the k cache rows' tails), Variant.nope_k
 
+    def whole(self, q: torch.Tensor, k: torch.Tensor) -> "StoreOperands":
+        """These operands with whole heads q and k (their no-rope parts joined in)."""
+        return self._replace(q=q, k=k, qn=None, kn=None)
+
 
 def run_store(spec: Spec, t: StoreOperands) -> None:
     """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
@@ -307,9 +311,9 @@ def _store_parts_cpu(spec: Spec, t: StoreOperands) -> None:
     write_key (a head in two parts is never normalized)."""
     whole_q = t.q if t.qn is None else torch.cat((t.q, t.qn), -1)
     whole_k = t.k if t.kn is None else torch.cat((t.k, t.kn), -1)
-    plain = Spec(spec.variant._replace(nope_q=False, nope_k=False), spec.rot, spec.door, spec.triton)
+    plain = Spec(spec.variant.whole_heads(), spec.rot, spec.door, spec.triton)
     plain.packed, plain.norm_eps, plain.norm_offset = spec.packed, spec.norm_eps, spec.norm_offset
-    run_store(plain, t._replace(q=whole_q, k=whole_k, qn=None, kn=None))
+    run_store(plain, t.whole(whole_q, whole_k))
     if spec.variant.write_key and whole_k is not t.k:
         t.k.copy_(whole_k[..., : t.k.shape[-1]])
 

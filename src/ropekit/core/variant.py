@@ -110,6 +110,14 @@ class Variant(NamedTuple):
         alone (apply_rope's no-rope parts given apart are joined to it in ops.py)."""
         return self._replace(heads_first=False, seq_first=False, rope_last=False, nope_q=False, nope_k=False)
 
+    def unscaled(self) -> "Variant":
+        """This variant writing unscaled values (the CPU path rotates into float32, then scales)."""
+        return self._replace(scaled=False)
+
+    def whole_heads(self) -> "Variant":
+        """This variant for heads given whole: no no-rope parts apart (the CPU path joins them)."""
+        return self._replace(nope_q=False, nope_k=False)
+
     def backward(self) -> "Variant":
         """The rotation that maps output gradients to input gradients: the inverse, reading the
         output layout and writing the input layout."""
