@@ -34,11 +34,11 @@ def kernel_calls():
         yield spy
 
 
-def _pair(name, device):
+def _pair(name, device, **overrides):
     """(unpatched, patched) models with the same random weights, and the patch's report."""
     config_cls, model_cls, fuse = MODELS[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**TINY_LM, head_dim=8)
+    config = getattr(transformers, config_cls)(**{**TINY_LM, "head_dim": 8, **overrides})
     config._attn_implementation = "eager"
     plain = getattr(transformers, model_cls)(config).float().eval().to(device)
     patched = copy.deepcopy(plain)
@@ -63,6 +63,7 @@ def test_greedy_generation_with_kv_cache(name, device, kernel_calls):
     hf.unpatch()  # the functions are module globals: the unpatched run needs them restored
     want = plain.generate(ids, **kw)
     hf.patch(patched, fuse_qk_norm=MODELS[name][2])
+    kernel_calls.reset_mock()  # the patch's first classification in a process runs ropekit's forms too
     got = patched.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == 6
@@ -92,6 +93,7 @@ def test_gradient_checkpointing_matches_unpatched(name, device, kernel_calls):
     hf.unpatch()
     want_loss, want = loss_and_grads(plain)
     hf.patch(patched, fuse_qk_norm=MODELS[name][2])
+    kernel_calls.reset_mock()
     got_loss, got = loss_and_grads(patched)
     assert getattr(patched, "is_activation_checkpointing", None) or patched.is_gradient_checkpointing
     assert _rel(got_loss, want_loss) <= 1e-6
@@ -134,7 +136,9 @@ def test_save_pretrained_and_from_pretrained(name, tmp_path, kernel_calls):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_torch_export_with_a_dynamic_sequence_length(name, device):
-    plain, patched, _ = _pair(name, device)
+    # as many k / v heads as q heads: with torch 2.11 on CUDA, transformers' repeat_kv (GQA) fails
+    # this export unpatched too (a guard Min(8*s, 16*s) == 8*s on the sequence length)
+    plain, patched, _ = _pair(name, device, num_key_value_heads=TINY_LM["num_attention_heads"])
 
     class Logits(torch.nn.Module):
         def __init__(self, model):
