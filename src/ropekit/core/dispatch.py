@@ -458,7 +458,25 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
     """Plain tensors (tables, positions, scales, weights) become replicated DTensors like q for a
     DTensor call (DTensor refuses mixed calls); as they are otherwise."""
     a, table, slots, ks, vs, qs, wq, wk = dtensor_like(t.q, t.a, t.table, t.slot_mapping, t.ks, t.vs, t.qs, t.wq, t.wk)
-    t = StoreOperands(t.q, t.k, t.v, a, table, t.k_cache, t.v_cache, slots, ks, vs, t.q_out, qs, wq, wk, t.qn, t.kn)
+    # built by keyword, not NamedTuple._replace: torch 2.11's compiler traces a constructor call
+    t = StoreOperands(
+        q=t.q,
+        k=t.k,
+        v=t.v,
+        a=a,
+        table=table,
+        k_cache=t.k_cache,
+        v_cache=t.v_cache,
+        slot_mapping=slots,
+        ks=ks,
+        vs=vs,
+        q_out=t.q_out,
+        qs=qs,
+        wq=wq,
+        wk=wk,
+        qn=t.qn,
+        kn=t.kn,
+    )
     head = (*t[:8], spec.variant.encode(), spec.rot, t.ks, t.vs, t.wq, t.wk, [spec.norm_eps, spec.norm_offset])
     if t.q_out is None:
         torch.ops.ropekit.rope_and_store(*head, list(spec.packed), t.kn)

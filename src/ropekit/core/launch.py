@@ -36,12 +36,12 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
         # the device guard: launch on the device of the tensors (validation put every tensor of the
         # call on q's), not on whichever device is current, and on that device's current stream
         with torch.cuda.device(device):
-            _launch(kernel, compiled, variant, grid, ptrs, args, meta)
+            _launch(kernel, compiled, variant, grid, ptrs, args, meta, device)
         return
-    _launch(kernel, compiled, variant, grid, ptrs, args, meta)
+    _launch(kernel, compiled, variant, grid, ptrs, args, meta, device)
 
 
-def _launch(kernel, compiled, variant, grid, ptrs, args, meta) -> None:
+def _launch(kernel, compiled, variant, grid, ptrs, args, meta, device: int) -> None:
     addrs = [p.data_ptr() for p in ptrs]
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
     any_bits = 0
@@ -49,7 +49,7 @@ def _launch(kernel, compiled, variant, grid, ptrs, args, meta) -> None:
         any_bits |= a
     key = (variant, True) if any_bits % 16 == 0 else (variant, *[a % 16 == 0 for a in addrs])
     entry = compiled.get(key)
-    if entry is not None and _direct(entry, grid, addrs, args):
+    if entry is not None and _direct(entry, grid, addrs, args, device):
         return
     kernel_run = kernel[grid](*ptrs, *args, **meta)
     COUNTS["generic"] += 1
@@ -62,21 +62,22 @@ def _tools():
     import triton
     from triton import knobs
 
-    driver = triton.runtime.driver.active
-    return driver.get_current_device, driver.get_current_stream, knobs.runtime
+    return triton.runtime.driver.active.get_current_stream, knobs.runtime
 
 
-def _direct(entry, grid, addrs, args) -> bool:
+def _direct(entry, grid, addrs, args, device: int) -> bool:
+    """The compiled launcher called as Triton's generic path calls it; device: the tensors' device,
+    current here (`launch` made it so), whose current stream the kernel runs on."""
     if not _STATE["ok"]:
         return False
     try:
         tools = _STATE["tools"]
         if tools is None:
             tools = _STATE["tools"] = _tools()
-        current_device, current_stream, runtime = tools
+        current_stream, runtime = tools
         kernel_run, consts = entry
         full = (*addrs, *args, *consts)
-        stream = current_stream(current_device())
+        stream = current_stream(device)
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
         # chain), no metadata and no hook calls from the compiled launcher
