@@ -335,6 +335,8 @@ def test_axial_workloads_bytes_and_quick_cpu_run(cpu_env):
     q = torch.empty(1, 21 * 45 * 80, full["H"], full["D"], dtype=torch.bfloat16, device="meta")
     assert workloads.min_bytes(w14, {"q": q, "k": q}) == 2 * 2 * q.numel() * 2
     assert workloads.min_bytes(workloads.BY_ID["W14-FB"], {"q": q, "k": q}) == 5 * 2 * q.numel() * 2
+    assert [w.id for w in workloads.select("W8")] == ["W8", "W8-G"]
+    assert workloads.BY_ID["W8-G"].graph and workloads.BY_ID["W8-G"].kind == "fwdbwd"
     assert [w.id for w in workloads.select("W13")] == ["W13", "W13-FB", "W13-G"]
     assert workloads.BY_ID["W13-G"].graph and not workloads.BY_ID["W13"].graph
     for wid in ("W13", "W13-FB", "W13-G", "W14", "W14-FB", "W15"):

@@ -115,7 +115,8 @@ def pivot(res: dict) -> Tuple[List[str], List[List[str]]]:
     for w in res["workloads"]:
         graph = w["graph"] and not cpu
         floors = w.get("host_floors")
-        fwdbwd = floors if (floors and not w["host"]) else None  # W8: its time over the Function floor
+        # W8: its time over the Function floor (not W8-G: a graph replay runs no autograd bookkeeping)
+        fwdbwd = floors if (floors and not w["host"] and not graph) else None
         gfloor = w.get("graph_launch_floor")
         if graph and gfloor and gfloor.get("median"):  # one-set graph row: its time over the in-graph launch
             fwdbwd = {"in-graph launch": gfloor}

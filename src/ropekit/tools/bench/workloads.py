@@ -167,6 +167,16 @@ WORKLOADS: List[Workload] = [
         host=True,
     ),
     replace(_W1, id="W8", name="train_8b_fwd_bwd", kind="fwdbwd", what="W1 through autograd, forward then backward"),
+    # W8's eager row carries autograd's host work (an empty Function's forward + backward is 100-160
+    # us on the H200 host, about the two kernels' time): the kernels' own figure is this row's
+    replace(
+        _W1,
+        id="W8-G",
+        name="train_8b_fwd_bwd_graph",
+        kind="fwdbwd",
+        graph=True,
+        what="W8 under CUDA-graph replay (forward and backward captured)",
+    ),
     # W11: THD packing; positions="packed" gives inputs cu_seqlens (this rank's local lengths) and
     # the same tokens' explicit positions (the `ropekit` peer times those, `ropekit-cu` the cu_seqlens path)
     Workload(
