@@ -193,6 +193,32 @@ def test_vision_form_in_a_tiny_vision_tower(device):
     _check_tower(tower, forward, ("qwen2_vl", "apply_rotary_pos_emb_vision", "vision"), config.depth)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_complex_flat_form_in_a_tiny_llama4_vision_model(device):
+    """Llama 4's vision rotation (complex freqs_ci (S, 1, D/2), (B, S, H, D) q / k, the class token
+    at angle 0): its vision model, patched vs unpatched, outputs and every parameter gradient."""
+    from transformers.models.llama4 import modeling_llama4
+
+    config = transformers.Llama4VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=16,
+        patch_size=4,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+        pixel_shuffle_ratio=0.5,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = modeling_llama4.Llama4VisionModel(config).float().to(device)
+    pixels = torch.randn(2, 3, 16, 16, device=device)
+    forward = lambda m, dtype: m(pixel_values=pixels.to(dtype)).last_hidden_state  # noqa: E731
+    _check_tower(model, forward, ("llama4", "vision_apply_rotary_emb", "llama4_vision"), config.num_hidden_layers)
+
+
 def _check_tower(model, forward, patched_as, launches):
     """The model's output (forward(model, dtype)) and parameter gradients, patched, equal HF's
     (unpatched, float32) within 1e-5 relative, or, where float32 itself is that far off (a

@@ -1,7 +1,8 @@
 """The forms whose HF calls are rewritten onto the kernel's plans (ropekit.integrations.hf_forms.call):
 GPT-J's (x, sin, cos), one tensor with tables already broadcast (GPT-OSS's and the Privacy Filter's
 helpers, MusicFlamingo's 3-D time embedding), DINOv3's prefix tokens, NanoChat's reversed
-rotate_half, DeepSeek-V4's trailing rope dims, DeepSeek-V2's complex (B, H, S, D) call.
+rotate_half, DeepSeek-V4's trailing rope dims, DeepSeek-V2's complex (B, H, S, D) call, Llama 4
+vision's complex freqs_ci of one row per token.
 
 Each patched function is compared with HF's own on float64 copies of fresh random inputs (the
 reference), in float32 and bf16, with a spy showing that the kernel path ran; inputs it must
@@ -129,3 +130,32 @@ def test_complex_heads_first(device):
     assert spy.call_count == 1
     for g, r in zip(got, ref):
         assert g.shape == r.shape and g.dtype == torch.float32 and _rel(g, r) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_complex_flat_freqs_per_token(dtype, device):
+    """Llama 4 vision: q / k (B, S, H, D), freqs_ci (S, 1, D/2) broadcast over batch and heads;
+    outputs in each input's dtype. Declined, with HF's result: freqs that require grad."""
+    fn, original = _patched("llama4", "vision_apply_rotary_emb")
+    q = torch.randn(2, 5, 4, 16).to(dtype).to(device)
+    k = torch.randn(2, 5, 2, 16).to(dtype).to(device)
+    angles = (torch.rand(5, 1, 8, dtype=torch.float64) * 2 - 1) * 3
+    exact = torch.polar(torch.ones_like(angles), angles)  # complex128: the float64 reference's
+    freqs = exact.to(torch.complex64).to(device)
+
+    def reference(x):  # pairs (2i, 2i + 1) times freqs, in complex128
+        xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(xc * exact.to(device).reshape(1, x.shape[1], 1, -1)).flatten(3)
+
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got = fn(q, k, freqs)
+    assert spy.call_count == 1
+    for g, x in zip(got, (q, k)):
+        assert g.shape == x.shape and g.dtype == dtype
+        assert _rel(g, reference(x)) <= TOL[dtype]
+    grad = freqs.clone().requires_grad_(True)
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        got = fn(q, k, grad)
+    assert spy.call_count == 0
+    want = original(q, k, grad)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -128,7 +128,7 @@ def probe_inputs(kind: str, layout: str, index: int):
         if p.grad_angles:
             freqs_cis.requires_grad_(True)
         return (q, k, freqs_cis, None, None), None
-    if kind in ("gptj", "x_bcast", "prefix"):
+    if kind in hf_forms.ADAPTED:
         return _adapted_probe(kind, layout, index), None
     if kind == "vision":
         q = torch.randn(_S, _HQ, _D, generator=g).to(dq)
@@ -155,7 +155,12 @@ def probe_inputs(kind: str, layout: str, index: int):
 def _adapted_probe(kind: str, layout: str, index: int) -> tuple:
     """A probe of an adapted kind, in the HF function's parameter order, made from the "x" / "qk"
     probe of the same index: gptj (x (B, S, H, D), sin, cos); x_bcast (x, cos, sin) with the
-    head dim in the tables; prefix (q, k, cos, sin), (B, H, S, D) q / k and (S - 1, D) tables."""
+    head dim in the tables; prefix (q, k, cos, sin), (B, H, S, D) q / k and (S - 1, D) tables;
+    complex_flat (query, key, freqs_ci), freqs_ci (S, 1, D/2) from the "complex" probe's (B, S, D/2)
+    (as given when B > 1: the HF function then fails its view, and ropekit must decline too)."""
+    if kind == "complex_flat":
+        q, k, freqs, _, _ = probe_inputs("complex", "complex", index)[0]
+        return q, k, (freqs[0].unsqueeze(1) if freqs.shape[0] == 1 else freqs)
     q, k, cos, sin, ud = probe_inputs("qk" if kind == "prefix" else "x", layout, index)[0]
     if kind == "gptj":
         return (q.transpose(1, 2) if ud == 1 else q), sin, cos
@@ -167,7 +172,7 @@ def _adapted_probe(kind: str, layout: str, index: int) -> tuple:
 
 
 def _call_original(fn, names, args, position_ids):
-    if hf_forms.SIGNATURES[names] in ("gptj", "x_bcast", "prefix"):
+    if hf_forms.SIGNATURES[names] in hf_forms.ADAPTED:
         return fn(*args)
     q, k, cos, sin, ud = args
     if hf_forms.SIGNATURES[names] == "complex":
@@ -190,7 +195,7 @@ def _form_output(form: hf_forms.Form, index: int, planned):
     if key not in _OUTPUTS:
         args, _ = probe_inputs(form.kind, form.table, index)
         with torch.no_grad(), _cpu_path():
-            if form.kind in ("gptj", "x_bcast", "prefix"):
+            if form.kind in hf_forms.ADAPTED:
                 _OUTPUTS[key] = planned  # computed by `_plan`
             else:
                 _OUTPUTS[key] = hf_forms.execute(form, planned, args[0], args[1])
@@ -215,7 +220,7 @@ def _cpu_path():
 
 def _plan(form: hf_forms.Form, args):
     """hf_forms.plan of a probe; for an adapted kind its output (`call` plans and runs in one)."""
-    if form.kind not in ("gptj", "x_bcast", "prefix"):
+    if form.kind not in hf_forms.ADAPTED:
         return hf_forms.plan(form, *args)
     with _cpu_path():  # grad mode as the call's: angles that require grad are declined
         return hf_forms.call(form, args)

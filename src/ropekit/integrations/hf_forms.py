@@ -152,7 +152,7 @@ class Form(NamedTuple):
     name: str
     kind: str  # "qk": (q, k, cos, sin, unsqueeze_dim) 4-D; "x": one tensor; "vision": 3-D (S, H, D), cos (S, D);
     # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2);
-    # "gptj", "x_bcast", "prefix": rewritten onto "x" / "qk" by `call`
+    # "gptj", "x_bcast", "prefix", "complex_flat" (ADAPTED): rewritten onto "x" / "qk" / "complex" by `call`
     table: str  # "halves": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
     pairs_in: bool  # the input pairs are (2i, 2i + 1); else (i, i + R/2)
     pairs_out: bool  # the output pairs are (2i, 2i + 1)
@@ -199,6 +199,16 @@ FORMS: Tuple[Form, ...] = (
     Form("pairs_x", "x_bcast", "pairs", True, True, True, "own", "pairs, partial, one tensor (MusicFlamingo)"),
     Form("prefix", "prefix", "halves", False, False, False, "promote", "half-split, prefix tokens passed (DINOv3)"),
     Form("deepseek_v2", "complex", "complex_bhsd", True, True, False, "own", "pairs times freqs_cis, (B, H, S, D)"),
+    Form(
+        "llama4_vision",
+        "complex_flat",
+        "complex",
+        True,
+        True,
+        False,
+        "own",
+        "pairs times complex freqs_ci, one row per token (Llama 4 vision)",
+    ),
 )
 FORM = {f.name: f for f in FORMS}
 
@@ -213,9 +223,10 @@ SIGNATURES: Dict[Tuple[str, ...], str] = {
     ("x", "cos", "sin"): "x_bcast",  # tables already broadcastable to x (a size-1 head dim), or 3-D x and tables
     ("hidden_states", "cos", "sin"): "x_bcast",
     ("q", "k", "cos", "sin", "kwargs"): "prefix",  # q / k (B, H, N, D), tables (P, D) for the last P tokens
+    ("query", "key", "freqs_ci"): "complex_flat",  # q / k (B, S, H, D), complex freqs_ci of S * D/2 values
 }
-# kinds whose calls are rewritten onto the "x" / "qk" kinds' plans (see `call`)
-_ADAPTED = ("gptj", "x_bcast", "prefix")
+# kinds whose calls are rewritten onto the "x" / "qk" / "complex" kinds' plans (see `call`)
+ADAPTED = ("gptj", "x_bcast", "prefix", "complex_flat")
 
 
 def signature_of(fn) -> Optional[Tuple[str, ...]]:
@@ -353,7 +364,16 @@ def call(form: Form, args: tuple):
         3-D x (B, S, D) with (B, S, R) tables (no heads: run as one head).
     prefix: (q, k, cos, sin), q / k (B, H, N, D), tables (P, D): the last P tokens rotated, the
         N - P prefix tokens (class and register tokens) passed through.
+    complex_flat: (query, key, freqs_ci), q / k (B, S, H, D), complex freqs_ci of S * D/2 values
+        (Llama 4 vision's (S, 1, D/2), viewed as (1, S, 1, D/2)): the "complex" kind's (1, S, D/2).
     """
+    if form.kind == "complex_flat":
+        q, k, freqs = args
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, freqs)) or q.dim() != 4 or q.shape[-1] % 2:
+            return None
+        if freqs.numel() != q.shape[1] * q.shape[-1] // 2:
+            return None
+        return run(form, q, k, freqs.reshape(1, q.shape[1], q.shape[-1] // 2), None, None, "complex")
     if form.kind == "gptj":
         x, sin, cos = args
         return run(form, x, None, cos, sin, 2, "x")
@@ -401,7 +421,7 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Calla
     """A function with the original's parameters and defaults that returns the form's result, and
     the original's own where the kernel does not reproduce it (`run` returned None)."""
     kind = SIGNATURES[names]
-    if kind in _ADAPTED:
+    if kind in ADAPTED:
         fn = _adapted_replacement(original, form)
     elif kind == "x":
 
@@ -433,7 +453,7 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Calla
             out = run(form, q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, unsqueeze_dim) if out is None else out
 
-    if kind not in _ADAPTED:
+    if kind not in ADAPTED:
         fn.__defaults__ = original.__defaults__  # the original's defaults (the names are the same)
     fn.__name__, fn.__qualname__, fn.__doc__ = original.__name__, original.__qualname__, original.__doc__
     fn.ropekit_form = form.name
