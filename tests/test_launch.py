@@ -72,7 +72,8 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setitem(launch._STATE, "ok", True)
-    monkeypatch.setitem(launch._STATE, "tools", (lambda: 0, lambda device: 7, Runtime))
+    # the stream getter: device 0's current stream is 7 (another device's would not be)
+    monkeypatch.setitem(launch._STATE, "tools", (lambda device: 7 if device == 0 else -1, Runtime))
     monkeypatch.setattr(launch, "COUNTS", {"direct": 0, "generic": 0})
 
 
