@@ -514,9 +514,12 @@ def test_patch_global_and_unpatch():
     done = hf.patch(families=wanted)
     assert set(done) == set(wanted)
     for f in wanted:
-        assert set(done[f]) == set(originals[f])
+        # the table's drop-ins, and any other rotary function of the module the census patched
+        # (Llama 4's vision_apply_rotary_emb)
+        assert set(originals[f]) <= set(done[f])
         for a in done[f]:
-            assert getattr(_module(f), a).ropekit_original is originals[f][a]
+            replaced = getattr(_module(f), a)
+            assert replaced.ropekit_original is originals[f].setdefault(a, replaced.ropekit_original)
     assert hf.patch(families=["llama"]) == {"llama": ["apply_rotary_pos_emb"]}  # idempotent
     restored = hf.unpatch()
     assert set(restored) == set(wanted)

@@ -219,6 +219,41 @@ def test_complex_flat_form_in_a_tiny_llama4_vision_model(device):
     _check_tower(model, forward, ("llama4", "vision_apply_rotary_emb", "llama4_vision"), config.num_hidden_layers)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_pairs_2d_form_in_a_tiny_sam2_video_memory_attention(device):
+    """SAM 2 video's memory attention: self-attention over a 4 x 4 grid and cross-attention to a
+    memory of three frames (the table tiled) and 4 object-pointer tokens (passed unrotated), patched
+    vs unpatched, outputs and every parameter gradient. Each attention launches twice (q, then k)."""
+    from transformers.models.sam2_video import modeling_sam2_video
+
+    config = transformers.Sam2VideoConfig(
+        memory_attention_hidden_size=32,
+        memory_attention_num_layers=2,
+        memory_attention_feed_forward_hidden_size=64,
+        memory_attention_rope_feat_sizes=[4, 4],
+        memory_attention_num_attention_heads=2,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = modeling_sam2_video.Sam2VideoMemoryAttention(config).float().eval().to(device)
+    width = model.layers[0].cross_attn_image.k_proj.in_features
+    tokens, batch, pointers = 16, 2, 4
+    current, current_pe = (torch.randn(tokens, batch, 32, device=device) for _ in range(2))
+    memory, memory_pe = (torch.randn(3 * tokens + pointers, batch, width, device=device) for _ in range(2))
+
+    def forward(m, dtype):
+        return m(
+            current.to(dtype),
+            memory.to(dtype),
+            current_pe.to(dtype),
+            memory_pe.to(dtype),
+            num_object_pointer_tokens=pointers,
+        )
+
+    launches = 2 * 2 * config.memory_attention_num_layers  # self- and cross-attention, q and k apart
+    _check_tower(model, forward, ("sam2_video", "apply_rotary_pos_emb_2d", "pairs_2d"), launches)
+
+
 def _check_tower(model, forward, patched_as, launches):
     """The model's output (forward(model, dtype)) and parameter gradients, patched, equal HF's
     (unpatched, float32) within 1e-5 relative, or, where float32 itself is that far off (a

@@ -159,3 +159,30 @@ def test_complex_flat_freqs_per_token(dtype, device):
     assert spy.call_count == 0
     want = original(q, k, grad)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("excluded, repeat", [(0, False), (2, False), (2, True)], ids=["plain", "excluded", "tiled"])
+def test_pairs_2d_keys_excluded_or_tiled(dtype, excluded, repeat, device):
+    """SAM 2 video's 2-D rotation: q / k (B, H, S, D) views, a (1, S, D) pair table; k's last
+    `excluded` tokens passed through, and with repeat_freqs_k keys three times q's length rotated
+    by the table tiled."""
+    fn, original = _patched("sam2_video", "apply_rotary_pos_emb_2d")
+    n_q = 6
+    n_k = 3 * n_q if repeat else n_q
+    q = torch.randn(2, n_q, 4, 16).to(dtype).transpose(1, 2)
+    k = torch.randn(2, n_k + excluded, 4, 16).to(dtype).transpose(1, 2)
+    cos, sin = _angles(1, n_q, 8, pairs=True)
+    _check(fn, original, (q, k, cos, sin, excluded, repeat), dtype, device)
+
+
+def test_pairs_2d_refuses_as_hf_does(device):
+    """Keys longer than the table without tiling: HF's broadcast error, and nothing launched."""
+    fn, _ = _patched("sam2_video", "apply_rotary_pos_emb_2d")
+    q = torch.randn(1, 4, 6, 16, device=device)
+    k = torch.randn(1, 4, 12, 16, device=device)
+    cos, sin = (t.to(device) for t in _angles(1, 6, 8, pairs=True))
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        with pytest.raises(RuntimeError):
+            fn(q, k, cos, sin, num_k_exclude_rope=0, repeat_freqs_k=False)
+    assert spy.call_count == 0

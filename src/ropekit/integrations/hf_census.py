@@ -161,6 +161,8 @@ def _adapted_probe(kind: str, layout: str, index: int) -> tuple:
     if kind == "complex_flat":
         q, k, freqs, _, _ = probe_inputs("complex", "complex", index)[0]
         return q, k, (freqs[0].unsqueeze(1) if freqs.shape[0] == 1 else freqs)
+    if kind == "pairs_2d":
+        return _pairs_2d_probe(layout, index)
     q, k, cos, sin, ud = probe_inputs("qk" if kind == "prefix" else "x", layout, index)[0]
     if kind == "gptj":
         return (q.transpose(1, 2) if ud == 1 else q), sin, cos
@@ -169,6 +171,22 @@ def _adapted_probe(kind: str, layout: str, index: int) -> tuple:
     if ud == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     return q, k, cos[0, 1:], sin[0, 1:]  # one prefix token
+
+
+def _pairs_2d_probe(layout: str, index: int) -> tuple:
+    """(q, k, cos, sin, num_k_exclude_rope, repeat_freqs_k) from the "qk" probe of the same index:
+    (B, H, S, D) q / k and its first batch's table as (1, S, D); keys of their own length in some:
+    the last key excluded (probe 2), keys twice as many with the table tiled (probe 3), and keys
+    twice as many with no tiling, which HF's broadcast refuses (probe 4)."""
+    q, k, cos, sin, ud = probe_inputs("qk", layout, index)[0]
+    if ud == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = cos[:1], sin[:1]
+    if index == 2:
+        return q, torch.cat((k, k[..., :1, :]), dim=-2), cos, sin, 1, False
+    if index in (3, 4):
+        return q, torch.cat((k, k), dim=-2), cos, sin, 0, index == 3
+    return q, k, cos, sin, 0, False
 
 
 def _call_original(fn, names, args, position_ids):

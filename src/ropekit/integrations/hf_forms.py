@@ -152,7 +152,8 @@ class Form(NamedTuple):
     name: str
     kind: str  # "qk": (q, k, cos, sin, unsqueeze_dim) 4-D; "x": one tensor; "vision": 3-D (S, H, D), cos (S, D);
     # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2);
-    # "gptj", "x_bcast", "prefix", "complex_flat" (ADAPTED): rewritten onto "x" / "qk" / "complex" by `call`
+    # "gptj", "x_bcast", "prefix", "complex_flat", "pairs_2d" (ADAPTED): rewritten onto "x" / "qk" /
+    # "complex" by `call`
     table: str  # "halves": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
     pairs_in: bool  # the input pairs are (2i, 2i + 1); else (i, i + R/2)
     pairs_out: bool  # the output pairs are (2i, 2i + 1)
@@ -209,6 +210,16 @@ FORMS: Tuple[Form, ...] = (
         "own",
         "pairs times complex freqs_ci, one row per token (Llama 4 vision)",
     ),
+    Form(
+        "pairs_2d",
+        "pairs_2d",
+        "pairs",
+        True,
+        True,
+        False,
+        "own",
+        "pairs, pair table, q and k apart, keys excluded or tiled (SAM 2 video)",
+    ),
 )
 FORM = {f.name: f for f in FORMS}
 
@@ -224,9 +235,11 @@ SIGNATURES: Dict[Tuple[str, ...], str] = {
     ("hidden_states", "cos", "sin"): "x_bcast",
     ("q", "k", "cos", "sin", "kwargs"): "prefix",  # q / k (B, H, N, D), tables (P, D) for the last P tokens
     ("query", "key", "freqs_ci"): "complex_flat",  # q / k (B, S, H, D), complex freqs_ci of S * D/2 values
+    # q / k (B, H, S, D) of their own lengths, a (1, S, D) table; the last keys passed, or the table tiled
+    ("q", "k", "cos", "sin", "num_k_exclude_rope", "repeat_freqs_k"): "pairs_2d",
 }
 # kinds whose calls are rewritten onto the "x" / "qk" / "complex" kinds' plans (see `call`)
-ADAPTED = ("gptj", "x_bcast", "prefix", "complex_flat")
+ADAPTED = ("gptj", "x_bcast", "prefix", "complex_flat", "pairs_2d")
 
 
 def signature_of(fn) -> Optional[Tuple[str, ...]]:
@@ -374,6 +387,8 @@ def call(form: Form, args: tuple):
         if freqs.numel() != q.shape[1] * q.shape[-1] // 2:
             return None
         return run(form, q, k, freqs.reshape(1, q.shape[1], q.shape[-1] // 2), None, None, "complex")
+    if form.kind == "pairs_2d":
+        return _pairs_2d(form, *args)
     if form.kind == "gptj":
         x, sin, cos = args
         return run(form, x, None, cos, sin, 2, "x")
@@ -400,6 +415,33 @@ def call(form: Form, args: tuple):
     return tuple(torch.cat((x[..., : n - p, :], r), dim=-2) for x, r in zip((q, k), out))
 
 
+def _pairs_2d(form: Form, q, k, cos, sin, excluded, repeat):
+    """SAM 2 video's call: q and k (B, H, S, D) rotated apart by the table's rows ((1, S, D) or
+    (S, D), pairs), k's last `excluded` tokens passed through, and with `repeat` a table of q's
+    length tiled over k's rotated tokens (k_rot's length over q's, rounded down, as HF tiles)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or q.dim() != 4 or k.dim() != 4:
+        return None
+    if cos.dim() not in (2, 3) or cos.shape != sin.shape or any(n != 1 for n in cos.shape[:-2]):
+        return None
+    if type(excluded) is not int or not 0 <= excluded < k.shape[-2] or type(repeat) is not bool:
+        return None
+    cos, sin = cos.reshape(cos.shape[-2:]), sin.reshape(sin.shape[-2:])
+    n_q, n_k = q.shape[-2], k.shape[-2] - excluded
+    if cos.shape[0] != n_q:
+        return None
+    cos_k, sin_k = cos, sin
+    if repeat and n_k != n_q:
+        times = n_k // n_q
+        cos_k, sin_k = cos.repeat(times, 1), sin.repeat(times, 1)
+    if cos_k.shape[0] != n_k:
+        return None  # HF's broadcast fails: its own error
+    q_out = run(form, q, None, cos[None], sin[None], 1, "x")
+    k_rot = run(form, k[..., :n_k, :], None, cos_k[None], sin_k[None], 1, "x") if q_out is not None else None
+    if k_rot is None:
+        return None
+    return q_out, torch.cat((k_rot, k[..., n_k:, :]), dim=-2) if excluded else k_rot
+
+
 def _adapted_replacement(original: Callable, form: Form) -> Callable:
     """The replacement of an adapted kind: the original's parameters, bound by name."""
     sig = inspect.signature(original)
@@ -410,7 +452,8 @@ def _adapted_replacement(original: Callable, form: Form) -> Callable:
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return original(*args, **kwargs)  # HF's own error
-        out = call(form, tuple(bound.arguments[n] for n in fixed)) if len(bound.arguments) >= len(fixed) else None
+        bound.apply_defaults()  # the original's defaults for what the call leaves out
+        out = call(form, tuple(bound.arguments[n] for n in fixed))
         return original(*args, **kwargs) if out is None else out
 
     fn.__signature__ = sig
