@@ -223,7 +223,8 @@ def test_complex_flat_form_in_a_tiny_llama4_vision_model(device):
 def test_pairs_2d_form_in_a_tiny_sam2_video_memory_attention(device):
     """SAM 2 video's memory attention: self-attention over a 4 x 4 grid and cross-attention to a
     memory of three frames (the table tiled) and 4 object-pointer tokens (passed unrotated), patched
-    vs unpatched, outputs and every parameter gradient. Each attention launches twice (q, then k)."""
+    vs unpatched, outputs and every parameter gradient. Self-attention rotates q and k in one launch,
+    cross-attention in two (q, then the longer k)."""
     from transformers.models.sam2_video import modeling_sam2_video
 
     config = transformers.Sam2VideoConfig(
@@ -250,7 +251,7 @@ def test_pairs_2d_form_in_a_tiny_sam2_video_memory_attention(device):
             num_object_pointer_tokens=pointers,
         )
 
-    launches = 2 * 2 * config.memory_attention_num_layers  # self- and cross-attention, q and k apart
+    launches = (1 + 2) * config.memory_attention_num_layers
     _check_tower(model, forward, ("sam2_video", "apply_rotary_pos_emb_2d", "pairs_2d"), launches)
 
 

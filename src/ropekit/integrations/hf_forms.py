@@ -218,7 +218,7 @@ FORMS: Tuple[Form, ...] = (
         True,
         False,
         "own",
-        "pairs, pair table, q and k apart, keys excluded or tiled (SAM 2 video)",
+        "pairs, pair table, q and k of their own lengths, keys excluded or tiled (SAM 2 video)",
     ),
 )
 FORM = {f.name: f for f in FORMS}
@@ -418,7 +418,8 @@ def call(form: Form, args: tuple):
 def _pairs_2d(form: Form, q, k, cos, sin, excluded, repeat):
     """SAM 2 video's call: q and k (B, H, S, D) rotated apart by the table's rows ((1, S, D) or
     (S, D), pairs), k's last `excluded` tokens passed through, and with `repeat` a table of q's
-    length tiled over k's rotated tokens (k_rot's length over q's, rounded down, as HF tiles)."""
+    length tiled over k's rotated tokens (k_rot's length over q's, rounded down, as HF tiles).
+    One launch when k's rotated tokens are as many as q's, else one each."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or q.dim() != 4 or k.dim() != 4:
         return None
     if cos.dim() not in (2, 3) or cos.shape != sin.shape or any(n != 1 for n in cos.shape[:-2]):
@@ -435,11 +436,16 @@ def _pairs_2d(form: Form, q, k, cos, sin, excluded, repeat):
         cos_k, sin_k = cos.repeat(times, 1), sin.repeat(times, 1)
     if cos_k.shape[0] != n_k:
         return None  # HF's broadcast fails: its own error
-    q_out = run(form, q, None, cos[None], sin[None], 1, "x")
-    k_rot = run(form, k[..., :n_k, :], None, cos_k[None], sin_k[None], 1, "x") if q_out is not None else None
-    if k_rot is None:
+    k_part = k[..., :n_k, :]
+    # keys as many as queries on the same rows (self-attention): one launch for both
+    out = run(form, q, k_part, cos[None], sin[None], 1, "qk") if n_k == n_q else None
+    if out is None:
+        q_out = run(form, q, None, cos[None], sin[None], 1, "x")
+        k_rot = run(form, k_part, None, cos_k[None], sin_k[None], 1, "x") if q_out is not None else None
+        out = None if k_rot is None else (q_out, k_rot)
+    if out is None:
         return None
-    return q_out, torch.cat((k_rot, k[..., n_k:, :]), dim=-2) if excluded else k_rot
+    return (out[0], torch.cat((out[1], k[..., n_k:, :]), dim=-2)) if excluded else out
 
 
 def _adapted_replacement(original: Callable, form: Form) -> Callable:
