@@ -15,7 +15,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ropekit"
 
 LAYERS = (
-    ("kernels", ("kernels.rope", "kernels.store", "kernels.rerotate", "kernels.norm", "kernels.positions")),
+    # kernels: the entry points (rope, backward, store, rerotate), then the jit helpers they share
+    (
+        "kernels",
+        ("kernels.rope", "kernels.backward", "kernels.store", "kernels.rerotate")
+        + ("kernels.norm", "kernels.angles", "kernels.tiles"),
+    ),
     # core, bottom: the memo, the Triton launch internals, the knobs, the record, the rules, the math
     (
         "core base",

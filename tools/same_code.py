@@ -54,7 +54,12 @@ def _child(src: Path, out: Path) -> None:
 
         StoreOperands = None
     from ropekit.kernels.rerotate import rerotate_kernel
-    from ropekit.kernels.rope import rope_kernel, rope_norm_backward_kernel
+    from ropekit.kernels.rope import rope_kernel
+
+    try:  # the backward in its own file
+        from ropekit.kernels.backward import rope_norm_backward_kernel
+    except ImportError:  # a base revision before it
+        from ropekit.kernels.rope import rope_norm_backward_kernel
     from ropekit.kernels.store import rope_store_kernel
 
     types = {torch.float32: "fp32", torch.int64: "i64"}

@@ -1389,15 +1389,16 @@ class _Recorder:
 
 
 def install_recorders():
+    from ropekit.kernels import backward as kbackward
     from ropekit.kernels import rope as krope
     from ropekit.kernels import store as kstore
 
     recs = [
         _Recorder("rope_kernel", krope.rope_kernel),
         _Recorder("rope_store_kernel", kstore.rope_store_kernel),
-        _Recorder("rope_norm_backward_kernel", krope.rope_norm_backward_kernel),
+        _Recorder("rope_norm_backward_kernel", kbackward.rope_norm_backward_kernel),
     ]
-    krope.rope_kernel, kstore.rope_store_kernel, krope.rope_norm_backward_kernel = recs
+    krope.rope_kernel, kstore.rope_store_kernel, kbackward.rope_norm_backward_kernel = recs
     from ropekit.kernels import rerotate as krerotate
 
     recs.append(_Recorder("rerotate_kernel", krerotate.rerotate_kernel))

@@ -353,7 +353,7 @@ def kernel(name: str):
     elif name == "rerotate_kernel":
         from ..kernels.rerotate import rerotate_kernel as kernel
     elif name == "rope_norm_backward_kernel":
-        from ..kernels.rope import rope_norm_backward_kernel as kernel
+        from ..kernels.backward import rope_norm_backward_kernel as kernel
     else:
         from ..kernels.store import rope_store_kernel as kernel
     return kernel
@@ -615,7 +615,7 @@ _ANGLE_META = ("HAS_POS", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE", "FREQS")
 
 
 def angle_meta(angles: AngleLayout, variant, names=_ANGLE_META) -> dict:
-    """The kernels' constexprs of where the angles come from (see kernels.rope.load_angles); names:
+    """The kernels' constexprs of where the angles come from (see kernels.angles.load_angles); names:
     those the kernel takes (the store's computes no angles: no FREQS). M-RoPE's layout is a field
     of the record (variant_flags)."""
     meta = dict(

@@ -2,8 +2,8 @@
 
 One launch rotates q (in place, or into a separate q_out such as an fp8 attention input), rotates
 k straight into its cache row (and, with WRITE_KEY, back into k too) and copies v into its cache row,
-so k never makes a round trip through memory. It reuses `load_angles`, `load_heads` and
-`store_heads` from .rope and the norm helpers from .norm: the rotation math, the angle lookup and
+so k never makes a round trip through memory. It reuses `load_angles` (.angles), `load_heads` and
+`store_heads` (.tiles) and the norm helpers (.norm): the rotation math, the angle lookup and
 the int64 addressing are the same code as `rope_kernel`; only the output addresses (a cache row
 picked by the token's slot, a second destination) are new.
 
@@ -17,7 +17,7 @@ elements). Slots < 0 (padding) write nothing; slots >= num_slots write nothing e
 token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.api.store).
 
 fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its scale, saturated to
-the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .rope's
+the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .tiles'
 `saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
 backend's cast treats values out of range.
 
@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from .norm import load_tail, norm_heads, tail_at
-from .rope import load_angles, load_heads, pdl_prologue, saturate, store_heads
+from .angles import load_angles
+from .tiles import load_heads, pdl_prologue, saturate, store_heads
 
 
 @triton.jit
@@ -55,7 +56,7 @@ def _copy_heads(
 
     stride_x_dim: x's last-dim stride (Triton specializes the usual 1, so a unit stride costs
     nothing). SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast
-    (fp8 caches); fp8 outputs saturate (see .rope's saturate).
+    (fp8 caches); fp8 outputs saturate (see .tiles' saturate).
     """
     h = head0 + tl.arange(0, BLOCK_H)
     h64 = h.to(tl.int64)
