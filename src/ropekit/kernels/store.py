@@ -30,8 +30,8 @@ q_out are laid out as one head would be: the rotated dims first, then the no-rop
 import triton
 import triton.language as tl
 
-from .norm import load_tail, norm_heads, tail_at
 from .angles import load_angles
+from .norm import load_tail, norm_heads, tail_at
 from .tiles import load_heads, pdl_prologue, saturate, store_heads
 
 
