@@ -179,7 +179,7 @@ def test_packages_hold_no_code():
 
 # Modules in the longest import chain (each link is one more module to read to follow a call): the
 # depth today, so a new link fails here. The goal is 8: cut links (README, Layout), then lower this.
-MAX_DEPTH = 12  # the goal is 8 (see the closing notes): entry point -> tools -> HF forms -> api -> core -> kernels
+MAX_DEPTH = 11  # the goal is 8 (see the closing notes): entry point -> tools -> HF forms -> api -> core -> kernels
 
 
 def longest_chain(graph) -> list:
