@@ -58,6 +58,10 @@ SETTINGS = {
     "noprefetch": dict(prefetch=False),
     "per-tensor": dict(head_loop=False),  # a program per (token, tensor), angles computed twice
     "fwd-w2": dict(norm_warps=2),
+    "fwd-w1": dict(norm_warps=1),
+    "fwd-w4": dict(norm_warps=4),
+    "per-tensor-w1": dict(head_loop=False, norm_warps=1),
+    "per-tensor-w4": dict(head_loop=False, norm_warps=4),
     "w8": dict(norm_warps=8, norm_bwd_warps=8),
     "bwd-p264": dict(norm_bwd_programs=264),  # two programs an SM of 132, one wave
     "bwd-p4096": dict(norm_bwd_programs=4096),
