@@ -452,11 +452,13 @@ def cpu_speed_row(dtypes=(torch.bfloat16, torch.float32), B=2, S=128, Hq=32, Hk=
         ang = torch.arange(S, dtype=torch.float64)[:, None] * inv
         table = torch.cat((ang.cos(), ang.sin()), -1).float()
         for dt in dtypes:
-            q = torch.randn(B, Hq, S, D, generator=g).to(dt)
-            k = torch.randn(B, Hk, S, D, generator=g).to(dt)
+            # (B, S, H, D) memory, as a model's projections write it; HF's attention hands its rotary
+            # function (B, H, S, D) views of that memory (`.view(B, S, H, D).transpose(1, 2)`)
+            qs = torch.randn(B, S, Hq, D, generator=g).to(dt)
+            ks = torch.randn(B, S, Hk, D, generator=g).to(dt)
+            q, k = qs.transpose(1, 2), ks.transpose(1, 2)
             emb = torch.cat((ang, ang), -1)
             cos, sin = emb.cos().to(dt)[None].expand(B, S, D), emb.sin().to(dt)[None].expand(B, S, D)
-            qs, ks = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D) views, as HF holds them
             row = {
                 "hf": timing.stats(
                     [t * 1e3 for t in timing.cpu_samples(lambda: hf_apply(q, k, cos, sin), min_s=min_s, max_reps=400)]
