@@ -27,11 +27,11 @@ EPS = 1e-6
 RTOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
-# the program layouts of a normed forward: whole heads with the head loop (k's tiles prefetched or
-# not), a program per tensor (no head loop), and the small blocks they replace
+# the program layouts of a normed forward: whole heads with the head loop (k's tiles prefetched
+# during q's norm, or not: the default), a program per tensor (no head loop), and the small blocks they replace
 PATHS = {
     "whole-loop": dict(whole_heads=True, head_loop=True),
-    "whole-loop-noprefetch": dict(whole_heads=True, head_loop=True, prefetch=False),
+    "whole-loop-prefetch": dict(whole_heads=True, head_loop=True, prefetch=True),
     "whole-per-tensor": dict(whole_heads=True, head_loop=False),
     "blocks": dict(whole_heads=False, head_loop=True, block_elems=64, across_block_elems=64),
 }
@@ -184,7 +184,7 @@ def test_weight_pair_words(wdtype, misalign, pairs, poison):
 
 
 def test_plans_default_rule():
-    """Defaults: across heads, whole heads (k's tiles prefetched, 2 warps up to 8192 elements, 8
+    """Defaults: across heads, whole heads (k's tiles not prefetched, 2 warps up to 8192 elements, 8
     past); per head, whole only when
     q and k share a head count that the per-head blocks would pad (Flux's 24 in blocks of 16), else
     the blocks (Qwen3's 32 and 8 heads); the backward whole across heads only."""
@@ -200,7 +200,7 @@ def test_plans_default_rule():
         return fwd.meta, bwd.meta
 
     wan, wan_b = plan(40, 40, 2)
-    assert (wan["WHOLE"], wan["BLOCK_H"], wan["BLOCK_H2"], wan["PREFETCH"], wan["num_warps"]) == (True, 32, 8, True, 2)
+    assert (wan["WHOLE"], wan["BLOCK_H"], wan["BLOCK_H2"], wan["PREFETCH"], wan["num_warps"]) == (True, 32, 8, False, 2)
     assert plans.norm_warps(64, 64, 0, whole=True) == 2 and plans.norm_warps(128, 64, 0, whole=True) == 8
     assert wan["W_PAIRS"] and wan_b["WHOLE"] and wan_b["PACK"] == 32 and wan_b["num_warps"] == 4
     flux, flux_b = plan(24, 24, 1)

@@ -226,11 +226,11 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         block_h = tiles[0]
         nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
-    # M-RoPE's three masked row loads and a norm's reductions in small blocks already hold the
-    # registers; whole heads prefetch k's tiles while q's are normalized (ptxas, sm_90, Wan's 40 heads
-    # of 128 at 4 warps: 96 registers without, 113 with: 5 programs an SM with one token's tensor in
-    # flight each, or 4 with two)
-    prefetch = head_loop and ((whole or not (mrope or normed)) if prefetch is None else prefetch)
+    # M-RoPE's three masked row loads and a norm's tiles already hold the registers: prefetching
+    # k's whole-head tiles during q's norm costs programs an SM (ptxas, sm_90, Wan's 40 heads of 128
+    # at 2 warps: 223 registers with, 167 without: four programs an SM against six; W14 83% of copy
+    # against 92%)
+    prefetch = head_loop and ((not (mrope or normed)) if prefetch is None else prefetch)
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         ins = (q, k) if variant.interleaved else ()
