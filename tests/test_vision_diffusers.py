@@ -9,6 +9,7 @@ against fp32. Skipped when diffusers is not installed (CI installs the `diffuser
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -74,9 +75,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _grads_close(grads, want, rtol, base=None):
+def _grads_close(grads, want, rtol, base=None, factor=1.5):
     """Every parameter's gradient within rtol relative (or, with base, within the unpatched
-    model's own error times 1.5 plus rtol); gradients that are zero in exact arithmetic (a key
+    model's own error times factor plus rtol); gradients that are zero in exact arithmetic (a key
     bias under softmax) are rounding noise: measured against the largest gradient instead."""
     assert grads.keys() == want.keys()
     scale = max(g.norm().item() for g in want.values())
@@ -84,7 +85,7 @@ def _grads_close(grads, want, rtol, base=None):
         err = (grads[name] - want[name]).norm().item()
         bound = rtol * want[name].norm().item() + 1e-7 * scale
         if base is not None:
-            bound += 1.5 * (base[name] - want[name]).norm().item()
+            bound += factor * (base[name] - want[name]).norm().item()
         assert err <= bound, f"{name}: {err} > {bound}"
 
 
@@ -120,9 +121,12 @@ def test_patch_bf16_within_unpatched_error(family, calls):
     out, grads = _run(model, kwargs, torch.bfloat16)
     assert calls
     # ropekit rounds once where diffusers rounds after the norm and again after the rotation:
-    # its error against fp32 stays within the unpatched bf16 model's own (with a margin for noise)
-    assert _rel(out, ref_out) <= 1.5 * _rel(base_out, ref_out) + 1e-3
-    _grads_close(grads, ref_grads, 1e-3, base=base_grads)
+    # its error against fp32 stays within the unpatched bf16 model's own (with a margin for noise).
+    # The Triton interpreter truncates fp32 -> bf16 (a whole ulp, tests/test_autograd.py): 3 times
+    # there, as tests/test_diffusers_helpers.py allows (Flux's to_q gradient measured 1.6 times)
+    factor = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 1.5
+    assert _rel(out, ref_out) <= factor * _rel(base_out, ref_out) + 1e-3
+    _grads_close(grads, ref_grads, 1e-3, base=base_grads, factor=factor)
 
 
 def test_patch_none_prepares_on_first_call(calls):

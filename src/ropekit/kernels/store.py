@@ -86,13 +86,7 @@ def _load_nope(
 
 @triton.jit
 def _rope_heads(
-    src,
-    nope,
-    head0,
-    c,
-    sn,
-    w_ptr,
-    norm,
+    heads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -106,10 +100,12 @@ def _rope_heads(
     """Heads [head0, head0 + BLOCK_H) of one token, RMS-normalized when NORM != 0 (1 per head, 2
     across the block's heads) and rotated by (c, sn): float32 tiles o1, o2 (the rotated pairs'
     members) and t, the tail past the rotary dims (TAIL_PAD > 0: normalized with the head;
-    otherwise a placeholder). src: (x_base, stride_x_head, n_heads, tail_len), x_base the token's
-    first element; norm: (eps, offset). NOPE: x holds the rotary dims only and the tail is read
+    otherwise a placeholder). heads: (src, nope, head0, c, sn, w_ptr, norm); src: (x_base,
+    stride_x_head, n_heads, tail_len), x_base the token's first element; w_ptr: the norm's weight;
+    norm: (eps, offset). NOPE: x holds the rotary dims only and the tail is read
     from its own tensor, nope = (its token's first element, stride per head, stride per dim);
     never with NORM (validation refuses the norm of a head given in two parts)."""
+    src, nope, head0, c, sn, w_ptr, norm = heads
     x_base, stride_x_head, n_heads, tail_len = src
     # the evict_first hint was measured on this kernel: its inputs are read once
     x1, x2 = load_heads(
@@ -340,23 +336,9 @@ def rope_store_kernel(
             head0 = blk * BLOCK_HQ
             q_src = (q_ptr + (b * stride_q_batch + s * stride_q_token), stride_q_head, n_q_heads, q_tail)
             q_nope = (qn_ptr + (b * stride_qn_batch + s * stride_qn_token), stride_qn_head, stride_qn_dim)
+            q_heads = (q_src, q_nope, head0, cq, sn, wq_ptr, norm)
             o1, o2, kept = _rope_heads(
-                q_src,
-                q_nope,
-                head0,
-                cq,
-                sn,
-                wq_ptr,
-                norm,
-                HALF,
-                HALF_PAD,
-                BLOCK_HQ,
-                TAIL_PAD_Q,
-                INTERLEAVED,
-                PACK_Q,
-                NORM_Q,
-                NOPE_Q,
-                GAP,
+                q_heads, HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD_Q, INTERLEAVED, PACK_Q, NORM_Q, NOPE_Q, GAP
             )
             # q_dst is q itself when rotating in place; its tail is then written only when normalized
             # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
@@ -382,23 +364,9 @@ def rope_store_kernel(
                 head0 = (blk - n_q_blocks) * BLOCK_HK
                 k_src = (k_ptr + (b * stride_k_batch + s * stride_k_token), stride_k_head, n_k_heads, k_tail)
                 k_nope = (kn_ptr + (b * stride_kn_batch + s * stride_kn_token), stride_kn_head, stride_kn_dim)
+                k_heads = (k_src, k_nope, head0, c, sn, wk_ptr, norm)
                 o1, o2, kept = _rope_heads(
-                    k_src,
-                    k_nope,
-                    head0,
-                    c,
-                    sn,
-                    wk_ptr,
-                    norm,
-                    HALF,
-                    HALF_PAD,
-                    BLOCK_HK,
-                    TAIL_PAD,
-                    INTERLEAVED,
-                    PACK_K,
-                    NORM_K,
-                    NOPE_K,
-                    GAP,
+                    k_heads, HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED, PACK_K, NORM_K, NOPE_K, GAP
                 )
                 if store:
                     k_row = kc_ptr + (cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot)
