@@ -229,8 +229,10 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     # M-RoPE's three masked row loads and a norm's tiles already hold the registers: prefetching
     # k's whole-head tiles during q's norm costs programs an SM (ptxas, sm_90, Wan's 40 heads of 128
     # at 2 warps: 223 registers with, 167 without: four programs an SM against six; W14 83% of copy
-    # against 92%)
-    prefetch = head_loop and ((not (mrope or normed)) if prefetch is None else prefetch)
+    # against 92%). Angles computed in the kernel: W15 136 us without, 138-139 with (H200 A/B)
+    if prefetch is None:
+        prefetch = not (mrope or normed or variant.angles == "freqs")
+    prefetch = head_loop and prefetch
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         ins = (q, k) if variant.interleaved else ()

@@ -104,9 +104,11 @@ KNOBS: Dict[str, Knob] = {
         None,
         "None: with the head loop, issue the next head block's loads before this "
         "block's stores, except for M-RoPE, whose three masked row loads already "
-        "hold the registers (prefetching there lowered occupancy and W4), and normed "
+        "hold the registers (prefetching there lowered occupancy and W4), normed "
         "launches (W14's whole heads at 2 warps: 92% of copy without, 83% with k's "
-        "tiles prefetched during q's norm, which costs two of six programs an SM)",
+        "tiles prefetched during q's norm, which costs two of six programs an SM) and "
+        "angles computed in the kernel (W15 1-2% faster without; W2 and W6 1% slower "
+        "without, so table-driven launches keep it)",
     ),
 }
 
