@@ -186,3 +186,22 @@ def test_pairs_2d_refuses_as_hf_does(device):
         with pytest.raises(RuntimeError):
             fn(q, k, cos, sin, num_k_exclude_rope=0, repeat_freqs_k=False)
     assert spy.call_count == 0
+
+
+def test_adapted_call_by_position_or_by_name(device):
+    """An adapted replacement takes a call that gives every argument by position without binding it
+    to the signature, and one by name with the binding: the same kernel result either way (both
+    launch), and a call HF would refuse gets HF's own TypeError."""
+    fn, original = _patched("gpt_oss", "_apply_rotary_emb")
+    x = torch.randn(2, 3, 5, 8, device=device)  # (B, H, S, D)
+    cos, sin = (t.to(device)[:, None] for t in _angles(2, 5, 4))  # (B, 1, S, D/2)
+    with mock.patch.object(ops, "rotate_angles", wraps=ops.rotate_angles) as spy:
+        by_position = fn(x, cos, sin)
+        by_name = fn(x, sin=sin, cos=cos)
+    assert spy.call_count == 2
+    assert torch.equal(by_position, by_name)
+    assert _rel(by_position, original(x.double(), cos.double(), sin.double())) <= TOL[torch.float32]
+    with pytest.raises(TypeError):
+        fn(x, cos, sin, bogus=1)
+    with pytest.raises(TypeError):
+        original(x, cos, sin, bogus=1)

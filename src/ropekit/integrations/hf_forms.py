@@ -452,14 +452,21 @@ def _adapted_replacement(original: Callable, form: Form) -> Callable:
     """The replacement of an adapted kind: the original's parameters, bound by name."""
     sig = inspect.signature(original)
     fixed = [p.name for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    # a call giving every parameter by position needs no binding (Signature.bind costs microseconds)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    n_direct = len(fixed) if all(sig.parameters[n].kind in positional for n in fixed) else -1
 
     def fn(*args, **kwargs):
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError:
-            return original(*args, **kwargs)  # HF's own error
-        bound.apply_defaults()  # the original's defaults for what the call leaves out
-        out = call(form, tuple(bound.arguments[n] for n in fixed))
+        if not kwargs and len(args) == n_direct:
+            values = args
+        else:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                return original(*args, **kwargs)  # HF's own error
+            bound.apply_defaults()  # the original's defaults for what the call leaves out
+            values = tuple(bound.arguments[n] for n in fixed)
+        out = call(form, values)
         return original(*args, **kwargs) if out is None else out
 
     fn.__signature__ = sig
