@@ -215,6 +215,31 @@ def test_plans_default_rule():
         assert forced["num_warps"] == 16 and forced_b["num_warps"] == 2 and not forced["W_PAIRS"]
 
 
+def test_prefetch_rule():
+    """The head loop prefetches the next head block only for table angles without a norm (W1, W2,
+    W6: about 1% faster with it); computed angles (W15), a norm (W13, W14: two of six programs an SM
+    lost to it) and M-RoPE do not; the knob forces it either way (PERF_LOG v27, v28)."""
+    t, d = 2048, 128
+
+    def prefetch(angles, mode=0, mrope=()):
+        q, k = torch.empty(t, 16, d, dtype=torch.bfloat16), torch.empty(t, 4, d, dtype=torch.bfloat16)
+        sections = mrope or ((0, 0, 0) if angles == "table" else ())
+        variant = Variant(True, True, 1 if mrope else 0, sections, angles, norm_q=mode, norm_k=mode)
+        pos = torch.zeros(3, t, dtype=torch.long) if mrope else torch.zeros(t, dtype=torch.long)
+        source = torch.ones(d // 2) if angles == "freqs" else torch.ones(4096, d)
+        plan = plans.plan_rotate(q, k, q, k, plans.angle_layout(variant, d, pos, source, None), variant)
+        assert plan.meta["HEAD_LOOP"]
+        return plan.meta["PREFETCH"]
+
+    assert prefetch("table")
+    assert not prefetch("freqs") and not prefetch("table", mode=1) and not prefetch("freqs", mode=2)
+    assert not prefetch("table", mrope=(16, 24, 24))
+    with tuning.override(prefetch=True):
+        assert prefetch("freqs") and prefetch("table", mode=1)
+    with tuning.override(prefetch=False):
+        assert not prefetch("table")
+
+
 # ---------------------------------------------------------------------------------------------
 # backward (plans.plan_norm_backward / fire_norm_backward, as tests/test_norm_backward.py)
 
