@@ -108,6 +108,11 @@ MODELS = {
     ),
 }
 
+# name -> extra arguments of vLLM's LLM. On a CPU with AMX tiles vLLM picks its AMX MLA backend
+# for DeepSeek's attention unless another is asked for, and that backend takes bf16 weights only
+# (these models are float32): the reference CPU MLA backend runs on every CPU.
+ENGINE_ARGS = {"deepseek_v2": dict(attention_config={"backend": "CPU_MLA"})}
+
 PLUGIN_ON = "ropekit"
 PLUGIN_OFF = "none-ropekit-excluded"  # a VLLM_PLUGINS list without ropekit: vLLM loads no general plugin
 
@@ -145,6 +150,7 @@ def generate(paths: dict, trace_dir: str) -> dict:
                 enforce_eager=True,
                 max_model_len=MAX_MODEL_LEN,
                 distributed_executor_backend="uni",  # the worker in the engine's process
+                **ENGINE_ARGS.get(name, {}),
             )
             built = time.monotonic()
             out = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0]
