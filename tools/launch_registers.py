@@ -6,7 +6,8 @@ decode size, so the plan is the large-call one) with the kernel launch replaced 
 each recorded launch is compiled for the target (sm_90 by default) with the specializations
 Triton's launcher gives it (16-byte aligned pointers, integers equal to 1 or divisible by 16 unless
 the kernel declines to specialize them), and ptxas (Triton's own) reports its registers. Knobs are
-ropekit.core.tuning's (`prefetch=0`, `norm_warps=4`, ...). --backward records the autograd
+ropekit.core.tuning's (`prefetch=0`, `norm_warps=4`, ...), handed to it as its ROPEKIT_<NAME>
+environment variables. --backward records the autograd
 backward's launches too. Needs a Triton with its NVIDIA backend (any Linux wheel).
 
 Occupancy is what decided W14's prefetch default (benchmarks/PERF_LOG.md, v27): a 2-warp program
@@ -29,13 +30,13 @@ SHAPES = {  # each workload's shape family with about 2,400 tokens (past decode_
 TYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.int64": "i64"}
 
 
-def record(workload: str, backward: bool, knobs: dict) -> list:
+def record(workload: str, backward: bool) -> list:
     """[(kernel name, [(kind, value)], meta)] of every launch of the workload's call."""
     os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (never run: recorded)
     import torch
 
     import ropekit
-    from ropekit.core import plans, tuning
+    from ropekit.core import plans
     from ropekit.tools.bench import workloads as W
 
     launches = []
@@ -50,29 +51,24 @@ def record(workload: str, backward: bool, knobs: dict) -> list:
         launches.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, values, dict(meta)))
 
     plans.launch_kernel = recorder
-    for name, value in knobs.items():  # "0" / "1" of a switch (a knob defaulting to None or a bool)
-        default = tuning.KNOBS[name].default if name in tuning.KNOBS else 0
-        if default is None or isinstance(default, bool):
-            knobs[name] = bool(value)
     wl = W.BY_ID[workload]
     inp = W.axial_inputs(wl, SHAPES[workload], W.axial_freqs(wl, "cpu"), "cpu", 0)
-    leaves = [inp[n] for n in ("q", "k", "wq", "wk") if n in inp]
-    with tuning.override(**knobs):
-        for x in leaves:
-            x.requires_grad_(backward)
-        qo, ko = ropekit.apply_rope(
-            inp["q"],
-            inp["k"],
-            inp["positions"],
-            None,
-            inv_freq=inp["cache"],
-            axes=tuple(d // 2 for d in wl.axes_dim),
-            interleaved=wl.interleaved,
-            q_norm_weight=inp.get("wq"),
-            k_norm_weight=inp.get("wk"),
-        )
-        if backward:
-            torch.autograd.backward((qo, ko), (torch.zeros_like(qo), torch.zeros_like(ko)))
+    for n in ("q", "k", "wq", "wk"):
+        if n in inp:
+            inp[n].requires_grad_(backward)
+    qo, ko = ropekit.apply_rope(
+        inp["q"],
+        inp["k"],
+        inp["positions"],
+        None,
+        inv_freq=inp["cache"],
+        axes=tuple(d // 2 for d in wl.axes_dim),
+        interleaved=wl.interleaved,
+        q_norm_weight=inp.get("wq"),
+        k_norm_weight=inp.get("wk"),
+    )
+    if backward:
+        torch.autograd.backward((qo, ko), (torch.zeros_like(qo), torch.zeros_like(ko)))
     return launches
 
 
@@ -129,9 +125,9 @@ def compile_all(launches: list, sm: int) -> None:
                 errors.append(f"{ptxas}: {out.stderr.strip()}")
             else:
                 sys.exit("launch_registers: no ptxas of this Triton assembled the PTX:\n" + "\n".join(errors))
-        regs = int(line.split()[1]) if line.startswith("Used") else 0
+        regs = int(line.split()[1])  # "Used N registers, ..."
         # 65,536 registers an SM, allocated per thread in multiples of 8; at most 64 warps an SM
-        per_program = -(-max(regs, 1) // 8) * 8 * 32 * warps
+        per_program = -(-regs // 8) * 8 * 32 * warps
         programs = min(65536 // per_program, 64 // warps)
         flags = {k: meta[k] for k in ("HEAD_LOOP", "PREFETCH", "WHOLE", "BLOCK_H", "BLOCK_H2", "BLOCK_H3") if k in meta}
         print(f"{name} warps={warps} {flags}: {line}; {programs} programs an SM by registers")
@@ -145,16 +141,16 @@ def main() -> None:
     args = sys.argv[1:]
     if not args or args[0] not in SHAPES:
         sys.exit(__doc__.split("\n\n")[0] + f"\n  workloads: {sorted(SHAPES)}")
-    backward, sm, knobs = "--backward" in args, 90, {}
+    backward, sm = "--backward" in args, 90
     rest = [a for a in args[1:] if a != "--backward"]
     if "--sm" in rest:
         i = rest.index("--sm")
         sm = int(rest[i + 1])
         del rest[i : i + 2]
-    for a in rest:
+    for a in rest:  # knobs, as ropekit.core.tuning reads them from the environment
         name, _, value = a.partition("=")
-        knobs[name] = int(value) if value.lstrip("-").isdigit() else value
-    launches = record(args[0], backward, knobs)
+        os.environ[f"ROPEKIT_{name.upper()}"] = value
+    launches = record(args[0], backward)
     with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
         pickle.dump(launches, f)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
