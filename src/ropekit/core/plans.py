@@ -97,17 +97,6 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)
     return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (sec, *token_strides(pos, n_tok)))
 
 
-def layout_from_views(positions, cos, sin, n_tok: int, mrope: bool) -> AngleLayout:
-    """An AngleLayout for separate cos and sin views (sin_off 0): (max_position, half) table columns
-    picked by positions, or per-token (*T, half) / (3, *T, half) angles when positions is None."""
-    half = cos.shape[-1]
-    if positions is None:
-        return AngleLayout(half, 0, 0, per_token_strides(cos, n_tok, mrope), (0, 0, 0))
-    pos = positions[0] if mrope else positions
-    sec = positions.stride(0) if mrope else 0
-    return AngleLayout(half, cos.shape[0], 0, (0, 0, cos.stride(0), cos.stride(-1)), (sec, *token_strides(pos, n_tok)))
-
-
 def per_token_strides(cos: torch.Tensor, n_tok: int, mrope: bool) -> tuple:
     """(sec, b, s, col) strides of per-token angle views (*T, half) or (3, *T, half)."""
     sec = cos.stride(0) if mrope else 0

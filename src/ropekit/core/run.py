@@ -229,7 +229,7 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
         return gx.zero_(), (None if w is None else torch.zeros_like(w))
     dw = None if w is None else plans.norm_partials(plan, x.device)
     plans.fire_norm_backward(plan, x, g, gx, w, dw, a, b, spec.norm_eps, spec.norm_offset)
-    return gx, (None if w is None else dw.sum(0).to(w.dtype))
+    return gx, (None if w is None else plans.norm_weight_grad(dw, w))
 
 
 # ---------------------------------------------------------------------------------------------
