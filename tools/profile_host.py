@@ -7,10 +7,16 @@ call with a wall clock, next to Triton's generic launch of an empty kernel, an i
 the same q, and an empty autograd.Function (forward + backward); then a cProfile of the decode
 call. --cpu-dry (no GPU needed): the same calls on CPU tensors with the kernel launch replaced by
 a no-op, which isolates ropekit's own Python from Triton's plans.
+
+The "bound" rows time what any W3 call has to do before its launch, whatever the library: the
+signature key of its four tensors and one dict lookup (the per-signature validation memo), its
+two outputs, and the nine pointers the kernel takes. Beside "W3 apply_rope, launch stubbed" they
+split W3's host time into that bound, ropekit's own Python above it, and the compiled launcher.
 """
 
 import argparse
 import cProfile
+import inspect
 import pstats
 import time
 
@@ -18,6 +24,7 @@ import torch
 
 import ropekit
 from ropekit.core import checks, launch
+from ropekit.core.variant import Signature
 
 
 def per_call_us(fn, n=2000, repeat=5):
@@ -30,6 +37,23 @@ def per_call_us(fn, n=2000, repeat=5):
         best.append((time.perf_counter() - t) / n * 1e6)
     best.sort()
     return best[len(best) // 2]
+
+
+def _keyed(q, k, pos, cache, outputs=False):
+    """The bound: W3's signature key (apply_rope's own Signature) and a lookup; with outputs, the two
+    new outputs and the kernel's nine pointers too."""
+    sig = Signature.of(ropekit.apply_rope)
+    call = {n: p.default for n, p in inspect.signature(ropekit.apply_rope).parameters.items()}
+    call.update(q=q, k=k, positions=pos, cos_sin_cache=cache)
+    memo = {sig.key(call): None}
+
+    def run():
+        memo[sig.key(call)]
+        if outputs:
+            qo, ko = torch.empty_like(q), torch.empty_like(k)
+            return [x.data_ptr() for x in (q, k, qo, ko, pos, cache, cache, cache, cache)]
+
+    return run
 
 
 def main():
@@ -60,6 +84,8 @@ def main():
         lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots)
     )
     rows["floor: q.add_(0)"] = per_call_us(lambda: q.add_(0))
+    rows["bound: W3's key + lookup"] = per_call_us(_keyed(q, k, pos, cache))
+    rows["bound: W3's key + lookup, 2 outputs, 9 pointers"] = per_call_us(_keyed(q, k, pos, cache, True))
 
     # W8's host side: forward + backward through autograd, small tensors so the host dominates
     class Empty(torch.autograd.Function):
