@@ -59,9 +59,7 @@ def op_spec(name: str, values: tuple, make) -> Spec:
 def bump_versions(*written) -> None:
     """Version counters of the tensors a launch wrote (None skipped): the kernels write through raw
     pointers, which autograd does not see; anything that saved them for a backward then raises."""
-    for x in written:
-        if x is not None:
-            torch.autograd.graph.increment_version(x)
+    torch.autograd.graph.increment_version([x for x in written if x is not None])
 
 
 def no_leaf_written(q, k) -> None:
