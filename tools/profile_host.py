@@ -11,7 +11,9 @@ a no-op, which isolates ropekit's own Python from Triton's plans.
 The "bound" rows time what any W3 call has to do before its launch, whatever the library: the
 signature key of its four tensors and one dict lookup (the per-signature validation memo), its
 two outputs, and the nine pointers the kernel takes. Beside "W3 apply_rope, launch stubbed" they
-split W3's host time into that bound, ropekit's own Python above it, and the compiled launcher.
+split W3's host time into that bound, ropekit's own Python above it, and the compiled launcher;
+"W3 split" times those rows in interleaved rounds and keeps each row's fastest round, so that a
+noisy host (the H200's moves medians by up to 1.6x between runs) does not skew one row alone.
 """
 
 import argparse
@@ -37,6 +39,31 @@ def per_call_us(fn, n=2000, repeat=5):
         best.append((time.perf_counter() - t) / n * 1e6)
     best.sort()
     return best[len(best) // 2]
+
+
+def _interleaved(calls: dict, dev: str, stub=None, rounds: int = 15, n: int = 500) -> dict:
+    """Each call's fastest round (us a call) over rounds that take every call in turn; stub: the name
+    of a call also timed with ropekit's launch replaced by a no-op (its row "..., launch stubbed")."""
+    import ropekit.core.plans as P
+
+    real, best = P.launch_kernel, {}
+    timed = [(name, fn, False) for name, fn in calls.items()]
+    if stub is not None:
+        timed.append((stub + ", launch stubbed", calls[stub], True))
+    for _ in range(rounds):
+        for name, fn, stubbed in timed:
+            if stubbed:
+                P.launch_kernel = lambda *a, **k: None
+            fn()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            us = (time.perf_counter() - t) / n * 1e6
+            P.launch_kernel = real
+            best[name] = min(best.get(name, us), us)
+    return best
 
 
 def _keyed(q, k, pos, cache, outputs=False):
@@ -132,6 +159,15 @@ def main():
         P.launch_kernel = real
     for name, us in rows.items():
         print(f"{name:45s} {us:8.2f} us")
+    split = {
+        "W3 apply_rope": lambda: ropekit.apply_rope(q, k, pos, cache),
+        "bound: key + lookup, 2 outputs, 9 pointers": _keyed(q, k, pos, cache, True),
+    }
+    if not args.cpu_dry:
+        split["Triton empty kernel[(1,)](x)"] = lambda: empty[(1,)](q)
+    print("W3 split, fastest of 15 interleaved rounds of 500 calls (us a call):")
+    for name, us in _interleaved(split, dev, stub=None if args.cpu_dry else "W3 apply_rope").items():
+        print(f"  {name:50s} {us:8.2f}")
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(2000):
