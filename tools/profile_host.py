@@ -8,12 +8,12 @@ the same q, and an empty autograd.Function (forward + backward); then a cProfile
 call. --cpu-dry (no GPU needed): the same calls on CPU tensors with the kernel launch replaced by
 a no-op, which isolates ropekit's own Python from Triton's plans.
 
-The "bound" rows time what any W3 call has to do before its launch, whatever the library: the
-signature key of its four tensors and one dict lookup (the per-signature validation memo), its
-two outputs, and the nine pointers the kernel takes. Beside "W3 apply_rope, launch stubbed" they
+The "bound" rows time what a W3 call has to do before its launch in any design that validates once
+per call signature, as ropekit does: the signature key of its four tensors and one dict lookup,
+its two outputs, and the nine pointers the kernel takes. Beside "W3 apply_rope, launch stubbed" they
 split W3's host time into that bound, ropekit's own Python above it, and the compiled launcher;
 "W3 split" times those rows in interleaved rounds and keeps each row's fastest round, so that a
-noisy host (the H200's moves medians by up to 1.6x between runs) does not skew one row alone.
+noisy host (a GPU machine's medians can move by 2x between runs) does not skew one row alone.
 """
 
 import argparse
