@@ -215,10 +215,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         block_h = tiles[0]
         nqb, nkb = 1, (1 if n_k else 0)
     prefetch = tuning.get("prefetch")
-    # M-RoPE's three masked row loads and a norm's tiles already hold the registers: prefetching
-    # k's whole-head tiles during q's norm costs programs an SM (ptxas, sm_90, Wan's 40 heads of 128
-    # at 2 warps: 223 registers with, 167 without: four programs an SM against six; W14 83% of copy
-    # against 92%). Angles computed in the kernel: W15 136 us without, 138-139 with (H200 A/B)
+    # M-RoPE's three masked row loads, a norm's tiles and angles computed in the kernel already hold
+    # the registers: a prefetch there costs programs an SM (the knob's entry in .tuning gives why)
     if prefetch is None:
         prefetch = not (mrope or normed or variant.angles == "freqs")
     prefetch = head_loop and prefetch
