@@ -38,8 +38,15 @@ def main() -> None:
 
     hf_logits, hf_grads = loss_and_grads()  # transformers' own RoPE
 
-    patched = ropekit.hf.patch(model)  # {family: [replaced functions]}
-    print("patched:", patched)
+    # strict=True: a rotary function the model calls that ropekit cannot take raises here, naming it
+    # and why, instead of leaving HF's math in place (which would make the comparison below HF vs HF)
+    patched = ropekit.hf.patch(model, strict=True)  # {family: [replaced functions]}
+    if not patched:
+        raise SystemExit(
+            f"ropekit.hf.patch replaced nothing in this model: {patched.left} (transformers "
+            f"{transformers.__version__}; see docs/hf.md for the supported range)"
+        )
+    print("patched:", dict(patched), "binding:", patched.routes)
     logits, grads = loss_and_grads()
     check("logits", logits, hf_logits, 1e-5)
     worst = max(check(name, grads[name], hf_grads[name], 1e-4) for name in hf_grads)

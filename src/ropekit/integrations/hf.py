@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import warnings
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -61,6 +62,7 @@ __all__ = [
     "patched",
     "FAMILIES",
     "PatchReport",
+    "RotaryLeftWarning",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +376,12 @@ class PatchReport(dict):
 
     left: {family: {name: reason}} for the rotary functions left as HF's;
     forms: {family: {name: form}} the form (ropekit.integrations.hf_forms.FORMS) each replacement computes;
-    unfused: {family: reason} with fuse_qk_norm=True and a model, the families whose q/k norm is not fused.
+    routes: {family: {name: route}} how the module bound each replaced function: hf_census.FUNCTION
+        (the plain function) or hf_census.HUB_FUNC (a kernels hub Func module wrapping it); either
+        way the module attribute now holds ropekit's function;
+    unfused: {family: reason} with fuse_qk_norm=True and a model, the families whose q/k norm is not fused;
+    unreached: {family: {name: reason}} with a model, the left functions that the model's own modules
+        call (the ones patch warned about).
     Names are the module attribute, prefixed `modeling_x.` when the family's folder has several modules.
     """
 
@@ -382,11 +389,26 @@ class PatchReport(dict):
         super().__init__()
         self.left: Dict[str, Dict[str, str]] = {}
         self.forms: Dict[str, Dict[str, str]] = {}
+        self.routes: Dict[str, Dict[str, str]] = {}
         self.unfused: Dict[str, str] = {}
+        self.unreached: Dict[str, Dict[str, str]] = {}
 
     def __repr__(self):
         left = sum(len(v) for v in self.left.values())
         return f"PatchReport({dict.__repr__(self)}, left: {left} functions in {len(self.left)} families)"
+
+
+class _Swap(NamedTuple):
+    """One rotary function of one modeling module, decided before anything is swapped."""
+
+    entry: hf_census.Entry
+    name: str
+    label: str
+    module: object  # the imported module, or why it could not be imported
+    bound: object  # what the module binds now (HF's function, its hub Func module, or ropekit's replacement)
+    function: object  # HF's function (unwrapped)
+    route: str
+    form: object  # an hf_forms.Form, or the reason the function is left
 
 
 def _module_name(family: str) -> str:
@@ -415,7 +437,52 @@ def _check_families(families) -> List[str]:
     return families
 
 
-def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False) -> PatchReport:
+def _decide(found) -> List[_Swap]:
+    """Every rotary function of the found entries, with its form or the reason it is left."""
+    swaps = []
+    for entry in found:
+        module = hf_census.load(entry)
+        bound = {} if isinstance(module, str) else _hf_bindings(entry, module)
+        functions = {n: hf_census.unwrap(b) for n, b in bound.items()}
+        originals = {n: fr[0] for n, fr in functions.items()}
+        for name in entry.names:
+            label = hf_census.label(entry, name)
+            if isinstance(module, str):
+                swaps.append(_Swap(entry, name, label, module, None, None, hf_census.FUNCTION, module))
+                continue
+            function, route = functions[name]
+            form = hf_census.verdict(entry.module, function)
+            if isinstance(form, str):
+                if route == hf_census.HUB_FUNC and function is bound[name]:
+                    form = f"bound as a kernels hub Func module whose wrapped function ropekit cannot find ({form})"
+                form = hf_census.left_reason(entry, form, function, originals)
+            swaps.append(_Swap(entry, name, label, module, bound[name], function, route, form))
+    return swaps
+
+
+def _unreached(model, swaps: List[_Swap]) -> Dict[str, Dict[str, str]]:
+    """{family: {label: reason}}: the left functions that a class of the model's modules reads as a
+    global in one of its methods, and whose rotations do not run ropekit's kernel through another
+    replaced function (hf_census.left_reason says so)."""
+    called: Dict[str, set] = {}
+    for cls in {type(m) for m in model.modules()}:
+        for attr in vars(cls).values():
+            fn = inspect.unwrap(attr) if callable(attr) else None
+            called.setdefault(cls.__module__, set()).update(hf_census.global_names(getattr(fn, "__code__", None)))
+    out: Dict[str, Dict[str, str]] = {}
+    for s in swaps:
+        if isinstance(s.form, str) and s.name in called.get(s.entry.module, ()) and hf_census.THROUGH not in s.form:
+            out.setdefault(s.entry.family, {})[s.label] = s.form
+    return out
+
+
+def patch(
+    model=None,
+    families: Optional[Iterable[str]] = None,
+    *,
+    fuse_qk_norm: bool = False,
+    strict: bool = False,
+) -> PatchReport:
     """Swap HF's rotary functions for ropekit's in transformers' modeling modules.
 
     model=None, families=None: every modeling module of the installed transformers that defines a
@@ -428,15 +495,28 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
     run on the same small random inputs); a match is replaced by a function with the same
     parameters that runs ropekit's kernel and calls HF's function for inputs outside the form. A
     function that matches no form is left as it is, with the reason in the report's `.left`.
-    Attention forwards look these names up as module globals at call time, so models already
-    built are affected too. Patching twice is a no-op; `unpatch()` restores HF's functions.
+    transformers binds a rotary function as the plain function or, with the `kernels` package
+    (transformers >= 5.25 always has it), as a hub `Func` module wrapping it: either way the
+    module attribute is replaced (attention forwards look it up at call time, so models already
+    built are affected too) and `.routes` says which binding it was. Patching twice is a no-op;
+    `unpatch()` restores what the modules bound.
+
+    Never silent: with a model, a left function that the model's own modules call is named in a
+    warning with its reason (and in `.unreached`); strict=True raises ValueError instead, before
+    anything is swapped. Without a model, strict=True raises when any function in scope is left.
 
     fuse_qk_norm: also fuse q/k RMSNorm into the rotation (ropekit.integrations.hf_qknorm). With a
     model or families, a family without q/k norm is not silently skipped: ValueError when none of
     them has one (nothing patched), a warning naming those without when some have. Without both,
     it fuses every family that can be.
 
-    Returns a PatchReport: {family: [names replaced]}, `.left`, `.forms`.
+    Returns a PatchReport: {family: [names replaced]}, `.left`, `.forms`, `.routes`, `.unreached`.
+
+    Example::
+
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        report = ropekit.hf.patch(model)   # e.g. {'llama': ['apply_rotary_pos_emb']}
+        report.routes                      # {'llama': {'apply_rotary_pos_emb': 'kernels hub Func module'}}
     """
     explicit = families is not None
     wanted = _check_families(families) if explicit else None
@@ -456,6 +536,15 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
                 f"ropekit.hf.patch: families: the installed transformers has no modeling module for {missing}"
             )
     names = list(dict.fromkeys(e.family for e in found))
+    swaps = _decide(found)
+    unreached = _unreached(model, swaps) if model is not None else {}
+    if strict:
+        refused = unreached if model is not None else _left_of(swaps)
+        if refused:
+            raise ValueError(
+                f"ropekit.hf.patch: strict: expected every rotary function {'the model calls ' if model is not None else ''}"
+                f"to be replaced, got these left as HF's: {_listing(refused)}"
+            )
     from . import hf_qknorm
 
     specs: Dict[str, object] = {}
@@ -477,38 +566,56 @@ def patch(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm:
         hf_qknorm.unpatch(names)  # re-applied below, around the functions swapped now
     report = PatchReport()
     report.unfused.update(unfused)
-    for entry in found:
-        module = hf_census.load(entry)
-        # HF's functions: the ones recorded when an earlier call replaced them
-        originals = {} if isinstance(module, str) else _hf_functions(entry, module)
-        for name in entry.names:
-            label, key = hf_census.label(entry, name), (entry.module, name)
-            if isinstance(module, str):
-                form = module
-            else:
-                original = originals[name]
-                form = hf_census.verdict(entry.module, original)
-            if isinstance(form, str):
-                reason = form if isinstance(module, str) else hf_census.left_reason(entry, form, original, originals)
-                report.left.setdefault(entry.family, {})[label] = reason
-                continue
-            if key not in _ORIGINALS:
-                _ORIGINALS[key] = original
-                setattr(module, name, hf_forms.replacement(original, form, hf_forms.signature_of(original)))
-                if fuse_qk_norm:
-                    _FUSE_ONLY.add(key)
-            elif not fuse_qk_norm:
-                _FUSE_ONLY.discard(key)  # asked for by a plain patch too: unpatch(fuse_qk_norm=True) keeps it
-            _add_names(report, entry.family, [label])
-            report.forms.setdefault(entry.family, {})[label] = form.name
+    report.unreached.update(unreached)
+    for s in swaps:
+        if isinstance(s.form, str):
+            report.left.setdefault(s.entry.family, {})[s.label] = s.form
+            continue
+        key = (s.entry.module, s.name)
+        if key not in _ORIGINALS:
+            _ORIGINALS[key] = s.bound
+            names_ = hf_forms.signature_of(s.function)
+            setattr(s.module, s.name, hf_forms.replacement(s.function, s.form, names_, bound=s.bound))
+            if fuse_qk_norm:
+                _FUSE_ONLY.add(key)
+        elif not fuse_qk_norm:
+            _FUSE_ONLY.discard(key)  # asked for by a plain patch too: unpatch(fuse_qk_norm=True) keeps it
+        _add_names(report, s.entry.family, [s.label])
+        report.forms.setdefault(s.entry.family, {})[s.label] = s.form.name
+        report.routes.setdefault(s.entry.family, {})[s.label] = s.route
     if fuse_qk_norm:
         for family, swapped in hf_qknorm.patch([f for f in names if f in report], specs).items():
             _add_names(report, family, swapped)
+    if unreached:
+        warnings.warn(
+            f"ropekit.hf.patch: model: these rotary functions the model calls are left as HF's (HF's math runs "
+            f"there): {_listing(unreached)}; patch(model, strict=True) raises instead",
+            RotaryLeftWarning,
+            stacklevel=2,
+        )
     return report
 
 
-def _hf_functions(entry, module) -> Dict[str, object]:
-    """{name: HF's function} of an entry: the one recorded when an earlier call replaced it."""
+class RotaryLeftWarning(UserWarning):
+    """ropekit.hf.patch left a rotary function that the model calls (HF's math runs there)."""
+
+
+def _left_of(swaps: List[_Swap]) -> Dict[str, Dict[str, str]]:
+    out: Dict[str, Dict[str, str]] = {}
+    for s in swaps:
+        if isinstance(s.form, str):
+            out.setdefault(s.entry.family, {})[s.label] = s.form
+    return out
+
+
+def _listing(left: Dict[str, Dict[str, str]]) -> str:
+    return "; ".join(
+        f"{family}.{label} ({reason})" for family, names in left.items() for label, reason in names.items()
+    )
+
+
+def _hf_bindings(entry, module) -> Dict[str, object]:
+    """{name: what the module bound before ropekit}: the one recorded when an earlier call replaced it."""
     return {name: _ORIGINALS.get((entry.module, name), getattr(module, name, None)) for name in entry.names}
 
 

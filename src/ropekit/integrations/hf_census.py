@@ -5,6 +5,14 @@ Finding: the modeling sources are scanned as text for module-level `def ...rotar
 `def ...rope...(` before anything is imported, so only the modules that have one are imported
 (with a model: only the modules its submodules come from).
 
+Unwrapping: transformers decorates most rotary functions for Hugging Face's kernels hub
+(`use_kernel_forward_from_hub("rotary_pos_emb")`). With `kernels` >= 0.18.2 installed (always with
+transformers >= 5.25) the module then binds a `Func` `nn.Module` whose `forward(*args, **kwargs)`
+calls the original function, a closure of that forward, unless `kernels.kernelize` activated a hub
+kernel for the model. `unwrap` finds that function, so the same forms classify it; patch replaces
+the module's binding either way (attention forwards look it up at call time) and says which route
+each function took (`FUNCTION` or `HUB_FUNC`).
+
 Classifying: the HF function and each form of its kind run on the same small inputs (`PROBES`:
 full and partial tables, both unsqueeze dims, a per-batch table, bf16 / fp32 mixes, Hq != Hk,
 shuffled position_ids, angles that require grad). A form matches when, on every probe, it either
@@ -26,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import pathlib
 import re
@@ -40,6 +49,32 @@ _PAIR_TABLES = re.compile(
     r"repeat_interleave\(\s*\w*(?:freq|emb|angle)\w*\s*,\s*2"
     r"|\b(?:\w*freq\w*|\w*emb\w*|\w*angle\w*|\w*keypoints|cos|sin)\.repeat_interleave\(\s*2"
 )
+
+
+FUNCTION = "function"  # the module binds the plain function
+HUB_FUNC = "kernels hub Func module"  # the module binds kernels' Func module wrapping the function
+
+
+def unwrap(bound) -> Tuple[object, str]:
+    """(HF's function, route) of what a modeling module binds under a rotary function's name.
+
+    A plain function is its own; a kernels hub `Func` module (a torch.nn.Module whose class carries
+    `kernel_layer_name`) wraps the function as the free variable of its class's `forward`. When no
+    closure cell of that forward holds a plain function, the module itself is returned: its
+    `forward(*args, **kwargs)` signature then matches no form, and patch reports it as left."""
+    if not (isinstance(bound, torch.nn.Module) and hasattr(type(bound), "kernel_layer_name")):
+        return bound, FUNCTION
+    forward = getattr(type(bound), "forward", None)
+    cells = getattr(forward, "__closure__", None) or ()
+    wrapped = [c.cell_contents for c in cells if inspect.isfunction(_contents(c))]
+    return (wrapped[0] if len(wrapped) == 1 else bound), HUB_FUNC
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 class Entry(NamedTuple):
@@ -290,8 +325,6 @@ def classify(fn) -> Union[hf_forms.Form, str]:
     names = hf_forms.signature_of(fn)
     if names is None:
         try:
-            import inspect
-
             shown = str(inspect.signature(fn))
         except (TypeError, ValueError):
             shown = "unreadable"
@@ -318,15 +351,18 @@ def verdict(module_name: str, fn) -> Union[hf_forms.Form, str]:
     return form
 
 
-def _global_names(code) -> set:
+def global_names(code) -> set:
     """The global names a code object reads, its comprehensions' and nested functions' included."""
     if code is None:
         return set()
     names = set(code.co_names)
     for const in code.co_consts:
         if hasattr(const, "co_names"):
-            names |= _global_names(const)
+            names |= global_names(const)
     return names
+
+
+THROUGH = "its rotations run ropekit's kernel"  # a left function whose rotations are replaced calls
 
 
 def left_reason(entry: Entry, reason: str, fn, originals: Dict[str, object]) -> str:
@@ -335,7 +371,7 @@ def left_reason(entry: Entry, reason: str, fn, originals: Dict[str, object]) -> 
     rotations still run ropekit's kernel once they are replaced: Gemma 4's
     apply_multidimensional_rope calls apply_rotary_pos_emb on each part of the head.
     originals: {name: HF's function} of the entry's names."""
-    called = _global_names(getattr(fn, "__code__", None))
+    called = global_names(getattr(fn, "__code__", None))
     through = [
         n
         for n, original in originals.items()
@@ -343,7 +379,7 @@ def left_reason(entry: Entry, reason: str, fn, originals: Dict[str, object]) -> 
     ]
     if not through:
         return reason
-    return f"{reason}; it calls {', '.join(through)}, which ropekit replaces: its rotations run ropekit's kernel"
+    return f"{reason}; it calls {', '.join(through)}, which ropekit replaces: {THROUGH}"
 
 
 def entries(model=None, families=None) -> List[Entry]:

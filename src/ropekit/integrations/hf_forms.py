@@ -473,9 +473,11 @@ def _adapted_replacement(original: Callable, form: Form) -> Callable:
     return fn
 
 
-def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Callable:
+def replacement(original: Callable, form: Form, names: Tuple[str, ...], bound: object = None) -> Callable:
     """A function with the original's parameters and defaults that returns the form's result, and
-    the original's own where the kernel does not reproduce it (`run` returned None)."""
+    the original's own where the kernel does not reproduce it (`run` returned None).
+    bound: what the modeling module bound (the original, or the kernels hub `Func` module wrapping
+    it); kept as `ropekit_original`, what `unpatch` puts back."""
     kind = SIGNATURES[names]
     if kind in ADAPTED:
         fn = _adapted_replacement(original, form)
@@ -513,5 +515,5 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...]) -> Calla
         fn.__defaults__ = original.__defaults__  # the original's defaults (the names are the same)
     fn.__name__, fn.__qualname__, fn.__doc__ = original.__name__, original.__qualname__, original.__doc__
     fn.ropekit_form = form.name
-    fn.ropekit_original = original
+    fn.ropekit_original = original if bound is None else bound
     return fn

@@ -52,7 +52,8 @@ def rows() -> List[Row]:
 
 
 def _hf(fn):
-    return getattr(fn, "ropekit_original", fn)
+    """HF's function, also while patched, unwrapped from a kernels hub Func module."""
+    return hf_census.unwrap(getattr(fn, "ropekit_original", fn))[0]
 
 
 def _totals(found: List[Row], vision: bool) -> str:

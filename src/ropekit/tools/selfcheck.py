@@ -220,7 +220,7 @@ def _hf_llama(device):
     try:
         import transformers
     except ImportError as e:
-        raise NotAvailable(f"transformers not installed ({e})")
+        raise NotAvailable(f"transformers not installed ({e}): pip install -e '.[hf]'")
     from ropekit.integrations import hf as ropekit_hf
 
     torch.manual_seed(0)
@@ -241,8 +241,12 @@ def _hf_llama(device):
         want = model(ids).logits.double()
         with ropekit_hf.patched(model) as done:
             drop_in = modeling_llama.apply_rotary_pos_emb
-            if not done or not drop_in.__module__.startswith("ropekit"):
-                raise AssertionError("ropekit.hf.patched(model) did not patch modeling_llama")
+            if not done or not getattr(drop_in, "__module__", "").startswith("ropekit"):
+                raise AssertionError(
+                    f"ropekit.hf.patched(model) did not patch modeling_llama (transformers "
+                    f"{transformers.__version__}): left {done.left}; the supported transformers range "
+                    "is in docs/hf.md, pip install -e '.[hf]' installs it"
+                )
             calls = []
             modeling_llama.apply_rotary_pos_emb = lambda *a, **kw: calls.append(1) or drop_in(*a, **kw)
             try:
