@@ -9,6 +9,8 @@ path actually taken (a spy on ops.rotate_angles counts the calls).
 
 import copy
 import importlib
+import inspect
+import pathlib
 from unittest import mock
 
 import pytest
@@ -18,39 +20,89 @@ transformers = pytest.importorskip("transformers")
 
 from ropekit import hf  # noqa: E402
 from ropekit.api import ops  # noqa: E402
-from ropekit.integrations import hf_census, hf_forms  # noqa: E402
+from ropekit.integrations import hf_forms  # noqa: E402
 
 from conftest import DEVICES  # noqa: E402
 from helpers.hf_models import TINY_LM, TINY_MLA  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# module-level functions that take a table but rotate nothing (they reshape or stack it for a
+# rotary function), read in their sources; the enumeration below would count them otherwise
+NOT_ROTATING = {
+    "reshape_for_broadcast": "reshapes freqs_ci to broadcast against the query (Llama 4)",
+    "stack_freqs": "stacks cos and sin into one table (PE audio / video)",
+}
+# globals whose use marks a rotation
+_ROTATION_GLOBALS = {"rotate_half", "rotate_every_two", "view_as_complex", "polar"}
+
+
+def _enumerate_rotary_functions():
+    """{(module, attribute): binding} for every module-level function of every `modeling_*` module
+    of the installed transformers (imported, not scanned as text) that rotates: it takes cos and
+    sin or freqs_cis / freqs_ci / freqs, or reads rotate_half, rotate_every_two, view_as_complex or
+    polar. A kernels hub Func module counts as the function it wraps (its forward's free
+    variable). Independent of hf_census.scan, so a binding the scan misses fails the test.
+    Also returns the modules that failed to import, {module: error}."""
+    found, failed = {}, {}
+    root = pathlib.Path(transformers.models.__file__).parent
+    for path in sorted(root.glob("*/modeling_*.py")):
+        name = f"transformers.models.{path.parent.name}.{path.stem}"
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001  an optional dependency of that model is missing
+            failed[name] = f"{type(e).__name__}: {e}"
+            continue
+        for attr, bound in vars(module).items():
+            fn = bound
+            if isinstance(bound, torch.nn.Module):
+                cells = getattr(type(bound).forward, "__closure__", None) or ()
+                fns = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
+                fn = fns[0] if len(fns) == 1 else bound
+            if not inspect.isfunction(fn) or fn.__module__ != name or attr in NOT_ROTATING:
+                continue
+            params = set(inspect.signature(fn).parameters)
+            reads = set(fn.__code__.co_names)
+            for const in fn.__code__.co_consts:
+                reads |= set(getattr(const, "co_names", ()))
+            if {"cos", "sin"} <= params or params & {"freqs_cis", "freqs_ci", "freqs"} or reads & _ROTATION_GLOBALS:
+                found[(name, attr)] = bound
+    return found, failed
 
 
 def test_every_rotary_function_is_patched_or_left_with_a_reason():
-    entries = hf_census.scan()
-    assert len(entries) > 100, "the source scan found too few modeling modules"
-    before = {(e.module, n): getattr(importlib.import_module(e.module), n, None) for e in entries for n in e.names}
+    """Every rotary function found by importing the modeling modules is, after hf.patch(), either
+    replaced (the module attribute is ropekit's, wrapping what was bound) or left with a reason;
+    at least 95% of them are replaced; patching again changes nothing; unpatch restores them."""
+    found, failed = _enumerate_rotary_functions()
+    assert len(found) > 200, "the enumeration found too few rotary functions"
     report = hf.patch()
-    for entry in entries:
-        module = importlib.import_module(entry.module)
-        for name in entry.names:
-            label = (
-                name if entry.module.endswith(f"modeling_{entry.family}") else f"{entry.module.split('.')[-1]}.{name}"
-            )
-            patched = label in report.get(entry.family, [])
-            reason = report.left.get(entry.family, {}).get(label)
-            assert patched != (reason is not None), f"{entry.module}.{name}: patched={patched}, reason={reason!r}"
-            if patched:
-                assert getattr(module, name).ropekit_original is before[(entry.module, name)]
-                assert report.forms[entry.family][label] in hf_forms.FORM
-            else:
-                assert reason and getattr(module, name, None) is before[(entry.module, name)]
+    replaced = 0
+    for (module_name, name), before in found.items():
+        family = module_name.split(".")[2]
+        label = name if module_name.endswith(f"modeling_{family}") else f"{module_name.split('.')[-1]}.{name}"
+        patched = label in report.get(family, [])
+        reason = report.left.get(family, {}).get(label)
+        assert patched != (reason is not None), f"{module_name}.{name}: patched={patched}, reason={reason!r}"
+        now = getattr(importlib.import_module(module_name), name)
+        if patched:
+            replaced += 1
+            assert now.ropekit_original is before
+            assert report.forms[family][label] in hf_forms.FORM
+        else:
+            assert reason and now is before
+    for module_name, error in failed.items():  # a module that cannot be imported is reported, if it rotates
+        family = module_name.split(".")[2]
+        assert all(r.startswith("import failed") for r in report.left.get(family, {}).values()), error
+    assert replaced / len(found) >= 0.95, f"{replaced} of {len(found)} rotary functions replaced"
     # patching again changes nothing; unpatch restores every function
-    current = {key: getattr(importlib.import_module(key[0]), key[1], None) for key in before}
+    current = {key: getattr(importlib.import_module(key[0]), key[1]) for key in found}
     assert hf.patch() == report
-    assert all(getattr(importlib.import_module(k[0]), k[1], None) is v for k, v in current.items())
+    assert all(getattr(importlib.import_module(k[0]), k[1]) is v for k, v in current.items())
     hf.unpatch()
-    assert all(getattr(importlib.import_module(k[0]), k[1], None) is v for k, v in before.items())
+    assert all(getattr(importlib.import_module(k[0]), k[1]) is v for k, v in found.items())
 
 
 COMMON = dict(TINY_LM, initializer_range=0.3)
@@ -137,15 +189,30 @@ def test_tiny_model_of_each_form_matches_unpatched(form, device):
         assert _rel(got_grads[name], g) <= 1e-5 or (g.abs().max() < 1e-12 and got_grads[name].abs().max() < 1e-12), name
 
 
+def _ci_pins(name: str):
+    """The releases of `name` that CI's environments pin (.ci/newest.txt, .ci/oldest.txt)."""
+    pins = set()
+    for path in (ROOT / ".ci").glob("*.txt"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith(f"{name}=="):
+                pins.add(line.split("==", 1)[1])
+    return pins
+
+
 def test_docs_table_is_current():
-    """docs/hf.md's families table is what `python -m ropekit.tools.hf_table --write` gives now
-    (checked for the transformers version the table names; another version would list others)."""
+    """docs/hf.md's table for the installed transformers is what `python -m ropekit.tools.hf_table
+    --write` gives now. The releases CI tests must each have one; another release is skipped."""
     from ropekit.tools import hf_table
 
-    section = hf_table.current_section(hf_table.DOC.read_text(encoding="utf-8"))
-    assert section is not None, "docs/hf.md has no generated table (run python -m ropekit.tools.hf_table --write)"
-    if f"transformers {transformers.__version__}:" not in section:
-        pytest.skip(f"docs/hf.md's table is for another transformers than {transformers.__version__}")
+    version = transformers.__version__
+    section = hf_table.section(hf_table.DOC.read_text(encoding="utf-8"), version)
+    if section is None:
+        assert version not in _ci_pins("transformers"), (
+            f"docs/hf.md has no table for transformers {version}, a release CI tests: run "
+            "python -m ropekit.tools.hf_table --write"
+        )
+        pytest.skip(f"docs/hf.md has no table for transformers {version} (CI tests {sorted(_ci_pins('transformers'))})")
     assert section == hf_table.render(), "docs/hf.md is stale: run python -m ropekit.tools.hf_table --write"
 
 
