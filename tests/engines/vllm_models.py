@@ -3,16 +3,22 @@
     python tests/engines/vllm_models.py [--out summary.json] [model ...]
 
 Builds each model with transformers (save_pretrained into a temporary folder), then runs two child
-processes of this script: one with VLLM_PLUGINS=ropekit, one with VLLM_PLUGINS set to a list
-without it. Each generates greedy tokens for the same prompt. The check: identical tokens, log
+processes of this script: one with VLLM_PLUGINS=ropekit (the plugin asked for), one with ropekit
+installed and not asked (VLLM_PLUGINS and ROPEKIT_VLLM unset: vLLM loads the plugin, which must
+change nothing). Each generates greedy tokens for the same prompt. The check: identical tokens, log
 probabilities equal to 1e-4, and, from the plugin run, the trace file written inside vLLM's engine
-process (ropekit.vllm.TRACE_ENV) naming the ropekit classes constructed and called. Exit status 0
-when every model passes; the JSON summary says per model what ran, what was skipped and why.
+process (ropekit.vllm.TRACE_ENV) naming the ropekit classes (or, through vLLM's Transformers
+backend, the patched Hugging Face functions) constructed and called; for Transformers-backend
+models, Hugging Face's own rotation helper is counted in the engine's process: never called with
+the plugin on, called without it. Exit status 0 when every model passes; the JSON summary says per
+model what ran, what was skipped and why.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -75,10 +81,10 @@ MODELS = {
         dict(partial_rotary_factor=0.25),
         ["RotaryEmbedding"],
     ),
-    "gpt_neox": (  # partial rotary; vLLM 0.32 runs it through its Transformers backend (HF's rotary code)
+    "gpt_neox": (  # partial rotary, through vLLM's Transformers backend: HF's modeling code, patched
         "GPTNeoXConfig",
         dict(rotary_pct=0.25, use_parallel_residual=True),
-        [],
+        ["hf:modeling_gpt_neox.apply_rotary_pos_emb"],
     ),
     "deepseek_v2": (  # MLA (kv_lora_rank 512 + rope 64: the CPU MLA backend's only head size), YaRN
         "DeepseekV2Config",
@@ -111,10 +117,20 @@ MODELS = {
 # name -> extra arguments of vLLM's LLM. On a CPU with AMX tiles vLLM picks its AMX MLA backend
 # for DeepSeek's attention unless another is asked for, and that backend takes bf16 weights only
 # (these models are float32): the reference CPU MLA backend runs on every CPU.
-ENGINE_ARGS = {"deepseek_v2": dict(attention_config={"backend": "CPU_MLA"})}
+# GPT-NeoX: vLLM's Transformers backend asked for by name (vLLM 0.32 has no GPT-NeoX of its own and
+# picks it anyway; a later vLLM with one must not turn this into a test of its own model code).
+ENGINE_ARGS = {
+    "deepseek_v2": dict(attention_config={"backend": "CPU_MLA"}),
+    "gpt_neox": dict(model_impl="transformers"),
+}
+# Transformers-backend models: (modeling module, HF's rotation helper that only HF's rotary function
+# calls), counted in the engine's process while it generates
+HF_ROTATION = {"gpt_neox": ("transformers.models.gpt_neox.modeling_gpt_neox", "rotate_half")}
 
-PLUGIN_ON = "ropekit"
-PLUGIN_OFF = "none-ropekit-excluded"  # a VLLM_PLUGINS list without ropekit: vLLM loads no general plugin
+# the environment of each run: asked for through VLLM_PLUGINS; installed and not asked (vLLM loads
+# every installed plugin when VLLM_PLUGINS is unset, and ropekit's must then change nothing)
+PLUGIN_ON = {"VLLM_PLUGINS": "ropekit"}
+PLUGIN_OFF = {}
 
 
 def build(name: str, root: str) -> str:
@@ -153,7 +169,8 @@ def generate(paths: dict, trace_dir: str) -> dict:
                 **ENGINE_ARGS.get(name, {}),
             )
             built = time.monotonic()
-            out = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0]
+            with hf_rotation_counted(name) as hf_calls:
+                out = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0]
         except Exception as e:  # reported per model: vLLM CPU cannot run every architecture
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]}
             break
@@ -163,17 +180,40 @@ def generate(paths: dict, trace_dir: str) -> dict:
             "tokens": list(out.token_ids),
             "logprobs": logprobs,
             "seconds": {"build": round(built - start, 1), "generate": round(done - built, 1)},
+            "hf_rotation_calls": hf_calls[0] if name in HF_ROTATION else None,
         }
         del llm
     return results
 
 
-def run_child(plugins: str, paths: dict, trace_dir: str) -> dict:
+@contextlib.contextmanager
+def hf_rotation_counted(name: str):
+    """Count calls of the model's HF rotation helper (HF_ROTATION) in this process: [count]."""
+    count = [0]
+    if name not in HF_ROTATION:
+        yield count
+        return
+    module = importlib.import_module(HF_ROTATION[name][0])
+    attr = HF_ROTATION[name][1]
+    helper = getattr(module, attr)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return helper(*args, **kwargs)
+
+    setattr(module, attr, counted)
+    try:
+        yield count
+    finally:
+        setattr(module, attr, helper)
+
+
+def run_child(plugin_env: dict, paths: dict, trace_dir: str) -> dict:
     """Every model's result, from as many child processes as it takes (one more after each error)."""
     # the engine in the child process itself (one vLLM import per child, not three: CI time); vLLM
     # still loads its plugins there through its entry points, as in every process it starts
-    env = dict(os.environ, VLLM_PLUGINS=plugins, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.pop("ROPEKIT_VLLM_TRACE", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "ROPEKIT_VLLM", "ROPEKIT_VLLM_TRACE")}
+    env.update(plugin_env, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = os.path.join(trace_dir, "results.json")
     results = {}
     while len(results) < len(paths):
@@ -227,7 +267,12 @@ def check(names: list) -> dict:
                 if not expected and trace_on["call"]:
                     problems.append(f"unexpected ropekit calls {trace_on['call']}")
                 if trace_off["init"] or trace_off["call"]:
-                    problems.append("ropekit ran although VLLM_PLUGINS excluded it")
+                    problems.append("ropekit ran although the deployment did not ask for it")
+                if name in HF_ROTATION:
+                    calls = {"on": on[name]["hf_rotation_calls"], "off": off[name]["hf_rotation_calls"]}
+                    entry["hf_rotation_calls"] = calls
+                    if calls["on"] or not calls["off"]:
+                        problems.append(f"HF's {HF_ROTATION[name][1]} calls {calls}: expected none on, some off")
                 if trace_on["pids"] and os.getpid() in trace_on["pids"]:
                     problems.append("the trace came from the test process, not vLLM's")
                 entry.update(

@@ -1,30 +1,50 @@
 """ropekit.vllm: a vLLM general plugin that computes vLLM's rotary embeddings through ropekit.
 
-vLLM calls `register()` in each of its processes when the plugin is selected (entry point
-`vllm.general_plugins: ropekit`; every installed plugin loads unless VLLM_PLUGINS names others).
-`register()` installs, with `CustomOp.register_oot`, a subclass of each vLLM rotary class whose
+vLLM calls `register()` in each of its processes (entry point `vllm.general_plugins: ropekit`). vLLM
+loads every installed general plugin when VLLM_PLUGINS is unset, so the plugin acts only when the
+deployment asks for it: VLLM_PLUGINS naming `ropekit`, or ROPEKIT_VLLM=1. Not asked, `register()`
+changes nothing and logs one line saying how to turn it on.
+
+Asked, `register()` installs, with `CustomOp.register_oot`, a subclass of each vLLM rotary class whose
 forward is a rotation by its own `[cos | sin]` rows: same constructor, same buffers (vLLM builds
 its table as before), only the forward computes through `ropekit.apply_rope(..., inplace=True)`.
-Classes whose forward is something else keep vLLM's own, and the report says why.
+Classes whose forward is something else keep vLLM's own, and the report says why. Models that vLLM
+runs through its Transformers backend (Hugging Face's modeling code) get `ropekit.hf.patch(model)`
+as the backend builds them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+import sys
 from typing import Dict, Optional
 
 import torch
 
 import ropekit
 
-logger = logging.getLogger("ropekit.vllm")
+# under vLLM's logger: vLLM configures "vllm" (its own handler, no propagation to the root logger),
+# so these lines appear in vLLM's log at its level (VLLM_LOGGING_LEVEL); a "ropekit" logger would not
+logger = logging.getLogger("vllm.ropekit")
 
 ROTARY_PACKAGE = "vllm.model_executor.layers.rotary_embedding"
+# the class every model of vLLM's Transformers backend is built by (vLLM 0.32)
+TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers.base"
+
+PLUGIN = "ropekit"  # the entry point's name: what VLLM_PLUGINS lists
+ENABLE_ENV = "ROPEKIT_VLLM"  # "1": the plugin acts although VLLM_PLUGINS is unset
+HOW_TO_TURN_ON = (
+    f"ropekit's vLLM plugin is installed and off (vLLM's rotary code runs); set {ENABLE_ENV}=1, or "
+    f"VLLM_PLUGINS={PLUGIN} (with any other plugins, comma-separated), to compute it through ropekit"
+)
 
 # A file path: every replacement appends "init <vLLM class>" when constructed and "call <vLLM class>"
-# per forward, so a test can prove from inside vLLM's engine process that ropekit ran.
+# per forward, so a test can prove from inside vLLM's engine process that ropekit ran. Through the
+# Transformers backend, each HF rotary function patched for a model appends "init hf:<modeling
+# module>.<name>" when the model is built and "call hf:<modeling module>.<name>" per call.
 TRACE_ENV = "ROPEKIT_VLLM_TRACE"
 
 # vLLM class -> how its forward maps onto apply_rope. "table": rows of `cos_sin_cache` indexed by
@@ -70,12 +90,16 @@ QK_NORM = (
 _report: Optional[Dict[str, object]] = None
 
 
+def _trace_line(path: str, event: str, name: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"{event} {name} {os.getpid()}\n")
+
+
 def _trace(module, event: str) -> None:
     # the path is read at construction: forwards traced by torch.compile see a constant, no I/O when unset
     path = getattr(module, "_ropekit_trace", None)  # None on a module that is not a replacement (the bench's)
     if path:
-        with open(path, "a") as f:
-            f.write(f"{event} {module._ropekit_of.__name__} {os.getpid()}\n")
+        _trace_line(path, event, module._ropekit_of.__name__)
 
 
 def _table(module: torch.nn.Module, name: str, query: torch.Tensor) -> torch.Tensor:
@@ -170,23 +194,131 @@ def _rotary_classes(package) -> Dict[str, type]:
     }
 
 
-def register() -> Dict[str, object]:
-    """Install ropekit's replacements in vLLM (idempotent); log and return what was done.
+def asked() -> Optional[str]:
+    """How this process asks for the plugin ("VLLM_PLUGINS names ropekit", "ROPEKIT_VLLM=1"), or None.
 
-    Returns {"replaced": {vLLM class: ropekit class}, "left": {vLLM class: reason}, "qk_norm":
-    reason}. CustomOp classes are replaced through `CustomOp.register_oot(name=...)` (vLLM then
-    constructs the replacement wherever it would construct its class); Phi-3's LongRoPE class,
-    a plain nn.Module, through the name get_rope constructs it by.
+    vLLM loads a plugin that VLLM_PLUGINS names, and every plugin when VLLM_PLUGINS is unset; only
+    the first is a request. ROPEKIT_VLLM=1 is one too (a deployment that keeps VLLM_PLUGINS unset);
+    "0" or unset asks nothing; any other value raises ValueError.
+    """
+    value = os.environ.get(ENABLE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"ropekit.vllm.register: {ENABLE_ENV}: expected '1' (on), '0' or unset (off), got {value!r}")
+    # vLLM splits VLLM_PLUGINS on commas and compares the names as they are (no stripping): so does this
+    if PLUGIN in os.environ.get("VLLM_PLUGINS", "").split(","):
+        return f"VLLM_PLUGINS names {PLUGIN}"
+    return f"{ENABLE_ENV}=1" if value == "1" else None
+
+
+def register() -> Dict[str, object]:
+    """The plugin's entry point: when the deployment asks (`asked()`), install ropekit's replacements
+    in vLLM (idempotent); log and return what was done.
+
+    Returns {"asked": how, "replaced": {vLLM class: ropekit class}, "left": {vLLM class: reason},
+    "qk_norm": reason, "transformers_backend": what happens to models of vLLM's Transformers
+    backend}. CustomOp classes are replaced through `CustomOp.register_oot(name=...)` (vLLM then
+    constructs the replacement wherever it would construct its class); Phi-3's LongRoPE class, a
+    plain nn.Module, through the name get_rope constructs it by. Models of the Transformers backend
+    are patched with `ropekit.hf.patch(model)` as the backend builds them (`patch_hf_model`).
+
+    Not asked: nothing in vLLM changes; one INFO line says how to turn it on, and the report has
+    "asked": None and nothing replaced.
     """
     global _report
+    how = asked()
+    if how is None:
+        logger.info(HOW_TO_TURN_ON)
+        return {"asked": None, "replaced": {}, "left": {}, "qk_norm": QK_NORM, "transformers_backend": "off"}
     if _report is None:
         _report = _install()
+        _report["transformers_backend"] = _hook_transformers_backend()
+    _report["asked"] = how
     replaced, left = _report["replaced"], _report["left"]
-    logger.info("ropekit.vllm: replaced %s", ", ".join(replaced) or "nothing")
+    logger.info(
+        "ropekit.vllm: on (%s); vLLM rotary classes computed by ropekit: %s; left as vLLM's: %s "
+        "(why: this logger at DEBUG, or ropekit.vllm.register()['left'])",
+        how,
+        ", ".join(replaced) or "none",
+        ", ".join(left) or "none",
+    )
+    logger.info("ropekit.vllm: Transformers backend: %s", _report["transformers_backend"])
     for name, reason in left.items():
-        logger.info("ropekit.vllm: left %s: %s", name, reason)
-    logger.info("ropekit.vllm: q/k norm %s", QK_NORM)
+        logger.debug("ropekit.vllm: left %s: %s", name, reason)
+    logger.debug("ropekit.vllm: q/k norm %s", QK_NORM)
     return _report
+
+
+def _hook_transformers_backend() -> str:
+    """Make vLLM's Transformers backend call `patch_hf_model` on each model it builds: its models
+    construct Hugging Face's modeling code in `Base.__init__` (`self.model`), which then calls HF's
+    rotary functions in every forward, not vLLM's rotary classes."""
+    try:
+        base = importlib.import_module(TRANSFORMERS_BACKEND).Base
+    except (ImportError, AttributeError) as e:
+        return f"not reached: this vLLM has no {TRANSFORMERS_BACKEND}.Base ({type(e).__name__}: {e})"
+    hooked = (
+        f"each model's Hugging Face modeling code is patched with ropekit.hf.patch(model) ({base.__name__}.__init__)"
+    )
+    init = base.__init__
+    if getattr(init, "_ropekit_hook", False):
+        return hooked
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        patch_hf_model(self.model)
+
+    __init__._ropekit_hook = True
+    base.__init__ = __init__
+    return hooked
+
+
+def patch_hf_model(model: torch.nn.Module):
+    """`ropekit.hf.patch(model)` for a model that vLLM's Transformers backend built; logs and returns
+    the PatchReport (None when the model's modeling code has no rotary function, e.g. learned
+    positions). With ROPEKIT_VLLM_TRACE set, each patched function also appends trace lines."""
+    from . import hf
+
+    name = type(model).__name__
+    try:
+        report = hf.patch(model)
+    except ValueError as e:  # patch(model) without strict / fuse_qk_norm: no rotary function in its modules
+        logger.info("ropekit.vllm: Transformers backend %s: Hugging Face's code kept: %s", name, e)
+        return None
+    done = [f"{family}.{label}" for family, labels in report.items() for label in labels]
+    logger.info(
+        "ropekit.vllm: Transformers backend %s: Hugging Face rotary functions computed by ropekit: %s; left: %s",
+        name,
+        ", ".join(done) or "none",
+        "; ".join(f"{family}.{label} ({why})" for family, left in report.left.items() for label, why in left.items())
+        or "none",
+    )
+    path = os.environ.get(TRACE_ENV)
+    if path:
+        _trace_hf(model, path)
+    return report
+
+
+def _trace_hf(model: torch.nn.Module, path: str) -> None:
+    """Wrap each ropekit function bound in the model's modeling modules so that it appends trace lines."""
+    for module in {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}:
+        for attr, fn in list(vars(module).items()):
+            if not callable(fn) or not hasattr(fn, "ropekit_form"):  # ropekit.hf's replacements carry it
+                continue
+            label = f"hf:{module.__name__.rsplit('.', 1)[-1]}.{attr}"
+            _trace_line(path, "init", label)
+            if not getattr(fn, "_ropekit_traced", False):
+                setattr(module, attr, _traced(fn, path, label))
+
+
+def _traced(fn, path: str, label: str):
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        _trace_line(path, "call", label)
+        return fn(*args, **kwargs)
+
+    traced._ropekit_traced = True
+    return traced
 
 
 def _install() -> Dict[str, object]:
