@@ -42,7 +42,7 @@ def _rotate(x, sin, cos, half):
     """ropekit's result of timm's apply_rot_embed, or None for inputs it does not take."""
     if not isinstance(half, bool) or not R.takes(x, sin, cos) or sin.shape != cos.shape:
         return None
-    if sin.dim() < 2 or sin.dim() > 4 or sin.dtype == torch.complex64 or sin.shape[-1] != x.shape[-1]:
+    if sin.dim() < 2 or sin.dim() > 4 or sin.is_complex() or sin.shape[-1] != x.shape[-1]:
         return None
     cs = (R.halves if half else R.pairs)(cos, sin, x.shape[-1])
     if cs is None:
