@@ -3,15 +3,16 @@ gradient equal to the unpatched model (fp32, 1e-5 relative), and ropekit's rotat
 
 LTX-Video: its own apply_rotary_emb (flat (B, S, C) with (B, S, C) pairs). LTX-2 with
 rope_type="split": apply_split_rotary_emb (per-head (B, H, S, D/2) halves, x (B, S, H * D)).
-Stable Audio 3: _apply_rotary_partial (angles, partial). JoyImage-Edit+: _apply_rotary_emb_batched
+Stable Audio 3: _apply_rotary_partial (angles, partial). Lumina 2: the shared apply_rotary_emb
+with complex128 freqs_cis (B, S, D/2), each sample its own positions. JoyImage-Edit+: _apply_rotary_emb_batched
 ((B, S, D) pairs). Allegro: apply_rotary_emb_allegro (three axis tables, halves per third of D;
 the model is given the embedding its pipeline builds). Mochi: its processor's per-head angles
 (S, H, D / 2), fused into the norms (pos_frequencies frozen: learnable angles run the processor
 as it was, checked below). The sizes are diffusers' own test configs (tests/models/transformers),
 smaller.
 
-test_helper_float64_parity: the patched helper (Allegro's, Wan-Animate 2's rope_apply, Mochi's
-attention processor) on fresh random inputs in fp32 and bf16 against the original evaluated in
+test_helper_float64_parity: the patched helper (Allegro's, Wan-Animate 2's rope_apply, the shared
+one with Lumina 2's complex128 freqs_cis, Mochi's attention processor) on fresh random inputs in fp32 and bf16 against the original evaluated in
 float64 (its `.float()` casts kept in float64): fp32 within 1e-6 relative, bf16 within 1.5 times
 the original's own bf16 error (3 times in the Triton interpreter, which truncates to bf16).
 """
@@ -159,8 +160,28 @@ def _mochi():
     return m, inputs
 
 
+def _lumina2():
+    from diffusers import Lumina2Transformer2DModel
+
+    m = Lumina2Transformer2DModel(
+        sample_size=4, patch_size=2, in_channels=4, hidden_size=24, num_layers=1, num_refiner_layers=1,
+        num_attention_heads=3, num_kv_heads=1, multiple_of=16, axes_dim_rope=(2, 2, 4), axes_lens=(10, 10, 10),
+        cap_feat_dim=8,
+    )  # fmt: skip
+
+    def inputs(g):
+        return dict(
+            hidden_states=torch.randn(2, 4, 4, 4, generator=g),
+            timestep=torch.rand(2, generator=g),
+            encoder_hidden_states=torch.randn(2, 5, 8, generator=g),
+            encoder_attention_mask=torch.tensor([[1] * 5, [1] * 3 + [0] * 2]),  # per-sample positions
+        )
+
+    return m, inputs
+
+
 BUILDERS = {"ltx": _ltx, "ltx2": _ltx2, "stable_audio3": _stable_audio3, "joyimage_edit_plus": _joyimage_edit_plus,
-    "allegro": _allegro, "mochi": _mochi,
+    "allegro": _allegro, "mochi": _mochi, "lumina2": _lumina2,
 }  # fmt: skip
 
 
@@ -241,7 +262,15 @@ def _animate2_call(helper, g, dtype):
     return lambda wide: helper(x.double() if wide else x, grid, freqs, 2)
 
 
+def _lumina2_call(helper, g, dtype):
+    """The shared apply_rotary_emb as Lumina 2 calls it: complex128 freqs_cis (B, S, D/2)."""
+    x = torch.randn(2, 7, 3, 8, generator=g).to(dtype)
+    freqs = torch.polar(torch.ones(2, 7, 4, dtype=torch.float64), torch.randn(2, 7, 4, generator=g).double() * 3)
+    return lambda wide: helper(x.double() if wide else x, freqs, False)
+
+
 HELPERS = {
+    "lumina2": ("diffusers.models.embeddings", "apply_rotary_emb", _lumina2_call),
     "allegro": ("diffusers.models.embeddings", "apply_rotary_emb_allegro", _allegro_call),
     "wan_animate_2": ("diffusers.models.transformers.transformer_wan_animate_2", "rope_apply", _animate2_call),
 }

@@ -86,9 +86,12 @@ def test_report_and_unpatch():
     assert set(report) == {f"{host.__name__}.apply_rot_embed", f"{host.__name__}.apply_rot_embed_cat"}
     assert report.left[f"{host.__name__}.apply_rot_embed_list"].startswith("not replaced: it calls apply_rot_embed")
     assert eva.apply_rot_embed_cat is not own and eva.apply_rot_embed_cat.ropekit_original is own
-    restored = rt.unpatch()
-    assert "timm.models.eva.apply_rot_embed_cat" in restored
+    restored = rt.unpatch()  # {module: [attributes]}, the shape of ropekit.hf.unpatch()
+    assert isinstance(restored, dict) and all(isinstance(v, list) and v for v in restored.values())
+    assert "apply_rot_embed_cat" in restored["timm.models.eva"]
+    assert set(restored[host.__name__]) >= {"apply_rot_embed", "apply_rot_embed_cat"}
     assert eva.apply_rot_embed_cat is own and host.apply_rot_embed_cat is own
+    assert rt.unpatch() == {}  # nothing left to restore
 
 
 def test_unverified_convention_runs_timm():

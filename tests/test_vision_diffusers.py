@@ -138,6 +138,29 @@ def test_patch_none_prepares_on_first_call(calls):
     assert calls and _rel(out, want) < 1e-5
 
 
+def test_unpatch_returns_what_it_restored():
+    """{family or module: [names]}, the shape of ropekit.hf.unpatch(): the processor under its
+    family, the norm class and the helper bindings under their modules; each is diffusers' again."""
+    import diffusers.models.embeddings as emb
+    import diffusers.models.transformers.transformer_flux as flux
+
+    model, _ = _model("flux")
+    own_call, own_helper = flux.FluxAttnProcessor.__call__, emb.apply_rotary_emb
+    norm = type(model.transformer_blocks[0].attn.norm_q)
+    own_forward = norm.forward
+    rd.patch(model)
+    assert flux.FluxAttnProcessor.__call__ is not own_call and emb.apply_rotary_emb is not own_helper
+    restored = rd.unpatch()
+    assert all(isinstance(k, str) and isinstance(v, list) and v for k, v in restored.items())
+    assert restored["flux"] == ["FluxAttnProcessor.__call__"]
+    assert f"{norm.__qualname__}.forward" in restored[norm.__module__]
+    assert "apply_rotary_emb" in restored["diffusers.models.embeddings"]
+    assert all(len(v) == len(set(v)) for v in restored.values())
+    assert flux.FluxAttnProcessor.__call__ is own_call and emb.apply_rotary_emb is own_helper
+    assert norm.forward is own_forward
+    assert rd.unpatch() == {}  # nothing left to restore
+
+
 def test_patch_keeps_state_dict_and_signature():
     import inspect
 

@@ -5,8 +5,11 @@ the processors that norm q / k right before rotating, become ropekit calls, forw
                                           attention modules); None: every model, current and
                                           future. Returns a Report: {family: attention modules
                                           prepared}, with .helpers {helper: form and conventions
-                                          patched} and .left {helper or module: reason}.
-    ropekit.diffusers.unpatch()           undoes every patch
+                                          patched}, .left {helper, function or module: reason}
+                                          and .modules {transformer module: [seams its code
+                                          runs]}, the same with or without a model (`reach`).
+    ropekit.diffusers.unpatch()           undoes every patch; returns {family or module: [names
+                                          restored]}, the shape of ropekit.hf.unpatch()
 
 Two seams, both public:
 
@@ -28,6 +31,10 @@ Two seams, both public:
    ropekit rotates its output. An embedding that requires grad (Mochi's learnable frequencies,
    in training) is not taken: that call runs the processor as it was.
 
+What neither seam takes is named in .left: a function of those modules (a processor's method
+included) whose code reads a name a written-out rotation reads (view_as_complex, a rotate_half)
+or defines a rotary helper inside it, outside a verified helper and a fused processor.
+
 torch.compile: nothing Dynamo guards on changes after patch(): the modules patch(model) prepares
 are marked then, patch() marks none (every module of the families is taken), the wrappers and
 the shared norm forward are one object per helper / class (blocks compiled one by one share them),
@@ -41,6 +48,7 @@ rows get the identity rotation). Weights, state_dict keys and module identities 
 
 from __future__ import annotations
 
+import dis
 import functools
 import importlib
 import inspect
@@ -48,7 +56,7 @@ import pkgutil
 import re
 import types
 import weakref
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -211,11 +219,13 @@ _lazy = False  # patch(None): every attention module of the families, no marks n
 
 class Report(dict):
     """{family: attention modules prepared now}; .helpers {helper: 'form conventions'} patched;
-    .left {helper or module: reason} left as they were."""
+    .left {helper, function or module: reason} left as they were; .modules {transformer module:
+    [ropekit seams its code runs]} (the same for patch() and patch(model): no family needs the
+    model, see `reach`)."""
 
-    def __init__(self, counts, helpers, left):
+    def __init__(self, counts, helpers, left, modules=None):
         super().__init__(counts)
-        self.helpers, self.left = helpers, left
+        self.helpers, self.left, self.modules = helpers, left, modules or {}
 
 
 def _processor_classes():
@@ -409,8 +419,9 @@ def _qualname(fn) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
-def _patch_helpers(helpers: Dict[str, str], left: Dict[str, str]) -> None:
-    for module in host_modules(left):
+def _patch_helpers(helpers: Dict[str, str], left: Dict[str, str]) -> list:
+    modules = host_modules(left)
+    for module in modules:
         for attr, fn in _helpers(module):
             name = _qualname(fn)
             for form in BY_ARITY.get(len(inspect.signature(fn).parameters), ()):
@@ -423,6 +434,162 @@ def _patch_helpers(helpers: Dict[str, str], left: Dict[str, str]) -> None:
                 if name not in helpers:
                     sig = inspect.signature(fn)
                     left[name] = f"no known form agrees with it on random inputs (signature {sig})"
+    return modules
+
+
+# ---------------------------------------------------------------------------------------------
+# reach: the seams each transformer module runs, and the rotations ropekit leaves (code objects)
+
+_INLINE = ("view_as_complex", "rotate_half")  # names a rotation written out in place reads
+
+
+def _codes(code):
+    """code and every code object nested in it (nested defs, comprehensions)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _unwrapped(obj):
+    """The function under ropekit's wrapper and any functools.wraps decorators (diffusers'
+    register_to_config on __init__)."""
+    obj = seams.original(obj)
+    return inspect.unwrap(obj) if inspect.isfunction(obj) else obj
+
+
+def _methods(cls):
+    """{qualname: function} of the methods a class defines (a fused processor's own __call__)."""
+    out = {}
+    for name, member in list(vars(cls).items()):
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if name == "__call__" and cls in _originals:
+            member = _originals[cls]
+        member = _unwrapped(member)
+        if inspect.isfunction(member):
+            out[f"{cls.__qualname__}.{name}"] = member
+    return out
+
+
+def _defined(module) -> Dict[str, Callable]:
+    """{qualname: function} of the module-level functions and class methods a module defines."""
+    out = {}
+    for obj in list(vars(module).values()):
+        obj = _unwrapped(obj)
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj):
+            out[obj.__qualname__] = obj
+        elif isinstance(obj, type):
+            out.update(_methods(obj))
+    return out
+
+
+def _imports(code, package) -> dict:
+    """{name: object} bound by the `from X import name` statements of one code object."""
+    out, level, source = {}, 0, None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_CONST" and type(ins.argval) is int:
+            level = ins.argval
+        elif ins.opname == "IMPORT_NAME":
+            try:
+                source = importlib.import_module("." * level + ins.argval, package)
+            except Exception:  # an optional dependency: that import is not followed
+                source = None
+        elif ins.opname == "IMPORT_FROM" and source is not None:
+            out[ins.argval] = getattr(source, ins.argval, None)
+    return out
+
+
+def _reads(fn) -> dict:
+    """{name: object} of the names a function's code reads: its module's globals, and what its
+    own `from X import name` statements import (diffusers' processors import the shared helper
+    inside __call__, which then is whatever diffusers.models.embeddings binds at call time)."""
+    found = {}
+    package = fn.__globals__.get("__package__")
+    for code in _codes(fn.__code__):
+        found.update((n, fn.__globals__[n]) for n in code.co_names if n in fn.__globals__)
+        found.update(_imports(code, package))
+    return found
+
+
+def _seam(obj) -> Optional[str]:
+    """The ropekit seam an object is: a helper replaced by its wrapper, or a fused processor."""
+    if hasattr(obj, "ropekit_form"):
+        return _qualname(seams.original(obj))
+    if isinstance(obj, type) and obj in _originals:
+        return f"{_qualname(obj)} (fused)"
+    return None
+
+
+def _followed(obj) -> Dict[str, Callable]:
+    """The functions of an object another transformer module's code reads that count as its own:
+    functions and classes of the transformer modules (a block it builds), processor classes."""
+    module = getattr(obj, "__module__", None) or ""
+    if not module.startswith("diffusers.models."):
+        return {}
+    if inspect.isfunction(obj) and module.startswith(_TRANSFORMERS_PKG + "."):
+        return {_qualname(obj): obj}
+    if isinstance(obj, type) and (module.startswith(_TRANSFORMERS_PKG + ".") or "Processor" in obj.__name__):
+        return {f"{module}.{q}": f for q, f in _methods(obj).items()}
+    return {}
+
+
+def reach(module) -> List[str]:
+    """The ropekit seams a transformer module's code runs: the helpers and fused processors its
+    functions and methods read, directly or through the blocks, functions and processor classes
+    they take from other modules. Taken from the installed diffusers, not from a model: every
+    attention module of a fused family fuses once patched (patch() marks none, patch(model) marks
+    the model's ahead of torch.compile), so no family needs the model."""
+    found = {_seam(c) for c in vars(module).values() if isinstance(c, type) and c in _originals}
+    todo, seen = list(_defined(module).values()), set()
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        for obj in _reads(fn).values():
+            seam = _seam(obj)
+            if seam is not None:
+                found.add(seam)
+            else:
+                todo.extend(_followed(_unwrapped(obj)).values())
+    return sorted(s for s in found if s is not None)
+
+
+def _inline(fn) -> Optional[str]:
+    """Why a function's own code rotates where ropekit has no seam, or None: it reads a name a
+    written-out rotation reads, or defines a rotary helper inside it."""
+    for code in _codes(fn.__code__):
+        if code is not fn.__code__ and _HELPER.search(code.co_name):
+            return f"rotates with {code.co_name}, defined inside it: no module-level seam to replace"
+        names = [n for n in code.co_names if any(i in n for i in _INLINE)]
+        for name in names:
+            if not hasattr(fn.__globals__.get(name), "ropekit_form"):
+                return f"rotates inline ({name}): no seam ropekit replaces"
+    return None
+
+
+def _census(modules, left: Dict[str, str]) -> Dict[str, List[str]]:
+    """{module: seams} of every transformer module that runs one; the rotations no seam takes
+    (outside a verified helper or a fused processor) named in `left`."""
+    served = {seams.original(w) for w in _swaps.wrappers.values()}
+    out = {}
+    for module in modules:
+        for qualname, fn in _defined(module).items():
+            name = f"{module.__name__}.{qualname}"
+            owner = getattr(module, qualname.split(".")[0], None)
+            if fn in served or name in left or (isinstance(owner, type) and owner in _originals):
+                continue
+            why = _inline(fn)
+            if why is not None:
+                left[name] = why
+        if module.__name__.startswith(_TRANSFORMERS_PKG + "."):
+            found = reach(module)
+            if found:
+                out[module.__name__] = found
+    return out
 
 
 def patch(model: Optional[torch.nn.Module] = None) -> Report:
@@ -437,7 +604,7 @@ def patch(model: Optional[torch.nn.Module] = None) -> Report:
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"{OP}: model: expected a torch.nn.Module or None, got {type(model).__name__}")
     counts, helpers, left = {}, {}, {}
-    _patch_helpers(helpers, left)
+    modules = _patch_helpers(helpers, left)
     for name, family, cls in _processor_classes():
         reason = None if cls in _originals or family.check is None else family.check(cls)
         if reason is not None:
@@ -458,20 +625,27 @@ def patch(model: Optional[torch.nn.Module] = None) -> Report:
         for cls in _rms_classes():
             _patch_norm_class(cls)
         _lazy = True
-    return Report(counts, helpers, left)
+    return Report(counts, helpers, left, _census(modules, left))
 
 
-def unpatch() -> None:
-    """Undo every patch: helpers, processor classes and norm classes as they were."""
+def unpatch() -> seams.Restored:
+    """Undo every patch: helpers, processor classes and norm classes as they were. Returns
+    {family or module: [names restored]} (the shape of ropekit.hf.unpatch()): a processor's
+    `Class.__call__` under its family, a norm's `Class.forward` and a helper binding's attribute
+    under their module."""
     global _lazy
+    restored = _swaps.restore()
+    family_of = {cls: name for name, _, cls in _processor_classes()}
     for cls, call in _originals.items():
         cls.__call__ = call
+        seams.add_restored(restored, family_of.get(cls, cls.__module__), f"{cls.__qualname__}.__call__")
     _originals.clear()
     for cls, forward in _norm_forwards.items():
         cls.forward = forward
+        seams.add_restored(restored, cls.__module__, f"{cls.__qualname__}.forward")
     _norm_forwards.clear()
     for attn in list(_prepared):
         attn.__dict__.pop(_MARK, None)
     _prepared.clear()
-    _swaps.restore()
     _lazy = False
+    return restored

@@ -3,7 +3,7 @@ each module-level helper against the forms of its arity and patches it on the fi
 
 | form | helper (diffusers 0.42) | angles | x |
 |---|---|---|---|
-| shared | embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim) | pairs (unbind -1), halves (-2), complex (use_real=False, (B, S, D/2)) | (B, H, S, D) sequence_dim 2, (B, S, H, D) 1 |
+| shared | embeddings.apply_rotary_emb(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim) | pairs (unbind -1), halves (-2), complex (use_real=False, (B, S, D/2); complex128 too: Lumina 2) | (B, H, S, D) sequence_dim 2, (B, S, H, D) 1 |
 | qwen | apply_rotary_emb_qwen(x, freqs_cis, use_real, use_real_unbind_dim) | complex (S, D/2); real as shared with sequence_dim 2 | (B, S, H, D) |
 | pairs_x / halves_x | LTX's apply_rotary_emb(x, freqs), LongCat-Audio's _apply_rotary_emb(x, rope) | (cos, sin) pairs / halves | (B, S, C) flat with (B, S, C) angles, or (B, S, H, D) with (S, D) or (B, S, D) |
 | split_x | LTX-2's / Sana-WM refiner's apply_split_rotary_emb(x, (cos, sin)) | halves (B, H, S, D/2) per head, or (B, S, C/2) flat | (B, S, H * D) or (B, H, S, D); (B, S, C) |
@@ -56,6 +56,12 @@ def _real(x, freqs, unbind, heads_first):
     return None if cs is None else R.rotate(x, *cs, interleaved=unbind == -1, heads_first=heads_first)
 
 
+def _dtype(t):
+    """A complex freqs' dtype, part of a convention key: complex128 (Lumina 2's tables) is verified
+    on its own, so a helper that keeps float64 for it is not given ropekit's x-dtype result."""
+    return str(t.dtype).replace("torch.", "") if isinstance(t, torch.Tensor) else None
+
+
 def _complex(x, freqs, ndim):
     if not R.takes(x, freqs) or x.dim() != 4 or freqs.dim() != ndim:
         return None
@@ -69,7 +75,7 @@ def _complex(x, freqs, ndim):
 
 
 def _shared_key(a):
-    return (True, a["unbind"], a["seq"]) if a["use_real"] else (False,)
+    return (True, a["unbind"], a["seq"]) if a["use_real"] else (False, _dtype(a["freqs"]))
 
 
 def _shared(a):
@@ -83,8 +89,9 @@ def _shared_samples(gen):
     for unbind, angles in ((-1, _pairs), (-2, _halves)):
         for seq, shape in ((1, (B, S, H, D)), (2, (B, H, S, D))):
             out.append(((_x(gen, *shape), angles(_theta(gen, S, D // 2)), True, unbind, seq), (True, unbind, seq)))
-    fc = torch.polar(torch.ones(B, S, D // 2), _theta(gen, B, S, D // 2))
-    out.append(((_x(gen, B, S, H, D), fc, False, -1, 1), (False,)))
+    for dtype in (torch.float32, torch.float64):  # complex64, complex128
+        fc = torch.polar(torch.ones(B, S, D // 2, dtype=dtype), _theta(gen, B, S, D // 2).to(dtype))
+        out.append(((_x(gen, B, S, H, D), fc, False, -1, 1), (False, _dtype(fc))))
     return out
 
 
@@ -92,7 +99,7 @@ def _shared_samples(gen):
 
 
 def _qwen_key(a):
-    return ("real", a["unbind"]) if a["use_real"] else (False,)
+    return ("real", a["unbind"]) if a["use_real"] else (False, _dtype(a["freqs"]))
 
 
 def _qwen(a):
@@ -101,7 +108,7 @@ def _qwen(a):
 
 def _qwen_samples(gen):
     fc = torch.polar(torch.ones(S, D // 2), _theta(gen, S, D // 2))
-    out = [((_x(gen, B, S, H, D), fc, False, -1), (False,))]
+    out = [((_x(gen, B, S, H, D), fc, False, -1), (False, _dtype(fc)))]
     for unbind, angles in ((-1, _pairs), (-2, _halves)):
         out.append(((_x(gen, B, H, S, D), angles(_theta(gen, S, D // 2)), True, unbind), ("real", unbind)))
     return out
@@ -188,7 +195,7 @@ def _split_x_samples(gen):
 
 def _angles_x(a):
     x, freqs = a["x"], a["freqs"]
-    if not R.takes(x, freqs) or x.dim() != 4 or freqs.dim() != 2 or freqs.dtype == torch.complex64:
+    if not R.takes(x, freqs) or x.dim() != 4 or freqs.dim() != 2 or freqs.is_complex():
         return None
     n, r = x.shape[1], freqs.shape[-1]
     if freqs.shape[0] < n or r > x.shape[-1] or r % 2:
@@ -221,13 +228,13 @@ def _complex_dt_samples(gen):
     out = []
     for lead in (1, B):
         freqs = torch.polar(torch.ones(lead, 1, S, D // 2), _theta(gen, lead, 1, S, D // 2))
-        out.append(((_x(gen, B, S, H, D).permute(0, 2, 3, 1), freqs), lead == 1))
+        out.append(((_x(gen, B, S, H, D).permute(0, 2, 3, 1), freqs), (lead == 1, _dtype(freqs))))
     return out
 
 
 def _lead_one(a):
     freqs = a["freqs"]
-    return freqs.shape[0] == 1 if isinstance(freqs, torch.Tensor) and freqs.dim() == 4 else None
+    return (freqs.shape[0] == 1, _dtype(freqs)) if isinstance(freqs, torch.Tensor) and freqs.dim() == 4 else None
 
 
 # --- (x, cos, sin): halves, partial rotary (the leading R dims), (B, S, H, D) with (S, R)
@@ -252,7 +259,7 @@ def _halves_cs_samples(gen):
 
 def _matrix(a):
     x, freqs = a["x"], a["freqs"]
-    if not R.takes(x, freqs) or freqs.dtype == torch.complex64:
+    if not R.takes(x, freqs) or freqs.is_complex():
         return None
     found = R.matrix(freqs, x)
     if found is None:
@@ -285,11 +292,11 @@ def _complex_x(a):
 def _complex_x_samples(gen):
     per_seq = torch.polar(torch.ones(S, 1, D // 2), _theta(gen, S, 1, D // 2))
     per_batch = torch.polar(torch.ones(B, S, 1, D // 2), _theta(gen, B, S, 1, D // 2))
-    return [((_x(gen, B, S, H, D), per_seq), 3), ((_x(gen, B, S, H, D), per_batch), 4)]
+    return [((_x(gen, B, S, H, D), f), (f.dim(), _dtype(f))) for f in (per_seq, per_batch)]
 
 
 def _freqs_dim(a):
-    return a["freqs"].dim() if isinstance(a["freqs"], torch.Tensor) else None
+    return (a["freqs"].dim(), _dtype(a["freqs"])) if isinstance(a["freqs"], torch.Tensor) else None
 
 
 # --- (x, cat(cos, sin) (B, S, 2D)), pairs

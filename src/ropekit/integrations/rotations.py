@@ -7,7 +7,7 @@ results never change silently). The library forms:
 
 - pairs: real (cos, sin), each frequency repeated at 2i and 2i + 1 (complex-style pairs)
 - halves: real (cos, sin) as [f, f] (rotate_half-style pairs (i, i + D / 2))
-- complex: complex64 freqs_cis e^(i angle), pairs (2i, 2i + 1)
+- complex: complex64 (or complex128: Lumina 2's) freqs_cis e^(i angle), pairs (2i, 2i + 1)
 - matrix: real (..., D / 2, 2, 2) rotation matrices [[cos, -sin], [sin, cos]] per pair
 """
 
@@ -20,6 +20,7 @@ import torch
 from ..api.ops import rotate_with_angles
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMPLEX = (torch.complex64, torch.complex128)
 
 
 def takes(x, *angles) -> bool:
@@ -30,7 +31,7 @@ def takes(x, *angles) -> bool:
     for a in angles:
         if not isinstance(a, torch.Tensor) or (a.requires_grad and torch.is_grad_enabled()):
             return False
-        if a.dtype not in DTYPES + (torch.complex64,):
+        if a.dtype not in DTYPES + COMPLEX:
             return False
     return True
 
@@ -83,10 +84,13 @@ def halves(cos, sin, width: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
 
 
 def complex_parts(freqs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """Real and imaginary parts of complex64 freqs_cis (strided views, no copy)."""
-    if freqs.dtype != torch.complex64:
+    """Real and imaginary parts of complex freqs_cis: strided views of complex64, float32 copies of
+    complex128 (ropekit's math is float32 either way)."""
+    if freqs.dtype not in COMPLEX:
         return None
     parts = torch.view_as_real(freqs.resolve_conj())
+    if parts.dtype == torch.float64:
+        parts = parts.float()
     return parts[..., 0], parts[..., 1]
 
 

@@ -9,6 +9,9 @@ module attribute by one wrapper per helper (shared by every caller, so compiled 
 that sends verified conventions to ropekit and anything else to the helper itself, and restores
 the attributes on `restore()`.
 
+`Restored` is what every integration's `unpatch()` returns (ropekit.hf, .diffusers, .timm):
+{family or module: [names that are the library's own again]}, each name once.
+
 A helper's own argument names are read from its signature, so one form serves helpers that spell
 them differently; its own defaults apply.
 """
@@ -24,6 +27,15 @@ from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 import torch
 
 ATOL, RTOL = 1e-5, 1e-5  # float32 agreement of a verified convention
+
+Restored = Dict[str, List[str]]  # unpatch()'s return: {family or module: [names restored]}
+
+
+def add_restored(restored: Restored, key: str, name: str) -> None:
+    """Record one restored name under its family or module (each name once)."""
+    names = restored.setdefault(key, [])
+    if name not in names:
+        names.append(name)
 
 
 class Form(NamedTuple):
@@ -136,11 +148,12 @@ class Swaps:
         self.saved[(module, attr)] = fn
         setattr(module, attr, self.wrappers[fn])
 
-    def restore(self) -> List[str]:
-        names = []
+    def restore(self) -> Restored:
+        """Put every replaced attribute back; returns {module name: [attributes restored]}."""
+        restored: Restored = {}
         for (module, attr), fn in self.saved.items():
             setattr(module, attr, fn)
-            names.append(f"{getattr(module, '__name__', module)}.{attr}")
+            add_restored(restored, getattr(module, "__name__", repr(module)), attr)
         self.saved.clear()
         self.wrappers.clear()
-        return names
+        return restored

@@ -3,7 +3,8 @@ forward and backward, each verified numerically when patched.
 
     ropekit.timm.patch()     Returns a Report: {helper: form and conventions patched}, with
                              .left {helper: reason} for those left as they were.
-    ropekit.timm.unpatch()   undoes it
+    ropekit.timm.unpatch()   undoes it; returns {module: [helper bindings restored]} (the shape
+                             every integration's unpatch() returns, seams.Restored)
 
 The helpers are those of timm.layers.pos_embed_sincos whose name says they apply a rotation
 (apply_rot_embed(x, sin_emb, cos_emb, half), apply_rot_embed_cat(x, emb, half)); each is run
@@ -24,7 +25,6 @@ import importlib
 import inspect
 import re
 import sys
-from typing import List
 
 import torch
 
@@ -42,7 +42,7 @@ def _rotate(x, sin, cos, half):
     """ropekit's result of timm's apply_rot_embed, or None for inputs it does not take."""
     if not isinstance(half, bool) or not R.takes(x, sin, cos) or sin.shape != cos.shape:
         return None
-    if sin.dim() < 2 or sin.dim() > 4 or sin.dtype == torch.complex64 or sin.shape[-1] != x.shape[-1]:
+    if sin.dim() < 2 or sin.dim() > 4 or sin.is_complex() or sin.shape[-1] != x.shape[-1]:
         return None
     cs = (R.halves if half else R.pairs)(cos, sin, x.shape[-1])
     if cs is None:
@@ -161,6 +161,6 @@ def patch() -> Report:
     return Report(helpers, left)
 
 
-def unpatch() -> List[str]:
-    """Restore every helper binding patch() replaced; returns their names (module.attr)."""
+def unpatch() -> seams.Restored:
+    """Restore every helper binding patch() replaced; returns {module: [attributes restored]}."""
     return _swaps.restore()
