@@ -13,6 +13,8 @@ On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -22,9 +24,10 @@ import torch
 
 import ropekit
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import strict
+from ropekit.core import memo, plans, strict
+from ropekit.tools import reference
 
-from conftest import make_cache
+from conftest import TOL, make_cache, rel_err
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
 NAN = float("nan")
@@ -1510,6 +1513,183 @@ def test_handled_without_error(case):
 
 
 # ---------------------------------------------------------------------------------------------
+# empty head, token and batch dimensions (rows of the doc's second table): every op on every path,
+# the PyTorch path, the kernels interpreted (CPU) and the kernels compiled (CUDA)
+
+PATHS = ["torch", "interpreter", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch, poison):
+    """(device, launches): the path's device, and the grids of every kernel launched during the test."""
+    if request.param == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    elif request.param == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    memo.clear()  # a spec records which path runs
+    launches = []
+    real = plans.launch_kernel
+
+    def counted(kernel, compiled, variant, grid, *rest):
+        launches.append(grid)
+        return real(kernel, compiled, variant, grid, *rest)
+
+    monkeypatch.setattr(plans, "launch_kernel", counted)
+    yield ("cuda" if request.param == "cuda" else "cpu"), launches
+    memo.clear()
+
+
+def _rand(*shape, device, dtype=torch.float32):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def _same_shape_dtype(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+
+
+def _check_rope(device, launches, hq, hk, *, dtype, inplace=False, norm=False, angles=False, rot=D):
+    """One rotation call with hq / hk heads (0: empty; hk None: no k) on random inputs: outputs of
+    the inputs' shapes and dtypes, a non-empty tensor rotated as the float64 oracle says, and no
+    launch when nothing is to be written."""
+    pos = torch.randint(0, 16, (T,), device=device)
+    cache = make_cache(16, rot, device=device)
+    q = _rand(T, hq, D, device=device, dtype=dtype)
+    k = None if hk is None else _rand(T, hk, D, device=device, dtype=dtype)
+    q0, k0 = q.clone(), None if k is None else k.clone()
+    weights = dict(q_norm_weight=torch.rand(D, device=device) + 0.5) if norm else {}
+    if angles:
+        cos, sin = cache[pos, : rot // 2], cache[pos, rot // 2 :]
+        outs = ropekit.rotate_with_angles(q, k, cos, sin, inplace=inplace, rotary_dim=rot, **weights)
+    else:
+        outs = ropekit.apply_rope(q, k, pos, cache, inplace=inplace, **weights)
+    if norm:
+        want = reference.rms_norm_rope(q0.double(), None if k0 is None else k0.double(), pos, cache.double(), **weights)
+    else:
+        want = reference.apply_rope(q0.double(), None if k0 is None else k0.double(), pos, cache.double())
+    for got, x, x0, w in zip(outs, (q, k), (q0, k0), want):
+        if x is None:
+            assert got is None
+            continue
+        _same_shape_dtype(got, x0)
+        assert (got.data_ptr() == x.data_ptr()) == inplace or x.numel() == 0
+        if x.numel():
+            assert rel_err(got, w) < TOL[dtype], (got.shape, rel_err(got, w))
+        if not inplace:
+            assert torch.equal(bits(x), bits(x0)), "an input was written out of place"
+    if hq == 0 and not hk:
+        assert launches == [], f"launched an empty call: grids {launches}"
+    elif device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        assert launches and all(all(g) for g in launches), launches
+
+
+HEADS = [(0, None), (0, 0), (0, HK), (HQ, 0)]
+
+
+def _empty_heads(device, launches):
+    for hq, hk in HEADS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for inplace in (False, True):
+                _check_rope(device, launches, hq, hk, dtype=dtype, inplace=inplace)
+                _check_rope(device, launches, hq, hk, dtype=dtype, inplace=inplace, angles=True)
+                launches.clear()
+        _check_rope(device, launches, hq, hk, dtype=torch.float32, rot=D // 2)  # a kept tail
+        _check_rope(device, launches, hq, hk, dtype=torch.float32, norm=True)  # the fused qk-norm
+        _check_rope(device, launches, hq, hk, dtype=torch.float32, norm=True, inplace=True)
+        launches.clear()
+
+
+def _empty_batch(device, launches):
+    """(B, S) token dims with B or S 0: positions given or None (arange), in place or not, the
+    Hugging Face (B, H, S, D) form and the serving module's (T, H * D) too."""
+    cache = make_cache(16, D, device=device)
+    for b, s in ((0, 3), (2, 0)):
+        for pos in (torch.zeros(b, s, dtype=torch.long, device=device), None):
+            for inplace in (False, True):
+                q, k = _rand(b, s, HQ, D, device=device), _rand(b, s, HK, D, device=device)
+                qo, ko = ropekit.apply_rope(q, k, pos, cache, inplace=inplace)
+                _same_shape_dtype(qo, q)
+                _same_shape_dtype(ko, k)
+        cos = sin = _rand(b, s, D, device=device)
+        q, k = _rand(b, HQ, s, D, device=device), _rand(b, HK, s, D, device=device)
+        qo, ko = ropekit.hf.apply_rotary_pos_emb(q, k, cos, sin)
+        _same_shape_dtype(qo, q)
+        _same_shape_dtype(ko, k)
+    rope = ropekit.RotaryEmbedding(D, D, 16, device=device)
+    for t, hq in ((0, HQ), (T, 0)):
+        query, key = _rand(t, hq * D, device=device), _rand(t, 0, device=device)
+        qo, ko = rope(torch.zeros(t, dtype=torch.long, device=device), query, key)
+        _same_shape_dtype(qo, query)
+        _same_shape_dtype(ko, key)
+    assert launches == [], f"launched an empty call: grids {launches}"
+
+
+def _store_forms(device, shape, hq, hk):
+    """The store's forms on one shape: plain, into a NaN-filled q_out, with the fused qk-norm."""
+    ones = torch.ones(D, device=device)
+    return (
+        {},
+        dict(q_out=torch.full((*shape, hq, D), NAN, device=device)),
+        dict(q_norm_weight=ones, k_norm_weight=ones),
+    )
+
+
+def _empty_store(device, launches):
+    """apply_rope_and_store with 0 heads, 0 tokens, or a (0, S) batch: nothing stored (the
+    NaN-filled caches keep their bits), q's shape kept; with q of 0 heads beside k's heads, k and v
+    stored as the float64 oracle says. Plain, q_out and the qk-norm forms."""
+    cache = make_cache(16, D, device=device)
+    for shape, hq, hk in (((T,), 0, 0), ((0,), HQ, HK), ((0, 3), HQ, HK), ((T,), 0, HK)):
+        for kw in _store_forms(device, shape, hq, hk):
+            kc, vc = torch.full((2, 4, hk, D), NAN, device=device), torch.full((2, 4, hk, D), NAN, device=device)
+            want_kc, want_vc = kc.double(), vc.double()
+            q = _rand(*shape, hq, D, device=device)
+            k, v = _rand(*shape, hk, D, device=device), _rand(*shape, hk, D, device=device)
+            slots = torch.arange(math.prod(shape), device=device).reshape(shape)
+            pos = torch.randint(0, 16, shape, device=device)
+            norm = {n: w.double() for n, w in kw.items() if n.endswith("norm_weight")}
+            reference.apply_rope_and_store(
+                q.double(), k.double(), v.double(), pos, cache.double(), want_kc, want_vc, slots, **norm
+            )
+            k0 = k.clone()
+            out = apply_rope_and_store(q, k, v, pos, cache, kc, vc, slots, **kw)
+            _same_shape_dtype(out, q)
+            assert out.data_ptr() == kw.get("q_out", q).data_ptr()
+            assert torch.equal(k, k0), "k was written"
+            if k.numel():
+                assert rel_err(kc[0], want_kc[0]) < TOL[torch.float32] and torch.equal(vc[0], v)
+                assert kc[1].isnan().all() and vc[1].isnan().all(), "a row past the slots was written"
+            else:
+                assert kc.isnan().all() and vc.isnan().all()
+    assert len(launches) == 3 * int(os.environ.get("TRITON_INTERPRET") == "1" or device == "cuda"), launches
+
+
+def _empty_cache_shift(device, launches):
+    """rerotate_kv_cache with no slots, or a cache of 0 heads: the cache keeps its bits."""
+    cache = make_cache(16, D, device=device)
+    for heads, n in ((HK, 0), (0, 3)):
+        kc = torch.full((2, 4, heads, D), NAN, device=device)
+        before = bits(kc).clone()
+        slots = torch.arange(n, device=device)
+        ropekit.rerotate_kv_cache(kc, slots, 3, cache)
+        ropekit.rerotate_kv_cache(kc, slots, torch.full((n,), -2, device=device), cache, dst_slots=slots + 4)
+        assert torch.equal(bits(kc), before)
+    assert launches == [], f"launched an empty call: grids {launches}"
+
+
+EMPTY = {
+    "ok-empty-heads": _empty_heads,
+    "ok-empty-batch": _empty_batch,
+    "ok-store-empty": _empty_store,
+    "ok-empty-cache-shift": _empty_cache_shift,
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY))
+def test_empty_dims(case, path):
+    EMPTY[case](*path)
+
+
+# ---------------------------------------------------------------------------------------------
 # aliasing that must be refused (the doc's third table)
 
 
@@ -1627,7 +1807,7 @@ def test_doc_lists_every_row_and_nothing_else():
     doc = doc_rows()
     from test_rerotate import DOC_IDS as rerotate_ids  # rerotate_kv_cache's rows are tested there
 
-    ids = [r.id for r in ROWS] + list(HANDLED) + list(GAPS) + rerotate_ids
+    ids = [r.id for r in ROWS] + list(HANDLED) + list(EMPTY) + list(GAPS) + rerotate_ids
     assert sorted(doc) == sorted(ids), (
         f"in the tests, not the doc: {sorted(set(ids) - set(doc))}; in the doc, not the tests: "
         f"{sorted(set(doc) - set(ids))}"

@@ -1,4 +1,4 @@
-"""The package's architecture as a table, and the import rules it implies (README, "Layout").
+"""The package's architecture as a table, and the import rules it implies (CONTRIBUTING.md, "Layout").
 
 Layers, bottom to top: a module imports modules of its own layer or of lower ones only; the import
 graph (lazy imports inside functions included) has no cycle; no module reads another's private
@@ -178,7 +178,7 @@ def test_packages_hold_no_code():
 
 
 # Modules in the longest import chain (each link is one more module to read to follow a call): the
-# depth today, so a new link fails here. The goal is 8: cut links (README, Layout), then lower this.
+# depth today, so a new link fails here. The goal is 8: cut links (CONTRIBUTING.md, Layout), then lower this.
 MAX_DEPTH = 11  # the goal is 8 (see the closing notes): entry point -> tools -> HF forms -> api -> core -> kernels
 
 

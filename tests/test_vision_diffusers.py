@@ -161,6 +161,23 @@ def test_unpatch_returns_what_it_restored():
     assert rd.unpatch() == {}  # nothing left to restore
 
 
+@pytest.mark.parametrize(
+    "family, helpers", [("flux", {"diffusers.models.embeddings.apply_rotary_emb"}), ("wan", set())]
+)
+def test_patch_model_reports_only_that_model(family, helpers):
+    """patch(model) reports the model's own family (its attention modules prepared) and the helpers
+    bound where its attention runs (Flux calls the shared apply_rotary_emb, Wan rotates in its
+    processor), none of the other families and helpers that patch() covers."""
+    model, _ = _model(family)
+    every = rd.patch()
+    rd.unpatch()
+    report = rd.patch(model)
+    attns = [m for m in model.modules() if getattr(m, "processor", None) is not None]
+    assert dict(report) == {family: len(attns)} and len(every) > 1
+    assert set(report.helpers) == helpers and helpers < set(every.helpers)
+    assert report.left == {}
+
+
 def test_patch_keeps_state_dict_and_signature():
     import inspect
 

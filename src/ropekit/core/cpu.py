@@ -388,7 +388,9 @@ def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleave
     may be x), copying the tail when out is not x. Small tensors with one layout in and out that
     need a scratch copy (in place, or not in the compute dtype) are staged together; float32 out of
     place writes out directly; large tensors go through in blocks. halves: the pairs (i, i + D/2)
-    instead (rotary_position='halves', `_rotate_halves`)."""
+    instead (rotary_position='halves', `_rotate_halves`). Empty tensors (no heads, no tokens) are
+    skipped: nothing to write."""
+    pairs = [(x, out) for x, out in pairs if x.numel()]
     if halves:
         for x, out in pairs:
             _rotate_halves(x, out, ang, rot // 2)
@@ -485,7 +487,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
         return _prepare(cos, sin, ct, inverse, -2)
 
     ang = make() if srcs is None else _cached_angles(srcs, key, make)
-    pairs = ((q, q_out),) if k is None or k.numel() == 0 else ((q, q_out), (k, k_out))
+    pairs = ((q, q_out),) if k is None else ((q, q_out), (k, k_out))
     _rotate_all(pairs, ang, rot, interleaved, out_interleaved, variant.rope_halves)
 
 

@@ -138,6 +138,12 @@ def _whole_heads(mode_across: bool, n_heads: int, other_heads: int, block_h: int
     return mode_across or (other_heads in (0, n_heads) and n_heads % block_h != 0)
 
 
+def empty_call(n_tokens: int, n_heads: int) -> bool:
+    """No element to write (no token, or no head in any tensor): the plan is None and nothing is
+    launched (a grid with a 0 dimension is not a valid CUDA launch)."""
+    return n_tokens == 0 or n_heads == 0
+
+
 class Plan(NamedTuple):
     """A kernel launch minus its tensors."""
 
@@ -182,16 +188,18 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     """rope_kernel's launch for (*T, H, D) tensors (None for an empty call: nothing to launch)."""
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
-    if n_tokens == 0:
-        return None
-    S = q.shape[n_tok - 1]
     half = angles.half
     rot = 2 * half
     n_q, d_q = q.shape[-2], q.shape[-1]
     n_k, d_k = (k.shape[-2], k.shape[-1]) if k is not None else (0, rot)
+    if empty_call(n_tokens, n_q + n_k):
+        return None
+    S = q.shape[n_tok - 1]
     normed = variant.norm_q != 0 or variant.norm_k != 0
-    # the tail is written out of place (copied), and with a norm in place too (it is normalized)
-    copy_tail = (normed or q_out.data_ptr() != q.data_ptr()) and max(d_q, d_k) > rot
+    # the tail is written out of place (copied), and with a norm in place too (it is normalized);
+    # in place or not, told by a tensor with elements (an empty one's address says nothing)
+    x, x_out = (k, k_out) if n_q == 0 and n_k else (q, q_out)
+    copy_tail = (normed or x_out.data_ptr() != x.data_ptr()) and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
     mrope = variant.mrope != 0
     across = variant.norm_q == 2 or variant.norm_k == 2
@@ -392,11 +400,11 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
     q, k, v, q_nope, k_nope = t.q, t.k, t.v, t.qn, t.kn
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
-    if n_tokens == 0:
+    n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
+    if empty_call(n_tokens, n_q + n_k + n_v):
         return None
     S = q.shape[n_tok - 1]
     half = rot // 2
-    n_q, n_k, n_v = q.shape[-2], k.shape[-2], v.shape[-2]
     d_v = v.shape[-1]
     # the widths past the rotary dims: q's / k's own tails, or the no-rope parts given apart
     q_tail = q_nope.shape[-1] if variant.nope_q else q.shape[-1] - rot
@@ -528,10 +536,10 @@ def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
 
 def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int) -> Optional[Plan]:
     """rerotate_kernel's launch (delta: a tensor, or None for one int shift passed per launch)."""
-    if slots.shape[0] == 0:
+    n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+    if empty_call(slots.shape[0], n_heads):
         return None
     half = rot // 2
-    n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
     tail = d - rot if dst_slots is not None else 0  # in place, the tail already sits where it belongs
     half_pad, block_h, rows, tail_pad, n_blocks, num_warps = _rerotate_tiles(
         half, n_heads, tail, tuning.get("rerotate_block_elems")
@@ -647,10 +655,10 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     A plan holds the shapes and strides of x, g, gx and the AngleLayout: reuse it while they match."""
     n_tok = x.dim() - 2
     n_tokens = x.shape[:n_tok].numel()
-    if n_tokens == 0:
+    n_heads, d = x.shape[-2], x.shape[-1]
+    if empty_call(n_tokens, n_heads):
         return None
     _check_norm_weight(x, w, mode)
-    n_heads, d = x.shape[-2], x.shape[-1]
     half = angles.half
     half_pad = next_pow2(half)
     tail = d - 2 * half

@@ -225,7 +225,7 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
             variant,
             mode,
         )
-    if plan is None:  # no tokens
+    if plan is None:  # nothing to write (no token or no head)
         return gx.zero_(), (None if w is None else torch.zeros_like(w))
     dw = None if w is None else plans.norm_partials(plan, x.device)
     plans.fire_norm_backward(plan, x, g, gx, w, dw, a, b, spec.norm_eps, spec.norm_offset)

@@ -54,6 +54,7 @@ import importlib
 import inspect
 import pkgutil
 import re
+import sys
 import types
 import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -598,7 +599,8 @@ def patch(model: Optional[torch.nn.Module] = None) -> Report:
 
     model: prepare its attention modules' fused norms now (call it before torch.compile), or None:
     every attention module of the families. The helpers are patched for every model either way.
-    Returns a Report ({family: attention modules prepared now}, .helpers, .left).
+    Returns a Report ({family: attention modules prepared now}, .helpers, .left); with a model,
+    only what that model holds (`_found_in`).
     """
     global _lazy
     if model is not None and not isinstance(model, torch.nn.Module):
@@ -625,7 +627,29 @@ def patch(model: Optional[torch.nn.Module] = None) -> Report:
         for cls in _rms_classes():
             _patch_norm_class(cls)
         _lazy = True
-    return Report(counts, helpers, left, _census(modules, left))
+    modules = _census(modules, left)  # what the patch reaches: the same with or without a model
+    if model is None:
+        return Report(counts, helpers, left, modules)
+    return _found_in(model, counts, helpers, left, modules)
+
+
+def _found_in(model: torch.nn.Module, counts, helpers, left, modules) -> Report:
+    """patch(model)'s report: the families whose processors the model's attention modules hold, the
+    helpers bound in the modules that define the model, its attention modules and their processors
+    (where its rotations are called), and what was left among those (the patch itself covers every
+    model: the other entries are not this model's). `.modules` stays the whole reach."""
+    attns = [m for m in model.modules() if getattr(m, "processor", None) is not None]
+    procs = {type(m.processor) for m in attns}
+    hosts = {type(model).__module__} | {cls.__module__ for cls in procs} | {type(m).__module__ for m in attns}
+    bound = {_qualname(fn) for name in hosts if name in sys.modules for _, fn in _helpers(sys.modules[name])}
+    families = {name for name, _, cls in _processor_classes() if cls in procs}
+    mine = bound | hosts | {_qualname(cls) for cls in procs}
+    return Report(
+        {f: n for f, n in counts.items() if f in families},
+        {h: form for h, form in helpers.items() if h in bound},
+        {what: why for what, why in left.items() if what in mine},
+        modules,
+    )
 
 
 def unpatch() -> seams.Restored:

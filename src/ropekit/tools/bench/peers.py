@@ -228,7 +228,7 @@ class Ropekit(Peer):
         return Bound(_grad_fn(fwd, q, k, inp["gq"], inp["gk"]), ident)
 
     def note(self, wl):
-        return f"{self.module}.{'apply_rope_and_store' if wl.kind == 'store' else 'apply_rope'}"
+        return f"{self.module}.{'apply_rope_and_store' if wl.kind in ('store', 'normstore') else 'apply_rope'}"
 
 
 def rope_form(op, wl: W.Workload, inp) -> Bound:
@@ -1223,6 +1223,22 @@ def _ropekit_axial(self, wl, inp):
     return _axial_bound(wl, inp, forward)
 
 
+def _reference_axial(self, wl, inp):
+    """The PyTorch reference on an axial workload, from its own functions: angles_from_freqs, then
+    rms_norm (unrounded) and rotate, rounded once to the input dtype."""
+    ref = self._mod()
+    pos, freqs, axes = inp["positions"], inp["cache"], tuple(d // 2 for d in wl.axes_dim)
+
+    def forward(q, k, wq, wk):
+        cos, sin = ref.angles_from_freqs(pos, freqs, axes)
+        return tuple(
+            ref.rotate(x if w is None else ref.rms_norm(x, w, eps=W.NORM_EPS), cos, sin, interleaved=True).to(x.dtype)
+            for x, w in ((q, wq), (k, wk))
+        )
+
+    return _axial_bound(wl, inp, forward)
+
+
 def _torch_axial(self, wl, inp):
     fn = self.wrap(wl, "axial", diffusers_prologue)
     self._notes[wl.id] = "diffusers' code: torch RMSNorm, then apply_rotary_emb (use_real, pairs)"
@@ -1250,6 +1266,7 @@ def _with_axial(cls, handler, note=None):
 
 
 _with_axial(Ropekit, _ropekit_axial, lambda self: f"{self.module}.apply_rope(inv_freq=, axes=, norm weights)")
+_with_axial(Reference, _reference_axial, lambda self: f"{self.module}: angles_from_freqs, rms_norm, rotate")
 _with_axial(TorchEager, _torch_axial)  # TorchCompile too: its wrap() compiles
 for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn, RopekitCuSeqlens, TorchCompileGather):
     _with_axial(_cls, None)

@@ -74,7 +74,11 @@ def _cpu_cell(rec: dict, hf_us: Optional[float]) -> str:
         return _status_cell(rec)
     cell = _us(rec["time_us"]) + _spread(rec.get("time_spread"))
     if hf_us:
-        cell += f" ({rec['time_us'] / hf_us:.2f}x HF)"
+        ratio = f"{rec['time_us'] / hf_us:.2f}x HF"
+        rounds = rec.get("ratio_rounds")
+        if rec.get("ratio_noisy") and rounds:  # the ratio moved between the rounds: not a figure to quote
+            ratio += f", {min(rounds):.2f}-{max(rounds):.2f}x over {len(rounds)} rounds{NOISY}"
+        cell += f" ({ratio})"
     return cell
 
 
@@ -91,9 +95,13 @@ def _status_cell(rec: dict) -> str:
     """A cell that was not timed: wrong (with its error), n/a, skipped or error."""
     st = rec["status"]
     if st == "wrong":
-        errs = [v for v in (rec.get("rel_err") or {}).values()]
-        worst = max((math.inf if isinstance(v, str) else v) for v in errs) if errs else math.inf
-        return "WRONG (nan)" if math.isinf(worst) else f"WRONG (err {worst:.1e})"
+        errs = {k: (math.inf if isinstance(v, str) else v) for k, v in (rec.get("rel_err") or {}).items()}
+        tols = rec.get("tolerance") or {}
+        worst = max(errs, key=lambda k: errs[k] / tols.get(k, 1.0)) if errs else None
+        if worst is None or math.isinf(errs[worst]):
+            return f"WRONG ({worst or 'output'}: nan)"
+        tol = f" > {tols[worst]:g}" if worst in tols else ""
+        return f"WRONG ({worst}: err {errs[worst]:.1e}{tol})"
     return STATUS_CELL.get(st, st)
 
 
@@ -299,6 +307,12 @@ def terminal(res: dict) -> str:
     parts += ["", _text_table(header, rows), ""]
     parts += same_size_lines(res) + graph_floor_lines(res) + floor_lines(res) + cpu_speed_lines(res)
     parts += [f"[min-max]: fastest and slowest call; '{NOISY}': max / min above the noise flag", ""]
+    if res["meta"]["cpu_mode"]:
+        parts[-1:] = [
+            f"CPU cells: every cell timed in rounds, the peers in turn; 'a-bx over n rounds{NOISY}': the ratio to HF "
+            "moved between the rounds by more than the noise flag (a loaded host: rerun before quoting it)",
+            "",
+        ]
     parts += ["notes:"] + ["  - " + n for n in notes(res)]
     if res["meta"]["cpu_mode"]:
         parts += ["", "*** CPU numbers, not GPU numbers ***"]
