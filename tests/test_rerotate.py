@@ -933,6 +933,11 @@ def rr_args(**change):
     return a
 
 
+def two_args(**change):
+    """rr_args moving rows between tables: positions below cos_sin_cache's 16 rows, to_cache of 32."""
+    return rr_args(**{"positions": torch.tensor([2, 5, 0, 1]), "to_cache": make_cache(32, 64), **change})
+
+
 class Row(NamedTuple):
     id: str
     exc: type
@@ -1080,6 +1085,107 @@ BAD_ROWS = [
         strict=True,
     ),
     Row(
+        "rerotate-positions-without-to-cache",
+        ValueError,
+        "positions: expected None without to_cache",
+        lambda: rr_args(positions=torch.tensor([2, 5, 0, 1])),
+    ),
+    Row(
+        "rerotate-to-cache-without-positions",
+        ValueError,
+        "positions: expected a (N,) int32/int64 tensor of each row's current position when to_cache is given, got None",
+        lambda: rr_args(to_cache=make_cache(32, 64)),
+    ),
+    Row(
+        "rerotate-positions-type",
+        TypeError,
+        "positions: expected a torch.Tensor, got list",
+        lambda: two_args(positions=[2, 5, 0, 1]),
+    ),
+    Row(
+        "rerotate-positions-dtype",
+        ValueError,
+        "positions: expected dtype in (int32, int64), got float32",
+        lambda: two_args(positions=torch.zeros(4)),
+    ),
+    Row(
+        "rerotate-positions-shape",
+        ValueError,
+        "positions: expected shape (4,) (that of slots), got shape (3,)",
+        lambda: two_args(positions=torch.tensor([2, 5, 0])),
+    ),
+    Row(
+        "rerotate-positions-device",
+        ValueError,
+        "positions: expected a tensor on cpu (the device of k_cache), got one on meta",
+        lambda: two_args(positions=torch.zeros(4, dtype=torch.long, device="meta")),
+    ),
+    Row(
+        "rerotate-to-cache-type",
+        TypeError,
+        "to_cache: expected a torch.Tensor, got list",
+        lambda: two_args(to_cache=[[1.0, 0.0]]),
+    ),
+    Row(
+        "rerotate-to-cache-dtype",
+        ValueError,
+        "to_cache: expected dtype in (float32, bfloat16, float16), got float64",
+        lambda: two_args(to_cache=make_cache(32, 64, dtype=torch.float64)),
+    ),
+    Row(
+        "rerotate-to-cache-device",
+        ValueError,
+        "to_cache: expected a tensor on cpu (the device of k_cache), got one on meta",
+        lambda: two_args(to_cache=torch.zeros(32, 64, device="meta")),
+    ),
+    Row(
+        "rerotate-to-cache-width",
+        ValueError,
+        "to_cache: expected at least one row of width 64 (that of cos_sin_cache: both tables rotate the same dims), "
+        "got shape (32, 32)",
+        lambda: two_args(to_cache=make_cache(32, 32)),
+    ),
+    Row(
+        "rerotate-to-cache-grad",
+        ValueError,
+        "to_cache: expected a tensor that does not require grad (rerotate_kv_cache is not differentiable)",
+        lambda: two_args(to_cache=make_cache(32, 64).requires_grad_()),
+    ),
+    Row(
+        "rerotate-to-cache-in-cache",
+        ValueError,
+        "to_cache: expected memory disjoint from k_cache (which is written)",
+        lambda: two_args(to_cache=lambda a: a["k_cache"][0, 0]),
+    ),
+    Row(
+        "rerotate-positions-in-cache",
+        ValueError,
+        "positions: expected memory disjoint from k_cache (which is written)",
+        lambda: two_args(positions=lambda a: a["k_cache"][0, 0, 0, :4].view(torch.int32)),
+    ),
+    Row(
+        "rerotate-two-tables-int-delta-range",
+        ValueError,
+        "delta: expected an int in (-16, 32) (positions are rows of cos_sin_cache, positions + delta rows of to_cache), "
+        "got 32",
+        lambda: two_args(delta=32),
+    ),
+    Row(
+        "rerotate-positions-strict",
+        ValueError,
+        "positions: expected values in [0, 16) (the rows of cos_sin_cache) where slots >= 0, got positions[1] = 16",
+        lambda: two_args(positions=torch.tensor([2, 16, 99, 1])),
+        strict=True,
+    ),
+    Row(
+        "rerotate-to-position-strict",
+        ValueError,
+        "delta: expected positions + delta in [0, 32) (the rows of to_cache) where slots >= 0, got delta[3] = 31 at "
+        "positions[3] = 1",
+        lambda: two_args(delta=torch.tensor([1, -5, 99, 31])),
+        strict=True,
+    ),
+    Row(
         "rerotate-dst-is-source-strict",
         ValueError,
         "dst_slots: expected rows that are not source rows (slots) of the same call, got dst_slots[1] = 0",
@@ -1120,6 +1226,12 @@ def test_strict_mode_int_delta_and_scale():
     args = rr_args(delta=torch.tensor([1, -2, 999, 4]))
     with strict.strict():
         rerotate_kv_cache(**args)
+    # two tables: int shifts bounded per row, padding rows' positions and shifts not checked
+    args = two_args(positions=torch.tensor([2, 15, -7, 1]), delta=torch.tensor([29, -15, 2**62, 30]))
+    with strict.strict():
+        rerotate_kv_cache(**args)
+    with strict.strict(), pytest.raises(ValueError, match=r"got delta\[1\] = 17 at positions\[1\] = 15"):
+        rerotate_kv_cache(**two_args(positions=torch.tensor([2, 15, 0, 1]), delta=17))
 
 
 def test_handled_rows():
@@ -1143,6 +1255,15 @@ def test_handled_rows():
         assert torch.equal(bits(a["k_cache"]._base), bits(base))
     # ok-rerotate-dst-is-source: accepted without strict mode (result in those rows unspecified)
     rerotate_kv_cache(**rr_args(dst_slots=torch.tensor([1, 0, 2, 5])))
+    # ok-rerotate-two-tables-out-of-range: a position past cos_sin_cache, positions + delta past
+    # either end of to_cache: NaN in the rotated dims, the rest untouched
+    a = two_args(positions=torch.tensor([16, 5, 0, 3]), delta=torch.tensor([0, 27, 3, -4]))
+    base = a["k_cache"]._base.clone()
+    rerotate_kv_cache(**a)
+    k, others = a["k_cache"].flatten(0, 1), [1, 2, 4, 5, 7]
+    assert k[[0, 3, 6]].isnan().all()
+    assert torch.equal(bits(k[others]), bits(base[:, 0].flatten(0, 1)[others]))
+    assert torch.equal(bits(a["k_cache"]._base[:, 1]), bits(base[:, 1]))
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
@@ -1151,6 +1272,7 @@ HANDLED_IDS = [
     "ok-rerotate-slot-padding",
     "ok-rerotate-slot-past-cache",
     "ok-rerotate-dst-is-source",
+    "ok-rerotate-two-tables-out-of-range",
 ]
 DOC_IDS = [r.id for r in BAD_ROWS] + HANDLED_IDS
 
