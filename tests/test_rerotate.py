@@ -1350,7 +1350,7 @@ def test_opcheck():
 # benchmark workload W12: inputs, oracle and peers agree (CPU, quick sizes)
 
 
-@pytest.mark.parametrize("wid", ["W12", "W12-fp8", "W12-mla"])
+@pytest.mark.parametrize("wid", ["W12", "W12-fp8", "W12-mla", "W12-2T"])
 def test_bench_w12_peers_pass_the_check(monkeypatch, wid):
     from ropekit.tools.bench import peers as P
     from ropekit.tools.bench import runner, workloads
