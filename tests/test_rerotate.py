@@ -700,12 +700,17 @@ def test_two_tables_dtypes_and_pair_layouts(device, dtype, interleaved):
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
-def test_two_tables_composition_with_apply_rope(device, interleaved):
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_two_tables_composition_with_apply_rope(device, interleaved, kind):
     """RoPE's definition, independent of the oracle: keys stored by apply_rope_and_store at
-    positions p with one YaRN table, moved with delta (0, positive, negative) to another YaRN
-    table, match keys stored at p + delta with that table (attention factors included)."""
+    positions p with one table, moved with delta (0, positive, negative) to another, match keys
+    stored at p + delta with that table (attention factors included): YaRN at factor 2 to factor 8,
+    LongRoPE short to long (docs/rerotate.md's switch, and a shift with it)."""
     N, H, D = 6, 2, 64
-    f, t = yarn_table(48, D, 2.0, device), yarn_table(64, D, 8.0, device)
+    if kind == "yarn":
+        f, t = yarn_table(48, D, 2.0, device), yarn_table(64, D, 8.0, device)
+    else:
+        f, t = longrope_tables(48, 64, D, device)
     k_raw = torch.randn(N, H, D, device=device)
     p = torch.tensor([0, 5, 40, 47, 20, 17], device=device)
     delta = torch.tensor([0, 3, -40, 16, -20, 0], device=device)
