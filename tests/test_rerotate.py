@@ -371,9 +371,11 @@ def test_strided_index_tensors(device):
     check(cache, slots, delta, make_cache(16, 64, device=device), dst_slots=dsts)
 
 
+@pytest.mark.parametrize("tables", ["one", "two"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_both_cpu_paths(monkeypatch, path):
-    """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path otherwise."""
+def test_both_cpu_paths(monkeypatch, path, tables):
+    """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path
+    otherwise; a shift in one table, and a move between two (positions=, to_cache=)."""
     from ropekit.core import checks
 
     fired = []
@@ -381,12 +383,22 @@ def test_both_cpu_paths(monkeypatch, path):
     monkeypatch.setattr(plans, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
     monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
     memo.clear()
-    r = random.Random(path)
-    for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "dst")):
-        cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
-        slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
-        check(cache, slots, delta, make_cache(64, 32), interleaved=layout == "mla", dst_slots=dsts)
-    memo.clear()  # drop specs made under the forced path
+    r = random.Random(path + tables)
+    try:
+        for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "dst")):
+            cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
+            if tables == "one":
+                slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
+                table, moved = make_cache(64, 32), {}
+            else:
+                table, t = table_pair(r, 32, "cpu")
+                slots, pos, delta, dsts = random_moves(
+                    r, cache.num_slots, 3, "cpu", table.shape[0], t.shape[0], n_bad=1, dst=mode == "dst"
+                )
+                moved = dict(positions=pos, to_cache=t)
+            check(cache, slots, delta, table, interleaved=layout == "mla", dst_slots=dsts, **moved)
+    finally:
+        memo.clear()  # drop specs made under the forced path
     assert len(fired) == (3 if path == "kernel" else 0)
 
 
@@ -791,30 +803,6 @@ def test_two_tables_fp8_scaled_tables(device, layout, monkeypatch):
         check(cache, slots, delta, f, k_scale=ks, interleaved=layout == "mla", positions=pos, to_cache=t)
     finally:
         memo.clear()  # drop specs made under the forced path
-
-
-@pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_two_tables_both_cpu_paths(monkeypatch, path):
-    """The interpreted kernel and the PyTorch path on the same moves (counted launches)."""
-    from ropekit.core import checks
-
-    fired = []
-    real_fire = plans.fire_rerotate
-    monkeypatch.setattr(plans, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
-    monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
-    memo.clear()
-    r = random.Random("two-" + path)
-    try:
-        for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "inplace")):
-            cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
-            f, t = table_pair(r, 32, "cpu")
-            slots, pos, delta, dsts = random_moves(
-                r, cache.num_slots, 3, "cpu", f.shape[0], t.shape[0], n_bad=1, dst=mode == "dst"
-            )
-            check(cache, slots, delta, f, interleaved=layout == "mla", dst_slots=dsts, positions=pos, to_cache=t)
-    finally:
-        memo.clear()
-    assert len(fired) == (3 if path == "kernel" else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
