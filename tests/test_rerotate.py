@@ -135,9 +135,24 @@ def fp8_close(got, want, what):
     assert ok.all(), f"{what}: {int((~ok).sum())} of {ok.numel()} elements off"
 
 
-def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_slots=None, exact=False, rotary_dim=None):
+def check(
+    cache,
+    slots,
+    delta,
+    table,
+    *,
+    interleaved=False,
+    k_scale=None,
+    dst_slots=None,
+    exact=False,
+    rotary_dim=None,
+    positions=None,
+    to_cache=None,
+    rotary_position="first",
+):
     """Run the op once; check the written elements against the float64 reference and all others bit for bit."""
     rot = table.shape[1] if rotary_dim is None else rotary_dim
+    moved = dict(positions=positions, to_cache=to_cache, rotary_position=rotary_position)
     before = cache.base.clone()
     # the oracle: the same view over a float64 copy of the (poisoned) base
     want_base = cache.base.double().cpu()
@@ -151,6 +166,9 @@ def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_sl
         rotary_dim=rot,
         k_scale=scale,
         dst_slots=None if dst_slots is None else dst_slots.cpu(),
+        positions=None if positions is None else positions.cpu(),
+        to_cache=None if to_cache is None else to_cache.double().cpu(),
+        rotary_position=rotary_position,
     )
     # which elements may change: the rotated dims of each valid destination row (the whole row with dst)
     written = torch.zeros(cache.base.shape, dtype=torch.bool)
@@ -158,8 +176,12 @@ def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_sl
     src = slots.cpu().long()
     dst = src if dst_slots is None else dst_slots.cpu().long()
     valid = (src >= 0) & (src < cache.num_slots) & (dst >= 0) & (dst < cache.num_slots)
+    half, gap = rot // 2, cache.k.shape[-1] // 2
     for s in dst[valid].tolist():
-        if dst_slots is None:
+        if dst_slots is None and rotary_position == "halves":
+            wview[cache.row(s)][..., :half] = True
+            wview[cache.row(s)][..., gap : gap + half] = True
+        elif dst_slots is None:
             wview[cache.row(s)][..., :rot] = True
         else:
             wview[cache.row(s)] = True
@@ -173,6 +195,7 @@ def check(cache, slots, delta, table, *, interleaved=False, k_scale=None, dst_sl
         rotary_dim=rotary_dim,
         k_scale=k_scale,
         dst_slots=dst_slots,
+        **moved,
     )
     assert out is cache.k
 
@@ -348,9 +371,11 @@ def test_strided_index_tensors(device):
     check(cache, slots, delta, make_cache(16, 64, device=device), dst_slots=dsts)
 
 
+@pytest.mark.parametrize("tables", ["one", "two"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_both_cpu_paths(monkeypatch, path):
-    """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path otherwise."""
+def test_both_cpu_paths(monkeypatch, path, tables):
+    """CPU tensors run the kernel under TRITON_INTERPRET=1 (counted here), the pure-PyTorch path
+    otherwise; a shift in one table, and a move between two (positions=, to_cache=)."""
     from ropekit.core import checks
 
     fired = []
@@ -358,12 +383,22 @@ def test_both_cpu_paths(monkeypatch, path):
     monkeypatch.setattr(plans, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
     monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
     memo.clear()
-    r = random.Random(path)
-    for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "dst")):
-        cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
-        slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
-        check(cache, slots, delta, make_cache(64, 32), interleaved=layout == "mla", dst_slots=dsts)
-    memo.clear()  # drop specs made under the forced path
+    r = random.Random(path + tables)
+    try:
+        for layout, mode in (("padded", "dst"), ("mla", "inplace"), ("hnd", "dst")):
+            cache = Cache(LAYOUTS[layout], 2, 4, 1 if layout == "mla" else 2, 64, torch.bfloat16, "cpu")
+            if tables == "one":
+                slots, delta, dsts = random_case(r, cache.num_slots, 3, "cpu", n_bad=1, dst=mode == "dst")
+                table, moved = make_cache(64, 32), {}
+            else:
+                table, t = table_pair(r, 32, "cpu")
+                slots, pos, delta, dsts = random_moves(
+                    r, cache.num_slots, 3, "cpu", table.shape[0], t.shape[0], n_bad=1, dst=mode == "dst"
+                )
+                moved = dict(positions=pos, to_cache=t)
+            check(cache, slots, delta, table, interleaved=layout == "mla", dst_slots=dsts, **moved)
+    finally:
+        memo.clear()  # drop specs made under the forced path
     assert len(fired) == (3 if path == "kernel" else 0)
 
 
@@ -574,6 +609,306 @@ def test_rotary_embedding_method_refuses():
 
 
 # ---------------------------------------------------------------------------------------------
+# two tables: row i moves from cos_sin_cache[positions[i]] to to_cache[positions[i] + delta[i]]
+
+
+def yarn_table(P, rot, factor, device):
+    """A YaRN table: its attention factor (0.1 ln(factor) + 1) folded into cos / sin."""
+    scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 16}
+    return ropekit.cos_sin_cache(rot, P, scaling=scaling, device=device)
+
+
+def longrope_tables(P_short, P_long, rot, device, seed=0):
+    """LongRoPE's short table (P_short rows: short factors, attention factor 1) and long table
+    (P_long rows: long factors, attention factor sqrt(1 + ln(P_long / P_short) / ln(P_short)))."""
+    g = torch.Generator().manual_seed(seed)
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": (1 + 2 * torch.rand(rot // 2, generator=g, dtype=torch.float64)).tolist(),
+        "long_factor": (2 + 6 * torch.rand(rot // 2, generator=g, dtype=torch.float64)).tolist(),
+        "original_max_position_embeddings": P_short,
+    }
+    short = ropekit.cos_sin_cache(rot, P_short, scaling=scaling, device=device)
+    return short, ropekit.cos_sin_cache(rot, P_long, scaling=scaling, device=device)
+
+
+def magnitude(table):
+    half = table.shape[1] // 2
+    return float(torch.hypot(table[:, :half].double(), table[:, half:].double()).mean())
+
+
+def table_pair(r, rot, device):
+    """Two tables of one width whose magnitudes differ: YaRN at two factors, LongRoPE short to long,
+    or long to short."""
+    kind = r.choice(["yarn", "longrope", "longrope-back"])
+    if kind == "yarn":
+        pair = yarn_table(48, rot, 2.0, device), yarn_table(64, rot, 8.0, device)
+    else:
+        short, long = longrope_tables(32, 64, rot, device, seed=r.randrange(100))
+        pair = (short, long) if kind == "longrope" else (long, short)
+    assert abs(magnitude(pair[0]) - magnitude(pair[1])) > 0.05, kind
+    return pair
+
+
+def random_moves(r, num_slots, n, device, from_rows, to_rows, *, n_pad=1, n_bad=0, dst=False):
+    """random_case's slots (and dst slots), positions in [0, from_rows) and shifts landing in
+    [0, to_rows); one row a pure table switch (delta 0), n_bad rows outside a table (position past
+    cos_sin_cache, positions + delta past either end of to_cache, shifts near the int64 limits)."""
+    slots, _, dsts = random_case(r, num_slots, n, device, n_pad=n_pad, dst=dst, zero=0)
+    pos = [r.randrange(from_rows) for _ in range(n)]
+    delta = [r.randrange(to_rows) - p for p in pos]
+    picks = r.sample(range(n), min(n, 1 + n_bad))
+    pos[picks[0]], delta[picks[0]] = r.randrange(min(from_rows, to_rows)), 0
+    for i in picks[1:]:
+        kind = r.randrange(4)
+        if kind == 0:
+            pos[i] = r.choice([from_rows, -1, 2**40])
+        elif kind == 1:
+            delta[i] = to_rows - pos[i] + r.randrange(3)
+        elif kind == 2:
+            delta[i] = -pos[i] - 1 - r.randrange(3)
+        else:
+            delta[i] = r.choice([2**62, -(2**62), 2**63 - 1, -(2**63)])
+    return slots, torch.tensor(pos, device=device), torch.tensor(delta, device=device), dsts
+
+
+@pytest.mark.parametrize("layout,mode", FUZZ, ids=[f"{a}-{b}" for a, b in FUZZ])
+def test_two_tables_fuzz(device, layout, mode):
+    r = random.Random(f"two-{layout}-{mode}")
+    dtype = r.choice([torch.float32, torch.float16, torch.bfloat16])
+    H = 1 if layout == "mla" else r.choice([1, 2, 3])
+    D = r.choice([32, 64]) if layout != "mla" else 64
+    rot = r.choice([D, D // 2])
+    NB, BS = r.choice([(3, 4), (2, 8), (5, 1)])
+    cache = Cache(LAYOUTS[layout], NB, BS, H, D, dtype, device)
+    f, t = table_pair(r, rot, device)
+    n = r.randrange(2, min(6, cache.num_slots // 2) + 1)
+    slots, pos, delta, dsts = random_moves(
+        r,
+        cache.num_slots,
+        n,
+        device,
+        f.shape[0],
+        t.shape[0],
+        n_pad=r.randrange(2),
+        n_bad=r.randrange(3),
+        dst=mode == "dst",
+    )
+    if r.random() < 0.5:
+        pos = pos.clamp(-(2**31), 2**31 - 1).to(torch.int32)
+    if r.random() < 0.3:
+        delta = r.choice([0, 5, -3])  # one int shift for every row
+    check(cache, slots, delta, f, interleaved=r.random() < 0.5, dst_slots=dsts, positions=pos, to_cache=t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+def test_two_tables_dtypes_and_pair_layouts(device, dtype, interleaved):
+    cache = Cache(nhd, 2, 4, 2, 128, dtype, device)
+    r = random.Random(f"two-{dtype}-{interleaved}")
+    short, long = longrope_tables(32, 64, 128, device)
+    slots, pos, delta, _ = random_moves(r, cache.num_slots, 6, device, 32, 64, n_pad=1, n_bad=1)
+    check(cache, slots, delta, short, interleaved=interleaved, positions=pos, to_cache=long)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_two_tables_composition_with_apply_rope(device, interleaved, kind):
+    """RoPE's definition, independent of the oracle: keys stored by apply_rope_and_store at
+    positions p with one table, moved with delta (0, positive, negative) to another, match keys
+    stored at p + delta with that table (attention factors included): YaRN at factor 2 to factor 8,
+    LongRoPE short to long (docs/rerotate.md's switch, and a shift with it)."""
+    N, H, D = 6, 2, 64
+    if kind == "yarn":
+        f, t = yarn_table(48, D, 2.0, device), yarn_table(64, D, 8.0, device)
+    else:
+        f, t = longrope_tables(48, 64, D, device)
+    k_raw = torch.randn(N, H, D, device=device)
+    p = torch.tensor([0, 5, 40, 47, 20, 17], device=device)
+    delta = torch.tensor([0, 3, -40, 16, -20, 0], device=device)
+    slots = torch.tensor([9, 2, 14, 0, 7, 11], device=device)
+    cache = torch.full((4, 4, H, D), NAN, device=device)
+    q = torch.randn(N, 1, D, device=device)
+    ropekit.apply_rope_and_store(q, k_raw, k_raw, p, f, cache, torch.empty_like(cache), slots, interleaved=interleaved)
+    rerotate_kv_cache(cache, slots, delta, f, interleaved=interleaved, positions=p, to_cache=t)
+    want = reference.apply_rope(k_raw.double(), None, p + delta, t.double(), interleaved=interleaved)[0]
+    assert_close(cache.flatten(0, 1)[slots], want, 4e-6, "moved keys vs keys rotated with to_cache at p + delta")
+
+
+def test_two_tables_out_of_range_is_nan(device):
+    """A position past cos_sin_cache or a positions + delta past either end of to_cache rotates by
+    NaN (nothing read out of bounds, no sync); the tail and every other row are kept."""
+    cache = Cache(flat, 1, 8, 2, 64, torch.float32, device)
+    f, t = yarn_table(16, 32, 2.0, device), yarn_table(32, 32, 4.0, device)
+    slots = torch.tensor([1, 4, 6, 0, 2, 7], device=device)
+    pos = torch.tensor([16, 3, 5, 2**40, 10, 9], device=device)
+    delta = torch.tensor([0, 29, -6, 0, 2**63 - 1, 1], device=device)
+    check(cache, slots, delta, f, positions=pos, to_cache=t)
+    bad = cache.k[[1, 4, 6, 0, 2]]
+    assert bad[..., :32].isnan().all() and not bad[..., 32:].isnan().any()
+    assert not cache.k[7].isnan().any()
+
+
+def test_two_tables_int_delta(device):
+    """An int shift with two tables lies in (-len(cos_sin_cache), len(to_cache)): host-checked, free."""
+    cache = Cache(hnd, 2, 4, 2, 64, torch.float32, device)
+    f, t = yarn_table(16, 64, 2.0, device), yarn_table(32, 64, 4.0, device)
+    slots, pos = torch.tensor([5, 0, -1, 7], device=device), torch.tensor([3, 15, 0, 9], device=device)
+    for delta in (0, 9, -3, 31, -15):
+        check(cache, slots, delta, f, positions=pos, to_cache=t)
+    before = cache.base.clone()
+    for delta in (32, -16):
+        with pytest.raises(ValueError, match=r"delta: expected an int in \(-16, 32\)"):
+            rerotate_kv_cache(cache.k, slots, delta, f, positions=pos, to_cache=t)
+    assert torch.equal(bits(cache.base), bits(before))
+
+
+def test_two_tables_rotary_position_halves(device):
+    """Gemma 4's pairs (i, i + D/2) with a narrow table, in place and into dst slots."""
+    cache = Cache(nhd, 2, 4, 2, 64, torch.bfloat16, device)
+    f, t = yarn_table(32, 16, 2.0, device), yarn_table(64, 16, 4.0, device)
+    r = random.Random("two-halves")
+    for dst in (False, True):
+        slots, pos, delta, dsts = random_moves(r, cache.num_slots, 3, device, 32, 64, n_bad=1, dst=dst)
+        check(cache, slots, delta, f, dst_slots=dsts, positions=pos, to_cache=t, rotary_position="halves")
+
+
+@pytest.mark.parametrize("mode", ["inplace", "dst"])
+def test_two_tables_fp8_exact(device, mode):
+    """Quarter-turn tables: the composed rotation is exact, so fp8 rows equal the oracle byte for byte."""
+    cache = Cache(hnd, 2, 4, 2, 64, FP8, device, fill=fp8_values)
+    f, t = quarter_turn_table(16, 32, device), quarter_turn_table(24, 32, device)
+    r = random.Random("two-fp8" + mode)
+    slots, pos, delta, dsts = random_moves(r, cache.num_slots, 3, device, 16, 24, dst=mode == "dst")
+    ks = torch.tensor(0.25, device=device)
+    check(cache, slots, delta, f, k_scale=ks, dst_slots=dsts, exact=True, positions=pos, to_cache=t)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "mla"])
+def test_two_tables_fp8_scaled_tables(device, layout, monkeypatch):
+    """fp8 with k_scale between YaRN / LongRoPE tables of different magnitudes, against float64.
+    On CPU the PyTorch path runs it (the interpreter's fp8 cast is wrong, see test_fp8_random)."""
+    from ropekit.core import checks
+
+    if INTERPRETED and device == "cpu":
+        monkeypatch.setattr(checks, "triton_runs", lambda x: False)
+    memo.clear()
+    H = 2 if layout == "nhd" else 1
+    cache = Cache(LAYOUTS[layout], 4, 8, H, 64, FP8, device, fill=lambda s: fp8_values(s, 1.0))
+    r = random.Random("two-fp8-" + layout)
+    f, t = table_pair(r, 64, device)
+    slots, pos, delta, dsts = random_moves(r, cache.num_slots, 8, device, f.shape[0], t.shape[0], n_bad=1)
+    ks = torch.tensor([0.03], device=device)
+    try:
+        check(cache, slots, delta, f, k_scale=ks, interleaved=layout == "mla", positions=pos, to_cache=t)
+    finally:
+        memo.clear()  # drop specs made under the forced path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_two_tables_one_rounding_beats_two_calls(device, dtype):
+    """Unit-magnitude tables (two bases), where two calls (back to position 0 with cos_sin_cache,
+    then forward with to_cache) are the same math: the one call, rounded once, is at least as close
+    to float64 on average, and within one rounding everywhere; the two calls are not better."""
+    N, H, D = 64, 2, 64
+    f, t = make_cache(64, D, device=device), make_cache(96, D, base=500000.0, device=device)
+    cache = Cache(flat, N, 1, H, D, dtype, device)
+    g = torch.Generator().manual_seed(7)
+    slots = torch.arange(N, device=device)
+    pos = torch.randint(0, 64, (N,), generator=g).to(device)
+    delta = (torch.randint(0, 96, (N,), generator=g).to(device) - pos).to(device)
+    want = cache.k.double().cpu().clone()
+    reference.rerotate_kv_cache(
+        want, slots.cpu(), delta.cpu(), f.double().cpu(), positions=pos.cpu(), to_cache=t.double().cpu()
+    )
+    one = cache.k.clone()
+    rerotate_kv_cache(one, slots, delta, f, positions=pos, to_cache=t)
+    two = cache.k.clone()
+    rerotate_kv_cache(two, slots, -pos, f)
+    rerotate_kv_cache(two, slots, pos + delta, t)
+    err_one = (one.double().cpu() - want).abs()
+    err_two = (two.double().cpu() - want).abs()
+    assert_close(one, want, TOL[dtype], "one call")
+    assert err_one.mean() < err_two.mean(), (float(err_one.mean()), float(err_two.mean()))
+
+
+def _two_table_fn(cache, slots, delta, table, to_table, positions, dsts):
+    """A move between tables into dst slots, then a pure table switch back in place, on an MLA view."""
+    rope = cache[..., 32:]
+    rerotate_kv_cache(
+        rope, slots, delta, table, interleaved=True, positions=positions, to_cache=to_table, dst_slots=dsts
+    )
+    rerotate_kv_cache(rope, dsts, 0, to_table, interleaved=True, positions=positions + delta, to_cache=table)
+    return cache.sum()
+
+
+def _two_tables_compile_matches_eager(device, backend):
+    torch._dynamo.reset()
+    fn = torch.compile(_two_table_fn, backend=backend, fullgraph=True, dynamic=True)
+    f, t = yarn_table(32, 16, 2.0, device), yarn_table(48, 16, 4.0, device)
+    g = torch.Generator().manual_seed(3)
+    for n in (3, 5):  # two shapes, one dynamic graph
+        cache = torch.full((4, 4, 1, 32 + 16), NAN, device=device)
+        cache[..., 32:] = torch.randn(4, 4, 1, 16, generator=g).to(device)
+        perm = torch.randperm(16, generator=g)
+        slots, dsts = perm[:n].to(device), perm[n : 2 * n].to(device)
+        pos = torch.randint(0, 32, (n,), generator=g).to(device)
+        delta = torch.randint(0, 32, (n,), generator=g).to(device) - pos  # positions + delta in both tables
+        args = (slots, delta, f, t, pos, dsts)
+        c_e = cache.clone()
+        _two_table_fn(c_e, *args)
+        c_c = cache.clone()
+        fn(c_c, *args)
+        assert torch.equal(bits(c_c), bits(c_e)), f"compiled two-table re-rotation differs from eager (n={n})"
+        assert not torch.equal(bits(c_c), bits(cache))
+
+
+def test_two_tables_torch_compile_fullgraph_dynamic():
+    _two_tables_compile_matches_eager("cpu", "aot_eager")
+
+
+@pytest.mark.gpu
+def test_gpu_two_tables_torch_compile_inductor():
+    _two_tables_compile_matches_eager("cuda", "inductor")
+
+
+def test_two_tables_opcheck():
+    from ropekit.core.variant import Variant
+
+    codes = Variant(True, True, angles="delta", k_scaled=True, to_dst=True, two_tables=True).encode()
+    f, t = yarn_table(8, 32, 2.0, "cpu"), yarn_table(12, 32, 4.0, "cpu")
+    args = (
+        torch.randn(2, 4, 1, 32),
+        torch.tensor([1, 0, 5]),
+        torch.tensor([2, -1, 3]),
+        0,
+        f,
+        codes,
+        32,
+        torch.tensor([2.0]),
+        torch.tensor([2, 3, -1]),
+        torch.tensor([3, 7, 0]),
+        t,
+    )
+    torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
+    codes = Variant(angles="delta", two_tables=True).encode()
+    args = (
+        torch.randn(8, 2, 32),
+        torch.tensor([1, 0, 5]),
+        None,
+        -3,
+        f,
+        codes,
+        32,
+        None,
+        None,
+        torch.tensor([4, 5, 7]),
+        t,
+    )
+    torch.library.opcheck(torch.ops.ropekit.rerotate_kv_cache.default, args)
+
+
+# ---------------------------------------------------------------------------------------------
 # bad inputs: the rows of docs/bad_inputs.md for rerotate_kv_cache
 
 
@@ -589,6 +924,11 @@ def rr_args(**change):
     for name, fn in change.items():
         a[name] = fn(a) if callable(fn) else fn
     return a
+
+
+def two_args(**change):
+    """rr_args moving rows between tables: positions below cos_sin_cache's 16 rows, to_cache of 32."""
+    return rr_args(**{"positions": torch.tensor([2, 5, 0, 1]), "to_cache": make_cache(32, 64), **change})
 
 
 class Row(NamedTuple):
@@ -738,6 +1078,107 @@ BAD_ROWS = [
         strict=True,
     ),
     Row(
+        "rerotate-positions-without-to-cache",
+        ValueError,
+        "positions: expected None without to_cache",
+        lambda: rr_args(positions=torch.tensor([2, 5, 0, 1])),
+    ),
+    Row(
+        "rerotate-to-cache-without-positions",
+        ValueError,
+        "positions: expected a (N,) int32/int64 tensor of each row's current position when to_cache is given, got None",
+        lambda: rr_args(to_cache=make_cache(32, 64)),
+    ),
+    Row(
+        "rerotate-positions-type",
+        TypeError,
+        "positions: expected a torch.Tensor, got list",
+        lambda: two_args(positions=[2, 5, 0, 1]),
+    ),
+    Row(
+        "rerotate-positions-dtype",
+        ValueError,
+        "positions: expected dtype in (int32, int64), got float32",
+        lambda: two_args(positions=torch.zeros(4)),
+    ),
+    Row(
+        "rerotate-positions-shape",
+        ValueError,
+        "positions: expected shape (4,) (that of slots), got shape (3,)",
+        lambda: two_args(positions=torch.tensor([2, 5, 0])),
+    ),
+    Row(
+        "rerotate-positions-device",
+        ValueError,
+        "positions: expected a tensor on cpu (the device of k_cache), got one on meta",
+        lambda: two_args(positions=torch.zeros(4, dtype=torch.long, device="meta")),
+    ),
+    Row(
+        "rerotate-to-cache-type",
+        TypeError,
+        "to_cache: expected a torch.Tensor, got list",
+        lambda: two_args(to_cache=[[1.0, 0.0]]),
+    ),
+    Row(
+        "rerotate-to-cache-dtype",
+        ValueError,
+        "to_cache: expected dtype in (float32, bfloat16, float16), got float64",
+        lambda: two_args(to_cache=make_cache(32, 64, dtype=torch.float64)),
+    ),
+    Row(
+        "rerotate-to-cache-device",
+        ValueError,
+        "to_cache: expected a tensor on cpu (the device of k_cache), got one on meta",
+        lambda: two_args(to_cache=torch.zeros(32, 64, device="meta")),
+    ),
+    Row(
+        "rerotate-to-cache-width",
+        ValueError,
+        "to_cache: expected at least one row of width 64 (that of cos_sin_cache: both tables rotate the same dims), "
+        "got shape (32, 32)",
+        lambda: two_args(to_cache=make_cache(32, 32)),
+    ),
+    Row(
+        "rerotate-to-cache-grad",
+        ValueError,
+        "to_cache: expected a tensor that does not require grad (rerotate_kv_cache is not differentiable)",
+        lambda: two_args(to_cache=make_cache(32, 64).requires_grad_()),
+    ),
+    Row(
+        "rerotate-to-cache-in-cache",
+        ValueError,
+        "to_cache: expected memory disjoint from k_cache (which is written)",
+        lambda: two_args(to_cache=lambda a: a["k_cache"][0, 0]),
+    ),
+    Row(
+        "rerotate-positions-in-cache",
+        ValueError,
+        "positions: expected memory disjoint from k_cache (which is written)",
+        lambda: two_args(positions=lambda a: a["k_cache"][0, 0, 0, :4].view(torch.int32)),
+    ),
+    Row(
+        "rerotate-two-tables-int-delta-range",
+        ValueError,
+        "delta: expected an int in (-16, 32) (positions are rows of cos_sin_cache, positions + delta rows of to_cache), "
+        "got 32",
+        lambda: two_args(delta=32),
+    ),
+    Row(
+        "rerotate-positions-strict",
+        ValueError,
+        "positions: expected values in [0, 16) (the rows of cos_sin_cache) where slots >= 0, got positions[1] = 16",
+        lambda: two_args(positions=torch.tensor([2, 16, 99, 1])),
+        strict=True,
+    ),
+    Row(
+        "rerotate-to-position-strict",
+        ValueError,
+        "delta: expected positions + delta in [0, 32) (the rows of to_cache) where slots >= 0, got delta[3] = 31 at "
+        "positions[3] = 1",
+        lambda: two_args(delta=torch.tensor([1, -5, 99, 31])),
+        strict=True,
+    ),
+    Row(
         "rerotate-dst-is-source-strict",
         ValueError,
         "dst_slots: expected rows that are not source rows (slots) of the same call, got dst_slots[1] = 0",
@@ -778,6 +1219,12 @@ def test_strict_mode_int_delta_and_scale():
     args = rr_args(delta=torch.tensor([1, -2, 999, 4]))
     with strict.strict():
         rerotate_kv_cache(**args)
+    # two tables: int shifts bounded per row, padding rows' positions and shifts not checked
+    args = two_args(positions=torch.tensor([2, 15, -7, 1]), delta=torch.tensor([29, -15, 2**62, 30]))
+    with strict.strict():
+        rerotate_kv_cache(**args)
+    with strict.strict(), pytest.raises(ValueError, match=r"got delta\[1\] = 17 at positions\[1\] = 15"):
+        rerotate_kv_cache(**two_args(positions=torch.tensor([2, 15, 0, 1]), delta=17))
 
 
 def test_handled_rows():
@@ -801,6 +1248,15 @@ def test_handled_rows():
         assert torch.equal(bits(a["k_cache"]._base), bits(base))
     # ok-rerotate-dst-is-source: accepted without strict mode (result in those rows unspecified)
     rerotate_kv_cache(**rr_args(dst_slots=torch.tensor([1, 0, 2, 5])))
+    # ok-rerotate-two-tables-out-of-range: a position past cos_sin_cache, positions + delta past
+    # either end of to_cache: NaN in the rotated dims, the rest untouched
+    a = two_args(positions=torch.tensor([16, 5, 0, 3]), delta=torch.tensor([0, 27, 3, -4]))
+    base = a["k_cache"]._base.clone()
+    rerotate_kv_cache(**a)
+    k, others = a["k_cache"].flatten(0, 1), [1, 2, 4, 5, 7]
+    assert k[[0, 3, 6]].isnan().all()
+    assert torch.equal(bits(k[others]), bits(base[:, 0].flatten(0, 1)[others]))
+    assert torch.equal(bits(a["k_cache"]._base[:, 1]), bits(base[:, 1]))
 
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
@@ -809,6 +1265,7 @@ HANDLED_IDS = [
     "ok-rerotate-slot-padding",
     "ok-rerotate-slot-past-cache",
     "ok-rerotate-dst-is-source",
+    "ok-rerotate-two-tables-out-of-range",
 ]
 DOC_IDS = [r.id for r in BAD_ROWS] + HANDLED_IDS
 
@@ -886,7 +1343,7 @@ def test_opcheck():
 # benchmark workload W12: inputs, oracle and peers agree (CPU, quick sizes)
 
 
-@pytest.mark.parametrize("wid", ["W12", "W12-fp8", "W12-mla"])
+@pytest.mark.parametrize("wid", ["W12", "W12-fp8", "W12-mla", "W12-2T"])
 def test_bench_w12_peers_pass_the_check(monkeypatch, wid):
     from ropekit.tools.bench import peers as P
     from ropekit.tools.bench import runner, workloads

@@ -1,12 +1,13 @@
 """Re-rotation of cached keys by a position shift: `rerotate_kv_cache`, one launch of `rerotate_kernel`.
 
     rerotate_kv_cache(k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots,
-                      rotary_position)
+                      rotary_position, positions, to_cache)
 
 Serving engines that evict tokens (attention sinks + a sliding window, H2O-style eviction), shift a
 context or compact a cache move keys to new positions. RoPE composes, so a cached key rotated for
 position p becomes the key for p + delta after one more rotation by the angle of delta: no need to
-keep unrotated keys or recompute them. The call goes the one call path of every op (signature ->
+keep unrotated keys or recompute them. With `to_cache` (and each row's position) a row moves
+between tables as well (LongRoPE's short to long factors, a YaRN factor change), in the same pass. The call goes the one call path of every op (signature ->
 memoized spec -> this call's checks -> one door). CUDA tensors run the Triton kernel; CPU tensors
 run it under TRITON_INTERPRET=1, otherwise the pure-PyTorch path, with the same semantics.
 """
@@ -37,6 +38,8 @@ def rerotate_kv_cache(
     k_scale: Scale = None,
     dst_slots: Optional[torch.Tensor] = None,
     rotary_position: str = "first",
+    positions: Optional[torch.Tensor] = None,
+    to_cache: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Re-rotate cached keys by a position shift: the key stored at position p ends as if stored at p + delta.
 
@@ -72,6 +75,16 @@ def rerotate_kv_cache(
     these, destination rows that are source rows and non-finite or non-positive tensor scales raise
     ValueError before anything is written (one device sync).
 
+    positions: None, or with to_cache (required then) the (N,) int32/int64 position each row is
+        stored for, a row of cos_sin_cache.
+    to_cache: None, or a second (max_position', rotary_dim) [cos | sin] table (same width; float32
+        recommended): row i moves from cos_sin_cache[positions[i]] to to_cache[positions[i] +
+        delta[i]] in one rotation (delta 0: a pure table switch), composed in float32 and rounded
+        once. Tables that fold an attention factor into cos / sin (YaRN, LongRoPE) compose exactly:
+        the from-row's magnitude is divided out, the to-row's applied. An int delta must lie in
+        (-len(cos_sin_cache), len(to_cache)); a position outside cos_sin_cache or a positions + delta
+        outside to_cache makes that row's rotated dims NaN (strict mode: ValueError naming it).
+
     fp8: keep |value / k_scale| <= 448 (e4m3's range); nothing is clamped. Inference only.
     """
 
@@ -87,10 +100,14 @@ def _rerotate_kv_cache(args: dict):
     spec, door = spec_for(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
     if door is not TRACED and (spec.table is None or spec.table() is not table):
         forms.read_new_table(spec, OP, table)  # a new table: HF's cos is refused
+    to_cache = args["to_cache"]
+    if to_cache is not None and door is not TRACED:
+        forms.table_not_hf_cos(OP, to_cache)  # read once per table (remembered by identity)
     ks = scale_tensor(args["k_scale"], k_cache.device)
     shift = None if is_tensor else int(delta)
     delta = delta if is_tensor else None
-    dispatch.through(door, dispatch.REROTATE, spec, k_cache, slots, delta, shift, table, ks, args["dst_slots"])
+    operands = (k_cache, slots, delta, shift, table, ks, args["dst_slots"], args["positions"], to_cache)
+    dispatch.through(door, dispatch.REROTATE, spec, *operands)
     return k_cache
 
 

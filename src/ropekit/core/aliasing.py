@@ -246,10 +246,13 @@ def store_aliasing(op, q, k, v, k_cache, v_cache, extents=None, memo=None, q_out
                 )
 
 
-def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots, extents=None) -> None:
-    """The cache (written) shares no byte with the slots, shifts, table or scale (read).
-    extents: None, or the byte extents of (k_cache, slots, dst_slots, delta, cos_sin_cache, k_scale)
-    (0 for None), kept per call signature: pairs whose ranges miss each other cost two compares."""
+def rerotate_aliasing(
+    op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slots, positions=None, to_cache=None, extents=None
+) -> None:
+    """The cache (written) shares no byte with the slots, shifts, tables, positions or scale (read).
+    extents: None, or the byte extents of (k_cache, slots, dst_slots, delta, cos_sin_cache, positions,
+    to_cache, k_scale) (0 for None), kept per call signature: pairs whose ranges miss each other
+    cost two compares."""
     written_vs_read(
         op,
         (("k_cache", k_cache),),
@@ -258,6 +261,8 @@ def rerotate_aliasing(op, k_cache, slots, delta, cos_sin_cache, k_scale, dst_slo
             ("dst_slots", dst_slots),
             ("delta", delta),
             ("cos_sin_cache", cos_sin_cache),
+            ("positions", positions),
+            ("to_cache", to_cache),
             ("k_scale", k_scale),
         ),
         extents=extents,

@@ -549,7 +549,7 @@ def rerotate(args: dict) -> Spec:
     """rerotate_kv_cache's Spec (names the first bad argument)."""
     op = REROTATE
     k_cache, slots, delta, table = args["k_cache"], args["slots"], args["delta"], args["cos_sin_cache"]
-    dst_slots = args["dst_slots"]
+    dst_slots, positions, to_cache = args["dst_slots"], args["positions"], args["to_cache"]
     if not torch.compiler.is_compiling():
         rules.no_dtensor(op, "re-rotation", ("k_cache", k_cache))
     rot, _, k_scale, _ = rules.rerotate_args(
@@ -562,6 +562,8 @@ def rerotate(args: dict) -> Spec:
         rotary_dim=args["rotary_dim"],
         k_scale=args["k_scale"],
         dst_slots=dst_slots,
+        positions=positions,
+        to_cache=to_cache,
     )
     il = bool(args["interleaved"])
     halves = rules.rotary_position_arg(op, args["rotary_position"], allowed=("first", "halves")) == "halves"
@@ -574,23 +576,32 @@ def rerotate(args: dict) -> Spec:
         rope_halves=halves and k_cache.shape[-1] > rot,
         k_scaled=scaled_by(k_scale),
         to_dst=dst_slots is not None,
+        two_tables=to_cache is not None,
     )
-    extents = tuple(aliasing.extent(x) for x in (k_cache, slots, dst_slots, delta, table))
-    return Spec(variant, rot, door_for(k_cache, False), triton_runs(k_cache), extents=extents)
+    return Spec(variant, rot, door_for(k_cache, False), triton_runs(k_cache), extents=rerotate_extents(args))
 
 
-def rerotate_call(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+def rerotate_extents(args: dict) -> tuple:
+    """Byte extents of the re-rotation's tensors but the scale, in `aliasing.rerotate_aliasing`'s order."""
+    names = ("k_cache", "slots", "dst_slots", "delta", "cos_sin_cache", "positions", "to_cache")
+    return tuple(aliasing.extent(args[n]) for n in names)
+
+
+def rerotate_call(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:
     """The re-rotation's checks of this call's addresses and values (an int shift's range on every
     call, free; tensors' values in strict mode), before any write."""
+    to_rows = None if to_table is None else to_table.shape[0]
     if delta_int is not None:
-        strict.int_shift(REROTATE, delta_int, table.shape[0])
+        strict.int_shift(REROTATE, delta_int, table.shape[0], to_rows)
     extents = None
     if spec.extents:
         extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
-    aliasing.rerotate_aliasing(REROTATE, k_cache, slots, delta, table, k_scale, dst_slots, extents=extents)
+    aliasing.rerotate_aliasing(
+        REROTATE, k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table, extents=extents
+    )
     if strict.is_strict():
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
         shifts = delta if delta is not None else delta_int
-        strict.rerotate_values(REROTATE, slots, shifts, dst_slots, num_slots, table.shape[0])
+        strict.rerotate_values(REROTATE, slots, shifts, dst_slots, num_slots, table.shape[0], positions, to_rows)
         if k_scale is not None:
             strict.scale_value(REROTATE, "k_scale", k_scale)

@@ -613,30 +613,50 @@ def _normed_store(q, k, v, positions, table, k_cache, v_cache, slot_mapping, kw,
         k.copy_(kn)
 
 
-def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_scale, dst_slots, halves=False) -> None:
+def rerotate_rows(
+    k_cache,
+    slots,
+    delta,
+    table,
+    *,
+    interleaved,
+    rotary_dim,
+    k_scale,
+    dst_slots,
+    halves=False,
+    positions=None,
+    to_table=None,
+) -> None:
     """Re-rotation: the row at slots[i] rotated by the angle of delta[i] (the inverse angle of
     |delta[i]| when negative), written to dst_slots[i] (or back to slots[i]); with dst_slots the
     dims past rotary_dim are copied. Rows with a slot or dst slot outside [0, num_slots) are
     skipped; |delta| past the table gives NaN rotated dims. k_cache: (num_blocks, block_size, H, D)
     or (num_slots, H, D), written in place; slots (N,); delta (N,) tensor or int; k_scale: the cache
-    holds value / k_scale; halves: the rotated pairs are (i, i + D/2) (rotary_position='halves')."""
+    holds value / k_scale; halves: the rotated pairs are (i, i + D/2) (rotary_position='halves').
+    to_table: rotate instead from table row positions[i] to to_table row positions[i] + delta[i]
+    (`two_table_angles`), NaN where either row is outside its table."""
     rot = rotary_dim
     n = slots.shape[0]
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     src = slots.long()
     dst = src if dst_slots is None else dst_slots.long()
     d = delta.long() if isinstance(delta, torch.Tensor) else torch.full((n,), int(delta), dtype=torch.long)
+    p = None if positions is None else positions.long()
     keep = (src >= 0) & (src < num_slots) & (dst >= 0) & (dst < num_slots)
     if not bool(keep.all()):
         src, dst, d = src[keep], dst[keep], d[keep]
+        p = None if p is None else p[keep]
     ct = compute_dtype(k_cache)
     x = k_cache[_cache_rows(k_cache, src)].to(ct)  # a gathered copy: (n, H, D)
     scale = None if k_scale is None else torch.as_tensor(k_scale, dtype=ct).reshape(())
     if scale is not None:
         for part in rotated_dims(x, rot, halves):
             part *= scale
-    cos, sin = table_angles(table, d.abs(), (d.shape[0],), rot)
-    sin = torch.where((d < 0).unsqueeze(-1), -sin, sin)
+    if to_table is None:
+        cos, sin = table_angles(table, d.abs(), (d.shape[0],), rot)
+        sin = torch.where((d < 0).unsqueeze(-1), -sin, sin)
+    else:
+        cos, sin = two_table_angles(table, to_table, p, d, rot)
     rotate(x, x, cos, sin, interleaved=interleaved, halves=halves)
     if scale is not None:
         for part in rotated_dims(x, rot, halves):
@@ -647,6 +667,24 @@ def rerotate_rows(k_cache, slots, delta, table, *, interleaved, rotary_dim, k_sc
         return
     for view, part in zip(rotated_dims(k_cache, rot, halves), rotated_dims(x, rot, halves)):
         view[rows] = part.to(k_cache.dtype)
+
+
+def two_table_angles(table, to_table, positions, delta, rot: int):
+    """cos, sin (N, rot // 2) in float32 of the rotation from table row positions to to_table row
+    positions + delta: the conjugate of the from-row over its squared magnitude, then the to-row
+    (one rotation by angle(to) - angle(from), scaled by |to| / |from|, for tables that fold an
+    attention factor in). NaN where either row is outside its table (p + d bounded without
+    forming it: no int64 wrap)."""
+    ok = (positions >= 0) & (positions < table.shape[0]) & (delta >= -positions)
+    ok &= delta < to_table.shape[0] - positions
+    p = torch.where(ok, positions, 0)
+    n = (p.shape[0],)
+    cf, sf = (a.float() for a in table_angles(table, p, n, rot))
+    ct, st = (a.float() for a in table_angles(to_table, p + torch.where(ok, delta, 0), n, rot))
+    norm = cf * cf + sf * sf
+    cos, sin = (ct * cf + st * sf) / norm, (st * cf - ct * sf) / norm
+    bad = ~ok.unsqueeze(-1)
+    return cos.masked_fill(bad, float("nan")), sin.masked_fill(bad, float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ The custom ops (their schemas take the call's record as `Variant.encode()`):
                             k_scale, v_scale, q_norm_weight, k_norm_weight, norm, packed) -> None
     ropekit::rope_and_store_q_out(... the same ..., q_out, q_scale) -> None
     ropekit::rerotate_kv_cache(k_cache, slots, delta, delta_int, table, variant, rotary_dim, k_scale,
-                               dst_slots) -> None
+                               dst_slots, positions=None, to_cache=None) -> None
 
 (a, b): the angle operands as ropekit.core.run.run_rotate takes them; packed: [cp_size, cp_rank];
 norm: [eps, offset]. The backward of every door is the same run with `Variant.backward()` (the
@@ -541,19 +541,22 @@ for _name, _impl, _rest, _written in (
 
 
 # ---------------------------------------------------------------------------------------------
-# the re-rotation's doors: (spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None
+# the re-rotation's doors: (spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions,
+# to_table) -> None
 
 
-def _rerotate_direct(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
-    checks.rerotate_call(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
-    run.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots)
+def _rerotate_direct(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
+    checks.rerotate_call(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
+    run.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
     bump_versions(k_cache)
 
 
-def _rerotate_custom(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
+def _rerotate_custom(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
     codes = spec.variant.encode()
     shift = 0 if delta_int is None else delta_int
-    torch.ops.ropekit.rerotate_kv_cache(k_cache, slots, delta, shift, table, codes, spec.rot, k_scale, dst_slots)
+    torch.ops.ropekit.rerotate_kv_cache(
+        k_cache, slots, delta, shift, table, codes, spec.rot, k_scale, dst_slots, positions, to_table
+    )
 
 
 REROTATE = {DIRECT: _rerotate_direct, FUNCTION: _rerotate_direct, CUSTOM_OP: _rerotate_custom, TRACED: _rerotate_custom}
@@ -570,18 +573,28 @@ def _rerotate_op(
     rotary_dim: int,
     k_scale: Optional[torch.Tensor],
     dst_slots: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor] = None,
+    to_cache: Optional[torch.Tensor] = None,
 ) -> None:
     def make():
-        extents = tuple(aliasing.extent(x) for x in (k_cache, slots, dst_slots, delta, cos_sin_cache))
+        named = dict(
+            k_cache=k_cache,
+            slots=slots,
+            dst_slots=dst_slots,
+            delta=delta,
+            cos_sin_cache=cos_sin_cache,
+            positions=positions,
+            to_cache=to_cache,
+        )
+        extents = checks.rerotate_extents(named)
         return Spec(Variant.decode(variant), rotary_dim, DIRECT, checks.triton_runs(k_cache), extents=extents)
 
-    values = (k_cache, slots, delta, cos_sin_cache, tuple(variant), rotary_dim, k_scale, dst_slots)
+    values = (k_cache, slots, delta, cos_sin_cache, tuple(variant), rotary_dim, k_scale, dst_slots, positions, to_cache)
     spec = op_spec("rerotate op", values, make)
-    _rerotate_direct(
-        spec, k_cache, slots, delta, None if delta is not None else delta_int, cos_sin_cache, k_scale, dst_slots
-    )
+    shift = None if delta is not None else delta_int
+    _rerotate_direct(spec, k_cache, slots, delta, shift, cos_sin_cache, k_scale, dst_slots, positions, to_cache)
 
 
 @_rerotate_op.register_fake
-def _(k_cache, slots, delta, delta_int, cos_sin_cache, variant, rotary_dim, k_scale, dst_slots):
-    return None
+def _(k_cache, slots, delta, delta_int, cos_sin_cache, variant, rotary_dim, k_scale, dst_slots, *tables):
+    return None  # tables: positions and to_cache, left out by the dispatcher when None (their default)

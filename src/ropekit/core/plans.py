@@ -534,8 +534,11 @@ def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
     return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), 4
 
 
-def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int) -> Optional[Plan]:
-    """rerotate_kernel's launch (delta: a tensor, or None for one int shift passed per launch)."""
+def plan_rerotate(
+    k_cache, slots, delta, table, dst_slots, variant, rot: int, positions=None, to_table=None
+) -> Optional[Plan]:
+    """rerotate_kernel's launch (delta: a tensor, or None for one int shift passed per launch;
+    positions and to_table with variant.two_tables). None when there is nothing to launch."""
     n_heads, d = k_cache.shape[-2], k_cache.shape[-1]
     if empty_call(slots.shape[0], n_heads):
         return None
@@ -550,14 +553,19 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int) ->
         d - rot,
         table.shape[0],
         half * table.stride(1),
+        0 if to_table is None else to_table.shape[0],
+        0 if to_table is None else half * to_table.stride(1),
         block_size,
         k_cache.shape[0] * block_size,
         slots.shape[0],
         slots.stride(0),
         0 if dst_slots is None else dst_slots.stride(0),
         0 if delta is None else delta.stride(0),
+        0 if positions is None else positions.stride(0),
         table.stride(0),
         table.stride(1),
+        0 if to_table is None else to_table.stride(0),
+        0 if to_table is None else to_table.stride(1),
         stride_block,
         stride_offset,
         stride_head,
@@ -576,7 +584,9 @@ def plan_rerotate(k_cache, slots, delta, table, dst_slots, variant, rot: int) ->
     return Plan((-(-slots.shape[0] // rows), n_blocks), args, meta, 0, {})
 
 
-def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table, dst_slots, k_scale) -> None:
+def fire_rerotate(
+    plan: Optional[Plan], k_cache, slots, delta, delta_int, table, dst_slots, k_scale, positions=None, to_table=None
+) -> None:
     if plan is None:
         return
     meta = plan.meta
@@ -588,6 +598,8 @@ def fire_rerotate(plan: Optional[Plan], k_cache, slots, delta, delta_int, table,
         slots if delta is None else delta,
         table,
         table if k_scale is None else k_scale,
+        slots if positions is None else positions,
+        table if to_table is None else to_table,
     )
     # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
     # past any table anyway, and stays past it when clamped

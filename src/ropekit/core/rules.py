@@ -706,7 +706,9 @@ def _slot_vector(op, name, x, n, device) -> None:
         fail(op, name, f"shape ({n},) (that of slots)", f"shape {tuple(x.shape)}")
 
 
-def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots):
+def rerotate_args(
+    op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rotary_dim, k_scale, dst_slots, positions, to_cache
+):
     """Checks of rerotate_kv_cache's arguments that need no data.
 
     Returns (rotary_dim, num_slots, k_scale, delta_int): k_scale as `scale_arg` gives it; delta_int the
@@ -753,9 +755,44 @@ def rerotate_args(op, k_cache, slots, delta, cos_sin_cache, *, interleaved, rota
     _on_device(op, "k_scale", k_scale, device)
     k_scale = scale_arg(op, "k_scale", k_scale, device)
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    _two_tables(op, positions, to_cache, cos_sin_cache, n, device)
     if delta_int is not None:
-        int_shift(op, delta_int, cos_sin_cache.shape[0])
+        int_shift(op, delta_int, cos_sin_cache.shape[0], None if to_cache is None else to_cache.shape[0])
     return rotary_dim, num_slots, k_scale, delta_int
+
+
+def _two_tables(op, positions, to_cache, cos_sin_cache, n, device) -> None:
+    """A move between tables: to_cache and positions given together, positions (N,) like slots,
+    to_cache a table of cos_sin_cache's width on the cache's device."""
+    if to_cache is None:
+        if positions is not None:
+            fail(
+                op,
+                "positions",
+                "None without to_cache (positions say where rows sit in cos_sin_cache for a move to to_cache)",
+                "a tensor" if isinstance(positions, torch.Tensor) else type(positions).__name__,
+            )
+        return
+    if positions is None:
+        fail(op, "positions", "a (N,) int32/int64 tensor of each row's current position when to_cache is given", None)
+    _slot_vector(op, "positions", positions, n, device)
+    _on_device(op, "to_cache", to_cache, device)
+    tensor(op, "to_cache", to_cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
+    width = cos_sin_cache.shape[1]
+    if to_cache.shape[0] < 1 or to_cache.shape[1] != width:
+        fail(
+            op,
+            "to_cache",
+            f"at least one row of width {width} (that of cos_sin_cache: both tables rotate the same dims)",
+            f"shape {tuple(to_cache.shape)}",
+        )
+    if torch.is_grad_enabled() and to_cache.requires_grad:
+        fail(
+            op,
+            "to_cache",
+            "a tensor that does not require grad (rerotate_kv_cache is not differentiable)",
+            "requires_grad=True",
+        )
 
 
 def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, *, inplace=False):

@@ -322,15 +322,16 @@ def _store_parts_cpu(spec: Spec, t: StoreOperands) -> None:
 # the re-rotation
 
 
-def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots) -> None:
-    """Rows of k_cache rotated by the angle of delta (a tensor, or the int delta_int)."""
+def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:
+    """Rows of k_cache rotated by the angle of delta (a tensor, or the int delta_int); with
+    spec.variant.two_tables, from table row positions to to_table row positions + delta."""
     if spec.triton:
         plan = spec.plans.get(None)
         if plan is None:
             plan = spec.plans[None] = plans.plan_rerotate(
-                k_cache, slots, delta, table, dst_slots, spec.variant, spec.rot
+                k_cache, slots, delta, table, dst_slots, spec.variant, spec.rot, positions, to_table
             )
-        plans.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale)
+        plans.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale, positions, to_table)
     elif slots.shape[0]:
         cpu.rerotate_rows(
             k_cache,
@@ -342,4 +343,6 @@ def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, d
             k_scale=k_scale,
             dst_slots=dst_slots,
             halves=spec.variant.rope_halves,
+            positions=positions,
+            to_table=to_table,
         )

@@ -132,9 +132,20 @@ def scale_value(op: str, name: str, scale: torch.Tensor) -> None:
         fail(op, name, "a finite scale > 0", value)
 
 
-def int_shift(op, delta: int, max_position: int) -> None:
-    """A Python int delta is a host value: |delta| < max_position is checked for free, every call."""
-    if not -max_position < delta < max_position:
+def int_shift(op, delta: int, max_position: int, to_rows=None) -> None:
+    """A Python int delta is a host value: |delta| < max_position is checked for free, every call.
+    to_rows (a move to another table of that many rows): a position p in [0, max_position) and
+    p + delta in [0, to_rows) bound delta to (-max_position, to_rows)."""
+    if to_rows is not None:
+        if not -max_position < delta < to_rows:
+            fail(
+                op,
+                "delta",
+                f"an int in (-{max_position}, {to_rows}) (positions are rows of cos_sin_cache, positions + "
+                "delta rows of to_cache)",
+                delta,
+            )
+    elif not -max_position < delta < max_position:
         fail(op, "delta", f"an int in (-{max_position}, {max_position}) (the rows of cos_sin_cache)", delta)
 
 
@@ -144,9 +155,11 @@ def _first(op, name, bad, values, expected) -> None:
         fail(op, name, expected, f"{name}[{i}] = {int(values[i])}")
 
 
-def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> None:
+def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position, positions=None, to_rows=None) -> None:
     """Strict mode (one device sync): slots and dst_slots below num_slots, |delta| below the table's rows
-    for every row that is not padding, and no destination row that is also a source row."""
+    for every row that is not padding, and no destination row that is also a source row. With
+    positions (a move to a table of to_rows rows): positions in [0, max_position) and positions +
+    delta in [0, to_rows) instead of the |delta| bound."""
     _first(
         op,
         "slots",
@@ -164,7 +177,9 @@ def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> Non
             f"values < {num_slots} (num_blocks * block_size of k_cache; < 0 skips a row)",
         )
         live = live & (dst_slots >= 0)
-    if isinstance(delta, torch.Tensor):
+    if positions is not None:
+        two_table_values(op, live, positions, delta, max_position, to_rows)
+    elif isinstance(delta, torch.Tensor):
         # no abs(): it wraps at the most negative int
         _first(
             op,
@@ -183,6 +198,30 @@ def rerotate_values(op, slots, delta, dst_slots, num_slots, max_position) -> Non
             live & torch.isin(dst_slots, sources),
             dst_slots,
             "rows that are not source rows (slots) of the same call",
+        )
+
+
+def two_table_values(op, live, positions, delta, max_position: int, to_rows: int) -> None:
+    """Strict mode, a move between tables: the first live row whose position is not a row of
+    cos_sin_cache, then the first whose positions + delta is not a row of to_cache (bounded
+    without forming the sum: no int64 wrap)."""
+    _first(
+        op,
+        "positions",
+        live & ((positions < 0) | (positions >= max_position)),
+        positions,
+        f"values in [0, {max_position}) (the rows of cos_sin_cache) where slots >= 0",
+    )
+    p = positions.long()
+    d = delta.long() if isinstance(delta, torch.Tensor) else torch.full_like(p, delta)
+    bad = live & ((d < -p) | (d >= to_rows - p))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        fail(
+            op,
+            "delta",
+            f"positions + delta in [0, {to_rows}) (the rows of to_cache) where slots >= 0",
+            f"delta[{i}] = {int(d[i])} at positions[{i}] = {int(p[i])}",
         )
 
 

@@ -85,6 +85,8 @@ class Variant(NamedTuple):
     k_scaled: bool = False  # store, re-rotation: the k cache holds value / k_scale
     v_scaled: bool = False  # store: the v cache holds value / v_scale
     to_dst: bool = False  # re-rotation: rows written into dst_slots (the tail copied), sources untouched
+    two_tables: bool = False  # re-rotation: row i moves from cos_sin_cache[positions[i]] to
+    #                           to_cache[positions[i] + delta[i]] (one composed rotation)
 
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):

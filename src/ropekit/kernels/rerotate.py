@@ -5,6 +5,12 @@ key rotated for position p + delta. A negative delta is the inverse rotation by 
 |delta| (sin negated, as `INVERSE` does for the backward pass). So one table row per cache row is
 enough, whatever the (unknown) stored position p.
 
+TWO_TABLES moves a row between tables (LongRoPE's short to long factors, a YaRN factor change):
+the stored position p is given, and the row goes from the angle of table row p to that of
+to_table row p + delta. Both rows are read and composed into one rotation, by angle(to) -
+angle(from), its magnitude |to| / |from| (tables may fold an attention factor into cos / sin), so
+the key is rounded once instead of once per table.
+
 The slot addressing is the store kernel's: a slot s names row (s // block_size, s % block_size) of
 a paged cache (num_blocks, block_size, H, D) with any strides (a flat cache is block_size 1 with a
 zero in-block stride). Slots are widened to int64 when loaded, so block * stride cannot wrap on
@@ -39,12 +45,16 @@ def rerotate_kernel(
     delta_ptr,  # (N,) int32/int64 shifts (read only when not DELTA_SCALAR)
     table_ptr,  # [cos | sin] table, (max_position, rotary_dim); sin at table_ptr + sin_offset
     k_scale_ptr,  # float32 per-tensor scale (read only when K_SCALED)
+    positions_ptr,  # (N,) int32/int64 stored positions: rows of table_ptr (read only when TWO_TABLES)
+    to_table_ptr,  # [cos | sin] table the rows move to (read only when TWO_TABLES)
     # sizes
     delta_value,  # the shift of every row when DELTA_SCALAR (a Python int; int64 when large)
     n_heads,  # H of the cache
     tail_len,  # head size - rotary_dim (copied to the destination when TO_DST)
-    max_position,  # rows of the table: |delta| must be below it
+    max_position,  # rows of the table: |delta| (TWO_TABLES: the position) must be below it
     sin_offset,  # element offset of the sin half from table_ptr
+    to_max_position,  # rows of to_table: position + delta must be below it (TWO_TABLES)
+    to_sin_offset,  # element offset of the sin half from to_table_ptr
     block_size,  # slots per cache block (1 for a flat cache)
     num_slots,  # num_blocks * block_size: slots at or past it are skipped
     n_rows,  # N, the rows to re-rotate
@@ -52,8 +62,11 @@ def rerotate_kernel(
     stride_slots,  # between entries of slots
     stride_dst_slots,  # between entries of dst_slots
     stride_delta,  # between entries of delta
+    stride_positions,  # between entries of positions
     stride_table_row,  # between table rows
     stride_table_col,  # between table columns
+    stride_to_table_row,  # between to_table rows
+    stride_to_table_col,  # between to_table columns
     stride_k_cache_block,  # between cache blocks (between slots of a flat cache)
     stride_k_cache_offset,  # between slots of one block (0 for a flat cache)
     stride_k_cache_head,  # between heads of one slot
@@ -68,6 +81,7 @@ def rerotate_kernel(
     TO_DST: tl.constexpr,  # write into dst slots (the source rows stay untouched)
     DELTA_SCALAR: tl.constexpr,  # one shift for all rows (delta_value) instead of a tensor
     K_SCALED: tl.constexpr,  # the cache holds value / k_scale (fp8): dequantize, rotate, quantize
+    TWO_TABLES: tl.constexpr,  # from table row positions[i] to to_table row positions[i] + delta[i]
 ):
     """Program (p, j): rows [p * ROWS, (p + 1) * ROWS), heads [j * BLOCK_H, (j + 1) * BLOCK_H)."""
     m = tl.arange(0, ROWS * BLOCK_H)  # a flat tile of (row, head) pairs
@@ -89,17 +103,37 @@ def rerotate_kernel(
     else:
         # dead lanes keep row 0's shift: every use of d below is masked by live
         d = tl.load(delta_ptr + safe_row * stride_delta).to(tl.int64)
-    mag = tl.where(d < 0, -d, d)
     i = tl.arange(0, HALF_PAD)[None, :]
-    # a |delta| past the table reads nothing and rotates by NaN (loud, no sync); mag < 0 only for -2^63
-    row_ok = live & (mag >= 0) & (mag < max_position)
     fmask = live[:, None] & (i < HALF)
-    amask = row_ok[:, None] & (i < HALF)
-    t_row = table_ptr + (mag * stride_table_row)[:, None] + i.to(tl.int64) * stride_table_col
-    c = tl.load(t_row, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
-    sn = tl.load(t_row + sin_offset, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
-    # a negative shift is the inverse rotation: angle(-a) = (cos a, -sin a)
-    sn = tl.where((d < 0)[:, None], -sn, sn)
+    col = i.to(tl.int64)
+    if TWO_TABLES:
+        # dead lanes read row 0's position: every use below is masked by live
+        p = tl.load(positions_ptr + safe_row * stride_positions).to(tl.int64)
+        # p + d bounded without forming it first (no int64 wrap); a row outside either table
+        # reads nothing and rotates by NaN (loud, no sync)
+        row_ok = live & (p >= 0) & (p < max_position) & (d >= -p) & (d < to_max_position - p)
+        amask = row_ok[:, None] & (i < HALF)
+        f_row = table_ptr + (p * stride_table_row)[:, None] + col * stride_table_col
+        t_row = to_table_ptr + ((p + d) * stride_to_table_row)[:, None] + col * stride_to_table_col
+        cf = tl.load(f_row, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+        sf = tl.load(f_row + sin_offset, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+        ct = tl.load(t_row, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+        st = tl.load(t_row + to_sin_offset, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+        # undo the from-row (its conjugate over its squared magnitude), then the to-row: one
+        # rotation by angle(to) - angle(from), scaled by |to| / |from|
+        norm = cf * cf + sf * sf
+        c = (ct * cf + st * sf) / norm
+        sn = (st * cf - ct * sf) / norm
+    else:
+        mag = tl.where(d < 0, -d, d)
+        # a |delta| past the table reads nothing and rotates by NaN (loud, no sync); mag < 0 only for -2^63
+        row_ok = live & (mag >= 0) & (mag < max_position)
+        amask = row_ok[:, None] & (i < HALF)
+        t_row = table_ptr + (mag * stride_table_row)[:, None] + col * stride_table_col
+        c = tl.load(t_row, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+        sn = tl.load(t_row + sin_offset, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
+        # a negative shift is the inverse rotation: angle(-a) = (cos a, -sin a)
+        sn = tl.where((d < 0)[:, None], -sn, sn)
 
     head_off = head.to(tl.int64) * stride_k_cache_head
     src_row = k_cache_ptr + (_slot_offset(src, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)

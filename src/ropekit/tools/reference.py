@@ -13,6 +13,7 @@ Conventions shared with the kernels:
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -249,6 +250,8 @@ def rerotate_kv_cache(
     k_scale=None,
     dst_slots=None,
     rotary_position="first",
+    positions=None,
+    to_cache=None,
 ):
     """Oracle of `ropekit.rerotate_kv_cache`: re-rotate cache rows by a position shift.
 
@@ -259,7 +262,10 @@ def rerotate_kv_cache(
     back to slots[i]). Rows with a negative slot or dst slot, or one >= num_slots, are skipped; a
     |delta| outside the table makes the row's rotated dims NaN. k_scale: the cache holds value /
     k_scale. With dst_slots the dims past rotary_dim are copied unchanged. rotary_position='halves':
-    the rotated pairs are (i, i + D/2), the other dims kept likewise. Returns k_cache.
+    the rotated pairs are (i, i + D/2), the other dims kept likewise. to_cache (with positions
+    (N,), each row's stored position): the row, rotated for positions[i] by cos_sin_cache, is
+    de-rotated exactly (divided by that row's complex value, magnitude included) and rotated by
+    to_cache row positions[i] + delta[i]; NaN where either row is outside its table. Returns k_cache.
     """
     rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
     half = rot // 2
@@ -274,6 +280,7 @@ def rerotate_kv_cache(
         d = torch.full((n,), int(delta), dtype=torch.long, device=k_cache.device)
     keep = (src >= 0) & (src < num_slots) & (dst >= 0) & (dst < num_slots)
     src, dst, d = src[keep], dst[keep], d[keep]
+    p = None if positions is None else positions.long().to(k_cache.device)[keep]
 
     def rows(idx):
         return (idx // block_size, idx % block_size) if k_cache.dim() == 4 else (idx,)
@@ -287,9 +294,25 @@ def rerotate_kv_cache(
     scale = None if k_scale is None else float(k_scale.reshape(()) if isinstance(k_scale, torch.Tensor) else k_scale)
     if scale is not None:
         x = x * scale
-    mag = d.abs()
-    cos, sin = gather_angles(cos_sin_cache[:, :half].to(ct), cos_sin_cache[:, half:rot].to(ct), mag, (mag.shape[0],))
-    sin = torch.where((d < 0).unsqueeze(-1), -sin, sin)
+    if to_cache is None:
+        mag = d.abs()
+        cos, sin = gather_angles(
+            cos_sin_cache[:, :half].to(ct), cos_sin_cache[:, half:rot].to(ct), mag, (mag.shape[0],)
+        )
+        sin = torch.where((d < 0).unsqueeze(-1), -sin, sin)
+    else:
+        # complex arithmetic: to_row / from_row, each row c + i s (an attention factor is its modulus)
+        def row_at(table, idx):
+            inside = (idx >= 0) & (idx < table.shape[0])
+            z = torch.complex(table[:, :half].double(), table[:, half:rot].double())[idx.clamp(0, table.shape[0] - 1)]
+            return torch.where(inside.unsqueeze(-1), z, torch.full_like(z, complex(math.nan, math.nan)))
+
+        # positions + d in Python ints (no int64 wrap for any delta); -1 outside the table
+        rows_to = to_cache.shape[0]
+        to_idx = [a + b if 0 <= a + b < rows_to else -1 for a, b in zip(p.tolist(), d.tolist())]
+        to_idx = torch.tensor(to_idx, dtype=torch.long, device=k_cache.device)
+        z = row_at(to_cache, to_idx) / row_at(cos_sin_cache, p)
+        cos, sin = z.real.to(ct), z.imag.to(ct)
     out = rotate(x, cos, sin, interleaved=interleaved)
     if scale is not None:
         out = out / scale

@@ -892,16 +892,24 @@ class FlashAttn(Peer):
 # `rerotate` branch in front of their make(); every other peer has no such op (n/a).
 
 
-def torch_rerotate(k_cache, slots, delta, table, interleaved: bool, k_scale: Optional[float]):
+def torch_rerotate(k_cache, slots, delta, table, interleaved: bool, k_scale: Optional[float], positions=None, to=None):
     """The plain-torch way: gather the rows, rotate them by the angle of delta (negative: inverse),
-    scatter them back. k_cache (num_blocks, block, H, D), any float dtype or fp8 with k_scale."""
+    scatter them back. k_cache (num_blocks, block, H, D), any float dtype or fp8 with k_scale. With
+    positions and a second table `to`: the rotation from table row positions to `to` row positions +
+    delta, composed as (c_t + i s_t) / (c_f + i s_f)."""
     rows = k_cache.flatten(0, 1)
     x = rows[slots].float()
     if k_scale is not None:
         x = x * k_scale
     half = table.shape[-1] // 2
-    ang = table[delta.abs()]
-    cos, sin = ang[:, None, :half], ang[:, None, half:] * delta.sign()[:, None, None]
+    if to is None:
+        ang = table[delta.abs()]
+        cos, sin = ang[:, None, :half], ang[:, None, half:] * delta.sign()[:, None, None]
+    else:
+        f, t = table[positions][:, None], to[positions + delta][:, None]
+        cf, sf, ct, st = f[..., :half], f[..., half:], t[..., :half], t[..., half:]
+        norm = cf * cf + sf * sf
+        cos, sin = (ct * cf + st * sf) / norm, (st * cf - ct * sf) / norm
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
@@ -921,18 +929,28 @@ def _rerotate_args(inp, wl):
     return cache, view, inp["slots"], inp["delta"], inp["cache"], scale
 
 
+def _two_tables(inp) -> dict:
+    """W12-2T's extra arguments (stored positions, the table rows move to); {} for the other rows."""
+    return {"positions": inp["positions"], "to_cache": inp["to_cache"]} if "to_cache" in inp else {}
+
+
 def _ropekit_rerotate(self, wl, inp):
     op = self._op("rerotate_kv_cache")
     cache, view, slots, delta, table, scale = _rerotate_args(inp, wl)
     ks = None if scale is None else torch.tensor([scale], device=cache.device)
-    return Bound(lambda: op(view, slots, delta, table, interleaved=wl.interleaved, k_scale=ks), lambda o: (cache,))
+    two = _two_tables(inp)
+    return Bound(
+        lambda: op(view, slots, delta, table, interleaved=wl.interleaved, k_scale=ks, **two), lambda o: (cache,)
+    )
 
 
 def _torch_rerotate(self, wl, inp):
     cache, view, slots, delta, table, scale = _rerotate_args(inp, wl)
     fn = self.wrap(wl, "rerotate", torch_rerotate)
     self._notes[wl.id] = "gather, rotate, scatter (plain torch)"
-    return Bound(lambda: fn(view, slots, delta, table, wl.interleaved, scale), lambda o: (cache,))
+    two = _two_tables(inp)
+    pos, to = two.get("positions"), two.get("to_cache")
+    return Bound(lambda: fn(view, slots, delta, table, wl.interleaved, scale, pos, to), lambda o: (cache,))
 
 
 def _with_rerotate(cls, handler, note=None):

@@ -775,6 +775,9 @@ def tolerance(dtype: torch.dtype) -> float:
 
 _FP8 = torch.float8_e4m3fn
 W12_K_SCALE = 0.05  # fp8: values / scale stay well inside e4m3's range
+# W12-2T's second table: YaRN at this factor, its attention factor folded in (a magnitude other
+# than the first table's 1, so the composition's division is exercised)
+W12_TO_YARN = 4.0
 
 
 def rerotate_view(wl: Workload, cache: torch.Tensor) -> torch.Tensor:
@@ -794,17 +797,27 @@ def rerotate_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device
     cache = (values / W12_K_SCALE).to(_FP8) if dtype == _FP8 else values.to(dtype)
     slots = torch.randperm(n_blocks * block, generator=g, device=device)[:N].contiguous()
     delta = torch.randint(-s["P"] + 1, s["P"], (N,), generator=g, device=device)
-    return {
+    inp = {
         "cache": table,
         "k_cache": cache,
         "slots": slots,
         "delta": delta,
         "q": torch.empty(0, dtype=dtype, device=device),
     }
+    if s.get("two"):  # a move between tables: stored positions, shifts that land inside to_cache
+        inp["positions"] = torch.randint(0, s["P"], (N,), generator=g, device=device)
+        inp["delta"] = torch.randint(0, s["P"], (N,), generator=g, device=device) - inp["positions"]
+        from ropekit import cos_sin_cache  # HF's YaRN table, attention factor folded in
+
+        scaling = {"rope_type": "yarn", "factor": W12_TO_YARN, "original_max_position_embeddings": s["P"] // 4}
+        inp["to_cache"] = cos_sin_cache(table.shape[1], s["P"], wl.base, scaling, device=device)
+    return inp
 
 
 def rerotate_min_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
-    """The rope dims of the moved rows read and written once, plus the slots and shifts read."""
+    """The rope dims of the moved rows read and written once, plus the slots and shifts read (W12-2T
+    counts the same bytes: its positions and second table rows are left out, so its percent of copy
+    compares with W12's)."""
     rows = rerotate_view(wl, inp["k_cache"]).flatten(0, 1)[: inp["slots"].shape[0]]
     return 2 * rows.numel() * rows.element_size() + 2 * inp["slots"].numel() * 8
 
@@ -822,8 +835,11 @@ def rerotate_expected(wl: Workload, inp: Dict[str, torch.Tensor]) -> Dict[str, t
 
     fp8 = inp["k_cache"].dtype == _FP8
     cache = inp["k_cache"].to(torch.float64) * (W12_K_SCALE if fp8 else 1.0)
+    two = {}
+    if "to_cache" in inp:
+        two = dict(positions=inp["positions"], to_cache=inp["to_cache"].double())
     reference.rerotate_kv_cache(
-        rerotate_view(wl, cache), inp["slots"], inp["delta"], inp["cache"].double(), interleaved=wl.interleaved
+        rerotate_view(wl, cache), inp["slots"], inp["delta"], inp["cache"].double(), interleaved=wl.interleaved, **two
     )
     moved, other = _rerotate_split(inp, cache)
     return {"k_cache[slots]": moved, "k_cache[other]": other}
@@ -858,6 +874,16 @@ WORKLOADS += [
         "W12 on an fp8 (e4m3) cache, k_scale 0.05",
         full=_w12(N=65536, H=8, D=128, fp8=1),
         quick=_w12(N=256, H=8, D=128, fp8=1),
+        positions="random",
+    ),
+    Workload(
+        "W12-2T",
+        "rerotate_two_tables",
+        "rerotate",
+        "W12's rows moved between tables (stored positions, to a YaRN table of factor 4) by random "
+        "deltas, one pass; bytes as W12's",
+        full=_w12(N=65536, H=8, D=128, two=1),
+        quick=_w12(N=256, H=8, D=128, two=1),
         positions="random",
     ),
     Workload(
