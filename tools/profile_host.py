@@ -41,6 +41,7 @@ def calls(dev: str) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--eager-only", action="store_true", help="the eager calls alone (any ropekit version)")
     args = ap.parse_args()
     dev = "cuda"
     rows = {}
@@ -48,6 +49,10 @@ def main():
         fn()
         torch.cuda.synchronize()
         eager = timing.host_us_stats(fn, dev)
+        if args.eager_only:
+            rows[name] = {"eager": eager}
+            print(f"{name:18s} eager {eager['median']:6.2f} us  [{eager['min']:.2f}-{eager['max']:.2f}]", flush=True)
+            continue
         direct = timing.direct_launch_floor(fn, dev)
         floors = timing.host_floors(q)
         rows[name] = {"eager": eager, "direct": direct, "launch": floors["launch"], "aten": floors["aten"]}

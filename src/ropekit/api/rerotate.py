@@ -22,7 +22,7 @@ from ..core import checks, forms
 from ..core.dispatch import REROTATE
 from ..core.pipeline import prepare
 from ..core.run import scale_tensor
-from ..core.variant import TRACED, Signature
+from ..core.variant import DIRECT, FUNCTION, TRACED, Signature
 
 OP = "rerotate_kv_cache"
 
@@ -116,6 +116,8 @@ def rerotate_kv_cache(
     ks = k_scale if k_scale is None or isinstance(k_scale, torch.Tensor) else scale_tensor(k_scale, k_cache.device)
     shift = None if is_tensor else int(delta)
     delta = delta if is_tensor else None
+    if door is DIRECT or door is FUNCTION:  # the custom op checks its call when it runs
+        checks.rerotate_call(spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache)
     REROTATE[door](spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache)
     return k_cache
 

@@ -22,7 +22,7 @@ from ..core.args import fail
 from ..core.dispatch import STORE
 from ..core.pipeline import prepare
 from ..core.run import StoreOperands, scale_tensor
-from ..core.variant import Signature
+from ..core.variant import DIRECT, FUNCTION, Signature
 
 OP = "apply_rope_and_store"
 
@@ -237,6 +237,8 @@ def apply_rope_and_store(
         q_nope,
         k_nope,
     )
+    if door is DIRECT or door is FUNCTION:  # the custom op checks its call when it runs
+        checks.store_call(spec, t)
     STORE[door](spec, t)
     return q if q_out is None else q_out
 

@@ -454,6 +454,7 @@ def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
         return spec
 
     spec = op_spec("store op", (*t, tuple(codes), rot, tuple(norm), tuple(packed)), make)
+    checks.store_call(spec, t)
     store_direct(spec, t)
 
 
@@ -542,6 +543,7 @@ def _rerotate_op(
     values = (k_cache, slots, delta, cos_sin_cache, tuple(variant), rotary_dim, k_scale, dst_slots, positions, to_cache)
     spec = op_spec("rerotate op", values, make)
     shift = None if delta is not None else delta_int
+    checks.rerotate_call(spec, k_cache, slots, delta, shift, cos_sin_cache, k_scale, dst_slots, positions, to_cache)
     rerotate_direct(spec, k_cache, slots, delta, shift, cos_sin_cache, k_scale, dst_slots, positions, to_cache)
 
 

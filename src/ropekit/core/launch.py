@@ -20,29 +20,31 @@ COUNTS = {"direct": 0, "generic": 0}
 _STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None}
 
 
-def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
+def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: bool = False) -> None:
     """kernel[grid](*ptrs, *args, **meta), directly when possible.
 
     compiled: the caller's cache (one per launch plan) of compiled kernels. variant: the part of
     meta that may change from call to call under one plan (a fallback for a misaligned pointer).
     Triton specializes pointers on 16-byte alignment, so that is part of the cache key too. One
-    function on the steady-state path (no helper calls: each costs host time on every launch).
+    function on the steady-state path (no helper calls: each costs host time on every launch);
+    guarded: called again inside the device guard (the tensors' device made current).
     """
     x = ptrs[0]
     if not x.is_cuda:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
     device = x.get_device()
-    if device != _current_device():
+    if not guarded and device != _current_device():
         # the device guard: launch on the device of the tensors (validation put every tensor of the
         # call on q's), not on whichever device is current, and on that device's current stream
         with torch.cuda.device(device):
-            launch(kernel, compiled, variant, grid, ptrs, args, meta)
+            launch(kernel, compiled, variant, grid, ptrs, args, meta, True)
         return
-    addrs = list(map(_data_ptr, ptrs))
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
-    any_bits = 0
-    for a in addrs:
+    addrs, any_bits = [], 0
+    for p in ptrs:
+        a = p.data_ptr()
+        addrs.append(a)
         any_bits |= a
     if any_bits % 16 == 0:
         key = (variant, True)
@@ -56,7 +58,7 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
         try:
             tools = _STATE["tools"]
             if tools is None:
-                tools = _STATE["tools"] = _tools()
+                tools = _STATE["tools"] = stream_tools()
             current_stream, runtime = tools
             kernel_run, consts = entry
             full = (*addrs, *args, *consts)
@@ -92,10 +94,8 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
         compiled[key] = (kernel_run, tuple(meta[n] for n in names))
 
 
-_data_ptr = torch.Tensor.data_ptr
-
-
-def _tools():
+def stream_tools():
+    """(current_stream(device) -> raw stream, Triton's runtime knobs): what a direct launch needs."""
     import triton
     from triton import knobs
 

@@ -10,7 +10,8 @@ pointers and launched.
     rerotate_direct / run_rerotate     the re-rotation of cached keys
 
 The steady-state eager call is: the public op (ropekit.api.*) -> prepare -> the op's per-call
-checks (ropekit.core.checks.*_call) -> the direct door -> its run step -> ropekit.core.launch:
+checks (ropekit.core.checks.*_call, called by the op, or inside the custom op when it runs)
+-> the direct door -> its run step -> ropekit.core.launch:
 six functions in four files, counted by tools/call_path.py and held by tests/test_call_path.py.
 So this path calls no helper per argument: keys are built in a loop here, strict mode is an
 attribute read, and no comprehension runs (each is a frame of its own before Python 3.12).
@@ -26,7 +27,6 @@ from operator import is_not
 import torch
 
 from . import plans, run
-from .checks import rerotate_call, store_call
 from .launch import launch
 from .memo import MEMO, remember
 from .variant import TRACED, Signature, Spec, Variant, arg_key
@@ -177,9 +177,9 @@ def run_rotate(
 
 
 def store_direct(spec: Spec, t: run.StoreOperands) -> None:
-    """The store's direct door (eager with or without autograd: the store records no graph): this
-    call's checks, the run, the written tensors' versions moved."""
-    store_call(spec, t)
+    """The store's direct door (eager with or without autograd: the store records no graph), after
+    this call's checks (checks.store_call, by the caller): the run, the written tensors' versions
+    moved."""
     run_store(spec, t)
     written = [t.q if t.q_out is None else t.q_out, t.k_cache, t.v_cache]
     if spec.variant.write_key:
@@ -240,8 +240,8 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
 
 
 def rerotate_direct(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
-    """The re-rotation's direct door: this call's checks, the run, the cache's version moved."""
-    rerotate_call(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
+    """The re-rotation's direct door, after this call's checks (checks.rerotate_call, by the
+    caller): the run, the cache's version moved."""
     run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
     _increment_version([k_cache])
 

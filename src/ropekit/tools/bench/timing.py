@@ -295,7 +295,7 @@ def direct_launch_floor(call: Callable[[], object], device) -> dict:
         return {"why": "no compiled kernel (CPU) or several for one plan"}
     kernel_run, consts = next(iter(compiled.values()))
     full = (*[p.data_ptr() for p in ptrs], *args, *consts)
-    stream = launching._tools()[0](ptrs[0].get_device())
+    stream = launching.stream_tools()[0](ptrs[0].get_device())
     g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     function, packed = kernel_run.function, kernel_run.packed_metadata
     run = kernel_run.run
