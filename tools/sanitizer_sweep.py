@@ -162,7 +162,7 @@ def close(got, want, dtype, what):
     got, want = got.double().cpu(), want.double().cpu()
     if dtype in FP8S and INTERPRETED:
         # the Triton interpreter's float32 -> fp8 cast is wrong when rounding carries into the
-        # exponent (1.99 -> 1.0) and flushes subnormals (see tests/test_store.py): a dry run checks
+        # exponent (1.99 -> 1.0) and flushes subnormals (see tests/ops/store/test_store.py): a dry run checks
         # fp8 rows loosely (and its NaN -> e4m3 cast gives 384); on the GPU they are held to half an ulp
         ok = ((got - want).abs() <= 0.5 * want.abs() + 2.0**-6) | want.isnan()
     elif dtype == FP8:  # e4m3: 3 mantissa bits, half an ulp is 2^-4 of the value (2^-10 when subnormal)

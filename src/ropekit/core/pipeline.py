@@ -11,8 +11,8 @@ pointers and launched.
 
 The steady-state eager call is: the public op (ropekit.api.*) -> prepare -> the op's per-call
 checks (ropekit.core.checks.*_call, called by the op, or inside the custom op when it runs)
--> the direct door -> its run step -> ropekit.core.launch:
-six functions in four files, counted by tools/call_path.py and held by tests/test_call_path.py.
+-> the direct door -> its run step -> ropekit.core.launch: six functions in four files, counted
+by `python -m ropekit.tools.call_path` and held by tests/ops/test_call_path.py.
 So this path calls no helper per argument: keys are built in a loop here, strict mode is an
 attribute read, and no comprehension runs (each is a frame of its own before Python 3.12).
 The autograd Function and the torch.library custom ops (ropekit.core.dispatch) run the same run

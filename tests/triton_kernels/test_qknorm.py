@@ -671,7 +671,7 @@ def test_store_weight_requiring_grad():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="relies on untouched pages of torch.empty (Linux overcommit)")
 def test_norm_offsets_past_2_31_are_right():
-    script = Path(__file__).parent / "helpers" / "big_offsets.py"
+    script = Path(__file__).resolve().parents[1] / "helpers" / "big_offsets.py"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     r = subprocess.run([sys.executable, str(script), "norm"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ropekit"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "src" / "ropekit"
 
 LAYERS = (
     # kernels: the entry points (rope, backward, store, rerotate), then the jit helpers they share

@@ -241,7 +241,7 @@ def test_prefetch_rule():
 
 
 # ---------------------------------------------------------------------------------------------
-# backward (plans.plan_norm_backward / fire_norm_backward, as tests/test_norm_backward.py)
+# backward (plans.plan_norm_backward / fire_norm_backward, as tests/triton_kernels/test_norm_backward.py)
 
 
 def check_backward(case, variant, mode, dtype=torch.float32, programs=2, whole=True, wdtype=None):

@@ -22,8 +22,8 @@ pytest.importorskip("torch.distributed.tensor", reason="needs torch.distributed.
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
-WORKER = Path(__file__).resolve().parent / "helpers" / "dtensor_worker.py"
-SRC = Path(__file__).resolve().parents[1] / "src"
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dtensor_worker.py"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def free_port() -> int:

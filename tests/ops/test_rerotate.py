@@ -1259,7 +1259,7 @@ def test_handled_rows():
     assert torch.equal(bits(a["k_cache"]._base[:, 1]), bits(base[:, 1]))
 
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 HANDLED_IDS = [
     "ok-rerotate-delta-out-of-range",
     "ok-rerotate-slot-padding",

@@ -29,7 +29,7 @@ from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 NAN = float("nan")
 T, HQ, HK, D = 4, 3, 2, 64
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -323,7 +323,7 @@ def test_helper_float64_parity(family, device, dtype, monkeypatch):
     assert want.dtype == torch.float64 and got.dtype == base.dtype and got.shape == want.shape
     if dtype == torch.float32:
         assert _rel(got, want) < 1e-6
-    else:  # one rounding each; the Triton interpreter's truncates (a whole ulp, tests/test_autograd.py)
+    else:  # one rounding each; the Triton interpreter's truncates (a whole ulp, tests/ops/test_autograd.py)
         factor = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 1.5
         assert _rel(got, want) <= factor * _rel(base, want) + 1e-6
 

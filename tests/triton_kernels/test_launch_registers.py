@@ -14,7 +14,7 @@ import sys
 import pytest
 
 triton = pytest.importorskip("triton")
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "launch_registers.py"
+TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "launch_registers.py"
 LINE = re.compile(r"rope_kernel warps=(\d+) .*'PREFETCH': (True|False).*Used (\d+) registers.*; (\d+) programs an SM")
 
 

@@ -122,8 +122,8 @@ def test_patch_bf16_within_unpatched_error(family, calls):
     assert calls
     # ropekit rounds once where diffusers rounds after the norm and again after the rotation:
     # its error against fp32 stays within the unpatched bf16 model's own (with a margin for noise).
-    # The Triton interpreter truncates fp32 -> bf16 (a whole ulp, tests/test_autograd.py): 3 times
-    # there, as tests/test_diffusers_helpers.py allows (Flux's to_q gradient measured 1.6 times)
+    # The Triton interpreter truncates fp32 -> bf16 (a whole ulp, tests/ops/test_autograd.py): 3 times
+    # there, as tests/integrations/test_diffusers_helpers.py allows (Flux's to_q gradient measured 1.6 times)
     factor = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 1.5
     assert _rel(out, ref_out) <= factor * _rel(base_out, ref_out) + 1e-3
     _grads_close(grads, ref_grads, 1e-3, base=base_grads, factor=factor)

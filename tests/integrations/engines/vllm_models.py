@@ -1,6 +1,6 @@
 """Tiny random-weight models through real vLLM, with the ropekit plugin selected and excluded.
 
-    python tests/engines/vllm_models.py [--out summary.json] [model ...]
+    python tests/integrations/engines/vllm_models.py [--out summary.json] [model ...]
 
 Builds each model with transformers (save_pretrained into a temporary folder), then runs two child
 processes of this script: one with VLLM_PLUGINS=ropekit (the plugin asked for), one with ropekit

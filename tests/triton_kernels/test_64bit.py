@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parent / "helpers" / "big_offsets.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "big_offsets.py"
 
 
 def run(mode):

@@ -26,7 +26,7 @@ from conftest import DEVICES  # noqa: E402
 from helpers.hf_models import TINY_LM, TINY_MLA  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("hf_unpatched")  # transformers unpatched around every test
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # module-level functions that take a table but rotate nothing (they reshape or stack it for a

@@ -14,7 +14,7 @@ import pytest
 
 import ropekit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(ropekit.__file__)))
 SCRIPTS = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py") and f != "rope_math.py")

@@ -4,7 +4,7 @@ Unit tests: the plugin acts only when asked (VLLM_PLUGINS naming ropekit, or ROP
 through vLLM's own plugin loader; each replacement constructed with vLLM's constructor signature
 has vLLM's buffers, and its forward (native, CUDA and CPU entries, in place) matches vLLM's own
 forward_native, evaluated in float64 on the same inputs and table; the Transformers backend's hook
-patches a Hugging Face model. End to end: tests/engines/vllm_models.py runs tiny random-weight
+patches a Hugging Face model. End to end: tests/integrations/engines/vllm_models.py runs tiny random-weight
 models through vLLM with the plugin asked for and installed but not asked.
 """
 

@@ -5,7 +5,7 @@ flag a patch that rotates the wrong way and a patch that did nothing. On CPU; th
 torch.compile of both variants in a test marked gpu.
 
 The CPU tests run ropekit's CPU path (TRITON_INTERPRET removed for the run: the interpreted
-kernels are covered by tests/test_vision_diffusers.py, and take seconds per step here). The
+kernels are covered by tests/integrations/test_vision_diffusers.py, and take seconds per step here). The
 diffusers models are left out when diffusers is not installed (the ViT needs transformers only).
 """
 
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 from ropekit.core import dispatch  # noqa: E402
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_dit.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_dit.py"
 HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
 DIFFUSERS_MODELS = ("flux", "wan", "flux2", "hunyuan_video15", "ltx2")
 MODELS = (DIFFUSERS_MODELS if HAS_DIFFUSERS else ()) + ("dinov3", "qwen3")

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-_SRC = Path(__file__).resolve().parents[1] / "src"
+_SRC = Path(__file__).resolve().parents[2] / "src"
 try:
     from ropekit import audit
 except ImportError:  # not installed: use the checkout
