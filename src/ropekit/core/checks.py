@@ -239,13 +239,16 @@ def rope_call(spec: Spec, args: dict, a, b) -> None:
     if args["inplace"]:
         # a cheap test on addresses first (inline: this runs on every in-place call): the exact
         # tests run only when the byte range of q or k (written) meets another argument's
-        ext, ptrs, meet = spec.extents, [], False
-        for x in (q, k, a, b, weights[0], weights[1]):
-            ptrs.append(0 if x is None else x.data_ptr())
+        ext, meet = spec.extents, False
+        ptrs = (q.data_ptr(), 0 if k is None else k.data_ptr(), 0 if a is None else a.data_ptr(), b.data_ptr())
+        if weights[0] is not None or weights[1] is not None:
+            ptrs += tuple(0 if w is None else w.data_ptr() for w in weights)
         for i in (0, 1):
-            for j in range(6):
-                if j != i and ext[i] and ext[j] and ptrs[i] < ptrs[j] + ext[j] and ptrs[j] < ptrs[i] + ext[i]:
-                    meet = True
+            lo, n = ptrs[i], ext[i]
+            if n:
+                for j in range(len(ptrs)):
+                    if j != i and ext[j] and lo < ptrs[j] + ext[j] and ptrs[j] < lo + n:
+                        meet = True
         if meet:
             read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
             aliasing.inplace_aliasing("apply_rope", q, k, read)

@@ -36,6 +36,11 @@ _SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _increment_version = torch.autograd.graph.increment_version
+_RECENT = 8  # recent signatures an op tries before its memo (a model's layers share a few)
+try:  # torch's compiled check of a tensor's dtype, device, dispatch keys, shape, strides, requires_grad
+    from torch._C._dynamo.guards import TensorGuards as _GUARDS
+except ImportError:
+    _GUARDS = None
 
 
 def prepare(sig: Signature, args: dict, check, keyed=None):
@@ -45,37 +50,58 @@ def prepare(sig: Signature, args: dict, check, keyed=None):
     when a value must not be part of it (a re-rotation's int shift: checked on every call, keyed
     by its type).
 
-    The key: the op, grad mode, each positional argument, then which keywords differ from their
-    defaults (one identity test each) and those keywords; a tensor as (type, shape, strides,
-    dtype, device, requires_grad), a scalar with its type (16 and 16.0 hash alike but validate
-    differently), anything else by variant.arg_key."""
+    The signature: grad mode, which keywords differ from their defaults (one identity test each),
+    each other argument with its type (16 and 16.0 hash alike but validate differently), and each
+    tensor's (shape, strides, dtype, device, requires_grad). Its recent signatures (sig.recent)
+    are tried first: the non-tensor part compared as a tuple, the tensors by torch's compiled
+    tensor guards (one C call, the check torch.compile's guards make); a miss builds the full key
+    and looks it up in the memo."""
     if _is_compiling():
         return check(args), TRACED
     values = args if keyed is None else keyed
-    key = [sig.op, _grad_enabled()]
+    tensors, pattern = [], None
     try:
         given = list(sig.leading(values))
         kw = sig.keywords(values)
         changed = tuple(map(is_not, kw, sig.defaults))
         if True in changed:
-            key.append(changed)
             given.extend(compress(kw, changed))
+            changed = tuple(compress(range(len(changed)), changed))  # the indices of those set
+        else:
+            changed = ()
+        pattern = [_grad_enabled(), changed]
         for x in given:
             t = type(x)
             if t is _Tensor:
-                key.append((t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+                tensors.append(x)
+                pattern.append(_Tensor)
             elif t in _SCALARS:
-                key.append((t, x))
-            else:
-                key.append(arg_key(x))
+                pattern.append((t, x))
+            else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
+                pattern.append(arg_key(x))
+        pattern = tuple(pattern)
+        for entry in sig.recent:
+            if entry[0] == pattern and entry[1].check(*tensors):
+                return entry[2], entry[2].door
+        key = [sig.op, pattern]
+        for x in tensors:
+            key.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
         key = tuple(key)
         spec = MEMO.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
-        key = spec = None
+        key = spec = pattern = None
     if spec is None:
         spec = check(args)
         if spec.settled:
             remember(key, spec)
+    elif _GUARDS is not None:  # a signature seen twice: tried first from now on
+        try:
+            guards = _GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        except Exception:  # a torch whose guards differ: the memo alone
+            guards = None
+        if guards is not None:
+            sig.recent.insert(0, (pattern, guards, spec))
+            del sig.recent[_RECENT:]
     return spec, spec.door
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from .memo import value_key
+from .memo import remembered, value_key
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # Variant.norm_q / norm_k: none, each head, all heads
@@ -321,13 +321,16 @@ class Signature(NamedTuple):
     leading: Callable  # args dict -> tuple of the positional parameters' values
     keywords: Callable  # args dict -> tuple of the keyword-only parameters' values
     defaults: tuple
+    recent: list  # the op's recent signatures, newest first: [(pattern, tensor guards, spec)]
 
     @staticmethod
     def of(fn, op: str = "") -> "Signature":
         params = inspect.signature(fn).parameters.values()
         lead = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
         kw = [p for p in params if p.kind is p.KEYWORD_ONLY]
-        return Signature(op or fn.__name__, _getter(lead), _getter([p.name for p in kw]), tuple(p.default for p in kw))
+        recent = remembered([])  # emptied with the memo
+        defaults = tuple(p.default for p in kw)
+        return Signature(op or fn.__name__, _getter(lead), _getter([p.name for p in kw]), defaults, recent)
 
 
 def _getter(names: list) -> Callable:
