@@ -1,4 +1,4 @@
-"""tools/launch_registers.py: a workload's real launches compiled for sm_90 without a GPU. The
+"""benchmarks/scripts/launch_registers.py: a workload's real launches compiled for sm_90 without a GPU. The
 prefetch knob must show in the recorded launch and cost registers (W14: k's 40 heads held during
 q's norm; 167 against 223 with Triton 3.6, 154 against 208 with 3.9), and the programs an SM must follow from the registers (65,536 a SM, 8-register
 allocation steps, at most 64 warps)."""
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 triton = pytest.importorskip("triton")
-TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "launch_registers.py"
+TOOL = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "scripts" / "launch_registers.py"
 LINE = re.compile(r"rope_kernel warps=(\d+) .*'PREFETCH': (True|False).*Used (\d+) registers.*; (\d+) programs an SM")
 
 

@@ -3,7 +3,7 @@
     rope(args)      apply_rope             angles(args)    rotate_with_angles / rotate_angles
     store(args)     apply_rope_and_store   rerotate(args)  rerotate_kv_cache
 
-Each runs once per call signature (ropekit.core.variant.spec_for memoizes its Spec) and reads only
+Each runs once per call signature (ropekit.core.pipeline.prepare memoizes its Spec) and reads only
 shapes, strides, dtypes and devices: the first bad argument raises ValueError (TypeError for a
 wrong type) naming it, before anything is written. What depends on a call's addresses or values is
 checked on every call by the `*_call` entries below (aliasing of written tensors, a new table,

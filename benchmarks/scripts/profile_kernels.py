@@ -1,9 +1,9 @@
-"""Usage: ncu --nvtx --nvtx-include "profiled/" [ncu options] python3 tools/profile_kernels.py NAME [--knob k=v]
+"""Usage: ncu --nvtx --nvtx-include "profiled/" [ncu options] python3 benchmarks/scripts/profile_kernels.py NAME [--knob k=v]
 
 One profiled call of a workload, for Nsight Compute: what stands between the kernels and the copy speed.
 
     ncu --clock-control none --nvtx --nvtx-include "profiled/" --section SpeedOfLight ... \
-        python3 tools/profile_kernels.py W7 [--knob store_head_loop=1]
+        python3 benchmarks/scripts/profile_kernels.py W7 [--knob store_head_loop=1]
 
 Warms the call up (compile, plan), then runs it once inside the NVTX range "profiled", so ncu's
 --nvtx-include filter profiles exactly that call's kernels. Names: the workloads of tune_core.py

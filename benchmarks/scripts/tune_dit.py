@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/tune_dit.py [--settings NAME,...] [--workloads W13,...] [--tiny] [--out FILE]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/tune_dit.py [--settings NAME,...] [--workloads W13,...] [--tiny] [--out FILE]
 
 The image / video prologue's knob sweep (benchmarks/PERF_LOG.md): W13, W13-FB, W14, W14-FB, W15 and,
 as regression guards, W1, W2 and W9 / W9-FB (Qwen3's per-head norm: its weight reads changed too),
@@ -149,7 +149,9 @@ def main():
     for wl in wls:
         results[wl.id], same[wl.id] = measure(wl, settings, device, copy["gbps"], cfg, log)
     same_pct = {w: 100 * same[w]["gbps"] / copy["gbps"] for w in results}
-    print(f"\n{name}, copy {copy['gbps']:.0f} GB/s, {versions}; `python3 tools/tune_dit.py {' '.join(sys.argv[1:])}`\n")
+    print(
+        f"\n{name}, copy {copy['gbps']:.0f} GB/s, {versions}; `python3 benchmarks/scripts/tune_dit.py {' '.join(sys.argv[1:])}`\n"
+    )
     print("| setting | " + " | ".join(results) + " |")
     print("|---" * (len(results) + 1) + "|")
     for n in settings:

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitizer_sweep.py [-n N]
+"""Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/scripts/sanitizer_sweep.py [-n N]
 
 Memory-checking sweep: every ropekit op over N seeded random configurations, checked against the
 float64 reference. Meant to run under CUDA's memcheck (the line above) and to end with
 `sweep: N configs, M ops, 0 failures` and memcheck's `ERROR SUMMARY: 0 errors`.
 Dry run without a GPU (the Triton kernels in the interpreter, on CPU tensors):
 
-    python3 tools/sanitizer_sweep.py --device cpu -n 40
+    python3 benchmarks/scripts/sanitizer_sweep.py --device cpu -n 40
 
 What a configuration covers (drawn with random.Random(seed)):
 - apply_rope: half-split and interleaved pairs, partial rotary, Dk != Dq, M-RoPE chunked and

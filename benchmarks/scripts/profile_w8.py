@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/profile_w8.py
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/profile_w8.py
 
 Where W8's time goes: forward + backward through autograd (Llama-3-8B shapes, B=4, S=4096).
 

@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/launch_registers.py W14 [--backward] [--sm 90] [knob=value ...]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/launch_registers.py W14 [--backward] [--sm 90] [knob=value ...]
 
 Registers a thread and programs an SM of an axial workload's launches (W13, W14, W15), without a
 GPU. The workload's call runs once on CPU tensors of its shape family (a token count past the

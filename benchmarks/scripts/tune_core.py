@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/tune_core.py [--out DIR]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/tune_core.py [--out DIR]
 
 Tile-size sweep and core numbers for apply_rope on one GPU (the tuning log's source).
 

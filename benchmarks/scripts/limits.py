@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/limits.py [--out DIR]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/limits.py [--out DIR]
 
 Two measurements of the kernels' limits, in one GPU process.
 

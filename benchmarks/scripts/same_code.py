@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Usage: python3 tools/same_code.py BASE_REV [--keep DIR]
+"""Usage: python3 benchmarks/scripts/same_code.py BASE_REV [--keep DIR]
 
 Do the usual variants of ropekit's kernels compile to the same code as at BASE_REV? A new kernel
 flag is meant to leave the common variants' generated code unchanged (its branches are constexpr),
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _programs(src: Path, out: Path) -> None:

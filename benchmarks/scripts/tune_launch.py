@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/tune_launch.py [--out DIR] [--only decode,store]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/tune_launch.py [--out DIR] [--only decode,store]
 
 Launch-shape sweeps for the launch-bound decode calls and the fused store, on one GPU.
 

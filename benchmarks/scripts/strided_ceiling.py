@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/strided_ceiling.py
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/strided_ceiling.py
 
 The access-pattern ceiling of W6: how fast can any kernel read and write back W6's
 bytes, the last 64 of every 192 bf16 elements of q (T=16384, 128 heads), without rotating them?

@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 tools/profile_host.py [--out FILE.json]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/profile_host.py [--out FILE.json]
 
 Host time of one steady-state eager call of each op, beside the floors measured in the same run on
 the same host: the direct launch of the same compiled kernel with its arguments prebuilt (what any
