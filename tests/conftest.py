@@ -8,9 +8,17 @@ parameter's test id says it too ("cpu-interpreter" or "cpu-torch"; "cuda" for th
 """
 
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
+
+# Test files share helpers by module name (`from test_store import Caches`) across folders: every
+# folder that holds test files is importable, whichever subset of the suite runs.
+for _folder in sorted({p.parent for p in pathlib.Path(__file__).parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
