@@ -211,7 +211,7 @@ class Spec:
         "inplace",
         "out_dtype",
         "twin",
-        "halves",
+        "alone",
         "table",
         "norm_eps",
         "norm_offset",
@@ -257,7 +257,7 @@ class Spec:
         self.inplace = inplace  # the rotation writes into q and k (autograd: marked dirty)
         self.out_dtype = out_dtype  # dtype of fresh outputs (None: the input's)
         self.twin = None  # an in-place spec's out-of-place twin (its backward writes fresh tensors)
-        self.halves = None  # specs for q alone and k alone (in-place views under autograd)
+        self.alone = None  # specs for q alone and k alone (in-place views under autograd)
         self.norm_eps = norm_eps  # with variant.normed: RMSNorm's epsilon
         self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
         self.copy_in = copy_in  # q or k has a last stride other than 1: read through a contiguous copy
@@ -270,7 +270,7 @@ class Spec:
     def _copy(self, inplace: bool) -> "Spec":
         twin = Spec(self.variant, self.rot, self.door, self.triton)
         for name in self.__slots__:
-            if name not in ("plans", "alias", "twin", "halves", "table", "normed", "views", "plan"):
+            if name not in ("plans", "alias", "twin", "alone", "table", "normed", "views", "plan"):
                 setattr(twin, name, getattr(self, name))
         twin.inplace = inplace
         return twin
@@ -285,9 +285,9 @@ class Spec:
 
     def split(self) -> tuple:
         """Two specs like this one, for q alone and for k alone (each keeps its own launch plans)."""
-        if self.halves is None:
-            self.halves = (self._copy(self.inplace), self._copy(self.inplace))
-        return self.halves
+        if self.alone is None:
+            self.alone = (self._copy(self.inplace), self._copy(self.inplace))
+        return self.alone
 
 
 # ---------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ class Form(NamedTuple):
     # "complex": (xq, xk, freqs_cis), q / k (B, S, H, D), complex64 freqs_cis (B or 1, S, D/2);
     # "gptj", "x_bcast", "prefix", "complex_flat", "pairs_2d" (ADAPTED): rewritten onto "x" / "qk" /
     # "complex" by `call`
-    table: str  # "halves": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
+    table: str  # "repeated": cos rows [f, f] (width R); "pairs": [f0, f0, f1, f1, ...]; "narrow": [f] (width R/2)
     pairs_in: bool  # the input pairs are (2i, 2i + 1); else (i, i + R/2)
     pairs_out: bool  # the output pairs are (2i, 2i + 1)
     partial: bool  # a table narrower than the head rotates dims [0, R) and passes the rest through
@@ -165,23 +165,23 @@ class Form(NamedTuple):
 
 
 FORMS: Tuple[Form, ...] = (
-    Form("llama", "qk", "halves", False, False, False, "promote", "half-split (Llama)"),
-    Form("neox", "qk", "halves", False, False, True, "promote", "half-split, partial rotary (GPT-NeoX, Phi-3)"),
+    Form("llama", "qk", "repeated", False, False, False, "promote", "half-split (Llama)"),
+    Form("neox", "qk", "repeated", False, False, True, "promote", "half-split, partial rotary (GPT-NeoX, Phi-3)"),
     # "own" and "q" agree on every call the kernel takes (it takes q and k of one dtype only): OLMo's
     # cast to each input's dtype and ESM / ModernBERT's float32 math cast to q's dtype are one form
-    Form("olmo", "qk", "halves", False, False, False, "own", "half-split, outputs in the inputs' dtype (OLMo, ESM)"),
-    Form("glm", "qk", "halves", True, True, True, "promote", "pairs, partial rotary (GLM)"),
-    Form("pairs", "qk", "halves", True, True, False, "promote", "pairs from a half-split table (Helium)"),
-    Form("ernie", "qk", "halves", True, True, False, "q", "pairs from a half-split table, q's dtype (ERNIE 4.5)"),
+    Form("olmo", "qk", "repeated", False, False, False, "own", "half-split, outputs in the inputs' dtype (OLMo, ESM)"),
+    Form("glm", "qk", "repeated", True, True, True, "promote", "pairs, partial rotary (GLM)"),
+    Form("pairs", "qk", "repeated", True, True, False, "promote", "pairs from a half-split table (Helium)"),
+    Form("ernie", "qk", "repeated", True, True, False, "q", "pairs from a half-split table, q's dtype (ERNIE 4.5)"),
     Form("cohere", "qk", "pairs", True, True, False, "q", "pairs, pair table, q's dtype (Cohere)"),
     Form("pairs_table", "qk", "pairs", True, True, False, "promote", "pairs, pair table (BLT)"),
     Form("glm4v", "qk", "pairs", True, True, True, "promote", "pairs, pair table, partial rotary (GLM-4V)"),
-    Form("deepseek", "qk", "halves", True, False, False, "promote", "pairs in, half-split out (DeepSeek-V3)"),
+    Form("deepseek", "qk", "repeated", True, False, False, "promote", "pairs in, half-split out (DeepSeek-V3)"),
     Form("narrow", "qk", "narrow", False, False, False, "promote", "half-split, table of R/2 columns (GPT-OSS)"),
-    Form("gemma4", "x", "halves", False, False, False, "promote", "half-split, one tensor (Gemma 3n / 4)"),
-    Form("vision", "vision", "halves", False, False, False, "own", "half-split vision tokens (S, H, D)"),
+    Form("gemma4", "x", "repeated", False, False, False, "promote", "half-split, one tensor (Gemma 3n / 4)"),
+    Form("vision", "vision", "repeated", False, False, False, "own", "half-split vision tokens (S, H, D)"),
     Form("llama4", "complex", "complex", True, True, False, "own", "pairs times complex freqs_cis (Llama 4)"),
-    Form("nanochat", "qk", "halves", False, False, False, "promote", "half-split by -angle (NanoChat)", reverse=True),
+    Form("nanochat", "qk", "repeated", False, False, False, "promote", "half-split by -angle (NanoChat)", reverse=True),
     Form("narrow_pairs", "qk", "narrow", True, True, False, "promote", "pairs, table of R/2 columns (Privacy Filter)"),
     Form(
         "deepseek_v4",
@@ -198,7 +198,7 @@ FORMS: Tuple[Form, ...] = (
     Form("narrow_x", "x_bcast", "narrow", False, False, False, "promote", "half-split, one tensor, tables as given"),
     Form("narrow_pairs_x", "x_bcast", "narrow", True, True, False, "promote", "pairs, one tensor, tables as given"),
     Form("pairs_x", "x_bcast", "pairs", True, True, True, "own", "pairs, partial, one tensor (MusicFlamingo)"),
-    Form("prefix", "prefix", "halves", False, False, False, "promote", "half-split, prefix tokens passed (DINOv3)"),
+    Form("prefix", "prefix", "repeated", False, False, False, "promote", "half-split, prefix tokens passed (DINOv3)"),
     Form("deepseek_v2", "complex", "complex_bhsd", True, True, False, "own", "pairs times freqs_cis, (B, H, S, D)"),
     Form(
         "llama4_vision",
