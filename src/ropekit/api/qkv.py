@@ -10,12 +10,13 @@ kind and the shape class, which benchmarks/qkv_gemm.py fills; docs/qkv.md.
 
 The backward of the fused path is the projection's (dx = dy @ W, dW = dy^T @ x, by torch.matmul)
 after the rotation's: without a norm, ropekit.apply_rope(inverse=True) on the q and k gradients,
-written into dy directly; with one, the norm-and-rotation's own backward through ropekit.apply_rope
-under autograd, from the q and k heads before the norm that the forward kernel saved.
+written into dy directly; with one, apply_rope's own norm backward step (one launch per tensor)
+on the q and k heads before the norm, which the forward kernel saved.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 
 from ..core import checks, run
 from ..core.args import FLOAT_DTYPES, INDEX_DTYPES, NUMBERS, TABLE_DTYPES, dtype_name, fail, tensor
+from ..core.memo import lookup, remember
 from ..core.strict import is_strict, positions_in_range
+from ..core.variant import arg_key
 from ..kernels.qkv_gemm import qkv_rope_gemm
 from .ops import apply_rope
 
@@ -211,25 +214,34 @@ class QKVRopeFunction(torch.autograd.Function):
 
 
 def _norm_backward(pre, gq, gk, pos, cache, wq, wk, shape, need_wq, need_wk, dq, dk):
-    """The gradients of norm-then-rotate, by ropekit.apply_rope's own backward: dq and dk written,
-    (d wq, d wk) returned (None where not wanted)."""
+    """The gradients of norm-then-rotate from the saved q and k heads before the norm: dq and dk
+    written, (d wq, d wk) returned (None where not wanted). apply_rope's own backward step
+    (ropekit.core.run.run_norm_backward: one launch per tensor, the rms recomputed in it), under the
+    spec apply_rope's checks give the same call (memoized by the call's layout)."""
     n_q, n_kv, d, rot, interleaved, eps = shape
-    pq = pre[:, :n_q].detach().requires_grad_()
-    pk = pre[:, n_q:].detach().requires_grad_()
-    wq_ = None if wq is None else wq.detach().requires_grad_(bool(need_wq))
-    wk_ = None if wk is None else wk.detach().requires_grad_(bool(need_wk))
-    with torch.enable_grad():
-        oq, ok = apply_rope(
-            pq, pk, pos, cache, interleaved=interleaved, rotary_dim=rot,
-            q_norm_weight=wq_, k_norm_weight=wk_, norm_eps=eps,
-        )  # fmt: skip
-    inputs = [pq, pk] + [w for w in (wq_, wk_) if w is not None and w.requires_grad]
-    grads = list(torch.autograd.grad((oq, ok), inputs, (gq, gk)))
-    dq.copy_(grads[0])
-    dk.copy_(grads[1])
-    dwq = grads.pop(2) if wq_ is not None and wq_.requires_grad else None
-    dwk = grads.pop(2) if wk_ is not None and wk_.requires_grad else None
-    return dwq, dwk
+    pq, pk = pre[:, :n_q], pre[:, n_q:]
+    spec = _rope_spec(pq, pk, pos, cache, wq, wk, rot, interleaved, eps)
+    v = spec.variant
+    dws = []
+    for x, g, w, mode, dst, need in ((pq, gq, wq, v.norm_q, dq, need_wq), (pk, gk, wk, v.norm_k, dk, need_wk)):
+        gx, dw = run.run_norm_backward(spec, v, x, g, w, mode, pos, cache)
+        dst.copy_(gx)
+        dws.append(dw if need and dw is not None else None)
+    return dws[0], dws[1]
+
+
+_ROPE_DEFAULTS = {n: p.default for n, p in inspect.signature(apply_rope).parameters.items()}
+
+
+def _rope_spec(q, k, pos, cache, wq, wk, rot, interleaved, eps):
+    """apply_rope's Spec for rotating (q, k) with these norm weights (validated by its checks)."""
+    key = ("rope_qkv_projection norm backward", rot, interleaved, eps, *map(arg_key, (q, k, pos, cache, wq, wk)))
+    spec = lookup(key)
+    if spec is None:
+        args = dict(_ROPE_DEFAULTS, q=q, k=k, positions=pos, cos_sin_cache=cache, interleaved=interleaved)
+        args.update(rotary_dim=rot, q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps)
+        spec = remember(key, checks.rope(args))
+    return spec
 
 
 def _on(name, t, device) -> None:

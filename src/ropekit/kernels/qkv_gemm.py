@@ -38,9 +38,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _dot_tile(acc, x, w_ptrs, k_ok, col_ok, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += x @ W[cols, k-block]^T for one gathered column tile (w_ptrs: (BLOCK_K, C) pointers)."""
-    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+def _dot_tile(
+    acc,
+    x,
+    w_ptrs,
+    k_ok,
+    col_ok,
+    EVEN_K: tl.constexpr,
+    ALL_COLS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc += x @ W[cols, k-block]^T for one gathered column tile (w_ptrs: (BLOCK_K, C) pointers).
+    Masks only where a lane can be out of bounds (EVEN_K: every k block is whole; ALL_COLS: no
+    padded column), so that the common shapes load unmasked 16-byte vectors."""
+    if EVEN_K:
+        if ALL_COLS:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     if UPCAST:  # x arrives upcast already
         w = w.to(tl.float32)
     return tl.dot(x, w, acc, input_precision=PRECISION)
@@ -139,7 +157,8 @@ def qkv_rope_gemm_kernel(
         nt = t_head * D + col_t
 
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks.to(tl.int64)[None, :] * stride_xk
+    # rows past T read row T - 1 (in bounds, never stored): the x loads need no row mask
+    x_ptrs = x_ptr + tl.minimum(rows, T - 1)[:, None] * stride_xm + ks.to(tl.int64)[None, :] * stride_xk
     w1_ptrs = w_ptr + n1[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
     w2_ptrs = w_ptr + n2[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
     if TAIL_PAD > 0:
@@ -152,17 +171,17 @@ def qkv_rope_gemm_kernel(
     if TAIL_PAD > 0:
         at = tl.zeros((BLOCK_M, G * TAIL_PAD), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
         if EVEN_K:
-            k_ok = ks < BLOCK_K
+            x = tl.load(x_ptrs)
         else:
-            k_ok = ks < K - k0
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
-        a1 = _dot_tile(a1, x, w1_ptrs, k_ok, pair_ok, PRECISION, UPCAST)
-        a2 = _dot_tile(a2, x, w2_ptrs, k_ok, pair_ok, PRECISION, UPCAST)
+        a1 = _dot_tile(a1, x, w1_ptrs, k_ok, pair_ok, EVEN_K, HALF == HALF_PAD, PRECISION, UPCAST)
+        a2 = _dot_tile(a2, x, w2_ptrs, k_ok, pair_ok, EVEN_K, HALF == HALF_PAD, PRECISION, UPCAST)
         if TAIL_PAD > 0:
-            at = _dot_tile(at, x, wt_ptrs, k_ok, tail_ok, PRECISION, UPCAST)
+            at = _dot_tile(at, x, wt_ptrs, k_ok, tail_ok, EVEN_K, D - 2 * HALF == TAIL_PAD, PRECISION, UPCAST)
             wt_ptrs += step_w
         x_ptrs += step_x
         w1_ptrs += step_w
