@@ -191,33 +191,17 @@ def qkv_rope_gemm_kernel(
     is_q = head0 < n_q_heads
     is_v = head0 >= n_q_heads + n_k_heads
     out_rows = out_ptr + rows[:, None] * stride_om
-    o1 = out_rows + c_head[None, :] * stride_oh + col1[None, :]
-    o2 = out_rows + c_head[None, :] * stride_oh + col2[None, :]
-    m_pair = row_ok[:, None] & pair_ok[None, :]
-    if TAIL_PAD > 0:
-        ot = out_rows + t_head[None, :] * stride_oh + col_t[None, :]
-        m_tail = row_ok[:, None] & tail_ok[None, :]
     if is_v:
-        tl.store(o1, a1.to(out_ptr.dtype.element_ty), mask=m_pair)
-        tl.store(o2, a2.to(out_ptr.dtype.element_ty), mask=m_pair)
+        _store_pairs(out_rows, stride_oh, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
         if TAIL_PAD > 0:
-            tl.store(ot, at.to(out_ptr.dtype.element_ty), mask=m_tail)
+            _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
     else:
         if PRE:
             # the projection before norm and rotation, rounded as an unfused projection would be
             pre_rows = pre_ptr + rows[:, None] * stride_pm
-            tl.store(
-                pre_rows + c_head[None, :] * stride_ph + col1[None, :], a1.to(pre_ptr.dtype.element_ty), mask=m_pair
-            )
-            tl.store(
-                pre_rows + c_head[None, :] * stride_ph + col2[None, :], a2.to(pre_ptr.dtype.element_ty), mask=m_pair
-            )
+            _store_pairs(pre_rows, stride_ph, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
             if TAIL_PAD > 0:
-                tl.store(
-                    pre_rows + t_head[None, :] * stride_ph + col_t[None, :],
-                    at.to(pre_ptr.dtype.element_ty),
-                    mask=m_tail,
-                )
+                _store_tail(pre_rows, stride_ph, head0, row_ok, at, D, HALF, TAIL_PAD, G)
         if NORM_Q or NORM_K:
             # q and k blocks share this code: a scalar select of the flag and the weight
             normed = tl.where(is_q, NORM_Q, NORM_K) != 0
@@ -243,31 +227,83 @@ def qkv_rope_gemm_kernel(
         sin = tl.load(ang + HALF, mask=m_ang, other=float("nan")).to(tl.float32)
         r1 = a1 * cos - a2 * sin
         r2 = a2 * cos + a1 * sin
-        tl.store(o1, r1.to(out_ptr.dtype.element_ty), mask=m_pair)
-        tl.store(o2, r2.to(out_ptr.dtype.element_ty), mask=m_pair)
+        _store_pairs(out_rows, stride_oh, head0, row_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
         if TAIL_PAD > 0:
-            tl.store(ot, at.to(out_ptr.dtype.element_ty), mask=m_tail)
+            _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
+
+
+@triton.jit
+def _store_pairs(
+    row_ptrs,
+    stride_h,
+    head0,
+    row_ok,
+    r1,
+    r2,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    G: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Store the pair tiles of G heads (row_ptrs: (BLOCK_M, 1) row pointers). Half-split: r1 to
+    columns [0, HALF), r2 to [HALF, 2 HALF) of each head, two runs of contiguous columns.
+    Interleaved: r1 and r2 joined lane by lane into one tile (pair i at columns 2i, 2i + 1), so the
+    store is contiguous too (no stride-2 stores)."""
+    dtype = row_ptrs.dtype.element_ty
+    if INTERLEAVED:
+        r = tl.reshape(tl.join(r1, r2), (BLOCK_M, G * 2 * HALF_PAD))
+    else:
+        r = tl.join(tl.reshape(r1, (BLOCK_M, G, HALF_PAD)), tl.reshape(r2, (BLOCK_M, G, HALF_PAD)))
+        r = tl.reshape(tl.permute(r, (0, 1, 3, 2)), (BLOCK_M, G * 2 * HALF_PAD))
+    c = tl.arange(0, G * 2 * HALF_PAD)
+    within = c % (2 * HALF_PAD)  # lane within the head's [r1 | r2] or (r1, r2) pairs
+    if INTERLEAVED:
+        col = within
+        ok = within < 2 * HALF
+    else:
+        col = tl.where(within < HALF_PAD, within, within - HALF_PAD + HALF)
+        ok = (within % HALF_PAD) < HALF
+    ptrs = row_ptrs + (head0 + c // (2 * HALF_PAD))[None, :] * stride_h + col[None, :]
+    tl.store(ptrs, r.to(dtype), mask=row_ok[:, None] & ok[None, :])
+
+
+@triton.jit
+def _store_tail(
+    row_ptrs, stride_h, head0, row_ok, at, D: tl.constexpr, HALF: tl.constexpr, TAIL_PAD: tl.constexpr, G: tl.constexpr
+):
+    """Store the tail tile of G heads: columns [2 HALF, D) of each head."""
+    t = tl.arange(0, G * TAIL_PAD)
+    j = t % TAIL_PAD
+    ptrs = row_ptrs + (head0 + t // TAIL_PAD)[None, :] * stride_h + (2 * HALF + j)[None, :]
+    tl.store(ptrs, at.to(row_ptrs.dtype.element_ty), mask=row_ok[:, None] & (j < D - 2 * HALF)[None, :])
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def tile_config(T: int, K: int, D: int, rot: int, n_q_heads: int, n_k_heads: int, on_gpu: bool) -> dict:
-    """Fixed tile sizes by shape (no autotuning): G heads per program (2 for heads of 64 or less
-    columns per rotary half, when both head counts are even), BLOCK_M rows, BLOCK_K of the
-    reduction, warps and pipeline stages. Every tile dimension of a dot is at least 16."""
+def tile_config(
+    T: int, K: int, D: int, rot: int, n_q_heads: int, n_k_heads: int, on_gpu: bool, itemsize: int = 2
+) -> dict:
+    """Fixed tile sizes by shape (no autotuning): G heads per program, BLOCK_M rows, BLOCK_K of the
+    reduction, warps and pipeline stages. Every tile dimension of a dot is at least 16.
+
+    G = 2 (a 128 x 256 tile at head size 128, two 64 x 128 wgmma accumulators per warpgroup) for
+    heads without a tail whose rotary half is at most 64 columns, when both head counts are even;
+    G = 1 otherwise (a tail is a third accumulator: two heads of them would spill registers).
+    fp32 inputs (itemsize 4): G = 1 and half the k block (registers and shared memory)."""
     half_pad = max(16, _pow2(rot // 2))
-    tail = D - rot
-    tail_pad = 0 if tail == 0 else max(16, _pow2(tail))
-    cols = 2 * half_pad + tail_pad  # accumulator columns per head
-    g = 2 if (cols <= 128 and n_q_heads % 2 == 0 and n_k_heads % 2 == 0) else 1
+    tail_pad = 0 if D == rot else max(16, _pow2(D - rot))
     if not on_gpu:  # the interpreter: small tiles, fewer wasted lanes
         return dict(G=1, BLOCK_M=16, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     block_m = 128 if T >= 128 else 64
-    if g * cols >= 256:
-        return dict(G=g, BLOCK_M=block_m, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(G=g, BLOCK_M=block_m, BLOCK_K=64, GROUP_M=8, num_warps=8 if g * cols >= 128 else 4, num_stages=4)
+    block_k = 64 if itemsize <= 2 else 32
+    two = tail_pad == 0 and half_pad <= 64 and itemsize <= 2 and n_q_heads % 2 == 0 and n_k_heads % 2 == 0
+    if two:
+        return dict(G=2, BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+    cols = 2 * half_pad + tail_pad
+    return dict(G=1, BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, num_warps=8 if cols >= 128 else 4, num_stages=4)
 
 
 def qkv_rope_gemm(
@@ -296,7 +332,7 @@ def qkv_rope_gemm(
     if T == 0:
         return
     half = rotary_dim // 2
-    cfg = dict(config or tile_config(T, K, head_dim, rotary_dim, n_q_heads, n_k_heads, x.is_cuda))
+    cfg = dict(config or tile_config(T, K, head_dim, rotary_dim, n_q_heads, n_k_heads, x.is_cuda, x.element_size()))
     g = cfg.pop("G")
     if n_q_heads % g or n_k_heads % g:  # a block holds heads of one kind only
         g = 1
