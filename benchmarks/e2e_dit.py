@@ -64,7 +64,7 @@ fails): training, the patched loss equals the unpatched one within `--loss-rtol`
 (same weights, upcast, no grad) is within 1.5x the unpatched output's own error plus 1e-3
 (float32: 1e-5). The loss alone is a weak check (an MSE to a random target barely moves when the
 output does); the output check catches a rotation by the wrong angle. The first patched step also
-counts ropekit's calls (every call of an op goes through `ropekit.core.dispatch.through`): a patch that did
+counts ropekit's calls (every call of a rotation op goes through one of `ropekit.core.dispatch.ROTATE`'s doors): a patch that did
 nothing shows 0, and that row fails too. Peak memory: `torch.cuda.max_memory_allocated` over each
 variant's steps.
 
@@ -675,21 +675,24 @@ def first_step(step: Callable, device: torch.device, count: bool) -> dict:
     """The first step, wall-timed (compilation included when compiled): its loss and outputs, and
     with count, ropekit's eager rotation calls (all of them, and those with a fused norm weight).
     Every call of ropekit's public rotation ops (apply_rope, rotate_angles, rotate_with_angles)
-    goes through `ropekit.core.dispatch.through` with the rotation's doors, whichever integration
-    made it."""
+    goes through one of the rotation's doors (`ropekit.core.dispatch.ROTATE`), whichever
+    integration made it."""
     from ropekit.core import dispatch
 
-    real = dispatch.through
+    real = dict(dispatch.ROTATE)
     calls = {"ropekit_calls": 0, "fused_norm_calls": 0}
 
-    def counting(door, doors, spec, *args, **kwargs):
-        if doors is dispatch.ROTATE:
+    def counting(door):
+        def counted(spec, *args, **kwargs):
             calls["ropekit_calls"] += 1
             calls["fused_norm_calls"] += bool(spec.variant.normed)
-        return real(door, doors, spec, *args, **kwargs)
+            return door(spec, *args, **kwargs)
+
+        return counted
 
     if count:
-        dispatch.through = counting
+        for name, door in real.items():
+            dispatch.ROTATE[name] = counting(door)
     try:
         sync(device)
         t = time.perf_counter()
@@ -697,7 +700,7 @@ def first_step(step: Callable, device: torch.device, count: bool) -> dict:
         sync(device)
         first_s = time.perf_counter() - t
     finally:
-        dispatch.through = real
+        dispatch.ROTATE.update(real)
     result = dict(loss=None if loss is None else loss.item(), outputs=outs, first_step_s=first_s)
     return dict(result, **(calls if count else {}))
 

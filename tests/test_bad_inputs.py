@@ -24,7 +24,7 @@ import torch
 
 import ropekit
 from ropekit.api.store import apply_rope_and_store
-from ropekit.core import memo, plans, strict
+from ropekit.core import memo, pipeline, plans, strict
 from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
@@ -1535,6 +1535,7 @@ def path(request, monkeypatch, poison):
         return real(kernel, compiled, variant, grid, *rest)
 
     monkeypatch.setattr(plans, "launch_kernel", counted)
+    monkeypatch.setattr(pipeline, "launch", counted)
     yield ("cuda" if request.param == "cuda" else "cpu"), launches
     memo.clear()
 

@@ -111,12 +111,15 @@ def test_wrong_rotation_fails_the_check(e2e, monkeypatch):
     wrong sign is armed only after the patch is in place: the patches verify each rotary helper
     against ropekit first, and a helper that disagrees is left alone (nothing would then rotate
     wrongly)."""
-    real_run, real_set = dispatch.through, e2e.set_patched
+    real_set = e2e.set_patched
     armed = []
 
-    def backwards(door, doors, spec, q, k, a, b, *args, **kwargs):
-        assert spec.variant.angles == "tokens"  # (cos, sin) per token: b is sin
-        return real_run(door, doors, spec, q, k, a, -b if armed else b, *args, **kwargs)
+    def backwards(door):
+        def negated(spec, q, k, a, b, *args, **kwargs):
+            assert spec.variant.angles == "tokens"  # (cos, sin) per token: b is sin
+            return door(spec, q, k, a, -b if armed else b, *args, **kwargs)
+
+        return negated
 
     def set_then_arm(model, library, patched):
         armed.clear()
@@ -124,7 +127,8 @@ def test_wrong_rotation_fails_the_check(e2e, monkeypatch):
         armed.extend([True] if patched else [])
         return report
 
-    monkeypatch.setattr(dispatch, "through", backwards)
+    for name, door in list(dispatch.ROTATE.items()):
+        monkeypatch.setitem(dispatch.ROTATE, name, backwards(door))
     monkeypatch.setattr(e2e, "set_patched", set_then_arm)
     rows = quick(e2e)
     for r in rows:

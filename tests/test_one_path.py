@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import checks, packed, plans, sharding
+from ropekit.core import checks, packed, pipeline, sharding
 from ropekit.core.variant import Variant
 from ropekit.tools import reference
 
@@ -170,8 +170,8 @@ def test_norm_and_axial_angles_in_one_launch(device, monkeypatch):
     w = (torch.rand(H * D, generator=g) + 0.5).to(device)
     launches = []
     if checks.triton_runs(q):
-        real = plans.fire_rotate
-        monkeypatch.setattr(plans, "fire_rotate", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
+        real = pipeline.launch
+        monkeypatch.setattr(pipeline, "launch", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
     qo, _ = ropekit.apply_rope(
         q, None, pos.to(device), None, inv_freq=f.to(device), axes=axes, interleaved=True, q_norm_weight=w
     )

@@ -28,7 +28,7 @@ import torch
 
 import ropekit
 from ropekit.api.rerotate import rerotate_kv_cache
-from ropekit.core import memo, plans, strict
+from ropekit.core import memo, pipeline, strict
 from ropekit.tools import reference
 
 try:
@@ -379,8 +379,8 @@ def test_both_cpu_paths(monkeypatch, path, tables):
     from ropekit.core import checks
 
     fired = []
-    real_fire = plans.fire_rerotate
-    monkeypatch.setattr(plans, "fire_rerotate", lambda *a: (fired.append(1), real_fire(*a)))
+    real_launch = pipeline.launch
+    monkeypatch.setattr(pipeline, "launch", lambda *a: (fired.append(1), real_launch(*a)))
     monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
     memo.clear()
     r = random.Random(path + tables)

@@ -16,7 +16,7 @@ import triton.language  # noqa: F401
 
 import ropekit
 from ropekit import selfcheck
-from ropekit.core import cpu, memo, plans
+from ropekit.core import cpu, memo, pipeline
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_selfcheck_runs_the_cpu_path_users_get(monkeypatch, restore_path):
     calls = []
     real = cpu.rope
     monkeypatch.setattr(cpu, "rope", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    monkeypatch.setattr(plans, "fire_rotate", lambda *a: pytest.fail("a Triton launch on the CPU path"))
+    monkeypatch.setattr(pipeline, "launch", lambda *a: pytest.fail("a Triton launch on the CPU path"))
     lines = []
     passed, failed, missing = selfcheck.run_checks("cpu", out=lines.append)
     assert failed == 0, "\n".join(lines)

@@ -7,12 +7,12 @@
     rotate_angles(...)                                 the same for ropekit.hf: HF's (B, H, S, D)
                                                        layout and HF's unsliced cos / sin tables
 
-Every op goes the one call path: its arguments by name (a dict; ropekit.core.variant.public
-generates each op from its declaration) -> the memoized spec of their signature
-(ropekit.core.variant.spec_for; validated once by the op's entry in ropekit.core.checks,
-whose `Variant` is the record of every flag) -> this call's address checks -> one door
-(ropekit.core.dispatch.through). What is written here is each op's own part: its keywords, the
-angle operands it hands the run, and the rotation's views (layouts, rotated part last).
+Every op goes the one call path (ropekit.core.pipeline): its arguments by name -> `prepare`, the
+memoized spec of their signature (validated once by the op's entry in ropekit.core.checks, whose
+`Variant` is the record of every flag) -> this call's checks (checks.rope_call) -> the door the
+spec names (dispatch.ROTATE: direct, autograd Function, custom op). What is written here is each
+op's own part: its keywords, the angle operands it hands the run, and the rotation's views
+(layouts, rotated part last).
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import torch
 
 from ..core import checks, dispatch, forms, run
 from ..core.args import fail
+from ..core.dispatch import ROTATE
+from ..core.pipeline import prepare
 from ..core.run import angle_views, saturate, scale_tensor, unit_last_stride
-from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec, public, spec_for
+from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec
 
 Scale = Union[None, float, torch.Tensor]
 
@@ -142,20 +144,58 @@ def apply_rope(
     cannot be rotated in place, as with any in-place torch op).
     """
 
-
-def _apply_rope(args: dict):
-    """apply_rope's body, given its arguments by name (variant.public)."""
-    spec, door = spec_for(_ROPE, args, checks.rope)
-    q, k = args["q"], args["k"]
-    a, b = _operands(spec, args["positions"], args["cos_sin_cache"], args["cu_seqlens"], args["inv_freq"])
+    args = {
+        "q": q,
+        "k": k,
+        "positions": positions,
+        "cos_sin_cache": cos_sin_cache,
+        "interleaved": interleaved,
+        "rotary_dim": rotary_dim,
+        "mrope_section": mrope_section,
+        "mrope_interleaved": mrope_interleaved,
+        "inplace": inplace,
+        "q_norm_weight": q_norm_weight,
+        "k_norm_weight": k_norm_weight,
+        "norm_eps": norm_eps,
+        "norm_weight_offset": norm_weight_offset,
+        "cu_seqlens": cu_seqlens,
+        "cp_size": cp_size,
+        "cp_rank": cp_rank,
+        "inverse": inverse,
+        "out_dtype": out_dtype,
+        "q_scale": q_scale,
+        "k_scale": k_scale,
+        "layout": layout,
+        "inv_freq": inv_freq,
+        "axes": axes,
+        "q_out": q_out,
+        "k_out": k_out,
+        "rotary_position": rotary_position,
+        "q_nope": q_nope,
+        "k_nope": k_nope,
+    }
+    spec, door = prepare(_ROPE, args, checks.rope)
+    # (a, b), the angle operands of the run, for each angle source
+    angles = spec.variant.angles
+    if angles == "freqs":
+        a, b = positions, inv_freq
+    elif angles == "packed":
+        a, b = cu_seqlens, cos_sin_cache
+    else:
+        a, b = positions, cos_sin_cache
+        if a is not None and spec.variant.seq_first:  # (S, B) -> the kernel's (B, S)
+            a = a.transpose(-1, -2)
+        if spec.angle_shape is not None:  # positions with size-1 dims (HF's (1, S)): an expand view
+            a = a.expand(spec.angle_shape)
     if door is not TRACED:
         checks.rope_call(spec, args, a, b)
-    scales = _scales(q.device, args["q_scale"], args["k_scale"]) if spec.variant.scaled else None
-    weights, parts = (args["q_norm_weight"], args["k_norm_weight"]), (args["q_nope"], args["k_nope"])
-    return _views(spec, door, q, k, a, b, weights, scales, args["q_out"], args["k_out"], parts)
+    scales = _scales(q.device, q_scale, k_scale) if spec.variant.scaled else None
+    weights = (q_norm_weight, k_norm_weight)
+    if spec.views:
+        return _views(spec, door, q, k, a, b, weights, scales, q_out, k_out, (q_nope, k_nope))
+    return ROTATE[door](spec, q, k, a, b, weights, scales, q_out, k_out)
 
 
-apply_rope = public(apply_rope, _apply_rope)
 _ROPE = Signature.of(apply_rope)
 
 
@@ -163,20 +203,6 @@ def _scales(device, *scales) -> tuple:
     """(q's, k's) float32 scale tensors of a scaled variant: floats become cached device tensors,
     None 1.0."""
     return tuple(scale_tensor(1.0 if s is None else s, device, unit=True) for s in scales)
-
-
-def _operands(spec: Spec, positions, table, cu_seqlens, inv_freq):
-    """(a, b), the angle operands of the run, for apply_rope's angle sources."""
-    angles = spec.variant.angles
-    if angles == "freqs":
-        return positions, inv_freq
-    if angles == "packed":
-        return cu_seqlens, table
-    if positions is not None and spec.variant.seq_first:  # (S, B) -> the kernel's (B, S)
-        positions = positions.transpose(-1, -2)
-    if spec.angle_shape is not None:  # positions with size-1 dims (HF's (1, S)): an expand view
-        positions = positions.expand(spec.angle_shape)
-    return positions, table
 
 
 def _seq(x):
@@ -191,8 +217,6 @@ def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out
     only; with nope_q / nope_k (parts: q_nope, k_nope) the outputs are whole heads, the door's
     rotation joined to the part. Results in the caller's layout."""
     v = spec.variant
-    if not (v.seq_first or v.rope_last or spec.copy_in or v.nope_q or v.nope_k):
-        return dispatch.through(door, dispatch.ROTATE, spec, q, k, a, b, weights, scales, q_out, k_out)
     given = (q, k, q_out, k_out)
     if v.seq_first:
         q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
@@ -205,7 +229,7 @@ def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out
     if v.rope_last or v.nope_q or v.nope_k:
         res = _kept_apart(spec, door, q, k, a, b, weights, scales, q_out, k_out, parts)
     else:
-        res = dispatch.through(door, dispatch.ROTATE, spec, q, k, a, b, weights, scales, q_out, k_out)
+        res = ROTATE[door](spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
         for view, x in zip(views, (q, k)):
             if x is not view:
@@ -226,11 +250,11 @@ def _kept_apart(spec: Spec, door: str, q, k, a, b, weights, scales, q_out, k_out
     split = [_split(x, p, rot, last) for x, p in zip((q, k), parts)]
     rope, kept_src, width = ([s[i] for s in split] for i in range(3))
     if spec.inplace:
-        dispatch.through(door, dispatch.ROTATE, spec, rope[0], rope[1], a, b, weights, scales)
+        ROTATE[door](spec, rope[0], rope[1], a, b, weights, scales)
         return q, k
     kept = [None if c is None else _kept(spec, c, scales, i) for i, c in enumerate(kept_src)]
     if q_out is None and k_out is None and spec.door is not DIRECT:  # autograd or a subclass records it
-        rotated = dispatch.through(door, dispatch.ROTATE, spec, rope[0], rope[1], a, b, weights, scales)
+        rotated = ROTATE[door](spec, rope[0], rope[1], a, b, weights, scales)
         return tuple(_joined(r, c, last) for r, c in zip(rotated, kept))
     outs, into = [], []
     for x, p, dst, c, n in zip((q, k), parts, (q_out, k_out), kept, width):
@@ -241,7 +265,7 @@ def _kept_apart(spec: Spec, door: str, q, k, a, b, weights, scales, q_out, k_out
         outs.append(dst)
         into.append(None if dst is None or c is None else (dst[..., n:] if last else dst[..., : dst.shape[-1] - n]))
     dests = (i if c is not None else o for i, o, c in zip(into, outs, kept))
-    dispatch.through(door, dispatch.ROTATE, spec, rope[0], rope[1], a, b, weights, scales, *dests)
+    ROTATE[door](spec, rope[0], rope[1], a, b, weights, scales, *dests)
     return outs[0], outs[1]
 
 
@@ -398,19 +422,30 @@ def rotate_angles(
         unsliced with columns = rotary_dim // 2); None: decided by rotary_dim, else by the values
         (`_angle_columns`).
     """
-
-
-def _rotate_angles(args: dict):
-    """rotate_angles' body, given its arguments by name (variant.public)."""
-    spec, door = spec_for(_ANGLES, args, checks.angles)
-    cos, sin = args["cos"], args["sin"]
+    args = {
+        "q": q,
+        "k": k,
+        "cos": cos,
+        "sin": sin,
+        "interleaved": interleaved,
+        "out_interleaved": out_interleaved,
+        "mrope_section": mrope_section,
+        "mrope_interleaved": mrope_interleaved,
+        "heads_first": heads_first,
+        "columns": columns,
+        "rotary_dim": rotary_dim,
+        "q_norm_weight": q_norm_weight,
+        "k_norm_weight": k_norm_weight,
+        "norm_eps": norm_eps,
+        "norm_weight_offset": norm_weight_offset,
+        "inplace": inplace,
+    }
+    spec, door = prepare(_ANGLES, args, checks.angles)
     if spec.copy_angles or door is CUSTOM_OP or door is TRACED:
         cos, sin = angle_views(spec, cos, sin)  # as validation saw them (copied when it had to)
     if door is not TRACED:
         checks.angles_call(spec, args, cos, sin)
-    weights = (args["q_norm_weight"], args["k_norm_weight"])
-    return dispatch.through(door, dispatch.ROTATE, spec, args["q"], args["k"], cos, sin, weights, None)
+    return ROTATE[door](spec, q, k, cos, sin, (q_norm_weight, k_norm_weight), None)
 
 
-rotate_angles = public(rotate_angles, _rotate_angles)
 _ANGLES = Signature.of(rotate_angles)

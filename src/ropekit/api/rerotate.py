@@ -18,9 +18,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..core import checks, dispatch, forms
+from ..core import checks, forms
+from ..core.dispatch import REROTATE
+from ..core.pipeline import prepare
 from ..core.run import scale_tensor
-from ..core.variant import TRACED, Signature, public, spec_for
+from ..core.variant import DIRECT, FUNCTION, TRACED, Signature
 
 OP = "rerotate_kv_cache"
 
@@ -87,29 +89,37 @@ def rerotate_kv_cache(
 
     fp8: keep |value / k_scale| <= 448 (e4m3's range); nothing is clamped. Inference only.
     """
-
-
-def _rerotate_kv_cache(args: dict):
-    """rerotate_kv_cache's body, given its arguments by name (variant.public)."""
-    k_cache, slots, delta, table = args["k_cache"], args["slots"], args["delta"], args["cos_sin_cache"]
     if isinstance(delta, torch.Tensor) and delta.dim() == 0 and isinstance(slots, torch.Tensor) and slots.dim() == 1:
-        delta = args["delta"] = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
+        delta = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
+    args = {
+        "k_cache": k_cache,
+        "slots": slots,
+        "delta": delta,
+        "cos_sin_cache": cos_sin_cache,
+        "interleaved": interleaved,
+        "rotary_dim": rotary_dim,
+        "k_scale": k_scale,
+        "dst_slots": dst_slots,
+        "rotary_position": rotary_position,
+        "positions": positions,
+        "to_cache": to_cache,
+    }
     is_tensor = isinstance(delta, torch.Tensor)
     # an int shift's value is checked on every call (its range, free): the key holds its type only
     small_int = type(delta) is int and -(2**62) < delta < 2**62
-    spec, door = spec_for(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
-    if door is not TRACED and (spec.table is None or spec.table() is not table):
-        forms.read_new_table(spec, OP, table)  # a new table: HF's cos is refused
-    to_cache = args["to_cache"]
-    if to_cache is not None and door is not TRACED:
-        forms.table_not_hf_cos(OP, to_cache)  # read once per table (remembered by identity)
-    ks = scale_tensor(args["k_scale"], k_cache.device)
+    spec, door = prepare(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
+    if door is not TRACED:
+        if spec.table is None or spec.table() is not cos_sin_cache:
+            forms.read_new_table(spec, OP, cos_sin_cache)  # a new table: HF's cos is refused
+        if to_cache is not None:
+            forms.table_not_hf_cos(OP, to_cache)  # read once per table (remembered by identity)
+    ks = k_scale if k_scale is None or isinstance(k_scale, torch.Tensor) else scale_tensor(k_scale, k_cache.device)
     shift = None if is_tensor else int(delta)
     delta = delta if is_tensor else None
-    operands = (k_cache, slots, delta, shift, table, ks, args["dst_slots"], args["positions"], to_cache)
-    dispatch.through(door, dispatch.REROTATE, spec, *operands)
+    if door is DIRECT or door is FUNCTION:  # the custom op checks its call when it runs
+        checks.rerotate_call(spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache)
+    REROTATE[door](spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache)
     return k_cache
 
 
-rerotate_kv_cache = public(rerotate_kv_cache, _rerotate_kv_cache)
 _REROTATE = Signature.of(rerotate_kv_cache)

@@ -17,10 +17,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import checks, dispatch
+from ..core import checks
 from ..core.args import fail
+from ..core.dispatch import STORE
+from ..core.pipeline import prepare
 from ..core.run import StoreOperands, scale_tensor
-from ..core.variant import Signature, public, spec_for
+from ..core.variant import DIRECT, FUNCTION, Signature
 
 OP = "apply_rope_and_store"
 
@@ -169,34 +171,78 @@ def apply_rope_and_store(
     composes with the norm. DTensor: weights replicated; an (H*D,) weight with head-sharded q / k
     is refused (ropekit.distributed).
     """
-
-
-def _apply_rope_and_store(args: dict):
-    """apply_rope_and_store's body, given its arguments by name (variant.public): the store's
-    views first (MLA's parts, 3-D caches, strided last dims read through copies), then the path."""
-    q, k, v, k_nope = args["q"], args["k"], args["v"], args["k_nope"]
+    # the store's views first: MLA's parts, 3-D caches, strided last dims read through copies
     mla = k_nope is not None and v is None  # else k_nope (if any) is GQA / MHA's, beside v
-    k_cache, v_cache = paged_mla(args["k_cache"], k), paged_mla(args["v_cache"], k_nope if mla else v)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 3:
+        k_cache = paged_mla(k_cache, k)
+    if isinstance(v_cache, torch.Tensor) and v_cache.dim() == 3:
+        v_cache = paged_mla(v_cache, k_nope if mla else v)
     if mla:
         v, k_cache, v_cache = mla_parts(k, v, k_cache, v_cache, k_nope)
         k_nope = None
     # strided last dims of read-only inputs: one copy each (q rotated in place is refused by validation)
-    if isinstance(k, torch.Tensor) and args["write_key"] is False and k.dim():
+    if isinstance(k, torch.Tensor) and write_key is False and k.dim() and k.stride(-1) != 1:
         k = unit_last(k)
-    q_out = args["q_out"]
-    if q_out is not None and isinstance(q, torch.Tensor) and q.dim():
+    if q_out is not None and isinstance(q, torch.Tensor) and q.dim() and q.stride(-1) != 1:
         q = unit_last(q)
-    args.update(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, k_nope=k_nope)
-    spec, door = spec_for(_STORE, args, checks.store)
-    ks, vs, qs = _scales(q.device, args["k_scale"], args["v_scale"], args["q_scale"])
-    a = args["positions"] if args["cu_seqlens"] is None else args["cu_seqlens"]
-    tensors = (q, k, v, a, args["cos_sin_cache"], k_cache, v_cache, args["slot_mapping"], ks, vs, q_out, qs)
-    t = StoreOperands(*tensors, args["q_norm_weight"], args["k_norm_weight"], args["q_nope"], k_nope)
-    dispatch.through(door, dispatch.STORE, spec, t)
+    args = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "positions": positions,
+        "cos_sin_cache": cos_sin_cache,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "slot_mapping": slot_mapping,
+        "interleaved": interleaved,
+        "rotary_dim": rotary_dim,
+        "mrope_section": mrope_section,
+        "mrope_interleaved": mrope_interleaved,
+        "cu_seqlens": cu_seqlens,
+        "cp_size": cp_size,
+        "cp_rank": cp_rank,
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+        "q_norm_weight": q_norm_weight,
+        "k_norm_weight": k_norm_weight,
+        "norm_eps": norm_eps,
+        "norm_weight_offset": norm_weight_offset,
+        "write_key": write_key,
+        "q_out": q_out,
+        "q_scale": q_scale,
+        "k_nope": k_nope,
+        "q_nope": q_nope,
+        "rotary_position": rotary_position,
+    }
+    spec, door = prepare(_STORE, args, checks.store)
+    ks = vs = qs = None
+    if k_scale is not None or v_scale is not None or q_scale is not None:
+        ks, vs, qs = _scales(q.device, k_scale, v_scale, q_scale)
+    a = positions if cu_seqlens is None else cu_seqlens
+    t = StoreOperands(
+        q,
+        k,
+        v,
+        a,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        ks,
+        vs,
+        q_out,
+        qs,
+        q_norm_weight,
+        k_norm_weight,
+        q_nope,
+        k_nope,
+    )
+    if door is DIRECT or door is FUNCTION:  # the custom op checks its call when it runs
+        checks.store_call(spec, t)
+    STORE[door](spec, t)
     return q if q_out is None else q_out
 
 
-apply_rope_and_store = public(apply_rope_and_store, _apply_rope_and_store)
 _STORE = Signature.of(apply_rope_and_store)
 
 

@@ -80,19 +80,6 @@ def out_aliasing(op, q_out, k_out, read, extents=None) -> None:
     written_vs_read(op, (("q_out", q_out), ("k_out", k_out)), read, extents)
 
 
-def spans_meet(tensors, extents) -> bool:
-    """Does the byte range of the first or second tensor (q, k: written in place) meet that of any
-    other one? A cheap test on addresses: the exact checks run only when it says yes."""
-    ptrs = [0 if x is None else x.data_ptr() for x in tensors]
-    for i in (0, 1):
-        if not extents[i]:
-            continue
-        for j in range(len(tensors)):
-            if j != i and extents[j] and ptrs[i] < ptrs[j] + extents[j] and ptrs[j] < ptrs[i] + extents[i]:
-                return True
-    return False
-
-
 def may_alias(a: torch.Tensor, b: torch.Tensor, budget: int = 4096) -> bool:
     """True if a and b share a byte; exact, except that a search over budget steps says True.
 

@@ -236,10 +236,19 @@ def rope_call(spec: Spec, args: dict, a, b) -> None:
     q, k = args["q"], args["k"]
     weights = (args["q_norm_weight"], args["k_norm_weight"])
     names = ANGLE_NAMES[v.angles]
-    if args["inplace"] and aliasing.spans_meet((q, k, a, b, *weights), spec.extents):
-        # exact tests only when the written tensors' byte ranges meet another argument's
-        read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
-        aliasing.inplace_aliasing("apply_rope", q, k, read)
+    if args["inplace"]:
+        # a cheap test on addresses first (inline: this runs on every in-place call): the exact
+        # tests run only when the byte range of q or k (written) meets another argument's
+        ext, ptrs, meet = spec.extents, [], False
+        for x in (q, k, a, b, weights[0], weights[1]):
+            ptrs.append(0 if x is None else x.data_ptr())
+        for i in (0, 1):
+            for j in range(6):
+                if j != i and ext[i] and ext[j] and ptrs[i] < ptrs[j] + ext[j] and ptrs[j] < ptrs[i] + ext[i]:
+                    meet = True
+        if meet:
+            read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+            aliasing.inplace_aliasing("apply_rope", q, k, read)
     q_out, k_out = args["q_out"], args["k_out"]
     if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
         scales = [s if isinstance(s, torch.Tensor) else None for s in (args["q_scale"], args["k_scale"])]
@@ -255,7 +264,7 @@ def rope_call(spec: Spec, args: dict, a, b) -> None:
         read += (("q_scale", scales[0]), ("k_scale", scales[1]))
         extents = [aliasing.extent(q_out), aliasing.extent(k_out)] + [aliasing.extent(x) for _, x in read]
         aliasing.out_aliasing("apply_rope", q_out, k_out, read, extents)
-    if strict.is_strict():
+    if strict.mode.on:
         if v.angles == "packed":
             strict.packed_values("apply_rope", a, q.shape[0], args["cp_size"])
         elif v.angles == "freqs":
@@ -493,7 +502,7 @@ def store_weights(variant: Variant, q, k, wq, wk, qn, kn) -> None:
 def store_call(spec: Spec, t) -> None:
     """The store's checks of this call's addresses (and data in strict mode), before any write.
     t: the run's operands (ropekit.core.run.StoreOperands)."""
-    if strict.is_strict():
+    if strict.mode.on:
         if spec.variant.angles == "packed":
             strict.packed_values(STORE, t.a, t.q.shape[0], spec.packed[0])
         elif t.a is not None:
@@ -507,7 +516,10 @@ def store_call(spec: Spec, t) -> None:
     # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
     # a decode loop that passes the same buffers again (a static cache, reused activations) pays
     # for the addresses and one compare
-    addrs = tuple(0 if x is None else x.data_ptr() for x in t)
+    addrs = []
+    for x in t:
+        addrs.append(0 if x is None else x.data_ptr())
+    addrs = tuple(addrs)
     if spec.plans.get("checked addresses") == addrs:
         return
     write_key = spec.variant.write_key
@@ -593,13 +605,21 @@ def rerotate_call(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, 
     to_rows = None if to_table is None else to_table.shape[0]
     if delta_int is not None:
         strict.int_shift(REROTATE, delta_int, table.shape[0], to_rows)
-    extents = None
-    if spec.extents:
-        extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
-    aliasing.rerotate_aliasing(
-        REROTATE, k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table, extents=extents
-    )
-    if strict.is_strict():
+    # the address checks' verdict depends on the addresses alone (the spec fixes every layout): the
+    # same buffers again (a static cache, a reused slot list) cost the addresses and one compare
+    addrs = []
+    for x in (k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table):
+        addrs.append(0 if x is None else x.data_ptr())
+    addrs = tuple(addrs)
+    if spec.plans.get("checked addresses") != addrs:
+        extents = None
+        if spec.extents:
+            extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
+        aliasing.rerotate_aliasing(
+            REROTATE, k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table, extents=extents
+        )
+        spec.plans["checked addresses"] = addrs
+    if strict.mode.on:
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
         shifts = delta if delta is not None else delta_int
         strict.rerotate_values(REROTATE, slots, shifts, dst_slots, num_slots, table.shape[0], positions, to_rows)

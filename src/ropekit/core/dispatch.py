@@ -1,10 +1,10 @@
-"""The doors of every op, written once: one switch, the autograd Function, and the torch.library
-custom ops, each next to its fake and (the rotation) its autograd rule.
+"""The doors of every op that records something: the autograd Functions and the torch.library
+custom ops, each next to its fake and (the rotation) its autograd rule; and each op's door table.
 
-    through(door, doors, spec, ...)   the one door switch: torch.compile and tensor subclasses
-                                      (DTensor, meta) -> the custom op; eager with grad -> the
-                                      autograd Function; otherwise a direct run
-    ROTATE / STORE / REROTATE         each op's three doors
+    ROTATE / STORE / REROTATE   door -> function, indexed by the door ropekit.core.pipeline.prepare
+                                gives: eager without autograd -> the direct door (pipeline.py);
+                                eager with autograd -> the Function; torch.compile and tensor
+                                subclasses (DTensor, meta) -> the custom op
 
 The custom ops (their schemas take the call's record as `Variant.encode()`):
 
@@ -18,7 +18,7 @@ The custom ops (their schemas take the call's record as `Variant.encode()`):
     ropekit::rerotate_kv_cache(k_cache, slots, delta, delta_int, table, variant, rotary_dim, k_scale,
                                dst_slots, positions=None, to_cache=None) -> None
 
-(a, b): the angle operands as ropekit.core.run.run_rotate takes them; packed: [cp_size, cp_rank];
+(a, b): the angle operands as ropekit.core.pipeline.run_rotate takes them; packed: [cp_size, cp_rank];
 norm: [eps, offset]. The backward of every door is the same run with `Variant.backward()` (the
 inverse rotation), or with a norm the norm's backward kernel; inverse frequencies that require
 grad get `freqs.freq_grad` of the outputs. DTensor rules: ropekit.core.sharding, derived from the
@@ -35,15 +35,10 @@ from . import aliasing, checks, run
 from .args import fail
 from .freqs import freq_grad
 from .memo import lookup, remember
-from .run import StoreOperands, heads_first, norm_rotated, run_rotate, unit_last_stride
+from .pipeline import rerotate_direct, rotate_direct, run_rotate, store_direct
+from .run import StoreOperands, heads_first, unit_last_stride
 from .sharding import dtensor_like
 from .variant import ANGLE_NAMES, CUSTOM_OP, DIRECT, FUNCTION, TRACED, Spec, Variant, arg_key
-
-
-def through(door: str, doors: dict, spec: Spec, *operands):
-    """The one door switch of every op: door as variant.spec_for gives it (the spec's, chosen by
-    checks.door_for once per signature; TRACED while torch.compile traces), doors the op's table."""
-    return doors[door](spec, *operands)
 
 
 def op_spec(name: str, values: tuple, make) -> Spec:
@@ -54,12 +49,6 @@ def op_spec(name: str, values: tuple, make) -> Spec:
     if spec is None:
         spec = remember(key, make())
     return spec
-
-
-def bump_versions(*written) -> None:
-    """Version counters of the tensors a launch wrote (None skipped): the kernels write through raw
-    pointers, which autograd does not see; anything that saved them for a backward then raises."""
-    torch.autograd.graph.increment_version([x for x in written if x is not None])
 
 
 def no_leaf_written(q, k) -> None:
@@ -81,33 +70,6 @@ def no_leaf_written(q, k) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # the rotation's doors: (spec, q, k, a, b, weights, scales, q_out, k_out) -> (q_out, k_out)
-
-
-def _into(outs, q_out, k_out):
-    """Results computed as new tensors, copied into the destinations given (None: kept as they are)."""
-    res = list(outs)
-    for i, dst in enumerate((q_out, k_out)):
-        if dst is not None and res[i] is not None:
-            res[i] = dst.copy_(res[i])
-    return res[0], res[1]
-
-
-def _rotate_direct(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
-    v = spec.variant
-    if v.normed and not spec.triton:  # the CPU path: torch ops, which autograd records
-        outs = norm_rotated(spec, v, q, k, a, b, weights, spec.out_dtype, scales)
-        return _into(outs, *((q, k) if spec.inplace else (q_out, k_out)))
-    w = weights if v.normed else None
-    if spec.inplace:
-        run_rotate(spec, v, q, k, q, k, a, b, weights=w)
-        bump_versions(q, k)
-        return q, k
-    if q_out is None:
-        q_out = run.empty_like(q, dtype=spec.out_dtype)
-    if k_out is None and k is not None:
-        k_out = run.empty_like(k, dtype=spec.out_dtype)
-    run_rotate(spec, v, q, k, q_out, k_out, a, b, scales=scales, weights=w)
-    return q_out, k_out
 
 
 def _rotate_function(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
@@ -143,10 +105,10 @@ def _rotate_custom(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=No
         no_leaf_written(q, k)
     outs = torch.ops.ropekit.rotate(q_t, k_t, a, b, wq, wk, qs, ks, codes, spec.rot, packed, norm, spec.out_dtype)
     rotated = (heads_first(outs[0], hf), heads_first(outs[1], hf) if k is not None else None)
-    return _into(rotated, *((q, k) if spec.inplace else (q_out, k_out)))
+    return run.into(rotated, *((q, k) if spec.inplace else (q_out, k_out)))
 
 
-ROTATE = {DIRECT: _rotate_direct, FUNCTION: _rotate_function, CUSTOM_OP: _rotate_custom, TRACED: _rotate_custom}
+ROTATE = {DIRECT: rotate_direct, FUNCTION: _rotate_function, CUSTOM_OP: _rotate_custom, TRACED: _rotate_custom}
 
 
 def _zeros(meta):
@@ -330,7 +292,7 @@ def _rotate_body(q, k, a, b, wq, wk, q_scale, k_scale, codes, rot, packed, norm,
     if v.scaled:
         one = run.scale_tensor(1.0, q.device, unit=True)
         scales = (one if q_scale is None else q_scale, one if k_scale is None else k_scale)
-    return _rotate_direct(spec, q, k, a, b, (wq, wk), scales)
+    return rotate_direct(spec, q, k, a, b, (wq, wk), scales)
 
 
 @torch.library.custom_op("ropekit::rotate", mutates_args=())
@@ -446,12 +408,6 @@ def _(x, g, w, a, b, variant, rotary_dim, packed, norm, mode):
 # the fused store's doors: (spec, StoreOperands) -> None
 
 
-def _store_direct(spec: Spec, t: StoreOperands) -> None:
-    checks.store_call(spec, t)
-    run.run_store(spec, t)
-    bump_versions(t.q if t.q_out is None else t.q_out, t.k_cache, t.v_cache, t.k if spec.variant.write_key else None)
-
-
 def _store_custom(spec: Spec, t: StoreOperands) -> None:
     """Plain tensors (tables, positions, scales, weights) become replicated DTensors like q for a
     DTensor call (DTensor refuses mixed calls); as they are otherwise."""
@@ -482,7 +438,7 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
         torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.q_out, t.qs, t.kn, t.qn)
 
 
-STORE = {DIRECT: _store_direct, FUNCTION: _store_direct, CUSTOM_OP: _store_custom, TRACED: _store_custom}
+STORE = {DIRECT: store_direct, FUNCTION: store_direct, CUSTOM_OP: _store_custom, TRACED: _store_custom}
 
 
 def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
@@ -498,7 +454,8 @@ def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
         return spec
 
     spec = op_spec("store op", (*t, tuple(codes), rot, tuple(norm), tuple(packed)), make)
-    _store_direct(spec, t)
+    checks.store_call(spec, t)
+    store_direct(spec, t)
 
 
 # Two ops, not one with an optional q_out: a mutated argument that may be None breaks fake-tensor
@@ -545,12 +502,6 @@ for _name, _impl, _rest, _written in (
 # to_table) -> None
 
 
-def _rerotate_direct(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
-    checks.rerotate_call(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
-    run.run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
-    bump_versions(k_cache)
-
-
 def _rerotate_custom(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
     codes = spec.variant.encode()
     shift = 0 if delta_int is None else delta_int
@@ -559,7 +510,7 @@ def _rerotate_custom(spec: Spec, k_cache, slots, delta, delta_int, table, k_scal
     )
 
 
-REROTATE = {DIRECT: _rerotate_direct, FUNCTION: _rerotate_direct, CUSTOM_OP: _rerotate_custom, TRACED: _rerotate_custom}
+REROTATE = {DIRECT: rerotate_direct, FUNCTION: rerotate_direct, CUSTOM_OP: _rerotate_custom, TRACED: _rerotate_custom}
 
 
 @torch.library.custom_op("ropekit::rerotate_kv_cache", mutates_args=("k_cache",))
@@ -592,7 +543,8 @@ def _rerotate_op(
     values = (k_cache, slots, delta, cos_sin_cache, tuple(variant), rotary_dim, k_scale, dst_slots, positions, to_cache)
     spec = op_spec("rerotate op", values, make)
     shift = None if delta is not None else delta_int
-    _rerotate_direct(spec, k_cache, slots, delta, shift, cos_sin_cache, k_scale, dst_slots, positions, to_cache)
+    checks.rerotate_call(spec, k_cache, slots, delta, shift, cos_sin_cache, k_scale, dst_slots, positions, to_cache)
+    rerotate_direct(spec, k_cache, slots, delta, shift, cos_sin_cache, k_scale, dst_slots, positions, to_cache)
 
 
 @_rerotate_op.register_fake

@@ -20,37 +20,73 @@ COUNTS = {"direct": 0, "generic": 0}
 _STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None}
 
 
-def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta) -> None:
+def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: bool = False) -> None:
     """kernel[grid](*ptrs, *args, **meta), directly when possible.
 
     compiled: the caller's cache (one per launch plan) of compiled kernels. variant: the part of
     meta that may change from call to call under one plan (a fallback for a misaligned pointer).
-    Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
+    Triton specializes pointers on 16-byte alignment, so that is part of the cache key too. One
+    function on the steady-state path (no helper calls: each costs host time on every launch);
+    guarded: called again inside the device guard (the tensors' device made current).
     """
     x = ptrs[0]
     if not x.is_cuda:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
     device = x.get_device()
-    if device != _current_device():
+    if not guarded and device != _current_device():
         # the device guard: launch on the device of the tensors (validation put every tensor of the
         # call on q's), not on whichever device is current, and on that device's current stream
         with torch.cuda.device(device):
-            _launch(kernel, compiled, variant, grid, ptrs, args, meta, device)
+            launch(kernel, compiled, variant, grid, ptrs, args, meta, True)
         return
-    _launch(kernel, compiled, variant, grid, ptrs, args, meta, device)
-
-
-def _launch(kernel, compiled, variant, grid, ptrs, args, meta, device: int) -> None:
-    addrs = [p.data_ptr() for p in ptrs]
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
-    any_bits = 0
-    for a in addrs:
+    addrs, any_bits = [], 0
+    for p in ptrs:
+        a = p.data_ptr()
+        addrs.append(a)
         any_bits |= a
-    key = (variant, True) if any_bits % 16 == 0 else (variant, *[a % 16 == 0 for a in addrs])
+    if any_bits % 16 == 0:
+        key = (variant, True)
+    else:
+        key = [variant]
+        for a in addrs:
+            key.append(a % 16 == 0)
+        key = tuple(key)
     entry = compiled.get(key)
-    if entry is not None and _direct(entry, grid, addrs, args, device):
-        return
+    if entry is not None and _STATE["ok"]:
+        try:
+            tools = _STATE["tools"]
+            if tools is None:
+                tools = _STATE["tools"] = stream_tools()
+            current_stream, runtime = tools
+            kernel_run, consts = entry
+            full = (*addrs, *args, *consts)
+            stream = current_stream(device)
+            enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+            # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
+            # chain), no metadata and no hook calls from the compiled launcher
+            if enter is not None and not getattr(enter, "calls", True):
+                enter = None
+            if leave is not None and not getattr(leave, "calls", True):
+                leave = None
+            metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
+            kernel_run.run(
+                grid[0],
+                grid[1] if len(grid) > 1 else 1,
+                grid[2] if len(grid) > 2 else 1,
+                stream,
+                kernel_run.function,
+                kernel_run.packed_metadata,
+                metadata,
+                enter,
+                leave,
+                *full,
+            )
+            COUNTS["direct"] += 1
+            return
+        except (ImportError, AttributeError, TypeError):
+            _STATE["ok"] = False  # a Triton whose launcher differs: its generic path from now on
     kernel_run = kernel[grid](*ptrs, *args, **meta)
     COUNTS["generic"] += 1
     if kernel_run is not None and hasattr(kernel_run, "run"):
@@ -58,48 +94,9 @@ def _launch(kernel, compiled, variant, grid, ptrs, args, meta, device: int) -> N
         compiled[key] = (kernel_run, tuple(meta[n] for n in names))
 
 
-def _tools():
+def stream_tools():
+    """(current_stream(device) -> raw stream, Triton's runtime knobs): what a direct launch needs."""
     import triton
     from triton import knobs
 
     return triton.runtime.driver.active.get_current_stream, knobs.runtime
-
-
-def _direct(entry, grid, addrs, args, device: int) -> bool:
-    """The compiled launcher called as Triton's generic path calls it; device: the tensors' device,
-    current here (`launch` made it so), whose current stream the kernel runs on."""
-    if not _STATE["ok"]:
-        return False
-    try:
-        tools = _STATE["tools"]
-        if tools is None:
-            tools = _STATE["tools"] = _tools()
-        current_stream, runtime = tools
-        kernel_run, consts = entry
-        full = (*addrs, *args, *consts)
-        stream = current_stream(device)
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
-        # chain), no metadata and no hook calls from the compiled launcher
-        if enter is not None and not getattr(enter, "calls", True):
-            enter = None
-        if leave is not None and not getattr(leave, "calls", True):
-            leave = None
-        metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
-        kernel_run.run(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            stream,
-            kernel_run.function,
-            kernel_run.packed_metadata,
-            metadata,
-            enter,
-            leave,
-            *full,
-        )
-        COUNTS["direct"] += 1
-        return True
-    except (ImportError, AttributeError, TypeError):
-        _STATE["ok"] = False  # a Triton whose launcher differs: its generic path from now on
-        return False

@@ -1,14 +1,13 @@
 """Launch plans: from a validated call's tensors to the kernels' grid, runtime ints and constexprs.
 
 A plan is made once per call signature (ropekit.core.variant.Spec keeps it); a launch then needs only the
-tensors' addresses (`fire_rotate`, `fire_store`), passed to Triton's compiled launcher directly
+tensors' addresses (ropekit.core.pipeline's run steps fill the pointer slots), passed to Triton's compiled launcher directly
 (ropekit.core.launch). Tile sizes and warps come from ropekit.core.tuning's table.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from typing import NamedTuple, Optional
 
@@ -16,25 +15,14 @@ import torch
 
 from . import tuning
 from .launch import launch as launch_kernel
-from .variant import NORM_NONE, NORM_TOKEN, Variant
-
-
-@functools.lru_cache(maxsize=None)
-def _flag_names(kernel_name: str) -> tuple:
-    """Variant's fields that the kernel takes as constexprs of the same name in capitals."""
-    import triton.language as tl  # imported here: Triton loads lazily
-
-    # the Python function's own signature (Triton's compiled and interpreted kernels both keep it)
-    params = inspect.signature(kernel(kernel_name).fn).parameters.values()
-    constexprs = {p.name for p in params if p.annotation is tl.constexpr}
-    return tuple(f for f in Variant._fields if f.upper() in constexprs)
+from .variant import FLAGS, NORM_NONE, NORM_TOKEN
 
 
 def variant_flags(kernel_name: str, variant) -> dict:
-    """The record's flags as the kernel's constexprs, by name (INTERLEAVED <- variant.interleaved,
-    NORM_Q <- variant.norm_q, ...): a new field of the record reaches every kernel that declares its
-    constexpr without an edit here. Flags that are not a field (GAP, the tiles, PACK) are planned."""
-    return {f.upper(): getattr(variant, f) for f in _flag_names(kernel_name)}
+    """The record's flags as the kernel's constexprs, as the flag table (variant.FLAGS) names them
+    per kernel: INTERLEAVED <- variant.interleaved, NORM_Q <- variant.norm_q, ... Flags that are
+    not a field of the record (GAP, the tiles, PACK) are planned here."""
+    return {f.constexpr[kernel_name]: getattr(variant, f.name) for f in FLAGS if kernel_name in f.constexpr}
 
 
 def next_pow2(n: int) -> int:
@@ -261,7 +249,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
     )
     if not normed:
-        args += (0, 0, 0.0, 0.0)  # the norm's weights, eps, offset: never read (fire_rotate appends them)
+        args += (0, 0, 0.0, 0.0)  # the norm's weights, eps, offset: never read (pipeline.run_rotate appends them)
     meta = dict(
         HALF=half,
         HALF_PAD=half_pad,
@@ -305,39 +293,6 @@ def section_args(variant, half: int) -> tuple:
     if variant.angles != "freqs":
         return variant.sections
     return (tuple(variant.sections[:3]) + (0, 0, 0))[:3] if variant.sections else (half, 0, 0)
-
-
-def fire_rotate(plan: Plan, q, k, q_out, k_out, a, b, scales=None, norm=None) -> None:
-    """Launch rope_kernel; (a, b) as in ropekit.core.run.run_rotate; scales: (q's, k's) float32 scalar
-    tensors when the variant is scaled (k's may be None without k); norm: (q's weight, k's weight,
-    eps, offset) when the variant normalizes (an absent weight is never read)."""
-    meta = plan.meta
-    if plan.pack_bytes and any(x is not None and x.data_ptr() % plan.pack_bytes for x in (q, k, q_out, k_out)):
-        meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
-    if meta["HAS_POS"] or meta["FREQS"]:  # positions; a table, or the inverse frequencies
-        pos, cos, sin = a, b, b
-    elif a is None:  # arange: the table alone
-        pos, cos, sin = b, b, b
-    else:  # per-token angles
-        pos, cos, sin = a, a, b
-    # unscaled: the scale slots get the sin tensor, never read (one pointer type for both slots)
-    qs, ks = (sin, sin) if scales is None else (scales[0], scales[0] if scales[1] is None else scales[1])
-    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
-    if norm is None:
-        args, variant = plan.args, meta["PACK"]
-    else:
-        wq, wk, eps, offset = norm
-        wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
-        if wq.dtype != wk.dtype:
-            # q and k share one code path that selects the weight's pointer, and a select needs one
-            # pointer type: weights of two dtypes are read as float32 (exact; a (D,) or (H*D,) copy)
-            wq, wk = wq.float(), wk.float()
-        wa, wb = wq.data_ptr() % 16, wk.data_ptr() % 16
-        if meta["W_PAIRS"] and (wa or wb):
-            meta = dict(meta, W_PAIRS=False)  # a weight off the 16-byte grid: its element loads
-        # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
-        args, variant = (*plan.args, wq, wk, eps, offset), (meta["PACK"], wa, wb)
-    launch_kernel(kernel("rope_kernel"), plan.compiled, variant, plan.grid, ptrs, args, meta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -463,7 +418,7 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         q_tail,
         *nope_strides(q_nope if variant.nope_q else None, n_tok),
         *nope_strides(k_nope if variant.nope_k else None, n_tok),
-    )  # then the norm's eps and offset, per launch (fire_store)
+    )  # then the norm's eps and offset, per launch (pipeline.run_store)
     il = variant.interleaved
     # q's tail is written when it moves (a separate q_out) or changes (normalized, in place too)
     q_tail_written = q_tail > 0 and (variant.q_out or variant.norm_q != NORM_NONE)
@@ -496,27 +451,6 @@ def nope_strides(x, n_tok: int) -> tuple:
     if x is None:
         return 0, 0, 0, 0
     return (*token_strides(x, n_tok), x.stride(-2), x.stride(-1))
-
-
-def fire_store(plan: Optional[Plan], t, eps: float = 0.0, offset: float = 0.0) -> None:
-    """Launch rope_store_kernel for plan_store's plan with the run's operands t (StoreOperands);
-    eps and offset: the norm's, read only by a plan whose variant normalizes. Packed pairs are
-    turned off for base pointers off the word grid (a view may start at an odd element)."""
-    if plan is None:
-        return
-    meta = plan.meta
-    qo = t.q if t.q_out is None else t.q_out
-    if meta["PACK_Q"] and (t.q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
-        meta = dict(meta, PACK_Q=0)
-    if meta["PACK_K"] and (t.k.data_ptr() | t.k_cache.data_ptr()) % (meta["PACK_K"] // 8):
-        meta = dict(meta, PACK_K=0)
-    table = t.table  # the slots of what the plan never reads (unscaled, unnormalized) point at it
-    ptrs = (t.q, t.k, t.v, table if t.a is None else t.a, table, t.slot_mapping, t.k_cache, t.v_cache)
-    ptrs += (table if t.ks is None else t.ks, table if t.vs is None else t.vs, qo, table if t.qs is None else t.qs)
-    ptrs += (table if t.wq is None else t.wq, table if t.wk is None else t.wk)
-    ptrs += (table if t.qn is None else t.qn, table if t.kn is None else t.kn)  # the no-rope parts
-    variant = (meta["PACK_Q"], meta["PACK_K"])
-    launch_kernel(kernel("rope_store_kernel"), plan.compiled, variant, plan.grid, ptrs, (*plan.args, eps, offset), meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,29 +516,6 @@ def plan_rerotate(
         num_warps=num_warps,
     )
     return Plan((-(-slots.shape[0] // rows), n_blocks), args, meta, 0, {})
-
-
-def fire_rerotate(
-    plan: Optional[Plan], k_cache, slots, delta, delta_int, table, dst_slots, k_scale, positions=None, to_table=None
-) -> None:
-    if plan is None:
-        return
-    meta = plan.meta
-    # pointers never read under the plan's flags point at valid addresses (slots, the table)
-    ptrs = (
-        k_cache,
-        slots,
-        slots if dst_slots is None else dst_slots,
-        slots if delta is None else delta,
-        table,
-        table if k_scale is None else k_scale,
-        slots if positions is None else positions,
-        table if to_table is None else to_table,
-    )
-    # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
-    # past any table anyway, and stays past it when clamped
-    value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
-    launch_kernel(kernel("rerotate_kernel"), plan.compiled, (), plan.grid, ptrs, (value, *plan.args), meta)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""The run step of every op: a validated call's tensors -> the Triton launch (CUDA tensors, or CPU
-tensors under TRITON_INTERPRET=1: the plan made once per spec, ropekit.core.plans) or the PyTorch
-path on CPU tensors (ropekit.core.cpu), with the same semantics.
+"""The PyTorch path of every op and the pieces the doors share: a validated call's tensors on CPU
+without Triton (ropekit.core.cpu), with the semantics of the kernels; the norm's backward run; the
+store's operand record; output allocation.
 
-    run_rotate          the rotation (every door's forward; the backward with Variant.backward())
-    run_norm_backward   a normed rotation's backward, one tensor (q or k) at a time
-    run_store           the fused RoPE + KV-cache store (StoreOperands)
-    run_rerotate        the re-rotation of cached keys
+    rotate_cpu / store_cpu / rerotate_cpu   the PyTorch paths of ropekit.core.pipeline's run steps
+    norm_rotated                            a normed rotation on the PyTorch path (autograd records it)
+    run_norm_backward                       a normed rotation's backward, one tensor (q or k) at a time
+    StoreOperands                           the tensors of one store run, by name
 """
 
 from __future__ import annotations
@@ -82,39 +82,19 @@ def angle_views(spec: Spec, cos, sin):
 # the rotation
 
 
-def run_rotate(
-    spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None, scales=None, weights=None
-) -> None:
-    """q -> q_out and k -> k_out (outputs may be the inputs: in place), rotated as `variant` says.
+def into(outs, q_out, k_out):
+    """Results computed as new tensors, copied into the destinations given (None: kept as they are)."""
+    res = list(outs)
+    for i, dst in enumerate((q_out, k_out)):
+        if dst is not None and res[i] is not None:
+            res[i] = dst.copy_(res[i])
+    return res[0], res[1]
 
-    (a, b): (positions or None, [cos | sin] table) for table / arange angles, (cu_seqlens, table)
-    for packed ones, (positions, inverse frequencies) for computed ones, (cos, sin) for per-token
-    angles. layout_key: None when the outputs' layout follows from the spec's signature (forward
-    calls), else a key of the tensors' layouts (gradients). With variant.heads_first the tensors
-    are Hugging Face's (B, H, S, D) views; a launch needs only their addresses.
-    scales: with variant.scaled, (q's, k's) float32 scalar tensors the outputs are divided by.
-    weights: with variant.normed, (q's, k's) RMSNorm weights (None where that tensor is not
-    normalized); eps and offset are the spec's. The CPU path of a normed variant is `norm_rotated`.
-    """
-    if spec.triton:
-        key = (variant, layout_key)
-        plan = spec.plans.get(key)
-        if plan is None:
-            hf = variant.heads_first
-            plan = spec.plans[key] = plans.plan_rotate(
-                heads_first(q, hf),
-                heads_first(k, hf),
-                heads_first(q_out, hf),
-                heads_first(k_out, hf),
-                plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
-                variant,
-            )
-        if plan is not None:
-            norm = None if weights is None else (*weights, spec.norm_eps, spec.norm_offset)
-            plans.fire_rotate(plan, q, k, q_out, k_out, a, b, scales, norm)
-        return
+
+def rotate_cpu(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, scales=None) -> None:
+    """The PyTorch path of ropekit.core.pipeline.run_rotate (its arguments), a normed variant
+    excepted (`norm_rotated`): scaled outputs rotate into float32, then divide, saturate and cast."""
     if variant.scaled:
-        # rotate into float32, divide by the scale, saturate, cast
         wide = [None if x is None else torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k)]
         _cpu_rotate(spec, variant.unscaled(), q, k, wide[0], wide[1], a, b)
         for w, out, scale in zip(wide, (q_out, k_out), (scales[0], scales[1] if scales[1] is not None else scales[0])):
@@ -263,17 +243,9 @@ class StoreOperands(NamedTuple):
         return self._replace(q=q, k=k, qn=None, kn=None)
 
 
-def run_store(spec: Spec, t: StoreOperands) -> None:
-    """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
-    rows (and rotated k back into k with write_key), q and k normalized first when the variant says
-    so. The Triton launch (plan made once per spec), or ropekit.core.cpu on CPU tensors."""
+def store_cpu(spec: Spec, t: StoreOperands) -> None:
+    """The PyTorch path of ropekit.core.pipeline.run_store (its arguments)."""
     v = spec.variant
-    if spec.triton:
-        plan = spec.plans.get(None)
-        if plan is None:
-            plan = spec.plans[None] = plans.plan_store(t, v, spec.rot, spec.packed)
-        plans.fire_store(plan, t, spec.norm_eps, spec.norm_offset)
-        return
     if v.nope_q or v.nope_k:
         _store_parts_cpu(spec, t)
         return
@@ -313,7 +285,7 @@ def _store_parts_cpu(spec: Spec, t: StoreOperands) -> None:
     whole_k = t.k if t.kn is None else torch.cat((t.k, t.kn), -1)
     plain = Spec(spec.variant.whole_heads(), spec.rot, spec.door, spec.triton)
     plain.packed, plain.norm_eps, plain.norm_offset = spec.packed, spec.norm_eps, spec.norm_offset
-    run_store(plain, t.whole(whole_q, whole_k))
+    store_cpu(plain, t.whole(whole_q, whole_k))
     if spec.variant.write_key and whole_k is not t.k:
         t.k.copy_(whole_k[..., : t.k.shape[-1]])
 
@@ -322,17 +294,9 @@ def _store_parts_cpu(spec: Spec, t: StoreOperands) -> None:
 # the re-rotation
 
 
-def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:
-    """Rows of k_cache rotated by the angle of delta (a tensor, or the int delta_int); with
-    spec.variant.two_tables, from table row positions to to_table row positions + delta."""
-    if spec.triton:
-        plan = spec.plans.get(None)
-        if plan is None:
-            plan = spec.plans[None] = plans.plan_rerotate(
-                k_cache, slots, delta, table, dst_slots, spec.variant, spec.rot, positions, to_table
-            )
-        plans.fire_rerotate(plan, k_cache, slots, delta, delta_int, table, dst_slots, k_scale, positions, to_table)
-    elif slots.shape[0]:
+def rerotate_cpu(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:
+    """The PyTorch path of ropekit.core.pipeline.run_rerotate (its arguments)."""
+    if slots.shape[0]:
         cpu.rerotate_rows(
             k_cache,
             slots,

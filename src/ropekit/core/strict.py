@@ -14,15 +14,20 @@ import torch
 
 from .args import fail
 
-
-class _State(threading.local):
-    """Per-thread strict mode. The class attribute is the default a new thread sees: a missing
-    attribute of a thread-local costs a raised and caught AttributeError on every check."""
-
-    strict = None
+# the environment is read once: every call asks, and os.environ costs more than the rest of a check
+_ENV_STRICT = os.environ.get("ROPEKIT_STRICT", "0") not in ("", "0", "false", "False")
 
 
-_state = _State()
+class _Mode(threading.local):
+    """Per-thread strict mode, read by the per-call checks as `mode.on` (an attribute read: no
+    call on the hot path). The class attribute is the default a new thread sees: ROPEKIT_STRICT as
+    read at import (a missing attribute of a thread-local would cost a raised and caught
+    AttributeError on every check)."""
+
+    on = _ENV_STRICT
+
+
+mode = _Mode()
 
 
 @contextlib.contextmanager
@@ -32,22 +37,17 @@ def strict(enabled: bool = True):
     Costs one device sync per call; the default (off) makes a bad position's output NaN instead.
     `ROPEKIT_STRICT=1` in the environment turns it on globally.
     """
-    previous = _state.strict
-    _state.strict = enabled
+    previous = mode.on
+    mode.on = bool(enabled)
     try:
         yield
     finally:
-        _state.strict = previous
+        mode.on = previous
 
 
 def is_strict() -> bool:
     """Strict mode on? (the `strict()` context of this thread, else ROPEKIT_STRICT as read at import)"""
-    value = _state.strict
-    return _ENV_STRICT if value is None else value
-
-
-# the environment is read once: every call asks, and os.environ costs more than the rest of a check
-_ENV_STRICT = os.environ.get("ROPEKIT_STRICT", "0") not in ("", "0", "false", "False")
+    return mode.on
 
 
 def positions_finite(op: str, positions: torch.Tensor) -> None:

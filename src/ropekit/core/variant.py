@@ -1,5 +1,5 @@
 """The one record of a call: every flag of every op (`Variant`), what validation concluded about a
-call signature (`Spec`), the custom ops' encoding of the record, and the one signature key.
+call signature (`Spec`), the flag table the record is built from, and the custom ops' encoding.
 
     Variant     frozen, hashable: every flag a kernel, a launch plan or the CPU path branches on,
                 for the rotation, the fused store and the re-rotation alike. Parsed once from the
@@ -7,27 +7,25 @@ call signature (`Spec`), the custom ops' encoding of the record, and the one sig
                 it as one int list (`encode` / `decode`, derived from the fields).
     Spec        the Variant of one call signature plus the rotary width, the door, the launch plans
                 once made, and what the per-call checks need (extents, angle layouts).
-    signature   the one key builder: a call's arguments as (type, shape, strides, dtype, device,
-                requires_grad) or (type, value), plus grad mode; keywords at their defaults cost one
-                identity test each.
+    FLAGS       the flag table: each flag of the record declared once (see Flag).
+    Signature   an op's parameters as ropekit.core.pipeline.prepare reads them for the signature key.
 
-Adding a boolean flag: a field here (its custom-op encoding follows the fields), the keyword on the
-public op, its check and its place in the Variant in ropekit.core.checks, its branch in the kernel
-(its constexpr is the field's name in capitals, passed by ropekit.core.plans without an edit), in
-ropekit.core.cpu and in the oracle ropekit.tools.reference.
+Adding a flag: a row in FLAGS (the record's field, its default, each kernel's constexpr of it, its
+backward rule; the custom-op encoding, the plans' constexpr passing and Variant.backward follow
+from the row), the keyword on the public op and its parsing in ropekit.core.checks, its branch in
+the kernel, in ropekit.core.cpu and in the oracle ropekit.tools.reference.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
 import inspect
 import operator
-from itertools import compress
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from .memo import lookup, remember, value_key
+from .memo import value_key
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # Variant.norm_q / norm_k: none, each head, all heads
@@ -47,52 +45,102 @@ ANGLE_NAMES = {
 DIRECT, FUNCTION, CUSTOM_OP, TRACED = "direct", "function", "custom_op", "traced"
 
 
-class Variant(NamedTuple):
-    """Every flag of one call that a kernel, a plan or the CPU path branches on. Frozen and
-    hashable: specs and plans are keyed by it."""
+class Flag(NamedTuple):
+    """One flag of the call record, declared once: everything a reader follows it by.
 
-    interleaved: bool = False  # input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)
-    out_interleaved: bool = False  # layout the rotated pairs are written in (DeepSeek-V3's HF code differs)
-    mrope: int = 0  # 0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)
-    sections: Tuple[int, ...] = (0, 0, 0)  # M-RoPE (t, h, w) frequencies per position row;
-    #                                        "freqs": the pairs of each axis, () for one position row
-    angles: str = "table"  # "table": rows of a [cos | sin] table picked by positions;
-    #                                 "freqs": positions x inverse frequencies, computed in the kernel;
-    #                                 "arange": row s for token (b, s); "tokens": per-token cos / sin;
-    #                                 "delta": row |delta| per cache row, sin negated for delta < 0;
-    #                                 "packed": table rows at positions derived from cu_seqlens
-    inverse: bool = False  # rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))
-    heads_first: bool = False  # q, k (and their gradients) are (B, H, S, D) views (Hugging Face)
-    scaled: bool = False  # the rotated outputs (q_out / k_out; the store's q_out) divided by a per-tensor
-    #                       scale, saturated to an fp8 output's range
-    norm_q: int = 0  # RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,))
-    norm_k: int = 0  # RMSNorm of k likewise
-    seq_first: bool = False  # q, k (and given outputs) are (S, B, H, D) (Transformer Engine's 'sbhd'):
-    #                          the rotation's views hand the run (B, S, H, D) views, transpose(0, 1)
-    rope_last: bool = False  # the rotated dims are the last rotary_dim of the head ([nope | rope],
-    #                          DeepSeek): the run gets views of that part, the rest is copied
-    rope_halves: bool = False  # half-split pairs (i, i + D/2), i < rotary_dim / 2, of the whole head
-    #                            (rotary_position='halves', Gemma 4's p-RoPE): the kernels' GAP is D/2
-    #                            and the kept dims are [rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D)
-    nope_q: bool = False  # q is the rope part of the head and q_nope, a tensor of its own, the rest
-    #                       (FlashInfer's q_rope / q_nope): the store's kernel reads q_out's dims past
-    #                       the rotated ones from it; apply_rope's output joins it (ops.py, a view form)
-    nope_k: bool = False  # k likewise with k_nope: the store's k cache row (beside v, GQA / MHA), or
-    #                       apply_rope's k output
-    # the fused store and the re-rotation
-    q_out: bool = False  # store: q rotated into a given q_out (its tail copied), q left untouched
-    write_key: bool = False  # store: rotated (and normalized) k written back into k too
-    k_scaled: bool = False  # store, re-rotation: the k cache holds value / k_scale
-    v_scaled: bool = False  # store: the v cache holds value / v_scale
-    to_dst: bool = False  # re-rotation: rows written into dst_slots (the tail copied), sources untouched
-    two_tables: bool = False  # re-rotation: row i moves from cos_sin_cache[positions[i]] to
-    #                           to_cache[positions[i] + delta[i]] (one composed rotation)
+    name       the Variant field (what every branch reads: `variant.<name>`)
+    default    its value when the call does not set it (its type is the field's)
+    constexpr  the kernels' tl.constexpr of it, by kernel: plans.kernel_flags passes exactly these
+    backward   how the backward rotation sets it (Variant.backward): "keep", "negate", or
+               "from <field>" (the backward reads the forward's output layout)
+    coded      in the custom ops' int-list encoding (False: a view flag the ops never see)
+    what       what it means
+    """
+
+    name: str
+    default: object
+    constexpr: Dict[str, str]
+    backward: str = "keep"
+    coded: bool = True
+    what: str = ""
+
+
+_ROPE, _STORE = "rope_kernel", "rope_store_kernel"
+_REROTATE, _NORM_BACKWARD = "rerotate_kernel", "rope_norm_backward_kernel"
+
+
+def _in(name: str, *kernels: str) -> Dict[str, str]:
+    return {kernel: name for kernel in kernels}
+
+
+# fmt: off
+FLAGS: Tuple[Flag, ...] = (
+    Flag("interleaved", False, _in("INTERLEAVED", _ROPE, _STORE, _REROTATE, _NORM_BACKWARD), "from out_interleaved",
+         what="input pairs are (2i, 2i+1); False: halves (i, i + rotary_dim/2)"),
+    Flag("out_interleaved", False, _in("OUT_INTERLEAVED", _ROPE, _NORM_BACKWARD), "from interleaved",
+         what="the layout the rotated pairs are written in (DeepSeek-V3's HF code reads pairs, writes halves)"),
+    Flag("mrope", 0, _in("MROPE", _ROPE, _STORE, _NORM_BACKWARD),
+         what="0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)"),
+    Flag("sections", (0, 0, 0), {}, coded=False,
+         what="M-RoPE's (t, h, w) frequencies per position row; with 'freqs' angles the pairs of each "
+              "axis, () for one position row (encoded after the coded flags)"),
+    Flag("angles", "table", {},
+         what="where the angles come from (ANGLE_SOURCES): 'table' rows of a [cos | sin] table picked by "
+              "positions; 'freqs' positions x inverse frequencies, in the kernel; 'arange' row s for token "
+              "(b, s); 'tokens' per-token cos / sin; 'delta' row |delta| per cache row, sin negated for "
+              "delta < 0; 'packed' table rows at positions derived from cu_seqlens"),
+    Flag("inverse", False, _in("INVERSE", _ROPE, _NORM_BACKWARD), "negate",
+         what="rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))"),
+    Flag("heads_first", False, {}, coded=False,
+         what="q, k (and their gradients) are (B, H, S, D) views (Hugging Face)"),
+    Flag("scaled", False, _in("SCALED", _ROPE, _STORE),
+         what="the rotated outputs (q_out / k_out; the store's q_out) divided by a per-tensor scale, "
+              "saturated to an fp8 output's range"),
+    Flag("norm_q", 0, _in("NORM_Q", _ROPE, _STORE),
+         what="RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,))"),
+    Flag("norm_k", 0, _in("NORM_K", _ROPE, _STORE), what="RMSNorm of k likewise"),
+    Flag("seq_first", False, {}, coded=False,
+         what="q, k (and given outputs) are (S, B, H, D) (Transformer Engine's 'sbhd'): the rotation's "
+              "views hand the run (B, S, H, D) views, transpose(0, 1)"),
+    Flag("rope_last", False, {}, coded=False,
+         what="the rotated dims are the last rotary_dim of the head ([nope | rope], DeepSeek): the run "
+              "gets views of that part, the rest is copied"),
+    Flag("rope_halves", False, {},
+         what="half-split pairs (i, i + D/2), i < rotary_dim / 2, of the whole head "
+              "(rotary_position='halves', Gemma 4's p-RoPE): the plans' GAP is D/2 and the kept dims are "
+              "[rotary_dim/2, D/2) and [D/2 + rotary_dim/2, D)"),
+    Flag("nope_q", False, _in("NOPE_Q", _STORE),
+         what="q is the rope part of the head and q_nope, a tensor of its own, the rest (FlashInfer's "
+              "q_rope / q_nope): the store's kernel reads q_out's dims past the rotated ones from it; "
+              "apply_rope's output joins it (ops.py, a view form)"),
+    Flag("nope_k", False, _in("NOPE_K", _STORE),
+         what="k likewise with k_nope: the store's k cache row (beside v, GQA / MHA), or apply_rope's k output"),
+    Flag("q_out", False, {}, what="store: q rotated into a given q_out (its tail copied), q left untouched"),
+    Flag("write_key", False, _in("WRITE_KEY", _STORE), what="store: rotated (and normalized) k written back into k too"),
+    Flag("k_scaled", False, _in("K_SCALED", _STORE, _REROTATE), what="store, re-rotation: the k cache holds value / k_scale"),
+    Flag("v_scaled", False, _in("V_SCALED", _STORE), what="store: the v cache holds value / v_scale"),
+    Flag("to_dst", False, _in("TO_DST", _REROTATE),
+         what="re-rotation: rows written into dst_slots (the tail copied), sources untouched"),
+    Flag("two_tables", False, _in("TWO_TABLES", _REROTATE),
+         what="re-rotation: row i moves from cos_sin_cache[positions[i]] to to_cache[positions[i] + delta[i]] "
+              "(one composed rotation)"),
+)
+# fmt: on
+
+_Fields = collections.namedtuple("_Fields", [f.name for f in FLAGS], defaults=[f.default for f in FLAGS])
+
+
+class Variant(_Fields):
+    """Every flag of one call that a kernel, a plan or the CPU path branches on (its fields: FLAGS,
+    in that order). Frozen and hashable: specs and plans are keyed by it."""
+
+    __slots__ = ()
 
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
-        every field as an int in field order, the angle source by its index in ANGLE_SOURCES, then
-        the sections. The view flags (heads_first, seq_first, rope_last) are left out: the ops take
-        tokens-first views of the rotated part. A new field needs no edit here."""
+        every coded flag as an int in FLAGS' order, the angle source by its index in ANGLE_SOURCES,
+        then the sections. The view flags (heads_first, seq_first, rope_last) are left out: the ops
+        take tokens-first views of the rotated part."""
         return [_code(f, getattr(self, f)) for f in _CODED] + list(self.sections)
 
     @staticmethod
@@ -121,15 +169,19 @@ class Variant(NamedTuple):
         return self._replace(nope_q=False, nope_k=False)
 
     def backward(self) -> "Variant":
-        """The rotation that maps output gradients to input gradients: the inverse, reading the
-        output layout and writing the input layout."""
-        return self._replace(
-            interleaved=self.out_interleaved, out_interleaved=self.interleaved, inverse=not self.inverse
-        )
+        """The rotation that maps output gradients to input gradients, by each flag's backward rule
+        in FLAGS: the inverse, reading the output layout and writing the input layout."""
+        changed = {}
+        for f in FLAGS:
+            if f.backward == "negate":
+                changed[f.name] = not getattr(self, f.name)
+            elif f.backward.startswith("from "):
+                changed[f.name] = getattr(self, f.backward[5:])
+        return self._replace(**changed)
 
 
-# Variant's fields in its custom-op encoding, and each field's value <-> int
-_CODED = tuple(f for f in Variant._fields if f not in ("sections", "heads_first", "seq_first", "rope_last"))
+# the coded flags in the custom-op encoding's order, and each one's value <-> int
+_CODED = tuple(f.name for f in FLAGS if f.coded)
 
 
 def _code(field: str, value) -> int:
@@ -166,6 +218,8 @@ class Spec:
         "norm_offset",
         "copy_in",
         "settled",
+        "normed",
+        "views",
     )
 
     def __init__(
@@ -208,11 +262,14 @@ class Spec:
         self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
         self.copy_in = copy_in  # q or k has a last stride other than 1: read through a contiguous copy
         self.settled = settled  # False: a verdict from values that could not decide (not memoized)
+        self.normed = variant.normed  # read on every call: an attribute, not the property
+        # apply_rope's view forms: the door sees views made per call (ops.py, `_views`)
+        self.views = copy_in or variant.seq_first or variant.rope_last or variant.nope_q or variant.nope_k
 
     def _copy(self, inplace: bool) -> "Spec":
         twin = Spec(self.variant, self.rot, self.door, self.triton)
         for name in self.__slots__:
-            if name not in ("plans", "alias", "twin", "halves", "table"):
+            if name not in ("plans", "alias", "twin", "halves", "table", "normed", "views"):
                 setattr(twin, name, getattr(self, name))
         twin.inplace = inplace
         return twin
@@ -272,14 +329,6 @@ class Signature(NamedTuple):
         kw = [p for p in params if p.kind is p.KEYWORD_ONLY]
         return Signature(op or fn.__name__, _getter(lead), _getter([p.name for p in kw]), tuple(p.default for p in kw))
 
-    def key(self, args: dict):
-        """The call's signature key (raises TypeError / AttributeError for an argument it cannot key:
-        the caller then validates afresh)."""
-        kw = self.keywords(args)
-        changed = tuple(map(operator.is_not, kw, self.defaults))  # which keywords the call sets
-        kw = (changed, *map(arg_key, compress(kw, changed))) if any(changed) else None
-        return (self.op, torch.is_grad_enabled(), *map(arg_key, self.leading(args)), kw)
-
 
 def _getter(names: list) -> Callable:
     if not names:
@@ -288,46 +337,3 @@ def _getter(names: list) -> Callable:
         name = names[0]
         return lambda args: (args[name],)
     return operator.itemgetter(*names)
-
-
-def public(declared: Callable, body: Callable) -> Callable:
-    """A public op: `declared`'s signature and documentation (a def whose body is its docstring),
-    run as body(args), args its arguments by name (a dict, the parameters in their order). The
-    function is generated from the signature, so the arguments are listed once, where the op
-    declares them, and the call traces under torch.compile (a dict literal; torch 2.11's compiler
-    cannot trace locals())."""
-    params = inspect.signature(declared).parameters.values()
-    scope = {"_body": body}
-    written, star = [], False
-    for p in params:
-        if p.kind is p.KEYWORD_ONLY and not star:
-            written.append("*")
-            star = True
-        if p.default is p.empty:
-            written.append(p.name)
-        else:  # the declared default object itself: keywords at their defaults are one identity test
-            scope[f"_default_{p.name}"] = p.default
-            written.append(f"{p.name}=_default_{p.name}")
-    by_name = ", ".join(f"{p.name!r}: {p.name}" for p in params)
-    exec(f"def {declared.__name__}({', '.join(written)}):\n    return _body({{{by_name}}})\n", scope)
-    return functools.update_wrapper(scope[declared.__name__], declared)
-
-
-def spec_for(sig: Signature, args: dict, check: Callable, keyed: Optional[dict] = None) -> Tuple[Spec, str]:
-    """(spec, door) of a call: the spec validated once per signature (`check(args) -> Spec`, the
-    op's entry in ropekit.core.checks) and memoized; the door its spec's, or while tracing
-    (torch.compile: validated afresh, no memo) the custom op. keyed: the arguments as the key reads
-    them, when a value must not be part of it (a re-rotation's int shift: checked on every call,
-    keyed by its type)."""
-    if torch.compiler.is_compiling():
-        return check(args), TRACED
-    try:
-        key = sig.key(args if keyed is None else keyed)
-        spec = lookup(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
-        key = spec = None
-    if spec is None:
-        spec = check(args)
-        if spec.settled:
-            remember(key, spec)
-    return spec, spec.door

@@ -161,13 +161,14 @@ def _host_cell(rec: dict, floors: Optional[dict]) -> str:
     h = rec.get("host_us")
     if h is None:
         return "–"
-    return _us(h) + _spread(rec.get("host_spread")) + _ratios(h, floors, ("launch", "aten"))
+    return _us(h) + _spread(rec.get("host_spread")) + _ratios(h, floors, ("direct", "launch", "aten"))
 
 
 def floor_lines(res: dict) -> List[str]:
     """One line per workload with host floors: each floor's median and spread, in microseconds."""
     out = []
     names = {
+        "direct": "direct launch of ropekit's compiled kernel, arguments prebuilt",
         "launch": "empty Triton kernel launch, kernel[(1,)](q)",
         "aten": "in-place ATen op, q.add_(0)",
         "autograd": "empty autograd.Function, forward + backward",

@@ -248,6 +248,10 @@ def run_one(
                 bound.fn, device, batches=7 if cuda else 3, n=50 if cuda else 3, warmup=5 if cuda else 1
             )
             rec["host_us"], rec["host_spread"] = hs["median"], hs
+            if peer.name == "ropekit" and cuda:
+                # the launch of the same compiled kernel with prebuilt arguments: the host floor
+                # this call's own Python is measured against (the report's 'direct' ratio)
+                rec["direct_floor"] = timing.direct_launch_floor(bound.fn, device)
     except Exception as e:
         rec.update(status="error", reason="timing: " + P.short_error(e))
         return rec
@@ -375,6 +379,12 @@ def run(cfg: Config, log=None) -> dict:
             prog.done()
             _free(device)
         cpu_rounds(kept, cfg)
+        for rec in results[-len(active) :]:
+            direct = rec.pop("direct_floor", None)
+            if direct is not None and wl_info[-1].get("host_floors") is not None:
+                wl_info[-1]["host_floors"]["direct"] = direct if "median" in direct else None
+                if "why" in direct:
+                    wl_info[-1]["host_floors"]["why"]["direct"] = direct["why"]
         for rec in results[-len(active) :]:
             rec["pct_same_size_copy"] = 100.0 * rec["gbps"] / same_gbps if (same_gbps and rec["gbps"]) else None
         del base, exp, extra, table

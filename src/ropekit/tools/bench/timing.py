@@ -266,6 +266,46 @@ def host_floors(q: torch.Tensor, k: Optional[torch.Tensor] = None) -> dict:
     return out
 
 
+def direct_launch_floor(call: Callable[[], object], device) -> dict:
+    """Host time of the direct launch of the compiled kernel that one ropekit call launches, with
+    its arguments prebuilt (the addresses, ints and constexprs of that call): the floor of any
+    eager op that launches this kernel from Python. `stats` in microseconds, or {'why': ...} when
+    the call does not launch exactly one compiled kernel (the CPU path, the interpreter, several
+    launches)."""
+    from ropekit.core import launch as launching
+    from ropekit.core import pipeline
+
+    seen = []
+    real = pipeline.launch
+
+    def spy(*args):
+        seen.append(args)
+        return real(*args)
+
+    call()  # compiled and planned before the spied call
+    pipeline.launch = spy
+    try:
+        call()
+    finally:
+        pipeline.launch = real
+    if len(seen) != 1:
+        return {"why": f"{len(seen)} launches in one call (direct floor: one)"}
+    kernel, compiled, variant, grid, ptrs, args, meta = seen[0]
+    if not ptrs[0].is_cuda or len(compiled) != 1:
+        return {"why": "no compiled kernel (CPU) or several for one plan"}
+    kernel_run, consts = next(iter(compiled.values()))
+    full = (*[p.data_ptr() for p in ptrs], *args, *consts)
+    stream = launching.stream_tools()[0](ptrs[0].get_device())
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    function, packed = kernel_run.function, kernel_run.packed_metadata
+    run = kernel_run.run
+
+    def direct():
+        run(g[0], g[1], g[2], stream, function, packed, None, None, None, *full)
+
+    return host_us_stats(direct, device)
+
+
 def graph_launch_floor(x: torch.Tensor, calls: int = 100, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     """What one launch costs inside a CUDA graph: an empty Triton kernel (one pointer argument,
     grid (1,)) captured `calls` times in one graph, replayed; `stats` in microseconds per launch.

@@ -1,0 +1,277 @@
+"""One call of every op, written once: prepare (the validated spec of the call's signature), then
+the direct door (eager, nothing to record): the launch plan of the spec filled with this call's
+pointers and launched.
+
+    prepare(sig, args, check)          -> (spec, door): the signature key, the memoized spec (the
+                                          op's entry in ropekit.core.checks validates a new one)
+    rotate_direct / run_rotate         the rotation (run_rotate: every door's forward, and the
+                                          backward with Variant.backward())
+    store_direct / run_store           the fused RoPE + KV-cache store
+    rerotate_direct / run_rerotate     the re-rotation of cached keys
+
+The steady-state eager call is: the public op (ropekit.api.*) -> prepare -> the op's per-call
+checks (ropekit.core.checks.*_call, called by the op, or inside the custom op when it runs)
+-> the direct door -> its run step -> ropekit.core.launch:
+six functions in four files, counted by tools/call_path.py and held by tests/test_call_path.py.
+So this path calls no helper per argument: keys are built in a loop here, strict mode is an
+attribute read, and no comprehension runs (each is a frame of its own before Python 3.12).
+The autograd Function and the torch.library custom ops (ropekit.core.dispatch) run the same run
+steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
+"""
+
+from __future__ import annotations
+
+from itertools import compress
+from operator import is_not
+
+import torch
+
+from . import plans, run
+from .launch import launch
+from .memo import MEMO, remember
+from .variant import TRACED, Signature, Spec, Variant, arg_key
+
+_Tensor = torch.Tensor
+_SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_increment_version = torch.autograd.graph.increment_version
+
+
+def prepare(sig: Signature, args: dict, check, keyed=None):
+    """(spec, door) of a call: the spec validated once per signature (`check(args) -> Spec`, the
+    op's entry in ropekit.core.checks) and memoized; the door its spec's, or while tracing
+    (torch.compile: validated afresh, no memo) TRACED. keyed: the arguments as the key reads them,
+    when a value must not be part of it (a re-rotation's int shift: checked on every call, keyed
+    by its type).
+
+    The key: the op, grad mode, each positional argument, then which keywords differ from their
+    defaults (one identity test each) and those keywords; a tensor as (type, shape, strides,
+    dtype, device, requires_grad), a scalar with its type (16 and 16.0 hash alike but validate
+    differently), anything else by variant.arg_key."""
+    if _is_compiling():
+        return check(args), TRACED
+    values = args if keyed is None else keyed
+    key = [sig.op, _grad_enabled()]
+    try:
+        given = list(sig.leading(values))
+        kw = sig.keywords(values)
+        changed = tuple(map(is_not, kw, sig.defaults))
+        if True in changed:
+            key.append(changed)
+            given.extend(compress(kw, changed))
+        for x in given:
+            t = type(x)
+            if t is _Tensor:
+                key.append((t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+            elif t in _SCALARS:
+                key.append((t, x))
+            else:
+                key.append(arg_key(x))
+        key = tuple(key)
+        spec = MEMO.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
+        key = spec = None
+    if spec is None:
+        spec = check(args)
+        if spec.settled:
+            remember(key, spec)
+    return spec, spec.door
+
+
+# ---------------------------------------------------------------------------------------------
+# the rotation: (spec, q, k, a, b, weights, scales, q_out, k_out) -> (q_out, k_out)
+
+
+def rotate_direct(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
+    """The rotation's direct door: outputs allocated (or given), one run. (a, b): the angle
+    operands (run_rotate's); weights: (q's, k's) norm weights; scales: (q's, k's) scale tensors."""
+    if spec.normed and not spec.triton:  # the CPU path: torch ops, which autograd records
+        outs = run.norm_rotated(spec, spec.variant, q, k, a, b, weights, spec.out_dtype, scales)
+        return run.into(outs, *((q, k) if spec.inplace else (q_out, k_out)))
+    w = weights if spec.normed else None
+    if spec.inplace:
+        run_rotate(spec, spec.variant, q, k, q, k, a, b, None, None, w)
+        # the kernels write through raw pointers, which autograd does not see: anything that saved
+        # q or k for a backward then raises instead of computing with rotated values
+        _increment_version([q] if k is None else [q, k])
+        return q, k
+    if q_out is None:
+        q_out = run.empty_like(q, dtype=spec.out_dtype)
+    if k_out is None and k is not None:
+        k_out = run.empty_like(k, dtype=spec.out_dtype)
+    run_rotate(spec, spec.variant, q, k, q_out, k_out, a, b, None, scales, w)
+    return q_out, k_out
+
+
+def run_rotate(
+    spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, layout_key=None, scales=None, weights=None
+) -> None:
+    """q -> q_out and k -> k_out (outputs may be the inputs: in place), rotated as `variant` says.
+
+    (a, b): (positions or None, [cos | sin] table) for table / arange angles, (cu_seqlens, table)
+    for packed ones, (positions, inverse frequencies) for computed ones, (cos, sin) for per-token
+    angles. layout_key: None when the outputs' layout follows from the spec's signature (forward
+    calls), else a key of the tensors' layouts (gradients). With variant.heads_first the tensors
+    are Hugging Face's (B, H, S, D) views; a launch needs only their addresses.
+    scales: with variant.scaled, (q's, k's) float32 scalar tensors the outputs are divided by.
+    weights: with variant.normed, (q's, k's) RMSNorm weights (None where that tensor is not
+    normalized); eps and offset are the spec's. The CPU path of a normed variant is `run.norm_rotated`.
+
+    The plan's pointer slots, in rope_kernel's order: q, k, q_out, k_out, positions, cos, sin,
+    q's scale, k's scale; a slot the plan never reads gets a tensor of the same pointer type."""
+    if not spec.triton:
+        run.rotate_cpu(spec, variant, q, k, q_out, k_out, a, b, scales)
+        return
+    plan = spec.plans.get((variant, layout_key))
+    if plan is None:
+        hf = variant.heads_first
+        plan = spec.plans[(variant, layout_key)] = plans.plan_rotate(
+            run.heads_first(q, hf),
+            run.heads_first(k, hf),
+            run.heads_first(q_out, hf),
+            run.heads_first(k_out, hf),
+            plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
+            variant,
+        )
+    if plan is None:  # an empty call: nothing to write
+        return
+    meta = plan.meta
+    if plan.pack_bytes:
+        pairs_off = q.data_ptr() | q_out.data_ptr()
+        if k is not None:
+            pairs_off |= k.data_ptr() | k_out.data_ptr()
+        if pairs_off % plan.pack_bytes:
+            meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
+    if meta["HAS_POS"] or meta["FREQS"]:  # positions; a table, or the inverse frequencies
+        pos, cos, sin = a, b, b
+    elif a is None:  # arange: the table alone
+        pos, cos, sin = b, b, b
+    else:  # per-token angles
+        pos, cos, sin = a, a, b
+    if scales is None:  # the scale slots get the sin tensor, never read
+        qs = ks = sin
+    else:
+        qs = scales[0]
+        ks = qs if scales[1] is None else scales[1]
+    ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
+    if weights is None:
+        launch(plans.kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
+        return
+    wq, wk = weights
+    wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
+    if wq.dtype != wk.dtype:
+        # q and k share one code path that selects the weight's pointer, and a select needs one
+        # pointer type: weights of two dtypes are read as float32 (exact; a (D,) or (H*D,) copy)
+        wq, wk = wq.float(), wk.float()
+    wa, wb = wq.data_ptr() % 16, wk.data_ptr() % 16
+    if meta["W_PAIRS"] and (wa or wb):
+        meta = dict(meta, W_PAIRS=False)  # a weight off the 16-byte grid: its element loads
+    # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
+    args = (*plan.args, wq, wk, spec.norm_eps, spec.norm_offset)
+    launch(plans.kernel("rope_kernel"), plan.compiled, (meta["PACK"], wa, wb), plan.grid, ptrs, args, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused store
+
+
+def store_direct(spec: Spec, t: run.StoreOperands) -> None:
+    """The store's direct door (eager with or without autograd: the store records no graph), after
+    this call's checks (checks.store_call, by the caller): the run, the written tensors' versions
+    moved."""
+    run_store(spec, t)
+    written = [t.q if t.q_out is None else t.q_out, t.k_cache, t.v_cache]
+    if spec.variant.write_key:
+        written.append(t.k)
+    _increment_version(written)
+
+
+def run_store(spec: Spec, t: run.StoreOperands) -> None:
+    """The store's run step: q rotated in place (or into q_out), rotated k and v into their cache
+    rows (and rotated k back into k with write_key), q and k normalized first when the variant says
+    so. The Triton launch (plan made once per spec), or the PyTorch path on CPU tensors.
+
+    rope_store_kernel's pointer slots: q, k, v, positions, table, slots, k cache, v cache, k's
+    scale, v's scale, q_out, q's scale, the norm weights, the no-rope parts; a slot the plan never
+    reads (unscaled, unnormalized) points at the table."""
+    if not spec.triton:
+        run.store_cpu(spec, t)
+        return
+    plan = spec.plans.get(None)
+    if plan is None:
+        plan = spec.plans[None] = plans.plan_store(t, spec.variant, spec.rot, spec.packed)
+        if plan is None:
+            spec.plans[None] = False
+    if not plan:  # an empty call
+        return
+    meta = plan.meta
+    qo = t.q if t.q_out is None else t.q_out
+    if meta["PACK_Q"] and (t.q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
+        meta = dict(meta, PACK_Q=0)  # a view may start at an odd element: the element path
+    if meta["PACK_K"] and (t.k.data_ptr() | t.k_cache.data_ptr()) % (meta["PACK_K"] // 8):
+        meta = dict(meta, PACK_K=0)
+    table = t.table
+    ptrs = (
+        t.q,
+        t.k,
+        t.v,
+        table if t.a is None else t.a,
+        table,
+        t.slot_mapping,
+        t.k_cache,
+        t.v_cache,
+        table if t.ks is None else t.ks,
+        table if t.vs is None else t.vs,
+        qo,
+        table if t.qs is None else t.qs,
+        table if t.wq is None else t.wq,
+        table if t.wk is None else t.wk,
+        table if t.qn is None else t.qn,
+        table if t.kn is None else t.kn,
+    )
+    args = (*plan.args, spec.norm_eps, spec.norm_offset)
+    kernel = plans.kernel("rope_store_kernel")
+    launch(kernel, plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, args, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# the re-rotation
+
+
+def rerotate_direct(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
+    """The re-rotation's direct door, after this call's checks (checks.rerotate_call, by the
+    caller): the run, the cache's version moved."""
+    run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
+    _increment_version([k_cache])
+
+
+def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:
+    """Rows of k_cache rotated by the angle of delta (a tensor, or the int delta_int); with
+    spec.variant.two_tables, from table row positions to to_table row positions + delta.
+
+    rerotate_kernel's pointer slots: the cache, slots, destination slots, delta, the table, k's
+    scale, positions, the second table; a slot the plan never reads points at slots or the table."""
+    if not spec.triton:
+        run.rerotate_cpu(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
+        return
+    plan = spec.plans.get(None)
+    if plan is None:
+        plan = plans.plan_rerotate(k_cache, slots, delta, table, dst_slots, spec.variant, spec.rot, positions, to_table)
+        spec.plans[None] = plan if plan is not None else False
+    if not plan:  # an empty call
+        return
+    ptrs = (
+        k_cache,
+        slots,
+        slots if dst_slots is None else dst_slots,
+        slots if delta is None else delta,
+        table,
+        table if k_scale is None else k_scale,
+        slots if positions is None else positions,
+        table if to_table is None else to_table,
+    )
+    # an int shift travels as int32 (one compiled kernel for every value): a |delta| past 2^31 - 1 is
+    # past any table anyway, and stays past it when clamped
+    value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
+    launch(plans.kernel("rerotate_kernel"), plan.compiled, (), plan.grid, ptrs, (value, *plan.args), plan.meta)
