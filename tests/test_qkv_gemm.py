@@ -9,6 +9,8 @@ shapes on CUDA.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,13 @@ from conftest import make_cache, rel_err
 
 NAN = float("nan")
 MAX_POS = 96
+
+
+def need_kernel(device):
+    """The fused kernel runs on CUDA, and on CPU tensors under the interpreter only (a CUDA machine
+    runs these tests on its GPU: the cuda parameter)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors take the fused kernel under TRITON_INTERPRET=1 only")
 
 
 def reference(x, w, positions, cache, hq, hk, d, rot, interleaved, wq=None, wk=None, eps=1e-6):
@@ -84,9 +93,10 @@ CASES = [
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-h{c[1]}-{c[2]}x{c[3]}-D{c[4]}-r{c[5]}" for c in CASES])
 @pytest.mark.parametrize("norm", [None, "qk", "k"])
-def test_forward_matches_reference(case, interleaved, norm, poison):
+def test_forward_matches_reference(case, interleaved, norm, poison, device):
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = case
-    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm)
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
     got = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved)
     want = reference(x, w, pos, cache, hq, hk, d, rot, interleaved, wq, wk)
     for g, r, shape in zip(got, want, ((T, hq, d), (T, hk, d), (T, hk, d))):
@@ -95,9 +105,10 @@ def test_forward_matches_reference(case, interleaved, norm, poison):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_inputs(dtype, poison):
+def test_half_precision_inputs(dtype, poison, device):
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = 17, 64, 4, 2, 32, 32
-    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=dtype, norm="qk")
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=dtype, norm="qk", device=device)
     got = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, False)
     want = reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk)
     for g, r in zip(got, want):
@@ -107,14 +118,15 @@ def test_half_precision_inputs(dtype, poison):
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("norm", [None, "qk"])
-def test_two_heads_per_program(interleaved, norm):
+def test_two_heads_per_program(interleaved, norm, device):
     """The GPU tiling (G = 2 heads per program, gathered columns) in the interpreter, through the
     launcher with an explicit config."""
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = 19, 64, 4, 2, 32, 16
-    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm)
-    out = torch.full((T, hq + 2 * hk, d), NAN)
-    pre = torch.full((T, hq + hk, d), NAN)
-    cfg = dict(G=2, BLOCK_M=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
+    out = torch.full((T, hq + 2 * hk, d), NAN, device=device)
+    pre = torch.full((T, hq + hk, d), NAN, device=device)
+    cfg = dict(G=2, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     qkv_rope_gemm(
         x, w, pos, cache, out, pre, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot,
         interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, config=cfg,
@@ -128,13 +140,14 @@ def test_two_heads_per_program(interleaved, norm):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("norm", [None, "qk", "q"])
 @pytest.mark.parametrize("rot", [32, 16])
-def test_backward_matches_reference(interleaved, norm, rot, poison):
+def test_backward_matches_reference(interleaved, norm, rot, poison, device):
+    need_kernel(device)
     T, hidden, hq, hk, d = 13, 48, 4, 2, 32
-    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True)
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True, device=device)
     outs = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved)
     refs = reference(x, w, pos, cache, hq, hk, d, rot, interleaved, wq, wk)
     g = torch.Generator().manual_seed(1)
-    grads = [torch.randn(o.shape, generator=g) for o in outs]
+    grads = [torch.randn(o.shape, generator=g).to(device) for o in outs]
     leaves = [t for t in (x, w, wq, wk) if t is not None]
     got = torch.autograd.grad(outs, leaves, grads)
     want = torch.autograd.grad(refs, leaves, [gr.double() for gr in grads])
@@ -143,10 +156,11 @@ def test_backward_matches_reference(interleaved, norm, rot, poison):
         assert rel_err(a, b) < 1e-5, name
 
 
-def test_backward_with_unused_outputs(poison):
+def test_backward_with_unused_outputs(poison, device):
     """Gradients of q alone (k and v unused): autograd fills the rest with zeros."""
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = 11, 32, 2, 1, 16, 16
-    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm="qk", grad=True)
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm="qk", grad=True, device=device)
     q, _, _ = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, False)
     rq, _, _ = reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk)
     got = torch.autograd.grad(q.sum(), (x, w, wq, wk), allow_unused=True)
@@ -158,9 +172,10 @@ def test_backward_with_unused_outputs(poison):
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("norm", [None, "qk"])
-def test_fused_and_unfused_agree(interleaved, norm, poison):
+def test_fused_and_unfused_agree(interleaved, norm, poison, device):
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = 21, 64, 4, 2, 32, 16
-    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True)
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True, device=device)
     fused = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved, impl="fused")
     unfused = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved, impl="unfused")
     for a, b in zip(fused, unfused):
@@ -181,11 +196,12 @@ def test_auto_is_unfused_on_cpu(monkeypatch):
     assert rel_err(q, want[0]) < 2e-6 and rel_err(v, want[2]) < 2e-6
 
 
-def test_two_token_dims_and_positions_none(poison):
+def test_two_token_dims_and_positions_none(poison, device):
+    need_kernel(device)
     B, S, hidden, hq, hk, d, rot = 2, 9, 32, 2, 1, 16, 16
-    x, w, _, cache, _, _ = inputs(B * S, hidden, hq, hk, d, rot)
+    x, w, _, cache, _, _ = inputs(B * S, hidden, hq, hk, d, rot, device=device)
     x = x.view(B, S, hidden)
-    pos = torch.arange(S).expand(B, S)
+    pos = torch.arange(S, device=device).expand(B, S)
     for impl in ("fused", "unfused"):
         got = call(x, w, None, cache, None, None, hq, hk, d, rot, False, impl=impl)
         want = reference(x, w, pos, cache, hq, hk, d, rot, False)
@@ -194,10 +210,11 @@ def test_two_token_dims_and_positions_none(poison):
             assert rel_err(g, r) < 2e-6, impl
 
 
-def test_strided_inputs(poison):
+def test_strided_inputs(poison, device):
     """x a column slice, weight a transposed view: any strides are read as they are."""
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = 10, 32, 2, 1, 16, 16
-    x, w, pos, cache, _, _ = inputs(T, 2 * hidden, hq, hk, d, rot)
+    x, w, pos, cache, _, _ = inputs(T, 2 * hidden, hq, hk, d, rot, device=device)
     x = x[:, ::2]
     w = w[:, :hidden].t().contiguous().t()
     got = call(x, w, pos, cache, None, None, hq, hk, d, rot, True)
@@ -206,9 +223,10 @@ def test_strided_inputs(poison):
         assert rel_err(g, r) < 2e-6
 
 
-def test_out_of_range_position_is_nan_and_strict_raises(poison):
+def test_out_of_range_position_is_nan_and_strict_raises(poison, device):
+    need_kernel(device)
     T, hidden, hq, hk, d, rot = 6, 32, 2, 1, 16, 8
-    x, w, pos, cache, _, _ = inputs(T, hidden, hq, hk, d, rot)
+    x, w, pos, cache, _, _ = inputs(T, hidden, hq, hk, d, rot, device=device)
     pos[2], pos[4] = -1, MAX_POS
     q, k, v = call(x, w, pos, cache, None, None, hq, hk, d, rot, False)
     for t in (q, k):
@@ -220,8 +238,9 @@ def test_out_of_range_position_is_nan_and_strict_raises(poison):
         call(x, w, pos, cache, None, None, hq, hk, d, rot, False)
 
 
-def test_zero_tokens():
-    x, w, pos, cache, wq, wk = inputs(0, 32, 2, 1, 16, 16, norm="qk", grad=True)
+def test_zero_tokens(device):
+    need_kernel(device)
+    x, w, pos, cache, wq, wk = inputs(0, 32, 2, 1, 16, 16, norm="qk", grad=True, device=device)
     q, k, v = call(x, w, pos, cache, wq, wk, 2, 1, 16, 16, False)
     assert q.shape == (0, 2, 16) and k.shape == v.shape == (0, 1, 16)
     (q.sum() + k.sum()).backward()
