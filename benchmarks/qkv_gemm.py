@@ -43,6 +43,9 @@ import ropekit
 from ropekit.api import qkv as qkv_api
 from ropekit.kernels import qkv_gemm
 
+# timed variants: name -> (impl, qkv_gemm.PREFER_TMA)
+VARIANTS = {"fused": ("fused", False), "fused_tma": ("fused", True), "unfused": ("unfused", False)}
+
 MODELS = {
     # name: (hidden, Hq, Hk, D, rope base, per-head q/k norm)
     "llama3_8b": (4096, 32, 8, 128, 500000.0, False),
@@ -58,6 +61,11 @@ SWEEP = [
     dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(G=1, BLOCK_M=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=4, num_warps=8, num_stages=3),
+    dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
+    dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+    dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5, TMA=True),
+    dict(G=1, BLOCK_M=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+    dict(G=1, BLOCK_M=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
 ]
 
 
@@ -96,19 +104,28 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
     flops = 2.0 * T * n * hidden
     res = {"model": model, "T": T, "hidden": hidden, "Hq": hq, "Hk": hk, "D": d, "norm": normed}
 
-    # correctness first: fused against unfused, forward and gradients
+    # correctness first: each fused path against unfused, forward and gradients
     x, w, pos, cache, kw = make(model, T, device, grad=True)
     leaves = [t for t in (x, w, kw["q_norm_weight"], kw["k_norm_weight"]) if t is not None]
-    outs = {impl: ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw) for impl in ("fused", "unfused")}
     gen = torch.Generator(device="cpu").manual_seed(1)
-    grads = [torch.randn(o.shape, generator=gen).to(device, o.dtype) for o in outs["fused"]]
-    gr = {impl: torch.autograd.grad(o, leaves, grads) for impl, o in outs.items()}
-    res["max_rel_err_fwd"] = max(rel_err(a, b) for a, b in zip(outs["fused"], outs["unfused"]))
-    res["max_rel_err_grad"] = max(rel_err(a, b) for a, b in zip(gr["fused"], gr["unfused"]))
+    grads = None
+    outs, gr = {}, {}
+    for name, (impl, tma) in VARIANTS.items():
+        qkv_gemm.PREFER_TMA = tma
+        outs[name] = ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
+        if grads is None:
+            grads = [torch.randn(o.shape, generator=gen).to(device, o.dtype) for o in outs[name]]
+        gr[name] = torch.autograd.grad(outs[name], leaves, grads)
+    for name in ("fused", "fused_tma"):
+        res[f"max_rel_err_fwd_{name}"] = max(rel_err(a, b) for a, b in zip(outs[name], outs["unfused"]))
+        res[f"max_rel_err_grad_{name}"] = max(rel_err(a, b) for a, b in zip(gr[name], gr["unfused"]))
     del outs, gr
 
-    def fwd(impl):
+    def fwd(name):
+        impl, tma = VARIANTS[name]
+
         def f():
+            qkv_gemm.PREFER_TMA = tma
             with torch.no_grad():
                 ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
 
@@ -118,8 +135,11 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
         with torch.no_grad():
             F.linear(x, w)
 
-    def fb(impl):
+    def fb(name):
+        impl, tma = VARIANTS[name]
+
         def f():
+            qkv_gemm.PREFER_TMA = tma
             o = ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
             torch.autograd.grad(o, leaves, grads)
 
@@ -131,8 +151,8 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
         torch.autograd.grad(F.linear(x, w), (x, w), lin_grad)
 
     fns = {
-        "fwd": {"fused": fwd("fused"), "unfused": fwd("unfused"), "linear": linear_fwd},
-        "fwd_bwd": {"fused": fb("fused"), "unfused": fb("unfused"), "linear": linear_fb},
+        "fwd": {**{n: fwd(n) for n in VARIANTS}, "linear": linear_fwd},
+        "fwd_bwd": {**{n: fb(n) for n in VARIANTS}, "linear": linear_fb},
     }
     for mode, table in fns.items():
         times = {k: float("inf") for k in table}
@@ -140,12 +160,18 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
             for k, fn in table.items():
                 times[k] = min(times[k], bench(fn, rep))
         mult = 1.0 if mode == "fwd" else 3.0  # the backward is two more GEMMs of the same size
+        best = min(("fused", "fused_tma"), key=lambda n: times[n])
         res[mode] = {
             "fused_ms": times["fused"],
+            "fused_tma_ms": times["fused_tma"],
             "unfused_ms": times["unfused"],
             "linear_ms": times["linear"],
             "speedup": times["unfused"] / times["fused"],
+            "speedup_tma": times["unfused"] / times["fused_tma"],
+            "best_fused": best,
+            "best_speedup": times["unfused"] / times[best],
             "fused_tflops": mult * flops / times["fused"] / 1e9,
+            "fused_tma_tflops": mult * flops / times["fused_tma"] / 1e9,
             "linear_tflops": mult * flops / times["linear"] / 1e9,
         }
     return res
@@ -216,7 +242,10 @@ def main(argv=None) -> int:
         },
     }
     results = []
-    head = f"{'model':<10} {'T':>6} {'mode':<8} {'fused ms':>9} {'unfused':>9} {'linear':>9} {'speedup':>8} {'fused TF/s':>10} {'cuBLAS TF/s':>11}"
+    head = (
+        f"{'model':<10} {'T':>6} {'mode':<8} {'fused ms':>9} {'tma ms':>9} {'unfused':>9} {'linear':>9} "
+        f"{'speedup':>8} {'tma':>7} {'fused TF/s':>10} {'tma TF/s':>9} {'cuBLAS TF/s':>11}"
+    )
     print(head)
     for model in models:
         for T in tokens:
@@ -225,21 +254,25 @@ def main(argv=None) -> int:
             for mode in ("fwd", "fwd_bwd"):
                 m = r[mode]
                 print(
-                    f"{model:<10} {T:>6} {mode:<8} {m['fused_ms']:>9.3f} {m['unfused_ms']:>9.3f} {m['linear_ms']:>9.3f} "
-                    f"{m['speedup']:>7.3f}x {m['fused_tflops']:>10.0f} {m['linear_tflops']:>11.0f}"
+                    f"{model:<10} {T:>6} {mode:<8} {m['fused_ms']:>9.3f} {m['fused_tma_ms']:>9.3f} "
+                    f"{m['unfused_ms']:>9.3f} {m['linear_ms']:>9.3f} {m['speedup']:>7.3f}x {m['speedup_tma']:>6.3f}x "
+                    f"{m['fused_tflops']:>10.0f} {m['fused_tma_tflops']:>9.0f} {m['linear_tflops']:>11.0f}"
                 )
             print(
                 f"{'':<17} rel. err fused vs unfused: forward {r['max_rel_err_fwd']:.2e}, grads {r['max_rel_err_grad']:.2e}"
             )
             torch.cuda.empty_cache()
 
-    auto = {}
+    auto, paths = {}, {}
     for r in results:
         for mode, train in (("fwd", False), ("fwd_bwd", True)):
             key = (kind, qkv_api.shape_class(r["T"], r["hidden"], r["Hq"], r["Hk"], r["D"], r["norm"], train))
-            auto[key] = "fused" if r[mode]["speedup"] >= 1.02 else "unfused"
+            auto[key] = "fused" if r[mode]["best_speedup"] >= 1.02 else "unfused"
+            paths[key] = r[mode]["best_fused"]
     print("\nsuggested ropekit.api.qkv.AUTO_TABLE entries:")
     print("{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in auto.items()) + "}")
+    n_tma = sum(1 for k, v in auto.items() if v == "fused" and paths[k] == "fused_tma")
+    print(f"fused entries faster with the TMA path: {n_tma} of {sum(v == 'fused' for v in auto.values())}")
 
     sweep_rows = []
     if a.sweep:
@@ -260,7 +293,10 @@ def main(argv=None) -> int:
     doc = {
         "config": config,
         "results": results,
-        "auto_table": [{"device_kind": k[0], "shape_class": list(k[1]), "impl": v} for k, v in auto.items()],
+        "auto_table": [
+            {"device_kind": k[0], "shape_class": list(k[1]), "impl": v, "faster_fused_path": paths[k]}
+            for k, v in auto.items()
+        ],
         "sweep": sweep_rows,
     }
     if a.out:

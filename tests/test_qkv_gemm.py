@@ -16,7 +16,8 @@ import torch
 
 import ropekit
 from ropekit.api import qkv as qkv_api
-from ropekit.kernels.qkv_gemm import qkv_rope_gemm
+from ropekit.kernels import qkv_gemm
+from ropekit.kernels.qkv_gemm import qkv_rope_gemm, tma_ok
 
 from conftest import make_cache, rel_err
 
@@ -135,6 +136,30 @@ def test_two_heads_per_program(interleaved, norm, device):
     assert rel_err(out, want) < 2e-6
     projected = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))[:, : hq + hk]
     assert rel_err(pre, projected) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-h{c[1]}-{c[2]}x{c[3]}-D{c[4]}-r{c[5]}" for c in CASES])
+def test_tma_path(case, dtype, device):
+    """The TMA path (tensor descriptors; one head per program) through the launcher: padded halves
+    and tails read W's next rows, which must not reach the outputs or the norm."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = case
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=dtype, norm="qk", device=device)
+    if device == "cuda" and not tma_ok(x, w, False):
+        pytest.skip("no TMA on this card")
+    assert tma_ok(x, w, False) and not tma_ok(x, w, True) and not tma_ok(x.float(), w.float(), False)
+    out = torch.full((T, hq + 2 * hk, d), NAN, device=device, dtype=dtype)
+    pre = torch.full((T, hq + hk, d), NAN, device=device, dtype=dtype)
+    cfg = dict(G=1, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2, TMA=True)
+    qkv_rope_gemm(
+        x, w, pos, cache, out, pre, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot,
+        interleaved=False, q_norm_weight=wq, k_norm_weight=wk, config=cfg,
+    )  # fmt: skip
+    want = torch.cat(reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk), 1)
+    assert rel_err(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+    projected = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))[:, : hq + hk]
+    assert rel_err(pre, projected) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
@@ -344,7 +369,8 @@ GPU_CASES = [
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
 )
-def test_gpu_bf16_forward_backward(case, poison):
+def test_gpu_bf16_forward_backward(case, tma, poison, monkeypatch):
+    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
     T, hidden, hq, hk, d, rot, interleaved, norm = case
     x, w, pos, cache, wq, wk = inputs(
         T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda", grad=True

@@ -30,8 +30,17 @@ every ropekit kernel file; `python -m ropekit.audit` checks it). float32 accumul
 multiply in IEEE float32 (PRECISION), never TF32. In the interpreter (CPU tensors) bf16 tiles are
 upcast to float32 before the dot (UPCAST: its bf16 dot is wrong); compiled, they never are.
 
-The launcher (`qkv_rope_gemm`) picks fixed tile sizes by shape; no autotuning.
+Two ways to read the operands, one epilogue: the pointer path (any strides, any GPU, G heads per
+program, cp.async pipelining) and the TMA path (TMA=True: tensor descriptors of x and W, one head per
+program; Hopper and later, half-split pairs, 16-bit dtypes, unit last strides, 16-byte aligned rows;
+`tma_ok`). The TMA path reads a rotary half as one block of W's rows, zero-filled past the tensors'
+ends, so it needs no masks.
+
+The launcher (`qkv_rope_gemm`) picks fixed tile sizes by shape (`tile_config`; no autotuning) and the
+path (`PREFER_TMA`, off by default until measured).
 """
+
+import os
 
 import triton
 import triton.language as tl
@@ -80,6 +89,9 @@ def _scale_heads(a, s, G: tl.constexpr, BLOCK_M: tl.constexpr, C: tl.constexpr):
 def qkv_rope_gemm_kernel(
     x_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
+    wt_desc,
     out_ptr,
     pre_ptr,
     pos_ptr,
@@ -117,6 +129,7 @@ def qkv_rope_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # grouped order of the (row block, head block) tiles: GROUP_M row blocks share W's column
     # blocks while they are in L2
@@ -156,36 +169,65 @@ def qkv_rope_gemm_kernel(
         col_t = 2 * HALF + t_j
         nt = t_head * D + col_t
 
-    ks = tl.arange(0, BLOCK_K)
-    # rows past T read row T - 1 (in bounds, never stored): the x loads need no row mask
-    x_ptrs = x_ptr + tl.minimum(rows, T - 1)[:, None] * stride_xm + ks.to(tl.int64)[None, :] * stride_xk
-    w1_ptrs = w_ptr + n1[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
-    w2_ptrs = w_ptr + n2[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
-    if TAIL_PAD > 0:
-        wt_ptrs = w_ptr + nt[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
-    step_x = BLOCK_K * stride_xk
-    step_w = BLOCK_K * stride_wk
-
     a1 = tl.zeros((BLOCK_M, G * HALF_PAD), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_M, G * HALF_PAD), dtype=tl.float32)
     if TAIL_PAD > 0:
         at = tl.zeros((BLOCK_M, G * TAIL_PAD), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        a1 = _dot_tile(a1, x, w1_ptrs, k_ok, pair_ok, EVEN_K, HALF == HALF_PAD, PRECISION, UPCAST)
-        a2 = _dot_tile(a2, x, w2_ptrs, k_ok, pair_ok, EVEN_K, HALF == HALF_PAD, PRECISION, UPCAST)
+    if TMA:
+        # tensor-memory-accelerator tiles (Hopper and later; G == 1, half-split): x rows
+        # [m0, m0 + BLOCK_M), W rows [n0, n0 + HALF_PAD) and [n0 + HALF, n0 + HALF + HALF_PAD) (and the
+        # tail's), zero-filled past the tensors' ends; lanes of a padded half read the next columns
+        # of W and are zeroed below
+        m0 = pid_m * BLOCK_M
+        n0 = pid_h * D
+        for k0 in range(0, K, BLOCK_K):
+            x = x_desc.load([m0, k0])
+            w1 = w_desc.load([n0, k0])
+            w2 = w_desc.load([n0 + HALF, k0])
+            if UPCAST:
+                x = x.to(tl.float32)
+                w1 = w1.to(tl.float32)
+                w2 = w2.to(tl.float32)
+            a1 = tl.dot(x, tl.trans(w1), a1, input_precision=PRECISION)
+            a2 = tl.dot(x, tl.trans(w2), a2, input_precision=PRECISION)
+            if TAIL_PAD > 0:
+                wt = wt_desc.load([n0 + 2 * HALF, k0])
+                if UPCAST:
+                    wt = wt.to(tl.float32)
+                at = tl.dot(x, tl.trans(wt), at, input_precision=PRECISION)
+        if HALF != HALF_PAD:
+            a1 = tl.where(pair_ok[None, :], a1, 0.0)
+            a2 = tl.where(pair_ok[None, :], a2, 0.0)
         if TAIL_PAD > 0:
-            at = _dot_tile(at, x, wt_ptrs, k_ok, tail_ok, EVEN_K, D - 2 * HALF == TAIL_PAD, PRECISION, UPCAST)
-            wt_ptrs += step_w
-        x_ptrs += step_x
-        w1_ptrs += step_w
-        w2_ptrs += step_w
+            if D - 2 * HALF != TAIL_PAD:
+                at = tl.where(tail_ok[None, :], at, 0.0)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        # rows past T read row T - 1 (in bounds, never stored): the x loads need no row mask
+        x_ptrs = x_ptr + tl.minimum(rows, T - 1)[:, None] * stride_xm + ks.to(tl.int64)[None, :] * stride_xk
+        w1_ptrs = w_ptr + n1[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
+        w2_ptrs = w_ptr + n2[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
+        if TAIL_PAD > 0:
+            wt_ptrs = w_ptr + nt[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
+        step_x = BLOCK_K * stride_xk
+        step_w = BLOCK_K * stride_wk
+
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+            a1 = _dot_tile(a1, x, w1_ptrs, k_ok, pair_ok, EVEN_K, HALF == HALF_PAD, PRECISION, UPCAST)
+            a2 = _dot_tile(a2, x, w2_ptrs, k_ok, pair_ok, EVEN_K, HALF == HALF_PAD, PRECISION, UPCAST)
+            if TAIL_PAD > 0:
+                at = _dot_tile(at, x, wt_ptrs, k_ok, tail_ok, EVEN_K, D - 2 * HALF == TAIL_PAD, PRECISION, UPCAST)
+                wt_ptrs += step_w
+            x_ptrs += step_x
+            w1_ptrs += step_w
+            w2_ptrs += step_w
 
     # the epilogue: which kind of head this block holds (q, k or v), decided once per program
     is_q = head0 < n_q_heads
@@ -279,6 +321,11 @@ def _store_tail(
     tl.store(ptrs, at.to(row_ptrs.dtype.element_ty), mask=row_ok[:, None] & (j < D - 2 * HALF)[None, :])
 
 
+# The TMA path (tensor descriptors, one head per program) instead of the pointer path where it can
+# run (`tma_ok`): ROPEKIT_QKV_TMA=1, or set by the benchmark, which times both. Off until measured.
+PREFER_TMA = os.environ.get("ROPEKIT_QKV_TMA", "0") == "1"
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -292,18 +339,36 @@ def tile_config(
     G = 2 (a 128 x 256 tile at head size 128, two 64 x 128 wgmma accumulators per warpgroup) for
     heads without a tail whose rotary half is at most 64 columns, when both head counts are even;
     G = 1 otherwise (a tail is a third accumulator: two heads of them would spill registers).
-    fp32 inputs (itemsize 4): G = 1 and half the k block (registers and shared memory)."""
+    fp32 inputs (itemsize 4): G = 1 and half the k block (registers and shared memory). With
+    PREFER_TMA, 16-bit inputs take the TMA path: one head per program, 8 warps, 4 stages."""
     half_pad = max(16, _pow2(rot // 2))
     tail_pad = 0 if D == rot else max(16, _pow2(D - rot))
     if not on_gpu:  # the interpreter: small tiles, fewer wasted lanes
         return dict(G=1, BLOCK_M=16, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     block_m = 128 if T >= 128 else 64
     block_k = 64 if itemsize <= 2 else 32
+    if PREFER_TMA and itemsize == 2:  # tma_ok decides per call (interleaved pairs take the pointer path)
+        return dict(G=1, BLOCK_M=block_m, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=True)
     two = tail_pad == 0 and half_pad <= 64 and itemsize <= 2 and n_q_heads % 2 == 0 and n_k_heads % 2 == 0
     if two:
         return dict(G=2, BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, num_warps=8, num_stages=3)
     cols = 2 * half_pad + tail_pad
     return dict(G=1, BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, num_warps=8 if cols >= 128 else 4, num_stages=4)
+
+
+def tma_ok(x, weight, interleaved: bool) -> bool:
+    """Can the TMA path read x and weight? Half-split pairs (W's rows of a half are contiguous),
+    16-bit dtypes, unit last strides, 16-byte aligned bases and row strides, and on a GPU a card of
+    compute capability 9 or later (or the interpreter, on CPU tensors)."""
+    if interleaved or x.element_size() != 2:
+        return False
+    for t in (x, weight):
+        if t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
+            return False
+    if x.is_cuda:
+        target = triton.runtime.driver.active.get_current_target()
+        return target.backend == "cuda" and target.arch >= 90
+    return True
 
 
 def qkv_rope_gemm(
@@ -336,6 +401,9 @@ def qkv_rope_gemm(
     g = cfg.pop("G")
     if n_q_heads % g or n_k_heads % g:  # a block holds heads of one kind only
         g = 1
+    tma = bool(cfg.pop("TMA", False)) and tma_ok(x, weight, interleaved)
+    if tma:
+        g = 1
     half_pad = max(16, _pow2(half))
     tail = head_dim - rotary_dim
     tail_pad = 0 if tail == 0 else max(16, _pow2(tail))
@@ -344,9 +412,20 @@ def qkv_rope_gemm(
     wq = q_norm_weight if q_norm_weight is not None else cache
     wk = k_norm_weight if k_norm_weight is not None else cache
     pre_t = pre if pre is not None else out
+    x_desc = w_desc = wt_desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        w_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [half_pad, cfg["BLOCK_K"]])
+        if tail_pad:
+            wt_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [tail_pad, cfg["BLOCK_K"]])
     qkv_rope_gemm_kernel[grid](
         x,
         weight,
+        x_desc,
+        w_desc,
+        wt_desc,
         out,
         pre_t,
         positions,
@@ -382,5 +461,6 @@ def qkv_rope_gemm(
         PRECISION="ieee" if x.dtype.itemsize == 4 else "tf32",
         # the interpreter multiplies bf16 tiles wrongly: there they are upcast to float32 first
         UPCAST=(not x.is_cuda) and str(x.dtype) == "torch.bfloat16",
+        TMA=tma,
         **cfg,
     )
