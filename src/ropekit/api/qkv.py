@@ -173,11 +173,20 @@ def _forward(x, weight, pos, cache, wq, wk, shape, save_pre: bool):
     T = x.shape[0]
     out = run.empty_like(x.new_empty((T, n_q + 2 * n_kv, d)))
     pre = run.empty_like(x.new_empty((T, n_q + n_kv, d))) if save_pre else None
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # launch on the tensors' device, not the current one
+            _launch(x, weight, pos, cache, out, pre, wq, wk, shape)
+    else:
+        _launch(x, weight, pos, cache, out, pre, wq, wk, shape)
+    return out, pre
+
+
+def _launch(x, weight, pos, cache, out, pre, wq, wk, shape) -> None:
+    n_q, n_kv, d, rot, interleaved, eps = shape
     qkv_rope_gemm(
         x, weight, pos, cache, out, pre, n_q_heads=n_q, n_k_heads=n_kv, head_dim=d, rotary_dim=rot,
         interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, eps=eps,
     )  # fmt: skip
-    return out, pre
 
 
 class QKVRopeFunction(torch.autograd.Function):
