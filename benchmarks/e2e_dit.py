@@ -73,7 +73,7 @@ first step's wall time, compilation included, is recorded); a variant that fails
 recorded with its error and the run goes on.
 
 `--quick` shrinks everything to tiny configs (float32, a few tokens, 2 steps) that run on CPU
-too; `tests/test_e2e_dit.py` runs it. Output: the JSON file (one row per model, step and mode)
+too; `tests/tools/test_e2e_dit.py` runs it. Output: the JSON file (one row per model, step and mode)
 and a markdown table on stdout.
 """
 

@@ -1,13 +1,24 @@
-"""Shared test fixtures.
+"""Shared test fixtures, and the backend the "cpu" cases run (tests/README.md).
 
 Without CUDA, kernels run in the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 is set here
-before ropekit imports its kernels). With CUDA, `device` also yields "cuda" (tests marked gpu).
+before ropekit imports its kernels). With CUDA and TRITON_INTERPRET unset, CPU tensors take the
+PyTorch path (ropekit.core.cpu) instead. Triton reads TRITON_INTERPRET when a kernel is decorated,
+so one process has one choice: the header line "ropekit backend" says which, and a `device`
+parameter's test id says it too ("cpu-interpreter" or "cpu-torch"; "cuda" for the tests marked gpu).
 """
 
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
+
+# Test files share helpers by module name (`from test_store import Caches`) across folders: every
+# folder that holds test files is importable, whichever subset of the suite runs.
+for _folder in sorted({p.parent for p in pathlib.Path(__file__).parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -16,6 +27,32 @@ from ropekit.core import run  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)]
+# what ropekit runs for CPU tensors in this process (ropekit.core.checks: the Triton kernel when
+# TRITON_INTERPRET is "1", else the PyTorch path); CUDA tensors run compiled kernels unless interpreted
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CPU_BACKEND = "interpreter" if INTERPRET else "torch"
+DEVICE_IDS = {"cpu": f"cpu-{CPU_BACKEND}", "cuda": "cuda-interpreter" if HAS_CUDA and INTERPRET else "cuda"}
+
+
+def pytest_report_header(config):
+    cpu = (
+        "the Triton kernels in the Triton interpreter (TRITON_INTERPRET=1)"
+        if INTERPRET
+        else "the PyTorch path, ropekit.core.cpu (TRITON_INTERPRET is not 1: no Triton kernel runs on CPU)"
+    )
+    if HAS_CUDA:
+        how = "in the Triton interpreter" if INTERPRET else "compiled"
+        cuda = f"run ({torch.cuda.get_device_name()}, kernels {how}; -m gpu selects only them)"
+    else:
+        cuda = "skipped (no CUDA)"
+    return [f'ropekit backend: "cpu" cases run {cpu}; CUDA cases (marked gpu) {cuda}']
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A `device` parameter's id names the backend: cpu-interpreter, cpu-torch, cuda."""
+    if argname == "device" and isinstance(val, str) and val in DEVICE_IDS:
+        return DEVICE_IDS[val]
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

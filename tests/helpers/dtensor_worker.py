@@ -1,4 +1,4 @@
-"""One rank of tests/test_distributed.py: DTensor calls of ropekit's custom ops over gloo (CPU).
+"""One rank of tests/integrations/test_distributed.py: DTensor calls of ropekit's custom ops over gloo (CPU).
 
 Usage: python dtensor_worker.py RANK WORLD PORT OUT. Every rank builds the same global inputs (fixed
 seed), runs each case on DTensors and checks placements; rank 0 saves the gathered results (and

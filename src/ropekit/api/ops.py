@@ -144,37 +144,37 @@ def apply_rope(
     cannot be rotated in place, as with any in-place torch op).
     """
 
-    args = {
-        "q": q,
-        "k": k,
-        "positions": positions,
-        "cos_sin_cache": cos_sin_cache,
-        "interleaved": interleaved,
-        "rotary_dim": rotary_dim,
-        "mrope_section": mrope_section,
-        "mrope_interleaved": mrope_interleaved,
-        "inplace": inplace,
-        "q_norm_weight": q_norm_weight,
-        "k_norm_weight": k_norm_weight,
-        "norm_eps": norm_eps,
-        "norm_weight_offset": norm_weight_offset,
-        "cu_seqlens": cu_seqlens,
-        "cp_size": cp_size,
-        "cp_rank": cp_rank,
-        "inverse": inverse,
-        "out_dtype": out_dtype,
-        "q_scale": q_scale,
-        "k_scale": k_scale,
-        "layout": layout,
-        "inv_freq": inv_freq,
-        "axes": axes,
-        "q_out": q_out,
-        "k_out": k_out,
-        "rotary_position": rotary_position,
-        "q_nope": q_nope,
-        "k_nope": k_nope,
-    }
-    spec, door = prepare(_ROPE, args, checks.rope)
+    spec, door = prepare(
+        _ROPE,
+        (q, k, positions, cos_sin_cache),
+        (
+            interleaved,
+            rotary_dim,
+            mrope_section,
+            mrope_interleaved,
+            inplace,
+            q_norm_weight,
+            k_norm_weight,
+            norm_eps,
+            norm_weight_offset,
+            cu_seqlens,
+            cp_size,
+            cp_rank,
+            inverse,
+            out_dtype,
+            q_scale,
+            k_scale,
+            layout,
+            inv_freq,
+            axes,
+            q_out,
+            k_out,
+            rotary_position,
+            q_nope,
+            k_nope,
+        ),
+        checks.rope,
+    )
     # (a, b), the angle operands of the run, for each angle source
     angles = spec.variant.angles
     if angles == "freqs":
@@ -188,7 +188,9 @@ def apply_rope(
         if spec.angle_shape is not None:  # positions with size-1 dims (HF's (1, S)): an expand view
             a = a.expand(spec.angle_shape)
     if door is not TRACED:
-        checks.rope_call(spec, args, a, b)
+        checks.rope_call(
+            spec, q, k, a, b, q_norm_weight, k_norm_weight, q_out, k_out, q_scale, k_scale, q_nope, k_nope, cp_size
+        )
     scales = _scales(q.device, q_scale, k_scale) if spec.variant.scaled else None
     weights = (q_norm_weight, k_norm_weight)
     if spec.views:
@@ -422,29 +424,29 @@ def rotate_angles(
         unsliced with columns = rotary_dim // 2); None: decided by rotary_dim, else by the values
         (`_angle_columns`).
     """
-    args = {
-        "q": q,
-        "k": k,
-        "cos": cos,
-        "sin": sin,
-        "interleaved": interleaved,
-        "out_interleaved": out_interleaved,
-        "mrope_section": mrope_section,
-        "mrope_interleaved": mrope_interleaved,
-        "heads_first": heads_first,
-        "columns": columns,
-        "rotary_dim": rotary_dim,
-        "q_norm_weight": q_norm_weight,
-        "k_norm_weight": k_norm_weight,
-        "norm_eps": norm_eps,
-        "norm_weight_offset": norm_weight_offset,
-        "inplace": inplace,
-    }
-    spec, door = prepare(_ANGLES, args, checks.angles)
+    spec, door = prepare(
+        _ANGLES,
+        (q, k, cos, sin),
+        (
+            interleaved,
+            out_interleaved,
+            mrope_section,
+            mrope_interleaved,
+            heads_first,
+            columns,
+            rotary_dim,
+            q_norm_weight,
+            k_norm_weight,
+            norm_eps,
+            norm_weight_offset,
+            inplace,
+        ),
+        checks.angles,
+    )
     if spec.copy_angles or door is CUSTOM_OP or door is TRACED:
         cos, sin = angle_views(spec, cos, sin)  # as validation saw them (copied when it had to)
     if door is not TRACED:
-        checks.angles_call(spec, args, cos, sin)
+        checks.angles_call(spec, q, k, cos, sin, q_norm_weight, k_norm_weight)
     return ROTATE[door](spec, q, k, cos, sin, (q_norm_weight, k_norm_weight), None)
 
 

@@ -91,23 +91,16 @@ def rerotate_kv_cache(
     """
     if isinstance(delta, torch.Tensor) and delta.dim() == 0 and isinstance(slots, torch.Tensor) and slots.dim() == 1:
         delta = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view
-    args = {
-        "k_cache": k_cache,
-        "slots": slots,
-        "delta": delta,
-        "cos_sin_cache": cos_sin_cache,
-        "interleaved": interleaved,
-        "rotary_dim": rotary_dim,
-        "k_scale": k_scale,
-        "dst_slots": dst_slots,
-        "rotary_position": rotary_position,
-        "positions": positions,
-        "to_cache": to_cache,
-    }
     is_tensor = isinstance(delta, torch.Tensor)
     # an int shift's value is checked on every call (its range, free): the key holds its type only
     small_int = type(delta) is int and -(2**62) < delta < 2**62
-    spec, door = prepare(_REROTATE, args, checks.rerotate, dict(args, delta=int) if small_int else None)
+    spec, door = prepare(
+        _REROTATE,
+        (k_cache, slots, delta, cos_sin_cache),
+        (interleaved, rotary_dim, k_scale, dst_slots, rotary_position, positions, to_cache),
+        checks.rerotate,
+        (k_cache, slots, int, cos_sin_cache) if small_int else None,
+    )
     if door is not TRACED:
         if spec.table is None or spec.table() is not cos_sin_cache:
             forms.read_new_table(spec, OP, cos_sin_cache)  # a new table: HF's cos is refused

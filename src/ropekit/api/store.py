@@ -185,36 +185,32 @@ def apply_rope_and_store(
         k = unit_last(k)
     if q_out is not None and isinstance(q, torch.Tensor) and q.dim() and q.stride(-1) != 1:
         q = unit_last(q)
-    args = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "positions": positions,
-        "cos_sin_cache": cos_sin_cache,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "slot_mapping": slot_mapping,
-        "interleaved": interleaved,
-        "rotary_dim": rotary_dim,
-        "mrope_section": mrope_section,
-        "mrope_interleaved": mrope_interleaved,
-        "cu_seqlens": cu_seqlens,
-        "cp_size": cp_size,
-        "cp_rank": cp_rank,
-        "k_scale": k_scale,
-        "v_scale": v_scale,
-        "q_norm_weight": q_norm_weight,
-        "k_norm_weight": k_norm_weight,
-        "norm_eps": norm_eps,
-        "norm_weight_offset": norm_weight_offset,
-        "write_key": write_key,
-        "q_out": q_out,
-        "q_scale": q_scale,
-        "k_nope": k_nope,
-        "q_nope": q_nope,
-        "rotary_position": rotary_position,
-    }
-    spec, door = prepare(_STORE, args, checks.store)
+    spec, door = prepare(
+        _STORE,
+        (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping),
+        (
+            interleaved,
+            rotary_dim,
+            mrope_section,
+            mrope_interleaved,
+            cu_seqlens,
+            cp_size,
+            cp_rank,
+            k_scale,
+            v_scale,
+            q_norm_weight,
+            k_norm_weight,
+            norm_eps,
+            norm_weight_offset,
+            write_key,
+            q_out,
+            q_scale,
+            k_nope,
+            q_nope,
+            rotary_position,
+        ),
+        checks.store,
+    )
     ks = vs = qs = None
     if k_scale is not None or v_scale is not None or q_scale is not None:
         ks, vs, qs = _scales(q.device, k_scale, v_scale, q_scale)

@@ -3,7 +3,7 @@
     rope(args)      apply_rope             angles(args)    rotate_with_angles / rotate_angles
     store(args)     apply_rope_and_store   rerotate(args)  rerotate_kv_cache
 
-Each runs once per call signature (ropekit.core.variant.spec_for memoizes its Spec) and reads only
+Each runs once per call signature (ropekit.core.pipeline.prepare memoizes its Spec) and reads only
 shapes, strides, dtypes and devices: the first bad argument raises ValueError (TypeError for a
 wrong type) naming it, before anything is written. What depends on a call's addresses or values is
 checked on every call by the `*_call` entries below (aliasing of written tensors, a new table,
@@ -225,48 +225,42 @@ def nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:
     return tuple(given)
 
 
-def rope_call(spec: Spec, args: dict, a, b) -> None:
+def rope_call(spec: Spec, q, k, a, b, wq, wk, q_out, k_out, q_scale, k_scale, q_nope, k_nope, cp_size) -> None:
     """apply_rope's checks of this call's addresses and (strict mode) values, before any write:
-    (a, b) the angle operands the run reads."""
+    (a, b) the angle operands the run reads; the rest apply_rope's arguments of those names."""
     v = spec.variant
     if v.angles != "freqs" and (spec.table is None or spec.table() is not b):
         forms.read_new_table(spec, "apply_rope", b)  # a new table: HF's cos is refused
     if spec.door is CUSTOM_OP:  # the custom ops check addresses themselves
         return
-    q, k = args["q"], args["k"]
-    weights = (args["q_norm_weight"], args["k_norm_weight"])
+    weights = (wq, wk)
     names = ANGLE_NAMES[v.angles]
-    if args["inplace"]:
+    if spec.inplace:
         # a cheap test on addresses first (inline: this runs on every in-place call): the exact
         # tests run only when the byte range of q or k (written) meets another argument's
-        ext, ptrs, meet = spec.extents, [], False
-        for x in (q, k, a, b, weights[0], weights[1]):
-            ptrs.append(0 if x is None else x.data_ptr())
+        ext, meet = spec.extents, False
+        ptrs = (q.data_ptr(), 0 if k is None else k.data_ptr(), 0 if a is None else a.data_ptr(), b.data_ptr())
+        if weights[0] is not None or weights[1] is not None:
+            ptrs += tuple(0 if w is None else w.data_ptr() for w in weights)
         for i in (0, 1):
-            for j in range(6):
-                if j != i and ext[i] and ext[j] and ptrs[i] < ptrs[j] + ext[j] and ptrs[j] < ptrs[i] + ext[i]:
-                    meet = True
+            lo, n = ptrs[i], ext[i]
+            if n:
+                for j in range(len(ptrs)):
+                    if j != i and ext[j] and lo < ptrs[j] + ext[j] and ptrs[j] < lo + n:
+                        meet = True
         if meet:
             read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
             aliasing.inplace_aliasing("apply_rope", q, k, read)
-    q_out, k_out = args["q_out"], args["k_out"]
     if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
-        scales = [s if isinstance(s, torch.Tensor) else None for s in (args["q_scale"], args["k_scale"])]
-        read = (
-            ("q", q),
-            ("k", k),
-            ("q_nope", args["q_nope"]),
-            ("k_nope", args["k_nope"]),
-            (names[0], a),
-            (names[1], b),
-        )
-        read += (("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+        scales = [s if isinstance(s, torch.Tensor) else None for s in (q_scale, k_scale)]
+        read = (("q", q), ("k", k), ("q_nope", q_nope), ("k_nope", k_nope), (names[0], a), (names[1], b))
+        read += (("q_norm_weight", wq), ("k_norm_weight", wk))
         read += (("q_scale", scales[0]), ("k_scale", scales[1]))
         extents = [aliasing.extent(q_out), aliasing.extent(k_out)] + [aliasing.extent(x) for _, x in read]
         aliasing.out_aliasing("apply_rope", q_out, k_out, read, extents)
     if strict.mode.on:
         if v.angles == "packed":
-            strict.packed_values("apply_rope", a, q.shape[0], args["cp_size"])
+            strict.packed_values("apply_rope", a, q.shape[0], cp_size)
         elif v.angles == "freqs":
             strict.positions_finite("apply_rope", a)
         elif a is not None:
@@ -369,12 +363,11 @@ def angles(args: dict) -> Spec:
     )
 
 
-def angles_call(spec: Spec, args: dict, cos, sin) -> None:
+def angles_call(spec: Spec, q, k, cos, sin, wq, wk) -> None:
     """rotate_angles' address checks of this call (in place: q and k against what is read)."""
     if spec.inplace and spec.door is not CUSTOM_OP:
-        read = (("cos", cos), ("sin", sin), ("q_norm_weight", args["q_norm_weight"]))
-        read += (("k_norm_weight", args["k_norm_weight"]),)
-        aliasing.inplace_aliasing("rotate_with_angles", args["q"], args["k"], read)
+        read = (("cos", cos), ("sin", sin), ("q_norm_weight", wq), ("k_norm_weight", wk))
+        aliasing.inplace_aliasing("rotate_with_angles", q, k, read)
 
 
 # ---------------------------------------------------------------------------------------------

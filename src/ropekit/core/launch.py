@@ -13,7 +13,9 @@ import os
 
 import torch
 
-_current_device = torch.cuda.current_device
+# the current CUDA device, read without torch.cuda's lazy-init wrapper: a launch has CUDA tensors, so
+# CUDA is initialized by then
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 # how each launch went (the benchmarks print it); "ok" turns off for a Triton whose launcher differs
 COUNTS = {"direct": 0, "generic": 0}

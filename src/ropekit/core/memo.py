@@ -1,6 +1,7 @@
 """The one bounded memo of validated call signatures, launch plans and per-value verdicts.
 
     lookup(key) -> value or None      remember(key, value) -> value      clear()
+    remembered(list) -> list          another cache of specs, emptied by clear()
     tensor_key(x), value_key(v)       the parts of a signature key
 
 A signature key holds a call's tensors as (type, shape, strides, dtype, device, requires_grad) and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 MEMO: dict = {}
 MEMO_CAPACITY = 4096
+_LISTS: list = []  # other caches of memoized specs (ropekit.core.variant.Signature.recent), cleared with it
 
 
 def lookup(key):
@@ -32,6 +34,14 @@ def remember(key, value):
 def clear() -> None:
     """Forget every spec, plan and verdict (tuning knobs changed; tests)."""
     MEMO.clear()
+    for cache in _LISTS:
+        cache.clear()
+
+
+def remembered(cache: list) -> list:
+    """cache, a list of memoized specs, emptied by `clear()` with the memo."""
+    _LISTS.append(cache)
+    return cache
 
 
 def tensor_key(x):

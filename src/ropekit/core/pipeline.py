@@ -2,7 +2,7 @@
 the direct door (eager, nothing to record): the launch plan of the spec filled with this call's
 pointers and launched.
 
-    prepare(sig, args, check)          -> (spec, door): the signature key, the memoized spec (the
+    prepare(sig, leading, kw, check)   -> (spec, door): the signature key, the memoized spec (the
                                           op's entry in ropekit.core.checks validates a new one)
     rotate_direct / run_rotate         the rotation (run_rotate: every door's forward, and the
                                           backward with Variant.backward())
@@ -11,8 +11,8 @@ pointers and launched.
 
 The steady-state eager call is: the public op (ropekit.api.*) -> prepare -> the op's per-call
 checks (ropekit.core.checks.*_call, called by the op, or inside the custom op when it runs)
--> the direct door -> its run step -> ropekit.core.launch:
-six functions in four files, counted by tools/call_path.py and held by tests/test_call_path.py.
+-> the direct door -> its run step -> ropekit.core.launch: six functions in four files, counted
+by `python -m ropekit.tools.call_path` and held by tests/ops/test_call_path.py.
 So this path calls no helper per argument: keys are built in a loop here, strict mode is an
 attribute read, and no comprehension runs (each is a frame of its own before Python 3.12).
 The autograd Function and the torch.library custom ops (ropekit.core.dispatch) run the same run
@@ -35,47 +35,72 @@ _Tensor = torch.Tensor
 _SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
-_increment_version = torch.autograd.graph.increment_version
+_increment_version = torch._C._increment_version  # of a list of tensors (torch.autograd.graph's, minus a frame)
+_RECENT = 8  # recent signatures an op tries before its memo (a model's layers share a few)
+try:  # torch's compiled check of a tensor's dtype, device, dispatch keys, shape, strides, requires_grad
+    from torch._C._dynamo.guards import TensorGuards as _GUARDS
+except ImportError:
+    _GUARDS = None
 
 
-def prepare(sig: Signature, args: dict, check, keyed=None):
+def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple = None):
     """(spec, door) of a call: the spec validated once per signature (`check(args) -> Spec`, the
-    op's entry in ropekit.core.checks) and memoized; the door its spec's, or while tracing
-    (torch.compile: validated afresh, no memo) TRACED. keyed: the arguments as the key reads them,
-    when a value must not be part of it (a re-rotation's int shift: checked on every call, keyed
-    by its type).
+    op's entry in ropekit.core.checks, given the arguments by name) and memoized; the door its
+    spec's, or while tracing (torch.compile: validated afresh, no memo) TRACED. leading, keywords:
+    the op's positional and keyword-only arguments, in signature order (variant.Signature). keyed:
+    the positional arguments as the key reads them, when a value must not be part of it (a
+    re-rotation's int shift: checked on every call, keyed by its type).
 
-    The key: the op, grad mode, each positional argument, then which keywords differ from their
-    defaults (one identity test each) and those keywords; a tensor as (type, shape, strides,
-    dtype, device, requires_grad), a scalar with its type (16 and 16.0 hash alike but validate
-    differently), anything else by variant.arg_key."""
+    The signature: grad mode, which keywords differ from their defaults (one identity test each),
+    each other argument with its type (16 and 16.0 hash alike but validate differently), and each
+    tensor's (shape, strides, dtype, device, requires_grad). Its recent signatures (sig.recent)
+    are tried first: the non-tensor part compared as a tuple, the tensors by torch's compiled
+    tensor guards (one C call, the check torch.compile's guards make); a miss builds the full key
+    and looks it up in the memo."""
     if _is_compiling():
-        return check(args), TRACED
-    values = args if keyed is None else keyed
-    key = [sig.op, _grad_enabled()]
+        return check(sig.arguments(leading, keywords)), TRACED
+    tensors, pattern = [], None
     try:
-        given = list(sig.leading(values))
-        kw = sig.keywords(values)
-        changed = tuple(map(is_not, kw, sig.defaults))
+        given = list(leading if keyed is None else keyed)
+        changed = tuple(map(is_not, keywords, sig.defaults))
         if True in changed:
-            key.append(changed)
-            given.extend(compress(kw, changed))
+            given.extend(compress(keywords, changed))
+            changed = tuple(compress(range(len(changed)), changed))  # the indices of those set
+        else:
+            changed = ()
+        pattern = [_grad_enabled(), changed]
         for x in given:
             t = type(x)
             if t is _Tensor:
-                key.append((t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+                tensors.append(x)
+                pattern.append(_Tensor)
             elif t in _SCALARS:
-                key.append((t, x))
-            else:
-                key.append(arg_key(x))
+                pattern.append((t, x))
+            else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
+                pattern.append(arg_key(x))
+        pattern = tuple(pattern)
+        for entry in sig.recent:
+            if entry[0] == pattern and entry[1].check(*tensors):
+                return entry[2], entry[2].door
+        key = [sig.op, pattern]
+        for x in tensors:
+            key.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
         key = tuple(key)
         spec = MEMO.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validation names them
-        key = spec = None
+        key = spec = pattern = None
     if spec is None:
-        spec = check(args)
+        spec = check(sig.arguments(leading, keywords))
         if spec.settled:
             remember(key, spec)
+    elif _GUARDS is not None:  # a signature seen twice: tried first from now on
+        try:
+            guards = _GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        except Exception:  # a torch whose guards differ: the memo alone
+            guards = None
+        if guards is not None:
+            sig.recent.insert(0, (pattern, guards, spec))
+            del sig.recent[_RECENT:]
     return spec, spec.door
 
 
@@ -123,10 +148,11 @@ def run_rotate(
     if not spec.triton:
         run.rotate_cpu(spec, variant, q, k, q_out, k_out, a, b, scales)
         return
-    plan = spec.plans.get((variant, layout_key))
+    forward = variant is spec.variant and layout_key is None
+    plan = spec.plan if forward else spec.plans.get((variant, layout_key))
     if plan is None:
         hf = variant.heads_first
-        plan = spec.plans[(variant, layout_key)] = plans.plan_rotate(
+        plan = plans.plan_rotate(
             run.heads_first(q, hf),
             run.heads_first(k, hf),
             run.heads_first(q_out, hf),
@@ -134,7 +160,11 @@ def run_rotate(
             plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
             variant,
         )
-    if plan is None:  # an empty call: nothing to write
+        if forward:
+            spec.plan = plan if plan is not None else False
+        else:
+            spec.plans[(variant, layout_key)] = plan
+    if not plan:  # an empty call: nothing to write
         return
     meta = plan.meta
     if plan.pack_bytes:

@@ -659,7 +659,7 @@ def norm_partials(plan: Plan, device) -> torch.Tensor:
 
 def angle_pointers(meta: dict, a, b) -> tuple:
     """(positions, cos, sin) pointer tensors of a launch from the angle operands (a, b) as
-    ropekit.core.run.run_rotate takes them; a slot the plan never reads gets one of them (a valid address)."""
+    ropekit.core.pipeline.run_rotate takes them; a slot the plan never reads gets one of them (a valid address)."""
     if meta["HAS_POS"] or meta["FREQS"]:  # positions (or cu_seqlens); a table, or the inverse frequencies
         return a, b, b
     if a is None:  # arange: the table alone
@@ -670,7 +670,7 @@ def angle_pointers(meta: dict, a, b) -> tuple:
 def fire_norm_backward(plan: Optional[Plan], x, g, gx, w, dw, a, b, eps: float, offset: float) -> None:
     """Launch rope_norm_backward_kernel: gx written, and with a weight the float32 partial sums dw
     (norm_backward_rows(plan), every row written; None for mode 0). Tensors as plan_norm_backward
-    took them, (a, b) the forward's angle operands (ropekit.core.run.run_rotate's), eps and offset the
+    took them, (a, b) the forward's angle operands (ropekit.core.pipeline.run_rotate's), eps and offset the
     forward norm's. Nothing to do for an empty call (plan None)."""
     if plan is None:
         return

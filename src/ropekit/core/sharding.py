@@ -392,7 +392,7 @@ def dtensor_like(q, *xs):
 
 
 # What torch.compiler.assume_constant_result(register) does, without importing torch._dynamo (~3 s)
-# at import time (that decorator only sets this attribute; tests/test_distributed.py checks it
+# at import time (that decorator only sets this attribute; tests/integrations/test_distributed.py checks it
 # still does): under torch.compile dynamo calls register() while tracing instead of tracing into
 # it, so the rules exist before DTensor's fake run of the op. A traced call would defer the
 # registration to after the graph, too late for that run.

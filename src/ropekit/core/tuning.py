@@ -1,6 +1,6 @@
 """Launch-shape knobs of ropekit's kernels: one table, with the reason for each default.
 
-The defaults are what the H200 sweeps picked (tools/tune_core.py; the measurements and their
+The defaults are what the H200 sweeps picked (benchmarks/scripts/tune_core.py; the measurements and their
 history are in benchmarks/PERF_LOG.md). `override(...)` changes them for a block (tests force each
 program layout, the sweep tries each setting); `ROPEKIT_<NAME>` environment variables set them for
 a process. Changing a knob drops every memoized plan, so the next call plans again.
@@ -70,7 +70,7 @@ KNOBS: Dict[str, Knob] = {
         "is across heads, or per head when q and k have one head count that the per-head blocks "
         "would pad (Flux's 24 heads in blocks of 16); the norm's backward across heads (its "
         "weight-gradient row then stays in registers over a program's tokens); True / False force "
-        "it, per-head backwards included (sweeps: tools/tune_dit.py)",
+        "it, per-head backwards included (sweeps: benchmarks/scripts/tune_dit.py)",
     ),
     "norm_warps": Knob(0, "0: norm_warps' rule for a normed rope_kernel launch; else this many warps"),
     "norm_bwd_warps": Knob(

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import collections
 import inspect
-import operator
-from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from .memo import value_key
+from .memo import remembered, value_key
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
 NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # Variant.norm_q / norm_k: none, each head, all heads
@@ -220,6 +219,7 @@ class Spec:
         "settled",
         "normed",
         "views",
+        "plan",
     )
 
     def __init__(
@@ -265,11 +265,12 @@ class Spec:
         self.normed = variant.normed  # read on every call: an attribute, not the property
         # apply_rope's view forms: the door sees views made per call (ops.py, `_views`)
         self.views = copy_in or variant.seq_first or variant.rope_last or variant.nope_q or variant.nope_k
+        self.plan = None  # the rotation's forward launch plan once made (False: nothing to launch)
 
     def _copy(self, inplace: bool) -> "Spec":
         twin = Spec(self.variant, self.rot, self.door, self.triton)
         for name in self.__slots__:
-            if name not in ("plans", "alias", "twin", "halves", "table", "normed", "views"):
+            if name not in ("plans", "alias", "twin", "halves", "table", "normed", "views", "plan"):
                 setattr(twin, name, getattr(self, name))
         twin.inplace = inplace
         return twin
@@ -313,27 +314,22 @@ def arg_key(x):
 
 
 class Signature(NamedTuple):
-    """An op's parameters as the signature key reads them (from the function's own signature: a
-    new keyword needs no edit here). leading: the positional parameters, keyed on every call;
-    keywords: the keyword-only ones, with their defaults (one identity test each while unchanged)."""
+    """An op's parameters as ropekit.core.pipeline.prepare reads them (from the function's own
+    signature): the op passes its positional arguments and its keyword-only ones as two tuples in
+    signature order, and the names rebuild the arguments by name for validation."""
 
     op: str
-    leading: Callable  # args dict -> tuple of the positional parameters' values
-    keywords: Callable  # args dict -> tuple of the keyword-only parameters' values
-    defaults: tuple
+    names: tuple  # every parameter, in signature order
+    defaults: tuple  # the keyword-only parameters' defaults (one identity test each while unchanged)
+    recent: list  # the op's recent signatures, newest first: [(pattern, tensor guards, spec)]
 
     @staticmethod
     def of(fn, op: str = "") -> "Signature":
-        params = inspect.signature(fn).parameters.values()
-        lead = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-        kw = [p for p in params if p.kind is p.KEYWORD_ONLY]
-        return Signature(op or fn.__name__, _getter(lead), _getter([p.name for p in kw]), tuple(p.default for p in kw))
+        params = list(inspect.signature(fn).parameters.values())
+        defaults = tuple(p.default for p in params if p.kind is p.KEYWORD_ONLY)
+        recent = remembered([])  # emptied with the memo
+        return Signature(op or fn.__name__, tuple(p.name for p in params), defaults, recent)
 
-
-def _getter(names: list) -> Callable:
-    if not names:
-        return lambda args: ()
-    if len(names) == 1:
-        name = names[0]
-        return lambda args: (args[name],)
-    return operator.itemgetter(*names)
+    def arguments(self, leading: tuple, keywords: tuple) -> dict:
+        """The call's arguments by name (what the op's validation reads)."""
+        return dict(zip(self.names, leading + keywords))

@@ -317,7 +317,7 @@ _QWEN_VL = {
 }  # 4.x has the latter
 
 # family (transformers.models.<family>.modeling_<family>) -> {module attribute: ropekit drop-in}.
-# Each entry was checked against that family's HF function (tests/test_hf.py compares every one).
+# Each entry was checked against that family's HF function (tests/integrations/test_hf.py compares every one).
 FAMILIES: Dict[str, Dict[str, object]] = {
     # Llama's rotate_half formula (full, or partial by the width of cos)
     **{

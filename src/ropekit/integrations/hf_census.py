@@ -258,7 +258,7 @@ def _form_output(form: hf_forms.Form, index: int, planned):
 @contextlib.contextmanager
 def _cpu_path():
     """The probes are CPU tensors: run them on ropekit's CPU path (ropekit.core.cpu, the kernel's
-    math in PyTorch, held equal to it by tests/test_cpu_path.py) even under TRITON_INTERPRET=1,
+    math in PyTorch, held equal to it by tests/torch_path/test_cpu_path.py) even under TRITON_INTERPRET=1,
     where each interpreted launch would cost about half a second."""
     before = os.environ.get("TRITON_INTERPRET")
     if before is None:

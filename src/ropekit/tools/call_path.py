@@ -5,7 +5,7 @@ kernel launch (the launch function itself counted, nothing below it), and the fi
 
 Runs on CUDA when present, else on CPU tensors in the Triton interpreter (set here before ropekit
 loads its kernels); the third call of each op is the one counted (the first two build specs, plans
-and compiled kernels). Held by tests/test_call_path.py: at most six functions in four files."""
+and compiled kernels). Held by tests/ops/test_call_path.py: at most six functions in four files."""
 
 from __future__ import annotations
 

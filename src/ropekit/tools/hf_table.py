@@ -7,7 +7,7 @@ each between its own markers, which name the release.
     python -m ropekit.tools.hf_table --write    # write it in docs/hf.md (replacing that release's)
 
 Nothing is patched: the verdicts are hf.patch's own (ropekit.integrations.hf_census), read
-without swapping any function. tests/test_hf_census.py checks that docs/hf.md's table for the
+without swapping any function. tests/integrations/test_hf_census.py checks that docs/hf.md's table for the
 installed release is current.
 """
 
