@@ -12,6 +12,7 @@ import importlib
 
 from .api.modules import RotaryEmbedding
 from .api.ops import apply_rope, rotate_with_angles
+from .api.qkv import rope_qkv_projection
 from .api.rerotate import rerotate_kv_cache
 from .api.store import apply_rope_and_store
 from .core.forms import LayoutWarning
@@ -22,6 +23,7 @@ from .core.strict import strict
 __all__ = [
     "apply_rope",
     "apply_rope_and_store",
+    "rope_qkv_projection",
     "rotate_with_angles",
     "rerotate_kv_cache",
     "positions_from_cu_seqlens",

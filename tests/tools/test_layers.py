@@ -18,7 +18,7 @@ LAYERS = (
     # kernels: the entry points (rope, backward, store, rerotate), then the jit helpers they share
     (
         "kernels",
-        ("kernels.rope", "kernels.backward", "kernels.store", "kernels.rerotate")
+        ("kernels.rope", "kernels.backward", "kernels.store", "kernels.rerotate", "kernels.qkv_gemm")
         + ("kernels.norm", "kernels.angles", "kernels.tiles"),
     ),
     # core, bottom: the memo, the Triton launch internals, the knobs, the record, the rules, the math
@@ -33,7 +33,7 @@ LAYERS = (
     ),
     # one entry per op; the PyTorch path's glue; the call pipeline; the DTensor rules; the doors and custom ops
     ("core dispatch", ("core.checks", "core.run", "core.pipeline", "core.sharding", "core.dispatch")),
-    ("api", ("api.ops", "api.store", "api.rerotate", "api.modules")),
+    ("api", ("api.ops", "api.store", "api.rerotate", "api.modules", "api.qkv")),
     (
         "integrations",
         ("integrations.rotations", "integrations.seams", "integrations.diffusers_forms")

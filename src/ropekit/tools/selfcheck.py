@@ -280,6 +280,29 @@ def _qknorm(device):
     return [(qo, rq.detach()), (ko, rk), (dq, want_dq), (dwq, want_dwq)]
 
 
+def _qkv_projection(device):
+    """rope_qkv_projection (Qwen3-style: per-head q/k norm, then RoPE) against the float64 projection
+    normalized and rotated by the reference; the fused kernel wherever Triton runs, unfused elsewhere."""
+    g = _gen()
+    T, hidden, Hq, Hk, D = 16, 64, 4, 2, 128
+    x = _rnd(g, T, hidden, dtype=torch.float32, device=device)
+    w = _rnd(g, (Hq + 2 * Hk) * D, hidden, dtype=torch.float32, device=device) / hidden**0.5
+    wq = (1 + 0.2 * _rnd(g, D, dtype=torch.float32)).to(device)
+    wk = (1 + 0.2 * _rnd(g, D, dtype=torch.float32)).to(device)
+    cache = _cache(4096, D, device)
+    pos = torch.randint(0, 4096, (T,), generator=g).to(device)
+    fused = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    q, k, v = ropekit.rope_qkv_projection(
+        x, w, pos, cache, num_q_heads=Hq, num_kv_heads=Hk, head_dim=D, q_norm_weight=wq, k_norm_weight=wk,
+        impl="fused" if fused else "unfused",
+    )  # fmt: skip
+    y = (x.double() @ w.double().T).unflatten(-1, (Hq + 2 * Hk, D))
+    rq, rk = reference.rms_norm_rope(
+        y[:, :Hq], y[:, Hq : Hq + Hk], pos, cache.double(), q_norm_weight=wq.double(), k_norm_weight=wk.double()
+    )
+    return [(q, rq), (k, rk), (v, y[:, Hq + Hk :])]
+
+
 def _rerotate(device):
     """rerotate_kv_cache: rows of a paged cache stored at p re-rotated by delta (some negative)
     equal keys rotated at p + delta; rows not named stay bit-identical."""
@@ -369,6 +392,7 @@ CHECKS: List[Check] = [
     ),
     Check("ropekit.hf drop-ins, tiny Llama logits", "fp32", 1e-4, ("hf",), _hf_llama),
     Check("apply_rope QK-RMSNorm (Qwen3) + grads of q, w", "fp32", 1e-4, ("apply_rope",), _qknorm),
+    Check("rope_qkv_projection, q/k norm + RoPE epilogue", "fp32", 1e-5, ("rope_qkv_projection",), _qkv_projection),
     Check("rerotate_kv_cache, paged, +-deltas", "fp32", 1e-5, ("rerotate_kv_cache",), _rerotate),
     Check(
         "apply_rope cu_seqlens packed, cp 1 and 2", "bf16", BF16, ("apply_rope", "positions_from_cu_seqlens"), _packed

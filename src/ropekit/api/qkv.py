@@ -1,0 +1,312 @@
+"""The QKV projection whose GEMM epilogue rotates: rope_qkv_projection.
+
+    q, k, v = rope_qkv_projection(x, weight, positions, cos_sin_cache, num_q_heads=..., ...)
+
+is `y = x @ weight^T` split into q, k and v heads, q and k RMS-normalized per head (optional) and
+rotated by their token's position, in one Triton GEMM (kernels/qkv_gemm.py) whose epilogue does
+the norm and the rotation on the float32 accumulator; or, unfused, torch.nn.functional.linear
+(cuBLAS) then ropekit.apply_rope. `impl="auto"` picks one by `AUTO_TABLE`, keyed by the device
+kind and the shape class, which benchmarks/qkv_gemm.py fills; docs/qkv.md.
+
+The backward of the fused path is the projection's (dx = dy @ W, dW = dy^T @ x, by torch.matmul)
+after the rotation's: without a norm, ropekit.apply_rope(inverse=True) on the q and k gradients,
+written into dy directly; with one, apply_rope's own norm backward step (one launch per tensor)
+on the q and k heads before the norm, which the forward kernel saved.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..core import checks, run
+from ..core.args import FLOAT_DTYPES, INDEX_DTYPES, NUMBERS, TABLE_DTYPES, dtype_name, fail, tensor
+from ..core.memo import lookup, remember
+from ..core.strict import is_strict, positions_in_range
+from ..core.variant import arg_key
+from ..kernels.qkv_gemm import qkv_rope_gemm
+from .ops import apply_rope
+
+OP = "rope_qkv_projection"
+IMPLS = ("auto", "fused", "unfused")
+
+# impl="auto": (device kind, shape class) -> "fused" or "unfused". A key not here is "unfused".
+# device kind: `device_kind(x.device)`, e.g. "H100"; shape class: `shape_class(...)`, e.g.
+# (4096, 32, 8, 128, "norm", "train", 16384). Filled from benchmarks/qkv_gemm.py's "auto_table"
+# (measured on the device kind it names); CPU tensors are always unfused under "auto".
+AUTO_TABLE: dict = {}
+
+_TOKEN_CLASSES = (4096, 8192, 16384, 32768)
+
+
+def device_kind(device: torch.device) -> str:
+    """The auto table's device key: "cpu", or the CUDA card's model as its name gives it ("H100",
+    "H200", "A100", ...; the whole name when no known model is in it)."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    for model in ("H100", "H200", "H20", "GH200", "B200", "GB200", "A100", "L40S", "L4"):
+        if model in name.split() or f" {model} " in f" {name} " or name.endswith(model):
+            return model
+    return name
+
+
+def shape_class(tokens: int, hidden: int, n_q: int, n_kv: int, head_dim: int, normed: bool, train: bool) -> tuple:
+    """The auto table's shape key: the projection's sizes, "norm"/"plain", "train"/"infer", and the
+    token count rounded down to one of 4096, 8192, 16384, 32768 (0 below 4096)."""
+    bucket = max((c for c in _TOKEN_CLASSES if tokens >= c), default=0)
+    return (hidden, n_q, n_kv, head_dim, "norm" if normed else "plain", "train" if train else "infer", bucket)
+
+
+def rope_qkv_projection(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: Optional[int] = None,
+    interleaved: bool = False,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    impl: str = "auto",
+):
+    """The QKV projection with RoPE (and optionally per-head q/k RMSNorm) in its epilogue.
+
+    Args:
+        x: (*T, hidden) fp16/bf16/fp32 hidden states, *T = (T,) or (B, S); any strides.
+        weight: (N, hidden), N = (num_q_heads + 2 * num_kv_heads) * head_dim, x's dtype and device:
+            torch.nn.Linear's weight layout (out_features, in_features), rows [q heads | k heads |
+            v heads] (a fused qkv_proj; torch.cat of separate q/k/v weights along dim 0). Any strides.
+        positions: (*T) int32/int64, each token's row of the table; None means arange over the last
+            token dim.
+        cos_sin_cache: (max_position, rotary_dim) rows [cos | sin] as ropekit.cos_sin_cache builds
+            them; fp32 recommended, bf16/fp16 accepted; last stride 1.
+        num_q_heads, num_kv_heads, head_dim: Hq, Hk, D (GQA: Hk < Hq).
+        rotary_dim: dims [0, rotary_dim) of each q/k head rotated, the rest kept; default (and must
+            equal) the table's width; even, at most head_dim.
+        interleaved: False rotates halves (i, i + rotary_dim/2) (Llama/NeoX); True pairs (2i, 2i+1).
+        q_norm_weight, k_norm_weight: (head_dim,) float weights of a per-head RMSNorm applied to q /
+            k before the rotation (Qwen3's q_norm / k_norm): y * rsqrt(mean(y^2) + norm_eps) * w
+            over the whole head, in float32. Either may be given alone.
+        norm_eps: the RMSNorm's epsilon.
+        impl: "fused" (the Triton GEMM; CUDA, or CPU tensors under TRITON_INTERPRET=1), "unfused"
+            (torch.nn.functional.linear + ropekit.apply_rope), or "auto": the fused kernel on CUDA
+            for the (device kind, shape class) entries of ropekit.api.qkv.AUTO_TABLE that say so,
+            unfused otherwise (always on CPU).
+
+    Returns (q, k, v): (*T, Hq, D), (*T, Hk, D), (*T, Hk, D) in x's dtype, last stride 1 (views
+    of one (*T, Hq + 2 Hk, D) buffer on the fused path; q and k new tensors and v a view of the
+    projection on the unfused one). Math in float32 (fp32 accumulation; fp32 inputs in IEEE
+    float32). A position outside [0, max_position) gives NaN in that token's rotated q/k dims;
+    under ropekit.strict() it raises ValueError first. Differentiable in x, weight and the norm
+    weights.
+
+    Example::
+
+        cache = ropekit.cos_sin_cache(128, 8192, base=500000.0, device="cuda")
+        qkv = torch.nn.Linear(4096, (32 + 2 * 8) * 128, bias=False, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        positions = torch.arange(4096, device="cuda")
+        q, k, v = ropekit.rope_qkv_projection(
+            x, qkv.weight, positions, cache, num_q_heads=32, num_kv_heads=8, head_dim=128
+        )   # q (4096, 32, 128), k and v (4096, 8, 128)
+    """
+    rot = _check(
+        x, weight, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim,
+        interleaved, q_norm_weight, k_norm_weight, norm_eps, impl,
+    )  # fmt: skip
+    if is_strict() and positions is not None and positions.numel():
+        positions_in_range(OP, positions, cos_sin_cache.shape[0])
+    fused = _fused(impl, x, weight, q_norm_weight, k_norm_weight, num_q_heads, num_kv_heads, head_dim)
+    splits = (num_q_heads, num_kv_heads, num_kv_heads)
+    tokens = tuple(x.shape[:-1])
+    if not fused:
+        y = F.linear(x, weight).unflatten(-1, (sum(splits), head_dim))
+        q, k, v = y.split(splits, dim=-2)
+        q, k = apply_rope(
+            q, k, positions, cos_sin_cache, interleaved=interleaved, rotary_dim=rot,
+            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+        )  # fmt: skip
+        return q, k, v
+    x2 = x.reshape(-1, x.shape[-1])
+    if positions is None:
+        positions = torch.arange(tokens[-1], device=x.device).expand(tokens)
+    pos = positions.reshape(-1)
+    shape = (num_q_heads, num_kv_heads, head_dim, rot, bool(interleaved), float(norm_eps))
+    if checks.records_grad(x, weight, q_norm_weight, k_norm_weight):
+        out = QKVRopeFunction.apply(x2, weight, pos, cos_sin_cache, q_norm_weight, k_norm_weight, shape)
+    else:
+        out = _forward(x2, weight, pos, cos_sin_cache, q_norm_weight, k_norm_weight, shape, save_pre=False)[0]
+    q, k, v = out.unflatten(0, tokens).split(splits, dim=-2)
+    return q, k, v
+
+
+def _fused(impl, x, weight, wq, wk, n_q, n_kv, head_dim) -> bool:
+    """Does this call take the fused kernel? impl as given; "auto" by AUTO_TABLE (CUDA only)."""
+    if impl == "unfused":
+        return False
+    if impl == "fused":
+        if not checks.triton_runs(x):
+            fail(OP, "impl", "'auto' or 'unfused' for CPU tensors (the fused kernel runs on CUDA)", "'fused'")
+        return True
+    if not x.is_cuda:
+        return False
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    train = checks.records_grad(x, weight, wq, wk)
+    key = (
+        device_kind(x.device),
+        shape_class(tokens, x.shape[-1], n_q, n_kv, head_dim, wq is not None or wk is not None, train),
+    )
+    return AUTO_TABLE.get(key) == "fused"
+
+
+def _forward(x, weight, pos, cache, wq, wk, shape, save_pre: bool):
+    """One launch: (out (T, Hq + 2 Hk, D), pre (T, Hq + Hk, D) or None)."""
+    n_q, n_kv, d, rot, interleaved, eps = shape
+    T = x.shape[0]
+    out = run.empty_like(x.new_empty((T, n_q + 2 * n_kv, d)))
+    pre = run.empty_like(x.new_empty((T, n_q + n_kv, d))) if save_pre else None
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # launch on the tensors' device, not the current one
+            _launch(x, weight, pos, cache, out, pre, wq, wk, shape)
+    else:
+        _launch(x, weight, pos, cache, out, pre, wq, wk, shape)
+    return out, pre
+
+
+def _launch(x, weight, pos, cache, out, pre, wq, wk, shape) -> None:
+    n_q, n_kv, d, rot, interleaved, eps = shape
+    qkv_rope_gemm(
+        x, weight, pos, cache, out, pre, n_q_heads=n_q, n_k_heads=n_kv, head_dim=d, rotary_dim=rot,
+        interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, eps=eps,
+    )  # fmt: skip
+
+
+class QKVRopeFunction(torch.autograd.Function):
+    """The fused path under autograd: out = rope(norm(x @ W^T)) as (T, Hq + 2 Hk, D)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, pos, cache, wq, wk, shape):
+        normed = wq is not None or wk is not None
+        out, pre = _forward(x, weight, pos, cache, wq, wk, shape, save_pre=normed)
+        ctx.shape = shape
+        ctx.save_for_backward(x, weight, pos, cache, wq, wk, pre)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, weight, pos, cache, wq, wk, pre = ctx.saved_tensors
+        n_q, n_kv, d, rot, interleaved, eps = ctx.shape
+        needs = ctx.needs_input_grad
+        g = run.unit_last_stride(g)
+        gq, gk, gv = g.split((n_q, n_kv, n_kv), dim=1)
+        dy = torch.empty(g.shape, dtype=x.dtype, device=x.device)
+        dq, dk, dv = dy.split((n_q, n_kv, n_kv), dim=1)
+        dv.copy_(gv)
+        dwq = dwk = None
+        if pre is None:  # the inverse rotation, straight into dy
+            apply_rope(gq, gk, pos, cache, interleaved=interleaved, rotary_dim=rot, inverse=True, q_out=dq, k_out=dk)
+        else:
+            dwq, dwk = _norm_backward(pre, gq, gk, pos, cache, wq, wk, ctx.shape, needs[4], needs[5], dq, dk)
+        dy2 = dy.view(dy.shape[0], dy.shape[1] * dy.shape[2])
+        dx = dy2 @ weight if needs[0] else None
+        dw = dy2.t() @ x if needs[1] else None
+        return dx, dw, None, None, dwq, dwk, None
+
+
+def _norm_backward(pre, gq, gk, pos, cache, wq, wk, shape, need_wq, need_wk, dq, dk):
+    """The gradients of norm-then-rotate from the saved q and k heads before the norm: dq and dk
+    written, (d wq, d wk) returned (None where not wanted). apply_rope's own backward step
+    (ropekit.core.run.run_norm_backward: one launch per tensor, the rms recomputed in it), under the
+    spec apply_rope's checks give the same call (memoized by the call's layout)."""
+    n_q, n_kv, d, rot, interleaved, eps = shape
+    pq, pk = pre[:, :n_q], pre[:, n_q:]
+    spec = _rope_spec(pq, pk, pos, cache, wq, wk, rot, interleaved, eps)
+    v = spec.variant
+    dws = []
+    for x, g, w, mode, dst, need in ((pq, gq, wq, v.norm_q, dq, need_wq), (pk, gk, wk, v.norm_k, dk, need_wk)):
+        gx, dw = run.run_norm_backward(spec, v, x, g, w, mode, pos, cache)
+        dst.copy_(gx)
+        dws.append(dw if need and dw is not None else None)
+    return dws[0], dws[1]
+
+
+_ROPE_DEFAULTS = {n: p.default for n, p in inspect.signature(apply_rope).parameters.items()}
+
+
+def _rope_spec(q, k, pos, cache, wq, wk, rot, interleaved, eps):
+    """apply_rope's Spec for rotating (q, k) with these norm weights (validated by its checks)."""
+    key = ("rope_qkv_projection norm backward", rot, interleaved, eps, *map(arg_key, (q, k, pos, cache, wq, wk)))
+    spec = lookup(key)
+    if spec is None:
+        args = dict(_ROPE_DEFAULTS, q=q, k=k, positions=pos, cos_sin_cache=cache, interleaved=interleaved)
+        args.update(rotary_dim=rot, q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps)
+        spec = remember(key, checks.rope(args))
+    return spec
+
+
+def _on(name, t, device) -> None:
+    if t.device != device:
+        fail(OP, name, f"a tensor on {device} (x's device)", f"one on {t.device}")
+
+
+def _check(x, weight, positions, cache, n_q, n_kv, head_dim, rotary_dim, interleaved, wq, wk, eps, impl) -> int:
+    """Every argument check (shapes, dtypes and devices only: no sync); returns the rotary dim."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        fail(OP, "impl", "one of 'auto', 'fused', 'unfused'", repr(impl))
+    for name, n in (("num_q_heads", n_q), ("num_kv_heads", n_kv), ("head_dim", head_dim)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            fail(OP, name, "an int >= 1", repr(n))
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
+        fail(OP, "rotary_dim", "an int or None", repr(rotary_dim))
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"{OP}: interleaved: expected a bool, got {type(interleaved).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, NUMBERS) or not eps >= 0:
+        fail(OP, "norm_eps", "a number >= 0", repr(eps))
+    tensor(OP, "x", x, ndims=(2, 3), dtypes=FLOAT_DTYPES, shape_hint="(*T, hidden)", last_stride_one=False)
+    device, hidden = x.device, x.shape[-1]
+    n_out = (n_q + 2 * n_kv) * head_dim
+    tensor(OP, "weight", weight, ndims=(2,), dtypes=FLOAT_DTYPES, last_stride_one=False)
+    _on("weight", weight, device)
+    if weight.dtype != x.dtype:
+        fail(OP, "weight", f"dtype {dtype_name(x.dtype)} (x's)", dtype_name(weight.dtype))
+    if tuple(weight.shape) != (n_out, hidden):
+        expected = f"shape ({n_out}, {hidden}): ((num_q_heads + 2 * num_kv_heads) * head_dim, hidden)"
+        fail(OP, "weight", expected + ", nn.Linear's layout", f"shape {tuple(weight.shape)}")
+    tokens = tuple(x.shape[:-1])
+    if positions is not None:
+        hint = f"of x's token shape {tokens}"
+        tensor(
+            OP,
+            "positions",
+            positions,
+            ndims=(x.dim() - 1,),
+            dtypes=INDEX_DTYPES,
+            shape_hint=hint,
+            last_stride_one=False,
+        )
+        _on("positions", positions, device)
+        if tuple(positions.shape) != tokens:
+            fail(OP, "positions", f"shape {tokens} (x's token dims)", f"shape {tuple(positions.shape)}")
+    tensor(OP, "cos_sin_cache", cache, ndims=(2,), dtypes=TABLE_DTYPES, shape_hint="(max_position, rotary_dim)")
+    _on("cos_sin_cache", cache, device)
+    rot = cache.shape[-1] if rotary_dim is None else rotary_dim
+    if rot < 2 or rot % 2 or rot > head_dim:
+        fail(OP, "rotary_dim", f"an even int in [2, head_dim={head_dim}]", rot)
+    if cache.shape[-1] != rot:
+        fail(OP, "cos_sin_cache", f"width {rot} (rotary_dim): rows [cos | sin]", f"shape {tuple(cache.shape)}")
+    for name, w in (("q_norm_weight", wq), ("k_norm_weight", wk)):
+        if w is not None:
+            tensor(OP, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, shape_hint=f"({head_dim},)")
+            _on(name, w, device)
+            if w.shape[0] != head_dim:
+                fail(OP, name, f"shape ({head_dim},) (head_dim)", f"shape {tuple(w.shape)}")
+    return rot

@@ -1,0 +1,415 @@
+"""rope_qkv_projection: the QKV projection GEMM whose epilogue normalizes and rotates (kernels/qkv_gemm.py).
+
+Against a float64 reference built from torch ops here (projection, per-head RMSNorm, rotation),
+forward and backward (the reference differentiated by autograd), on fresh random inputs, with fresh
+outputs poisoned (NaN). On CPU the fused kernel runs in the Triton interpreter (conftest sets
+TRITON_INTERPRET=1 without CUDA): small shapes there; the tests marked gpu run bf16 at larger
+shapes on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ropekit
+from ropekit.api import qkv as qkv_api
+from ropekit.kernels import qkv_gemm
+from ropekit.kernels.qkv_gemm import qkv_rope_gemm, tma_ok
+
+from conftest import make_cache, rel_err
+
+NAN = float("nan")
+MAX_POS = 96
+
+
+def need_kernel(device):
+    """The fused kernel runs on CUDA, and on CPU tensors under the interpreter only (a CUDA machine
+    runs these tests on its GPU: the cuda parameter)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors take the fused kernel under TRITON_INTERPRET=1 only")
+
+
+def reference(x, w, positions, cache, hq, hk, d, rot, interleaved, wq=None, wk=None, eps=1e-6):
+    """(q, k, v) in float64 from torch ops (differentiable in x, w, wq, wk)."""
+    x, w, cache = x.double(), w.double(), cache.double()
+    y = (x @ w.T).unflatten(-1, (hq + 2 * hk, d))
+    q, k, v = y.split((hq, hk, hk), dim=-2)
+
+    def norm(t, nw):
+        if nw is None:
+            return t
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+
+    half = rot // 2
+    row = cache[positions.long()]
+    cos, sin = row[..., None, :half], row[..., None, half:]
+
+    def rotate(t):
+        if interleaved:
+            a, b = t[..., 0:rot:2], t[..., 1:rot:2]
+        else:
+            a, b = t[..., :half], t[..., half:rot]
+        r1, r2 = a * cos - b * sin, b * cos + a * sin
+        pairs = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+        return torch.cat((pairs, t[..., rot:]), -1)
+
+    return rotate(norm(q, wq)), rotate(norm(k, wk)), v
+
+
+def inputs(T, hidden, hq, hk, d, rot, *, dtype=torch.float32, norm=None, device="cpu", seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, hidden, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn((hq + 2 * hk) * d, hidden, generator=g) / hidden**0.5).to(device=device, dtype=dtype)
+    positions = torch.randint(0, MAX_POS, (T,), generator=g).to(device)
+    cache = make_cache(MAX_POS, rot, device=device)
+    wq = (1 + 0.5 * torch.randn(d, generator=g)).to(device) if norm in ("q", "qk") else None
+    wk = (1 + 0.5 * torch.randn(d, generator=g)).to(device) if norm in ("k", "qk") else None
+    if grad:
+        for t in (x, w, wq, wk):
+            if t is not None:
+                t.requires_grad_(True)
+    return x, w, positions, cache, wq, wk
+
+
+def call(x, w, positions, cache, wq, wk, hq, hk, d, rot, interleaved, impl="fused", **kw):
+    return ropekit.rope_qkv_projection(
+        x, w, positions, cache, num_q_heads=hq, num_kv_heads=hk, head_dim=d, rotary_dim=rot,
+        interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, impl=impl, **kw,
+    )  # fmt: skip
+
+
+# (T, hidden, Hq, Hk, D, rotary_dim): odd T (row masking), GQA, partial rotary, a head size whose
+# tail (and a rotary half) are not powers of two, hidden not a multiple of the k block
+CASES = [
+    (17, 64, 4, 2, 32, 32),
+    (33, 96, 4, 1, 32, 16),
+    (20, 40, 2, 2, 24, 16),
+    (9, 64, 3, 3, 40, 24),
+]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-h{c[1]}-{c[2]}x{c[3]}-D{c[4]}-r{c[5]}" for c in CASES])
+@pytest.mark.parametrize("norm", [None, "qk", "k"])
+def test_forward_matches_reference(case, interleaved, norm, poison, device):
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = case
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
+    got = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved)
+    want = reference(x, w, pos, cache, hq, hk, d, rot, interleaved, wq, wk)
+    for g, r, shape in zip(got, want, ((T, hq, d), (T, hk, d), (T, hk, d))):
+        assert g.shape == shape and g.dtype == x.dtype and g.stride(-1) == 1
+        assert rel_err(g, r) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype, poison, device):
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 17, 64, 4, 2, 32, 32
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=dtype, norm="qk", device=device)
+    got = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, False)
+    want = reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk)
+    for g, r in zip(got, want):
+        assert g.dtype == dtype
+        assert rel_err(g, r) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("norm", [None, "qk"])
+def test_two_heads_per_program(interleaved, norm, device):
+    """The GPU tiling (G = 2 heads per program, gathered columns) in the interpreter, through the
+    launcher with an explicit config."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 19, 64, 4, 2, 32, 16
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
+    out = torch.full((T, hq + 2 * hk, d), NAN, device=device)
+    pre = torch.full((T, hq + hk, d), NAN, device=device)
+    cfg = dict(G=2, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+    qkv_rope_gemm(
+        x, w, pos, cache, out, pre, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot,
+        interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, config=cfg,
+    )  # fmt: skip
+    want = torch.cat(reference(x, w, pos, cache, hq, hk, d, rot, interleaved, wq, wk), 1)
+    assert rel_err(out, want) < 2e-6
+    projected = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))[:, : hq + hk]
+    assert rel_err(pre, projected) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-h{c[1]}-{c[2]}x{c[3]}-D{c[4]}-r{c[5]}" for c in CASES])
+def test_tma_path(case, dtype, device):
+    """The TMA path (tensor descriptors; one head per program) through the launcher: padded halves
+    and tails read W's next rows, which must not reach the outputs or the norm."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = case
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=dtype, norm="qk", device=device)
+    if device == "cuda" and not tma_ok(x, w, False):
+        pytest.skip("no TMA on this card")
+    assert tma_ok(x, w, False) and not tma_ok(x, w, True) and not tma_ok(x.float(), w.float(), False)
+    out = torch.full((T, hq + 2 * hk, d), NAN, device=device, dtype=dtype)
+    pre = torch.full((T, hq + hk, d), NAN, device=device, dtype=dtype)
+    cfg = dict(G=1, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2, TMA=True)
+    qkv_rope_gemm(
+        x, w, pos, cache, out, pre, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot,
+        interleaved=False, q_norm_weight=wq, k_norm_weight=wk, config=cfg,
+    )  # fmt: skip
+    want = torch.cat(reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk), 1)
+    assert rel_err(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+    projected = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))[:, : hq + hk]
+    assert rel_err(pre, projected) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("norm", [None, "qk", "q"])
+@pytest.mark.parametrize("rot", [32, 16])
+def test_backward_matches_reference(interleaved, norm, rot, poison, device):
+    need_kernel(device)
+    T, hidden, hq, hk, d = 13, 48, 4, 2, 32
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True, device=device)
+    outs = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved)
+    refs = reference(x, w, pos, cache, hq, hk, d, rot, interleaved, wq, wk)
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(o.shape, generator=g).to(device) for o in outs]
+    leaves = [t for t in (x, w, wq, wk) if t is not None]
+    got = torch.autograd.grad(outs, leaves, grads)
+    want = torch.autograd.grad(refs, leaves, [gr.double() for gr in grads])
+    for name, a, b in zip(("x", "weight", "norm weight", "norm weight"), got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        assert rel_err(a, b) < 1e-5, name
+
+
+def test_backward_with_unused_outputs(poison, device):
+    """Gradients of q alone (k and v unused): autograd fills the rest with zeros."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 11, 32, 2, 1, 16, 16
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm="qk", grad=True, device=device)
+    q, _, _ = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, False)
+    rq, _, _ = reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk)
+    got = torch.autograd.grad(q.sum(), (x, w, wq, wk), allow_unused=True)
+    want = torch.autograd.grad(rq.sum(), (x, w, wq, wk), allow_unused=True)
+    assert want[3] is None and (got[3] is None or not got[3].any())  # k unused: no gradient, or zeros
+    for a, b in zip(got[:3], want[:3]):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("norm", [None, "qk"])
+def test_fused_and_unfused_agree(interleaved, norm, poison, device):
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 21, 64, 4, 2, 32, 16
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True, device=device)
+    fused = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved, impl="fused")
+    unfused = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved, impl="unfused")
+    for a, b in zip(fused, unfused):
+        assert a.shape == b.shape and rel_err(a, b) < 2e-6
+    leaves = [t for t in (x, w, wq, wk) if t is not None]
+    grads = [torch.randn_like(o) for o in fused]
+    for a, b in zip(torch.autograd.grad(fused, leaves, grads), torch.autograd.grad(unfused, leaves, grads)):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_auto_is_unfused_on_cpu(monkeypatch):
+    called = []
+    monkeypatch.setattr(qkv_api, "qkv_rope_gemm", lambda *a, **k: called.append(1))
+    x, w, pos, cache, _, _ = inputs(8, 32, 2, 1, 16, 16)
+    q, k, v = call(x, w, pos, cache, None, None, 2, 1, 16, 16, False, impl="auto")
+    assert not called
+    want = reference(x, w, pos, cache, 2, 1, 16, 16, False)
+    assert rel_err(q, want[0]) < 2e-6 and rel_err(v, want[2]) < 2e-6
+
+
+def test_two_token_dims_and_positions_none(poison, device):
+    need_kernel(device)
+    B, S, hidden, hq, hk, d, rot = 2, 9, 32, 2, 1, 16, 16
+    x, w, _, cache, _, _ = inputs(B * S, hidden, hq, hk, d, rot, device=device)
+    x = x.view(B, S, hidden)
+    pos = torch.arange(S, device=device).expand(B, S)
+    for impl in ("fused", "unfused"):
+        got = call(x, w, None, cache, None, None, hq, hk, d, rot, False, impl=impl)
+        want = reference(x, w, pos, cache, hq, hk, d, rot, False)
+        for g, r in zip(got, want):
+            assert g.shape == r.shape and g.shape[:2] == (B, S)
+            assert rel_err(g, r) < 2e-6, impl
+
+
+def test_strided_inputs(poison, device):
+    """x a column slice, weight a transposed view: any strides are read as they are."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 10, 32, 2, 1, 16, 16
+    x, w, pos, cache, _, _ = inputs(T, 2 * hidden, hq, hk, d, rot, device=device)
+    x = x[:, ::2]
+    w = w[:, :hidden].t().contiguous().t()
+    got = call(x, w, pos, cache, None, None, hq, hk, d, rot, True)
+    want = reference(x, w, pos, cache, hq, hk, d, rot, True)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < 2e-6
+
+
+def test_out_of_range_position_is_nan_and_strict_raises(poison, device):
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 6, 32, 2, 1, 16, 8
+    x, w, pos, cache, _, _ = inputs(T, hidden, hq, hk, d, rot, device=device)
+    pos[2], pos[4] = -1, MAX_POS
+    q, k, v = call(x, w, pos, cache, None, None, hq, hk, d, rot, False)
+    for t in (q, k):
+        assert torch.isnan(t[[2, 4], :, :rot]).all()
+        assert not torch.isnan(t[[2, 4], :, rot:]).any()
+        assert not torch.isnan(t[[0, 1, 3, 5]]).any()
+    assert not torch.isnan(v).any()
+    with ropekit.strict(), pytest.raises(ValueError, match=r"rope_qkv_projection: positions: .*positions\[2\] = -1"):
+        call(x, w, pos, cache, None, None, hq, hk, d, rot, False)
+
+
+def test_zero_tokens(device):
+    need_kernel(device)
+    x, w, pos, cache, wq, wk = inputs(0, 32, 2, 1, 16, 16, norm="qk", grad=True, device=device)
+    q, k, v = call(x, w, pos, cache, wq, wk, 2, 1, 16, 16, False)
+    assert q.shape == (0, 2, 16) and k.shape == v.shape == (0, 1, 16)
+    (q.sum() + k.sum()).backward()
+    assert x.grad.shape == x.shape and w.grad.abs().sum() == 0
+
+
+def _bad(**changes):
+    T, hidden, hq, hk, d = 4, 32, 2, 1, 16
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, 16, norm="qk")
+    args = dict(
+        x=x, weight=w, positions=pos, cos_sin_cache=cache, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
+        rotary_dim=None, interleaved=False, q_norm_weight=wq, k_norm_weight=wk, norm_eps=1e-6, impl="fused",
+    )  # fmt: skip
+    for key, fn in changes.items():
+        args[key] = fn(args[key]) if callable(fn) else fn
+    return args
+
+
+BAD = [
+    ("x", TypeError, "x: expected a torch.Tensor", dict(x=lambda x: x.tolist())),
+    ("x", ValueError, "x: expected a 2-D or 3-D tensor", dict(x=lambda x: x[0])),
+    ("x", ValueError, "x: expected dtype in", dict(x=lambda x: x.double())),
+    ("weight", ValueError, "weight: expected dtype float32 (x's), got bfloat16", dict(weight=lambda w: w.bfloat16())),
+    ("weight", ValueError, "weight: expected shape (64, 32)", dict(weight=lambda w: w.t())),
+    ("weight", ValueError, "weight: expected shape (96, 32)", dict(num_kv_heads=2)),
+    (
+        "positions",
+        ValueError,
+        "positions: expected dtype in (int32, int64), got float32",
+        dict(positions=lambda p: p.float()),
+    ),
+    ("positions", ValueError, "positions: expected shape (4,)", dict(positions=lambda p: p[:3])),
+    ("positions", ValueError, "positions: expected a 1-D tensor", dict(positions=lambda p: p[None])),
+    ("cos_sin_cache", ValueError, "cos_sin_cache: expected a 2-D tensor", dict(cos_sin_cache=lambda c: c[0])),
+    (
+        "cos_sin_cache",
+        ValueError,
+        "cos_sin_cache: expected stride 1",
+        dict(cos_sin_cache=lambda c: c.t().contiguous().t()),
+    ),
+    ("cos_sin_cache", ValueError, "cos_sin_cache: expected width 8 (rotary_dim)", dict(rotary_dim=8)),
+    ("rotary_dim", ValueError, "rotary_dim: expected an even int in [2, head_dim=16], got 15", dict(rotary_dim=15)),
+    ("rotary_dim", ValueError, "rotary_dim: expected an even int in [2, head_dim=16], got 18", dict(rotary_dim=18)),
+    ("rotary_dim", ValueError, "rotary_dim: expected an int or None, got 16.0", dict(rotary_dim=16.0)),
+    ("num_q_heads", ValueError, "num_q_heads: expected an int >= 1, got 0", dict(num_q_heads=0)),
+    ("num_kv_heads", ValueError, "num_kv_heads: expected an int >= 1, got 1.5", dict(num_kv_heads=1.5)),
+    ("head_dim", ValueError, "head_dim: expected an int >= 1, got -16", dict(head_dim=-16)),
+    ("interleaved", TypeError, "interleaved: expected a bool, got int", dict(interleaved=1)),
+    ("q_norm_weight", ValueError, "q_norm_weight: expected shape (16,)", dict(q_norm_weight=lambda t: t[:8])),
+    ("k_norm_weight", ValueError, "k_norm_weight: expected a 1-D tensor", dict(k_norm_weight=lambda t: t[None])),
+    ("k_norm_weight", ValueError, "k_norm_weight: expected dtype in", dict(k_norm_weight=lambda t: t.long())),
+    ("norm_eps", ValueError, "norm_eps: expected a number >= 0, got -1.0", dict(norm_eps=-1.0)),
+    ("impl", ValueError, "impl: expected one of 'auto', 'fused', 'unfused', got 'triton'", dict(impl="triton")),
+]
+
+
+@pytest.mark.parametrize("name,exc,message,changes", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs(name, exc, message, changes):
+    args = _bad(**changes)
+    with pytest.raises(exc) as info:
+        ropekit.rope_qkv_projection(**args)
+    text = str(info.value)
+    assert text.startswith(f"rope_qkv_projection: {name}: "), text
+    assert message in text, text
+
+
+def test_bad_device_is_named():
+    args = _bad(positions=lambda p: p.to("meta"))
+    with pytest.raises(ValueError, match="rope_qkv_projection: positions: expected a tensor on cpu"):
+        ropekit.rope_qkv_projection(**args)
+
+
+def test_fused_needs_triton_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = _bad()
+    if torch.cuda.is_available() and args["x"].is_cuda:
+        pytest.skip("CPU tensors only")
+    with pytest.raises(ValueError, match="rope_qkv_projection: impl: expected 'auto' or 'unfused' for CPU tensors"):
+        ropekit.rope_qkv_projection(**args)
+    args["impl"] = "unfused"  # the CPU path of apply_rope
+    q, k, v = ropekit.rope_qkv_projection(**args)
+    want = reference(args["x"], args["weight"], args["positions"], args["cos_sin_cache"], 2, 1, 16, 16, False,
+                     args["q_norm_weight"], args["k_norm_weight"])  # fmt: skip
+    assert rel_err(q, want[0]) < 2e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: bf16 at larger shapes (the tiles the GPU runs: two heads per program, 128-row blocks)
+
+GPU_CASES = [
+    # T, hidden, Hq, Hk, D, rot, interleaved, norm
+    (1000, 1024, 8, 2, 128, 128, False, None),  # Llama-like
+    (777, 1024, 8, 2, 128, 128, False, "qk"),  # Qwen3-like
+    (513, 512, 6, 2, 128, 64, True, None),  # partial, interleaved
+    (300, 768, 5, 1, 64, 64, False, "qk"),  # odd head counts: one head per program
+    (257, 512, 4, 2, 80, 80, False, None),  # head size 80
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
+)
+def test_gpu_bf16_forward_backward(case, tma, poison, monkeypatch):
+    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+    T, hidden, hq, hk, d, rot, interleaved, norm = case
+    x, w, pos, cache, wq, wk = inputs(
+        T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda", grad=True
+    )
+    outs = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved, impl="fused")
+    refs = reference(x, w, pos, cache, hq, hk, d, rot, interleaved, wq, wk)
+    for o, r in zip(outs, refs):
+        assert o.dtype == torch.bfloat16 and rel_err(o, r) < 8e-3
+    unfused = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, interleaved, impl="unfused")
+    for a, b in zip(outs, unfused):
+        assert rel_err(a, b) < 1e-2
+    leaves = [t for t in (x, w, wq, wk) if t is not None]
+    grads = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, leaves, grads)
+    want = torch.autograd.grad(refs, leaves, [g.double() for g in grads])
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_is_ieee(poison):
+    T, hidden, hq, hk, d, rot = 300, 512, 4, 2, 128, 128
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm="qk", device="cuda")
+    outs = call(x, w, pos, cache, wq, wk, hq, hk, d, rot, False)
+    refs = reference(x, w, pos, cache, hq, hk, d, rot, False, wq, wk)
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_auto_follows_the_table(monkeypatch):
+    called = []
+    real = qkv_api.qkv_rope_gemm
+    monkeypatch.setattr(qkv_api, "qkv_rope_gemm", lambda *a, **k: called.append(1) or real(*a, **k))
+    T, hidden, hq, hk, d = 4096, 256, 4, 2, 64
+    x, w, pos, cache, _, _ = inputs(T, hidden, hq, hk, d, d, dtype=torch.bfloat16, device="cuda")
+    call(x, w, pos, cache, None, None, hq, hk, d, d, False, impl="auto")
+    assert not called  # not in the table: unfused
+    key = (qkv_api.device_kind(x.device), qkv_api.shape_class(T, hidden, hq, hk, d, False, False))
+    monkeypatch.setitem(qkv_api.AUTO_TABLE, key, "fused")
+    call(x, w, pos, cache, None, None, hq, hk, d, d, False, impl="auto")
+    assert called
