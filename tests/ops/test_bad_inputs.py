@@ -268,6 +268,15 @@ ROWS = [
         ),
     ),
     R(
+        "rope-flag-not-bool",
+        "apply_rope",
+        "a boolean flag's keyword not a bool",
+        "inverse=1",
+        ValueError,
+        "inverse: expected True or False, got 1",
+        lambda: rope_args(inverse=1),
+    ),
+    R(
         "rope-rotary-position-value",
         "apply_rope",
         "rotary_position not 'first', 'last' or 'halves'",

@@ -24,6 +24,7 @@ from .variant import (
     ANGLE_NAMES,
     CUSTOM_OP,
     DIRECT,
+    FLAGS,
     FUNCTION,
     MROPE_CHUNKED,
     MROPE_INTERLEAVED,
@@ -156,7 +157,8 @@ def rope(args: dict) -> Spec:
     q_nope, k_nope = args["q_nope"], args["k_nope"]
     parts = nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes)
     grad = records_grad(q, k, *weights, inv_freq, q_nope, k_nope)
-    out_dtype, inverse = args["out_dtype"], args["inverse"]
+    keyed = keyword_flags(op, args)  # every boolean flag the table gives a keyword (variant.FLAGS)
+    out_dtype, inverse = args["out_dtype"], keyed["inverse"]
     scaled = rules.out_args(op, q, out_dtype, args["q_scale"], args["k_scale"], inverse, inplace=inplace, grad=grad)
     if normed:
         rules.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
@@ -178,7 +180,6 @@ def rope(args: dict) -> Spec:
         mrope=mode,
         sections=sections,
         angles=angles,
-        inverse=bool(inverse),
         heads_first=hf,
         scaled=scaled,
         norm_q=modes[0],
@@ -188,6 +189,7 @@ def rope(args: dict) -> Spec:
         rope_halves=position == "halves" and partial,
         nope_q=parts[0],
         nope_k=parts[1],
+        **keyed,
     )
     triton = triton_runs(q)
     return Spec(
@@ -204,6 +206,19 @@ def rope(args: dict) -> Spec:
         norm_eps=float(norm_eps),
         norm_offset=float(norm_offset),
     )
+
+
+def keyword_flags(op: str, args: dict) -> dict:
+    """The flags apply_rope's boolean keywords set as given, by the flag table's `keyword` column:
+    {field: value}; a value that is not a bool is refused naming its keyword."""
+    flags = {}
+    for f in FLAGS:
+        if f.keyword is not None:
+            value = args[f.keyword]
+            if type(value) is not bool:
+                fail(op, f.keyword, "True or False", repr(value))
+            flags[f.name] = value
+    return flags
 
 
 def nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:

@@ -10,17 +10,18 @@ call signature (`Spec`), the flag table the record is built from, and the custom
     FLAGS       the flag table: each flag of the record declared once (see Flag).
     Signature   an op's parameters as ropekit.core.pipeline.prepare reads them for the signature key.
 
-Adding a flag: a row in FLAGS (the record's field, its default, each kernel's constexpr of it, its
-backward rule; the custom-op encoding, the plans' constexpr passing and Variant.backward follow
-from the row), the keyword on the public op and its parsing in ropekit.core.checks, its branch in
-the kernel, in ropekit.core.cpu and in the oracle ropekit.tools.reference.
+Adding a boolean flag of apply_rope: a row in FLAGS (the record's field, its default, each kernel's
+constexpr of it, its backward rule, its keyword; the custom-op encoding, the plans' constexpr
+passing, Variant.backward and the keyword's parsing follow from the row), the keyword on the public
+op (its signature, docstring and prepare's tuple), its branch in the kernel, in ropekit.core.cpu and
+in the oracle ropekit.tools.reference: five files.
 """
 
 from __future__ import annotations
 
 import collections
 import inspect
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +54,8 @@ class Flag(NamedTuple):
     backward   how the backward rotation sets it (Variant.backward): "keep", "negate", or
                "from <field>" (the backward reads the forward's output layout)
     coded      in the custom ops' int-list encoding (False: a view flag the ops never see)
+    keyword    apply_rope's boolean keyword that sets it as given (checks.rope parses every such
+               row alike: a bool, else an error naming the keyword); None: set by other rules
     what       what it means
     """
 
@@ -61,6 +64,7 @@ class Flag(NamedTuple):
     constexpr: Dict[str, str]
     backward: str = "keep"
     coded: bool = True
+    keyword: Optional[str] = None
     what: str = ""
 
 
@@ -88,7 +92,7 @@ FLAGS: Tuple[Flag, ...] = (
               "positions; 'freqs' positions x inverse frequencies, in the kernel; 'arange' row s for token "
               "(b, s); 'tokens' per-token cos / sin; 'delta' row |delta| per cache row, sin negated for "
               "delta < 0; 'packed' table rows at positions derived from cu_seqlens"),
-    Flag("inverse", False, _in("INVERSE", _ROPE, _NORM_BACKWARD), "negate",
+    Flag("inverse", False, _in("INVERSE", _ROPE, _NORM_BACKWARD), "negate", keyword="inverse",
          what="rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))"),
     Flag("heads_first", False, {}, coded=False,
          what="q, k (and their gradients) are (B, H, S, D) views (Hugging Face)"),
