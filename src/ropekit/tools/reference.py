@@ -157,8 +157,10 @@ def apply_rope(
     mrope_interleaved: bool = False,
     inplace: bool = False,
     rotary_position: str = "first",
+    inverse: bool = False,
 ):
-    """Same contract as `ropekit.apply_rope` (no validation: the public op validates)."""
+    """Same contract as `ropekit.apply_rope` (no validation: the public op validates); inverse
+    rotates by -angle."""
     token_shape = q.shape[:-2]
     cos, sin = angles_from_table(
         cos_sin_cache,
@@ -168,6 +170,8 @@ def apply_rope(
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
     )
+    if inverse:
+        sin = -sin
     q_out = rotate(q, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
     k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
     if inplace:

@@ -10,6 +10,7 @@ import torch
 
 import ropekit
 from ropekit.core import memo
+from ropekit.core.variant import FLAGS
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
@@ -242,3 +243,32 @@ def test_inplace_rotation_follows_autograds_rules():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.backward()
     assert y.requires_grad
+
+
+# every boolean flag the flag table gives a keyword (ropekit.core.variant.FLAGS): a new row is tested here
+KEYWORD_FLAGS = [f.keyword for f in FLAGS if f.keyword]
+
+
+@pytest.mark.parametrize("keyword", KEYWORD_FLAGS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_keyword_flags_match_the_oracle(keyword, interleaved, device):
+    """Each keyword flag set, forward and backward, against the float64 oracle given the same keyword
+    (the backward through torch.autograd of the oracle), partial rotary and GQA heads."""
+    g = torch.Generator().manual_seed(len(keyword))
+    T, Hq, Hk, D, R = 7, 4, 2, 64, 32
+    cache = make_cache(32, R)
+    pos = torch.randint(0, 32, (T,), generator=g)
+    q = torch.randn(T, Hq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(T, Hk, D, generator=g, dtype=torch.float64)
+    qd, kd = (x.float().to(device).requires_grad_() for x in (q, k))
+    got = ropekit.apply_rope(qd, kd, pos.to(device), cache.to(device), interleaved=interleaved, **{keyword: True})
+    q64, k64 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    want = reference.apply_rope(q64, k64, pos, cache.double(), interleaved=interleaved, **{keyword: True})
+    for a, b in zip(got, want):
+        assert rel_err(a.detach(), b.detach()) < 1e-5
+    grads = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in want]
+    d_got = torch.autograd.grad(got, (qd, kd), [x.float().to(device) for x in grads])
+    d_want = torch.autograd.grad(want, (q64, k64), grads)
+    for a, b in zip(d_got, d_want):
+        assert rel_err(a, b) < 1e-5
