@@ -2,19 +2,32 @@
 family's rotation (the plain rotation's backward is rope_kernel with INVERSE).
 
 For y = rotate(rmsnorm(x) * (w + offset)) per head or across a token's heads, it un-rotates the
-output gradient by the same angles as the forward (.angles), then applies the norm's backward
+output gradient by the same angles as the forward (load_angles), then applies the norm's backward
 (.norm) and writes gx and, with a weight, float32 partial sums of dw per program.
 
-Addressing: kernels/rope.py's rule (tokens, heads and positions widened to int64 before any
-product with a stride).
+Built from ropekit.language like rope_kernel; addressing: its rule (tokens, heads and positions
+widened to int64 before any product with a stride).
 """
 
 import triton
 import triton.language as tl
 
-from .angles import load_angles
-from .norm import group_sums, inv_rms, load_norm_weights, load_tail, norm_backward, tail_at, weight_cols
-from .tiles import load_heads, load_tiles, store_heads
+from ..language import (
+    head_mask,
+    head_rows,
+    load_angles,
+    load_heads,
+    load_tail,
+    load_tiles,
+    pair_columns,
+    rotate,
+    split_token,
+    store_heads,
+    store_tail,
+    tail_at,
+    token_offset,
+)
+from .norm import group_sums, inv_rms, load_norm_weights, norm_backward
 
 
 @triton.jit
@@ -36,12 +49,7 @@ def _unrotate(
 ):
     """gz, the gradient before the forward's rotation, from g's rotated pairs (g1, g2) of heads
     [head0, head0 + BLOCK_H) (the transpose of the rotation), and g's tail (read; float32 tiles)."""
-    cb = c[None, :]
-    sb = sn[None, :]
-    if INVERSE:
-        sb = -sb
-    gz1 = g1 * cb + g2 * sb
-    gz2 = g2 * cb - g1 * sb
+    gz1, gz2 = rotate(g1, g2, c[None, :], sn[None, :], not INVERSE)
     gzt = gz1
     if TAIL_PAD > 0:
         gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -94,11 +102,7 @@ def _store_grad(
     """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
     store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
-        h = head0 + tl.arange(0, BLOCK_H)
-        jt = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (jt < tail)
-        ptr = tail_at(gx_base + h.to(tl.int64)[:, None] * stride_gx_head, jt, HALF, GAP)
-        tl.store(ptr, gxt.to(gx_base.dtype.element_ty), mask=mt)
+        store_tail(gx_base, stride_gx_head, n_heads, head0, tail, gxt, HALF, BLOCK_H, TAIL_PAD, GAP)
 
 
 @triton.jit
@@ -121,11 +125,11 @@ def _put_dw_heads(
     """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
     norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
     what the row holds (ACCUMULATE) or stored (the row's start)."""
-    h = head0 + tl.arange(0, BLOCK_H)
+    live = head_mask(n_heads, head0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
-    m = (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
-    hrow = row + h.to(tl.int64)[:, None] * (2 * HALF + tail)
+    m = live & (i < HALF)
+    c1, c2 = pair_columns(i, INTERLEAVED, GAP)
+    hrow = head_rows(row, 2 * HALF + tail, head0, BLOCK_H)
     if ACCUMULATE:
         d1 += tl.load(hrow + c1, mask=m, other=0.0)
         d2 += tl.load(hrow + c2, mask=m, other=0.0)
@@ -133,7 +137,7 @@ def _put_dw_heads(
     tl.store(hrow + c2, d2, mask=m)
     if TAIL_PAD > 0:
         jt = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (jt < tail)
+        mt = live & (jt < tail)
         if ACCUMULATE:
             dt += tl.load(tail_at(hrow, jt, HALF, GAP), mask=mt, other=0.0)
         tl.store(tail_at(hrow, jt, HALF, GAP), dt, mask=mt)
@@ -593,11 +597,10 @@ def rope_norm_backward_kernel(
     for j in range(tokens_per_program):
         t = t_first + j
         if t < n_tokens:
-            b = t // S
-            s = t - b * S
-            x_base = x_ptr + (b * stride_x_batch + s * stride_x_token)
-            g_base = g_ptr + (b * stride_g_batch + s * stride_g_token)
-            gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
+            b, s = split_token(t, S)
+            x_base = x_ptr + token_offset(b, s, stride_x_batch, stride_x_token)
+            g_base = g_ptr + token_offset(b, s, stride_g_batch, stride_g_token)
+            gx_base = gx_ptr + token_offset(b, s, stride_gx_batch, stride_gx_token)
             if WHOLE:
                 # every head of g and x in flight before the angles
                 ga1, ga2, gb1, gb2, gc1, gc2 = load_tiles(
@@ -796,7 +799,7 @@ def rope_norm_backward_kernel(
             e1, e2, et = _row_sums(accc1, accc2, accc_t, TAIL_PAD)
             s1, s2, st = s1 + e1, s2 + e2, st + et
         fm = tl.arange(0, HALF_PAD) < HALF
-        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
+        c1, c2 = pair_columns(i, INTERLEAVED, GAP)
         tl.store(row + c1.reshape([HALF_PAD]), s1, mask=fm)
         tl.store(row + c2.reshape([HALF_PAD]), s2, mask=fm)
         if TAIL_PAD > 0:

@@ -22,49 +22,7 @@ block of q may be normalized while a block of k is not. Mode 0 leaves x unchange
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, GAP: tl.constexpr):
-    """Columns (within a head) of x1[i] and x2[i]: (i, GAP + i) half-split (GAP is HALF, or D/2
-    with rotary_position='halves'), (2i, 2i + 1) pairs."""
-    if INTERLEAVED:
-        return 2 * i, 2 * i + 1
-    else:
-        return i, GAP + i
-
-
-@triton.jit
-def tail_at(row, j, HALF: tl.constexpr, GAP: tl.constexpr):
-    """Where tail element j (the j-th dim no rotated pair holds) of the head at `row` (a pointer,
-    or an offset) sits. Partners HALF apart: past the pairs, row + 2 * HALF + j. Partners GAP =
-    D/2 apart (rotary_position='halves', Gemma 4's p-RoPE): [HALF, GAP), then [GAP + HALF, 2 * GAP).
-    The one place a tail index becomes a column; the first branch is the usual layouts' code as
-    it was (the same expression, so the same compiled code)."""
-    if GAP == HALF:
-        return row + 2 * HALF + j
-    else:
-        return row + HALF + j + tl.where(j >= GAP - HALF, HALF, 0)
-
-
-@triton.jit
-def load_tail(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-    GAP: tl.constexpr,
-):
-    """The dims no rotated pair holds (tail_at) of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
-    h = head0 + tl.arange(0, BLOCK_H)
-    j = tl.arange(0, TAIL_PAD)[None, :]
-    mt = (h[:, None] < n_heads) & (j < tail_len)
-    return tl.load(tail_at(x_base + h.to(tl.int64)[:, None] * stride_x_head, j, HALF, GAP), mask=mt, other=0.0).to(
-        tl.float32
-    )
+from ..language import head_mask, head_rows, load_tail, pair_columns, tail_at
 
 
 @triton.jit
@@ -123,16 +81,15 @@ def _sum_squares(
     """Sum of x^2 (float32 scalar) over heads [head0, head0 + BLOCK_H) of one token, all their dims:
     the ROT rotated ones read as one contiguous row per head (their pair layout does not matter to
     a sum; with partners GAP = D/2 apart, as the two runs of the pairs' members), then the tail."""
-    h = head0 + tl.arange(0, BLOCK_H)
     if GAP == ROT // 2:
         j = tl.arange(0, ROT_PAD)[None, :]
-        m = (h[:, None] < n_heads) & (j < ROT)
-        x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
+        m = head_mask(n_heads, head0, BLOCK_H) & (j < ROT)
+        x = tl.load(head_rows(x_base, stride_x_head, head0, BLOCK_H) + j, mask=m, other=0.0).to(tl.float32)
         ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
     else:
-        row = x_base + h.to(tl.int64)[:, None] * stride_x_head
+        row = head_rows(x_base, stride_x_head, head0, BLOCK_H)
         j = tl.arange(0, ROT_PAD // 2)[None, :]
-        m = (h[:, None] < n_heads) & (j < ROT // 2)
+        m = head_mask(n_heads, head0, BLOCK_H) & (j < ROT // 2)
         x1 = tl.load(row + j, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(row + GAP + j, mask=m, other=0.0).to(tl.float32)
         ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
@@ -325,7 +282,7 @@ def load_norm_weights(
     if INTERLEAVED and W_PAIRS:
         w1, w2 = _weight_words(w_ptr + row, i, m)
     else:
-        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
+        c1, c2 = pair_columns(i, INTERLEAVED, GAP)
         w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
         w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
     w1 = tl.where(on, w1 + offset, 1.0)
