@@ -19,6 +19,8 @@ import ropekit.language as rl
 from ropekit.tools import reference
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "ropekit"
+# compiled on a GPU; without one, interpreted on CPU tensors (tests/conftest.py sets TRITON_INTERPRET)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton.jit
@@ -123,7 +125,7 @@ def user_angles(
 def _table(max_pos, rot, base=10000.0):
     inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv
-    return torch.cat((f.cos(), f.sin()), -1).float(), inv.float()
+    return torch.cat((f.cos(), f.sin()), -1).float().to(DEV), inv.float().to(DEV)
 
 
 def _pow2(n):
@@ -148,15 +150,15 @@ def test_user_kernel_rotates_like_the_oracle(name, freqs):
     interleaved, position, D, rot, inverse = LAYOUTS[name]
     torch.manual_seed(hash((name, freqs)) % 2**31)
     B, S, H, max_pos = 2, 5, 3, 64
-    x = torch.randn(B, S, H, D)
+    x = torch.randn(B, S, H, D, device=DEV)
     out = torch.full_like(x, float("nan"))
     tab, inv = _table(max_pos, rot)
     if freqs:
-        pos = torch.rand(B, S) * 1000.0  # float positions: only the inv_freq path takes them
+        pos = torch.rand(B, S, device=DEV) * 1000.0  # float positions: only the inv_freq path takes them
         cos, sin = reference.angles_from_freqs(pos.double(), inv.double(), dtype=torch.float64)
         angles = inv
     else:
-        pos = torch.randint(0, max_pos, (B, S))
+        pos = torch.randint(0, max_pos, (B, S), device=DEV)
         cos, sin = reference.angles_from_table(tab.double(), pos, (B, S))
         angles = tab
     half = rot // 2
@@ -179,8 +181,8 @@ def test_user_kernel_rotates_like_the_oracle(name, freqs):
 def test_user_kernel_out_of_table_position_is_nan():
     torch.manual_seed(1)
     B, S, H, D = 1, 4, 2, 8
-    x, tab = torch.randn(B, S, H, D), _table(8, D)[0]
-    pos = torch.tensor([[0, 7, 8, -1]])
+    x, tab = torch.randn(B, S, H, D, device=DEV), _table(8, D)[0]
+    pos = torch.tensor([[0, 7, 8, -1]], device=DEV)
     out = torch.full_like(x, float("nan"))
     user_rope[(B * S,)](
         x, out, pos, tab, S, H, 0, 8, *x.stride()[:3], *out.stride()[:3], *pos.stride(), tab.stride(0),
@@ -193,8 +195,8 @@ def test_the_documented_example_rotates_q_in_place():
     """docs/language.md's example kernel, as printed there."""
     torch.manual_seed(2)
     T, H, D, max_pos = 6, 5, 16, 32
-    q = torch.randn(T, H, D)
-    pos = torch.randint(0, max_pos, (T,))
+    q = torch.randn(T, H, D, device=DEV)
+    pos = torch.randint(0, max_pos, (T,), device=DEV)
     tab = _table(max_pos, D)[0]
     want = reference.rotate(q.double(), *reference.angles_from_table(tab.double(), pos, (T,)))
     rope_inplace[(T,)](q, pos, tab, H, q.stride(0), q.stride(1), tab.stride(0), HALF=8, BLOCK_H=4)
@@ -214,17 +216,17 @@ def test_load_angles_in_a_user_kernel(mrope, freqs):
     tab, inv = _table(max_pos, rot)
     sections = (4, 4, 4) if mrope else (5, 7, 0)  # axial: axis 0 drives 5 frequencies, axis 1 the other 7
     if freqs:
-        pos = torch.rand(2, B, S) * 100.0  # two axes: 5 and 7 (the rest) frequencies
+        pos = torch.rand(2, B, S, device=DEV) * 100.0  # two axes: 5 and 7 (the rest) frequencies
         want_c, want_s = reference.angles_from_freqs(pos.double(), inv.double(), (5, 7), dtype=torch.float64)
     elif mrope:
-        pos = torch.randint(0, max_pos, (3, B, S))
+        pos = torch.randint(0, max_pos, (3, B, S), device=DEV)
         want_c, want_s = reference.angles_from_table(
             tab.double(), pos, (B, S), mrope_section=sections, mrope_interleaved=mrope == 2
         )
     else:
-        pos = torch.randint(0, max_pos, (B, S))
+        pos = torch.randint(0, max_pos, (B, S), device=DEV)
         want_c, want_s = reference.angles_from_table(tab.double(), pos, (B, S))
-    cos = torch.full((B * S, half), float("nan"))
+    cos = torch.full((B * S, half), float("nan"), device=DEV)
     sin = torch.full_like(cos, float("nan"))
     row_stride = pos.stride(0) if pos.dim() == 3 else 0
     user_angles[(B * S,)](
@@ -247,11 +249,11 @@ def user_offsets(slot_ptr, out_ptr, n, block_size, stride_block, stride_slot, N:
 
 def test_slot_offsets_are_int64():
     """A slot past 2^31 / stride: its offset needs 64 bits, and gets them."""
-    slots = torch.tensor([0, 5, 17, 3_000_000_000], dtype=torch.int64)
-    out = torch.full((4, 3), -1, dtype=torch.int64)
+    slots = torch.tensor([0, 5, 17, 3_000_000_000], dtype=torch.int64, device=DEV)
+    out = torch.full((4, 3), -1, dtype=torch.int64, device=DEV)
     user_offsets[(1,)](slots, out, 4, 16, 4096, 256, N=4)
     want = torch.stack([(slots // 16) * 4096 + (slots % 16) * 256, slots // 16, slots % 16], -1)
-    assert torch.equal(out, want)
+    assert torch.equal(out.cpu(), want.cpu())
 
 
 @triton.jit
@@ -266,13 +268,13 @@ def user_sections(out_ptr, SEC_T, SEC_H, SEC_W, HALF: tl.constexpr, MROPE: tl.co
 @pytest.mark.parametrize("mrope", [0, 1, 2], ids=["axial", "mrope", "mrope_interleaved"])
 def test_which_position_drives_each_frequency(mrope):
     sections = (6, 5, 5)
-    out = torch.full((16,), -1, dtype=torch.int64)
+    out = torch.full((16,), -1, dtype=torch.int64, device=DEV)
     user_sections[(1,)](out, *sections, HALF=16, MROPE=mrope)
     if mrope:
         want = reference.mrope_sections_of_frequencies(16, sections, mrope == 2)
     else:
         want = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
-    assert torch.equal(out, want)
+    assert torch.equal(out.cpu(), want.cpu())
 
 
 # --- the contract ------------------------------------------------------------------------------

@@ -13,9 +13,8 @@ so every test of ropekit exercises them. What they cover:
     pair layouts  load_pairs / store_pairs (rows in registers: half-split (i, GAP + i), interleaved
                   (2i, 2i+1)), load_heads / store_heads / load_tiles (a token's heads), pair_columns,
                   tail_at / load_tail / store_tail (the kept dims of a partial rotary), saturate
-    offsets       split_token / program_token / token_offset / head_rows / head_mask /
-                  split_slot / slot_offset: every offset
-                  that scales an index by a stride, computed in int64
+    offsets       split_token / program_token / token_offset / head_rows / head_mask / split_slot /
+                  slot_offset: every offset that scales an index by a stride, computed in int64
     launch        pdl_prologue (programmatic dependent launch)
 
 Conventions. A *pair tile* is two float32 register tiles (x1, x2) of the same shape, usually
@@ -35,7 +34,7 @@ product, so no offset can wrap at 2^31 whatever the tensor size; only in-block c
 split_token / program_token is int64 already. `python -m ropekit.audit FILE` checks a kernel file
 statically.
 
-Stability: the names below and the order and meaning of their arguments are stable. Changes are
+Stability: the public names (those above, the module's __all__) and the order and meaning of their arguments are stable. Changes are
 additions only: new functions, and new trailing arguments with a default; a function is never
 renamed or removed and its existing arguments keep their order and meaning. Names with a leading
 underscore are not part of the module's interface.

@@ -32,23 +32,21 @@ from .norm import group_sums, inv_rms, load_norm_weights, norm_backward
 
 @triton.jit
 def _unrotate(
-    g_base,
-    stride_g_head,
-    n_heads,
-    head0,
-    tail,
-    g1,
-    g2,
-    c,
-    sn,
+    at,
+    gs,
+    cs,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INVERSE: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """gz, the gradient before the forward's rotation, from g's rotated pairs (g1, g2) of heads
-    [head0, head0 + BLOCK_H) (the transpose of the rotation), and g's tail (read; float32 tiles)."""
+    """gz, the gradient before the forward's rotation, from g's rotated pairs gs = (g1, g2) of heads
+    [head0, head0 + BLOCK_H) (rotated by minus the forward's angles cs = (c, sn)), and g's tail
+    (read; float32 tiles). at: (g_base, stride_g_head, n_heads, head0, tail), g's token."""
+    g_base, stride_g_head, n_heads, head0, tail = at
+    g1, g2 = gs
+    c, sn = cs
     gz1, gz2 = rotate(g1, g2, c[None, :], sn[None, :], not INVERSE)
     gzt = gz1
     if TAIL_PAD > 0:
@@ -58,11 +56,7 @@ def _unrotate(
 
 @triton.jit
 def _load_x(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail,
+    at,
     placeholder,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -73,7 +67,8 @@ def _load_x(
     GAP: tl.constexpr,
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
-    is `placeholder` when TAIL_PAD is 0)."""
+    is `placeholder` when TAIL_PAD is 0). at: (x_base, stride_x_head, n_heads, head0, tail)."""
+    x_base, stride_x_head, n_heads, head0, tail = at
     x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
     xt = placeholder
     if TAIL_PAD > 0:
@@ -83,14 +78,8 @@ def _load_x(
 
 @triton.jit
 def _store_grad(
-    gx_base,
-    stride_gx_head,
-    n_heads,
-    head0,
-    tail,
-    gx1,
-    gx2,
-    gxt,
+    at,
+    grads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -99,7 +88,10 @@ def _store_grad(
     PACK: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
+    """Store the input gradient grads = (gx1, gx2, gxt) of heads [head0, head0 + BLOCK_H) of one
+    token, tail included. at: (gx_base, stride_gx_head, n_heads, head0, tail)."""
+    gx_base, stride_gx_head, n_heads, head0, tail = at
+    gx1, gx2, gxt = grads
     store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
         store_tail(gx_base, stride_gx_head, n_heads, head0, tail, gxt, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -108,12 +100,8 @@ def _store_grad(
 @triton.jit
 def _put_dw_heads(
     row,
-    n_heads,
-    head0,
-    tail,
-    d1,
-    d2,
-    dt,
+    heads,
+    ds,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -124,7 +112,10 @@ def _put_dw_heads(
 ):
     """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
     norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
-    what the row holds (ACCUMULATE) or stored (the row's start)."""
+    what the row holds (ACCUMULATE) or stored (the row's start). heads: (n_heads, head0, tail);
+    ds: the terms (d1, d2, dt)."""
+    n_heads, head0, tail = heads
+    d1, d2, dt = ds
     live = head_mask(n_heads, head0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = live & (i < HALF)
@@ -171,7 +162,7 @@ def _tile_terms(
     x_base, g_base, _, w_ptr, stride_x_head, stride_g_head, _, n_heads, tail, _, norm_offset = tok
     c, sn = cs
     gz1, gz2, gzt = _unrotate(
-        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+        (g_base, stride_g_head, n_heads, head0, tail), (g1, g2), (c, sn), HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
     )
     xt = gz1
     if TAIL_PAD > 0:
@@ -222,22 +213,6 @@ def _block_terms(
 
 
 @triton.jit
-def _tile_sums(
-    terms,
-    n_heads,
-    head0,
-    tail,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-):
-    """group_sums (.norm) of a tile's terms (_tile_terms' group)."""
-    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
-    return group_sums(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
-
-
-@triton.jit
 def _tile_grads(
     tok,
     head0,
@@ -258,7 +233,7 @@ def _tile_grads(
     has its own inverse rms; across heads (NORM 2) the token's r_group and mean_group (from the
     group's sums) are given."""
     gx_base, stride_gx_head, n_heads, tail, norm_eps = tok[2], tok[6], tok[7], tok[8], tok[9]
-    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    x1, x2, xt = terms[0], terms[1], terms[2]
     if NORM == 2:
         r = tl.zeros([BLOCK_H, 1], tl.float32) + r_group
     else:
@@ -266,35 +241,11 @@ def _tile_grads(
             :, None
         ]
     gx1, gx2, gxt, d1, d2, dt = norm_backward(
-        x1,
-        x2,
-        xt,
-        gz1,
-        gz2,
-        gzt,
-        n_heads,
-        head0,
-        tail,
-        w1,
-        w2,
-        wt,
-        r,
-        NORM,
-        mean_group,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
+        terms, (n_heads, head0, tail), r, NORM, mean_group, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
     )
     _store_grad(
-        gx_base,
-        stride_gx_head,
-        n_heads,
-        head0,
-        tail,
-        gx1,
-        gx2,
-        gxt,
+        (gx_base, stride_gx_head, n_heads, head0, tail),
+        (gx1, gx2, gxt),
         HALF,
         HALF_PAD,
         BLOCK_H,
@@ -334,7 +285,7 @@ def _across_backward_token(
         terms = _block_terms(
             tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS, GAP
         )
-        bss, bgd = _tile_sums(terms, n_heads, head0, tail, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+        bss, bgd = group_sums(terms, (n_heads, head0, tail), HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         ss += bss
         gd += bgd
     count = (n_heads * (2 * HALF + tail)).to(tl.float32)
@@ -347,7 +298,9 @@ def _across_backward_token(
         d1, d2, dt = _tile_grads(
             tok, head0, terms, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, 2, GAP
         )
-        _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP)
+        _put_dw_heads(
+            row, (n_heads, head0, tail), (d1, d2, dt), HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP
+        )
     # the next token adds to the row elements written here, maybe by other threads of the program
     tl.debug_barrier()
 
@@ -428,13 +381,13 @@ def _whole_backward_token(
     r = tl.zeros([], tl.float32) + 1.0
     mean = tl.zeros([], tl.float32)
     if NORM == 2:
-        ss, gd = _tile_sums(ta, n_heads, 0, tail, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+        ss, gd = group_sums(ta, (n_heads, 0, tail), HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         if BLOCK_H2 > 0:
-            bss, bgd = _tile_sums(tb, n_heads, b0, tail, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD)
+            bss, bgd = group_sums(tb, (n_heads, b0, tail), HALF, HALF_PAD, BLOCK_H2, TAIL_PAD)
             ss += bss
             gd += bgd
         if BLOCK_H3 > 0:
-            css, cgd = _tile_sums(tc, n_heads, c0, tail, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD)
+            css, cgd = group_sums(tc, (n_heads, c0, tail), HALF, HALF_PAD, BLOCK_H3, TAIL_PAD)
             ss += css
             gd += cgd
         count = (n_heads * (2 * HALF + tail)).to(tl.float32)
@@ -571,7 +524,16 @@ def rope_norm_backward_kernel(
         # the row is accumulated in memory, block by block, token by token: start it at zero
         for hz in tl.range(0, n_heads, BLOCK_H):
             _put_dw_heads(
-                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
+                row,
+                (n_heads, hz, tail),
+                (acc1, acc2, acc_t),
+                HALF,
+                HALF_PAD,
+                BLOCK_H,
+                TAIL_PAD,
+                INTERLEAVED,
+                False,
+                GAP,
             )
         tl.debug_barrier()
     if NORM == 1 and not WHOLE:
@@ -692,15 +654,18 @@ def rope_norm_backward_kernel(
                 )
             else:
                 gz1, gz2, gzt = _unrotate(
-                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+                    (g_base, stride_g_head, n_heads, head0, tail),
+                    (g1, g2),
+                    (c, sn),
+                    HALF,
+                    BLOCK_H,
+                    TAIL_PAD,
+                    INVERSE,
+                    GAP,
                 )
                 if NORM == 1:
                     x1, x2, xt = _load_x(
-                        x_base,
-                        stride_x_head,
-                        n_heads,
-                        head0,
-                        tail,
+                        (x_base, stride_x_head, n_heads, head0, tail),
                         gz1,
                         HALF,
                         HALF_PAD,
@@ -731,14 +696,8 @@ def rope_norm_backward_kernel(
                         acc_t += dt
                 else:
                     _store_grad(
-                        gx_base,
-                        stride_gx_head,
-                        n_heads,
-                        head0,
-                        tail,
-                        gz1,
-                        gz2,
-                        gzt,
+                        (gx_base, stride_gx_head, n_heads, head0, tail),
+                        (gz1, gz2, gzt),
                         HALF,
                         HALF_PAD,
                         BLOCK_H,
@@ -751,17 +710,13 @@ def rope_norm_backward_kernel(
         # the program's sums of every head, kept in registers over its tokens: stored once
         row = dw_ptr + p * dw_row
         _put_dw_heads(
-            row, n_heads, 0, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
+            row, (n_heads, 0, tail), (acc1, acc2, acc_t), HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
         )
         if BLOCK_H2 > 0:
             _put_dw_heads(
                 row,
-                n_heads,
-                BLOCK_H,
-                tail,
-                accb1,
-                accb2,
-                accb_t,
+                (n_heads, BLOCK_H, tail),
+                (accb1, accb2, accb_t),
                 HALF,
                 HALF_PAD,
                 BLOCK_H2,
@@ -773,12 +728,8 @@ def rope_norm_backward_kernel(
         if BLOCK_H3 > 0:
             _put_dw_heads(
                 row,
-                n_heads,
-                BLOCK_H + BLOCK_H2,
-                tail,
-                accc1,
-                accc2,
-                accc_t,
+                (n_heads, BLOCK_H + BLOCK_H2, tail),
+                (accc1, accc2, accc_t),
                 HALF,
                 HALF_PAD,
                 BLOCK_H3,

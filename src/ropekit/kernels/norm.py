@@ -177,18 +177,9 @@ def _tile_sum_squares_at(
 
 @triton.jit
 def tiles_inv_rms(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
+    at,
     eps,
-    x1,
-    x2,
-    y1,
-    y2,
-    z1,
-    z2,
+    tiles,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -198,9 +189,13 @@ def tiles_inv_rms(
     GAP: tl.constexpr,
 ):
     """Mode 2's inverse rms of one token (float32 scalar) from all its heads held in up to three
-    tiles: (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3
-    after those (a tile of 0 heads is absent). No head is read again (only the tails, from cache).
-    The pairs' layout (GAP) matters only to the tails' columns (tail_at)."""
+    tiles, tiles = (x1, x2, y1, y2, z1, z2) as load_tiles returns them: (x1, x2) of BLOCK_H heads
+    from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3 after those (a tile of 0
+    heads is absent). at: (x_base, stride_x_head, n_heads, head0, tail_len), the token's first
+    element, its head stride, heads, the block's first head and the tail. No head is read again
+    (only the tails, from cache). The pairs' layout (GAP) matters only to the tails' columns."""
+    x_base, stride_x_head, n_heads, head0, tail_len = at
+    x1, x2, y1, y2, z1, z2 = tiles
     ss = _tile_sum_squares_at(
         x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
     )
@@ -209,19 +204,9 @@ def tiles_inv_rms(
             x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, GAP
         )
     if BLOCK_H3 > 0:
+        head3 = head0 + BLOCK_H + BLOCK_H2
         ss += _tile_sum_squares_at(
-            x_base,
-            stride_x_head,
-            n_heads,
-            head0 + BLOCK_H + BLOCK_H2,
-            tail_len,
-            z1,
-            z2,
-            HALF,
-            HALF_PAD,
-            BLOCK_H3,
-            TAIL_PAD,
-            GAP,
+            x_base, stride_x_head, n_heads, head3, tail_len, z1, z2, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, GAP
         )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
@@ -300,17 +285,9 @@ def load_norm_weights(
 
 @triton.jit
 def norm_heads(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
-    x1,
-    x2,
-    w_ptr,
-    mode,
-    eps,
-    offset,
+    at,
+    xs,
+    weight,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -320,46 +297,19 @@ def norm_heads(
 ):
     """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
     members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
-    x_base points at the token's first element (the tail is read from there). Mode 2 sums over the
-    block's heads: the block must hold all of them."""
+    at: (x_base, stride_x_head, n_heads, head0, tail_len), x_base the token's first element (the
+    tail is read from there); xs: the loaded pairs (x1, x2); weight: (w_ptr, mode, eps, offset).
+    Mode 2 sums over the block's heads: the block must hold all of them."""
     return norm_heads_given(
-        x_base,
-        stride_x_head,
-        n_heads,
-        head0,
-        tail_len,
-        x1,
-        x2,
-        w_ptr,
-        mode,
-        eps,
-        offset,
-        1.0,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        INTERLEAVED,
-        False,
-        False,
-        False,
-        GAP,
+        at, xs, weight, 1.0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, False, False, GAP
     )
 
 
 @triton.jit
 def norm_heads_given(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
-    x1,
-    x2,
-    w_ptr,
-    mode,
-    eps,
-    offset,
+    at,
+    xs,
+    weight,
     r_group,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -374,6 +324,9 @@ def norm_heads_given(
     """norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
     its heads (group_inv_rms or tiles_inv_rms), so the block may hold a few of them; SHARED_ROW and
     W_PAIRS: how the weight is read (load_norm_weights)."""
+    x_base, stride_x_head, n_heads, head0, tail_len = at
+    x1, x2 = xs
+    w_ptr, mode, eps, offset = weight
     t = x1
     if TAIL_PAD > 0:
         t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -405,18 +358,8 @@ def norm_heads_given(
 
 @triton.jit
 def norm_backward(
-    x1,
-    x2,
-    xt,
-    gz1,
-    gz2,
-    gzt,
-    n_heads,
-    head0,
-    tail_len,
-    w1,
-    w2,
-    wt,
+    terms,
+    heads,
     r,
     mode,
     mean_group,
@@ -427,8 +370,12 @@ def norm_backward(
 ):
     """Backward of y = n * w', n = x * r over the norm group, given gz = dL/dy (float32 tiles):
     gx = r * (gz*w' - n * mean(gz*w'*n)); also returns the weight-gradient terms gz * n.
-    r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz). Mode 2 takes
-    mean_group, the token's mean over all its heads (from group_sums), for r's group."""
+    terms: (x1, x2, xt, gz1, gz2, gzt, w1, w2, wt), x, gz and the weight w' at the rotated pairs'
+    members and the tail; heads: (n_heads, head0, tail_len). r: (BLOCK_H, 1) inverse rms; w' = 1
+    and r = 1 in mode 0 (then gx = gz). Mode 2 takes mean_group, the token's mean over all its
+    heads (from group_sums), for r's group."""
+    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    n_heads, head0, tail_len = heads
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
@@ -465,26 +412,18 @@ def norm_backward(
 
 @triton.jit
 def group_sums(
-    x1,
-    x2,
-    xt,
-    gz1,
-    gz2,
-    gzt,
-    n_heads,
-    head0,
-    tail_len,
-    w1,
-    w2,
-    wt,
+    terms,
+    heads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
 ):
     """One head block's share of mode 2's per-token sums (float32 scalars): sum(x^2), and
-    sum(gz * w' * x) (r times that is the sum of gz*w'*n the backward's mean needs). Tiles as
-    norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
+    sum(gz * w' * x) (r times that is the sum of gz*w'*n the backward's mean needs). terms and
+    heads as norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
+    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    n_heads, head0, tail_len = heads
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)

@@ -114,23 +114,14 @@ def _norm_select(
     norm across heads in the launch, a weight is one row shared by the heads (read once a tile).
     block, xs, params: _tile_out's."""
     blk, n_q_blocks, x_base, _, stride_x_head, _, n_heads, tail = block
-    x1, x2 = xs
     _, _, wq_ptr, wk_ptr, norm_eps, norm_offset = params
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
     return norm_heads_given(
-        x_base,
-        stride_x_head,
-        n_heads,
-        head0,
-        tail,
-        x1,
-        x2,
-        w_ptr,
-        mode,
-        norm_eps,
-        norm_offset,
+        (x_base, stride_x_head, n_heads, head0, tail),
+        xs,
+        (w_ptr, mode, norm_eps, norm_offset),
         r_group,
         HALF,
         HALF_PAD,
@@ -384,18 +375,9 @@ def rope_kernel(
         if WHOLE and (NORM_Q == 2 or NORM_K == 2):
             # the block is the tensor's every head, in registers: the group's sum needs no second read
             r_group = tiles_inv_rms(
-                x_base,
-                stride_x_head,
-                n_heads,
-                head0,
-                tail,
+                (x_base, stride_x_head, n_heads, head0, tail),
                 norm_eps,
-                x1,
-                x2,
-                y1,
-                y2,
-                z1,
-                z2,
+                (x1, x2, y1, y2, z1, z2),
                 HALF,
                 HALF_PAD,
                 BLOCK_H,

@@ -128,17 +128,9 @@ def _rope_heads(
     if NORM != 0:
         eps, offset = norm
         x1, x2, t = norm_heads(
-            x_base,
-            stride_x_head,
-            n_heads,
-            head0,
-            tail_len,
-            x1,
-            x2,
-            w_ptr,
-            NORM,
-            eps,
-            offset,
+            (x_base, stride_x_head, n_heads, head0, tail_len),
+            (x1, x2),
+            (w_ptr, NORM, eps, offset),
             HALF,
             HALF_PAD,
             BLOCK_H,
