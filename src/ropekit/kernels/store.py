@@ -50,27 +50,26 @@ from .norm import norm_heads
 
 @triton.jit
 def _copy_heads(
-    x_ptr,
-    o_ptr,
-    x_tok,
-    o_tok,
-    stride_x_head,
-    stride_x_dim,
-    stride_o_head,
-    n_heads,
-    head0,
-    d,
+    src,
+    dst,
+    heads,
     o_scale_ptr,
     BLOCK_H: tl.constexpr,
     D_PAD: tl.constexpr,
     SCALED: tl.constexpr,
 ):
-    """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each); x_tok / o_tok are int64.
+    """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each). src: (x_ptr, x_tok,
+    stride_x_head, stride_x_dim), the tensor, the token's element offset (int64) and its strides;
+    dst: (o_ptr, o_tok, stride_o_head), the row it goes to likewise (unit last stride); heads:
+    (n_heads, head0, d).
 
     stride_x_dim: x's last-dim stride (Triton specializes the usual 1, so a unit stride costs
     nothing). SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast
     (fp8 caches); fp8 outputs saturate (ropekit.language's saturate).
     """
+    x_ptr, x_tok, stride_x_head, stride_x_dim = src
+    o_ptr, o_tok, stride_o_head = dst
+    n_heads, head0, d = heads
     live = head_mask(n_heads, head0, BLOCK_H)
     j = tl.arange(0, D_PAD)[None, :]
     m = live & (j < d)
@@ -404,16 +403,9 @@ def rope_store_kernel(
                     )
         elif store:
             _copy_heads(
-                v_ptr,
-                vc_ptr,
-                token_offset(b, s, stride_v_batch, stride_v_token),
-                cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot,
-                stride_v_head,
-                stride_v_dim,
-                stride_v_cache_head,
-                n_v_heads,
-                (blk - n_q_blocks - n_k_blocks) * BLOCK_HV,
-                d_v,
+                (v_ptr, token_offset(b, s, stride_v_batch, stride_v_token), stride_v_head, stride_v_dim),
+                (vc_ptr, cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot, stride_v_cache_head),
+                (n_v_heads, (blk - n_q_blocks - n_k_blocks) * BLOCK_HV, d_v),
                 v_scale_ptr,
                 BLOCK_HV,
                 DV_PAD,
