@@ -21,13 +21,13 @@ from ..language import (
     load_tiles,
     pair_columns,
     rotate,
-    split_token,
     store_heads,
     store_tail,
     tail_at,
     token_offset,
 )
 from .norm import group_sums, inv_rms, load_norm_weights, norm_backward
+from .prologue import token_prologue
 
 
 @triton.jit
@@ -559,7 +559,14 @@ def rope_norm_backward_kernel(
     for j in range(tokens_per_program):
         t = t_first + j
         if t < n_tokens:
-            b, s = split_token(t, S)
+            b, s, angles = token_prologue(
+                t,
+                S,
+                (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+                (cos_ptr, sin_ptr, sin_off, max_pos),
+                (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
+                (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
+            )
             x_base = x_ptr + token_offset(b, s, stride_x_batch, stride_x_token)
             g_base = g_ptr + token_offset(b, s, stride_g_batch, stride_g_token)
             gx_base = gx_ptr + token_offset(b, s, stride_gx_batch, stride_gx_token)
@@ -591,13 +598,7 @@ def rope_norm_backward_kernel(
                 g1, g2 = load_heads(
                     g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP
                 )
-            angles = (  # where the token's angles come from, as load_angles takes them
-                (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
-                (cos_ptr, sin_ptr + sin_off, max_pos),
-                (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
-                (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
-            )
-            c, sn = load_angles(
+            c, sn = load_angles(  # after the head loads (token_prologue)
                 angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS
             )
             # the token's group as the backward's helpers take it

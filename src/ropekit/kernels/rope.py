@@ -26,9 +26,9 @@ Positions come from a positions tensor, or (PACKED) are derived from cu_seqlens 
 
 The family is built from ropekit.language's public device functions (a token's angles, pair tiles
 in and out of registers, the rotation, the int64 offsets, the launch prologue) and .norm (RMSNorm
-and its backward). Every kernel starts the same way: program_token / split_token give the token
-(b, s) in int64, token_offset its elements, and load_angles its angles, from one group of angle
-operands ((positions), (table), (angle strides), (sections, packed sequences)) built alike in each.
+and its backward). rope_kernel and rope_norm_backward_kernel share their prologue, token_prologue:
+the token (b, s) in int64 and its angle operands as one group ((positions), (table), (angle
+strides), (sections, packed sequences)); each then issues its head loads and calls load_angles.
 
 Addressing rule (every kernel file follows it): every offset that scales a program id, a head index
 or a position by a stride is computed in int64. Tokens, heads and positions are widened with
@@ -45,7 +45,6 @@ from ..language import (
     load_angles,
     load_tiles,
     pdl_prologue,
-    program_token,
     rotate,
     saturate,
     store_heads,
@@ -53,6 +52,7 @@ from ..language import (
     token_offset,
 )
 from .norm import group_inv_rms, norm_heads_given, tiles_inv_rms
+from .prologue import token_prologue
 
 
 @triton.jit
@@ -311,7 +311,14 @@ def rope_kernel(
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (packed_position).
     """
     pdl_prologue(PDL)
-    _, b, s = program_token(S)  # one program per token: up to 2^31 - 1 tokens
+    b, s, angles = token_prologue(
+        tl.program_id(0).to(tl.int64),  # one program per token: up to 2^31 - 1 tokens
+        S,
+        (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+        (cos_ptr, sin_ptr, sin_off, max_pos),
+        (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
+        (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
+    )
     # the first head block of this program (with HEAD_LOOP every program starts at block 0 and walks
     # them all): its loads go out before the dependent position -> table-row loads
     if HEAD_LOOP:
@@ -332,14 +339,7 @@ def rope_kernel(
     x1, x2, y1, y2, z1, z2 = load_tiles(
         (x_base, stride_x_head, n_heads, head0), HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
     )
-    # where the token's angles come from, as load_angles takes them (positions, table or inverse
-    # frequencies, M-RoPE sections or axes, packed sequences)
-    angles = (
-        (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
-        (cos_ptr, sin_ptr + sin_off, max_pos),
-        (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
-        (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
-    )
+    # the token's angles, after its head loads (token_prologue)
     c, sn = load_angles(angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS)
     # one loop body for both layouts: with HEAD_LOOP it walks every head block, next block's loads
     # in flight; otherwise it runs once for this program's block (a one-trip loop the compiler drops)
