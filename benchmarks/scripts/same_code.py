@@ -129,7 +129,7 @@ def _child(src: Path, out: Path) -> None:
         compile_one(rope_store_kernel, ptrs, (*plan.args, 0.0, 0.0), meta, f"store_{rot}")
         rerotate = (caches[0], pos, None, tab, None, Variant(angles="delta"), rot)
         plan = launcher.plan_rerotate(*rerotate) if StoreOperands else launcher.plan_rerotate(*rerotate, False)
-        ptrs = (caches[0], pos, pos, pos, tab, tab)
+        ptrs = (caches[0], pos, pos, pos, tab, tab, pos, tab)
         compile_one(rerotate_kernel, ptrs, (3, *plan.args), plan.meta, f"rerotate_{rot}")
 
 

@@ -15,11 +15,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "src" / "ropekit"
 
 LAYERS = (
-    # kernels: the entry points (rope, backward, store, rerotate), then the jit helpers they share
+    # kernels: the entry points (rope, backward, store, rerotate), the norm helpers and the prologue
+    # they share, and ropekit.language, the public device functions they are built from
     (
         "kernels",
         ("kernels.rope", "kernels.backward", "kernels.store", "kernels.rerotate", "kernels.qkv_gemm")
-        + ("kernels.norm", "kernels.angles", "kernels.tiles"),
+        + ("kernels.norm", "kernels.prologue", "language"),
     ),
     # core, bottom: the memo, the Triton launch internals, the knobs, the record, the rules, the math
     (

@@ -535,7 +535,7 @@ _ANGLE_META = ("HAS_POS", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE", "FREQS")
 
 
 def angle_meta(angles: AngleLayout, variant, names=_ANGLE_META) -> dict:
-    """The kernels' constexprs of where the angles come from (see kernels.angles.load_angles); names:
+    """The kernels' constexprs of where the angles come from (see ropekit.language.load_angles); names:
     those the kernel takes (the store's computes no angles: no FREQS). M-RoPE's layout is a field
     of the record (variant_flags)."""
     meta = dict(

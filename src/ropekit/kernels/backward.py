@@ -2,46 +2,52 @@
 family's rotation (the plain rotation's backward is rope_kernel with INVERSE).
 
 For y = rotate(rmsnorm(x) * (w + offset)) per head or across a token's heads, it un-rotates the
-output gradient by the same angles as the forward (.angles), then applies the norm's backward
+output gradient by the same angles as the forward (load_angles), then applies the norm's backward
 (.norm) and writes gx and, with a weight, float32 partial sums of dw per program.
 
-Addressing: kernels/rope.py's rule (tokens, heads and positions widened to int64 before any
-product with a stride).
+Built from ropekit.language like rope_kernel; addressing: its rule (tokens, heads and positions
+widened to int64 before any product with a stride).
 """
 
 import triton
 import triton.language as tl
 
-from .angles import load_angles
-from .norm import group_sums, inv_rms, load_norm_weights, load_tail, norm_backward, tail_at, weight_cols
-from .tiles import load_heads, load_tiles, store_heads
+from ..language import (
+    head_mask,
+    head_rows,
+    load_angles,
+    load_heads,
+    load_tail,
+    load_tiles,
+    pair_columns,
+    rotate,
+    store_heads,
+    store_tail,
+    tail_at,
+    token_offset,
+)
+from .norm import group_sums, inv_rms, load_norm_weights, norm_backward
+from .prologue import token_prologue
 
 
 @triton.jit
 def _unrotate(
-    g_base,
-    stride_g_head,
-    n_heads,
-    head0,
-    tail,
-    g1,
-    g2,
-    c,
-    sn,
+    at,
+    gs,
+    cs,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     INVERSE: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """gz, the gradient before the forward's rotation, from g's rotated pairs (g1, g2) of heads
-    [head0, head0 + BLOCK_H) (the transpose of the rotation), and g's tail (read; float32 tiles)."""
-    cb = c[None, :]
-    sb = sn[None, :]
-    if INVERSE:
-        sb = -sb
-    gz1 = g1 * cb + g2 * sb
-    gz2 = g2 * cb - g1 * sb
+    """gz, the gradient before the forward's rotation, from g's rotated pairs gs = (g1, g2) of heads
+    [head0, head0 + BLOCK_H) (rotated by minus the forward's angles cs = (c, sn)), and g's tail
+    (read; float32 tiles). at: (g_base, stride_g_head, n_heads, head0, tail), g's token."""
+    g_base, stride_g_head, n_heads, head0, tail = at
+    g1, g2 = gs
+    c, sn = cs
+    gz1, gz2 = rotate(g1, g2, c[None, :], sn[None, :], not INVERSE)
     gzt = gz1
     if TAIL_PAD > 0:
         gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -50,11 +56,7 @@ def _unrotate(
 
 @triton.jit
 def _load_x(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail,
+    at,
     placeholder,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -65,7 +67,8 @@ def _load_x(
     GAP: tl.constexpr,
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
-    is `placeholder` when TAIL_PAD is 0)."""
+    is `placeholder` when TAIL_PAD is 0). at: (x_base, stride_x_head, n_heads, head0, tail)."""
+    x_base, stride_x_head, n_heads, head0, tail = at
     x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
     xt = placeholder
     if TAIL_PAD > 0:
@@ -75,14 +78,8 @@ def _load_x(
 
 @triton.jit
 def _store_grad(
-    gx_base,
-    stride_gx_head,
-    n_heads,
-    head0,
-    tail,
-    gx1,
-    gx2,
-    gxt,
+    at,
+    grads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -91,25 +88,20 @@ def _store_grad(
     PACK: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """Store the input gradient of heads [head0, head0 + BLOCK_H) of one token, tail included."""
+    """Store the input gradient grads = (gx1, gx2, gxt) of heads [head0, head0 + BLOCK_H) of one
+    token, tail included. at: (gx_base, stride_gx_head, n_heads, head0, tail)."""
+    gx_base, stride_gx_head, n_heads, head0, tail = at
+    gx1, gx2, gxt = grads
     store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
-        h = head0 + tl.arange(0, BLOCK_H)
-        jt = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (jt < tail)
-        ptr = tail_at(gx_base + h.to(tl.int64)[:, None] * stride_gx_head, jt, HALF, GAP)
-        tl.store(ptr, gxt.to(gx_base.dtype.element_ty), mask=mt)
+        store_tail(gx_base, stride_gx_head, n_heads, head0, tail, gxt, HALF, BLOCK_H, TAIL_PAD, GAP)
 
 
 @triton.jit
 def _put_dw_heads(
     row,
-    n_heads,
-    head0,
-    tail,
-    d1,
-    d2,
-    dt,
+    heads,
+    ds,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -120,12 +112,15 @@ def _put_dw_heads(
 ):
     """Across-heads weight-gradient terms of heads [head0, head0 + BLOCK_H) (float32 tiles as
     norm_backward returns them) into a partial-sum row of H*D floats, head h at h * D: added to
-    what the row holds (ACCUMULATE) or stored (the row's start)."""
-    h = head0 + tl.arange(0, BLOCK_H)
+    what the row holds (ACCUMULATE) or stored (the row's start). heads: (n_heads, head0, tail);
+    ds: the terms (d1, d2, dt)."""
+    n_heads, head0, tail = heads
+    d1, d2, dt = ds
+    live = head_mask(n_heads, head0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
-    m = (h[:, None] < n_heads) & (i < HALF)
-    c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
-    hrow = row + h.to(tl.int64)[:, None] * (2 * HALF + tail)
+    m = live & (i < HALF)
+    c1, c2 = pair_columns(i, INTERLEAVED, GAP)
+    hrow = head_rows(row, 2 * HALF + tail, head0, BLOCK_H)
     if ACCUMULATE:
         d1 += tl.load(hrow + c1, mask=m, other=0.0)
         d2 += tl.load(hrow + c2, mask=m, other=0.0)
@@ -133,7 +128,7 @@ def _put_dw_heads(
     tl.store(hrow + c2, d2, mask=m)
     if TAIL_PAD > 0:
         jt = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (jt < tail)
+        mt = live & (jt < tail)
         if ACCUMULATE:
             dt += tl.load(tail_at(hrow, jt, HALF, GAP), mask=mt, other=0.0)
         tl.store(tail_at(hrow, jt, HALF, GAP), dt, mask=mt)
@@ -167,7 +162,7 @@ def _tile_terms(
     x_base, g_base, _, w_ptr, stride_x_head, stride_g_head, _, n_heads, tail, _, norm_offset = tok
     c, sn = cs
     gz1, gz2, gzt = _unrotate(
-        g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+        (g_base, stride_g_head, n_heads, head0, tail), (g1, g2), (c, sn), HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
     )
     xt = gz1
     if TAIL_PAD > 0:
@@ -218,22 +213,6 @@ def _block_terms(
 
 
 @triton.jit
-def _tile_sums(
-    terms,
-    n_heads,
-    head0,
-    tail,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-):
-    """group_sums (.norm) of a tile's terms (_tile_terms' group)."""
-    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
-    return group_sums(x1, x2, xt, gz1, gz2, gzt, n_heads, head0, tail, w1, w2, wt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
-
-
-@triton.jit
 def _tile_grads(
     tok,
     head0,
@@ -254,7 +233,7 @@ def _tile_grads(
     has its own inverse rms; across heads (NORM 2) the token's r_group and mean_group (from the
     group's sums) are given."""
     gx_base, stride_gx_head, n_heads, tail, norm_eps = tok[2], tok[6], tok[7], tok[8], tok[9]
-    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    x1, x2, xt = terms[0], terms[1], terms[2]
     if NORM == 2:
         r = tl.zeros([BLOCK_H, 1], tl.float32) + r_group
     else:
@@ -262,35 +241,11 @@ def _tile_grads(
             :, None
         ]
     gx1, gx2, gxt, d1, d2, dt = norm_backward(
-        x1,
-        x2,
-        xt,
-        gz1,
-        gz2,
-        gzt,
-        n_heads,
-        head0,
-        tail,
-        w1,
-        w2,
-        wt,
-        r,
-        NORM,
-        mean_group,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
+        terms, (n_heads, head0, tail), r, NORM, mean_group, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
     )
     _store_grad(
-        gx_base,
-        stride_gx_head,
-        n_heads,
-        head0,
-        tail,
-        gx1,
-        gx2,
-        gxt,
+        (gx_base, stride_gx_head, n_heads, head0, tail),
+        (gx1, gx2, gxt),
         HALF,
         HALF_PAD,
         BLOCK_H,
@@ -330,7 +285,7 @@ def _across_backward_token(
         terms = _block_terms(
             tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS, GAP
         )
-        bss, bgd = _tile_sums(terms, n_heads, head0, tail, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+        bss, bgd = group_sums(terms, (n_heads, head0, tail), HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         ss += bss
         gd += bgd
     count = (n_heads * (2 * HALF + tail)).to(tl.float32)
@@ -343,7 +298,9 @@ def _across_backward_token(
         d1, d2, dt = _tile_grads(
             tok, head0, terms, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, 2, GAP
         )
-        _put_dw_heads(row, n_heads, head0, tail, d1, d2, dt, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP)
+        _put_dw_heads(
+            row, (n_heads, head0, tail), (d1, d2, dt), HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP
+        )
     # the next token adds to the row elements written here, maybe by other threads of the program
     tl.debug_barrier()
 
@@ -424,13 +381,13 @@ def _whole_backward_token(
     r = tl.zeros([], tl.float32) + 1.0
     mean = tl.zeros([], tl.float32)
     if NORM == 2:
-        ss, gd = _tile_sums(ta, n_heads, 0, tail, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
+        ss, gd = group_sums(ta, (n_heads, 0, tail), HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         if BLOCK_H2 > 0:
-            bss, bgd = _tile_sums(tb, n_heads, b0, tail, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD)
+            bss, bgd = group_sums(tb, (n_heads, b0, tail), HALF, HALF_PAD, BLOCK_H2, TAIL_PAD)
             ss += bss
             gd += bgd
         if BLOCK_H3 > 0:
-            css, cgd = _tile_sums(tc, n_heads, c0, tail, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD)
+            css, cgd = group_sums(tc, (n_heads, c0, tail), HALF, HALF_PAD, BLOCK_H3, TAIL_PAD)
             ss += css
             gd += cgd
         count = (n_heads * (2 * HALF + tail)).to(tl.float32)
@@ -567,7 +524,16 @@ def rope_norm_backward_kernel(
         # the row is accumulated in memory, block by block, token by token: start it at zero
         for hz in tl.range(0, n_heads, BLOCK_H):
             _put_dw_heads(
-                row, n_heads, hz, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
+                row,
+                (n_heads, hz, tail),
+                (acc1, acc2, acc_t),
+                HALF,
+                HALF_PAD,
+                BLOCK_H,
+                TAIL_PAD,
+                INTERLEAVED,
+                False,
+                GAP,
             )
         tl.debug_barrier()
     if NORM == 1 and not WHOLE:
@@ -593,11 +559,17 @@ def rope_norm_backward_kernel(
     for j in range(tokens_per_program):
         t = t_first + j
         if t < n_tokens:
-            b = t // S
-            s = t - b * S
-            x_base = x_ptr + (b * stride_x_batch + s * stride_x_token)
-            g_base = g_ptr + (b * stride_g_batch + s * stride_g_token)
-            gx_base = gx_ptr + (b * stride_gx_batch + s * stride_gx_token)
+            b, s, angles = token_prologue(
+                t,
+                S,
+                (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+                (cos_ptr, sin_ptr, sin_off, max_pos),
+                (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
+                (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
+            )
+            x_base = x_ptr + token_offset(b, s, stride_x_batch, stride_x_token)
+            g_base = g_ptr + token_offset(b, s, stride_g_batch, stride_g_token)
+            gx_base = gx_ptr + token_offset(b, s, stride_gx_batch, stride_gx_token)
             if WHOLE:
                 # every head of g and x in flight before the angles
                 ga1, ga2, gb1, gb2, gc1, gc2 = load_tiles(
@@ -626,13 +598,7 @@ def rope_norm_backward_kernel(
                 g1, g2 = load_heads(
                     g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP
                 )
-            angles = (  # where the token's angles come from, as load_angles takes them
-                (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
-                (cos_ptr, sin_ptr + sin_off, max_pos),
-                (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
-                (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
-            )
-            c, sn = load_angles(
+            c, sn = load_angles(  # after the head loads (token_prologue)
                 angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS
             )
             # the token's group as the backward's helpers take it
@@ -689,15 +655,18 @@ def rope_norm_backward_kernel(
                 )
             else:
                 gz1, gz2, gzt = _unrotate(
-                    g_base, stride_g_head, n_heads, head0, tail, g1, g2, c, sn, HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+                    (g_base, stride_g_head, n_heads, head0, tail),
+                    (g1, g2),
+                    (c, sn),
+                    HALF,
+                    BLOCK_H,
+                    TAIL_PAD,
+                    INVERSE,
+                    GAP,
                 )
                 if NORM == 1:
                     x1, x2, xt = _load_x(
-                        x_base,
-                        stride_x_head,
-                        n_heads,
-                        head0,
-                        tail,
+                        (x_base, stride_x_head, n_heads, head0, tail),
                         gz1,
                         HALF,
                         HALF_PAD,
@@ -728,14 +697,8 @@ def rope_norm_backward_kernel(
                         acc_t += dt
                 else:
                     _store_grad(
-                        gx_base,
-                        stride_gx_head,
-                        n_heads,
-                        head0,
-                        tail,
-                        gz1,
-                        gz2,
-                        gzt,
+                        (gx_base, stride_gx_head, n_heads, head0, tail),
+                        (gz1, gz2, gzt),
                         HALF,
                         HALF_PAD,
                         BLOCK_H,
@@ -748,17 +711,13 @@ def rope_norm_backward_kernel(
         # the program's sums of every head, kept in registers over its tokens: stored once
         row = dw_ptr + p * dw_row
         _put_dw_heads(
-            row, n_heads, 0, tail, acc1, acc2, acc_t, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
+            row, (n_heads, 0, tail), (acc1, acc2, acc_t), HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, GAP
         )
         if BLOCK_H2 > 0:
             _put_dw_heads(
                 row,
-                n_heads,
-                BLOCK_H,
-                tail,
-                accb1,
-                accb2,
-                accb_t,
+                (n_heads, BLOCK_H, tail),
+                (accb1, accb2, accb_t),
                 HALF,
                 HALF_PAD,
                 BLOCK_H2,
@@ -770,12 +729,8 @@ def rope_norm_backward_kernel(
         if BLOCK_H3 > 0:
             _put_dw_heads(
                 row,
-                n_heads,
-                BLOCK_H + BLOCK_H2,
-                tail,
-                accc1,
-                accc2,
-                accc_t,
+                (n_heads, BLOCK_H + BLOCK_H2, tail),
+                (accc1, accc2, accc_t),
                 HALF,
                 HALF_PAD,
                 BLOCK_H3,
@@ -796,7 +751,7 @@ def rope_norm_backward_kernel(
             e1, e2, et = _row_sums(accc1, accc2, accc_t, TAIL_PAD)
             s1, s2, st = s1 + e1, s2 + e2, st + et
         fm = tl.arange(0, HALF_PAD) < HALF
-        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
+        c1, c2 = pair_columns(i, INTERLEAVED, GAP)
         tl.store(row + c1.reshape([HALF_PAD]), s1, mask=fm)
         tl.store(row + c2.reshape([HALF_PAD]), s2, mask=fm)
         if TAIL_PAD > 0:

@@ -22,49 +22,7 @@ block of q may be normalized while a block of k is not. Mode 0 leaves x unchange
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def weight_cols(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, GAP: tl.constexpr):
-    """Columns (within a head) of x1[i] and x2[i]: (i, GAP + i) half-split (GAP is HALF, or D/2
-    with rotary_position='halves'), (2i, 2i + 1) pairs."""
-    if INTERLEAVED:
-        return 2 * i, 2 * i + 1
-    else:
-        return i, GAP + i
-
-
-@triton.jit
-def tail_at(row, j, HALF: tl.constexpr, GAP: tl.constexpr):
-    """Where tail element j (the j-th dim no rotated pair holds) of the head at `row` (a pointer,
-    or an offset) sits. Partners HALF apart: past the pairs, row + 2 * HALF + j. Partners GAP =
-    D/2 apart (rotary_position='halves', Gemma 4's p-RoPE): [HALF, GAP), then [GAP + HALF, 2 * GAP).
-    The one place a tail index becomes a column; the first branch is the usual layouts' code as
-    it was (the same expression, so the same compiled code)."""
-    if GAP == HALF:
-        return row + 2 * HALF + j
-    else:
-        return row + HALF + j + tl.where(j >= GAP - HALF, HALF, 0)
-
-
-@triton.jit
-def load_tail(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-    GAP: tl.constexpr,
-):
-    """The dims no rotated pair holds (tail_at) of heads [head0, head0 + BLOCK_H), float32, 0 where masked."""
-    h = head0 + tl.arange(0, BLOCK_H)
-    j = tl.arange(0, TAIL_PAD)[None, :]
-    mt = (h[:, None] < n_heads) & (j < tail_len)
-    return tl.load(tail_at(x_base + h.to(tl.int64)[:, None] * stride_x_head, j, HALF, GAP), mask=mt, other=0.0).to(
-        tl.float32
-    )
+from ..language import head_mask, head_rows, load_tail, pair_columns, tail_at
 
 
 @triton.jit
@@ -123,16 +81,15 @@ def _sum_squares(
     """Sum of x^2 (float32 scalar) over heads [head0, head0 + BLOCK_H) of one token, all their dims:
     the ROT rotated ones read as one contiguous row per head (their pair layout does not matter to
     a sum; with partners GAP = D/2 apart, as the two runs of the pairs' members), then the tail."""
-    h = head0 + tl.arange(0, BLOCK_H)
     if GAP == ROT // 2:
         j = tl.arange(0, ROT_PAD)[None, :]
-        m = (h[:, None] < n_heads) & (j < ROT)
-        x = tl.load(x_base + h.to(tl.int64)[:, None] * stride_x_head + j, mask=m, other=0.0).to(tl.float32)
+        m = head_mask(n_heads, head0, BLOCK_H) & (j < ROT)
+        x = tl.load(head_rows(x_base, stride_x_head, head0, BLOCK_H) + j, mask=m, other=0.0).to(tl.float32)
         ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
     else:
-        row = x_base + h.to(tl.int64)[:, None] * stride_x_head
+        row = head_rows(x_base, stride_x_head, head0, BLOCK_H)
         j = tl.arange(0, ROT_PAD // 2)[None, :]
-        m = (h[:, None] < n_heads) & (j < ROT // 2)
+        m = head_mask(n_heads, head0, BLOCK_H) & (j < ROT // 2)
         x1 = tl.load(row + j, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(row + GAP + j, mask=m, other=0.0).to(tl.float32)
         ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
@@ -220,18 +177,9 @@ def _tile_sum_squares_at(
 
 @triton.jit
 def tiles_inv_rms(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
+    at,
     eps,
-    x1,
-    x2,
-    y1,
-    y2,
-    z1,
-    z2,
+    tiles,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -241,9 +189,13 @@ def tiles_inv_rms(
     GAP: tl.constexpr,
 ):
     """Mode 2's inverse rms of one token (float32 scalar) from all its heads held in up to three
-    tiles: (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3
-    after those (a tile of 0 heads is absent). No head is read again (only the tails, from cache).
-    The pairs' layout (GAP) matters only to the tails' columns (tail_at)."""
+    tiles, tiles = (x1, x2, y1, y2, z1, z2) as load_tiles returns them: (x1, x2) of BLOCK_H heads
+    from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3 after those (a tile of 0
+    heads is absent). at: (x_base, stride_x_head, n_heads, head0, tail_len), the token's first
+    element, its head stride, heads, the block's first head and the tail. No head is read again
+    (only the tails, from cache). The pairs' layout (GAP) matters only to the tails' columns."""
+    x_base, stride_x_head, n_heads, head0, tail_len = at
+    x1, x2, y1, y2, z1, z2 = tiles
     ss = _tile_sum_squares_at(
         x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
     )
@@ -252,19 +204,9 @@ def tiles_inv_rms(
             x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, GAP
         )
     if BLOCK_H3 > 0:
+        head3 = head0 + BLOCK_H + BLOCK_H2
         ss += _tile_sum_squares_at(
-            x_base,
-            stride_x_head,
-            n_heads,
-            head0 + BLOCK_H + BLOCK_H2,
-            tail_len,
-            z1,
-            z2,
-            HALF,
-            HALF_PAD,
-            BLOCK_H3,
-            TAIL_PAD,
-            GAP,
+            x_base, stride_x_head, n_heads, head3, tail_len, z1, z2, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, GAP
         )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
@@ -325,7 +267,7 @@ def load_norm_weights(
     if INTERLEAVED and W_PAIRS:
         w1, w2 = _weight_words(w_ptr + row, i, m)
     else:
-        c1, c2 = weight_cols(i, HALF, INTERLEAVED, GAP)
+        c1, c2 = pair_columns(i, INTERLEAVED, GAP)
         w1 = tl.load(w_ptr + row + c1, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
         w2 = tl.load(w_ptr + row + c2, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
     w1 = tl.where(on, w1 + offset, 1.0)
@@ -343,17 +285,9 @@ def load_norm_weights(
 
 @triton.jit
 def norm_heads(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
-    x1,
-    x2,
-    w_ptr,
-    mode,
-    eps,
-    offset,
+    at,
+    xs,
+    weight,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -363,46 +297,19 @@ def norm_heads(
 ):
     """Normalize heads [head0, head0 + BLOCK_H) of one token: returns y1, y2 (the rotated pairs'
     members) and the normalized tail (float32, (BLOCK_H, TAIL_PAD); x1 itself when TAIL_PAD is 0).
-    x_base points at the token's first element (the tail is read from there). Mode 2 sums over the
-    block's heads: the block must hold all of them."""
+    at: (x_base, stride_x_head, n_heads, head0, tail_len), x_base the token's first element (the
+    tail is read from there); xs: the loaded pairs (x1, x2); weight: (w_ptr, mode, eps, offset).
+    Mode 2 sums over the block's heads: the block must hold all of them."""
     return norm_heads_given(
-        x_base,
-        stride_x_head,
-        n_heads,
-        head0,
-        tail_len,
-        x1,
-        x2,
-        w_ptr,
-        mode,
-        eps,
-        offset,
-        1.0,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        INTERLEAVED,
-        False,
-        False,
-        False,
-        GAP,
+        at, xs, weight, 1.0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, False, False, False, GAP
     )
 
 
 @triton.jit
 def norm_heads_given(
-    x_base,
-    stride_x_head,
-    n_heads,
-    head0,
-    tail_len,
-    x1,
-    x2,
-    w_ptr,
-    mode,
-    eps,
-    offset,
+    at,
+    xs,
+    weight,
     r_group,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -417,6 +324,9 @@ def norm_heads_given(
     """norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
     its heads (group_inv_rms or tiles_inv_rms), so the block may hold a few of them; SHARED_ROW and
     W_PAIRS: how the weight is read (load_norm_weights)."""
+    x_base, stride_x_head, n_heads, head0, tail_len = at
+    x1, x2 = xs
+    w_ptr, mode, eps, offset = weight
     t = x1
     if TAIL_PAD > 0:
         t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
@@ -448,18 +358,8 @@ def norm_heads_given(
 
 @triton.jit
 def norm_backward(
-    x1,
-    x2,
-    xt,
-    gz1,
-    gz2,
-    gzt,
-    n_heads,
-    head0,
-    tail_len,
-    w1,
-    w2,
-    wt,
+    terms,
+    heads,
     r,
     mode,
     mean_group,
@@ -470,8 +370,12 @@ def norm_backward(
 ):
     """Backward of y = n * w', n = x * r over the norm group, given gz = dL/dy (float32 tiles):
     gx = r * (gz*w' - n * mean(gz*w'*n)); also returns the weight-gradient terms gz * n.
-    r: (BLOCK_H, 1) inverse rms; w' = 1 and r = 1 in mode 0 (then gx = gz). Mode 2 takes
-    mean_group, the token's mean over all its heads (from group_sums), for r's group."""
+    terms: (x1, x2, xt, gz1, gz2, gzt, w1, w2, wt), x, gz and the weight w' at the rotated pairs'
+    members and the tail; heads: (n_heads, head0, tail_len). r: (BLOCK_H, 1) inverse rms; w' = 1
+    and r = 1 in mode 0 (then gx = gz). Mode 2 takes mean_group, the token's mean over all its
+    heads (from group_sums), for r's group."""
+    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    n_heads, head0, tail_len = heads
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)
@@ -508,26 +412,18 @@ def norm_backward(
 
 @triton.jit
 def group_sums(
-    x1,
-    x2,
-    xt,
-    gz1,
-    gz2,
-    gzt,
-    n_heads,
-    head0,
-    tail_len,
-    w1,
-    w2,
-    wt,
+    terms,
+    heads,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
 ):
     """One head block's share of mode 2's per-token sums (float32 scalars): sum(x^2), and
-    sum(gz * w' * x) (r times that is the sum of gz*w'*n the backward's mean needs). Tiles as
-    norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
+    sum(gz * w' * x) (r times that is the sum of gz*w'*n the backward's mean needs). terms and
+    heads as norm_backward takes them; padded lanes (gz may be NaN there) are masked off."""
+    x1, x2, xt, gz1, gz2, gzt, w1, w2, wt = terms
+    n_heads, head0, tail_len = heads
     h = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = (h[:, None] < n_heads) & (i < HALF)

@@ -25,14 +25,7 @@ the other rows (one row per program left W12's MLA case, 64 dims a row, latency-
 import triton
 import triton.language as tl
 
-from .norm import tail_at
-
-
-@triton.jit
-def _slot_offset(slot, block_size, stride_block, stride_offset):
-    """Element offset (int64) of the cache row a slot names; slot is int64."""
-    cache_block = slot // block_size
-    return cache_block * stride_block + (slot - cache_block * block_size) * stride_offset
+from ..language import compose_angles, load_pairs, rotate, slot_offset, store_pairs, tail_at
 
 
 # delta_value changes from call to call: not specialized, so a new shift never recompiles
@@ -121,9 +114,7 @@ def rerotate_kernel(
         st = tl.load(t_row + to_sin_offset, mask=amask, other=float("nan"), eviction_policy="evict_last").to(tl.float32)
         # undo the from-row (its conjugate over its squared magnitude), then the to-row: one
         # rotation by angle(to) - angle(from), scaled by |to| / |from|
-        norm = cf * cf + sf * sf
-        c = (ct * cf + st * sf) / norm
-        sn = (st * cf - ct * sf) / norm
+        c, sn = compose_angles(cf, sf, ct, st)
     else:
         mag = tl.where(d < 0, -d, d)
         # a |delta| past the table reads nothing and rotates by NaN (loud, no sync); mag < 0 only for -2^63
@@ -136,34 +127,21 @@ def rerotate_kernel(
         sn = tl.where((d < 0)[:, None], -sn, sn)
 
     head_off = head.to(tl.int64) * stride_k_cache_head
-    src_row = k_cache_ptr + (_slot_offset(src, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
-    dst_row = k_cache_ptr + (_slot_offset(dst, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
+    src_row = k_cache_ptr + (slot_offset(src, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
+    dst_row = k_cache_ptr + (slot_offset(dst, block_size, stride_k_cache_block, stride_k_cache_offset) + head_off)
     src_row = tl.where(live, src_row, k_cache_ptr)[:, None]  # masked-off lanes point at the base (never read)
     dst_row = tl.where(live, dst_row, k_cache_ptr)[:, None]
-    if INTERLEAVED:
-        pair = tl.arange(0, 2)[None, None, :]
-        x = tl.load(src_row[:, :, None] + 2 * i[:, :, None] + pair, mask=fmask[:, :, None]).to(tl.float32)
-        x1, x2 = tl.split(x)
-    else:
-        x1 = tl.load(src_row + i, mask=fmask).to(tl.float32)
-        x2 = tl.load(src_row + GAP + i, mask=fmask).to(tl.float32)
+    x1, x2 = load_pairs(src_row, i, fmask, INTERLEAVED, 0, "", GAP)
     if K_SCALED:
         # dequantize, rotate in float32, quantize back with the same scale
         scale = tl.load(k_scale_ptr).to(tl.float32)
         x1 = x1 * scale
         x2 = x2 * scale
-    o1 = x1 * c - x2 * sn
-    o2 = x2 * c + x1 * sn
+    o1, o2 = rotate(x1, x2, c, sn, False)
     if K_SCALED:
         o1 = o1 / scale
         o2 = o2 / scale
-    out_ty = k_cache_ptr.dtype.element_ty
-    if INTERLEAVED:
-        o = tl.join(o1, o2).to(out_ty)
-        tl.store(dst_row[:, :, None] + 2 * i[:, :, None] + pair, o, mask=fmask[:, :, None])
-    else:
-        tl.store(dst_row + i, o1.to(out_ty), mask=fmask)
-        tl.store(dst_row + GAP + i, o2.to(out_ty), mask=fmask)
+    store_pairs(dst_row, i, fmask, o1, o2, INTERLEAVED, 0, GAP)
     if TAIL_PAD > 0:
         # into another row: the dims no pair holds move unchanged (same dtype: a bit copy)
         j = tl.arange(0, TAIL_PAD)[None, :]

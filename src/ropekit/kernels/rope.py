@@ -7,7 +7,7 @@ Every variant is the same program with different compile-time flags:
                       'halves' (Gemma 4's p-RoPE: the pairs (i, i + D/2), i < HALF, of the whole head)
     partial rotary    HALF < head size / 2; the tail is written when TAIL_PAD > 0 (its tile width: the
                       launcher sets it out of place, where the tail is copied, and with a norm); tail
-                      element j is at norm.tail_at(row, j): column 2 * HALF + j, or around the pairs
+                      element j is at tail_at(row, j): column 2 * HALF + j, or around the pairs
                       when GAP is D/2
     angle source      HAS_POS: rows of a (max_position, .) table picked by a positions tensor;
                       FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
@@ -22,10 +22,13 @@ Every variant is the same program with different compile-time flags:
 Grid: axis 0 walks tokens (one program each, up to 2^31 - 1), axis 1 walks head blocks of q then
 of k, so q and k are rotated by one launch (with HEAD_LOOP one program walks all of a token's blocks).
 Positions come from a positions tensor, or (PACKED) are derived from cu_seqlens in the kernel
-(packed sequences and context parallelism: .angles).
+(packed sequences and context parallelism: packed_position).
 
-The helpers the family shares: .angles (a token's angles), .tiles (heads in and out of registers,
-the launch prologue), .norm (RMSNorm and its backward).
+The family is built from ropekit.language's public device functions (a token's angles, pair tiles
+in and out of registers, the rotation, the int64 offsets, the launch prologue) and .norm (RMSNorm
+and its backward). rope_kernel and rope_norm_backward_kernel share their prologue, token_prologue:
+the token (b, s) in int64 and its angle operands as one group ((positions), (table), (angle
+strides), (sections, packed sequences)); each then issues its head loads and calls load_angles.
 
 Addressing rule (every kernel file follows it): every offset that scales a program id, a head index
 or a position by a stride is computed in int64. Tokens, heads and positions are widened with
@@ -36,69 +39,20 @@ size. Only in-block column offsets (`tl.arange` up to the head size) stay int32.
 import triton
 import triton.language as tl
 
-from .angles import load_angles
-from .norm import group_inv_rms, norm_heads_given, tail_at, tiles_inv_rms
-from .tiles import load_tiles, pdl_prologue, saturate, store_heads
-
-
-@triton.jit
-def _rotate_store(
-    x_base,
-    o_base,
-    stride_x_head,
-    stride_o_head,
-    n_heads,
-    head0,
-    tail_len,
-    x1,
-    x2,
-    c,
-    sn,
-    o_scale_ptr,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-    OUT_INTERLEAVED: tl.constexpr,
-    INVERSE: tl.constexpr,
-    SCALED: tl.constexpr,
-    PACK: tl.constexpr,
-    t_given,
-    TAIL_GIVEN: tl.constexpr,
-    GAP: tl.constexpr,
-):
-    """Rotate (x1, x2) by (c, sn) and store them, plus the unrotated tail when TAIL_PAD > 0: read
-    from x, or (TAIL_GIVEN) the float32 tile t_given (the normalized tail; written in place too).
-    Pairs (i, GAP + i) and the tail's columns: load_heads' and tail_at's layout."""
-    h = head0 + tl.arange(0, BLOCK_H)
-    h64 = h.to(tl.int64)
-    o_row = o_base + h64[:, None] * stride_o_head
-
-    cb = c[None, :]
-    sb = sn[None, :]
-    if INVERSE:
-        sb = -sb
-    o1 = x1 * cb - x2 * sb
-    o2 = x2 * cb + x1 * sb
-    if SCALED:
-        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
-        o1 = saturate(o1 * inv, o_base.dtype.element_ty)
-        o2 = saturate(o2 * inv, o_base.dtype.element_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, GAP)
-
-    if TAIL_PAD > 0:
-        # partial rotary, out of place: the dims no pair holds are copied unchanged
-        out_ty = o_base.dtype.element_ty
-        x_row = x_base + h64[:, None] * stride_x_head
-        j = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (j < tail_len)
-        if TAIL_GIVEN:
-            t = t_given
-        else:
-            t = tl.load(tail_at(x_row, j, HALF, GAP), mask=mt)
-        if SCALED:
-            t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
-        tl.store(tail_at(o_row, j, HALF, GAP), t.to(out_ty), mask=mt)
+from ..language import (
+    head_mask,
+    head_rows,
+    load_angles,
+    load_tiles,
+    pdl_prologue,
+    rotate,
+    saturate,
+    store_heads,
+    tail_at,
+    token_offset,
+)
+from .norm import group_inv_rms, norm_heads_given, tiles_inv_rms
+from .prologue import token_prologue
 
 
 @triton.jit
@@ -116,10 +70,14 @@ def _select(blk, n_q_blocks, b, s, q_io, k_io, BLOCK_H: tl.constexpr):
     is_q = blk < n_q_blocks
     head0 = tl.where(is_q, blk, blk - n_q_blocks) * BLOCK_H
     x_base = tl.where(
-        is_q, q_ptr + (b * stride_q_batch + s * stride_q_token), k_ptr + (b * stride_k_batch + s * stride_k_token)
+        is_q,
+        q_ptr + token_offset(b, s, stride_q_batch, stride_q_token),
+        k_ptr + token_offset(b, s, stride_k_batch, stride_k_token),
     )
     o_base = tl.where(
-        is_q, qo_ptr + (b * stride_qo_batch + s * stride_qo_token), ko_ptr + (b * stride_ko_batch + s * stride_ko_token)
+        is_q,
+        qo_ptr + token_offset(b, s, stride_qo_batch, stride_qo_token),
+        ko_ptr + token_offset(b, s, stride_ko_batch, stride_ko_token),
     )
     return (
         x_base,
@@ -156,23 +114,14 @@ def _norm_select(
     norm across heads in the launch, a weight is one row shared by the heads (read once a tile).
     block, xs, params: _tile_out's."""
     blk, n_q_blocks, x_base, _, stride_x_head, _, n_heads, tail = block
-    x1, x2 = xs
     _, _, wq_ptr, wk_ptr, norm_eps, norm_offset = params
     is_q = blk < n_q_blocks
     mode = tl.where(is_q, NORM_Q, NORM_K)
     w_ptr = tl.where(is_q, wq_ptr, wk_ptr)
     return norm_heads_given(
-        x_base,
-        stride_x_head,
-        n_heads,
-        head0,
-        tail,
-        x1,
-        x2,
-        w_ptr,
-        mode,
-        norm_eps,
-        norm_offset,
+        (x_base, stride_x_head, n_heads, head0, tail),
+        xs,
+        (w_ptr, mode, norm_eps, norm_offset),
         r_group,
         HALF,
         HALF_PAD,
@@ -210,16 +159,17 @@ def _tile_out(
     GAP: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of a head block, loaded as xs = (x1, x2): normalized (with a
-    norm), rotated by cs = (c, sn) and stored, the tail too (_rotate_store). block: the block as the
-    kernel selected it (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads,
-    tail); params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset)."""
+    norm), rotated by cs = (c, sn) and stored, plus the unrotated tail when TAIL_PAD > 0: read from
+    x, or with a norm the normalized tail (written in place too). block: the block as the kernel
+    selected it (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail);
+    params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset)."""
     blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
     x1, x2 = xs
     c, sn = cs
-    q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset = params
-    t_norm = x1
+    q_scale_ptr, k_scale_ptr, _, _, _, _ = params
+    t = x1
     if NORM_Q != 0 or NORM_K != 0:
-        x1, x2, t_norm = _norm_select(
+        x1, x2, t = _norm_select(
             block,
             head0,
             (x1, x2),
@@ -236,31 +186,29 @@ def _tile_out(
             W_PAIRS,
             GAP,
         )
-    _rotate_store(
-        x_base,
-        o_base,
-        stride_x_head,
-        stride_o_head,
-        n_heads,
-        head0,
-        tail,
-        x1,
-        x2,
-        c,
-        sn,
-        tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr),
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        OUT_INTERLEAVED,
-        INVERSE,
-        SCALED,
-        PACK,
-        t_norm,
-        NORM_Q != 0 or NORM_K != 0,
-        GAP,
-    )
+    o_scale_ptr = tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr)
+    o_rows = head_rows(o_base, stride_o_head, head0, BLOCK_H)
+    # INVERSE: by -angle, sin negated once for the token's vector
+    sb = sn[None, :]
+    if INVERSE:
+        sb = -sb
+    o1, o2 = rotate(x1, x2, c[None, :], sb, False)
+    if SCALED:
+        inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
+        o1 = saturate(o1 * inv, o_base.dtype.element_ty)
+        o2 = saturate(o2 * inv, o_base.dtype.element_ty)
+    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, GAP)
+    if TAIL_PAD > 0:
+        # partial rotary, out of place (or normalized): the dims no pair holds, unrotated
+        out_ty = o_base.dtype.element_ty
+        x_rows = head_rows(x_base, stride_x_head, head0, BLOCK_H)
+        j = tl.arange(0, TAIL_PAD)[None, :]
+        mt = head_mask(n_heads, head0, BLOCK_H) & (j < tail)
+        if NORM_Q == 0 and NORM_K == 0:
+            t = tl.load(tail_at(x_rows, j, HALF, GAP), mask=mt)
+        if SCALED:
+            t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
+        tl.store(tail_at(o_rows, j, HALF, GAP), t.to(out_ty), mask=mt)
 
 
 # Sizes that change with the batch or the sequence length are not specialized on (Triton would
@@ -360,12 +308,17 @@ def rope_kernel(
     .norm.group_inv_rms, the blocks then read again from cache). Without HEAD_LOOP, a norm across
     heads needs WHOLE (the launcher sets it).
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
-    PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (.angles).
+    PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (packed_position).
     """
     pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)  # one program per token: up to 2^31 - 1 tokens
-    b = t // S
-    s = t - b * S
+    b, s, angles = token_prologue(
+        tl.program_id(0).to(tl.int64),  # one program per token: up to 2^31 - 1 tokens
+        S,
+        (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
+        (cos_ptr, sin_ptr, sin_off, max_pos),
+        (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
+        (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
+    )
     # the first head block of this program (with HEAD_LOOP every program starts at block 0 and walks
     # them all): its loads go out before the dependent position -> table-row loads
     if HEAD_LOOP:
@@ -386,14 +339,7 @@ def rope_kernel(
     x1, x2, y1, y2, z1, z2 = load_tiles(
         (x_base, stride_x_head, n_heads, head0), HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
     )
-    # where the token's angles come from, as load_angles takes them (positions, table or inverse
-    # frequencies, M-RoPE sections or axes, packed sequences)
-    angles = (
-        (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
-        (cos_ptr, sin_ptr + sin_off, max_pos),
-        (stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col),
-        (SEC_T, SEC_H, SEC_W, n_seqs, cp_size, cp_rank),
-    )
+    # the token's angles, after its head loads (token_prologue)
     c, sn = load_angles(angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS)
     # one loop body for both layouts: with HEAD_LOOP it walks every head block, next block's loads
     # in flight; otherwise it runs once for this program's block (a one-trip loop the compiler drops)
@@ -429,18 +375,9 @@ def rope_kernel(
         if WHOLE and (NORM_Q == 2 or NORM_K == 2):
             # the block is the tensor's every head, in registers: the group's sum needs no second read
             r_group = tiles_inv_rms(
-                x_base,
-                stride_x_head,
-                n_heads,
-                head0,
-                tail,
+                (x_base, stride_x_head, n_heads, head0, tail),
                 norm_eps,
-                x1,
-                x2,
-                y1,
-                y2,
-                z1,
-                z2,
+                (x1, x2, y1, y2, z1, z2),
                 HALF,
                 HALF_PAD,
                 BLOCK_H,

@@ -2,8 +2,8 @@
 
 One launch rotates q (in place, or into a separate q_out such as an fp8 attention input), rotates
 k straight into its cache row (and, with WRITE_KEY, back into k too) and copies v into its cache row,
-so k never makes a round trip through memory. It reuses `load_angles` (.angles), `load_heads` and
-`store_heads` (.tiles) and the norm helpers (.norm): the rotation math, the angle lookup and
+so k never makes a round trip through memory. It is built from ropekit.language (`load_angles`,
+`load_heads`, `rotate`, `store_heads`) and the norm helpers (.norm): the rotation math, the angle lookup and
 the int64 addressing are the same code as `rope_kernel`; only the output addresses (a cache row
 picked by the token's slot, a second destination) are new.
 
@@ -17,8 +17,8 @@ elements). Slots < 0 (padding) write nothing; slots >= num_slots write nothing e
 token's rotated q dims NaN, the same loud, sync-free signal a bad position gives (see ropekit.api.store).
 
 fp8 outputs (caches, q_out; e4m3 or e5m2): the float32 value is divided by its scale, saturated to
-the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN: .tiles'
-`saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
+the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN:
+ropekit.language's `saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
 backend's cast treats values out of range.
 
 Heads in two parts (FlashInfer's rope / no-rope inputs): with NOPE_K, k holds the rotary dims only
@@ -30,44 +30,56 @@ q_out are laid out as one head would be: the rotated dims first, then the no-rop
 import triton
 import triton.language as tl
 
-from .angles import load_angles
-from .norm import load_tail, norm_heads, tail_at
-from .tiles import load_heads, pdl_prologue, saturate, store_heads
+from ..language import (
+    head_mask,
+    head_rows,
+    load_angles,
+    load_heads,
+    load_tail,
+    pdl_prologue,
+    program_token,
+    rotate,
+    saturate,
+    split_slot,
+    store_heads,
+    store_tail,
+    token_offset,
+)
+from .norm import norm_heads
 
 
 @triton.jit
 def _copy_heads(
-    x_ptr,
-    o_ptr,
-    x_tok,
-    o_tok,
-    stride_x_head,
-    stride_x_dim,
-    stride_o_head,
-    n_heads,
-    head0,
-    d,
+    src,
+    dst,
+    heads,
     o_scale_ptr,
     BLOCK_H: tl.constexpr,
     D_PAD: tl.constexpr,
     SCALED: tl.constexpr,
 ):
-    """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each); x_tok / o_tok are int64.
+    """Copy heads [head0, head0 + BLOCK_H) of one token (d elements each). src: (x_ptr, x_tok,
+    stride_x_head, stride_x_dim), the tensor, the token's element offset (int64) and its strides;
+    dst: (o_ptr, o_tok, stride_o_head), the row it goes to likewise (unit last stride); heads:
+    (n_heads, head0, d).
 
     stride_x_dim: x's last-dim stride (Triton specializes the usual 1, so a unit stride costs
     nothing). SCALED: values are divided by the float32 scalar at o_scale_ptr before the cast
-    (fp8 caches); fp8 outputs saturate (see .tiles' saturate).
+    (fp8 caches); fp8 outputs saturate (ropekit.language's saturate).
     """
-    h = head0 + tl.arange(0, BLOCK_H)
-    h64 = h.to(tl.int64)
+    x_ptr, x_tok, stride_x_head, stride_x_dim = src
+    o_ptr, o_tok, stride_o_head = dst
+    n_heads, head0, d = heads
+    live = head_mask(n_heads, head0, BLOCK_H)
     j = tl.arange(0, D_PAD)[None, :]
-    m = (h[:, None] < n_heads) & (j < d)
+    m = live & (j < d)
     # through float32 (exact for fp16/bf16/fp32): fp8 casts are only ever made from float32
-    x = tl.load(x_ptr + x_tok + h64[:, None] * stride_x_head + j.to(tl.int64) * stride_x_dim, mask=m).to(tl.float32)
+    x_rows = head_rows(x_ptr + x_tok, stride_x_head, head0, BLOCK_H)
+    x = tl.load(x_rows + j.to(tl.int64) * stride_x_dim, mask=m).to(tl.float32)
     if SCALED:
         x = x / tl.load(o_scale_ptr).to(tl.float32)
     out_ty = o_ptr.dtype.element_ty
-    tl.store(o_ptr + o_tok + h64[:, None] * stride_o_head + j, saturate(x, out_ty).to(out_ty), mask=m)
+    tl.store(head_rows(o_ptr + o_tok, stride_o_head, head0, BLOCK_H) + j, saturate(x, out_ty).to(out_ty), mask=m)
 
 
 @triton.jit
@@ -77,10 +89,10 @@ def _load_nope(
     """The tail of heads [head0, head0 + BLOCK_H) from a tensor of its own (q_nope, k_nope: t_base
     is the token's first element), float32, 0 where masked. stride_t_dim: its last-dim stride (Triton
     specializes the usual 1)."""
-    h = head0 + tl.arange(0, BLOCK_H)
+    live = head_mask(n_heads, head0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
-    mt = (h[:, None] < n_heads) & (j < tail_len)
-    at = t_base + h.to(tl.int64)[:, None] * stride_t_head + j.to(tl.int64) * stride_t_dim
+    mt = live & (j < tail_len)
+    at = head_rows(t_base, stride_t_head, head0, BLOCK_H) + j.to(tl.int64) * stride_t_dim
     return tl.load(at, mask=mt, other=0.0).to(tl.float32)
 
 
@@ -115,17 +127,9 @@ def _rope_heads(
     if NORM != 0:
         eps, offset = norm
         x1, x2, t = norm_heads(
-            x_base,
-            stride_x_head,
-            n_heads,
-            head0,
-            tail_len,
-            x1,
-            x2,
-            w_ptr,
-            NORM,
-            eps,
-            offset,
+            (x_base, stride_x_head, n_heads, head0, tail_len),
+            (x1, x2),
+            (w_ptr, NORM, eps, offset),
             HALF,
             HALF_PAD,
             BLOCK_H,
@@ -138,9 +142,8 @@ def _rope_heads(
         t = _load_nope(t_base, stride_t_head, stride_t_dim, n_heads, head0, tail_len, BLOCK_H, TAIL_PAD)
     elif TAIL_PAD > 0:
         t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
-    cb = c[None, :]
-    sb = sn[None, :]
-    return x1 * cb - x2 * sb, x2 * cb + x1 * sb, t
+    o1, o2 = rotate(x1, x2, c[None, :], sn[None, :], False)
+    return o1, o2, t
 
 
 @triton.jit
@@ -174,11 +177,7 @@ def _put_heads(
     o2 = saturate(o2, out_ty)
     store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
     if TAIL_PAD > 0:
-        h = head0 + tl.arange(0, BLOCK_H)
-        j = tl.arange(0, TAIL_PAD)[None, :]
-        mt = (h[:, None] < n_heads) & (j < tail_len)
-        o_row = o_base + h.to(tl.int64)[:, None] * stride_o_head
-        tl.store(tail_at(o_row, j, HALF, GAP), saturate(t, out_ty).to(out_ty), mask=mt)
+        store_tail(o_base, stride_o_head, n_heads, head0, tail_len, saturate(t, out_ty), HALF, BLOCK_H, TAIL_PAD, GAP)
 
 
 @triton.jit
@@ -292,9 +291,7 @@ def rope_store_kernel(
     PACKED: tokens are (T,) packed sequences, pos_ptr cu_seqlens (positions restart in each sequence).
     """
     pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    b = t // S
-    s = t - b * S
+    _, b, s = program_token(S)
     # int64 when loaded: the slot scales a cache stride
     slot = tl.load(slot_ptr + b * stride_slot_batch + s * stride_slot_token).to(tl.int64)
     if HEAD_LOOP:
@@ -324,8 +321,7 @@ def rope_store_kernel(
             blk = tl.program_id(1)  # int32-ok: as above
         # the slot's cache row; int64 before any arithmetic: block * stride passes 2^31 on big caches
         store = (slot >= 0) & (slot < num_slots)
-        cache_blk = slot // block_size
-        cache_off = slot - cache_blk * block_size
+        cache_blk, cache_off = split_slot(slot, block_size)
         # each tensor's heads at this token as the helpers take them, (first element, head stride,
         # heads, tail), and the no-rope parts, (first element, head stride, dim stride)
         if blk < n_q_blocks:
@@ -334,15 +330,15 @@ def rope_store_kernel(
             bad = (tl.zeros([HALF_PAD], tl.int64) + slot) >= num_slots
             cq = tl.where(bad, float("nan"), c)
             head0 = blk * BLOCK_HQ
-            q_src = (q_ptr + (b * stride_q_batch + s * stride_q_token), stride_q_head, n_q_heads, q_tail)
-            q_nope = (qn_ptr + (b * stride_qn_batch + s * stride_qn_token), stride_qn_head, stride_qn_dim)
+            q_src = (q_ptr + token_offset(b, s, stride_q_batch, stride_q_token), stride_q_head, n_q_heads, q_tail)
+            q_nope = (qn_ptr + token_offset(b, s, stride_qn_batch, stride_qn_token), stride_qn_head, stride_qn_dim)
             q_heads = (q_src, q_nope, head0, cq, sn, wq_ptr, norm)
             o1, o2, kept = _rope_heads(
                 q_heads, HALF, HALF_PAD, BLOCK_HQ, TAIL_PAD_Q, INTERLEAVED, PACK_Q, NORM_Q, NOPE_Q, GAP
             )
             # q_dst is q itself when rotating in place; its tail is then written only when normalized
             # (TAIL_PAD_Q 0 otherwise: it already is where it belongs)
-            q_dst = (qo_ptr + (b * stride_qo_batch + s * stride_qo_token), stride_qo_head, n_q_heads, q_tail)
+            q_dst = (qo_ptr + token_offset(b, s, stride_qo_batch, stride_qo_token), stride_qo_head, n_q_heads, q_tail)
             _put_heads(
                 q_dst,
                 head0,
@@ -362,8 +358,8 @@ def rope_store_kernel(
         elif blk < n_q_blocks + n_k_blocks:
             if store or WRITE_KEY:
                 head0 = (blk - n_q_blocks) * BLOCK_HK
-                k_src = (k_ptr + (b * stride_k_batch + s * stride_k_token), stride_k_head, n_k_heads, k_tail)
-                k_nope = (kn_ptr + (b * stride_kn_batch + s * stride_kn_token), stride_kn_head, stride_kn_dim)
+                k_src = (k_ptr + token_offset(b, s, stride_k_batch, stride_k_token), stride_k_head, n_k_heads, k_tail)
+                k_nope = (kn_ptr + token_offset(b, s, stride_kn_batch, stride_kn_token), stride_kn_head, stride_kn_dim)
                 k_heads = (k_src, k_nope, head0, c, sn, wk_ptr, norm)
                 o1, o2, kept = _rope_heads(
                     k_heads, HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED, PACK_K, NORM_K, NOPE_K, GAP
@@ -407,16 +403,9 @@ def rope_store_kernel(
                     )
         elif store:
             _copy_heads(
-                v_ptr,
-                vc_ptr,
-                b * stride_v_batch + s * stride_v_token,
-                cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot,
-                stride_v_head,
-                stride_v_dim,
-                stride_v_cache_head,
-                n_v_heads,
-                (blk - n_q_blocks - n_k_blocks) * BLOCK_HV,
-                d_v,
+                (v_ptr, token_offset(b, s, stride_v_batch, stride_v_token), stride_v_head, stride_v_dim),
+                (vc_ptr, cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot, stride_v_cache_head),
+                (n_v_heads, (blk - n_q_blocks - n_k_blocks) * BLOCK_HV, d_v),
                 v_scale_ptr,
                 BLOCK_HV,
                 DV_PAD,
