@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..core import checks, run
+from ..core import checks, pipeline, run
 from ..core.args import FLOAT_DTYPES, INDEX_DTYPES, NUMBERS, TABLE_DTYPES, dtype_name, fail, tensor
 from ..core.memo import lookup, remember
 from ..core.strict import is_strict, positions_in_range
@@ -225,7 +225,7 @@ class QKVRopeFunction(torch.autograd.Function):
 def _norm_backward(pre, gq, gk, pos, cache, wq, wk, shape, need_wq, need_wk, dq, dk):
     """The gradients of norm-then-rotate from the saved q and k heads before the norm: dq and dk
     written, (d wq, d wk) returned (None where not wanted). apply_rope's own backward step
-    (ropekit.core.run.run_norm_backward: one launch per tensor, the rms recomputed in it), under the
+    (ropekit.core.pipeline.run_norm_backward: one launch per tensor, the rms recomputed in it), under the
     spec apply_rope's checks give the same call (memoized by the call's layout)."""
     n_q, n_kv, d, rot, interleaved, eps = shape
     pq, pk = pre[:, :n_q], pre[:, n_q:]
@@ -233,7 +233,7 @@ def _norm_backward(pre, gq, gk, pos, cache, wq, wk, shape, need_wq, need_wk, dq,
     v = spec.variant
     dws = []
     for x, g, w, mode, dst, need in ((pq, gq, wq, v.norm_q, dq, need_wq), (pk, gk, wk, v.norm_k, dk, need_wk)):
-        gx, dw = run.run_norm_backward(spec, v, x, g, w, mode, pos, cache)
+        gx, dw = pipeline.run_norm_backward(spec, v, x, g, w, mode, pos, cache)
         dst.copy_(gx)
         dws.append(dw if need and dw is not None else None)
     return dws[0], dws[1]

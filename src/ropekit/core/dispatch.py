@@ -31,7 +31,7 @@ from typing import List, Optional
 
 import torch
 
-from . import aliasing, checks, run
+from . import aliasing, checks, pipeline, run
 from .args import fail
 from .freqs import freq_grad
 from .memo import lookup, remember
@@ -140,7 +140,7 @@ def norm_grads(variant: Variant, needs, saved, gq, gk, backward_one) -> tuple:
     """(dq, dk, dwq, dwk) of a normed variant: one backward per tensor that needs a gradient for
     itself or its weight. needs: needs_input_grad of RotateFunction or of the rotate custom op
     (both take q, k, a, b, wq, wk first); saved: (q, k, wq, wk) as the forward got them;
-    backward_one(x, g, w, mode) -> (gx, dw): run_norm_backward, or the custom op that runs it."""
+    backward_one(x, g, w, mode) -> (gx, dw): pipeline.run_norm_backward, or the custom op that runs it."""
     q, k, wq, wk = saved
     res = [None, None, None, None]
     for i, (x, w, g, mode) in enumerate(((q, wq, gq, variant.norm_q), (k, wk, gk, variant.norm_k))):
@@ -214,7 +214,7 @@ class RotateFunction(torch.autograd.Function):
         a, b = saved[0], saved[1]
 
         def backward_one(x, g, w, mode):
-            return run.run_norm_backward(spec, variant, x, g, w, mode, a, b)
+            return pipeline.run_norm_backward(spec, variant, x, g, w, mode, a, b)
 
         def rotate_back(first, second):
             inverse = variant.backward()
@@ -395,7 +395,7 @@ def _rotate_norm_backward_op(
     mode: int,
 ) -> List[torch.Tensor]:
     spec = _local_spec(variant, rotary_dim, packed, norm, x, None, a, b, False)
-    gx, dw = run.run_norm_backward(spec, spec.variant, x, g, w, mode, a, b)
+    gx, dw = pipeline.run_norm_backward(spec, spec.variant, x, g, w, mode, a, b)
     return [gx] if dw is None else [gx, dw]
 
 

@@ -6,6 +6,7 @@ pointers and launched.
                                           op's entry in ropekit.core.checks validates a new one)
     rotate_direct / run_rotate         the rotation (run_rotate: every door's forward, and the
                                           backward with Variant.backward())
+    run_norm_backward                  a normed rotation's backward, one tensor (q or k) at a time
     store_direct / run_store           the fused RoPE + KV-cache store
     rerotate_direct / run_rerotate     the re-rotation of cached keys
 
@@ -26,7 +27,7 @@ from operator import is_not
 
 import torch
 
-from . import plans, run
+from . import cpu, plans, run
 from .launch import launch
 from .memo import MEMO, remember
 from .variant import TRACED, Signature, Spec, Variant, arg_key
@@ -200,6 +201,46 @@ def run_rotate(
     # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
     args = (*plan.args, wq, wk, spec.norm_eps, spec.norm_offset)
     launch(plans.kernel("rope_kernel"), plan.compiled, (meta["PACK"], wa, wb), plan.grid, ptrs, args, meta)
+
+
+def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
+    """(gradient of x, of w) for one tensor of a normed variant (mode: its NORM_* mode) given its
+    output gradient g: rope_norm_backward_kernel, or on the CPU path the formulas."""
+    if not spec.triton:
+        cos, sin = run.token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
+        if variant.inverse:
+            sin = -sin
+        return cpu.norm_rotate_backward(
+            x,
+            g,
+            w,
+            cos,
+            sin,
+            interleaved=variant.interleaved,
+            eps=spec.norm_eps,
+            offset=spec.norm_offset,
+            halves=variant.rope_halves,
+        )
+    hf = variant.heads_first
+    g = run.unit_last_stride(g)
+    gx = run.empty_like(x)
+    key = ("norm backward", mode, x.shape, x.stride(), g.stride(), None if w is None else w.stride())
+    plan = spec.plans.get(key)
+    if plan is None:
+        plan = spec.plans[key] = plans.plan_norm_backward(
+            run.heads_first(x, hf),
+            run.heads_first(g, hf),
+            run.heads_first(gx, hf),
+            w,
+            plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
+            variant,
+            mode,
+        )
+    if plan is None:  # nothing to write (no token or no head)
+        return gx.zero_(), (None if w is None else torch.zeros_like(w))
+    dw = None if w is None else plans.norm_partials(plan, x.device)
+    plans.fire_norm_backward(plan, x, g, gx, w, dw, a, b, spec.norm_eps, spec.norm_offset)
+    return gx, (None if w is None else plans.norm_weight_grad(dw, w))
 
 
 # ---------------------------------------------------------------------------------------------

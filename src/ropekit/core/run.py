@@ -1,10 +1,9 @@
 """The PyTorch path of every op and the pieces the doors share: a validated call's tensors on CPU
 without Triton (ropekit.core.cpu), with the semantics of the kernels; the norm's backward run; the
-store's operand record; output allocation.
+store's operand record; output allocation (the norm's backward run: ropekit.core.pipeline).
 
     rotate_cpu / store_cpu / rerotate_cpu   the PyTorch paths of ropekit.core.pipeline's run steps
     norm_rotated                            a normed rotation on the PyTorch path (autograd records it)
-    run_norm_backward                       a normed rotation's backward, one tensor (q or k) at a time
     StoreOperands                           the tensors of one store run, by name
 """
 
@@ -14,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import cpu, plans
+from . import cpu
 from .memo import lookup, remember
 from .variant import MROPE_INTERLEAVED, Spec, Variant
 
@@ -170,46 +169,6 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
             y = saturate(y / scales[i if scales[i] is not None else 0], dtype).to(dtype)
         outs.append(heads_first(y, hf))
     return outs[0], outs[1]
-
-
-def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
-    """(gradient of x, of w) for one tensor of a normed variant (mode: its NORM_* mode) given its
-    output gradient g: rope_norm_backward_kernel, or on the CPU path the formulas."""
-    if not spec.triton:
-        cos, sin = token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
-        if variant.inverse:
-            sin = -sin
-        return cpu.norm_rotate_backward(
-            x,
-            g,
-            w,
-            cos,
-            sin,
-            interleaved=variant.interleaved,
-            eps=spec.norm_eps,
-            offset=spec.norm_offset,
-            halves=variant.rope_halves,
-        )
-    hf = variant.heads_first
-    g = unit_last_stride(g)
-    gx = empty_like(x)
-    key = ("norm backward", mode, x.shape, x.stride(), g.stride(), None if w is None else w.stride())
-    plan = spec.plans.get(key)
-    if plan is None:
-        plan = spec.plans[key] = plans.plan_norm_backward(
-            heads_first(x, hf),
-            heads_first(g, hf),
-            heads_first(gx, hf),
-            w,
-            plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
-            variant,
-            mode,
-        )
-    if plan is None:  # nothing to write (no token or no head)
-        return gx.zero_(), (None if w is None else torch.zeros_like(w))
-    dw = None if w is None else plans.norm_partials(plan, x.device)
-    plans.fire_norm_backward(plan, x, g, gx, w, dw, a, b, spec.norm_eps, spec.norm_offset)
-    return gx, (None if w is None else plans.norm_weight_grad(dw, w))
 
 
 # ---------------------------------------------------------------------------------------------
