@@ -45,6 +45,8 @@ import os
 import triton
 import triton.language as tl
 
+from ..language import rotate, table_angles
+
 
 @triton.jit
 def _dot_tile(
@@ -264,11 +266,10 @@ def qkv_rope_gemm_kernel(
         pos = tl.load(pos_ptr + rows * stride_pos, mask=row_ok, other=0).to(tl.int64)
         pos_ok = (pos >= 0) & (pos < max_position)
         m_ang = (row_ok & pos_ok)[:, None] & pair_ok[None, :]
-        ang = cache_ptr + pos[:, None] * stride_cache + c_pair[None, :]
-        cos = tl.load(ang, mask=m_ang, other=float("nan")).to(tl.float32)
-        sin = tl.load(ang + HALF, mask=m_ang, other=float("nan")).to(tl.float32)
-        r1 = a1 * cos - a2 * sin
-        r2 = a2 * cos + a1 * sin
+        cos, sin = table_angles(
+            cache_ptr, cache_ptr + HALF, pos[:, None] * stride_cache, c_pair[None, :], m_ang, float("nan")
+        )
+        r1, r2 = rotate(a1, a2, cos, sin, False)
         _store_pairs(out_rows, stride_oh, head0, row_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
         if TAIL_PAD > 0:
             _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
