@@ -253,16 +253,18 @@ def rope_call(spec: Spec, q, k, a, b, wq, wk, q_out, k_out, q_scale, k_scale, q_
     if spec.inplace:
         # a cheap test on addresses first (inline: this runs on every in-place call): the exact
         # tests run only when the byte range of q or k (written) meets another argument's
-        ext, meet = spec.extents, False
-        ptrs = (q.data_ptr(), 0 if k is None else k.data_ptr(), 0 if a is None else a.data_ptr(), b.data_ptr())
-        if weights[0] is not None or weights[1] is not None:
-            ptrs += tuple(0 if w is None else w.data_ptr() for w in weights)
-        for i in (0, 1):
-            lo, n = ptrs[i], ext[i]
+        ext = spec.extents  # bytes spanned by q, k, the angle source, b, the weights (0: none)
+        q0 = q.data_ptr()
+        q1 = q0 + ext[0]
+        k0 = 0 if k is None else k.data_ptr()
+        k1 = k0 + ext[1]
+        meet = ext[0] and ext[1] and q0 < k1 and k0 < q1
+        for x, n in ((a, ext[2]), (b, ext[3]), (wq, ext[4]), (wk, ext[5])):
             if n:
-                for j in range(len(ptrs)):
-                    if j != i and ext[j] and lo < ptrs[j] + ext[j] and ptrs[j] < lo + n:
-                        meet = True
+                x0 = x.data_ptr()
+                x1 = x0 + n
+                if (ext[0] and x0 < q1 and q0 < x1) or (ext[1] and x0 < k1 and k0 < x1):
+                    meet = True
         if meet:
             read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
             aliasing.inplace_aliasing("apply_rope", q, k, read)
