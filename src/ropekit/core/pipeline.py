@@ -22,8 +22,8 @@ steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import is_not
+from itertools import compress, repeat
+from operator import is_, is_not
 
 import torch
 
@@ -34,6 +34,8 @@ from .variant import TRACED, Signature, Spec, Variant, arg_key
 
 _Tensor = torch.Tensor
 _SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
+_SIMPLE = _SCALARS | {_Tensor}
+_TENSOR = repeat(_Tensor)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _increment_version = torch._C._increment_version  # of a list of tensors (torch.autograd.graph's, minus a frame)
@@ -60,26 +62,28 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
     and looks it up in the memo."""
     if _is_compiling():
         return check(sig.arguments(leading, keywords)), TRACED
-    tensors, pattern = [], None
+    tensors = pattern = None
     try:
-        given = list(leading if keyed is None else keyed)
+        given = leading if keyed is None else keyed
         changed = tuple(map(is_not, keywords, sig.defaults))
         if True in changed:
-            given.extend(compress(keywords, changed))
+            given += tuple(compress(keywords, changed))
             changed = tuple(compress(range(len(changed)), changed))  # the indices of those set
         else:
             changed = ()
-        pattern = [_grad_enabled(), changed]
-        for x in given:
-            t = type(x)
-            if t is _Tensor:
-                tensors.append(x)
-                pattern.append(_Tensor)
-            elif t in _SCALARS:
-                pattern.append((t, x))
-            else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
-                pattern.append(arg_key(x))
-        pattern = tuple(pattern)
+        types = tuple(map(type, given))
+        if _SIMPLE.issuperset(types):  # plain tensors and scalars: split without a Python loop
+            tensors = tuple(compress(given, map(is_, types, _TENSOR)))
+            others = tuple(compress(given, map(is_not, types, _TENSOR)))
+        else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
+            tensors, others = [], []
+            for x, t in zip(given, types):
+                if t is _Tensor:
+                    tensors.append(x)
+                else:
+                    others.append(x if t in _SCALARS else arg_key(x))
+            others = tuple(others)
+        pattern = (_grad_enabled(), changed, types, others)
         for entry in sig.recent:
             if entry[0] == pattern and entry[1].check(*tensors):
                 return entry[2], entry[2].door
