@@ -272,8 +272,8 @@ ROWS = [
         "apply_rope",
         "a boolean flag's keyword not a bool",
         "inverse=1",
-        ValueError,
-        "inverse: expected True or False, got 1",
+        TypeError,
+        "inverse: expected a bool, got int",
         lambda: rope_args(inverse=1),
     ),
     R(

@@ -210,13 +210,13 @@ def rope(args: dict) -> Spec:
 
 def keyword_flags(op: str, args: dict) -> dict:
     """The flags apply_rope's boolean keywords set as given, by the flag table's `keyword` column:
-    {field: value}; a value that is not a bool is refused naming its keyword."""
+    {field: value}; a value that is not a bool is refused naming its keyword (TypeError)."""
     flags = {}
     for f in FLAGS:
         if f.keyword is not None:
             value = args[f.keyword]
-            if type(value) is not bool:
-                fail(op, f.keyword, "True or False", repr(value))
+            if not isinstance(value, bool):
+                raise TypeError(f"{op}: {f.keyword}: expected a bool, got {type(value).__name__}")
             flags[f.name] = value
     return flags
 

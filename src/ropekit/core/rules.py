@@ -266,9 +266,7 @@ def is_scaled(out_dtype, q_scale, k_scale) -> bool:
 
 def out_args(op, q, out_dtype, q_scale, k_scale, inverse, *, inplace, grad) -> bool:
     """Checks of apply_rope's output options (out_dtype, q_scale, k_scale, inverse). Returns
-    whether the outputs are scaled (see is_scaled)."""
-    if not isinstance(inverse, bool):
-        raise TypeError(f"{op}: inverse: expected a bool, got {type(inverse).__name__}")
+    whether the outputs are scaled (see is_scaled); inverse is a bool (checks.keyword_flags)."""
     if out_dtype is not None:
         if not isinstance(out_dtype, torch.dtype):
             raise TypeError(f"{op}: out_dtype: expected a torch.dtype or None, got {type(out_dtype).__name__}")
