@@ -61,6 +61,7 @@ def apply_rope(
     rotary_position: str = "first",
     q_nope: Optional[torch.Tensor] = None,
     k_nope: Optional[torch.Tensor] = None,
+    q_temperature: Optional[Sequence[float]] = None,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -135,6 +136,13 @@ def apply_rope(
             q] with rotary_position='last'), the nope part divided by the scale and saturated
             with fp8 outputs, as a kept tail is. Out of place only; either may be given alone;
             gradients reach both parts. Not with the norm of that tensor.
+        q_temperature: None, or (floor_scale, attn_scale), floats with floor_scale > 0 and
+            attn_scale >= 0: Llama 4's attention temperature tuning (Ministral 3's too). q's outputs
+            (rotated dims and kept tail) are multiplied, in float32 before the output cast, by
+            log(floor((position + 1) / floor_scale) + 1) * attn_scale + 1 of their token; k is not
+            scaled. Differentiable (the backward scales the gradient alike). Table angles with a
+            positions tensor only; not with inv_freq, cu_seqlens, M-RoPE, a fused norm, fp8
+            outputs or scales, rotary_position other than 'first', nor q_nope / k_nope.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -172,6 +180,7 @@ def apply_rope(
             rotary_position,
             q_nope,
             k_nope,
+            q_temperature,
         ),
         checks.rope,
     )

@@ -14,6 +14,7 @@ ropekit.core.strict (values).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -174,6 +175,7 @@ def rope(args: dict) -> Spec:
                 fail(op, name, "None with rotary_position='halves' (its pairs span the whole head)", "a tensor")
     # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
     partial = any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
+    temperature = q_temperature(op, args, angles, mode, normed, scaled, position)
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
@@ -189,6 +191,7 @@ def rope(args: dict) -> Spec:
         rope_halves=position == "halves" and partial,
         nope_q=parts[0],
         nope_k=parts[1],
+        q_temperature=temperature is not None,
         **keyed,
     )
     triton = triton_runs(q)
@@ -205,7 +208,38 @@ def rope(args: dict) -> Spec:
         out_dtype=None if out_dtype == q.dtype else out_dtype,
         norm_eps=float(norm_eps),
         norm_offset=float(norm_offset),
+        q_temperature=temperature or (1.0, 0.0),
     )
+
+
+def q_temperature(op: str, args: dict, angles: str, mrope: int, normed: bool, scaled: bool, position: str):
+    """apply_rope's q_temperature: None, or (floor_scale, attn_scale) as two floats; refused by name
+    with what the flag does not cover (table angles by a positions tensor only)."""
+    value = args["q_temperature"]
+    if value is None:
+        return None
+    given = lambda: repr(value)  # noqa: E731  (formatted only when refusing: a traced float has no repr)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        fail(op, "q_temperature", "None or a pair (floor_scale, attn_scale)", given())
+    if any(type(x) not in (int, float) for x in value):
+        fail(op, "q_temperature", "a pair of floats (floor_scale, attn_scale)", given())
+    floor_scale, attn_scale = float(value[0]), float(value[1])
+    if not (0 < floor_scale < math.inf and 0 <= attn_scale < math.inf):  # NaN fails both
+        fail(op, "q_temperature", "floor_scale > 0 and attn_scale >= 0, both finite", given())
+    refused = (
+        (angles == "freqs", "inv_freq"),
+        (angles == "packed", "cu_seqlens"),
+        (angles == "arange", "positions None"),
+        (mrope != 0, "mrope_section"),
+        (normed, "q_norm_weight / k_norm_weight"),
+        (scaled, "fp8 out_dtype or scales"),
+        (position != "first", f"rotary_position={position!r}"),
+        (args["q_nope"] is not None or args["k_nope"] is not None, "q_nope / k_nope"),
+    )
+    for hit, what in refused:
+        if hit:
+            fail(op, "q_temperature", f"None with {what} (table angles by positions only)", given())
+    return floor_scale, attn_scale
 
 
 def keyword_flags(op: str, args: dict) -> dict:

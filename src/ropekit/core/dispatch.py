@@ -97,7 +97,8 @@ def _rotate_custom(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=No
     qs, ks = (None, None) if scales is None else scales
     a, b, wq, wk, qs, ks = dtensor_like(q, a, b, weights[0], weights[1], qs, ks)
     q_t, k_t = heads_first(q, hf), heads_first(k, hf)
-    packed, norm = list(spec.packed), [spec.norm_eps, spec.norm_offset]
+    # the floats of the call: the norm's eps and offset, then q's temperature (floor_scale, attn_scale)
+    packed, norm = list(spec.packed), [spec.norm_eps, spec.norm_offset, *spec.q_temperature]
     if spec.inplace and not checks.records_grad(q, k, wq, wk, b):
         torch.ops.ropekit.rotate_(q_t, k_t, a, b, wq, wk, codes, spec.rot, packed, norm)
         return q, k
@@ -172,11 +173,14 @@ def _rotation_grads(variant: Variant, rot: int, needs, saved, gq, gk, metas, bac
     if variant.normed:
         dq, dk, dwq, dwk = norm_grads(variant, needs, rest[:4], gq, gk, backward_one)
         return dq, dk, d_b, dwq, dwk
-    want_q, want_k, first, second = grad_operands(metas, needs, gq, gk)
+    # q's temperature scales the first slot: k's gradient never goes in it (q's is made, then dropped)
+    wants = (needs[0] or variant.q_temperature, *needs[1:])
+    want_q, want_k, first, second = grad_operands(metas, wants, gq, gk)
     if first is None:
         return None, None, d_b, None, None
     d_first, d_second = rotate_back(first, second)
-    return (*input_grads(want_q, want_k, d_first, d_second), d_b, None, None)
+    dq, dk = input_grads(want_q, want_k, d_first, d_second)
+    return (dq if needs[0] else None), dk, d_b, None, None
 
 
 class RotateFunction(torch.autograd.Function):
@@ -274,6 +278,7 @@ def _local_spec(codes, rot: int, packed, norm, q, k, a, b, inplace: bool, out_dt
             out_dtype=out_dtype,
             norm_eps=norm[0],
             norm_offset=norm[1],
+            q_temperature=tuple(norm[2:4]) or (1.0, 0.0),
         )
 
     values = (inplace, tuple(codes), rot, tuple(packed), tuple(norm), out_dtype, q, k, a, b)

@@ -164,6 +164,7 @@ def run_rotate(
             run.heads_first(k_out, hf),
             plans.angle_layout(variant, spec.rot, a, b, spec.angle_strides, spec.packed),
             variant,
+            spec.q_temperature,
         )
         if forward:
             spec.plan = plan if plan is not None else False

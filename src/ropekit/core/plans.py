@@ -172,8 +172,9 @@ def pdl_meta(x: torch.Tensor, n_tokens: int) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
-def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Plan]:
-    """rope_kernel's launch for (*T, H, D) tensors (None for an empty call: nothing to launch)."""
+def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1.0, 0.0)) -> Optional[Plan]:
+    """rope_kernel's launch for (*T, H, D) tensors (None for an empty call: nothing to launch).
+    temperature: (floor_scale, attn_scale), read with variant.q_temperature."""
     n_tok = q.dim() - 2
     n_tokens = q.shape[:n_tok].numel()
     half = angles.half
@@ -187,7 +188,9 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
     # the tail is written out of place (copied), and with a norm in place too (it is normalized);
     # in place or not, told by a tensor with elements (an empty one's address says nothing)
     x, x_out = (k, k_out) if n_q == 0 and n_k else (q, q_out)
-    copy_tail = (normed or x_out.data_ptr() != x.data_ptr()) and max(d_q, d_k) > rot
+    # (q's temperature scales its tail: written in place too)
+    rewrite = normed or variant.q_temperature
+    copy_tail = (rewrite or x_out.data_ptr() != x.data_ptr()) and max(d_q, d_k) > rot
     tail = max(d_q, d_k) - rot if copy_tail else 0
     mrope = variant.mrope != 0
     across = variant.norm_q == 2 or variant.norm_k == 2
@@ -247,6 +250,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant) -> Optional[Pl
         sec_h,
         sec_w,
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
+        *temperature,  # floor_scale, attn_scale (read only when Q_TEMPERATURE)
     )
     if not normed:
         args += (0, 0, 0.0, 0.0)  # the norm's weights, eps, offset: never read (pipeline.run_rotate appends them)

@@ -100,7 +100,21 @@ def rotate_cpu(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b, scales=No
             if w is not None:
                 out.copy_(saturate(w.div_(scale), out.dtype))
         return
+    if variant.q_temperature:  # q rotated into float32, times its tokens' factors, then cast
+        wide = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        _cpu_rotate(spec, variant, q, k, wide, k_out, a, b)
+        factor = q_temperature_factor(a, *spec.q_temperature)
+        factor = factor[:, None, :, None] if variant.heads_first else factor[..., None, None]
+        q_out.copy_(wide.mul_(factor))
+        return
     _cpu_rotate(spec, variant, q, k, q_out, k_out, a, b)
+
+
+def q_temperature_factor(positions, floor_scale: float, attn_scale: float):
+    """Llama 4's attention temperature of each token, float32 (*T): log(floor((positions + 1) /
+    floor_scale) + 1) * attn_scale + 1, as rope_kernel computes it with Q_TEMPERATURE."""
+    p = (positions.long() + 1).float()
+    return torch.log(torch.floor(p / floor_scale) + 1.0) * attn_scale + 1.0
 
 
 def _cpu_rotate(spec: Spec, variant: Variant, q, k, q_out, k_out, a, b) -> None:

@@ -94,6 +94,10 @@ FLAGS: Tuple[Flag, ...] = (
               "delta < 0; 'packed' table rows at positions derived from cu_seqlens"),
     Flag("inverse", False, _in("INVERSE", _ROPE, _NORM_BACKWARD), "negate", keyword="inverse",
          what="rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))"),
+    Flag("q_temperature", False, _in("Q_TEMPERATURE", _ROPE),
+         what="q's outputs (rotated dims and kept tail) times log(floor((pos + 1) / floor_scale) + 1) * "
+              "attn_scale + 1 of their token's position (Llama 4's attention temperature tuning); the two "
+              "floats are Spec.q_temperature's, runtime arguments of the kernel"),
     Flag("heads_first", False, {}, coded=False,
          what="q, k (and their gradients) are (B, H, S, D) views (Hugging Face)"),
     Flag("scaled", False, _in("SCALED", _ROPE, _STORE),
@@ -219,6 +223,7 @@ class Spec:
         "table",
         "norm_eps",
         "norm_offset",
+        "q_temperature",
         "copy_in",
         "settled",
         "normed",
@@ -242,6 +247,7 @@ class Spec:
         out_dtype=None,
         norm_eps=0.0,
         norm_offset=0.0,
+        q_temperature=(1.0, 0.0),
         copy_in=False,
         settled=True,
     ):
@@ -264,6 +270,7 @@ class Spec:
         self.alone = None  # specs for q alone and k alone (in-place views under autograd)
         self.norm_eps = norm_eps  # with variant.normed: RMSNorm's epsilon
         self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
+        self.q_temperature = q_temperature  # with variant.q_temperature: (floor_scale, attn_scale)
         self.copy_in = copy_in  # q or k has a last stride other than 1: read through a contiguous copy
         self.settled = settled  # False: a verdict from values that could not decide (not memoized)
         self.normed = variant.normed  # read on every call: an attribute, not the property

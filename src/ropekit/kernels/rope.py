@@ -143,6 +143,7 @@ def _tile_out(
     cs,
     params,
     r_group,
+    q_temp,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -157,12 +158,14 @@ def _tile_out(
     GROUP_GIVEN: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    Q_TEMPERATURE: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of a head block, loaded as xs = (x1, x2): normalized (with a
     norm), rotated by cs = (c, sn) and stored, plus the unrotated tail when TAIL_PAD > 0: read from
     x, or with a norm the normalized tail (written in place too). block: the block as the kernel
     selected it (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail);
-    params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset)."""
+    params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset).
+    Q_TEMPERATURE: q's blocks (rotated dims and tail) times q_temp, the token's float32 factor."""
     blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
     x1, x2 = xs
     c, sn = cs
@@ -193,6 +196,10 @@ def _tile_out(
     if INVERSE:
         sb = -sb
     o1, o2 = rotate(x1, x2, c[None, :], sb, False)
+    temp = tl.where(blk < n_q_blocks, q_temp, 1.0)  # k's blocks: 1
+    if Q_TEMPERATURE:
+        o1 = o1 * temp
+        o2 = o2 * temp
     if SCALED:
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = saturate(o1 * inv, o_base.dtype.element_ty)
@@ -206,6 +213,8 @@ def _tile_out(
         mt = head_mask(n_heads, head0, BLOCK_H) & (j < tail)
         if NORM_Q == 0 and NORM_K == 0:
             t = tl.load(tail_at(x_rows, j, HALF, GAP), mask=mt)
+        if Q_TEMPERATURE:
+            t = t.to(tl.float32) * temp
         if SCALED:
             t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
         tl.store(tail_at(o_rows, j, HALF, GAP), t.to(out_ty), mask=mt)
@@ -261,6 +270,8 @@ def rope_kernel(
     n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
     cp_size,  # PACKED: context-parallel size (1: none)
     cp_rank,  # PACKED: this rank
+    temp_floor,  # Q_TEMPERATURE: floor_scale
+    temp_attn,  # Q_TEMPERATURE: attn_scale
     wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride
     wk_ptr,  # NORM_K: k's RMSNorm weight
     norm_eps,  # RMSNorm epsilon
@@ -290,6 +301,7 @@ def rope_kernel(
     BLOCK_H2: tl.constexpr,  # WHOLE: heads of the block's second tile, after BLOCK_H (0: none)
     BLOCK_H3: tl.constexpr,  # WHOLE: heads of its third tile, after BLOCK_H + BLOCK_H2 (0: none)
     W_PAIRS: tl.constexpr,  # interleaved norm weights read as one word per pair (both 16-byte aligned)
+    Q_TEMPERATURE: tl.constexpr,  # q's outputs times log(floor((pos + 1) / temp_floor) + 1) * temp_attn + 1
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -348,6 +360,10 @@ def rope_kernel(
     else:
         n_iter = 1
     params = (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset)  # as _tile_out takes them
+    q_temp = tl.zeros([], tl.float32) + 1.0  # Q_TEMPERATURE: the token's factor (table angles: a position)
+    if Q_TEMPERATURE:
+        pos = tl.load(pos_ptr + b * stride_pos_batch + s * stride_pos_token).to(tl.int64)
+        q_temp = tl.log(tl.floor((pos + 1).to(tl.float32) / temp_floor) + 1.0) * temp_attn + 1.0
     r_group = tl.zeros([], tl.float32) + 1.0  # across heads with HEAD_LOOP: the current tensor's inverse rms
     for i in tl.range(0, n_iter):
         if HEAD_LOOP:
@@ -408,6 +424,7 @@ def rope_kernel(
             (c, sn),
             params,
             r_group,
+            q_temp,
             HALF,
             HALF_PAD,
             BLOCK_H,
@@ -422,6 +439,7 @@ def rope_kernel(
             group_given,
             W_PAIRS,
             GAP,
+            Q_TEMPERATURE,
         )
         if BLOCK_H2 > 0:
             _tile_out(
@@ -431,6 +449,7 @@ def rope_kernel(
                 (c, sn),
                 params,
                 r_group,
+                q_temp,
                 HALF,
                 HALF_PAD,
                 BLOCK_H2,
@@ -445,6 +464,7 @@ def rope_kernel(
                 group_given,
                 W_PAIRS,
                 GAP,
+                Q_TEMPERATURE,
             )
         if BLOCK_H3 > 0:
             _tile_out(
@@ -454,6 +474,7 @@ def rope_kernel(
                 (c, sn),
                 params,
                 r_group,
+                q_temp,
                 HALF,
                 HALF_PAD,
                 BLOCK_H3,
@@ -468,6 +489,7 @@ def rope_kernel(
                 group_given,
                 W_PAIRS,
                 GAP,
+                Q_TEMPERATURE,
             )
         if HEAD_LOOP:
             if not PREFETCH:

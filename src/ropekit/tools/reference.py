@@ -158,9 +158,11 @@ def apply_rope(
     inplace: bool = False,
     rotary_position: str = "first",
     inverse: bool = False,
+    q_temperature: Optional[Sequence[float]] = None,
 ):
     """Same contract as `ropekit.apply_rope` (no validation: the public op validates); inverse
-    rotates by -angle."""
+    rotates by -angle; q_temperature (floor_scale, attn_scale): q's outputs times
+    log(floor((positions + 1) / floor_scale) + 1) * attn_scale + 1 of their token (float64)."""
     token_shape = q.shape[:-2]
     cos, sin = angles_from_table(
         cos_sin_cache,
@@ -174,6 +176,11 @@ def apply_rope(
         sin = -sin
     q_out = rotate(q, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
     k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+    if q_temperature is not None:
+        floor_scale, attn_scale = q_temperature
+        p = torch.broadcast_to(positions, token_shape).double()
+        factor = torch.log(torch.floor((p + 1) / floor_scale) + 1) * attn_scale + 1
+        q_out = (q_out.double() * factor[..., None, None]).to(q_out.dtype)
     if inplace:
         q.copy_(q_out)
         if k is not None:
