@@ -207,3 +207,18 @@ def test_longest_chain_sees_a_deep_graph():
     """Can the depth test fail? A chain of ten modules beside a short branch."""
     graph = {f"m{i}": ({f"m{i + 1}"}, []) for i in range(9)} | {"m9": (set(), []), "x": ({"m9"}, [])}
     assert longest_chain(graph) == [f"m{i}" for i in range(10)]
+
+
+def test_import_loads_no_kernel():
+    """`import ropekit` loads no Triton kernel (ropekit.kernels, ropekit.language): Triton reads
+    TRITON_INTERPRET when a kernel is decorated, so a kernel imported with the package would fix the
+    backend before a user (or the self-check's --interpreter) chose it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ropekit; "
+        "print([m for m in sys.modules if m.startswith('ropekit.kernels') or m == 'ropekit.language'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -27,7 +27,6 @@ from ..core.args import FLOAT_DTYPES, INDEX_DTYPES, NUMBERS, TABLE_DTYPES, dtype
 from ..core.memo import lookup, remember
 from ..core.strict import is_strict, positions_in_range
 from ..core.variant import arg_key
-from ..kernels.qkv_gemm import qkv_rope_gemm
 from .ops import apply_rope
 
 OP = "rope_qkv_projection"
@@ -182,6 +181,10 @@ def _forward(x, weight, pos, cache, wq, wk, shape, save_pre: bool):
 
 
 def _launch(x, weight, pos, cache, out, pre, wq, wk, shape) -> None:
+    # imported on first use: `import ropekit` loads no Triton kernel, so TRITON_INTERPRET set after
+    # the import (the self-check's --interpreter, a test's conftest) still decides how they run
+    from ..kernels.qkv_gemm import qkv_rope_gemm
+
     n_q, n_kv, d, rot, interleaved, eps = shape
     qkv_rope_gemm(
         x, weight, pos, cache, out, pre, n_q_heads=n_q, n_k_heads=n_kv, head_dim=d, rotary_dim=rot,
