@@ -404,8 +404,8 @@ def test_gpu_fp32_is_ieee(poison):
 @pytest.mark.gpu
 def test_gpu_auto_follows_the_table(monkeypatch):
     called = []
-    real = qkv_api.qkv_rope_gemm
-    monkeypatch.setattr(qkv_api, "qkv_rope_gemm", lambda *a, **k: called.append(1) or real(*a, **k))
+    real = qkv_gemm.qkv_rope_gemm  # the op imports it from the kernel module on each launch
+    monkeypatch.setattr(qkv_gemm, "qkv_rope_gemm", lambda *a, **k: called.append(1) or real(*a, **k))
     T, hidden, hq, hk, d = 4096, 256, 4, 2, 64
     x, w, pos, cache, _, _ = inputs(T, hidden, hq, hk, d, d, dtype=torch.bfloat16, device="cuda")
     call(x, w, pos, cache, None, None, hq, hk, d, d, False, impl="auto")
