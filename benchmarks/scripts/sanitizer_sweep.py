@@ -92,7 +92,7 @@ ARGS = parse_args()
 if ARGS.device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 

@@ -19,7 +19,7 @@ LINE = re.compile(r"rope_kernel warps=(\d+) .*'PREFETCH': (True|False).*Used (\d
 
 
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=str(TOOL.parents[1] / "src"))
+    env = dict(os.environ, PYTHONPATH=str(TOOL.parents[2] / "src"))
     out = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     found = [LINE.search(ln) for ln in out.stdout.splitlines()]
