@@ -36,7 +36,7 @@ def record(workload: str, backward: bool) -> list:
     import torch
 
     import ropekit
-    from ropekit.core import plans
+    from ropekit.core import pipeline, plans
     from ropekit.tools.bench import workloads as W
 
     launches = []
@@ -50,7 +50,8 @@ def record(workload: str, backward: bool) -> list:
                 values.append(("float" if isinstance(a, float) else "int", a))
         launches.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, values, dict(meta)))
 
-    plans.launch_kernel = recorder
+    plans.launch_kernel = recorder  # the norm's backward
+    pipeline.launch = recorder  # the forward runs (rotation, store, re-rotation)
     wl = W.BY_ID[workload]
     inp = W.axial_inputs(wl, SHAPES[workload], W.axial_freqs(wl, "cpu"), "cpu", 0)
     for n in ("q", "k", "wq", "wk"):

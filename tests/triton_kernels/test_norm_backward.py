@@ -32,7 +32,7 @@ def strided(*shape, device="cpu", dtype=torch.float32, gen=None):
 
 class Case:
     """One angle source: the tensors' shape, the rotary width, the forward's angle operands (a, b)
-    as run.run_rotate takes them, and the float64 per-token cos / sin of the reference."""
+    as pipeline.run_rotate takes them, and the float64 per-token cos / sin of the reference."""
 
     def __init__(self, token_shape, heads, dim, rot, angles, a, b, cos, sin, sections=(0, 0, 0), packed=(1, 0)):
         self.shape = (*token_shape, heads, dim)

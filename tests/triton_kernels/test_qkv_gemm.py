@@ -213,7 +213,7 @@ def test_fused_and_unfused_agree(interleaved, norm, poison, device):
 
 def test_auto_is_unfused_on_cpu(monkeypatch):
     called = []
-    monkeypatch.setattr(qkv_api, "qkv_rope_gemm", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(qkv_gemm, "qkv_rope_gemm", lambda *a, **k: called.append(1))
     x, w, pos, cache, _, _ = inputs(8, 32, 2, 1, 16, 16)
     q, k, v = call(x, w, pos, cache, None, None, 2, 1, 16, 16, False, impl="auto")
     assert not called
