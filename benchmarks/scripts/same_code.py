@@ -119,7 +119,23 @@ def _child(src: Path, out: Path) -> None:
         if StoreOperands is not None:
             t = StoreOperands(q, k, k, pos, tab, *caches, pos)
             plan = launcher.plan_store(t, Variant(), rot)
-            ptrs = (q, k, k, pos, tab, pos, *caches, tab, tab, q, tab, tab, tab, tab, tab)  # pipeline.run_store's pointers
+            ptrs = (
+                q,
+                k,
+                k,
+                pos,
+                tab,
+                pos,
+                *caches,
+                tab,
+                tab,
+                q,
+                tab,
+                tab,
+                tab,
+                tab,
+                tab,
+            )  # pipeline.run_store's pointers
             meta = plan.meta
         else:
             plan = launcher.plan_store(
