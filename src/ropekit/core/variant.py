@@ -94,10 +94,6 @@ FLAGS: Tuple[Flag, ...] = (
               "delta < 0; 'packed' table rows at positions derived from cu_seqlens"),
     Flag("inverse", False, _in("INVERSE", _ROPE, _NORM_BACKWARD), "negate", keyword="inverse",
          what="rotate by -angle: the backward pass, or a de-rotation (apply_rope(inverse=True))"),
-    Flag("q_temperature", False, _in("Q_TEMPERATURE", _ROPE),
-         what="q's outputs (rotated dims and kept tail) times log(floor((pos + 1) / floor_scale) + 1) * "
-              "attn_scale + 1 of their token's position (Llama 4's attention temperature tuning); the two "
-              "floats are Spec.q_temperature's, runtime arguments of the kernel"),
     Flag("heads_first", False, {}, coded=False,
          what="q, k (and their gradients) are (B, H, S, D) views (Hugging Face)"),
     Flag("scaled", False, _in("SCALED", _ROPE, _STORE),
@@ -131,6 +127,10 @@ FLAGS: Tuple[Flag, ...] = (
     Flag("two_tables", False, _in("TWO_TABLES", _REROTATE),
          what="re-rotation: row i moves from cos_sin_cache[positions[i]] to to_cache[positions[i] + delta[i]] "
               "(one composed rotation)"),
+    Flag("q_temperature", False, _in("Q_TEMPERATURE", _ROPE),
+         what="q's outputs (rotated dims and kept tail) times log(floor((pos + 1) / floor_scale) + 1) * "
+              "attn_scale + 1 of their token's position (Llama 4's attention temperature tuning); the two "
+              "floats are Spec.q_temperature's, runtime arguments of the kernel"),
 )
 # fmt: on
 
