@@ -135,7 +135,7 @@ def qkv_rope_gemm_kernel(
 ):
     # grouped order of the (row block, head block) tiles: GROUP_M row blocks share W's column
     # blocks while they are in L2
-    pid = tl.program_id(0)
+    pid = tl.program_id(0)  # int32-ok: a grid index (< 2^31); pid_m and pid_h are widened before any offset
     n_m = tl.cdiv(T, BLOCK_M)
     n_h = (n_q_heads + 2 * n_k_heads) // G
     per_group = GROUP_M * n_h
