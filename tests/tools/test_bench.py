@@ -255,7 +255,7 @@ def test_norm_workloads_bytes_and_quick_cpu_run(cpu_env):
     assert workloads.min_bytes(wl, inp) == 5 * qk  # forward 2x, backward: x and g read, gx written
     from ropekit.tools.bench import peers, runner  # noqa: F401
 
-    for wid in ("W9", "W9-FB", "W10", "W10-FP8"):
+    for wid in ("W9", "W9-L2", "W9-FB", "W10", "W10-FP8"):
         w = workloads.BY_ID[wid]
         s = w.sizes(True)
         s.update(B=1, S=16, T=16) if "B" in s else s.update(T=16)

@@ -214,7 +214,13 @@ def test_empty_call_plans_nothing():
 
 @pytest.mark.parametrize(
     "mode, size, given",
-    [(0, 16, "16 for mode 0"), (1, 32, "32 for mode 1"), (2, 16, "16 for mode 2"), (1, None, "None for mode 1")],
+    [
+        (0, 16, "16 for mode 0"),
+        (1, 32, "32 for mode 1"),
+        (2, 16, "16 for mode 2"),
+        (1, None, "None for mode 1"),
+        (3, 16, "16 for mode 3"),
+    ],
 )
 def test_weight_that_does_not_fit_the_mode(mode, size, given):
     case = CASES["table-BS"]()  # 2 heads of 16
@@ -225,7 +231,7 @@ def test_weight_that_does_not_fit_the_mode(mode, size, given):
     with pytest.raises(ValueError) as err:
         plans.plan_norm_backward(x, x, torch.empty_like(x), w, angles, variant, mode)
     assert str(err.value) == (
-        "plan_norm_backward: w: expected no weight for mode 0, 16 elements for mode 1, 32 for mode 2, got " + given
+        "plan_norm_backward: w: expected no weight for mode 0 or 3, 16 elements for mode 1, 32 for mode 2, got " + given
     )
 
 

@@ -46,6 +46,7 @@ def apply_rope(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    l2_norm: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
@@ -90,6 +91,11 @@ def apply_rope(
             (the tail past rotary_dim too), in float32; offset 1.0 for Gemma's (1 + w). Gradients
             flow to the weights as well (docs/qknorm.md). Composes with every angle source,
             out_dtype and scales; not with inverse, nor in place while autograd records the call.
+        l2_norm: True normalizes each head of q and k without a weight, y = x * rsqrt(mean(x^2) +
+            norm_eps) over the whole head in float32: Llama 4's qk L2 norm (Llama4TextL2Norm, eps
+            = config.rms_norm_eps), which Llama 4 applies after the rotation; the same values,
+            since a rotation keeps a head's sum of squares. Not with q_norm_weight / k_norm_weight;
+            otherwise composes and is refused as the weighted norm is. Differentiable.
         cu_seqlens: packed sequences (THD): (N+1,) int32/int64 cumulative local lengths on q's
             device, q (T, H, D), positions None. Positions restart at 0 in every sequence and are
             derived inside the kernel (no positions tensor, no sync); cp_size / cp_rank map them
@@ -165,6 +171,7 @@ def apply_rope(
             k_norm_weight,
             norm_eps,
             norm_weight_offset,
+            l2_norm,
             cu_seqlens,
             cp_size,
             cp_rank,

@@ -52,6 +52,7 @@ def apply_rope_and_store(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    l2_norm: bool = False,
     write_key: bool = False,
     q_out: Optional[torch.Tensor] = None,
     q_scale: Scale = None,
@@ -169,7 +170,8 @@ def apply_rope_and_store(
     norm_weight_offset) in float32, same launch (q's whole head, tail included, normalized in
     place or into q_out; k's into its cache row, and with write_key into k). Every keyword above
     composes with the norm. DTensor: weights replicated; an (H*D,) weight with head-sharded q / k
-    is refused (ropekit.distributed).
+    is refused (ropekit.distributed). l2_norm=True: each head of q and k normalized without a
+    weight (Llama 4's qk L2 norm; apply_rope's l2_norm), not with q_norm_weight / k_norm_weight.
     """
     # the store's views first: MLA's parts, 3-D caches, strided last dims read through copies
     mla = k_nope is not None and v is None  # else k_nope (if any) is GQA / MHA's, beside v
@@ -202,6 +204,7 @@ def apply_rope_and_store(
             k_norm_weight,
             norm_eps,
             norm_weight_offset,
+            l2_norm,
             write_key,
             q_out,
             q_scale,

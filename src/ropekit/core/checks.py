@@ -32,6 +32,7 @@ from .variant import (
     NORM_HEAD,
     NORM_NONE,
     NORM_TOKEN,
+    NORM_UNIT,
     Spec,
     Variant,
 )
@@ -153,7 +154,7 @@ def rope(args: dict) -> Spec:
             want = ((3,) if mode else ()) + tuple(q_t.shape[:-2])
             expand = want if tuple(positions.shape) != want else None
     norm_eps, norm_offset = args["norm_eps"], args["norm_weight_offset"]
-    modes = rules.norm_weights(op, q_t, k_t, *weights, norm_eps, norm_offset, inplace=inplace)
+    modes = rules.norm_weights(op, q_t, k_t, *weights, norm_eps, norm_offset, inplace=inplace, l2=args["l2_norm"])
     normed = modes != (NORM_NONE, NORM_NONE)
     q_nope, k_nope = args["q_nope"], args["k_nope"]
     parts = nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes)
@@ -162,11 +163,11 @@ def rope(args: dict) -> Spec:
     out_dtype, inverse = args["out_dtype"], keyed["inverse"]
     scaled = rules.out_args(op, q, out_dtype, args["q_scale"], args["k_scale"], inverse, inplace=inplace, grad=grad)
     if normed:
-        rules.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad)
+        rules.norm_flags(op, inverse=inverse, inplace=inplace, grad=grad, names=rules.norm_names(modes))
     rules.out_buffers(
         op, q, k, args["q_out"], args["k_out"], out_dtype, inplace=inplace, grad=grad, parts=(q_nope, k_nope)
     )
-    position = rules.rotary_position_arg(op, args["rotary_position"], normed)
+    position = rules.rotary_position_arg(op, args["rotary_position"], normed and rules.norm_names(modes))
     il = bool(args["interleaved"])
     if position == "halves":
         rules.halves_args(op, q_t, k_t, il)
@@ -231,7 +232,7 @@ def q_temperature(op: str, args: dict, angles: str, mrope: int, normed: bool, sc
         (angles == "packed", "cu_seqlens"),
         (angles == "arange", "positions None"),
         (mrope != 0, "mrope_section"),
-        (normed, "q_norm_weight / k_norm_weight"),
+        (normed, "q_norm_weight / k_norm_weight / l2_norm"),
         (scaled, "fp8 out_dtype or scales"),
         (position != "first", f"rotary_position={position!r}"),
         (args["q_nope"] is not None or args["k_nope"] is not None, "q_nope / k_nope"),
@@ -268,7 +269,7 @@ def nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:
         if inplace:
             fail(op, name, "None when inplace=True (the output is the whole head, a new tensor)", "a tensor")
         if mode != NORM_NONE:
-            norm = f"{name[0]}_norm_weight"
+            norm = "l2_norm=True" if mode == NORM_UNIT else f"{name[0]}_norm_weight"
             fail(op, name, f"None with {norm} (the norm covers a whole head, not one given in two parts)", "a tensor")
         rules.nope_part(op, name, part, x, rot, inference=False)
     return tuple(given)
@@ -465,12 +466,13 @@ def store(args: dict) -> Spec:
             fail(op, "q_nope", "None without q_out (q_out receives the rotated q and q_nope after it)", "a tensor")
         rules.nope_part(op, "q_nope", q_nope, q, rot)
     rules.store_outputs(op, q, k, q_out, q_scale, write_key, q_nope=q_nope)
-    modes = store_norm_modes(q, k, *weights, args["norm_eps"], args["norm_weight_offset"])
+    modes = store_norm_modes(q, k, *weights, args["norm_eps"], args["norm_weight_offset"], args["l2_norm"])
     for name, part, weight, mode in (
         ("q_nope", q_nope, "q_norm_weight", modes[0]),
         ("k_nope", k_nope, "k_norm_weight", modes[1]),
     ):
         if part is not None and mode != NORM_NONE:
+            weight = "l2_norm=True" if mode == NORM_UNIT else weight
             fail(op, name, f"None with {weight} (the norm covers a whole head, not one given in two parts)", "a tensor")
     if cu_seqlens is not None:
         angle_source, a = "packed", cu_seqlens
@@ -516,11 +518,12 @@ def store_spec(args: dict, variant: Variant, rot: int, packed, door: str, a) -> 
     return Spec(variant, rot, door, triton_runs(args["q"]), extents=aliasing.store_extents(*t), packed=packed)
 
 
-def store_norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) -> tuple:
-    """(norm_q, norm_k) of the store's norm arguments: NORM_NONE without weights; inference only."""
-    if q_norm_weight is None and k_norm_weight is None:
+def store_norm_modes(q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, l2_norm=False) -> tuple:
+    """(norm_q, norm_k) of the store's norm arguments: NORM_NONE without weights or l2_norm;
+    inference only."""
+    if q_norm_weight is None and k_norm_weight is None and l2_norm is False:
         return NORM_NONE, NORM_NONE
-    modes = rules.norm_weights(STORE, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    modes = rules.norm_weights(STORE, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, l2=l2_norm)
     if torch.is_grad_enabled():
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
             if w is not None and w.requires_grad:

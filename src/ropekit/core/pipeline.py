@@ -196,6 +196,8 @@ def run_rotate(
         return
     wq, wk = weights
     wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
+    if wq is None:  # l2_norm: no weight, never read (its slots get the sin tensor)
+        wq = wk = sin
     if wq.dtype != wk.dtype:
         # q and k share one code path that selects the weight's pointer, and a select needs one
         # pointer type: weights of two dtypes are read as float32 (exact; a (D,) or (H*D,) copy)
@@ -215,10 +217,10 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
         cos, sin = run.token_angles(spec, variant, a, b, tuple(x.shape[:-2]))
         if variant.inverse:
             sin = -sin
-        return cpu.norm_rotate_backward(
+        gx, dw = cpu.norm_rotate_backward(
             x,
             g,
-            w,
+            run.unit_weight(w, mode, x),
             cos,
             sin,
             interleaved=variant.interleaved,
@@ -226,6 +228,7 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
             offset=spec.norm_offset,
             halves=variant.rope_halves,
         )
+        return gx, (None if w is None else dw)  # l2_norm's unit weight is no argument: no gradient
     hf = variant.heads_first
     g = run.unit_last_stride(g)
     gx = run.empty_like(x)

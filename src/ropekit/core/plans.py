@@ -553,9 +553,9 @@ def angle_meta(angles: AngleLayout, variant, names=_ANGLE_META) -> dict:
 
 
 def _check_norm_weight(x: torch.Tensor, w: Optional[torch.Tensor], mode: int) -> None:
-    """The weight a norm mode needs: none for mode 0, (D,) per head, (H*D,) across heads."""
+    """The weight a norm mode needs: none for mode 0 and 3 (unweighted), (D,) per head, (H*D,) across heads."""
     n_heads, d = x.shape[-2], x.shape[-1]
-    want = {0: None, 1: d, 2: n_heads * d}.get(mode, -1)
+    want = {0: None, 1: d, 2: n_heads * d, 3: None}.get(mode, -1)
     given = None if w is None else w.numel()
     if want == -1 or given != want:
         from .args import fail  # imported here: validation is not needed to launch
@@ -563,7 +563,7 @@ def _check_norm_weight(x: torch.Tensor, w: Optional[torch.Tensor], mode: int) ->
         fail(
             "plan_norm_backward",
             "w",
-            f"no weight for mode 0, {d} elements for mode 1, {n_heads * d} for mode 2",
+            f"no weight for mode 0 or 3, {d} elements for mode 1, {n_heads * d} for mode 2",
             f"{given} for mode {mode}",
         )
 
@@ -634,7 +634,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         WHOLE=whole,
         BLOCK_H2=tiles[1],
         BLOCK_H3=tiles[2],
-        W_PAIRS=mode != 0 and variant.interleaved and bool(tuning.get("weight_pairs")),
+        W_PAIRS=mode in (1, 2) and variant.interleaved and bool(tuning.get("weight_pairs")),
         num_warps=tuning.get("norm_bwd_warps") or norm_bwd_warps(sum(tiles), half_pad, tail_pad, whole),
     )
     return Plan((-(-n_tokens // per_program), n_blocks), args, meta, pack // 8, {})

@@ -336,19 +336,16 @@ ROTARY_POSITIONS = ("first", "last", "halves")
 def rotary_position_arg(op, rotary_position, normed=False, allowed=ROTARY_POSITIONS) -> str:
     """'first' (dims [0, rotary_dim) rotated), 'last' ([D - rotary_dim, D): DeepSeek's [nope | rope]
     head) or 'halves' (pairs (i, i + D/2), i < rotary_dim / 2: Gemma 4's p-RoPE), among the
-    values `allowed` (the op's). Returns it."""
+    values `allowed` (the op's). Returns it. normed: False, or the arguments that asked for a norm
+    (norm_names; True: the weights)."""
     if not isinstance(rotary_position, str):
         raise TypeError(f"{op}: rotary_position: expected a str, got {type(rotary_position).__name__}")
     if rotary_position not in allowed:
         words = [repr(p) for p in allowed]
         fail(op, "rotary_position", f"{', '.join(words[:-1])} or {words[-1]}", repr(rotary_position))
     if rotary_position == "last" and normed:
-        fail(
-            op,
-            "rotary_position",
-            "'first' with q_norm_weight / k_norm_weight (the fused norm covers the head from dim 0)",
-            "'last'",
-        )
+        names = normed if isinstance(normed, str) else "q_norm_weight / k_norm_weight"
+        fail(op, "rotary_position", f"'first' with {names} (the fused norm covers the head from dim 0)", "'last'")
     return rotary_position
 
 
@@ -793,12 +790,19 @@ def _two_tables(op, positions, to_cache, cos_sin_cache, n, device) -> None:
         )
 
 
-def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, *, inplace=False):
+def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, *, inplace=False, l2=False):
     """Checks of the q/k RMSNorm arguments (after q and k themselves are checked).
 
-    A weight of shape (D,) normalizes each head, (H*D,) all heads of a token together. Returns the
-    kernel's modes (q, k): 0 no norm, 1 per head, 2 across heads.
+    A weight of shape (D,) normalizes each head, (H*D,) all heads of a token together; l2 (the
+    op's l2_norm) normalizes each head of q and k without a weight. Returns the kernel's modes
+    (q, k): 0 no norm, 1 per head, 2 across heads, 3 per head without a weight.
     """
+    if not isinstance(l2, bool):
+        raise TypeError(f"{op}: l2_norm: expected a bool, got {type(l2).__name__}")
+    if l2:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if w is not None:
+                fail(op, name, "None with l2_norm=True (one norm a head: the weighted one, or l2_norm's)", "a tensor")
     modes = []
     for name, w, xname, x in (("q_norm_weight", q_norm_weight, "q", q), ("k_norm_weight", k_norm_weight, "k", k)):
         if w is None:
@@ -829,23 +833,33 @@ def norm_weights(op, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_o
             fail(op, name, "a finite float", value)
     if norm_eps < 0:
         fail(op, "norm_eps", "a float >= 0", norm_eps)
+    if l2:
+        if norm_weight_offset != 0:
+            fail(op, "norm_weight_offset", "0.0 with l2_norm=True (it has no weight to offset)", norm_weight_offset)
+        return 3, (0 if k is None else 3)
     return tuple(modes)
 
 
-def norm_flags(op, *, inverse=False, inplace=False, grad=False, out_interleaved=False) -> None:
-    """The flags a norm before the rotation does not compose with, each refused by name."""
+def norm_names(modes) -> str:
+    """The arguments that asked for the norm of these (q, k) modes, as errors name them."""
+    return "l2_norm=True" if 3 in modes else "q_norm_weight / k_norm_weight"
+
+
+def norm_flags(op, *, inverse=False, inplace=False, grad=False, out_interleaved=False, names=None) -> None:
+    """The flags a norm before the rotation does not compose with, each refused by name. names:
+    the arguments that asked for the norm (norm_names), q_norm_weight / k_norm_weight by default."""
+    names = names or "q_norm_weight / k_norm_weight"
     if inverse:
-        fail(op, "inverse", "False with q_norm_weight / k_norm_weight (a de-rotation has no norm before it)", True)
+        fail(op, "inverse", f"False with {names} (a de-rotation has no norm before it)", True)
     if inplace and grad:
         fail(
             op,
             "inplace",
-            "False with q_norm_weight / k_norm_weight while autograd records the call (the norm's "
-            "backward needs the unnormalized q and k)",
+            f"False with {names} while autograd records the call (the norm's backward needs the unnormalized q and k)",
             True,
         )
     if out_interleaved:
-        fail(op, "out_interleaved", "None (or interleaved) with q_norm_weight / k_norm_weight", "another layout")
+        fail(op, "out_interleaved", f"None (or interleaved) with {names}", "another layout")
 
 
 def no_dtensor(op: str, what: str, *named) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from . import cpu
 from .memo import lookup, remember
-from .variant import MROPE_INTERLEAVED, Spec, Variant
+from .variant import MROPE_INTERLEAVED, NORM_UNIT, Spec, Variant
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
 # must fail a test, which memory that happens to be zero would hide).
@@ -154,6 +154,12 @@ def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
     return cpu.table_angles(b, a, token_shape, spec.rot, sections, il_sections)
 
 
+def unit_weight(w, mode: int, x):
+    """The weight the PyTorch path normalizes x with: w, or ones for NORM_UNIT (l2_norm, whose
+    kernels read no weight; norm_weight_offset is 0 then)."""
+    return torch.ones(x.shape[-1], dtype=torch.float32, device=x.device) if mode == NORM_UNIT else w
+
+
 def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=None, scales=None):
     """The CPU path of a normed variant: (q_out, k_out) as new tensors, built from differentiable
     torch ops (autograd through them is the CPU backward). Scaled outputs: divided, saturated, cast."""
@@ -163,6 +169,7 @@ def norm_rotated(spec: Spec, variant: Variant, q, k, a, b, weights, out_dtype=No
     if variant.inverse:
         sin = -sin
     outs = []
+    weights = (unit_weight(weights[0], variant.norm_q, q_t), unit_weight(weights[1], variant.norm_k, k_t))
     for i, (x, w) in enumerate(zip((q_t, k_t), weights)):
         if x is None:
             outs.append(None)
@@ -245,7 +252,9 @@ def store_cpu(spec: Spec, t: StoreOperands) -> None:
         write_key=v.write_key,
         sections=v.sections if v.mrope else None,
         il_sections=v.mrope == MROPE_INTERLEAVED,
-        norm=(t.wq, t.wk, spec.norm_eps, spec.norm_offset) if v.normed else None,
+        norm=(unit_weight(t.wq, v.norm_q, t.q), unit_weight(t.wk, v.norm_k, t.k), spec.norm_eps, spec.norm_offset)
+        if v.normed
+        else None,
         halves=v.rope_halves,
     )
 

@@ -28,7 +28,10 @@ import torch
 from .memo import remembered, value_key
 
 MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
-NORM_NONE, NORM_HEAD, NORM_TOKEN = 0, 1, 2  # Variant.norm_q / norm_k: none, each head, all heads
+# Variant.norm_q / norm_k: none, each head, all heads of a token, each head without a weight
+# (apply_rope's l2_norm: Llama 4's norm after the rotation, which equals one before it, since a
+# rotation keeps the sum of squares of a head)
+NORM_NONE, NORM_HEAD, NORM_TOKEN, NORM_UNIT = 0, 1, 2, 3
 # where the angles come from (Variant.angles); the index is the custom ops' code for each
 ANGLE_SOURCES = ("table", "arange", "packed", "tokens", "freqs", "delta")
 # what each angle source's operands (a, b) are called in errors and in the sharding rules
@@ -100,7 +103,8 @@ FLAGS: Tuple[Flag, ...] = (
          what="the rotated outputs (q_out / k_out; the store's q_out) divided by a per-tensor scale, "
               "saturated to an fp8 output's range"),
     Flag("norm_q", 0, _in("NORM_Q", _ROPE, _STORE),
-         what="RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,))"),
+         what="RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,)), "
+              "NORM_UNIT (each head, no weight: l2_norm)"),
     Flag("norm_k", 0, _in("NORM_K", _ROPE, _STORE), what="RMSNorm of k likewise"),
     Flag("seq_first", False, {}, coded=False,
          what="q, k (and given outputs) are (S, B, H, D) (Transformer Engine's 'sbhd'): the rotation's "

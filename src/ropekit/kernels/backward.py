@@ -470,7 +470,7 @@ def rope_norm_backward_kernel(
     INTERLEAVED: tl.constexpr,  # x and gx hold pairs (2i, 2i+1); else halves (i, i + HALF)
     OUT_INTERLEAVED: tl.constexpr,  # g holds pairs
     INVERSE: tl.constexpr,  # the forward rotated by -angle
-    NORM: tl.constexpr,  # the forward's RMSNorm: 0 none, 1 per head, 2 across heads
+    NORM: tl.constexpr,  # the forward's RMSNorm: 0 none, 1 per head, 2 across heads, 3 per head unweighted
     PACKED: tl.constexpr,  # positions derived from cu_seqlens (packed sequences, context parallelism)
     SEARCH_STRIDE: tl.constexpr,  # PACKED: cu_seqlens entries per block of the two-level search
     SEARCH_COARSE: tl.constexpr,  # PACKED: blocks (a power of two covering n_seqs + 1 entries)
@@ -664,7 +664,7 @@ def rope_norm_backward_kernel(
                     INVERSE,
                     GAP,
                 )
-                if NORM == 1:
+                if NORM == 1 or NORM == 3:  # per head, weighted or not (w1, w2, wt are then 1)
                     x1, x2, xt = _load_x(
                         (x_base, stride_x_head, n_heads, head0, tail),
                         gz1,

@@ -2,10 +2,11 @@
 
     y = x * rsqrt(mean(x^2) + eps) * (w + offset)      float32, then the rotation
 
-The norm group is one head (mode 1: weight (D,), Qwen3 / Gemma 3) or all heads of one token
-(mode 2: weight (H*D,), OLMo 2, Wan 2.1). The kernels already hold x1, x2, the two members of each
-rotated pair, for BLOCK_H heads of one token; these helpers add the tail past the rotary dims, so
-the whole head is normalized, and scale everything before the rotation.
+The norm group is one head (mode 1: weight (D,), Qwen3 / Gemma 3; mode 3: no weight, Llama 4's
+L2 norm) or all heads of one token (mode 2: weight (H*D,), OLMo 2, Wan 2.1). The kernels already
+hold x1, x2, the two members of each rotated pair, for BLOCK_H heads of one token; these helpers
+add the tail past the rotary dims, so the whole head is normalized, and scale everything before
+the rotation.
 
 Across heads, three schemes. Whole heads (rope_kernel's WHOLE): a head block is all of a tensor's
 heads of one token, held in up to three power-of-two tiles (the binary decomposition of H: 40 =
@@ -245,8 +246,8 @@ def load_norm_weights(
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
 ):
-    """(w + offset) at x1's, x2's and the tail's columns, float32 tiles; 1.0 in mode 0 (the weight is
-    then never read). Mode 2 weights are (H*D,): head h starts at h * D, (BLOCK_H, .) tiles.
+    """(w + offset) at x1's, x2's and the tail's columns, float32 tiles; 1.0 in modes 0 and 3 (no
+    weight: the weight is then never read). Mode 2 weights are (H*D,): head h starts at h * D, (BLOCK_H, .) tiles.
     SHARED_ROW (no mode 2 in the launch): every head has the same (D,) row, read once as (1, .)
     tiles that broadcast over the heads, not once per head. W_PAIRS (interleaved columns, the
     weight's base 16-byte aligned): each pair (2i, 2i+1) read as one word, vectorized. Every token
@@ -255,13 +256,13 @@ def load_norm_weights(
     if SHARED_ROW:
         mode_v = tl.zeros([1, 1], tl.int32) + mode
         row = tl.zeros([1, 1], tl.int64)
-        live = mode_v != 0
+        live = (mode_v == 1) | (mode_v == 2)
     else:
         h = head0 + tl.arange(0, BLOCK_H)
         mode_v = tl.zeros([BLOCK_H, 1], tl.int32) + mode
         row = tl.where(mode_v == 2, h.to(tl.int64)[:, None] * d, 0)  # int64: h * D scaled below 2^63
-        live = (mode_v != 0) & (h[:, None] < n_heads)
-    on = mode_v != 0
+        live = ((mode_v == 1) | (mode_v == 2)) & (h[:, None] < n_heads)
+    on = (mode_v == 1) | (mode_v == 2)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = live & (i < HALF)
     if INTERLEAVED and W_PAIRS:

@@ -210,12 +210,13 @@ def apply_rope_and_store(
     norm_eps=1e-6,
     norm_weight_offset=0.0,
     rotary_position="first",
+    l2_norm=False,
 ):
     """Oracle for the fused store: rotate q in place, rotate k, write k and v rows at their slots.
 
     k_cache / v_cache: (num_blocks, block_size, Hk, D) or (num_slots, Hk, D). Slots < 0 are skipped.
     fp8 caches store value / scale. positions (3, *T) with mrope_section; norm weights: q / k
-    RMS-normalized first (whole heads), as `rms_norm_rope`. Packed sequences: pass the positions
+    RMS-normalized first (whole heads), as `rms_norm_rope`, or with l2_norm after the rotation. Packed sequences: pass the positions
     `ropekit.positions_from_cu_seqlens` gives.
     """
     q_rot, k_rot = rms_norm_rope(
@@ -232,6 +233,7 @@ def apply_rope_and_store(
         norm_eps=norm_eps,
         norm_weight_offset=norm_weight_offset,
         rotary_position=rotary_position,
+        l2_norm=l2_norm,
     )
     q.copy_(q_rot)
     slots = slot_mapping.long()
@@ -363,10 +365,13 @@ def rms_norm_rope(
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
     rotary_position: str = "first",
+    l2_norm: bool = False,
 ):
     """Oracle of apply_rope with q/k RMSNorm: each of q and k normalized (when its weight is given;
-    the whole head, tail included) then rotated; one rounding to the input dtype. Differentiable
-    (autograd through it is the backward oracle); float64 inputs compute in float64."""
+    the whole head, tail included) then rotated; one rounding to the input dtype. l2_norm (Llama
+    4's order, as its attention applies it): each head of q and k rotated first, then divided by
+    sqrt(mean(head^2) + norm_eps), no weight. Differentiable (autograd through it is the backward
+    oracle); float64 inputs compute in float64."""
     cos, sin = angles_from_table(
         cos_sin_cache,
         positions,
@@ -379,6 +384,11 @@ def rms_norm_rope(
     for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
         if x is None:
             outs.append(None)
+            continue
+        if l2_norm:
+            y = rotate(x.to(compute_dtype(x)), cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+            y = y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + norm_eps)
+            outs.append(y.to(x.dtype))
             continue
         y = x if w is None else rms_norm(x, w, eps=norm_eps, offset=norm_weight_offset)
         outs.append(rotate(y, cos, sin, interleaved=interleaved, rotary_position=rotary_position).to(x.dtype))

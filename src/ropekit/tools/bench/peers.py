@@ -1133,6 +1133,11 @@ def norm_make(peer: Peer, wl: W.Workload, inp: Dict[str, torch.Tensor]) -> Bound
                 ),
                 lambda o: (q, kc, vc),
             )
+        if wl.norm == "l2":
+            return finish(
+                lambda q_, k_: ropekit.apply_rope(q_, k_, pos, cache, l2_norm=True, norm_eps=eps),
+                "ropekit.apply_rope(l2_norm=True) (one launch)",
+            )
         return finish(
             lambda q_, k_: ropekit.apply_rope(q_, k_, pos, cache, q_norm_weight=wq, k_norm_weight=wk, norm_eps=eps),
             "ropekit.apply_rope(q_norm_weight=, k_norm_weight=) (one launch)",

@@ -58,7 +58,8 @@ class Workload:
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
     one_set_calls: int = 0
-    # axial workloads (W13-W15): rotary dims per axis, and the QK norm ("" none, "head", "heads")
+    # axial workloads (W13-W15): rotary dims per axis, and the QK norm ("" none, "head", "heads");
+    # W9-L2: "l2", the norm without a weight (apply_rope's l2_norm)
     axes_dim: Tuple[int, ...] = ()
     norm: str = ""
 
@@ -200,6 +201,18 @@ WORKLOADS: List[Workload] = [
         layout="bshd",
         positions="none",
         base=1000000.0,
+    ),
+    Workload(
+        "W9-L2",
+        "l2norm_8b",
+        "normrope",
+        "W9 with Llama 4's unweighted q/k norm (ropekit: l2_norm=True; peers: their norm with unit weights)",
+        full=_llama8b(B=4, S=4096, P=8192),
+        quick=_llama8b(B=2, S=128, P=8192),
+        layout="bshd",
+        positions="none",
+        base=1000000.0,
+        norm="l2",
     ),
     Workload(
         "W9-FB",
@@ -418,6 +431,8 @@ def make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, se
         g.manual_seed(seed + 7919)
         for name, n in (("wq", s["D"]), ("wk", s["D"])):  # per-head weights, as trained (around 1)
             inp[name] = (1 + 0.2 * torch.randn(n, generator=g, device=device)).to(DTYPE)
+            if wl.norm == "l2":  # no weight: the peers' weighted norms compute it with ones
+                inp[name] = torch.ones(n, dtype=DTYPE, device=device)
     if wl.kind in ("store", "normstore"):
         _store_form_inputs(wl, inp)
     return inp
