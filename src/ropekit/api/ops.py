@@ -94,7 +94,8 @@ def apply_rope(
         l2_norm: True normalizes each head of q and k without a weight, y = x * rsqrt(mean(x^2) +
             norm_eps) over the whole head in float32: Llama 4's qk L2 norm (Llama4TextL2Norm, eps
             = config.rms_norm_eps), which Llama 4 applies after the rotation; the same values,
-            since a rotation keeps a head's sum of squares. Not with q_norm_weight / k_norm_weight;
+            since a rotation keeps a head's sum of squares (to a float32 table's precision: a bf16
+            table's rows are unit to about 2^-8, docs/qknorm.md). Not with q_norm_weight / k_norm_weight;
             otherwise composes and is refused as the weighted norm is. Differentiable.
         cu_seqlens: packed sequences (THD): (N+1,) int32/int64 cumulative local lengths on q's
             device, q (T, H, D), positions None. Positions restart at 0 in every sequence and are
