@@ -238,3 +238,85 @@ def test_detected_family_fuses_and_matches(family):
     assert _rel(got, want) <= 1e-5
     for name, g in want_grads.items():
         assert _rel(got_grads[name], g) <= 1e-5, name
+
+
+def _llama4(use_qk_norm=True):
+    """A tiny Llama 4 text model: two rope layers with qk_norm (or none), MoE of 2 experts."""
+    T = transformers
+    config = T.Llama4TextConfig(
+        **dict(COMMON, intermediate_size=96),
+        intermediate_size_mlp=96,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        use_qk_norm=use_qk_norm,
+        no_rope_layers=[1] * LAYERS,
+        attention_chunk_size=64,
+    )
+    config._attn_implementation = "eager"
+    return T.Llama4ForCausalLM(config).float().eval()
+
+
+def test_llama4_l2_norm_fused_after_the_rotation():
+    """Llama 4 normalizes q and k with one weightless qk_norm AFTER its rotation: the fused rope call
+    (l2_norm=True, the module's eps) replaces both, logits and every gradient as HF's, the norm's
+    forward is never run on q / k, and unpatch restores HF's objects. Can it fail? The same model
+    with the fused call's norm dropped differs (checked last)."""
+    torch.manual_seed(0)
+    model = _llama4()
+    ids = torch.randint(3, V, (2, S))
+    up = torch.randn(2, S, V)
+    logits0, grads0 = _forward_backward(model, ids, up)
+    module = importlib.import_module("transformers.models.llama4.modeling_llama4")
+    spec = hf_qknorm.FAMILIES["llama4"]
+    norm_cls = getattr(module, spec.norm)
+    hf_norm_forward, runs = norm_cls.forward, []
+
+    def counted(self, x, *args, **kwargs):  # HF's norm, counted: the fused calls skip it
+        runs.append(x.shape)
+        return hf_norm_forward(self, x, *args, **kwargs)
+
+    calls = mock.MagicMock(wraps=ops.rotate_angles)
+    with mock.patch.object(norm_cls, "forward", counted), mock.patch.object(ops, "rotate_angles", calls):
+        before = (module.apply_rotary_emb, norm_cls.forward, module.Llama4TextAttention.forward)
+        done = hf.patch(model, fuse_qk_norm=True)
+        try:
+            assert "Llama4TextAttention.forward" in done["llama4"] and "apply_rotary_emb" in done["llama4"]
+            logits1, grads1 = _forward_backward(model, ids, up)
+            fused = [c for c in calls.call_args_list if c.kwargs.get("l2_norm")]
+            assert len(fused) == LAYERS, f"{len(fused)} fused calls, expected one per layer"
+            assert all(c.kwargs["norm_eps"] == model.config.rms_norm_eps for c in fused)
+        finally:
+            restored = hf.unpatch()
+        after = (module.apply_rotary_emb, norm_cls.forward, module.Llama4TextAttention.forward)
+    assert "llama4" in restored and after == before
+    assert runs == [], f"HF's qk_norm ran {len(runs)} times under the fusion"
+    assert _rel(logits1, logits0) < 5e-6
+    assert grads1.keys() == grads0.keys()
+    for n in grads0:
+        assert _rel(grads1[n], grads0[n]) < 5e-5, f"grad {n}: {_rel(grads1[n], grads0[n]):.2e}"
+    # the check can fail: the rope call without its norm (and HF's norm skipped) changes the logits
+    real = ops.rotate_angles
+
+    def no_norm(q, k, cos, sin, **kw):
+        kw.pop("l2_norm", None)
+        return real(q, k, cos, sin, **kw)
+
+    with hf.patched(model, fuse_qk_norm=True), mock.patch.object(ops, "rotate_angles", no_norm), torch.no_grad():
+        wrong = model(input_ids=ids).logits
+    assert _rel(wrong, logits0) > 1e-3
+
+
+def test_llama4_without_qk_norm_is_left_to_hf():
+    """use_qk_norm=False (the 128-expert model): nothing deferred, HF's math, same logits."""
+    torch.manual_seed(0)
+    model = _llama4(use_qk_norm=False)
+    ids = torch.randint(3, V, (2, S))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        calls = mock.MagicMock(wraps=ops.rotate_angles)
+        with mock.patch.object(ops, "rotate_angles", calls), hf.patched(families=["llama4"], fuse_qk_norm=True):
+            got = model(input_ids=ids).logits
+    assert not [c for c in calls.call_args_list if c.kwargs.get("l2_norm")]
+    assert _rel(got, ref) < 5e-6

@@ -347,6 +347,7 @@ def rotate_with_angles(
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
     norm_weight_offset: float = 0.0,
+    l2_norm: bool = False,
     inplace: bool = False,
 ):
     """Rotate q and k by per-token angles (the form Hugging Face models pass).
@@ -370,6 +371,7 @@ def rotate_with_angles(
     q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset: RMSNorm of q / k before the
     rotation, fused, as apply_rope takes them (per head (D,) or across heads (H * D,); gradients to
     the weights); with every other option except an out_interleaved that differs from interleaved.
+    l2_norm: each head of q and k normalized without a weight, as apply_rope's (Llama 4).
 
     inplace: write into q and k (returned) instead of new tensors; under autograd as apply_rope's
     (not with a norm while autograd records the call).
@@ -395,6 +397,7 @@ def rotate_with_angles(
         k_norm_weight=k_norm_weight,
         norm_eps=norm_eps,
         norm_weight_offset=norm_weight_offset,
+        l2_norm=l2_norm,
         inplace=inplace,
     )
 
@@ -430,6 +433,7 @@ def rotate_angles(
     k_norm_weight=None,
     norm_eps=1e-6,
     norm_weight_offset=0.0,
+    l2_norm=False,
     inplace=False,
 ):
     """rotate_with_angles with two more options, the seam ropekit.hf and ropekit.integrations.hf_qknorm call:
@@ -456,6 +460,7 @@ def rotate_angles(
             k_norm_weight,
             norm_eps,
             norm_weight_offset,
+            l2_norm,
             inplace,
         ),
         checks.angles,

@@ -371,11 +371,12 @@ def angles(args: dict) -> Spec:
         read = (("cos", cos_v), ("sin", sin_v), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
         rules.inplace_args(op, q_t, k_t, read, inplace_grad=True)
     norm = (args["norm_eps"], args["norm_weight_offset"])
-    modes = rules.norm_weights(op, q_t, k_t, *weights, *norm, inplace=inplace)
+    modes = rules.norm_weights(op, q_t, k_t, *weights, *norm, inplace=inplace, l2=args["l2_norm"])
     normed = modes != (NORM_NONE, NORM_NONE)
     grad = records_grad(q, k, *weights)
     if normed:
-        rules.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != interleaved)
+        names = rules.norm_names(modes)
+        rules.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != interleaved, names=names)
     mode, sections = _mrope_code(mrope, mrope_interleaved)
     variant = Variant(
         interleaved=interleaved,

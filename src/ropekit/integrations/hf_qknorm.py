@@ -1,5 +1,6 @@
 """Hugging Face: q/k RMSNorm + RoPE in one ropekit launch, for the rows written here (Qwen3,
-Qwen3-MoE, Gemma 3, OLMo 2) and the families hf_qknorm_detect finds in a model.
+Qwen3-MoE, Gemma 3, OLMo 2; Llama 4's weightless norm after the rotation) and the families
+hf_qknorm_detect finds in a model.
 
 `ropekit.hf.patch(model, fuse_qk_norm=True)` ends here. These families' attention forwards call
 `self.q_norm(...)` / `self.k_norm(...)` and then the modeling module's `apply_rotary_pos_emb`. The
@@ -22,6 +23,10 @@ Where each family normalizes (transformers 5.x):
                     x_normed * (1 + w): per head, offset 1 (the weight is stored as w, init 0)
   olmo2             Olmo2RMSNorm(H * D) on the (B, S, H * D) projection, before the view:
                     across all heads of a token (weight (H*D,))
+  llama4            Llama4TextL2Norm (Llama4TextWeightlessRMSNorm from 5.25), one `qk_norm` module
+                    applied to q and to k (B, S, H, D) AFTER apply_rotary_emb: the rope function
+                    (called first) fuses it with l2_norm=True and the two norm calls return their
+                    input (Family.after); layers without qk_norm (NoPE) are HF's
 Per head the norm acts on the last dim, so before or after the transpose is the same math; OLMo 2's
 weight shape selects the across-heads mode. The fused op rounds once, after the rotation (HF rounds
 after the norm and after every rotation op in bf16): float32 models agree to float32 accuracy.
@@ -37,6 +42,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ..api import ops
+from . import hf_forms
 
 
 class Family(NamedTuple):
@@ -45,6 +51,10 @@ class Family(NamedTuple):
     eps: str  # the RMSNorm attribute holding eps
     offset: float  # added to the weight (Gemma's 1 + w)
     rope: str = "apply_rotary_pos_emb"  # the module function the attention calls after the norms
+    # True: one weightless norm (the attention's `qk_norm`) applied to q and to k AFTER the rotation
+    # (Llama 4): the rope function runs first and fuses it (l2_norm=True), the two norm calls that
+    # follow return their input
+    after: bool = False
 
 
 FAMILIES: Dict[str, Family] = {
@@ -52,6 +62,9 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_moe": Family("Qwen3MoeAttention", "Qwen3MoeRMSNorm", "variance_epsilon", 0.0),
     "gemma3": Family("Gemma3Attention", "Gemma3RMSNorm", "eps", 1.0),
     "olmo2": Family("Olmo2Attention", "Olmo2RMSNorm", "variance_epsilon", 0.0),
+    # Llama4TextL2Norm: the class's name up to transformers 5.24 (eps in `eps`), an alias of
+    # Llama4TextWeightlessRMSNorm from 5.25 (eps in `variance_epsilon`)
+    "llama4": Family("Llama4TextAttention", "Llama4TextL2Norm", "variance_epsilon", 0.0, "apply_rotary_emb", True),
 }
 
 # (module name, owner name or None for the module, attribute) -> the object replaced
@@ -76,6 +89,7 @@ class _Deferred:
     def __init__(self, q_norm, k_norm, family: Family):
         self.q_norm, self.k_norm, self.family = q_norm, k_norm, family
         self.skipped = set()
+        self.pending = 0  # a norm-after family: calls of its norm still to skip (2 once fused)
 
 
 def _stack() -> List[_Deferred]:
@@ -92,7 +106,13 @@ def _attention_forward(original, family: Family, module):
         fused_rope = getattr(module, family.rope, None)
         if not getattr(fused_rope, "_ropekit_qk_norm", False):
             return original(self, *args, **kwargs)  # the rope function was swapped since: no deferral
-        entry = _Deferred(getattr(self, "q_norm", None), getattr(self, "k_norm", None), family)
+        if family.after:
+            norm = getattr(self, "qk_norm", None)
+            if norm is None:  # a layer without the norm (Llama 4's NoPE layers): nothing to fuse
+                return original(self, *args, **kwargs)
+            entry = _Deferred(norm, norm, family)
+        else:
+            entry = _Deferred(getattr(self, "q_norm", None), getattr(self, "k_norm", None), family)
         _stack().append(entry)
         try:
             out = original(self, *args, **kwargs)
@@ -103,6 +123,12 @@ def _attention_forward(original, family: Family, module):
                 f"ropekit.hf: {family.attention} skipped {sorted(entry.skipped)} but never called "
                 f"{family.rope}: this transformers version's attention does not fit "
                 "fuse_qk_norm (unpatch it)"
+            )
+        if entry.pending:
+            raise RuntimeError(
+                f"ropekit.hf: {family.attention}: {family.rope} normalized q and k, but the attention "
+                f"called its qk_norm {2 - entry.pending} time(s) after it, not twice: this transformers "
+                "version's attention does not fit fuse_qk_norm (unpatch it)"
             )
         return out
 
@@ -115,6 +141,11 @@ def _norm_forward(original):
         st = _stack()
         if st and not args and not kwargs:
             entry = st[-1]
+            if entry.family.after:
+                if entry.pending and self is entry.q_norm:
+                    entry.pending -= 1
+                    return x  # applied by the fused rope call before it
+                return original(self, x)
             for role, mod in (("q", entry.q_norm), ("k", entry.k_norm)):
                 if mod is self and role not in entry.skipped:
                     entry.skipped.add(role)
@@ -178,6 +209,49 @@ def _rope_function(previous, family: Family, norm_cls, original_norm):
     return apply_rotary_pos_emb
 
 
+def _eps(norm, family: Family) -> float:
+    """The norm module's eps: the family's attribute, or the other name a transformers release used."""
+    for name in (family.eps, "eps", "variance_epsilon"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise AttributeError(f"ropekit.hf: {type(norm).__name__} has no eps attribute ({family.eps!r} or 'eps')")
+
+
+def _rope_then_norm_function(previous, family: Family, module):
+    """A norm-after family's rope function (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), q / k
+    (B, S, H, D), complex freqs_cis): inside a deferring attention, one call rotates and normalizes
+    q and k (l2_norm=True, the qk_norm's eps) and the attention's two qk_norm calls after it return
+    their input; otherwise, and for inputs the kernel does not take as HF computes them, the
+    function it replaced (HF's norm then runs as HF's)."""
+    form = hf_forms.FORM.get(module.__name__.split(".")[2])  # transformers.models.<family>.modeling_<family>
+
+    def apply_rotary_emb(xq, xk, freqs_cis, *args, **kwargs):
+        st = _stack()
+        entry = st[-1] if st else None
+        if entry is None or not entry.family.after or entry.pending or args or kwargs or form is None:
+            return previous(xq, xk, freqs_cis, *args, **kwargs)
+        planned = hf_forms.plan(form, xq, xk, freqs_cis, None)
+        if planned is None:
+            return previous(xq, xk, freqs_cis)
+        _, columns, cos, sin = planned
+        out = ops.rotate_angles(
+            xq,
+            xk,
+            cos,
+            sin,
+            interleaved=True,
+            columns=columns,
+            heads_first=False,
+            l2_norm=True,
+            norm_eps=_eps(entry.q_norm, family),
+        )
+        entry.pending = 2
+        return out
+
+    apply_rotary_emb._ropekit_qk_norm = True
+    return apply_rotary_emb
+
+
 def patch(families, specs: Optional[Dict[str, Family]] = None) -> Dict[str, List[str]]:
     """Fuse q/k norm + RoPE in these families (rows of `specs`, found from a model by
     hf_qknorm_detect, else of FAMILIES; others are ignored). Families whose module the installed
@@ -195,8 +269,12 @@ def patch(families, specs: Optional[Dict[str, Family]] = None) -> Dict[str, List
         if attn is None or norm is None or not hasattr(module, spec.rope):
             continue
         name = module.__name__
+        if spec.after:
+            rope = _rope_then_norm_function(getattr(module, spec.rope), spec, module)
+        else:
+            rope = _rope_function(getattr(module, spec.rope), spec, norm, norm.forward)
         swaps = [
-            ((name, None, spec.rope), module, _rope_function(getattr(module, spec.rope), spec, norm, norm.forward)),
+            ((name, None, spec.rope), module, rope),
             ((name, spec.norm, "forward"), norm, _norm_forward(norm.forward)),
             ((name, spec.attention, "forward"), attn, _attention_forward(attn.forward, spec, module)),
         ]
