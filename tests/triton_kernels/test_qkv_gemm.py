@@ -272,6 +272,74 @@ def test_zero_tokens(device):
     assert x.grad.shape == x.shape and w.grad.abs().sum() == 0
 
 
+# ---------------------------------------------------------------------------------------------
+# torch.compile and the custom ops (ropekit::qkv_rope, ropekit::qkv_rope_backward)
+
+COMPILE_SIZES = (6, 10, 13)  # token counts: the first compiles, the others must reuse its graph
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("norm", [None, "qk"])
+def test_compile_fullgraph_dynamic(norm, grad, poison, device):
+    """fullgraph=True (a graph break fails) with dynamic=True (a recompile fails) over three token
+    counts, forward and backward against the float64 reference. Without grad: x (B, S, hidden)
+    and positions None (arange inside the traced function)."""
+    need_kernel(device)
+    hidden, hq, hk, d, rot = 32, 2, 1, 16, 8
+
+    def f(x, w, pos, cache, wq, wk):
+        return call(x, w, pos, cache, wq, wk, hq, hk, d, rot, True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch._dynamo.reset()
+    for i, T in enumerate(COMPILE_SIZES):
+        x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device, seed=T, grad=grad)
+        if not grad:
+            x, pos = x.view(1, T, hidden), None
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            outs = compiled(x, w, pos, cache, wq, wk)
+        ref_pos = torch.arange(T, device=device)[None] if pos is None else pos
+        refs = reference(x, w, ref_pos, cache, hq, hk, d, rot, True, wq, wk)
+        for o, r in zip(outs, refs):
+            assert o.shape == r.shape and rel_err(o, r) < 2e-6
+        if grad:
+            gen = torch.Generator().manual_seed(T)
+            grads = [torch.randn(o.shape, generator=gen).to(device) for o in outs]
+            leaves = [t for t in (x, w, wq, wk) if t is not None]
+            got = torch.autograd.grad(outs, leaves, grads)
+            want = torch.autograd.grad(refs, leaves, [gr.double() for gr in grads])
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and rel_err(a, b) < 1e-5
+
+
+def test_meta_tensors_take_the_fake():
+    """Meta tensors go through the custom op's fake: shapes and dtypes, nothing launched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("impl='fused' on non-CUDA tensors needs the interpreter")
+    x, w, pos, cache, wq, wk = (
+        t.to("meta") if t is not None else None for t in inputs(7, 32, 2, 1, 16, 16, norm="k", dtype=torch.bfloat16)
+    )
+    q, k, v = call(x, w, pos, cache, wq, wk, 2, 1, 16, 16, False)
+    assert (q.shape, k.shape, v.shape) == ((7, 2, 16), (7, 1, 16), (7, 1, 16))
+    assert q.device.type == "meta" and q.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("norm", [None, "q"])
+def test_opcheck(norm):
+    """torch.library.opcheck of both ops (schema, fake, autograd registration) on tiny shapes."""
+    need_kernel("cpu")
+    T, hidden, hq, hk, d, rot = 5, 32, 2, 1, 16, 8
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True)
+    sizes = [hq, hk, d, rot, 1]
+    torch.library.opcheck(torch.ops.ropekit.qkv_rope.default, (x, w, pos, cache, wq, wk, sizes, 1e-6, norm is not None))
+    g = torch.randn(T, hq + 2 * hk, d)
+    pre = torch.randn(T, hq + hk, d) if norm else None
+    wq = None if wq is None else wq.detach()
+    needs = [True, False, wq is not None, False]
+    args = (g, x.detach(), w.detach(), pos, cache, wq, None, pre, sizes, 1e-6, needs)
+    torch.library.opcheck(torch.ops.ropekit.qkv_rope_backward.default, args)
+
+
 def _bad(**changes):
     T, hidden, hq, hk, d = 4, 32, 2, 1, 16
     x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, 16, norm="qk")

@@ -17,7 +17,7 @@ on the q and k heads before the norm, which the forward kernel saved.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from ..core import checks, pipeline, run
 from ..core.args import FLOAT_DTYPES, INDEX_DTYPES, NUMBERS, TABLE_DTYPES, dtype_name, fail, tensor
 from ..core.memo import lookup, remember
 from ..core.strict import is_strict, positions_in_range
-from ..core.variant import arg_key
+from ..core.variant import CUSTOM_OP, arg_key
 from .ops import apply_rope
 
 OP = "rope_qkv_projection"
@@ -139,7 +139,15 @@ def rope_qkv_projection(
         positions = torch.arange(tokens[-1], device=x.device).expand(tokens)
     pos = positions.reshape(-1)
     shape = (num_q_heads, num_kv_heads, head_dim, rot, bool(interleaved), float(norm_eps))
-    if checks.records_grad(x, weight, q_norm_weight, k_norm_weight):
+    grad = checks.records_grad(x, weight, q_norm_weight, k_norm_weight)
+    if torch.compiler.is_compiling() or checks.door_for(x, grad) == CUSTOM_OP:
+        # traced (torch.compile) or a tensor subclass / meta tensor: the custom op and its fake
+        normed = q_norm_weight is not None or k_norm_weight is not None
+        sizes = [num_q_heads, num_kv_heads, head_dim, rot, int(bool(interleaved))]
+        out = torch.ops.ropekit.qkv_rope(
+            x2, weight, pos, cos_sin_cache, q_norm_weight, k_norm_weight, sizes, float(norm_eps), grad and normed
+        )[0]
+    elif grad:
         out = QKVRopeFunction.apply(x2, weight, pos, cos_sin_cache, q_norm_weight, k_norm_weight, shape)
     else:
         out = _forward(x2, weight, pos, cos_sin_cache, q_norm_weight, k_norm_weight, shape, save_pre=False)[0]
@@ -207,22 +215,29 @@ class QKVRopeFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         x, weight, pos, cache, wq, wk, pre = ctx.saved_tensors
-        n_q, n_kv, d, rot, interleaved, eps = ctx.shape
         needs = ctx.needs_input_grad
-        g = run.unit_last_stride(g)
-        gq, gk, gv = g.split((n_q, n_kv, n_kv), dim=1)
-        dy = torch.empty(g.shape, dtype=x.dtype, device=x.device)
-        dq, dk, dv = dy.split((n_q, n_kv, n_kv), dim=1)
-        dv.copy_(gv)
-        dwq = dwk = None
-        if pre is None:  # the inverse rotation, straight into dy
-            apply_rope(gq, gk, pos, cache, interleaved=interleaved, rotary_dim=rot, inverse=True, q_out=dq, k_out=dk)
-        else:
-            dwq, dwk = _norm_backward(pre, gq, gk, pos, cache, wq, wk, ctx.shape, needs[4], needs[5], dq, dk)
-        dy2 = dy.view(dy.shape[0], dy.shape[1] * dy.shape[2])
-        dx = dy2 @ weight if needs[0] else None
-        dw = dy2.t() @ x if needs[1] else None
+        dx, dw, dwq, dwk = _backward(g, x, weight, pos, cache, wq, wk, pre, ctx.shape, needs[:2] + needs[4:6])
         return dx, dw, None, None, dwq, dwk, None
+
+
+def _backward(g, x, weight, pos, cache, wq, wk, pre, shape, needs):
+    """(dx, dw, d wq, d wk) from the output's gradient g (T, Hq + 2 Hk, D), None where needs (x,
+    weight, wq, wk) says no: the rotation's (and norm's) backward into dy, then the projection's."""
+    n_q, n_kv, d, rot, interleaved, eps = shape
+    g = run.unit_last_stride(g)
+    gq, gk, gv = g.split((n_q, n_kv, n_kv), dim=1)
+    dy = torch.empty(g.shape, dtype=x.dtype, device=x.device)
+    dq, dk, dv = dy.split((n_q, n_kv, n_kv), dim=1)
+    dv.copy_(gv)
+    dwq = dwk = None
+    if pre is None:  # the inverse rotation, straight into dy
+        apply_rope(gq, gk, pos, cache, interleaved=interleaved, rotary_dim=rot, inverse=True, q_out=dq, k_out=dk)
+    else:
+        dwq, dwk = _norm_backward(pre, gq, gk, pos, cache, wq, wk, shape, needs[2], needs[3], dq, dk)
+    dy2 = dy.view(dy.shape[0], dy.shape[1] * dy.shape[2])
+    dx = dy2 @ weight if needs[0] else None
+    dw = dy2.t() @ x if needs[1] else None
+    return dx, dw, dwq, dwk
 
 
 def _norm_backward(pre, gq, gk, pos, cache, wq, wk, shape, need_wq, need_wk, dq, dk):
@@ -256,6 +271,89 @@ def _rope_spec(q, k, pos, cache, wq, wk, rot, interleaved, eps):
     return spec
 
 
+# ---------------------------------------------------------------------------------------------
+# the custom ops: what torch.compile traces (and tensor subclasses / meta tensors dispatch) on the
+# fused path, each beside its fake. They live here, not in ropekit.core.dispatch with the other
+# ops: their bodies are this module's launch and backward (which call apply_rope), and the core
+# layer imports nothing of the api one. sizes: [Hq, Hk, D, rotary_dim, interleaved].
+
+
+def _shape(sizes, eps) -> tuple:
+    n_q, n_kv, d, rot, interleaved = sizes
+    return (n_q, n_kv, d, rot, bool(interleaved), float(eps))
+
+
+@torch.library.custom_op("ropekit::qkv_rope", mutates_args=())
+def _qkv_rope_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: Optional[torch.Tensor],
+    k_norm_weight: Optional[torch.Tensor],
+    sizes: List[int],
+    norm_eps: float,
+    save_pre: bool,
+) -> List[torch.Tensor]:
+    """[out (T, Hq + 2 Hk, D)] or, with save_pre, [out, pre (T, Hq + Hk, D)]: x (T, hidden)."""
+    shape = _shape(sizes, norm_eps)
+    out, pre = _forward(x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, shape, save_pre)
+    return [out] if pre is None else [out, pre]
+
+
+@_qkv_rope_op.register_fake
+def _(x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, sizes, norm_eps, save_pre):
+    n_q, n_kv, d = sizes[:3]
+    out = x.new_empty((x.shape[0], n_q + 2 * n_kv, d))
+    return [out, x.new_empty((x.shape[0], n_q + n_kv, d))] if save_pre else [out]
+
+
+def _setup_qkv_rope(ctx, inputs, output):
+    x, weight, pos, cache, wq, wk, sizes, eps, save_pre = inputs
+    ctx.sizes, ctx.eps = sizes, eps
+    ctx.save_for_backward(x, weight, pos, cache, wq, wk, output[1] if save_pre else None)
+
+
+def _qkv_rope_backward(ctx, grads):
+    x, weight, pos, cache, wq, wk, pre = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [n[0], n[1], wq is not None and n[4], wk is not None and n[5]]
+    g = grads[0] if grads[0] is not None else x.new_zeros((x.shape[0], ctx.sizes[0] + 2 * ctx.sizes[1], ctx.sizes[2]))
+    got = torch.ops.ropekit.qkv_rope_backward(g, x, weight, pos, cache, wq, wk, pre, ctx.sizes, ctx.eps, needs)
+    dx, dw, dwq, dwk = (t if need else None for t, need in zip(got, needs))
+    return dx, dw, None, None, dwq, dwk, None, None, None
+
+
+_qkv_rope_op.register_autograd(_qkv_rope_backward, setup_context=_setup_qkv_rope)
+
+
+@torch.library.custom_op("ropekit::qkv_rope_backward", mutates_args=())
+def _qkv_rope_backward_op(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: Optional[torch.Tensor],
+    k_norm_weight: Optional[torch.Tensor],
+    pre: Optional[torch.Tensor],
+    sizes: List[int],
+    norm_eps: float,
+    needs: List[bool],
+) -> List[torch.Tensor]:
+    """[dx, dw, d q_norm_weight, d k_norm_weight]; one that needs says False (or an absent norm
+    weight's) is an empty tensor. Not itself differentiable (as QKVRopeFunction's backward)."""
+    shape = _shape(sizes, norm_eps)
+    grads = _backward(g, x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, pre, shape, needs)
+    return [t if t is not None else x.new_empty(0) for t in grads]
+
+
+@_qkv_rope_backward_op.register_fake
+def _(g, x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, pre, sizes, norm_eps, needs):
+    like = (x, weight, q_norm_weight, k_norm_weight)
+    return [torch.empty_like(t) if need and t is not None else x.new_empty(0) for t, need in zip(like, needs)]
+
+
 def _on(name, t, device) -> None:
     if t.device != device:
         fail(OP, name, f"a tensor on {device} (x's device)", f"one on {t.device}")
@@ -286,7 +384,9 @@ def _check(x, weight, positions, cache, n_q, n_kv, head_dim, rotary_dim, interle
         fail(OP, "weight", expected + ", nn.Linear's layout", f"shape {tuple(weight.shape)}")
     tokens = tuple(x.shape[:-1])
     if positions is not None:
-        hint = f"of x's token shape {tokens}"
+        # hints are functions, formatted only when raising: under torch.compile the sizes may be
+        # symbolic, and a traced f-string of one breaks the graph
+        hint = lambda: f"of x's token shape {tokens}"  # noqa: E731
         tensor(
             OP,
             "positions",
@@ -308,7 +408,7 @@ def _check(x, weight, positions, cache, n_q, n_kv, head_dim, rotary_dim, interle
         fail(OP, "cos_sin_cache", f"width {rot} (rotary_dim): rows [cos | sin]", f"shape {tuple(cache.shape)}")
     for name, w in (("q_norm_weight", wq), ("k_norm_weight", wk)):
         if w is not None:
-            tensor(OP, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, shape_hint=f"({head_dim},)")
+            tensor(OP, name, w, ndims=(1,), dtypes=FLOAT_DTYPES, shape_hint=lambda: f"({head_dim},)")
             _on(name, w, device)
             if w.shape[0] != head_dim:
                 fail(OP, name, f"shape ({head_dim},) (head_dim)", f"shape {tuple(w.shape)}")
