@@ -10,7 +10,9 @@ Shapes: every model of --models at every T of --tokens, or --shapes MODEL:T,... 
 or --preset NAME (PRESETS: "long" is Llama-3-8B and Qwen3-8B at T = 8192 and 32768, forward and
 forward + backward: about 3 minutes on an H100 with the default --rounds / --rep). --modes
 (fwd, fwd_bwd) and --variants (fused, fused_tma, unfused; unfused always runs: it is the
-reference) narrow a run further.
+reference) narrow a run further. The "store" mode times the paged-cache write (k_cache, v_cache,
+slot_mapping: k and v into a bf16 cache of 16-token blocks, q returned) under torch.no_grad; not
+in the defaults (--modes fwd,fwd_bwd,store adds it), not in the suggested auto table.
 
 For each model and token count T (bf16, CUDA), one `ropekit.rope_qkv_projection` call timed as
 
@@ -64,7 +66,7 @@ MODELS = {
 
 # --preset NAME -> the --shapes it stands for
 PRESETS = {"long": "llama3_8b:8192,llama3_8b:32768,qwen3_8b:8192,qwen3_8b:32768"}
-MODES = ("fwd", "fwd_bwd")
+MODES = ("fwd", "fwd_bwd", "store")
 
 SWEEP = [
     dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -178,9 +180,39 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
     def linear_fb():
         torch.autograd.grad(F.linear(x, w), (x, w), lin_grad)
 
+    # the paged-cache write: k and v into a 16-token-block cache (slot t for token t), q returned
+    k_cache = torch.zeros((T + 15) // 16, 16, hk, d, device=device, dtype=x.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(T, device=device)
+
+    def store(name):
+        impl, tma = VARIANTS[name]
+
+        def f():
+            qkv_gemm.PREFER_TMA = tma
+            with torch.no_grad():
+                return ropekit.rope_qkv_projection(
+                    x, w, pos, cache, impl=impl, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, **kw
+                )
+
+        return f
+
+    if "store" in modes:  # each fused path's q and caches against the unfused write's
+        nan = float("nan")  # caches NaN first: a row a write misses (or one it should not touch) shows
+        k_cache.fill_(nan), v_cache.fill_(nan)
+        want = (store("unfused")(), k_cache.clone(), v_cache.clone())
+        for name in [n for n in ("fused", "fused_tma") if n in variants]:
+            k_cache.fill_(nan), v_cache.fill_(nan)
+            got = (store(name)(), k_cache, v_cache)
+            same = all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(got, want))
+            err = max(rel_err(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, want))
+            res[f"max_rel_err_store_{name}"] = err if same else float("inf")
+        qkv_gemm.PREFER_TMA = False
+
     fns = {
         "fwd": {**{n: fwd(n) for n in variants}, "linear": linear_fwd},
         "fwd_bwd": {**{n: fb(n) for n in variants}, "linear": linear_fb},
+        "store": {**{n: store(n) for n in variants}, "linear": linear_fwd},
     }
     for mode, table in fns.items():
         if mode not in modes:
@@ -189,7 +221,7 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
         for _ in range(rounds):
             for k, fn in table.items():
                 times[k] = min(times[k], bench(fn, rep))
-        mult = 1.0 if mode == "fwd" else 3.0  # the backward is two more GEMMs of the same size
+        mult = 3.0 if mode == "fwd_bwd" else 1.0  # the backward is two more GEMMs of the same size
         for n in ("fused", "fused_tma"):
             times.setdefault(n, float("nan"))  # a path that failed
         fused = [n for n in ("fused", "fused_tma") if n in variants]
@@ -273,7 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu for a dry run under TRITON_INTERPRET=1")
     p.add_argument("--shapes", default=None, help="MODEL:T,... rows to run instead of --models x --tokens")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named --shapes (long: T 8192, 32768)")
-    p.add_argument("--modes", default=",".join(MODES), help="fwd,fwd_bwd (which timings to take)")
+    p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd,fwd_bwd,store (which timings to take)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="fused,fused_tma,unfused (unfused always runs)")
     a = p.parse_args(argv)
     device = torch.device(a.device)

@@ -42,6 +42,16 @@ def test_tiny_cpu_run_selected_shapes(qkv_bench, tmp_path, capsys):
     assert printed.count(" fwd_bwd ") == 2 and " fwd " not in printed
 
 
+def test_tiny_cpu_store_mode(qkv_bench, tmp_path):
+    """The paged-cache write's row: timed, its fused write checked against the unfused one."""
+    out = tmp_path / "qkv.json"
+    argv = ["--device", "cpu", "--shapes", "tiny:20", "--modes", "store", "--variants", "fused", "--rounds", "1"]
+    assert qkv_bench.main([*argv, "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert set(r) & {"fwd", "fwd_bwd", "store"} == {"store"} and r["store"]["fused_ms"] > 0
+    assert r["max_rel_err_store_fused"] < 1e-2  # bf16, one rounding apart; inf if a row differs in NaN
+
+
 def test_preset_and_bad_selections(qkv_bench):
     class Args:
         preset, shapes, models, tokens = "long", None, "", ""

@@ -628,3 +628,28 @@ def test_gpu_auto_follows_the_table(monkeypatch):
     monkeypatch.setitem(qkv_api.AUTO_TABLE, key, "fused")
     call(x, w, pos, cache, None, None, hq, hk, d, d, False, impl="auto")
     assert called
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize(
+    "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
+)
+def test_gpu_bf16_kv_cache(case, tma, poison, monkeypatch):
+    """The paged-cache write at the GPU tiles (G = 2 where the heads allow, the TMA path), bf16,
+    against the oracle's store, a NaN-poisoned cache of more slots than tokens."""
+    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+    T, hidden, hq, hk, d, rot, interleaved, norm = case
+    x, w, pos, table, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda")
+    block = 16
+    n_blocks = (2 * T + block - 1) // block
+    kc = torch.full((n_blocks, block, hk, d), NAN, device="cuda", dtype=torch.bfloat16)
+    vc = torch.full_like(kc, NAN)
+    slots = torch.randperm(n_blocks * block, device="cuda")[:T]
+    slots[::7] = -1
+    want = cache_reference(x, w, pos, table, hq, hk, d, rot, interleaved, wq, wk, kc, vc, slots)
+    with torch.no_grad():
+        q = call(x, w, pos, table, wq, wk, hq, hk, d, rot, interleaved, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    assert rel_err(q, want[0]) < 8e-3
+    same_with_nan(kc, want[1], 8e-3)
+    same_with_nan(vc, want[2], 8e-3)
