@@ -12,6 +12,12 @@ The backward of the fused path is the projection's (dx = dy @ W, dW = dy^T @ x, 
 after the rotation's: without a norm, ropekit.apply_rope(inverse=True) on the q and k gradients,
 written into dy directly; with one, apply_rope's own norm backward step (one launch per tensor)
 on the q and k heads before the norm, which the forward kernel saved.
+
+With k_cache / v_cache / slot_mapping the call is the paged-cache write (inference only): the
+epilogue stores k and v heads into their slot rows and q alone is returned; unfused, the
+projection then ropekit.apply_rope_and_store. Under torch.compile (and for tensor subclasses and
+meta tensors) the fused path is the custom ops defined below, each beside its fake:
+ropekit::qkv_rope (autograd through ropekit::qkv_rope_backward) and ropekit::qkv_rope_store.
 """
 
 from __future__ import annotations
