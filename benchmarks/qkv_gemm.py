@@ -3,6 +3,16 @@
     PYTHONPATH=src python benchmarks/qkv_gemm.py --out OUT/qkv_results.json
         [--tokens 4096,8192,16384,32768] [--models llama3_8b,qwen3_8b] [--rounds 2] [--rep 200]
         [--sweep] [--sweep-tokens 16384]
+    PYTHONPATH=src python benchmarks/qkv_gemm.py --preset long --out OUT/qkv_long.json
+    PYTHONPATH=src python benchmarks/qkv_gemm.py --shapes llama3_8b:32768 --modes fwd --variants fused,unfused
+
+Shapes: every model of --models at every T of --tokens, or --shapes MODEL:T,... (one row each),
+or --preset NAME (PRESETS: "long" is Llama-3-8B and Qwen3-8B at T = 8192 and 32768, forward and
+forward + backward: about 3 minutes on an H100 with the default --rounds / --rep). --modes
+(fwd, fwd_bwd) and --variants (fused, fused_tma, unfused; unfused always runs: it is the
+reference) narrow a run further. The "store" mode times the paged-cache write (k_cache, v_cache,
+slot_mapping: k and v into a bf16 cache of 16-token blocks, q returned) under torch.no_grad; not
+in the defaults (--modes fwd,fwd_bwd,store adds it), not in the suggested auto table.
 
 For each model and token count T (bf16, CUDA), one `ropekit.rope_qkv_projection` call timed as
 
@@ -54,6 +64,10 @@ MODELS = {
     "tiny": (64, 4, 2, 32, 10000.0, True),
 }
 
+# --preset NAME -> the --shapes it stands for
+PRESETS = {"long": "llama3_8b:8192,llama3_8b:32768,qwen3_8b:8192,qwen3_8b:32768"}
+MODES = ("fwd", "fwd_bwd", "store")
+
 SWEEP = [
     dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
@@ -104,7 +118,7 @@ def make(model: str, T: int, device, dtype=torch.bfloat16, grad=False):
     return x, w, pos, cache, kw
 
 
-def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
+def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, only=tuple(VARIANTS)) -> dict:
     hidden, hq, hk, d, _, normed = MODELS[model]
     n = (hq + 2 * hk) * d
     flops = 2.0 * T * n * hidden
@@ -116,8 +130,8 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(1)
     grads = None
     outs, gr = {}, {}
-    variants = dict(VARIANTS)
-    for name, (impl, tma) in VARIANTS.items():
+    variants = {n: v for n, v in VARIANTS.items() if n in only or n == "unfused"}
+    for name, (impl, tma) in dict(variants).items():
         qkv_gemm.PREFER_TMA = tma
         try:
             outs[name] = ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
@@ -166,16 +180,48 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int) -> dict:
     def linear_fb():
         torch.autograd.grad(F.linear(x, w), (x, w), lin_grad)
 
+    # the paged-cache write: k and v into a 16-token-block cache (slot t for token t), q returned
+    k_cache = torch.zeros((T + 15) // 16, 16, hk, d, device=device, dtype=x.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(T, device=device)
+
+    def store(name):
+        impl, tma = VARIANTS[name]
+
+        def f():
+            qkv_gemm.PREFER_TMA = tma
+            with torch.no_grad():
+                return ropekit.rope_qkv_projection(
+                    x, w, pos, cache, impl=impl, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, **kw
+                )
+
+        return f
+
+    if "store" in modes:  # each fused path's q and caches against the unfused write's
+        nan = float("nan")  # caches NaN first: a row a write misses (or one it should not touch) shows
+        k_cache.fill_(nan), v_cache.fill_(nan)
+        want = (store("unfused")(), k_cache.clone(), v_cache.clone())
+        for name in [n for n in ("fused", "fused_tma") if n in variants]:
+            k_cache.fill_(nan), v_cache.fill_(nan)
+            got = (store(name)(), k_cache, v_cache)
+            same = all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(got, want))
+            err = max(rel_err(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, want))
+            res[f"max_rel_err_store_{name}"] = err if same else float("inf")
+        qkv_gemm.PREFER_TMA = False
+
     fns = {
         "fwd": {**{n: fwd(n) for n in variants}, "linear": linear_fwd},
         "fwd_bwd": {**{n: fb(n) for n in variants}, "linear": linear_fb},
+        "store": {**{n: store(n) for n in variants}, "linear": linear_fwd},
     }
     for mode, table in fns.items():
+        if mode not in modes:
+            continue
         times = {k: float("inf") for k in table}
         for _ in range(rounds):
             for k, fn in table.items():
                 times[k] = min(times[k], bench(fn, rep))
-        mult = 1.0 if mode == "fwd" else 3.0  # the backward is two more GEMMs of the same size
+        mult = 3.0 if mode == "fwd_bwd" else 1.0  # the backward is two more GEMMs of the same size
         for n in ("fused", "fused_tma"):
             times.setdefault(n, float("nan"))  # a path that failed
         fused = [n for n in ("fused", "fused_tma") if n in variants]
@@ -233,6 +279,20 @@ def _config_with(tma: bool, T: int, model) -> dict:
         qkv_gemm.PREFER_TMA = saved
 
 
+def _shapes(a) -> list:
+    """[(model, T)] to run: --preset, else --shapes, else every --models x --tokens."""
+    text = PRESETS[a.preset] if a.preset else a.shapes
+    if text:
+        rows = []
+        for item in (i for i in text.split(",") if i):
+            model, _, t = item.partition(":")
+            if model not in MODELS or not t.isdigit():
+                raise SystemExit(f"--shapes: expected MODEL:T with MODEL in {sorted(MODELS)}, got {item!r}")
+            rows.append((model, int(t)))
+        return rows
+    return [(m, int(t)) for m in a.models.split(",") if m for t in a.tokens.split(",") if t]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="path of the JSON results (e.g. $OUT/qkv_results.json)")
@@ -243,13 +303,23 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time the forward kernel under fixed tile configs")
     p.add_argument("--sweep-tokens", type=int, default=16384)
     p.add_argument("--device", default="cuda", help="cuda; cpu for a dry run under TRITON_INTERPRET=1")
+    p.add_argument("--shapes", default=None, help="MODEL:T,... rows to run instead of --models x --tokens")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named --shapes (long: T 8192, 32768)")
+    p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd,fwd_bwd,store (which timings to take)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="fused,fused_tma,unfused (unfused always runs)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    models = [m for m in a.models.split(",") if m]
-    tokens = [int(t) for t in a.tokens.split(",") if t]
+    shapes = _shapes(a)
+    models = list(dict.fromkeys(m for m, _ in shapes))
+    tokens = list(dict.fromkeys(t for _, t in shapes))
+    modes = tuple(m for m in a.modes.split(",") if m)
+    only = tuple(v for v in a.variants.split(",") if v)
+    for name, given, known in (("--modes", modes, MODES), ("--variants", only, tuple(VARIANTS))):
+        if not given or not set(given) <= set(known):
+            p.error(f"{name}: expected a comma-separated subset of {','.join(known)}, got {','.join(given)!r}")
     start = time.time()
     kind = qkv_api.device_kind(device)
     import triton
@@ -263,6 +333,9 @@ def main(argv=None) -> int:
         "dtype": "bfloat16",
         "models": {m: dict(zip(("hidden", "Hq", "Hk", "D", "base", "norm"), MODELS[m])) for m in models},
         "tokens": tokens,
+        "shapes": [f"{m}:{t}" for m, t in shapes],
+        "modes": list(modes),
+        "variants": [n for n in VARIANTS if n in only or n == "unfused"],
         "rounds": a.rounds,
         "rep_ms": a.rep,
         "tile_configs": {
@@ -277,29 +350,30 @@ def main(argv=None) -> int:
         f"{'speedup':>8} {'tma':>7} {'fused TF/s':>10} {'tma TF/s':>9} {'cuBLAS TF/s':>11}"
     )
     print(head)
-    for model in models:
-        for T in tokens:
-            r = run_shape(model, T, device, a.rounds, a.rep)
-            results.append(r)
-            for mode in ("fwd", "fwd_bwd"):
-                m = r[mode]
-                print(
-                    f"{model:<10} {T:>6} {mode:<8} {m['fused_ms']:>9.3f} {m['fused_tma_ms']:>9.3f} "
-                    f"{m['unfused_ms']:>9.3f} {m['linear_ms']:>9.3f} {m['speedup']:>7.3f}x {m['speedup_tma']:>6.3f}x "
-                    f"{m['fused_tflops']:>10.0f} {m['fused_tma_tflops']:>9.0f} {m['linear_tflops']:>11.0f}"
-                )
-            errs = ", ".join(
-                f"{n}: forward {r[f'max_rel_err_fwd_{n}']:.2e}, grads {r[f'max_rel_err_grad_{n}']:.2e}"
-                for n in ("fused", "fused_tma")
-                if f"max_rel_err_fwd_{n}" in r
+    for model, T in shapes:
+        r = run_shape(model, T, device, a.rounds, a.rep, modes, only)
+        results.append(r)
+        for mode in modes:
+            m = r[mode]
+            print(
+                f"{model:<10} {T:>6} {mode:<8} {m['fused_ms']:>9.3f} {m['fused_tma_ms']:>9.3f} "
+                f"{m['unfused_ms']:>9.3f} {m['linear_ms']:>9.3f} {m['speedup']:>7.3f}x {m['speedup_tma']:>6.3f}x "
+                f"{m['fused_tflops']:>10.0f} {m['fused_tma_tflops']:>9.0f} {m['linear_tflops']:>11.0f}"
             )
-            print(f"{'':<17} rel. err vs unfused: {errs}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        errs = ", ".join(
+            f"{n}: forward {r[f'max_rel_err_fwd_{n}']:.2e}, grads {r[f'max_rel_err_grad_{n}']:.2e}"
+            for n in ("fused", "fused_tma")
+            if f"max_rel_err_fwd_{n}" in r
+        )
+        print(f"{'':<17} rel. err vs unfused: {errs}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     auto, paths = {}, {}
     for r in results:
         for mode, train in (("fwd", False), ("fwd_bwd", True)):
+            if mode not in r:
+                continue
             key = (kind, qkv_api.shape_class(r["T"], r["hidden"], r["Hq"], r["Hk"], r["D"], r["norm"], train))
             auto[key] = "fused" if r[mode]["best_speedup"] >= 1.02 else "unfused"
             paths[key] = r[mode]["best_fused"]

@@ -1,7 +1,8 @@
 """The bad-input matrix of docs/bad_inputs.md: one test per row, and a test that the two agree.
 
 ROWS mirrors the doc's first table (every invalid input class of apply_rope, rotate_with_angles
-and apply_rope_and_store): each row runs the op on fresh CPU tensors and checks the exception
+and apply_rope_and_store, and of rope_qkv_projection's paged-cache write; its other arguments'
+rows are in tests/triton_kernels/test_qkv_gemm.py): each row runs the op on fresh CPU tensors and checks the exception
 type, the message fragment, that the message names the op, and that no tensor argument was
 written (bit for bit). HANDLED mirrors the doc's second table: bad values that are not errors by
 design (NaN rows, padding slots, ...), each checked for what the doc promises. GAPS mirrors the
@@ -38,6 +39,7 @@ OPS = {
     "apply_rope": ropekit.apply_rope,
     "rotate_with_angles": ropekit.rotate_with_angles,
     "apply_rope_and_store": apply_rope_and_store,
+    "rope_qkv_projection": ropekit.rope_qkv_projection,
 }
 
 
@@ -110,6 +112,25 @@ def rope_parts_args(**change):
         ),
         change,
     )
+
+
+def qkv_args(**change):
+    """rope_qkv_projection writing a paged cache: x (T, 32) projected to HQ + 2 HK heads of D, k and
+    v into the halves of one (2, 2, 4, HK, D) buffer (on CPU "auto" is the unfused path)."""
+    base = torch.full((2, 2, 4, HK, D), NAN)
+    a = dict(
+        x=torch.randn(T, 32),
+        weight=torch.randn((HQ + 2 * HK) * D, 32),
+        positions=torch.randint(0, 16, (T,)),
+        cos_sin_cache=make_cache(16, D),
+        num_q_heads=HQ,
+        num_kv_heads=HK,
+        head_dim=D,
+        k_cache=base[:, 0],
+        v_cache=base[:, 1],
+        slot_mapping=torch.tensor([0, 3, -1, 6]),
+    )
+    return _edit(a, change)
 
 
 def _edit(a, change):
@@ -1432,6 +1453,108 @@ ROWS = [
         ValueError,
         "q_nope: expected memory disjoint from q_out (which is written)",
         lambda: parts_args(q_nope=lambda a: a["q_out"][..., R_:]),
+    ),
+    # ---- rope_qkv_projection's paged-cache write -----------------------------------------------
+    R(
+        "qkv-cache-partial",
+        "rope_qkv_projection",
+        "k_cache and v_cache without slot_mapping",
+        "slot_mapping=None",
+        ValueError,
+        "slot_mapping: expected a tensor when k_cache, v_cache or slot_mapping is given",
+        lambda: qkv_args(slot_mapping=None),
+    ),
+    R(
+        "qkv-cache-grad",
+        "rope_qkv_projection",
+        "paged-cache write while autograd records the call",
+        "x.requires_grad_()",
+        ValueError,
+        "k_cache: expected a call autograd does not record (the paged-cache write is inference only",
+        lambda: qkv_args(x=lambda a: a["x"].requires_grad_()),
+    ),
+    R(
+        "qkv-cache-dtype",
+        "rope_qkv_projection",
+        "cache not of x's dtype",
+        "bfloat16 k_cache, float32 x",
+        ValueError,
+        "k_cache: expected dtype float32 (x's: the write casts nothing), got bfloat16",
+        lambda: qkv_args(k_cache=torch.full((2, 4, HK, D), NAN, dtype=torch.bfloat16)),
+    ),
+    R(
+        "qkv-cache-heads",
+        "rope_qkv_projection",
+        "cache heads differ from num_kv_heads",
+        "k_cache with 3 heads, num_kv_heads=2",
+        ValueError,
+        "k_cache: expected (heads, head size) (2, 64) (num_kv_heads, head_dim), got shape (2, 4, 3, 64)",
+        lambda: qkv_args(k_cache=torch.full((2, 4, 3, D), NAN)),
+    ),
+    R(
+        "qkv-cache-slot-dims",
+        "rope_qkv_projection",
+        "v_cache's slot dims differ from k_cache's",
+        "flat v_cache (8, 2, 64), paged k_cache (2, 4, 2, 64)",
+        ValueError,
+        "v_cache: expected slot dims (2, 4), those of k_cache",
+        lambda: qkv_args(v_cache=torch.full((8, HK, D), NAN)),
+    ),
+    R(
+        "qkv-cache-broadcast",
+        "rope_qkv_projection",
+        "broadcast (stride-0) cache",
+        "v_cache = x.expand(2, 4, 2, 64)",
+        ValueError,
+        "v_cache: expected a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+        lambda: qkv_args(v_cache=torch.full((2, 1, HK, D), NAN).expand(2, 4, HK, D)),
+    ),
+    R(
+        "qkv-slots-shape",
+        "rope_qkv_projection",
+        "slot_mapping's shape differs from x's token dims",
+        "slot_mapping of shape (3,)",
+        ValueError,
+        "slot_mapping: expected shape (4,) (x's token dims), got shape (3,)",
+        lambda: qkv_args(slot_mapping=lambda a: a["slot_mapping"][:3]),
+    ),
+    R(
+        "qkv-caches-overlap",
+        "rope_qkv_projection",
+        "v_cache overlaps k_cache",
+        "v_cache = k_cache",
+        ValueError,
+        "v_cache: expected memory disjoint from k_cache (both are written)",
+        lambda: qkv_args(v_cache=lambda a: a["k_cache"]),
+    ),
+    R(
+        "qkv-cache-in-input",
+        "rope_qkv_projection",
+        "a cache overlaps an input",
+        "x a view of k_cache's memory",
+        ValueError,
+        "x: expected memory disjoint from k_cache (which is written)",
+        lambda: qkv_args(x=lambda a: a["k_cache"][0].reshape(-1)[: T * 32].view(T, 32).nan_to_num_()),
+    ),
+    R(
+        "qkv-slot-strict",
+        "rope_qkv_projection",
+        "slot past the caches, strict mode",
+        "slot 8 of 8 slots",
+        ValueError,
+        "slot_mapping: expected values < 8",
+        lambda: qkv_args(slot_mapping=torch.tensor([0, 8, -1, 6])),
+        strict=True,
+    ),
+    R(
+        "qkv-slots-duplicate-strict",
+        "rope_qkv_projection",
+        "two tokens naming one slot, strict mode",
+        "slot_mapping [0, 3, -1, 3]",
+        ValueError,
+        "slot_mapping: expected distinct slots",
+        lambda: qkv_args(slot_mapping=torch.tensor([0, 3, -1, 3])),
+        strict=True,
     ),
 ]
 

@@ -18,6 +18,7 @@ import ropekit
 from ropekit.api import qkv as qkv_api
 from ropekit.kernels import qkv_gemm
 from ropekit.kernels.qkv_gemm import qkv_rope_gemm, tma_ok
+from ropekit.tools.reference import apply_rope_and_store as reference_store
 
 from conftest import make_cache, rel_err
 
@@ -272,6 +273,219 @@ def test_zero_tokens(device):
     assert x.grad.shape == x.shape and w.grad.abs().sum() == 0
 
 
+# ---------------------------------------------------------------------------------------------
+# torch.compile and the custom ops (ropekit::qkv_rope, ropekit::qkv_rope_backward)
+
+COMPILE_SIZES = (6, 10, 13)  # token counts: the first compiles, the others must reuse its graph
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("norm", [None, "qk"])
+def test_compile_fullgraph_dynamic(norm, grad, poison, device):
+    """fullgraph=True (a graph break fails) with dynamic=True (a recompile fails) over three token
+    counts, forward and backward against the float64 reference. Without grad: x (B, S, hidden)
+    and positions None (arange inside the traced function)."""
+    need_kernel(device)
+    hidden, hq, hk, d, rot = 32, 2, 1, 16, 8
+
+    def f(x, w, pos, cache, wq, wk):
+        return call(x, w, pos, cache, wq, wk, hq, hk, d, rot, True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch._dynamo.reset()
+    for i, T in enumerate(COMPILE_SIZES):
+        x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device, seed=T, grad=grad)
+        if not grad:
+            x, pos = x.view(1, T, hidden), None
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            outs = compiled(x, w, pos, cache, wq, wk)
+        ref_pos = torch.arange(T, device=device)[None] if pos is None else pos
+        refs = reference(x, w, ref_pos, cache, hq, hk, d, rot, True, wq, wk)
+        for o, r in zip(outs, refs):
+            assert o.shape == r.shape and rel_err(o, r) < 2e-6
+        if grad:
+            gen = torch.Generator().manual_seed(T)
+            grads = [torch.randn(o.shape, generator=gen).to(device) for o in outs]
+            leaves = [t for t in (x, w, wq, wk) if t is not None]
+            got = torch.autograd.grad(outs, leaves, grads)
+            want = torch.autograd.grad(refs, leaves, [gr.double() for gr in grads])
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and rel_err(a, b) < 1e-5
+
+
+def test_meta_tensors_take_the_fake():
+    """Meta tensors go through the custom op's fake: shapes and dtypes, nothing launched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("impl='fused' on non-CUDA tensors needs the interpreter")
+    x, w, pos, cache, wq, wk = (
+        t.to("meta") if t is not None else None for t in inputs(7, 32, 2, 1, 16, 16, norm="k", dtype=torch.bfloat16)
+    )
+    q, k, v = call(x, w, pos, cache, wq, wk, 2, 1, 16, 16, False)
+    assert (q.shape, k.shape, v.shape) == ((7, 2, 16), (7, 1, 16), (7, 1, 16))
+    assert q.device.type == "meta" and q.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("norm", [None, "q"])
+def test_opcheck(norm):
+    """torch.library.opcheck of both ops (schema, fake, autograd registration) on tiny shapes."""
+    need_kernel("cpu")
+    T, hidden, hq, hk, d, rot = 5, 32, 2, 1, 16, 8
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, grad=True)
+    sizes = [hq, hk, d, rot, 1]
+    torch.library.opcheck(torch.ops.ropekit.qkv_rope.default, (x, w, pos, cache, wq, wk, sizes, 1e-6, norm is not None))
+    g = torch.randn(T, hq + 2 * hk, d)
+    pre = torch.randn(T, hq + hk, d) if norm else None
+    wq = None if wq is None else wq.detach()
+    needs = [True, False, wq is not None, False]
+    args = (g, x.detach(), w.detach(), pos, cache, wq, None, pre, sizes, 1e-6, needs)
+    torch.library.opcheck(torch.ops.ropekit.qkv_rope_backward.default, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the paged-cache write (k_cache, v_cache, slot_mapping): against ropekit.tools.reference's store
+
+
+def cache_reference(x, w, pos, table, hq, hk, d, rot, interleaved, wq, wk, k_cache, v_cache, slots):
+    """(q, k_cache, v_cache) in float64: the projection, then the oracle's apply_rope_and_store
+    on copies of the (poisoned) caches."""
+    y = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))
+    q, k, v = y.split((hq, hk, hk), dim=-2)
+    q, kc, vc = q.clone(), k_cache.double().clone(), v_cache.double().clone()
+    wq, wk = (None if t is None else t.double() for t in (wq, wk))
+    reference_store(
+        q, k, v, pos, table.double(), kc, vc, slots, interleaved=interleaved, rotary_dim=rot,
+        q_norm_weight=wq, k_norm_weight=wk,
+    )  # fmt: skip
+    return q, kc, vc
+
+
+def caches(layout, hk, d, device, dtype=torch.float32):
+    """NaN-poisoned k and v caches of 16 slots: paged (4, 4, Hk, D), flat (16, Hk, D), or HND
+    (paged NHD views of (4, Hk, 4, D) buffers)."""
+    if layout == "flat":
+        shape = (16, hk, d)
+    elif layout == "hnd":
+        return [torch.full((4, hk, 4, d), NAN, device=device, dtype=dtype).permute(0, 2, 1, 3) for _ in range(2)]
+    else:
+        shape = (4, 4, hk, d)
+    return [torch.full(shape, NAN, device=device, dtype=dtype) for _ in range(2)]
+
+
+def same_with_nan(got, want, tol):
+    """NaN exactly where want has NaN (rows no slot names stay poisoned), close elsewhere."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert rel_err(got.nan_to_num(), want.nan_to_num()) < tol
+
+
+SLOTS = [0, 5, -1, 7, 12, 3, 14, 1, 9]  # padding (-1), blocks out of order, unnamed rows left
+
+
+@pytest.mark.parametrize("impl", ["fused", "unfused"])
+@pytest.mark.parametrize(
+    "layout,interleaved,norm",
+    [("paged", False, None), ("flat", True, "qk"), ("hnd", False, "k"), ("paged", True, "q")],
+    ids=["paged-half", "flat-interleaved-qk", "hnd-half-k", "paged-interleaved-q"],
+)
+def test_kv_cache_write_matches_reference(impl, layout, interleaved, norm, poison, device):
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = len(SLOTS), 40, 4, 2, 24, 16
+    x, w, pos, table, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
+    kc, vc = caches(layout, hk, d, device)
+    slots = torch.tensor(SLOTS, device=device, dtype=torch.int32)
+    want_q, want_k, want_v = cache_reference(x, w, pos, table, hq, hk, d, rot, interleaved, wq, wk, kc, vc, slots)
+    q = call(
+        x, w, pos, table, wq, wk, hq, hk, d, rot, interleaved, impl=impl, k_cache=kc, v_cache=vc, slot_mapping=slots
+    )
+    assert q.shape == (T, hq, d) and q.dtype == x.dtype
+    assert rel_err(q, want_q) < 2e-6
+    same_with_nan(kc, want_k, 2e-6)
+    same_with_nan(vc, want_v, 2e-6)
+
+
+def test_kv_cache_two_heads_per_program_and_bf16(poison, device):
+    """The GPU tiling (G = 2) through the launcher with the caches, bf16, (B, S) tokens."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 12, 64, 4, 2, 32, 32
+    x, w, pos, table, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm="qk", device=device, dtype=torch.bfloat16)
+    kc, vc = caches("paged", hk, d, device, torch.bfloat16)
+    slots = torch.tensor([15, 0, 2, -1, 4, 8, 9, 10, 11, -5, 3, 6], device=device)
+    want_q, want_k, want_v = cache_reference(x, w, pos, table, hq, hk, d, rot, False, wq, wk, kc, vc, slots)
+    out = torch.full((T, hq, d), NAN, device=device, dtype=torch.bfloat16)
+    cfg = dict(G=2, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+    qkv_rope_gemm(
+        x, w, pos, table, out, None, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot, interleaved=False,
+        q_norm_weight=wq, k_norm_weight=wk, config=cfg, k_cache=kc, v_cache=vc, slot_mapping=slots,
+    )  # fmt: skip
+    assert rel_err(out, want_q) < 8e-3
+    same_with_nan(kc, want_k, 8e-3)
+    same_with_nan(vc, want_v, 8e-3)
+    # the public op on (B, S) tokens: the same rows
+    kc2, vc2 = caches("paged", hk, d, device, torch.bfloat16)
+    q = call(x.view(2, 6, hidden), w, pos.view(2, 6), table, wq, wk, hq, hk, d, rot, False,
+             k_cache=kc2, v_cache=vc2, slot_mapping=slots.view(2, 6))  # fmt: skip
+    assert q.shape == (2, 6, hq, d) and torch.equal(q.view(T, hq, d), out)
+    assert torch.equal(kc2.nan_to_num(), kc.nan_to_num()) and torch.equal(vc2.nan_to_num(), vc.nan_to_num())
+
+
+@pytest.mark.parametrize("impl", ["fused", "unfused"])
+def test_kv_cache_slot_past_the_cache(impl, poison, device):
+    """A slot >= num_slots stores nothing and makes its token's rotated q dims NaN (the store's
+    rule); strict mode raises first, as for duplicate slots."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, rot = 5, 32, 2, 1, 16, 8
+    x, w, pos, table, _, _ = inputs(T, hidden, hq, hk, d, rot, device=device)
+    kc, vc = caches("paged", hk, d, device)
+    slots = torch.tensor([0, 16, 2, 3, 4], device=device)
+    q = call(x, w, pos, table, None, None, hq, hk, d, rot, False, impl=impl, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    assert torch.isnan(q[1, :, :rot]).all() and not torch.isnan(q[1, :, rot:]).any()
+    assert not torch.isnan(q[[0, 2, 3, 4]]).any()
+    named = torch.zeros(16, dtype=torch.bool)
+    named[[0, 2, 3, 4]] = True
+    for c in (kc, vc):
+        flat = c.reshape(16, -1).cpu()
+        assert not torch.isnan(flat[named]).any() and torch.isnan(flat[~named]).all()
+    args = dict(impl=impl, k_cache=kc, v_cache=vc)
+    before = kc.clone()
+    with ropekit.strict(), pytest.raises(ValueError, match=r"rope_qkv_projection: slot_mapping: expected values < 16"):
+        call(x, w, pos, table, None, None, hq, hk, d, rot, False, slot_mapping=slots, **args)
+    with ropekit.strict(), pytest.raises(ValueError, match=r"rope_qkv_projection: slot_mapping: .*slot"):
+        call(x, w, pos, table, None, None, hq, hk, d, rot, False, slot_mapping=slots.clamp(max=2), **args)
+    assert torch.equal(kc.nan_to_num(), before.nan_to_num())
+
+
+def test_kv_cache_under_compile(poison, device):
+    """The fused cache write as ropekit::qkv_rope_store (mutating the caches) under fullgraph,
+    dynamic compilation: two token counts, one graph, against the oracle."""
+    need_kernel(device)
+    hidden, hq, hk, d, rot = 32, 2, 1, 16, 16
+
+    def f(x, w, pos, table, kc, vc, slots):
+        return call(x, w, pos, table, None, None, hq, hk, d, rot, False, k_cache=kc, v_cache=vc, slot_mapping=slots)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch._dynamo.reset()
+    for i, T in enumerate((6, 9)):
+        x, w, pos, table, _, _ = inputs(T, hidden, hq, hk, d, rot, device=device, seed=T)
+        kc, vc = caches("paged", hk, d, device)
+        slots = torch.randperm(16)[:T].to(device)
+        want = cache_reference(x, w, pos, table, hq, hk, d, rot, False, None, None, kc, vc, slots)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            q = compiled(x, w, pos, table, kc, vc, slots)
+        assert rel_err(q, want[0]) < 2e-6
+        same_with_nan(kc, want[1], 2e-6)
+        same_with_nan(vc, want[2], 2e-6)
+
+
+def test_kv_cache_opcheck():
+    need_kernel("cpu")
+    T, hidden, hq, hk, d, rot = 5, 32, 2, 1, 16, 16
+    x, w, pos, table, wq, _ = inputs(T, hidden, hq, hk, d, rot, norm="q")
+    kc, vc = torch.zeros(4, 2, hk, d), torch.zeros(8, hk, d)[:, :, :].view(4, 2, hk, d)
+    slots = torch.tensor([1, 0, 7, -1, 4])
+    args = (x, w, pos, table, wq, None, kc, vc, slots, [hq, hk, d, rot, 0], 1e-6)
+    torch.library.opcheck(torch.ops.ropekit.qkv_rope_store.default, args)
+
+
 def _bad(**changes):
     T, hidden, hq, hk, d = 4, 32, 2, 1, 16
     x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, 16, norm="qk")
@@ -414,3 +628,28 @@ def test_gpu_auto_follows_the_table(monkeypatch):
     monkeypatch.setitem(qkv_api.AUTO_TABLE, key, "fused")
     call(x, w, pos, cache, None, None, hq, hk, d, d, False, impl="auto")
     assert called
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize(
+    "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
+)
+def test_gpu_bf16_kv_cache(case, tma, poison, monkeypatch):
+    """The paged-cache write at the GPU tiles (G = 2 where the heads allow, the TMA path), bf16,
+    against the oracle's store, a NaN-poisoned cache of more slots than tokens."""
+    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+    T, hidden, hq, hk, d, rot, interleaved, norm = case
+    x, w, pos, table, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda")
+    block = 16
+    n_blocks = (2 * T + block - 1) // block
+    kc = torch.full((n_blocks, block, hk, d), NAN, device="cuda", dtype=torch.bfloat16)
+    vc = torch.full_like(kc, NAN)
+    slots = torch.randperm(n_blocks * block, device="cuda")[:T]
+    slots[::7] = -1
+    want = cache_reference(x, w, pos, table, hq, hk, d, rot, interleaved, wq, wk, kc, vc, slots)
+    with torch.no_grad():
+        q = call(x, w, pos, table, wq, wk, hq, hk, d, rot, interleaved, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    assert rel_err(q, want[0]) < 8e-3
+    same_with_nan(kc, want[1], 8e-3)
+    same_with_nan(vc, want[2], 8e-3)

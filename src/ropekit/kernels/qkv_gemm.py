@@ -6,6 +6,12 @@
     pre  (T, Hq + Hk, D)        optional (PRE): the q and k heads before norm and rotation (what a
                                 normed backward needs; written only when autograd asks for it)
 
+With CACHE (the paged-cache write, inference only), out is (T, Hq, D), q heads only: the k and v
+heads go to the rows of k_cache / v_cache that slot_mapping names, (block, offset) = divmod(slot,
+block_size) (a flat (num_slots, H, D) cache is block_size 1). A slot < 0 stores nothing (padding);
+a slot >= num_slots stores nothing and makes that token's rotated q dims NaN (apply_rope_and_store's
+rule: the mistake shows in the attention output, never in another token's row).
+
 A program computes BLOCK_M rows x G whole heads (G * D output columns). The accumulator of those
 columns is kept as up to three tiles whose columns are gathered from W's rows:
 
@@ -100,6 +106,9 @@ def qkv_rope_gemm_kernel(
     cache_ptr,
     wq_ptr,
     wk_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
     T,
     K,
     n_q_heads,
@@ -116,6 +125,15 @@ def qkv_rope_gemm_kernel(
     stride_ph,
     stride_pos,
     stride_cache,
+    num_slots,
+    block_size,
+    stride_slot,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     D: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -132,6 +150,7 @@ def qkv_rope_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     # grouped order of the (row block, head block) tiles: GROUP_M row blocks share W's column
     # blocks while they are in L2
@@ -235,10 +254,24 @@ def qkv_rope_gemm_kernel(
     is_q = head0 < n_q_heads
     is_v = head0 >= n_q_heads + n_k_heads
     out_rows = out_ptr + rows[:, None] * stride_om
+    if CACHE:
+        # each row's cache slot: (block, offset), int64; padding (< 0) and past-the-cache slots store nothing
+        slot = tl.load(slot_ptr + rows * stride_slot, mask=row_ok, other=-1).to(tl.int64)
+        slot_ok = row_ok & (slot >= 0) & (slot < num_slots)
+        s = tl.where(slot_ok, slot, 0)
+        blk = s // block_size
+        off = s % block_size
     if is_v:
-        _store_pairs(out_rows, stride_oh, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
-        if TAIL_PAD > 0:
-            _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
+        if CACHE:
+            v_rows = vc_ptr + (blk * stride_vb + off * stride_vs)[:, None]
+            v_head = head0 - n_q_heads - n_k_heads
+            _store_pairs(v_rows, stride_vh, v_head, slot_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            if TAIL_PAD > 0:
+                _store_tail(v_rows, stride_vh, v_head, slot_ok, at, D, HALF, TAIL_PAD, G)
+        else:
+            _store_pairs(out_rows, stride_oh, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            if TAIL_PAD > 0:
+                _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
     else:
         if PRE:
             # the projection before norm and rotation, rounded as an unfused projection would be
@@ -265,14 +298,23 @@ def qkv_rope_gemm_kernel(
         # angles of the rows' positions; out of the table -> NaN, never an out-of-bounds read
         pos = tl.load(pos_ptr + rows * stride_pos, mask=row_ok, other=0).to(tl.int64)
         pos_ok = (pos >= 0) & (pos < max_position)
+        if CACHE:
+            pos_ok = pos_ok & (slot < num_slots)  # a slot past the cache: NaN in the rotated q (and k) dims
         m_ang = (row_ok & pos_ok)[:, None] & pair_ok[None, :]
         cos, sin = table_angles(
             cache_ptr, cache_ptr + HALF, pos[:, None] * stride_cache, c_pair[None, :], m_ang, float("nan")
         )
         r1, r2 = rotate(a1, a2, cos, sin, False)
-        _store_pairs(out_rows, stride_oh, head0, row_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+        dst_rows, dst_stride, dst_head, dst_ok = out_rows, stride_oh, head0, row_ok
+        if CACHE:  # k heads into their cache rows, q heads into out: one scalar select each
+            k_rows = kc_ptr + (blk * stride_kb + off * stride_ks)[:, None]
+            dst_rows = tl.where(is_q, out_rows, k_rows)
+            dst_stride = tl.where(is_q, stride_oh, stride_kh)
+            dst_head = tl.where(is_q, head0, head0 - n_q_heads)
+            dst_ok = tl.where(is_q, row_ok, slot_ok)
+        _store_pairs(dst_rows, dst_stride, dst_head, dst_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
         if TAIL_PAD > 0:
-            _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
+            _store_tail(dst_rows, dst_stride, dst_head, dst_ok, at, D, HALF, TAIL_PAD, G)
 
 
 @triton.jit
@@ -389,11 +431,18 @@ def qkv_rope_gemm(
     k_norm_weight=None,
     eps: float = 1e-6,
     config: dict = None,
+    k_cache=None,
+    v_cache=None,
+    slot_mapping=None,
 ) -> None:
     """Launch qkv_rope_gemm_kernel: out (T, Hq + 2 Hk, D) <- rotated (normed) x @ weight^T; pre
     (T, Hq + Hk, D) or None <- the q and k heads before norm and rotation. Arguments validated by
     the caller (ropekit.api.qkv): same device and dtype for x, weight, out and pre; last strides 1
-    for out, pre, the table and the norm weights; positions (T,) int32/int64."""
+    for out, pre, the table and the norm weights; positions (T,) int32/int64.
+
+    With k_cache, v_cache ((num_blocks, block_size, Hk, D) or (num_slots, Hk, D), x's dtype, last
+    stride 1) and slot_mapping ((T,) int32/int64): out is (T, Hq, D), the k and v heads go to the
+    caches' slot rows, pre must be None."""
     T, K = x.shape
     if T == 0:
         return
@@ -413,6 +462,16 @@ def qkv_rope_gemm(
     wq = q_norm_weight if q_norm_weight is not None else cache
     wk = k_norm_weight if k_norm_weight is not None else cache
     pre_t = pre if pre is not None else out
+    cache_on = k_cache is not None
+    kc, vc = (k_cache, v_cache) if cache_on else (out, out)
+    slots = slot_mapping if cache_on else positions
+    num_slots, block_size, ks, vs = 0, 1, (0, 0, 0), (0, 0, 0)
+    if cache_on:  # a flat (num_slots, H, D) cache: blocks of one slot
+        paged = k_cache.dim() == 4
+        num_slots = k_cache.shape[0] * (k_cache.shape[1] if paged else 1)
+        block_size = k_cache.shape[1] if paged else 1
+        ks = (k_cache.stride(0), k_cache.stride(1) if paged else 0, k_cache.stride(-2))
+        vs = (v_cache.stride(0), v_cache.stride(1) if paged else 0, v_cache.stride(-2))
     x_desc = w_desc = wt_desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -433,6 +492,9 @@ def qkv_rope_gemm(
         cache,
         wq,
         wk,
+        kc,
+        vc,
+        slots,
         T,
         K,
         n_q_heads,
@@ -449,6 +511,11 @@ def qkv_rope_gemm(
         pre_t.stride(1),
         positions.stride(0),
         cache.stride(0),
+        num_slots,
+        block_size,
+        slots.stride(0),
+        *ks,
+        *vs,
         D=head_dim,
         HALF=half,
         HALF_PAD=half_pad,
@@ -463,5 +530,6 @@ def qkv_rope_gemm(
         # the interpreter multiplies bf16 tiles wrongly: there they are upcast to float32 first
         UPCAST=(not x.is_cuda) and str(x.dtype) == "torch.bfloat16",
         TMA=tma,
+        CACHE=cache_on,
         **cfg,
     )

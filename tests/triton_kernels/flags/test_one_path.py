@@ -34,8 +34,10 @@ def _norm_ref(x, w, offset=0.0):
     return x if w is None else reference.rms_norm(x, w.double().cpu(), eps=1e-6, offset=offset)
 
 
-def test_the_custom_ops_are_six():
-    """The public surface needs six custom ops; the norm, fp8, packed and axial paths add none."""
+def test_the_custom_ops_are_six_and_the_projections_three():
+    """The rotations, the store and the re-rotation need six custom ops; the norm, fp8, packed and
+    axial paths add none. rope_qkv_projection adds three of its own (forward, backward, the
+    paged-cache write: ropekit.api.qkv)."""
     ours = {name for name in dir(torch.ops.ropekit) if not name.startswith("_")}
     ours = {n for n in ours if hasattr(getattr(torch.ops.ropekit, n), "default")}
     assert ours == {
@@ -45,6 +47,9 @@ def test_the_custom_ops_are_six():
         "rope_and_store",
         "rope_and_store_q_out",
         "rerotate_kv_cache",
+        "qkv_rope",
+        "qkv_rope_backward",
+        "qkv_rope_store",
     }, ours
 
 
