@@ -42,7 +42,6 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ..api import ops
-from . import hf_forms
 
 
 class Family(NamedTuple):
@@ -217,33 +216,38 @@ def _eps(norm, family: Family) -> float:
     raise AttributeError(f"ropekit.hf: {type(norm).__name__} has no eps attribute ({family.eps!r} or 'eps')")
 
 
-def _rope_then_norm_function(previous, family: Family, module):
+def _complex_fits(xq, xk, freqs_cis) -> bool:
+    """Does the kernel take Llama 4's (xq, xk, freqs_cis) as HF computes it? q / k (B, S, H, D) of
+    one float dtype, unit last stride, D = 2 * freqs_cis's last dim; freqs_cis complex64 (B or 1,
+    S, D/2), a constant."""
+    if not all(isinstance(t, torch.Tensor) for t in (xq, xk, freqs_cis)):
+        return False
+    if xq.dim() != 4 or xk.dim() != 4 or freqs_cis.dim() != 3 or freqs_cis.dtype != torch.complex64:
+        return False
+    if xq.dtype != xk.dtype or xq.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if freqs_cis.requires_grad or xq.stride(-1) != 1 or xk.stride(-1) != 1 or xq.shape[:2] != xk.shape[:2]:
+        return False
+    half = freqs_cis.shape[-1]
+    return xq.shape[-1] == xk.shape[-1] == 2 * half and freqs_cis.shape[1] == xq.shape[1]
+
+
+def _rope_then_norm_function(previous, family: Family):
     """A norm-after family's rope function (Llama 4's apply_rotary_emb(xq, xk, freqs_cis), q / k
     (B, S, H, D), complex freqs_cis): inside a deferring attention, one call rotates and normalizes
     q and k (l2_norm=True, the qk_norm's eps) and the attention's two qk_norm calls after it return
     their input; otherwise, and for inputs the kernel does not take as HF computes them, the
     function it replaced (HF's norm then runs as HF's)."""
-    form = hf_forms.FORM.get(module.__name__.split(".")[2])  # transformers.models.<family>.modeling_<family>
 
     def apply_rotary_emb(xq, xk, freqs_cis, *args, **kwargs):
         st = _stack()
         entry = st[-1] if st else None
-        if entry is None or not entry.family.after or entry.pending or args or kwargs or form is None:
+        if entry is None or not entry.family.after or entry.pending or args or kwargs:
             return previous(xq, xk, freqs_cis, *args, **kwargs)
-        planned = hf_forms.plan(form, xq, xk, freqs_cis, None)
-        if planned is None:
+        if not _complex_fits(xq, xk, freqs_cis) or freqs_cis.shape[0] not in (1, xq.shape[0]):
             return previous(xq, xk, freqs_cis)
-        _, columns, cos, sin = planned
-        out = ops.rotate_angles(
-            xq,
-            xk,
-            cos,
-            sin,
-            interleaved=True,
-            columns=columns,
-            heads_first=False,
-            l2_norm=True,
-            norm_eps=_eps(entry.q_norm, family),
+        out = ops.rotate_with_angles(
+            xq, xk, freqs_cis=freqs_cis, layout="bshd", l2_norm=True, norm_eps=_eps(entry.q_norm, family)
         )
         entry.pending = 2
         return out
@@ -270,7 +274,7 @@ def patch(families, specs: Optional[Dict[str, Family]] = None) -> Dict[str, List
             continue
         name = module.__name__
         if spec.after:
-            rope = _rope_then_norm_function(getattr(module, spec.rope), spec, module)
+            rope = _rope_then_norm_function(getattr(module, spec.rope), spec)
         else:
             rope = _rope_function(getattr(module, spec.rope), spec, norm, norm.forward)
         swaps = [
