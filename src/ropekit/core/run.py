@@ -210,6 +210,8 @@ class StoreOperands(NamedTuple):
     wk: Optional[torch.Tensor] = None
     qn: Optional[torch.Tensor] = None  # q's no-rope part given apart (with q_out), Variant.nope_q
     kn: Optional[torch.Tensor] = None  # k's likewise (the k cache rows' tails), Variant.nope_k
+    kcs: Optional[torch.Tensor] = None  # NVFP4 caches (Variant.fp4): the k cache's block scales
+    vcs: Optional[torch.Tensor] = None  # ... and the v cache's
 
     def whole(self, q: torch.Tensor, k: torch.Tensor) -> "StoreOperands":
         """These operands with whole heads q and k (their no-rope parts joined in)."""

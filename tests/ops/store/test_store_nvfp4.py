@@ -1,0 +1,160 @@
+"""apply_rope_and_store into NVFP4 caches (k_cache_scales / v_cache_scales) against the float64 oracle.
+
+Every case poisons the caches first (code bytes 0xFF, block scales NaN), runs the op on fresh random
+inputs and checks that the rows no slot names keep their poison bit for bit and that the written
+rows, unpacked (reference.nvfp4_unpack), equal the oracle's quantize-dequantize of its rotated k and
+of v exactly. The angles are random multiples of 90 degrees (cos, sin in {0, 1, -1}), so the rotation
+is exact in any precision, and the global scales powers of two: then no quotient of the rule lands
+near a rounding boundary without being on it (bf16 / fp16 values have few significant bits), and
+float32 and float64 quantize alike. q is checked against the oracle as in test_store.py.
+"""
+
+import pytest
+import torch
+
+from ropekit.api.store import apply_rope_and_store
+from ropekit.tools import reference
+
+NB, BS = 3, 4  # a paged cache of 12 slots
+
+
+def right_angles(max_pos, rot, device):
+    """A [cos | sin] table whose angles are random multiples of 90 degrees (exact rotations)."""
+    turns = torch.randint(0, 4, (max_pos, rot // 2))
+    cos = torch.tensor([1.0, 0.0, -1.0, 0.0])[turns]
+    sin = torch.tensor([0.0, 1.0, 0.0, -1.0])[turns]
+    return torch.cat((cos, sin), -1).to(device)
+
+
+def nvfp4_caches(H, D, device, layout="nhd"):
+    """Poisoned NVFP4 cache pairs (codes, scales) for k and v: (NB, BS, H, D/2) uint8 filled with
+    0xFF and (NB, BS, H, D/16) float8_e4m3fn NaN; 'hnd' gives permuted views of head-major storage,
+    'flat' (NB * BS, H, ...)."""
+
+    def alloc(width, dtype, fill):
+        if layout == "hnd":
+            x = torch.empty(NB, H, BS, width, dtype=torch.uint8, device=device).permute(0, 2, 1, 3)
+        else:
+            x = torch.empty(NB, BS, H, width, dtype=torch.uint8, device=device)
+        x.fill_(fill)
+        x = x.view(dtype)
+        return x.flatten(0, 1) if layout == "flat" else x
+
+    return [(alloc(D // 2, torch.uint8, 0xFF), alloc(D // 16, torch.float8_e4m3fn, 0x7F)) for _ in "kv"]
+
+
+def rows_of(cache, slots):
+    """The rows of the (valid) slots of a paged or flat cache."""
+    if cache.dim() == 4:
+        return cache[slots // cache.shape[1], slots % cache.shape[1]]
+    return cache[slots]
+
+
+def check_nvfp4(q, k, v, pos, table, caches, slots, *, k_scale=None, v_scale=None, interleaved=False, **kw):
+    """Run the op into the poisoned caches and compare every cache element and q with the oracle."""
+    (kd, ksf), (vd, vsf) = caches
+    before = [x.clone() for x in (kd, ksf.view(torch.uint8), vd, vsf.view(torch.uint8))]
+    q_rot, k_rot = reference.rms_norm_rope(
+        q.double(), k.double(), pos, table.double(), interleaved=interleaved, rotary_dim=kw.get("rotary_dim")
+    )
+    apply_rope_and_store(
+        q,
+        k,
+        v,
+        pos,
+        table,
+        kd,
+        vd,
+        slots,
+        interleaved=interleaved,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_cache_scales=ksf,
+        v_cache_scales=vsf,
+        **kw,
+    )
+    keep = slots >= 0
+    written = slots[keep].long()
+    for (data, sf, old_data, old_sf), x, g in (
+        ((kd, ksf, before[0], before[1]), k_rot, k_scale),
+        ((vd, vsf, before[2], before[3]), v, v_scale),
+    ):
+        g = 1.0 if g is None else float(g)
+        vals, scales = reference.nvfp4_quantize(x[keep].double(), g)
+        want = reference.nvfp4_dequantize(vals, scales, g)
+        got = reference.nvfp4_unpack(rows_of(data, written).cpu(), rows_of(sf, written).cpu(), g)
+        assert torch.equal(got.isnan(), want.cpu().isnan()), "NaN where the oracle has none (or the reverse)"
+        assert torch.equal(got.nan_to_num(), want.cpu().nan_to_num()), (got - want.cpu()).abs().max()
+        # every row no slot names keeps its poison, bit for bit
+        untouched = torch.ones(data.shape[:-2].numel(), dtype=torch.bool)
+        untouched[written.cpu()] = False
+        shape = (-1, *data.shape[-2:])
+        assert torch.equal(data.reshape(shape)[untouched], old_data.reshape(shape)[untouched])
+        shape = (-1, *sf.shape[-2:])
+        assert torch.equal(sf.view(torch.uint8).reshape(shape)[untouched], old_sf.reshape(shape)[untouched])
+    torch.testing.assert_close(q.double(), q_rot.to(q.dtype).double(), rtol=0, atol=0, equal_nan=True)
+
+
+def make(T, Hq, Hk, D, rot, dtype, device, max_pos=16):
+    q = torch.randn(T, Hq, D, dtype=dtype, device=device)
+    k = torch.randn(T, Hk, D, dtype=dtype, device=device) * 4
+    v = torch.randn(Hk, T, D, dtype=dtype, device=device).movedim(0, 1)  # a strided v
+    pos = torch.randint(0, max_pos, (T,), device=device)
+    return q, k, v, pos, right_angles(max_pos, rot, device)
+
+
+def slots_of(T, device, n_pad=1):
+    s = torch.randperm(NB * BS)[:T]
+    s[-n_pad:] = -1
+    return s.to(device)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "flat"])
+def test_random_rows(device, interleaved, layout):
+    q, k, v, pos, table = make(5, 4, 2, 32, 32, torch.bfloat16, device)
+    caches = nvfp4_caches(2, 32, device, layout)
+    g = torch.tensor([0.25], device=device)
+    check_nvfp4(q, k, v, pos, table, caches, slots_of(5, device), k_scale=g, v_scale=2.0, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+def test_partial_rotary_tail(device, interleaved):
+    """rotary_dim 32 of a 64-wide head: the tail's blocks are quantized after the rotated ones."""
+    q, k, v, pos, table = make(3, 2, 1, 64, 32, torch.float16, device)
+    caches = nvfp4_caches(1, 64, device)
+    check_nvfp4(q, k, v, pos, table, caches, slots_of(3, device), interleaved=interleaved, rotary_dim=32)
+
+
+def test_ties_saturation_and_zero_blocks(device):
+    """Rows built to hit every rounding tie (to even), values past 6 x scale, block scales past 448
+    and below e4m3's normal range, and blocks of zeros; position 0 (no rotation) for k."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    row = torch.cat(
+        (
+            torch.cat((ties, -ties)),  # scale 1 with g 1: every tie
+            torch.cat((ties, -ties)) * 1024,  # amax 6144: scale 1024 saturates to 448, values to 6
+            torch.zeros(16),  # a zero block: scale 0, codes 0
+            torch.cat((ties, -ties)) * 2**-10,  # a scale below 2^-6 (e4m3 subnormal)
+        )
+    )
+    T, H, D = 3, 2, 64
+    x = row.expand(T, H, D).clone()
+    x[1] *= -1
+    x[2, 1] = torch.linspace(-7, 7, D)  # values between the ties
+    q = torch.randn(T, 1, D, device=device)
+    k, v = x.to(device), (x * 0.5).to(device)
+    pos = torch.zeros(T, dtype=torch.long, device=device)
+    table = right_angles(4, D, device)
+    caches = nvfp4_caches(H, D, device)
+    check_nvfp4(q, k, v, pos, table, caches, torch.tensor([5, 0, 11], device=device), v_scale=0.5)
+
+
+def test_nan_row_on_bad_position(device):
+    """A position past the table makes k's rotated dims NaN: their blocks' scales are NaN (the
+    values unpack to NaN), the tail's and v's blocks are finite."""
+    q, k, v, pos, table = make(2, 1, 1, 32, 16, torch.bfloat16, device)
+    pos[0] = 99
+    caches = nvfp4_caches(1, 32, device)
+    check_nvfp4(q, k, v, pos, table, caches, torch.tensor([3, 7], device=device), interleaved=True, rotary_dim=16)
+    assert caches[0][1][0, 3, 0, 0].float().isnan() and not caches[0][1][0, 3, 0, 1].float().isnan()
