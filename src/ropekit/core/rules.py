@@ -577,7 +577,7 @@ def store_args(
         if name == "k_cache" and k_nope is not None:
             want, xname = (want[0], want[1] + k_nope.shape[-1]), "k and k_nope together"
         if fp4:
-            want = nvfp4_row(op, name, cache, xname, want)
+            want, xname = nvfp4_row(op, name, xname, want), f"{xname} as NVFP4 bytes (2 values a byte)"
         if tuple(cache.shape[-2:]) != want:
             fail(op, name, f"(heads, head size) {want}, those of {xname}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
@@ -628,7 +628,7 @@ def is_nvfp4(k_cache, v_cache, cache_scales) -> bool:
     )
 
 
-def nvfp4_row(op, name, cache, xname, want) -> tuple:
+def nvfp4_row(op, name, xname, want) -> tuple:
     """(heads, bytes) of an NVFP4 cache row for heads of (H, D) values: D a multiple of 16 (one
     block scale per 16 values), D / 2 bytes of codes."""
     if want[1] % 16:
