@@ -73,8 +73,10 @@ def check_nvfp4(q, k, v, pos, table, caches, slots, *, k_scale=None, v_scale=Non
         v_cache_scales=vsf,
         **kw,
     )
-    keep = slots >= 0
+    num_slots = kd.shape[:-2].numel()
+    keep = (slots >= 0) & (slots < num_slots)
     written = slots[keep].long()
+    q_rot[slots >= num_slots, :, : table.shape[-1]] = float("nan")  # a slot past the cache flags q
     for (data, sf, old_data, old_sf), x, g in (
         ((kd, ksf, before[0], before[1]), k_rot, k_scale),
         ((vd, vsf, before[2], before[3]), v, v_scale),
@@ -86,8 +88,8 @@ def check_nvfp4(q, k, v, pos, table, caches, slots, *, k_scale=None, v_scale=Non
         assert torch.equal(got.isnan(), want.cpu().isnan()), "NaN where the oracle has none (or the reverse)"
         assert torch.equal(got.nan_to_num(), want.cpu().nan_to_num()), (got - want.cpu()).abs().max()
         # every row no slot names keeps its poison, bit for bit
-        untouched = torch.ones(data.shape[:-2].numel(), dtype=torch.bool)
-        untouched[written.cpu()] = False
+        untouched = torch.ones(data.shape[:-2].numel(), dtype=torch.bool, device=data.device)
+        untouched[written] = False
         shape = (-1, *data.shape[-2:])
         assert torch.equal(data.reshape(shape)[untouched], old_data.reshape(shape)[untouched])
         shape = (-1, *sf.shape[-2:])
@@ -158,3 +160,28 @@ def test_nan_row_on_bad_position(device):
     caches = nvfp4_caches(1, 32, device)
     check_nvfp4(q, k, v, pos, table, caches, torch.tensor([3, 7], device=device), interleaved=True, rotary_dim=16)
     assert caches[0][1][0, 3, 0, 0].float().isnan() and not caches[0][1][0, 3, 0, 1].float().isnan()
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_both_cpu_paths(monkeypatch, path):
+    """CPU tensors run the kernel under TRITON_INTERPRET=1 (its launches counted), the PyTorch path
+    (ropekit.core.cpu.nvfp4_rows) otherwise: the same rows either way, a slot past the cache and a
+    bad position included."""
+    from ropekit.core import checks, memo, pipeline
+
+    fired = []
+    real_launch = pipeline.launch
+    monkeypatch.setattr(pipeline, "launch", lambda *a: (fired.append(1), real_launch(*a)))
+    monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
+    memo.clear()
+    try:
+        for layout, interleaved, rot in (("nhd", False, 32), ("flat", True, 16), ("hnd", False, 64)):
+            q, k, v, pos, table = make(4, 2, 2, 64, rot, torch.bfloat16, "cpu")
+            pos[1] = 99
+            slots = torch.tensor([2, 5, 50, -1])
+            kw = dict(k_scale=0.5, v_scale=torch.tensor(4.0), interleaved=interleaved, rotary_dim=rot)
+            check_nvfp4(q, k, v, pos, table, nvfp4_caches(2, 64, "cpu", layout), slots, **kw)
+            assert q[2, :, :rot].isnan().all()  # the slot past the cache flags its token's q
+    finally:
+        memo.clear()
+    assert bool(fired) == (path == "kernel")
