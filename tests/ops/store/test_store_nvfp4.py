@@ -185,3 +185,23 @@ def test_both_cpu_paths(monkeypatch, path):
     finally:
         memo.clear()
     assert bool(fired) == (path == "kernel")
+
+
+def test_bench_row_check_and_bytes(monkeypatch):
+    """W7-NVFP4's ropekit call passes its float64 check (the oracle's quantize-dequantize, on the
+    pure-PyTorch CPU path as the bench's CPU mode runs); its bytes count the packed rows (half a byte
+    a value, a scale byte per 16 values); other peers are n/a."""
+    from test_bench import ropekit_row_passes
+
+    from ropekit.tools.bench import peers, workloads
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    w = workloads.BY_ID["W7-NVFP4"]
+    base = ropekit_row_passes(w, dict(w.sizes(True), T=16))
+    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
+    q, k, v = base["q"], base["k"], base["v"]
+    packed = (k.numel() + v.numel()) // 2 + (k.numel() + v.numel()) // 16
+    assert nb(base["k_cache"]) + nb(base["k_cache_scales"]) == base["k_cache"].numel() * 18 // 16
+    assert workloads.min_bytes(w, base) == 2 * nb(q) + nb(k) + nb(v) + packed
+    with pytest.raises(peers.PeerSkip):
+        peers.forms_only_ropekit(peers.RopekitUnfused(), w)
