@@ -205,3 +205,24 @@ def test_bench_row_check_and_bytes(monkeypatch):
     assert workloads.min_bytes(w, base) == 2 * nb(q) + nb(k) + nb(v) + packed
     with pytest.raises(peers.PeerSkip):
         peers.forms_only_ropekit(peers.RopekitUnfused(), w)
+
+
+def test_k_nope_and_write_key(device):
+    """GQA's key in two parts (k the rope part, k_nope beside v) with write_key: each k cache row
+    is [rotated k | k_nope] quantized as one row; k receives rotated k unquantized."""
+    T, H, R, N = 3, 2, 32, 32
+    q, k, v, pos, table = make(T, 2, H, R, R, torch.bfloat16, device)
+    v = torch.randn(T, H, R + N, dtype=torch.bfloat16, device=device)
+    k_nope = torch.randn(T, H, N + 8, dtype=torch.bfloat16, device=device)[..., 8:]  # a strided part
+    (kd, ksf), (vd, vsf) = nvfp4_caches(H, R + N, device)
+    _, k_rot = reference.rms_norm_rope(q.double(), k.double(), pos, table.double())
+    slots = torch.tensor([4, -1, 9], device=device)
+    apply_rope_and_store(
+        q, k, v, pos, table, kd, vd, slots, k_nope=k_nope, write_key=True, k_cache_scales=ksf, v_cache_scales=vsf
+    )
+    assert torch.equal(k.double(), k_rot.to(torch.bfloat16).double())
+    rows = torch.tensor([0, 2], device=device)
+    for data, sf, x in ((kd, ksf, torch.cat((k_rot, k_nope.double()), -1)), (vd, vsf, v.double())):
+        want = reference.nvfp4_dequantize(*reference.nvfp4_quantize(x[rows]))
+        got = reference.nvfp4_unpack(rows_of(data, slots[rows].long()), rows_of(sf, slots[rows].long()))
+        assert torch.equal(got.cpu(), want.cpu())
