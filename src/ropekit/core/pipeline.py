@@ -271,8 +271,8 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
     so. The Triton launch (plan made once per spec), or the PyTorch path on CPU tensors.
 
     rope_store_kernel's pointer slots: q, k, v, positions, table, slots, k cache, v cache, k's
-    scale, v's scale, q_out, q's scale, the norm weights, the no-rope parts, NVFP4's block scales; a slot the plan never
-    reads (unscaled, unnormalized) points at the table."""
+    scale, v's scale, q_out, q's scale, the norm weights, the no-rope parts, NVFP4's block scales;
+    a slot the plan never reads (unscaled, unnormalized) points at the table."""
     if not spec.triton:
         run.store_cpu(spec, t)
         return

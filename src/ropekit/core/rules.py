@@ -514,7 +514,7 @@ def store_args(
     """Checks of apply_rope_and_store's arguments that need no data (positions (*T), (3, *T) with
     M-RoPE sections, or None: arange, or with packed (cu_seqlens checked by `packed_args`) derived).
     k_nope: GQA / MHA's no-rope key part beside v (`nope_part`); k_cache's rows then hold k and it.
-    cache_scales: (k_cache_scales, v_cache_scales), NVFP4's block scales (`nvfp4_caches`).
+    cache_scales: (k_cache_scales, v_cache_scales), NVFP4's block scales (`nvfp4_scales`).
 
     Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or the (t, h, w) sections, scales as
     given by `scale_arg`.

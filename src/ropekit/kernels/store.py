@@ -26,8 +26,9 @@ even element of a pair in the low nibble) and one float8_e4m3fn scale per 16 con
 head row. A block's scale is amax / 6 / g rounded to nearest even onto e4m3 (saturated at 448), g the
 per-tensor global scale (k_scale / v_scale, 1 when absent); each value |x| / (scale * g) is rounded
 to nearest even onto the e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturated at 6), a zero scale
-stores zeros. Both roundings are done in float32 arithmetic (`_e4m3_round`, `_e2m1_code`) and only
-exact values are cast: the Triton interpreter's fp32 -> fp8 cast truncates instead of rounding. The
+stores zeros. Both roundings are done in float32 arithmetic (`_e4m3_round`, `_e2m1_code`, IEEE
+divisions) and the codes and scales are stored as their bits, so nothing depends on a backend's
+fp8 cast (the Triton interpreter's truncates instead of rounding). The
 rotated pairs and the tail are quantized as they are held (pairs (2i, 2i+1); or each half of a
 half-split head, cut into its (2j, 2j+1) pairs): validation makes every 16-value block fall inside
 one of them.

@@ -130,12 +130,15 @@ def test_random_rows(device, interleaved, layout, programs):
     check_nvfp4(q, k, v, pos, table, caches, slots_of(5, device), k_scale=g, v_scale=2.0, interleaved=interleaved)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
-def test_partial_rotary_tail(device, interleaved, programs):
-    """rotary_dim 32 of a 64-wide head: the tail's blocks are quantized after the rotated ones."""
-    q, k, v, pos, table = make(3, 2, 1, 64, 32, torch.float16, device)
-    caches = nvfp4_caches(1, 64, device)
-    check_nvfp4(q, k, v, pos, table, caches, slots_of(3, device), interleaved=interleaved, rotary_dim=32)
+@pytest.mark.parametrize(
+    "interleaved, D, rot", [(False, 64, 32), (False, 128, 96), (True, 64, 32), (True, 64, 48)], ids=str
+)
+def test_partial_rotary_tail(device, interleaved, D, rot, programs):
+    """A partial rotary_dim: the tail's blocks are quantized after the rotated ones; 96 and 48 leave
+    padding lanes in the pair tiles (whole padding blocks, never stored)."""
+    q, k, v, pos, table = make(3, 2, 1, D, rot, torch.float16, device)
+    caches = nvfp4_caches(1, D, device)
+    check_nvfp4(q, k, v, pos, table, caches, slots_of(3, device), interleaved=interleaved, rotary_dim=rot)
 
 
 def test_ties_saturation_and_zero_blocks(device):
