@@ -178,8 +178,8 @@ def test_nan_row_on_bad_position(device):
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_both_cpu_paths(monkeypatch, path):
     """CPU tensors run the kernel under TRITON_INTERPRET=1 (its launches counted), the PyTorch path
-    (ropekit.core.cpu.nvfp4_rows) otherwise: the same rows either way, a slot past the cache and a
-    bad position included."""
+    (ropekit.core.cpu.nvfp4_rows) otherwise: the same rows either way, a slot past the cache, a bad
+    position and the rounding edge cases included."""
     from ropekit.core import checks, memo, pipeline
 
     fired = []
@@ -195,6 +195,7 @@ def test_both_cpu_paths(monkeypatch, path):
             kw = dict(k_scale=0.5, v_scale=torch.tensor(4.0), interleaved=interleaved, rotary_dim=rot)
             check_nvfp4(q, k, v, pos, table, nvfp4_caches(2, 64, "cpu", layout), slots, **kw)
             assert q[2, :, :rot].isnan().all()  # the slot past the cache flags its token's q
+        test_ties_saturation_and_zero_blocks("cpu")  # every tie, saturation, e4m3 subnormal scales
     finally:
         memo.clear()
     assert bool(fired) == (path == "kernel")
