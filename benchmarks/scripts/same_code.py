@@ -136,6 +136,8 @@ def _child(src: Path, out: Path) -> None:
                 tab,
                 tab,
             )  # pipeline.run_store's pointers
+            if "kcs_ptr" in [p.name for p in rope_store_kernel.params]:
+                ptrs += (tab, tab)  # NVFP4's block scales (unread here)
             meta = plan.meta
         else:
             plan = launcher.plan_store(

@@ -80,6 +80,15 @@ def store_args(**change):
     return _edit(a, change)
 
 
+def fp4_args(**change):
+    """apply_rope_and_store into NVFP4 caches: uint8 codes (2, 4, HK, D / 2) and float8_e4m3fn
+    block scales (2, 4, HK, D / 16), poisoned (0xFF, NaN)."""
+    codes = torch.full((2, 2, 4, HK, D // 2), 0xFF, dtype=torch.uint8)
+    scales = torch.full((2, 2, 4, HK, D // 16), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    a = store_args(k_cache=codes[0], v_cache=codes[1], k_cache_scales=scales[0], v_cache_scales=scales[1])
+    return _edit(a, change)
+
+
 R_ = D // 2  # the rope part's width in the two-part rows (rotary_dim), the no-rope part's too
 
 
@@ -930,6 +939,96 @@ ROWS = [
         ValueError,
         "v_scale: expected a 0-d or 1-element tensor (one per-tensor scale), got shape (2,)",
         lambda: store_args(v_scale=torch.ones(2)),
+    ),
+    R(
+        "store-fp4-scales-missing",
+        "apply_rope_and_store",
+        "NVFP4 (uint8) caches without their block scales",
+        "uint8 caches, v_cache_scales=None",
+        ValueError,
+        "v_cache_scales: expected the cache's float8_e4m3fn block scales (its cache is uint8: NVFP4), got None",
+        lambda: fp4_args(v_cache_scales=None),
+    ),
+    R(
+        "store-fp4-cache-dtype",
+        "apply_rope_and_store",
+        "block scales beside a cache that is not uint8",
+        "k_cache_scales given, float32 caches",
+        ValueError,
+        "k_cache: expected dtype in (uint8), got float32",
+        lambda: store_args(k_cache_scales=fp4_args()["k_cache_scales"], v_cache_scales=fp4_args()["v_cache_scales"]),
+    ),
+    R(
+        "store-fp4-head-size",
+        "apply_rope_and_store",
+        "NVFP4 cache rows of a head size not a multiple of 16",
+        "v and v_cache of head size 40",
+        ValueError,
+        "v_cache: expected NVFP4 rows of a head size that is a multiple of 16 (v: 40), got uint8",
+        lambda: fp4_args(v=torch.randn(T, HK, 40), v_cache=torch.zeros(2, 4, HK, 20, dtype=torch.uint8)),
+    ),
+    R(
+        "store-fp4-cache-width",
+        "apply_rope_and_store",
+        "NVFP4 cache rows not D / 2 bytes",
+        "uint8 k_cache of D bytes",
+        ValueError,
+        "k_cache: expected (heads, head size) (2, 32), those of k as NVFP4 bytes (2 values a byte), got shape (2, 4, 2, 64)",
+        lambda: fp4_args(k_cache=torch.zeros(2, 4, HK, D, dtype=torch.uint8)),
+    ),
+    R(
+        "store-fp4-scales-dtype",
+        "apply_rope_and_store",
+        "block scales not float8_e4m3fn",
+        "float16 k_cache_scales",
+        ValueError,
+        "k_cache_scales: expected dtype in (float8_e4m3fn), got float16",
+        lambda: fp4_args(k_cache_scales=torch.zeros(2, 4, HK, D // 16, dtype=torch.float16)),
+    ),
+    R(
+        "store-fp4-scales-shape",
+        "apply_rope_and_store",
+        "block scales not one per 16 values of the cache's rows",
+        "k_cache_scales (2, 4, 2, 2) for 64-value rows",
+        ValueError,
+        "k_cache_scales: expected shape (2, 4, 2, 4) (one scale per 16 values of the cache's rows), got shape (2, 4, 2, 2)",
+        lambda: fp4_args(k_cache_scales=fp4_args()["k_cache_scales"][..., :2]),
+    ),
+    R(
+        "store-fp4-scales-overlap",
+        "apply_rope_and_store",
+        "block scales sharing memory with the other cache's",
+        "v_cache_scales = k_cache_scales",
+        ValueError,
+        "v_cache_scales: expected memory disjoint from k_cache_scales (which is written)",
+        lambda: fp4_args(v_cache_scales=lambda a: a["k_cache_scales"]),
+    ),
+    R(
+        "store-fp4-rotary-dim",
+        "apply_rope_and_store",
+        "NVFP4 caches with a rotary_dim whose pairs split a 16-value block",
+        "rotary_dim=16, halves",
+        ValueError,
+        "rotary_dim: expected a multiple of 32 with NVFP4 caches and halves (16-value blocks), got 16",
+        lambda: fp4_args(cos_sin_cache=make_cache(16, 16), rotary_dim=16),
+    ),
+    R(
+        "store-fp4-halves",
+        "apply_rope_and_store",
+        "NVFP4 caches with rotary_position='halves'",
+        "rotary_position='halves'",
+        ValueError,
+        "rotary_position: expected 'first' with NVFP4 caches (p-RoPE's kept dims split the blocks), got 'halves'",
+        lambda: fp4_args(cos_sin_cache=make_cache(16, 32), rotary_dim=32, rotary_position="halves"),
+    ),
+    R(
+        "store-fp4-meta",
+        "apply_rope_and_store",
+        "NVFP4 caches through the custom ops (meta tensors, DTensor, torch.compile)",
+        "every tensor on meta",
+        ValueError,
+        "k_cache: expected NVFP4 caches with plain tensors called eagerly (not DTensor, meta or compiled), got meta",
+        lambda: {n: x.to("meta") if isinstance(x, torch.Tensor) else x for n, x in fp4_args().items()},
     ),
     R(
         "store-scale-dtype",

@@ -192,6 +192,7 @@ def test_workload_selection_and_bytes():
         "W7-T64",
         "W7-WK",
         "W7-WK-E5M2",
+        "W7-NVFP4",
         "W7-T64-WK",
         "W7-KNOPE",
         "W7-QNOPE",

@@ -59,6 +59,8 @@ def apply_rope_and_store(
     k_nope: Optional[torch.Tensor] = None,
     q_nope: Optional[torch.Tensor] = None,
     rotary_position: str = "first",
+    k_cache_scales: Optional[torch.Tensor] = None,
+    v_cache_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Rotate q in place (or into q_out); write rotated k and unrotated v into the cache rows of
     their slots. One launch, whatever the keywords.
@@ -133,6 +135,20 @@ def apply_rope_and_store(
             for i < rotary_dim / 2 (Gemma 4's p-RoPE, apply_rope's keyword), the other dims kept
             (untouched in q in place, copied into q_out and the cache rows, normalized with the
             norm); needs interleaved=False, an even D and q and k of one head size.
+
+        k_cache_scales, v_cache_scales: NVFP4 caches (both caches together): k_cache / v_cache
+            are then uint8 (..., H, D / 2), the e2m1 codes of a row's values two to a byte (element
+            2j in the low nibble of byte j, 2j + 1 in the high one), and these their block scales,
+            float8_e4m3fn (..., H, D / 16) with the caches' slot dims (one scale per 16 consecutive
+            values of a head row), any strides with last stride 1. k_scale / v_scale are then the
+            per-tensor global scales (None: 1.0): a block's scale is amax / 6 / global rounded to
+            e4m3 (saturated at 448), each value |x| / (block scale * global) rounded to nearest even
+            onto {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturated at 6), so x ~ e2m1 * block scale * global.
+            D a multiple of 16; rotary_dim a multiple of 16 (interleaved) or 32 (halves);
+            rotary_position 'first'; eager plain tensors only (docs/store.md, "NVFP4 caches").
+            Example, vLLM-style views (num_blocks, block_size, H, D / 2) and (..., D / 16):
+            `apply_rope_and_store(q, k, v, pos, cache, k_data, v_data, slots, k_scale=ks,
+            v_scale=vs, k_cache_scales=k_sf, v_cache_scales=v_sf)`.
 
     Returns q (rotated in place), or q_out when given. Rows of the caches that no slot names are
     never touched. Duplicate slots (two tokens naming one slot) are a caller error: without
@@ -211,6 +227,8 @@ def apply_rope_and_store(
             k_nope,
             q_nope,
             rotary_position,
+            k_cache_scales,
+            v_cache_scales,
         ),
         checks.store,
     )
@@ -235,6 +253,8 @@ def apply_rope_and_store(
         k_norm_weight,
         q_nope,
         k_nope,
+        k_cache_scales,
+        v_cache_scales,
     )
     if door is DIRECT or door is FUNCTION:  # the custom op checks its call when it runs
         checks.store_call(spec, t)

@@ -461,7 +461,9 @@ def store(args: dict) -> Spec:
         mrope_interleaved=mrope_interleaved,
         packed=cu_seqlens is not None,
         k_nope=k_nope,
+        cache_scales=(args["k_cache_scales"], args["v_cache_scales"]),
     )
+    fp4 = rules.is_nvfp4(k_cache, v_cache, (args["k_cache_scales"], args["v_cache_scales"]))
     if q_nope is not None:
         if q_out is None:
             fail(op, "q_nope", "None without q_out (q_out receives the rotated q and q_nope after it)", "a tensor")
@@ -484,6 +486,8 @@ def store(args: dict) -> Spec:
         mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
     il = bool(args["interleaved"])
     halves = rules.rotary_position_arg(op, args["rotary_position"], allowed=("first", "halves")) == "halves"
+    if fp4:
+        nvfp4_pairs(op, q, rot, il, halves)
     if halves:
         rules.halves_args(op, q, k, il)
         for name, part in (("q_nope", q_nope), ("k_nope", k_nope)):
@@ -505,10 +509,28 @@ def store(args: dict) -> Spec:
         write_key=bool(write_key),
         k_scaled=scaled_by(k_scale),
         v_scaled=scaled_by(v_scale),
+        fp4=fp4,
     )
     spec = store_spec(args, variant, rot, packed, door_for(q, False), a)
     spec.norm_eps, spec.norm_offset = float(args["norm_eps"]), float(args["norm_weight_offset"])
     return spec
+
+
+def nvfp4_pairs(op, q, rot: int, interleaved: bool, halves: bool) -> None:
+    """NVFP4 caches quantize the rotated pairs as the kernel holds them: every 16-value block must lie
+    within the rotated dims or the tail, and within one half of a half-split head. Eager plain
+    tensors only: the custom ops' schema (DTensor, meta tensors, torch.compile) has no block scales."""
+    if door_for(q, False) == CUSTOM_OP or torch.compiler.is_compiling():
+        what = "meta" if q.device.type == "meta" else type(q).__name__
+        if torch.compiler.is_compiling():
+            what = "a call traced by torch.compile"
+        fail(op, "k_cache", "NVFP4 caches with plain tensors called eagerly (not DTensor, meta or compiled)", what)
+    if halves:
+        fail(op, "rotary_position", "'first' with NVFP4 caches (p-RoPE's kept dims split the blocks)", "'halves'")
+    step = 16 if interleaved else 32
+    if rot % step:
+        what = "pairs (2i, 2i+1)" if interleaved else "halves"
+        fail(op, "rotary_dim", f"a multiple of {step} with NVFP4 caches and {what} (16-value blocks)", rot)
 
 
 def store_spec(args: dict, variant: Variant, rot: int, packed, door: str, a) -> Spec:
@@ -596,6 +618,13 @@ def store_call(spec: Spec, t) -> None:
         read += [("q_nope", t.qn), ("k_nope", t.kn)]
         tail += [ext[11], ext[12]]
     aliasing.written_vs_read(STORE, written, read, extents=extents + tail)
+    if spec.variant.fp4:
+        # the block scales are written too: apart from each other and from every other tensor
+        scales = [("k_cache_scales", t.kcs), ("v_cache_scales", t.vcs)]
+        others = [("q", t.q), ("k", t.k), ("v", t.v), ("k_cache", t.k_cache), ("v_cache", t.v_cache)]
+        others += [("q_out", t.q_out), *read]
+        aliasing.written_vs_read(STORE, scales[:1], scales[1:] + others)
+        aliasing.written_vs_read(STORE, scales[1:], others)
     spec.plans["checked addresses"] = addrs
 
 

@@ -416,6 +416,8 @@ def _(x, g, w, a, b, variant, rotary_dim, packed, norm, mode):
 def _store_custom(spec: Spec, t: StoreOperands) -> None:
     """Plain tensors (tables, positions, scales, weights) become replicated DTensors like q for a
     DTensor call (DTensor refuses mixed calls); as they are otherwise."""
+    if spec.variant.fp4:  # checks.store refuses it first: the schema below has no block scales
+        fail("apply_rope_and_store", "k_cache", "NVFP4 caches with plain tensors called eagerly", "a custom op call")
     a, table, slots, ks, vs, qs, wq, wk = dtensor_like(t.q, t.a, t.table, t.slot_mapping, t.ks, t.vs, t.qs, t.wq, t.wk)
     # built by keyword, not NamedTuple._replace: torch 2.11's compiler traces a constructor call
     t = StoreOperands(

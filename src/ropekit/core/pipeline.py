@@ -261,6 +261,8 @@ def store_direct(spec: Spec, t: run.StoreOperands) -> None:
     moved."""
     run_store(spec, t)
     written = [t.q if t.q_out is None else t.q_out, t.k_cache, t.v_cache]
+    if spec.variant.fp4:
+        written += [t.kcs, t.vcs]
     if spec.variant.write_key:
         written.append(t.k)
     _increment_version(written)
@@ -272,8 +274,8 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
     so. The Triton launch (plan made once per spec), or the PyTorch path on CPU tensors.
 
     rope_store_kernel's pointer slots: q, k, v, positions, table, slots, k cache, v cache, k's
-    scale, v's scale, q_out, q's scale, the norm weights, the no-rope parts; a slot the plan never
-    reads (unscaled, unnormalized) points at the table."""
+    scale, v's scale, q_out, q's scale, the norm weights, the no-rope parts, NVFP4's block scales;
+    a slot the plan never reads (unscaled, unnormalized) points at the table."""
     if not spec.triton:
         run.store_cpu(spec, t)
         return
@@ -308,6 +310,8 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
         table if t.wk is None else t.wk,
         table if t.qn is None else t.qn,
         table if t.kn is None else t.kn,
+        table if t.kcs is None else t.kcs,
+        table if t.vcs is None else t.vcs,
     )
     args = (*plan.args, spec.norm_eps, spec.norm_offset)
     kernel = plans.kernel("rope_store_kernel")

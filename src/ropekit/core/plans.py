@@ -422,6 +422,8 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         q_tail,
         *nope_strides(q_nope if variant.nope_q else None, n_tok),
         *nope_strides(k_nope if variant.nope_k else None, n_tok),
+        *(slot_geometry(t.kcs)[1:] if variant.fp4 else (0, 0, 0)),
+        *(slot_geometry(t.vcs)[1:] if variant.fp4 else (0, 0, 0)),
     )  # then the norm's eps and offset, per launch (pipeline.run_store)
     il = variant.interleaved
     # q's tail is written when it moves (a separate q_out) or changes (normalized, in place too)

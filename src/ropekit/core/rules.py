@@ -506,10 +506,12 @@ def store_args(
     mrope_interleaved=False,
     packed=False,
     k_nope=None,
+    cache_scales=(None, None),
 ):
     """Checks of apply_rope_and_store's arguments that need no data (positions (*T), (3, *T) with
     M-RoPE sections, or None: arange, or with packed (cu_seqlens checked by `packed_args`) derived).
     k_nope: GQA / MHA's no-rope key part beside v (`nope_part`); k_cache's rows then hold k and it.
+    cache_scales: (k_cache_scales, v_cache_scales), NVFP4's block scales (`nvfp4_scales`).
 
     Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or the (t, h, w) sections, scales as
     given by `scale_arg`.
@@ -564,11 +566,15 @@ def store_args(
     if k_nope is not None:
         nope_part(op, "k_nope", k_nope, k, rot)
 
+    fp4 = is_nvfp4(k_cache, v_cache, cache_scales)
     for name, cache, xname, x in (("k_cache", k_cache, "k", k), ("v_cache", v_cache, "v", v)):
-        tensor(op, name, cache, ndims=(3, 4), dtypes=OUT_DTYPES, device=device, shape_hint=_CACHE_HINT)
+        dtypes = (torch.uint8,) if fp4 else OUT_DTYPES
+        tensor(op, name, cache, ndims=(3, 4), dtypes=dtypes, device=device, shape_hint=_CACHE_HINT)
         want = tuple(x.shape[-2:])
         if name == "k_cache" and k_nope is not None:
             want, xname = (want[0], want[1] + k_nope.shape[-1]), "k and k_nope together"
+        if fp4:
+            want, xname = nvfp4_row(op, name, xname, want), f"{xname} as NVFP4 bytes (2 values a byte)"
         if tuple(cache.shape[-2:]) != want:
             fail(op, name, f"(heads, head size) {want}, those of {xname}", f"shape {tuple(cache.shape)}")
         if has_internal_overlap(cache):
@@ -585,6 +591,8 @@ def store_args(
             f"slot dims {tuple(k_cache.shape[:-2])}, those of k_cache (one slot_mapping addresses both)",
             f"shape {tuple(v_cache.shape)}",
         )
+    if fp4:
+        nvfp4_scales(op, k_cache, v_cache, cache_scales, device)
     if has_internal_overlap(q):
         fail(
             op,
@@ -606,6 +614,47 @@ def store_args(
     k_scale = scale_arg(op, "k_scale", k_scale, device)
     v_scale = scale_arg(op, "v_scale", v_scale, device)
     return rot, mrope, k_scale, v_scale
+
+
+def is_nvfp4(k_cache, v_cache, cache_scales) -> bool:
+    """Is this store's output NVFP4: a uint8 cache, or block scales given? (`nvfp4_scales` then
+    names whichever of the four tensors does not fit.)"""
+    caches = (k_cache, v_cache)
+    return any(s is not None for s in cache_scales) or any(
+        isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in caches
+    )
+
+
+def nvfp4_row(op, name, xname, want) -> tuple:
+    """(heads, bytes) of an NVFP4 cache row for heads of (H, D) values: D a multiple of 16 (one
+    block scale per 16 values), D / 2 bytes of codes."""
+    if want[1] % 16:
+        fail(op, name, f"NVFP4 rows of a head size that is a multiple of 16 ({xname}: {want[1]})", "uint8")
+    return want[0], want[1] // 2
+
+
+def nvfp4_scales(op, k_cache, v_cache, cache_scales, device) -> None:
+    """NVFP4's block scales beside its caches: float8_e4m3fn, the caches' slot dims and heads, one
+    scale per 16 values (cache rows of D / 2 bytes: D / 16 scales), unit last stride, no overlap."""
+    for name, cache, scales in (
+        ("k_cache_scales", k_cache, cache_scales[0]),
+        ("v_cache_scales", v_cache, cache_scales[1]),
+    ):
+        if scales is None:
+            fail(op, name, "the cache's float8_e4m3fn block scales (its cache is uint8: NVFP4)", "None")
+        tensor(op, name, scales, ndims=(cache.dim(),), dtypes=(torch.float8_e4m3fn,), device=device)
+        want = (*cache.shape[:-1], cache.shape[-1] // 8)
+        if tuple(scales.shape) != want:
+            fail(
+                op, name, f"shape {want} (one scale per 16 values of the cache's rows)", f"shape {tuple(scales.shape)}"
+            )
+        if has_internal_overlap(scales):
+            fail(
+                op,
+                name,
+                "a tensor without broadcast (stride 0) or overlapping dims (it is written)",
+                f"strides {tuple(scales.stride())}",
+            )
 
 
 def nope_part(op, name, x, rope, rot, *, inference=True) -> None:

@@ -217,6 +217,8 @@ class StoreOperands(NamedTuple):
     wk: Optional[torch.Tensor] = None
     qn: Optional[torch.Tensor] = None  # q's no-rope part given apart (with q_out), Variant.nope_q
     kn: Optional[torch.Tensor] = None  # k's likewise (the k cache rows' tails), Variant.nope_k
+    kcs: Optional[torch.Tensor] = None  # NVFP4 caches (Variant.fp4): the k cache's block scales
+    vcs: Optional[torch.Tensor] = None  # ... and the v cache's
 
     def whole(self, q: torch.Tensor, k: torch.Tensor) -> "StoreOperands":
         """These operands with whole heads q and k (their no-rope parts joined in)."""
@@ -226,6 +228,9 @@ class StoreOperands(NamedTuple):
 def store_cpu(spec: Spec, t: StoreOperands) -> None:
     """The PyTorch path of ropekit.core.pipeline.run_store (its arguments)."""
     v = spec.variant
+    if v.fp4:
+        _store_fp4_cpu(spec, t)
+        return
     if v.nope_q or v.nope_k:
         _store_parts_cpu(spec, t)
         return
@@ -257,6 +262,31 @@ def store_cpu(spec: Spec, t: StoreOperands) -> None:
         else None,
         halves=v.rope_halves,
     )
+
+
+def _store_fp4_cpu(spec: Spec, t: StoreOperands) -> None:
+    """The CPU path of NVFP4 caches: the store into float32 rows of its own (token i to row i; a
+    padding slot stays padding, a slot past the cache stays past it, so q is flagged alike), then
+    each stored row quantized (cpu.nvfp4_rows) into the codes and block scales of its slot."""
+    kc, vc = t.k_cache, t.v_cache
+    block_size = kc.shape[1] if kc.dim() == 4 else 1
+    num_slots = kc.shape[0] * block_size
+    slots = t.slot_mapping.reshape(-1).long()
+    n = slots.numel()
+    rows = torch.where(slots < 0, -1, torch.where(slots >= num_slots, n, torch.arange(n)))
+    kf = torch.empty((n, kc.shape[-2], 2 * kc.shape[-1]), dtype=torch.float32)
+    vf = torch.empty((n, vc.shape[-2], 2 * vc.shape[-1]), dtype=torch.float32)
+    plain = Spec(spec.variant._replace(fp4=False, k_scaled=False, v_scaled=False), spec.rot, spec.door, spec.triton)
+    plain.packed, plain.norm_eps, plain.norm_offset = spec.packed, spec.norm_eps, spec.norm_offset
+    flat = rows.reshape(t.slot_mapping.shape)
+    store_cpu(plain, t._replace(k_cache=kf, v_cache=vf, slot_mapping=flat, ks=None, vs=None, kcs=None, vcs=None))
+    keep = (slots >= 0) & (slots < num_slots)
+    at = slots[keep]
+    where = (at // block_size, at % block_size) if kc.dim() == 4 else (at,)
+    for cache, scales, f, g in ((kc, t.kcs, kf, t.ks), (vc, t.vcs, vf, t.vs)):
+        codes, sf = cpu.nvfp4_rows(f[keep], g)
+        cache[where] = codes
+        scales[where] = sf
 
 
 def _store_parts_cpu(spec: Spec, t: StoreOperands) -> None:

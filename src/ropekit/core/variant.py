@@ -135,6 +135,9 @@ FLAGS: Tuple[Flag, ...] = (
          what="q's outputs (rotated dims and kept tail) times log(floor((pos + 1) / floor_scale) + 1) * "
               "attn_scale + 1 of their token's position (Llama 4's attention temperature tuning); the two "
               "floats are Spec.q_temperature's, runtime arguments of the kernel"),
+    Flag("fp4", False, _in("FP4", _STORE),
+         what="store: NVFP4 caches, k_cache / v_cache uint8 e2m1 codes (two a byte) beside float8_e4m3fn "
+              "block scales per 16 values (k_cache_scales / v_cache_scales); k_scale / v_scale the global scales"),
 )
 # fmt: on
 

@@ -21,6 +21,18 @@ the format's largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN:
 ropekit.language's `saturate`, by the output pointer's type) and cast once, so the result does not depend on how a
 backend's cast treats values out of range.
 
+NVFP4 caches (FP4): k and v rows go to two tensors per cache, the e2m1 codes two to a byte (the
+even element of a pair in the low nibble) and one float8_e4m3fn scale per 16 consecutive values of a
+head row. A block's scale is amax / 6 / g rounded to nearest even onto e4m3 (saturated at 448), g the
+per-tensor global scale (k_scale / v_scale, 1 when absent); each value |x| / (scale * g) is rounded
+to nearest even onto the e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturated at 6), a zero scale
+stores zeros. Both roundings are done in float32 arithmetic (`_e4m3_round`, `_e2m1_code`, IEEE
+divisions) and the codes and scales are stored as their bits, so nothing depends on a backend's
+fp8 cast (the Triton interpreter's truncates instead of rounding). The
+rotated pairs and the tail are quantized as they are held (pairs (2i, 2i+1); or each half of a
+half-split head, cut into its (2j, 2j+1) pairs): validation makes every 16-value block fall inside
+one of them.
+
 Heads in two parts (FlashInfer's rope / no-rope inputs): with NOPE_K, k holds the rotary dims only
 and the cache row's dims past them are read from k_nope, a tensor with its own strides, beside v;
 with NOPE_Q, q holds the rotary dims only and q_out's dims past them come from q_nope. The row and
@@ -94,6 +106,102 @@ def _load_nope(
     mt = live & (j < tail_len)
     at = head_rows(t_base, stride_t_head, head0, BLOCK_H) + j.to(tl.int64) * stride_t_dim
     return tl.load(at, mask=mt, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_round(s):
+    """s (float32, >= 0, inf or NaN) rounded to nearest even onto float8_e4m3fn's values, saturated
+    at 448 (inf too; NaN stays NaN): (the value as a float32, its e4m3 bits as an int32). The
+    quantum is 2^-9 below 2^-6 (subnormals), else 2^(e - 3) for s in [2^e, 2^(e + 1)): built from
+    s's exponent bits, so y = s / quantum is an exact power-of-two scaling and the rounded y, r in
+    [8, 16] (normal) or [0, 8] (subnormal), is the code's low bits: (e + 7) * 8 + (r - 8), or r.
+    The bits are stored, not a cast value: the interpreter's cast to fp8 mishandles NaN and rounding."""
+    s = tl.where(s > 448.0, 448.0, s)
+    biased = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    normal = s >= 0.015625
+    # 2^(e - 3) and its inverse 2^(3 - e) from the biased exponent e + 127
+    quantum = tl.where(normal, ((biased - 3) << 23).to(tl.float32, bitcast=True), 0.001953125)
+    inv = tl.where(normal, ((257 - biased) << 23).to(tl.float32, bitcast=True), 512.0)
+    y = s * inv
+    f = tl.floor(y)
+    d = y - f
+    odd = (f.to(tl.int32) & 1) == 1
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    r = tl.where(up, f + 1.0, f)
+    code = tl.where(normal, (biased - 127 + 6) * 8 + r.to(tl.int32), r.to(tl.int32))
+    return r * quantum, tl.where(s != s, 0x7F, code)
+
+
+@triton.jit
+def _e2m1_code(x, den):
+    """The e2m1 code (4 bits, sign 8) of x / den rounded to nearest even onto {0, 0.5, 1, 1.5, 2, 3,
+    4, 6}, saturated at 6: each term is a decision boundary, ties (0.25, 0.75, ..., 5) going to the
+    even code. den 0 (a zero block scale) gives code 0; NaN gives 0 (its block scale is NaN)."""
+    m = tl.math.div_rn(tl.abs(x), tl.where(den == 0.0, 1.0, den))
+    m = tl.where(den == 0.0, 0.0, m)
+    c = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
+    c += (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+    return tl.where(x < 0.0, c + 8, c)
+
+
+@triton.jit
+def _fp4_put(lo, hi, rows, first, n_pairs, g, P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """NVFP4 store of value pairs (lo[:, p], hi[:, p]) = elements (first + 2p, first + 2p + 1) of
+    heads' rows, p < n_pairs (float32 tiles (BLOCK_H, P), P a power of two >= 8; first a multiple
+    of 16 and n_pairs of 8, so 8 pairs are one block). rows: (data, scales, live): the (BLOCK_H, 1)
+    pointers to each head row's first byte and first scale, and the mask of live heads. g: the
+    float32 global scale."""
+    data, scales, live = rows
+    B: tl.constexpr = P // 8
+    nan = ((lo != lo) | (hi != hi)).to(tl.int32)
+    a = tl.maximum(tl.abs(lo), tl.abs(hi))
+    amax = tl.max(tl.reshape(a, (BLOCK_H, B, 8)), axis=2)
+    # a NaN in a block makes its scale NaN (the reductions may drop NaNs)
+    amax = tl.where(tl.max(tl.reshape(nan, (BLOCK_H, B, 8)), axis=2) > 0, float("nan"), amax)
+    # IEEE divisions (div_rn): a quotient that is exactly a rounding tie stays one
+    one = tl.full((BLOCK_H, B), 1.0, tl.float32)
+    sc, bits = _e4m3_round(tl.math.div_rn(tl.math.div_rn(amax, 6.0 * one), g * one))
+    den = tl.reshape(tl.broadcast_to((sc * g)[:, :, None], (BLOCK_H, B, 8)), (BLOCK_H, P))
+    byte = _e2m1_code(lo, den) | (_e2m1_code(hi, den) << 4)
+    p = tl.arange(0, P)[None, :]
+    tl.store(data + (first // 2 + p), byte.to(tl.uint8), mask=live & (p < n_pairs))
+    j = tl.arange(0, B)[None, :]
+    at = scales.to(tl.pointer_type(tl.uint8), bitcast=True) + (first // 16 + j)
+    tl.store(at, bits.to(tl.uint8), mask=live & (j * 8 < n_pairs))
+
+
+@triton.jit
+def _fp4_split(x, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A (BLOCK_H, W) tile of consecutive elements as its (2j, 2j + 1) pairs: two (BLOCK_H, W // 2) tiles."""
+    return tl.split(tl.reshape(x, (BLOCK_H, W // 2, 2)))
+
+
+@triton.jit
+def _fp4_heads(
+    rows,
+    o1,
+    o2,
+    t,
+    dims,
+    g,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """_rope_heads' tiles into NVFP4 rows (_fp4_put): the rotated pairs, then the tail when
+    TAIL_PAD > 0. dims: (HALF, tail_len)."""
+    half, tail_len = dims
+    if INTERLEAVED:
+        _fp4_put(o1, o2, rows, 0, half, g, HALF_PAD, BLOCK_H)
+    else:
+        lo, hi = _fp4_split(o1, HALF_PAD, BLOCK_H)
+        _fp4_put(lo, hi, rows, 0, half // 2, g, HALF_PAD // 2, BLOCK_H)
+        lo, hi = _fp4_split(o2, HALF_PAD, BLOCK_H)
+        _fp4_put(lo, hi, rows, half, half // 2, g, HALF_PAD // 2, BLOCK_H)
+    if TAIL_PAD > 0:
+        lo, hi = _fp4_split(t, TAIL_PAD, BLOCK_H)
+        _fp4_put(lo, hi, rows, 2 * half, tail_len // 2, g, TAIL_PAD // 2, BLOCK_H)
 
 
 @triton.jit
@@ -198,6 +306,8 @@ def rope_store_kernel(
     wk_ptr,  # NORM_K: k's RMSNorm weight likewise
     qn_ptr,  # NOPE_Q: q_nope (*T, Hq, N), q's dims past the rotary ones (the table when unread)
     kn_ptr,  # NOPE_K: k_nope (*T, Hk, N), k's dims past the rotary ones, beside v (the table when unread)
+    kcs_ptr,  # FP4: the k cache's block scales (..., Hk, Dk / 16) float8_e4m3fn (kc_ptr: its codes, Dk / 2 bytes)
+    vcs_ptr,  # FP4: the v cache's likewise (the table when unread)
     S,  # size of the last token dim: token t is (b, s) = (t // S, t % S)
     n_q_heads,  # Hq
     n_k_heads,  # Hk
@@ -252,6 +362,12 @@ def rope_store_kernel(
     stride_kn_token,
     stride_kn_head,
     stride_kn_dim,
+    stride_kcs_block,  # FP4: the k scales' strides between blocks, slots of a block (0 flat) and heads
+    stride_kcs_slot,
+    stride_kcs_head,
+    stride_vcs_block,  # FP4: the v scales' likewise
+    stride_vcs_slot,
+    stride_vcs_head,
     norm_eps,  # RMSNorm epsilon
     norm_offset,  # added to the weights (1.0: Gemma's (1 + w))
     HALF: tl.constexpr,  # rotary_dim // 2: rotated pairs per head
@@ -279,6 +395,7 @@ def rope_store_kernel(
     WRITE_KEY: tl.constexpr,  # rotated (normalized) k written back into k, every token
     NOPE_Q: tl.constexpr,  # q is the rope part: q_out's dims past the rotated ones come from q_nope
     NOPE_K: tl.constexpr,  # k is the rope part: the cache row's dims past the rotated ones come from k_nope
+    FP4: tl.constexpr,  # NVFP4 caches: e2m1 codes (kc_ptr, vc_ptr) and e4m3 block scales (kcs_ptr, vcs_ptr)
     HEAD_LOOP: tl.constexpr,  # one program per token walks all n_blocks head blocks
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
 ):
@@ -364,7 +481,19 @@ def rope_store_kernel(
                 o1, o2, kept = _rope_heads(
                     k_heads, HALF, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED, PACK_K, NORM_K, NOPE_K, GAP
                 )
-                if store:
+                if store and FP4:
+                    k_row = kc_ptr + (cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot)
+                    ks_row = kcs_ptr + (cache_blk * stride_kcs_block + cache_off * stride_kcs_slot)
+                    rows = (
+                        head_rows(k_row, stride_k_cache_head, head0, BLOCK_HK),
+                        head_rows(ks_row, stride_kcs_head, head0, BLOCK_HK),
+                        head_mask(n_k_heads, head0, BLOCK_HK),
+                    )
+                    g = 1.0
+                    if K_SCALED:
+                        g = tl.load(k_scale_ptr).to(tl.float32)
+                    _fp4_heads(rows, o1, o2, kept, (HALF, k_tail), g, HALF_PAD, BLOCK_HK, TAIL_PAD, INTERLEAVED)
+                elif store:
                     k_row = kc_ptr + (cache_blk * stride_k_cache_block + cache_off * stride_k_cache_slot)
                     _put_heads(
                         (k_row, stride_k_cache_head, n_k_heads, k_tail),
@@ -401,6 +530,26 @@ def rope_store_kernel(
                         False,
                         GAP,
                     )
+        elif store and FP4:
+            head0 = (blk - n_q_blocks - n_k_blocks) * BLOCK_HV
+            v_rows = head_rows(
+                v_ptr + token_offset(b, s, stride_v_batch, stride_v_token), stride_v_head, head0, BLOCK_HV
+            )
+            live = head_mask(n_v_heads, head0, BLOCK_HV)
+            j = tl.arange(0, DV_PAD)[None, :]
+            x = tl.load(v_rows + j.to(tl.int64) * stride_v_dim, mask=live & (j < d_v), other=0.0).to(tl.float32)
+            v_row = vc_ptr + (cache_blk * stride_v_cache_block + cache_off * stride_v_cache_slot)
+            vs_row = vcs_ptr + (cache_blk * stride_vcs_block + cache_off * stride_vcs_slot)
+            rows = (
+                head_rows(v_row, stride_v_cache_head, head0, BLOCK_HV),
+                head_rows(vs_row, stride_vcs_head, head0, BLOCK_HV),
+                live,
+            )
+            g = 1.0
+            if V_SCALED:
+                g = tl.load(v_scale_ptr).to(tl.float32)
+            lo, hi = _fp4_split(x, DV_PAD, BLOCK_HV)
+            _fp4_put(lo, hi, rows, 0, d_v // 2, g, DV_PAD // 2, BLOCK_HV)
         elif store:
             _copy_heads(
                 (v_ptr, token_offset(b, s, stride_v_batch, stride_v_token), stride_v_head, stride_v_dim),

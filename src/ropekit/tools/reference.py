@@ -393,3 +393,62 @@ def rms_norm_rope(
         y = x if w is None else rms_norm(x, w, eps=norm_eps, offset=norm_weight_offset)
         outs.append(rotate(y, cos, sin, interleaved=interleaved, rotary_position=rotary_position).to(x.dtype))
     return outs[0], outs[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4: e2m1 values two to a byte, one e4m3 scale per 16 values, a per-tensor global scale
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the e2m1 magnitudes, by code 0..7
+
+
+def round_to_grid(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Indices into grid (ascending, >= 0) of |x| rounded to nearest, ties to the even index,
+    saturated at the last point; NaN gives index 0 (the caller keeps NaN apart)."""
+    m = x.abs().nan_to_num(nan=0.0).clamp(max=float(grid[-1]))
+    hi = torch.searchsorted(grid, m).clamp(max=grid.numel() - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = m - grid[lo], grid[hi] - m
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    return torch.where(take_hi, hi, lo)
+
+
+def e4m3_grid(device=None) -> torch.Tensor:
+    """float8_e4m3fn's finite non-negative values, ascending, in float64 (codes 0..126)."""
+    return torch.arange(127, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).double()
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: float = 1.0):
+    """NVFP4 of x (..., D), D a multiple of 16, in float64: (e2m1 values (..., D) as signed floats
+    of E2M1_GRID, block scales (..., D / 16) as float64 e4m3 values). Per block of 16 consecutive
+    values: scale = amax / 6 / global_scale rounded to nearest even onto e4m3 (saturated at 448,
+    NaN stays NaN); value = x / (scale * global_scale) rounded to nearest even onto the grid
+    (saturated at 6), 0 where the scale is 0."""
+    x = x.double()
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
+    amax = blocks.abs().amax(-1)
+    grid = e4m3_grid(x.device)
+    raw = amax / 6.0 / float(global_scale)
+    scale = grid[round_to_grid(raw, grid)]
+    scale = torch.where(torch.isnan(raw), float("nan"), scale)
+    den = (scale * float(global_scale))[..., None]
+    m = torch.where(den > 0, blocks / torch.where(den > 0, den, 1.0), 0.0)
+    e2m1 = torch.tensor(E2M1_GRID, dtype=torch.float64, device=x.device)
+    vals = e2m1[round_to_grid(m, e2m1)] * torch.where(m < 0, -1.0, 1.0)
+    return vals.reshape(x.shape), scale
+
+
+def nvfp4_dequantize(values: torch.Tensor, scales: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+    """values (..., D) * their block's scale (..., D / 16) * global_scale, float64."""
+    blocks = values.double().reshape(*values.shape[:-1], values.shape[-1] // 16, 16)
+    return (blocks * scales.double()[..., None] * float(global_scale)).reshape(values.shape)
+
+
+def nvfp4_unpack(data: torch.Tensor, scales: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+    """The float64 values of NVFP4 rows: data (..., D / 2) uint8, element 2j in the low nibble of
+    byte j and 2j + 1 in the high one (bit 3 of a nibble the sign, bits 0-2 the index into
+    E2M1_GRID); scales (..., D / 16) float8_e4m3fn."""
+    e2m1 = torch.tensor(E2M1_GRID, dtype=torch.float64, device=data.device)
+    b = data.long()
+    nibbles = torch.stack((b & 0xF, b >> 4), -1).reshape(*data.shape[:-1], 2 * data.shape[-1])
+    vals = e2m1[nibbles & 7] * torch.where(nibbles >= 8, -1.0, 1.0)
+    return nvfp4_dequantize(vals, scales.double(), global_scale)

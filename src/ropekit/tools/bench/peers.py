@@ -215,6 +215,8 @@ class Ropekit(Peer):
             q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
             if "k_nope" in wl.store_forms:
                 return store_parts_form(op, wl, inp)
+            if "nvfp4" in wl.store_forms:
+                return store_nvfp4_form(op, wl, inp)
             if "write_key" in wl.store_forms:
                 return Bound(
                     lambda: op(q, k, v, pos, cache, kc, vc, slots, interleaved=il, write_key=True),
@@ -269,6 +271,19 @@ def store_parts_form(op, wl: W.Workload, inp) -> Bound:
     q_out = inp["q_out"]
     kw.update(q_nope=q[..., R:], q_out=q_out, q_scale=W.Q_SCALE)
     return Bound(lambda: op(q[..., :R], k[..., :R], v, pos, cache, kc, vc, slots, **kw), lambda o: (q_out, kc, vc))
+
+
+def store_nvfp4_form(op, wl: W.Workload, inp) -> Bound:
+    """apply_rope_and_store into NVFP4 caches (codes and block scales), global scales
+    W.NVFP4_GLOBAL; the canonical caches are their unpacked float64 values."""
+    q, k, v, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "k_cache", "v_cache", "slots"))
+    pos, cache, g = inp.get("positions"), inp["cache"], W.NVFP4_GLOBAL
+    ks, vs = inp["k_cache_scales"], inp["v_cache_scales"]
+    kw = dict(interleaved=wl.interleaved, k_scale=g, v_scale=g, k_cache_scales=ks, v_cache_scales=vs)
+    return Bound(
+        lambda: op(q, k, v, pos, cache, kc, vc, slots, **kw),
+        lambda o: (q, W.nvfp4_values(inp, kc, ks), W.nvfp4_values(inp, vc, vs)),
+    )
 
 
 class Reference(Ropekit):

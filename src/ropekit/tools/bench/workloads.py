@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..reference import nvfp4_dequantize, nvfp4_quantize, nvfp4_unpack
+
 DTYPE = torch.bfloat16
 
 
@@ -48,7 +50,8 @@ class Workload:
     # store workloads: apply_rope_and_store's serving forms, "write_key" (rotated k written back
     # into k), "fp8_q_out" (q rotated into a separate e4m3 q_out, scale Q_SCALE), "k_nope" (k given
     # as its rope part and its no-rope part k_nope beside v: sizes' R is the rope width) and
-    # "q_nope" (q likewise, its no-rope part into q_out after rotated q)
+    # "q_nope" (q likewise, its no-rope part into q_out after rotated q) and "nvfp4" (NVFP4 caches:
+    # uint8 codes (..., D / 2), e4m3 block scales (..., D / 16), global scales NVFP4_GLOBAL)
     store_forms: Tuple[str, ...] = ()
     # rope / mla workloads: apply_rope's conventions on the plain row's inputs, "sbhd" (q and k
     # contiguous (S, B, H, D), layout='sbhd'), "out" (destinations q_out= / k_out=), "last" (MLA's
@@ -310,6 +313,13 @@ _FORMS = [
         cache_dtype="e5m2",
     ),
     replace(
+        _W7,
+        id="W7-NVFP4",
+        name="store_nvfp4",
+        what="W7 into NVFP4 caches: e2m1 codes two a byte + an e4m3 scale per 16 values, global scales 0.25",
+        store_forms=("nvfp4",),
+    ),
+    replace(
         _W7_T64, id="W7-T64-WK", name="store_t64_write_key", what="W7-T64, k written back", store_forms=("write_key",)
     ),
     replace(
@@ -373,6 +383,7 @@ for _w in _FORMS:  # each beside its plain store rows (the table keeps this orde
     WORKLOADS.insert(max(i for i, w in enumerate(WORKLOADS) if w.group == _w.group) + 1, _w)
 Q_SCALE = 0.5  # fp8_q_out: q_out holds rotated q / Q_SCALE
 FP8_OF = {"fp8": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+NVFP4_GLOBAL = 0.25  # nvfp4: k_scale = v_scale, the per-tensor global scales (a power of two)
 
 # the q/k-norm workloads (W9, W10): norm weights in the inputs, their own oracle and byte counts
 NORM_KINDS = ("normrope", "normfwdbwd", "normstore")
@@ -445,6 +456,12 @@ def _store_form_inputs(wl: Workload, inp: Dict[str, torch.Tensor]) -> None:
             inp[name] = inp[name].float().to(FP8_OF[wl.cache_dtype])
     if "fp8_q_out" in wl.store_forms:
         inp["q_out"] = torch.empty(inp["q"].shape, dtype=torch.float8_e4m3fn, device=inp["q"].device)
+    if "nvfp4" in wl.store_forms:  # zeroed caches: rows no slot names unpack to 0
+        for name in ("k_cache", "v_cache"):
+            c = inp[name]
+            inp[name] = torch.zeros((*c.shape[:-1], c.shape[-1] // 2), dtype=torch.uint8, device=c.device)
+            inp[name + "_scales"] = torch.zeros((*c.shape[:-1], c.shape[-1] // 16), dtype=torch.uint8, device=c.device)
+            inp[name + "_scales"] = inp[name + "_scales"].view(torch.float8_e4m3fn)
 
 
 def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, seed: int) -> Dict[str, torch.Tensor]:
@@ -591,6 +608,8 @@ def store_bytes(wl: Workload, inp: Dict[str, torch.Tensor]) -> int:
         return t.numel() * t.element_size()
 
     rows = (inp["k"].numel() + inp["v"].numel()) * inp["k_cache"].element_size()
+    if "nvfp4" in wl.store_forms:  # the packed bytes moved: half a byte a value, one scale byte per 16
+        rows = (inp["k"].numel() + inp["v"].numel()) * 9 // 16
     q_written = nb(inp["q_out"]) if "q_out" in inp else nb(inp["q"])
     q_read, rot = nb(inp["q"]), inp["cache"].shape[-1]
     if "q_out" not in inp and wl.kind == "store" and rot < inp["q"].shape[-1]:
@@ -721,6 +740,8 @@ def _expected_store(wl: Workload, inp: Dict[str, torch.Tensor], q, k) -> Dict[st
     """The store's outputs from float64 rotated (normalized) q and k: q (as q_out holds it), the
     written rows (as the cache's dtype holds them) and the other rows unchanged; k with write_key."""
     slots, other = _slot_split(inp)
+    if "nvfp4" in wl.store_forms:
+        return _expected_nvfp4(wl, inp, q, k)
     kc = inp["k_cache"].flatten(0, 1).to(torch.float64)
     vc = inp["v_cache"].flatten(0, 1).to(torch.float64)
     cdt = inp["k_cache"].dtype
@@ -733,6 +754,23 @@ def _expected_store(wl: Workload, inp: Dict[str, torch.Tensor], q, k) -> Dict[st
     }
     if "write_key" in wl.store_forms:
         out["k"] = k
+    return out
+
+
+def nvfp4_values(inp: Dict[str, torch.Tensor], codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 cache's values (float64, (..., D)) at the bench's global scale (the oracle's unpack)."""
+    return nvfp4_unpack(codes, scales, NVFP4_GLOBAL)
+
+
+def _expected_nvfp4(wl: Workload, inp: Dict[str, torch.Tensor], q, k) -> Dict[str, torch.Tensor]:
+    """The nvfp4 form's outputs: the float64 rotated k and v quantized and dequantized by the
+    oracle's rule (ropekit.tools.reference.nvfp4_quantize), the other rows as they were."""
+    slots, other = _slot_split(inp)
+    out = {"q": q}
+    for name, x in (("k_cache", k), ("v_cache", inp["v"].to(torch.float64))):
+        vals = nvfp4_dequantize(*nvfp4_quantize(x, NVFP4_GLOBAL), NVFP4_GLOBAL)
+        out[name + "[slots]"] = vals
+        out[name + "[other]"] = nvfp4_values(inp, inp[name], inp[name + "_scales"]).flatten(0, 1)[other]
     return out
 
 
