@@ -131,6 +131,9 @@ FLAGS: Tuple[Flag, ...] = (
          what="q's outputs (rotated dims and kept tail) times log(floor((pos + 1) / floor_scale) + 1) * "
               "attn_scale + 1 of their token's position (Llama 4's attention temperature tuning); the two "
               "floats are Spec.q_temperature's, runtime arguments of the kernel"),
+    Flag("head_table", False, _in("HEAD_TABLE", _ROPE),
+         what="the table holds a [cos | sin] row per (position, head), (max_position, Ht, rotary_dim) (FoPE): "
+              "head j of a tensor of H heads reads table head j // (H / Ht); the kernel reads a row per head"),
 )
 # fmt: on
 
