@@ -48,6 +48,7 @@ from ..language import (
     rotate,
     saturate,
     store_heads,
+    table_angles,
     tail_at,
     token_offset,
 )
@@ -151,11 +152,8 @@ def _head_angles(
     # the position as a tile (all lanes one value): scalar-and-tile masks trip the interpreter
     p = pos + tl.zeros([BLOCK_H, HALF_PAD], tl.int64)
     m = (h < n_heads)[:, None] & (i < HALF)[None, :] & (p >= 0) & (p < max_pos)
-    off = p * stride_row + table_head[:, None] * stride_head + (i.to(tl.int64) * stride_col)[None, :]
-    nan = float("nan")
-    c = tl.load(cos_ptr + off, mask=m, other=nan).to(tl.float32)
-    sn = tl.load(sin_ptr + off, mask=m, other=nan).to(tl.float32)
-    return c, sn
+    row = p * stride_row + table_head[:, None] * stride_head
+    return table_angles(cos_ptr, sin_ptr, row, (i.to(tl.int64) * stride_col)[None, :], m, float("nan"))
 
 
 @triton.jit
