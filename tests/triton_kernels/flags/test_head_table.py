@@ -125,13 +125,15 @@ def test_oracle_head_mapping():
 
 
 def test_table_views_and_strides(path):
-    """A table that is a strided view (heads sliced, a permuted (Ht, max_position, R) tensor)."""
+    """A table that is a strided view (heads sliced, a permuted (Ht, max_position, R) tensor); q alone."""
     q, k, positions = _inputs((5,), 4, 2, 32, torch.float32)
     base = head_table(4, 32)
     for table in (base[:, 1:3], head_table(2, 32).transpose(0, 1).contiguous().transpose(0, 1)):
         want_q, want_k = reference.apply_rope(q.double(), k.double(), positions, table.double())
         qo, ko = ropekit.apply_rope(q, k, positions, table)
         assert rel_err(qo, want_q) < TOL[torch.float32] and rel_err(ko, want_k) < TOL[torch.float32]
+        alone, none = ropekit.apply_rope(q, None, positions, table)  # q alone (no k)
+        assert none is None and rel_err(alone, want_q) < TOL[torch.float32]
 
 
 def test_torch_compile(path):
