@@ -4,7 +4,7 @@ torch.empty does not touch its pages, so a view with a token (or head, or table-
 2^30 over a 4 GiB buffer costs only the few rows written. A kernel that computes any of those
 offsets in int32 wraps at 2^31 and reads or writes the wrong address (seen: a segfault).
 
-    python big_offsets.py rope      ropekit on token, head and table-row strides of 2^30: prints OK
+    python big_offsets.py rope      ropekit on token, head, table-row and table-head strides of 2^30: prints OK
     python big_offsets.py control   a deliberately 32-bit copy kernel on the same view: must fail
 """
 
@@ -67,6 +67,15 @@ def rope():
     check(
         torch.randn(3, H, D).to(torch.bfloat16), torch.randn(3, 1, D).to(torch.bfloat16), torch.tensor([2, 0, 2]), cache
     )
+    # a per-head table: row stride 2^30 (position 2's row at 2^31), then head stride 2^30 (head 2's
+    # row at 2^31, read by q's and k's head 2)
+    rows = big_rows(3, (1, D), dtype=torch.float32)
+    check(
+        torch.randn(3, H, D).to(torch.bfloat16), torch.randn(3, 1, D).to(torch.bfloat16), torch.tensor([2, 0, 2]), rows
+    )
+    heads = big_rows(3, (D,), dtype=torch.float32).unsqueeze(0)  # (1, 3, D)
+    qk = torch.randn(2, 3, D).to(torch.bfloat16)
+    check(qk, qk.clone(), torch.tensor([0, 0]), heads)
     print("OK")
 
 

@@ -107,6 +107,27 @@ def main(rank, world, port, out):
     dq, dk = distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(k, mesh, [Shard(1)])
     ropekit.apply_rope(dq, dk, distribute_tensor(pos, mesh, [R]), cache, inplace=True)
     results["inplace_heads"] = dict(q=q, k=k, pos=pos, cache=cache, qo=dq.full_tensor(), ko=dk.full_tensor())
+    # a per-head table (2 KV heads; q's 4 heads in groups of 2), head-sharded (the table sliced on its
+    # heads: each rank's table head is its k head's) and token-sharded (the table replicated), with
+    # backward
+    for name, pl, pp in (("head_table_heads", Shard(1), R), ("head_table_tokens", Shard(0), Shard(0))):
+        q, k, pos, _ = inputs((8, 4, 32), (8, 2, 32), seed=len(name))
+        table = torch.randn(64, 2, 32, generator=torch.Generator().manual_seed(11))
+        dq = distribute_tensor(q, mesh, [pl]).requires_grad_()
+        dk = distribute_tensor(k, mesh, [pl]).requires_grad_()
+        qo, ko = ropekit.apply_rope(dq, dk, distribute_tensor(pos, mesh, [pp]), replicate(table, mesh))
+        assert tuple(qo.placements) == (pl,), (name, qo.placements)
+        (qo.sum() + (ko * ko.detach()).sum()).backward()
+        results[name] = dict(
+            q=q,
+            k=k,
+            pos=pos,
+            cache=table,
+            qo=qo.full_tensor(),
+            ko=ko.full_tensor(),
+            gq=dq.grad.full_tensor(),
+            gk=dk.grad.full_tensor(),
+        )
     # fused store, head-sharded: q, k, v on heads, paged caches on their head dim, the rest replicated
     v = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7))
     k_cache = torch.randn(3, 4, 2, 32, generator=torch.Generator().manual_seed(8))

@@ -89,6 +89,18 @@ def test_inplace_head_sharded(gathered):
     torch.testing.assert_close(c["ko"].double(), ko.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["head_table_heads", "head_table_tokens"])
+def test_head_table_sharded_forward_and_backward(gathered, case):
+    """A per-head table: sliced on its heads with head-sharded q / k, replicated with token sharding."""
+    c = gathered["results"][case]
+    q, k = c["q"].double().requires_grad_(), c["k"].double().requires_grad_()
+    qo, ko = reference.apply_rope(q, k, c["pos"], c["cache"].double())
+    (qo.sum() + (ko * ko.detach()).sum()).backward()
+    for got, want in ((c["qo"], qo), (c["ko"], ko), (c["gq"], q.grad), (c["gk"], k.grad)):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_per_token_angles_token_sharded(gathered):
     c = gathered["results"]["angles_tokens"]
     qo, ko = reference_case(c, upstream=False)

@@ -321,6 +321,132 @@ def test_key_none(report):
     assert k_out is None and rel_err(q_out, q_ref) < 1e-6
 
 
+# FoPE: (head size, q heads, KV heads, num_inv_freq, sep_head): None keeps the frequencies above
+# 2 pi / max_position (11 of 32 at 128 positions), the rest of each half padded as vLLM pads them;
+# sep_head False: one table for every head (a 2-D cache)
+FOPE = {
+    "gqa_filtered": (64, 4, 2, None, True),
+    "mha_eight": (64, 2, 2, 8, True),
+    "one_kv_head": (32, 4, 1, 16, True),
+    "shared_table": (64, 4, 2, None, False),
+}
+
+
+def _fope(head_size, n_kv, num_inv_freq, seed, sep_head=True):
+    """The replacement and vLLM's own FourierRotaryEmbedding, as get_rope constructs it (no cache at
+    construction), with the same random coefficients loaded (the checkpoint's). A class that cannot
+    be constructed so (vLLM 0.32 without sep_head: its einsum takes a 2-D coefficient) skips."""
+    args = (head_size, head_size, 128, 10000.0, True, F32)
+    kwargs = dict(
+        init_cache=False,
+        num_key_value_heads=n_kv,
+        num_inv_freq=num_inv_freq,
+        fope_sep_head=sep_head,
+        fope_init_factor=0.1,
+    )
+    try:
+        rope = vre.FourierRotaryEmbedding(*args, **kwargs)
+    except RuntimeError as e:
+        pytest.skip(f"this vLLM's FourierRotaryEmbedding cannot be constructed with {kwargs}: {e}")
+    own = _vllm_own(type(rope)._ropekit_of, args, kwargs)
+    g = torch.Generator().manual_seed(seed)
+    for name in ("cos_coef", "sin_coef"):
+        w = torch.randn(getattr(own, name).shape, generator=g)
+        getattr(own, name).data.copy_(w)
+        getattr(rope, name).data.copy_(w)
+    return rope, own, g
+
+
+@pytest.mark.parametrize("case", list(FOPE))
+@pytest.mark.parametrize("entry", ["forward_native", "forward_cuda", "forward_cpu"])
+def test_fope_matches_vllm(report, case, entry):
+    """FoPE: the table is filled from the loaded coefficients on the first call, then each KV head's
+    rows rotate it and its group of q heads; in place, the (T, H, D) shapes vLLM's forward returns;
+    a second call with the table kept."""
+    head_size, hq, hk, num_inv_freq, sep_head = FOPE[case]
+    rope, own, g = _fope(head_size, hk, num_inv_freq, seed=len(case), sep_head=sep_head)
+    assert type(rope).__name__ == "RopekitFourierRotaryEmbedding" and rope.update_cache
+    for _ in range(2):
+        positions = torch.randint(0, 128, (T,), generator=g)
+        q = torch.randn(T, hq * head_size, generator=g)
+        k = torch.randn(T, hk * head_size, generator=g)
+        q_ref, k_ref = own.forward_native(positions, q.double(), k.double())
+        q_in, k_in = q.clone(), k.clone()
+        q_out, k_out = getattr(rope, entry)(positions, q_in, k_in)
+        assert q_out.shape == q_ref.shape == (T, hq, head_size) and k_out.shape == k_ref.shape
+        assert q_out.data_ptr() == q_in.data_ptr() and k_out.data_ptr() == k_in.data_ptr(), "in place"
+        assert rel_err(q_out, q_ref) < 1e-6 and rel_err(k_out, k_ref) < 1e-6
+        assert not rope.update_cache and torch.equal(rope.cos_sin_cache, own.cos_sin_cache)
+
+
+def test_fope_reloaded_coefficients(report):
+    """New coefficients and update_cache set again (a reload): the next call rotates by the new table."""
+    rope, own, g = _fope(64, 2, None, seed=7)
+    positions = torch.randint(0, 128, (T,), generator=g)
+    q, k = torch.randn(T, 128, generator=g), torch.randn(T, 128, generator=g)
+    rope.forward_native(positions, q.clone(), k.clone())
+    for module in (rope, own):
+        module.cos_coef.data.mul_(-0.5)
+        module.update_cache = True
+    q_ref, k_ref = own.forward_native(positions, q.double(), k.double())
+    q_out, k_out = rope.forward_native(positions, q.clone(), k.clone())
+    assert rel_err(q_out, q_ref) < 1e-6 and rel_err(k_out, k_ref) < 1e-6
+
+
+# DeepSeek-V4: (is_neox_style, q's head size, k's head size or None): the rotated dims are the last
+# 64 of heads whose size each call gives (attention's and the indexer's differ)
+V4 = {
+    "pairs_q_and_k": (False, 128, 96),
+    "halves_q_and_k": (True, 128, 128),
+    "indexer_q_alone": (False, 64, None),
+}
+
+
+@pytest.mark.parametrize("case", list(V4))
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+def test_deepseek_v4_matches_vllm(report, case, inverse, dtype):
+    neox, dq, dk = V4[case]
+    args = (128, 64, 32, 10000.0, neox, 4.0, torch.bfloat16)
+    kwargs = dict(mscale=0.707, mscale_all_dim=0.707)
+    rope = vre.DeepseekV4ScalingRotaryEmbedding(*args, **kwargs)
+    assert type(rope).__name__ == "RopekitDeepseekV4ScalingRotaryEmbedding"
+    own = _vllm_own(type(rope)._ropekit_of, args, kwargs)
+    assert torch.equal(rope.cos_sin_cache, own.cos_sin_cache) and own.cos_sin_cache.dtype == F32
+    g = torch.Generator().manual_seed(len(case) + inverse)
+    positions = torch.randint(0, 124, (T,), generator=g)
+    offsets = torch.randint(0, 4, (T,), generator=g)
+    q = torch.randn(T, 4, dq, generator=g).to(dtype)
+    k = None if dk is None else torch.randn(T, 1, dk, generator=g).to(dtype)
+    q_ref, k_ref = own.forward_native(
+        positions, q.double(), None if k is None else k.double(), offsets, inverse=inverse
+    )
+    for entry in ("forward_native", "forward_cuda", "forward_cpu"):
+        q_in, k_in = q.clone(), None if k is None else k.clone()
+        q_out, k_out = getattr(rope, entry)(positions, q_in, k_in, offsets, inverse=inverse)
+        assert q_out is q_in and k_out is k_in, "in place, as vLLM's CUDA op"
+        tol = 1e-6 if dtype == F32 else 8e-3
+        assert rel_err(q_out, q_ref) < tol, entry
+        assert torch.equal(q_out[..., : dq - 64], q[..., : dq - 64]), "the leading dims untouched"
+        if k is not None:
+            assert rel_err(k_out, k_ref) < tol, entry
+
+
+def test_fope_and_v4_through_get_rope(report):
+    """get_rope, vLLM's factory, constructs both replacements from a model's rope parameters."""
+    fope = {
+        "rope_theta": 10000.0,
+        "use_fope": True,
+        "num_key_value_heads": 2,
+        "num_inv_freq": None,
+        "fope_sep_head": True,
+        "fope_init_factor": 0.1,
+    }
+    v4 = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 32, "is_deepseek_v4": True}
+    assert type(vre.get_rope(64, 128, True, fope, F32)).__name__ == "RopekitFourierRotaryEmbedding"
+    assert type(vre.get_rope(64, 128, False, v4, F32)).__name__ == "RopekitDeepseekV4ScalingRotaryEmbedding"
+
+
 def test_get_rope_routes(report):
     """get_rope, vLLM's factory, constructs the replacements, Phi-3's LongRoPE included."""
     longrope = {

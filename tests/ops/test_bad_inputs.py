@@ -142,6 +142,12 @@ def qkv_args(**change):
     return _edit(a, change)
 
 
+def head_table(heads: int) -> torch.Tensor:
+    """A per-head [cos | sin] table (16, heads, D) of random angles."""
+    ang = torch.rand(16, heads, D // 2) * 6
+    return torch.cat((ang.cos(), ang.sin()), -1)
+
+
 def _edit(a, change):
     for name, fn in change.items():
         a[name] = fn(a) if callable(fn) else fn
@@ -441,10 +447,10 @@ ROWS = [
     R(
         "rope-table-rank",
         "apply_rope",
-        "cos_sin_cache not 2-D",
+        "cos_sin_cache neither 2-D nor 3-D (per head)",
         "a (64,) row",
         ValueError,
-        "cos_sin_cache: expected a 2-D tensor",
+        "cos_sin_cache: expected a 2-D or 3-D tensor (max_position, rotary_dim) or (max_position, heads, rotary_dim)",
         lambda: rope_args(cos_sin_cache=lambda a: a["cos_sin_cache"][0]),
     ),
     R(
@@ -768,6 +774,16 @@ ROWS = [
         TypeError,
         "k: expected a torch.Tensor, got NoneType",
         lambda: store_args(k=None),
+    ),
+    R(
+        "store-head-table",
+        "apply_rope_and_store",
+        "a per-head table (max_position, heads, rotary_dim)",
+        "a (16, 2, 64) table",
+        ValueError,
+        "cos_sin_cache: expected a (max_position, rotary_dim) table: the store's kernel reads one row per token "
+        "(per-head tables are apply_rope's), got a per-head table of shape (16, 2, 64)",
+        lambda: store_args(cos_sin_cache=head_table(2)),
     ),
     R(
         "store-rotary-position",
@@ -1380,6 +1396,64 @@ ROWS = [
         ValueError,
         "q_norm_weight: expected None with l2_norm=True (one norm a head: the weighted one, or l2_norm's), got a tensor",
         lambda: store_args(l2_norm=True, q_norm_weight=torch.ones(D)),
+    ),
+    # ---- apply_rope: a per-head table (max_position, Ht, rotary_dim), FoPE's -------------------------
+    R(
+        "rope-head-table-heads",
+        "apply_rope",
+        "a per-head table whose heads do not divide q's (or k's)",
+        "table of 2 heads, q of 3",
+        ValueError,
+        "q: expected a head count that the per-head table's 2 heads divide (head j reads table head "
+        "j // (heads / 2)), got 3 heads",
+        lambda: rope_args(cos_sin_cache=head_table(2)),
+    ),
+    R(
+        "rope-head-table-arange",
+        "apply_rope",
+        "a per-head table with positions None",
+        "positions=None, a (16, 1, 64) table",
+        ValueError,
+        "positions: expected a positions tensor with a per-head cos_sin_cache, got None",
+        lambda: rope_args(positions=None, cos_sin_cache=head_table(1)),
+    ),
+    R(
+        "rope-head-table-mrope",
+        "apply_rope",
+        "a per-head table with M-RoPE",
+        "mrope_section given, a (16, 1, 64) table",
+        ValueError,
+        "mrope_section: expected None with a per-head cos_sin_cache, got (8, 12, 12)",
+        lambda: rope_args(
+            mrope_section=[8, 12, 12], positions=torch.zeros(3, T, dtype=torch.long), cos_sin_cache=head_table(1)
+        ),
+    ),
+    R(
+        "rope-head-table-packed",
+        "apply_rope",
+        "a per-head table with packed sequences",
+        "cu_seqlens given, a (16, 1, 64) table",
+        ValueError,
+        "cu_seqlens: expected None with a per-head cos_sin_cache, got a tensor",
+        lambda: rope_args(positions=None, cu_seqlens=torch.tensor([0, 2, T]), cos_sin_cache=head_table(1)),
+    ),
+    R(
+        "rope-head-table-norm",
+        "apply_rope",
+        "a per-head table with a fused norm",
+        "q_norm_weight given, a (16, 1, 64) table",
+        ValueError,
+        "q_norm_weight: expected None with a per-head cos_sin_cache, got a tensor",
+        lambda: rope_args(q_norm_weight=torch.ones(D), cos_sin_cache=head_table(1)),
+    ),
+    R(
+        "rope-head-table-l2",
+        "apply_rope",
+        "a per-head table with l2_norm",
+        "l2_norm=True, a (16, 1, 64) table",
+        ValueError,
+        "l2_norm: expected False with a per-head cos_sin_cache, got True",
+        lambda: rope_args(l2_norm=True, cos_sin_cache=head_table(1)),
     ),
     # ---- apply_rope_and_store: heads in two parts (q_nope, k_nope beside v) -----------------------
     R(

@@ -478,7 +478,7 @@ def ropekit_row_passes(w, sizes):
     return base
 
 
-CONVENTION_ROWS = ("W7-KNOPE", "W7-QNOPE", "W1-SBHD", "W2-OUT", "W2-STRIDED", "W6-LAST")
+CONVENTION_ROWS = ("W7-KNOPE", "W7-QNOPE", "W1-SBHD", "W1-HEADTABLE", "W2-OUT", "W2-STRIDED", "W6-LAST")
 
 
 @pytest.mark.parametrize("wid", CONVENTION_ROWS)

@@ -109,3 +109,28 @@ def test_bigmem_cuda_axial_freqs_past_2_31_elements():
     del qo
     ropekit.apply_rope(q, None, pos, None, inv_freq=f, axes=axes, interleaved=True, inplace=True)
     assert ((q[tail].double().cpu() - rq).norm() / rq.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.bigmem
+def test_bigmem_cuda_head_table_past_2_31_elements():
+    """A per-head table above 2^31 elements (2^21 + 1 positions x 8 heads x 128, bf16: 4.3 GB): rows
+    of its last positions, read through int64 row and head offsets."""
+    import ropekit
+    from ropekit.tools import reference
+
+    P, Ht, D = 2**21 + 1, 8, 128
+    assert P * Ht * D > 2**31
+    table = torch.empty(P, Ht, D, dtype=torch.bfloat16, device="cuda")
+    last = torch.randn(4, Ht, D, dtype=torch.float64)
+    table[-4:] = last.to(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(3, 32, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(3, Ht, D, dtype=torch.bfloat16, device="cuda")
+    pos = torch.tensor([P - 1, P - 4, P - 2], device="cuda")
+    small = table[-4:].double().cpu()  # the same rows, positions shifted into a 4-row table
+    rq, rk = reference.apply_rope(q.double().cpu(), k.double().cpu(), pos.cpu() - (P - 4), small)
+    qo, ko = ropekit.apply_rope(q, k, pos, table)
+    torch.cuda.synchronize()
+    for out, ref in ((qo, rq), (ko, rk)):
+        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2

@@ -78,7 +78,14 @@ def apply_rope(
             (over S with layout='sbhd', whose positions are (S, B)).
             Dims of size 1 broadcast over the token dims (HF's (1, S) position_ids; an expand view).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended, bf16/fp16 ok.
-            HF's cos (rows [f, f]) is refused, checked once per table.
+            HF's cos (rows [f, f]) is refused, checked once per table. Or a per-head table
+            (max_position, Ht, rotary_dim), a [cos | sin] row per (position, head) (FoPE, whose
+            rows are mixed per KV head: any values, not only unit pairs): head j of a tensor of H
+            heads reads table head j // (H / Ht), so Ht = Hk rotates each KV head and its group of
+            q heads alike, and Ht = Hq = Hk gives every head its own rows; Ht must divide Hq and
+            Hk. Any strides. With a positions tensor, not with M-RoPE, cu_seqlens or a fused norm;
+            every other keyword composes (docs/core.md, "Per-head tables"). E.g. q (T, 32, 128),
+            k (T, 8, 128), positions (T,), table (max_position, 8, 128).
         interleaved: False rotates halves (i, i + rotary_dim/2) (Llama/NeoX); True rotates pairs
             (2i, 2i+1) (GPT-J, Llama 4, DeepSeek).
         rotary_dim: dims [0, rotary_dim) are rotated, the rest kept; must equal the cache width.

@@ -138,7 +138,10 @@ def rope(args: dict) -> Spec:
             inplace_grad=True,
             broadcast=True,
             any_last_stride=True,
+            head_table=True,
         )
+        if table.dim() == 3:
+            rules.head_table_args(op, q_t, k_t, table, positions, mrope, cu_seqlens, weights, args["l2_norm"])
         rules.no_grad_table(op, table)
         if layout is None:
             forms.warn_ambiguous_layout(op, q, positions is None and cu_seqlens is None, stacklevel=5)
@@ -193,6 +196,7 @@ def rope(args: dict) -> Spec:
         nope_q=parts[0],
         nope_k=parts[1],
         q_temperature=temperature is not None,
+        head_table=angles == "table" and table.dim() == 3,
         **keyed,
     )
     triton = triton_runs(q)

@@ -353,7 +353,7 @@ def _rotate_staged(pairs, ang: _Angles, rot: int, interleaved: bool) -> None:
     if math.prod(token_shape) <= rows:
         _stage_block(pairs, ang, rot, interleaved)
         return
-    full = (*token_shape, 1, rot // 2)
+    full = (*token_shape, ang.c.shape[-2], rot // 2)  # one row for every head, or a row per head
     c, s = ang.c.expand(full), ang.s.expand(full)
     for index in _blocks(token_shape, rows):
         block = [(x[index], out[index]) for x, out in pairs]
@@ -469,6 +469,9 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     if 0 in token_shape:
         return
     ct = compute_dtype(q)
+    if variant.head_table:
+        _rotate_head_table(((q, q_out), (k, k_out)), a, b, token_shape, rot, ct, variant)
+        return
     if table:
         srcs = (b,) if a is None else None  # rows 0..S-1: the same angles while the table is unchanged
         key = ("arange", id(b), token_shape[-1], rot, inverse, ct)
@@ -489,6 +492,30 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     ang = make() if srcs is None else _cached_angles(srcs, key, make)
     pairs = ((q, q_out),) if k is None else ((q, q_out), (k, k_out))
     _rotate_all(pairs, ang, rot, interleaved, out_interleaved, variant.rope_halves)
+
+
+def head_table_angles(table, positions, token_shape, rot: int, n_heads: int):
+    """cos, sin (*token_shape, n_heads, rot // 2) from a per-head [cos | sin] table (max_position,
+    Ht, >= rot) at positions (*T): head j reads table head j // (n_heads / Ht); NaN rows for a
+    position outside the table."""
+    half = rot // 2
+    n_table = table.shape[1]
+    flat = table[..., :rot].reshape(table.shape[0], n_table * rot)  # a row per position, every head
+    rows = angles_at(flat, flat, positions, token_shape)[0].unflatten(-1, (n_table, rot))
+    if n_heads != n_table:
+        rows = rows.repeat_interleave(n_heads // n_table, dim=-2)
+    return rows[..., :half], rows[..., half:]
+
+
+def _rotate_head_table(pairs, positions, table, token_shape, rot: int, ct, variant) -> None:
+    """The rotation with a per-head table: each tensor of the pairs rotated by its own heads' rows."""
+    for x, out in pairs:
+        if x is None or not x.numel():
+            continue
+        cos, sin = head_table_angles(table, positions, token_shape, rot, x.shape[-2])
+        cos, sin = cos.to(ct), sin.to(ct)
+        ang = _Angles(cos, -sin if variant.inverse else sin, ct)
+        _rotate_all(((x, out),), ang, rot, variant.interleaved, variant.out_interleaved, variant.rope_halves)
 
 
 # ---------------------------------------------------------------------------------------------

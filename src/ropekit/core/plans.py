@@ -54,6 +54,7 @@ class AngleLayout(NamedTuple):
     pos_strides: tuple  # positions' (sec, b, s) strides
     packed: tuple = (0, 1, 0)  # packed sequences: (sequences, cp_size, cp_rank)
     search: tuple = (1, 1)  # packed sequences: the two-level search's (stride, blocks)
+    heads: tuple = (0, 1)  # a per-head table (max_position, Ht, width): (its head stride, Ht)
 
 
 def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)) -> AngleLayout:
@@ -67,7 +68,7 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)
         return AngleLayout(
             half, 0, 0, (0, 0, 0, b.stride(0)), (a.stride(0) if axial else 0, *token_strides(pos, n_tok))
         )
-    row, col = b.stride(0), b.stride(1)
+    row, col = b.stride(0), b.stride(-1)
     if variant.angles == "packed":  # a: cu_seqlens; positions derived in the kernel
         n_seqs = a.shape[0] - 1
         cp_size, cp_rank = packed
@@ -82,7 +83,8 @@ def angle_layout(variant, rot: int, a, b, token_strides_of_angles, packed=(1, 0)
     n_tok = a.dim() - (1 if variant.mrope else 0)
     pos = a[0] if variant.mrope else a
     sec = a.stride(0) if variant.mrope else 0
-    return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (sec, *token_strides(pos, n_tok)))
+    heads = (b.stride(1), b.shape[1]) if variant.head_table else (0, 1)
+    return AngleLayout(half, b.shape[0], half * col, (0, 0, row, col), (sec, *token_strides(pos, n_tok)), heads=heads)
 
 
 def per_token_strides(cos: torch.Tensor, n_tok: int, mrope: bool) -> tuple:
@@ -250,6 +252,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         sec_h,
         sec_w,
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
+        *head_table_args(angles, n_q, n_k),  # read only when HEAD_TABLE
         *temperature,  # floor_scale, attn_scale (read only when Q_TEMPERATURE)
     )
     if not normed:
@@ -275,6 +278,13 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
     if normed and not tuning.get("num_warps"):
         meta["num_warps"] = tuning.get("norm_warps") or norm_warps(sum(tiles), half_pad, tail_pad, whole)
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
+
+
+def head_table_args(angles: AngleLayout, n_q: int, n_k: int) -> tuple:
+    """rope_kernel's (stride_table_head, q_group, k_group): a per-head table's head stride and the
+    heads of q and of k per table head (validation made both multiples of the table's heads)."""
+    stride, table_heads = angles.heads
+    return stride, max(1, n_q // table_heads), max(1, n_k // table_heads)
 
 
 def norm_warps(block_h: int, half_pad: int, tail_pad: int, whole: bool = False) -> int:

@@ -85,7 +85,7 @@ def head_sizes(op, q, k, rotary_dim):
 
 def table_rotary_dim(op, cos_sin_cache, rotary_dim) -> int:
     """rotary_dim checked against a [cos | sin] table's width (None: the width)."""
-    width = cos_sin_cache.shape[1]
+    width = cos_sin_cache.shape[-1]
     if rotary_dim is None:
         rotary_dim = width
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
@@ -112,8 +112,11 @@ def rope_args(
     inplace_grad=False,
     broadcast=False,
     any_last_stride=False,
+    head_table=False,
 ):
     """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w).
+    head_table: a 3-D table (max_position, Ht, rotary_dim) is accepted too (apply_rope's per-head
+    tables; `head_table_args` checks the rest).
     inplace_grad: in place is allowed while q or k requires grad (the plain rotation: its backward
     needs no input; the norm's does). broadcast: positions may have size-1 dims where the token
     dims have more (Hugging Face's (1, S) position_ids); the caller expands them. any_last_stride:
@@ -124,10 +127,12 @@ def rope_args(
         op,
         "cos_sin_cache",
         cos_sin_cache,
-        ndims=(2,),
+        ndims=(2, 3) if head_table else (2,),
         dtypes=TABLE_DTYPES,
         device=device,
-        shape_hint="(max_position, rotary_dim)",
+        shape_hint="(max_position, rotary_dim) or (max_position, heads, rotary_dim)"
+        if head_table
+        else "(max_position, rotary_dim)",
     )
     rotary_dim = table_rotary_dim(op, cos_sin_cache, rotary_dim)
     head_sizes(op, q, k, rotary_dim)
@@ -372,6 +377,36 @@ def halves_args(op, q, k, interleaved, q_name="q", k_name="k") -> None:
         )
 
 
+def head_table_args(op, q, k, table, positions, mrope, cu_seqlens, weights, l2=False) -> None:
+    """A per-head table (max_position, Ht, rotary_dim): rows picked by a positions tensor, without
+    M-RoPE, packed sequences or the fused norm, and Ht dividing q's heads and k's (head j of a tensor
+    of H heads reads table head j // (H / Ht): per KV head with q's heads grouped, as GQA groups
+    them, or per q head when Ht is q's head count and k has as many heads)."""
+    n_table = table.shape[1]
+    if n_table < 1:
+        fail(op, "cos_sin_cache", "at least one head in a per-head table", f"shape {tuple(table.shape)}")
+    refused = (
+        (cu_seqlens is not None, "cu_seqlens", "None with a per-head cos_sin_cache", "a tensor"),
+        (mrope is not None, "mrope_section", "None with a per-head cos_sin_cache", mrope),
+        (positions is None, "positions", "a positions tensor with a per-head cos_sin_cache", None),
+        (weights[0] is not None, "q_norm_weight", "None with a per-head cos_sin_cache", "a tensor"),
+        (weights[1] is not None, "k_norm_weight", "None with a per-head cos_sin_cache", "a tensor"),
+        (l2 is True, "l2_norm", "False with a per-head cos_sin_cache", True),
+    )
+    for hit, name, expected, got in refused:
+        if hit:
+            fail(op, name, expected, got)
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and x.shape[-2] % n_table:
+            fail(
+                op,
+                name,
+                f"a head count that the per-head table's {n_table} heads divide (head j reads table head "
+                f"j // (heads / {n_table}))",
+                f"{x.shape[-2]} heads",
+            )
+
+
 def no_grad_table(op, table):
     """ropekit treats the angles as constants: a table that requires grad is refused under grad mode."""
     if table.requires_grad and torch.is_grad_enabled():
@@ -524,6 +559,14 @@ def store_args(
             "q",
             "stride 1 in the last dimension (q is rotated in place; with q_out= a strided q is read)",
             f"strides {tuple(q.stride())}",
+        )
+    if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 3:
+        fail(
+            op,
+            "cos_sin_cache",
+            "a (max_position, rotary_dim) table: the store's kernel reads one row per token (per-head "
+            "tables are apply_rope's)",
+            f"a per-head table of shape {tuple(cos_sin_cache.shape)}",
         )
     rot, mrope = rope_args(
         op,

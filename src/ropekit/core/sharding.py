@@ -9,6 +9,11 @@ dim of q's placements:
     Shard(d), d a token dim  Shard(d)        Shard(d [+1 for M-RoPE])  Replicate()      refused        refused
     Shard(H), the head dim   Shard(H)        Replicate()               Replicate()      Shard(heads)   Replicate()
 
+A per-head table (max_position, Ht, rotary_dim) is replicated like a table under token sharding and
+sharded on its head dim (Shard(1)) under head sharding: each rank then holds the table heads of its
+own q and k heads, so the local head j // (H / Ht) mapping is the global one. Ht, Hq and Hk must be
+multiples of the mesh size there (even shards).
+
 RMSNorm weights (the store's q_norm_weight / k_norm_weight) are replicated; a weight across heads
 ((H*D,), the variant's NORM_TOKEN) needs every head of a token, so head sharding refuses it.
 
@@ -49,6 +54,7 @@ HEADS = "heads"  # (*T, H, D): token dims and the head dim follow q
 TOKENS = "tokens"  # (*T) or (3, *T) with M-RoPE: token dims follow q, replicated under head sharding
 ANGLES = "angles"  # cos / sin: tables (positions given) replicated; per-token (*T, half) like TOKENS
 TABLE = "table"  # always replicated (a [cos | sin] table)
+HEAD_TABLE = "head table"  # a per-head table: replicated, or Shard(1) (its heads) under head sharding
 CACHE = "cache"  # KV cache (..., H, D): head dim follows q; token sharding refused
 SCALE = "scale"  # per-tensor scale: replicated
 SEQLENS = "seqlens"  # cu_seqlens: replicated; it numbers the tokens of the whole packed batch, so q
@@ -77,7 +83,7 @@ def _rotate_roles(codes):
     v = Variant.decode(codes)
     name_a, name_b = ANGLE_NAMES[v.angles]
     role_a = {"packed": SEQLENS, "tokens": ANGLES}.get(v.angles, TOKENS)
-    role_b = ANGLES if v.angles == "tokens" else TABLE
+    role_b = ANGLES if v.angles == "tokens" else (HEAD_TABLE if v.head_table else TABLE)
     return (name_a, role_a), (name_b, role_b), [WEIGHT_ALL if m == NORM_TOKEN else WEIGHT for m in (v.norm_q, v.norm_k)]
 
 
@@ -214,6 +220,8 @@ def expected_placements(op: str, rule: OpRule, specs: dict) -> dict:
                 per_mesh_dim.append(Shard(p.dim + lead) if token else Replicate())
             elif role in (ANGLES, TABLE, SCALE, WEIGHT):
                 per_mesh_dim.append(Replicate())
+            elif role == HEAD_TABLE:
+                per_mesh_dim.append(Replicate() if token else Shard(1))
             elif role == WEIGHT_ALL:
                 if not token:
                     _fail(

@@ -138,6 +138,9 @@ FLAGS: Tuple[Flag, ...] = (
     Flag("fp4", False, _in("FP4", _STORE),
          what="store: NVFP4 caches, k_cache / v_cache uint8 e2m1 codes (two a byte) beside float8_e4m3fn "
               "block scales per 16 values (k_cache_scales / v_cache_scales); k_scale / v_scale the global scales"),
+    Flag("head_table", False, _in("HEAD_TABLE", _ROPE),
+         what="the table holds a [cos | sin] row per (position, head), (max_position, Ht, rotary_dim) (FoPE): "
+              "head j of a tensor of H heads reads table head j // (H / Ht); the kernel reads a row per head"),
 )
 # fmt: on
 

@@ -50,7 +50,10 @@ TRACE_ENV = "ROPEKIT_VLLM_TRACE"
 # vLLM class -> how its forward maps onto apply_rope. "table": rows of `cos_sin_cache` indexed by
 # positions (+ offsets); "mrope": the same, and (3, T) positions pick sections (Qwen2-VL chunks or
 # Qwen3-VL interleaving, vLLM's `mrope_interleaved`; offsets ignored, as vLLM does); "longrope":
-# Phi-3's short|long table, the long rows chosen once at construction (vLLM's `use_long_rope`).
+# Phi-3's short|long table, the long rows chosen once at construction (vLLM's `use_long_rope`);
+# "fope": FoPE's per-KV-head table, filled from the checkpoint's coefficients on the first call, as
+# a per-head table (rotary_dim = head_size, half-split pairs); "last": DeepSeek-V4's table rotating
+# the last rotary_dim dims of heads whose size each call's query gives, by -angle with inverse=True.
 SERVED = {
     "RotaryEmbedding": "table",
     "LinearScalingRotaryEmbedding": "table",
@@ -63,14 +66,12 @@ SERVED = {
     "DeepseekScalingRotaryEmbedding": "table",
     "MRotaryEmbedding": "mrope",
     "Phi3LongRoPEScaledRotaryEmbedding": "longrope",
+    "FourierRotaryEmbedding": "fope",
+    "DeepseekV4ScalingRotaryEmbedding": "last",
 }
 
 # vLLM classes left as they are, and why (their forward is not one rotation by table rows).
 LEFT = {
-    "DeepseekV4ScalingRotaryEmbedding": "rotates the last rotary_dim dims with a per-call head size and "
-    "an inverse= flag; not covered by this plugin",
-    "FourierRotaryEmbedding": "FoPE: per-head Fourier-mixed cos/sin (a 3-D table filled from checkpoint "
-    "weights on the first call), not one [cos | sin] row per position",
     "DualChunkRotaryEmbedding": "dual-chunk attention: the query is rotated by three tables (intra, "
     "successive, inter chunk) and returned concatenated",
     "Llama4VisionRotaryEmbedding": "a complex 2-D vision table applied by forward(query, key), no positions",
@@ -157,9 +158,71 @@ def _forward_longrope(self, positions, query, key=None, offsets=None):
     return _rotate(self, positions, query, key, _table(self, "long_short_cos_sin_cache", query), mrope=False)
 
 
+def fope_table(cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """FoPE's cache as apply_rope's table: vLLM's rows hold [cos, cos | sin, sin] over the whole head
+    (head_size // 2 columns each, repeated for rotate_neox), per KV head (max_position, Hkv,
+    2 * head_size); apply_rope's hold [cos | sin] once, (max_position, Hkv, head_size)."""
+    half = head_size // 2
+    return torch.cat((cache[..., :half], cache[..., head_size : head_size + half]), dim=-1)
+
+
+def _forward_fope(self, positions, query, key=None, offsets=None):
+    # vLLM's FourierRotaryEmbedding.forward_native: on the first call the table is computed from
+    # cos_coef / sin_coef (loaded by then) into cos_sin_cache; every call rotates the whole head
+    # (its half-split pairs, whatever is_neox_style says) by the rows of each KV head, q's heads in
+    # groups of Hq / Hkv; `offsets` is taken and not used (as vLLM's)
+    _trace(self, "call")
+    if self.update_cache:
+        self.cos_sin_cache.copy_(self._compute_cos_sin_cache().to(self.dtype))
+        self.update_cache = False
+        self._ropekit_table = None
+    table = self.__dict__.get("_ropekit_table")
+    if table is None or table.device != query.device:
+        table = fope_table(_table(self, "cos_sin_cache", query), self.head_size)
+        if not torch.compiler.is_compiling():
+            self._ropekit_table = table
+    positions = positions.flatten()
+    n_tok = positions.shape[0]
+    q = query.view(n_tok, -1, self.head_size)
+    k = None if key is None else key.view(n_tok, -1, self.head_size)
+    ropekit.apply_rope(q, k, positions, table, rotary_dim=self.head_size, inplace=True)
+    return q, k  # (T, H, head_size) views, the shapes vLLM's forward_native returns
+
+
+def _forward_last(self, positions, query, key=None, offsets=None, inverse=False):
+    # vLLM's DeepseekV4ScalingRotaryEmbedding: the last rotary_dim dims of each head rotated, the
+    # head size each call's tensors have (the indexer's and attention's differ), by -angle with
+    # inverse=True; key may be None
+    _trace(self, "call")
+    if offsets is not None:
+        positions = positions + offsets
+    positions = positions.flatten()
+    n_tok = positions.shape[0]
+    q = query.view(n_tok, -1, query.shape[-1])
+    k = None if key is None else key.view(n_tok, -1, key.shape[-1])
+    ropekit.apply_rope(
+        q,
+        k,
+        positions,
+        _table(self, "cos_sin_cache", query),
+        interleaved=not self.is_neox_style,
+        rotary_dim=self.rotary_dim,
+        rotary_position="last",
+        inverse=bool(inverse),
+        inplace=True,
+    )
+    return query, key
+
+
 # form -> the forward its replacement classes run: forward(module, positions, query, key=None, offsets=None),
 # module holding vLLM's attributes (head_size, rotary_dim, is_neox_style, cos_sin_cache, ...)
-FORWARDS = {"table": _forward_table, "mrope": _forward_mrope, "longrope": _forward_longrope}
+FORWARDS = {
+    "table": _forward_table,
+    "mrope": _forward_mrope,
+    "longrope": _forward_longrope,
+    "fope": _forward_fope,
+    "last": _forward_last,
+}
 
 
 def _init(self, *args, **kwargs):

@@ -48,6 +48,7 @@ from ..language import (
     rotate,
     saturate,
     store_heads,
+    table_angles,
     tail_at,
     token_offset,
 )
@@ -136,6 +137,26 @@ def _norm_select(
 
 
 @triton.jit
+def _head_angles(
+    rows, blk, n_q_blocks, head0, n_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """HEAD_TABLE: cos and sin, float32 (BLOCK_H, HALF_PAD), of heads [head0, head0 + BLOCK_H) of a
+    head block, each from its own table head's row at the token's position (NaN where the position
+    is out of the table). rows: (cos_ptr, sin_ptr, pos, max_pos, stride_row, stride_head, stride_col,
+    q_group, k_group): head h of q (of k) reads table head h // q_group (h // k_group)."""
+    cos_ptr, sin_ptr, pos, max_pos, stride_row, stride_head, stride_col, q_group, k_group = rows
+    group = tl.where(blk < n_q_blocks, q_group, k_group)
+    h = head0 + tl.arange(0, BLOCK_H)
+    table_head = (h // group).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)
+    # the position as a tile (all lanes one value): scalar-and-tile masks trip the interpreter
+    p = pos + tl.zeros([BLOCK_H, HALF_PAD], tl.int64)
+    m = (h < n_heads)[:, None] & (i < HALF)[None, :] & (p >= 0) & (p < max_pos)
+    row = p * stride_row + table_head[:, None] * stride_head
+    return table_angles(cos_ptr, sin_ptr, row, (i.to(tl.int64) * stride_col)[None, :], m, float("nan"))
+
+
+@triton.jit
 def _tile_out(
     block,
     head0,
@@ -144,6 +165,7 @@ def _tile_out(
     params,
     r_group,
     q_temp,
+    head_rows_of,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -159,13 +181,16 @@ def _tile_out(
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
     Q_TEMPERATURE: tl.constexpr,
+    HEAD_TABLE: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of a head block, loaded as xs = (x1, x2): normalized (with a
     norm), rotated by cs = (c, sn) and stored, plus the unrotated tail when TAIL_PAD > 0: read from
     x, or with a norm the normalized tail (written in place too). block: the block as the kernel
     selected it (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail);
     params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset).
-    Q_TEMPERATURE: q's blocks (rotated dims and tail) times q_temp, the token's float32 factor."""
+    Q_TEMPERATURE: q's blocks (rotated dims and tail) times q_temp, the token's float32 factor.
+    HEAD_TABLE: cs is unused; each head's cos / sin come from its table head's row (_head_angles,
+    head_rows_of its operands), a (BLOCK_H, HALF_PAD) tile instead of one row for every head."""
     blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
     x1, x2 = xs
     c, sn = cs
@@ -191,11 +216,14 @@ def _tile_out(
         )
     o_scale_ptr = tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr)
     o_rows = head_rows(o_base, stride_o_head, head0, BLOCK_H)
-    # INVERSE: by -angle, sin negated once for the token's vector
-    sb = sn[None, :]
+    if HEAD_TABLE:
+        cb, sb = _head_angles(head_rows_of, blk, n_q_blocks, head0, n_heads, HALF, HALF_PAD, BLOCK_H)
+    else:
+        cb, sb = c[None, :], sn[None, :]
+    # INVERSE: by -angle, sin negated once for the token's vector (the block's tile per head)
     if INVERSE:
         sb = -sb
-    o1, o2 = rotate(x1, x2, c[None, :], sb, False)
+    o1, o2 = rotate(x1, x2, cb, sb, False)
     temp = tl.where(blk < n_q_blocks, q_temp, 1.0)  # k's blocks: 1
     if Q_TEMPERATURE:
         o1 = o1 * temp
@@ -270,6 +298,9 @@ def rope_kernel(
     n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
     cp_size,  # PACKED: context-parallel size (1: none)
     cp_rank,  # PACKED: this rank
+    stride_table_head,  # HEAD_TABLE: the table's stride between heads
+    q_group,  # HEAD_TABLE: q's heads per table head (q head h reads table head h // q_group)
+    k_group,  # HEAD_TABLE: k's heads per table head
     temp_floor,  # Q_TEMPERATURE: floor_scale
     temp_attn,  # Q_TEMPERATURE: attn_scale
     wq_ptr,  # NORM_Q: q's RMSNorm weight, (D,) or (H*D,), unit stride
@@ -302,6 +333,7 @@ def rope_kernel(
     BLOCK_H3: tl.constexpr,  # WHOLE: heads of its third tile, after BLOCK_H + BLOCK_H2 (0: none)
     W_PAIRS: tl.constexpr,  # interleaved norm weights read as one word per pair (both 16-byte aligned)
     Q_TEMPERATURE: tl.constexpr,  # q's outputs times log(floor((pos + 1) / temp_floor) + 1) * temp_attn + 1
+    HEAD_TABLE: tl.constexpr,  # a (max_pos, Ht, rotary_dim) table: each head reads its table head's row
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -321,6 +353,8 @@ def rope_kernel(
     heads needs WHOLE (the launcher sets it).
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (packed_position).
+    HEAD_TABLE: the table has a row per (position, head); the token's position is read once and
+    each head tile reads its heads' rows (_head_angles) instead of one row for every head.
     """
     pdl_prologue(PDL)
     b, s, angles = token_prologue(
@@ -351,8 +385,25 @@ def rope_kernel(
     x1, x2, y1, y2, z1, z2 = load_tiles(
         (x_base, stride_x_head, n_heads, head0), HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
     )
-    # the token's angles, after its head loads (token_prologue)
-    c, sn = load_angles(angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS)
+    # the token's angles, after its head loads (token_prologue); per head tile with HEAD_TABLE
+    if HEAD_TABLE:
+        c = tl.zeros([HALF_PAD], tl.float32)
+        sn = c
+        pos = tl.load(pos_ptr + b * stride_pos_batch + s * stride_pos_token).to(tl.int64)
+    else:
+        c, sn = load_angles(angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS)
+        pos = tl.zeros([], tl.int64)
+    head_rows_of = (
+        cos_ptr,
+        sin_ptr + sin_off,
+        pos,
+        max_pos,
+        stride_angle_token,
+        stride_table_head,
+        stride_angle_col,
+        q_group,
+        k_group,
+    )
     # one loop body for both layouts: with HEAD_LOOP it walks every head block, next block's loads
     # in flight; otherwise it runs once for this program's block (a one-trip loop the compiler drops)
     if HEAD_LOOP:
@@ -425,6 +476,7 @@ def rope_kernel(
             params,
             r_group,
             q_temp,
+            head_rows_of,
             HALF,
             HALF_PAD,
             BLOCK_H,
@@ -440,6 +492,7 @@ def rope_kernel(
             W_PAIRS,
             GAP,
             Q_TEMPERATURE,
+            HEAD_TABLE,
         )
         if BLOCK_H2 > 0:
             _tile_out(
@@ -450,6 +503,7 @@ def rope_kernel(
                 params,
                 r_group,
                 q_temp,
+                head_rows_of,
                 HALF,
                 HALF_PAD,
                 BLOCK_H2,
@@ -465,6 +519,7 @@ def rope_kernel(
                 W_PAIRS,
                 GAP,
                 Q_TEMPERATURE,
+                HEAD_TABLE,
             )
         if BLOCK_H3 > 0:
             _tile_out(
@@ -475,6 +530,7 @@ def rope_kernel(
                 params,
                 r_group,
                 q_temp,
+                head_rows_of,
                 HALF,
                 HALF_PAD,
                 BLOCK_H3,
@@ -490,6 +546,7 @@ def rope_kernel(
                 W_PAIRS,
                 GAP,
                 Q_TEMPERATURE,
+                HEAD_TABLE,
             )
         if HEAD_LOOP:
             if not PREFETCH:

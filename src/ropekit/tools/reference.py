@@ -162,20 +162,29 @@ def apply_rope(
 ):
     """Same contract as `ropekit.apply_rope` (no validation: the public op validates); inverse
     rotates by -angle; q_temperature (floor_scale, attn_scale): q's outputs times
-    log(floor((positions + 1) / floor_scale) + 1) * attn_scale + 1 of their token (float64)."""
+    log(floor((positions + 1) / floor_scale) + 1) * attn_scale + 1 of their token (float64).
+    A per-head table (max_position, Ht, rotary_dim): `rotate_by_head_table`."""
     token_shape = q.shape[:-2]
-    cos, sin = angles_from_table(
-        cos_sin_cache,
-        positions,
-        token_shape,
-        rotary_dim=rotary_dim,
-        mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved,
-    )
-    if inverse:
-        sin = -sin
-    q_out = rotate(q, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
-    k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+    if cos_sin_cache.dim() == 3:
+        q_out, k_out = (
+            None
+            if x is None
+            else rotate_by_head_table(x, positions, cos_sin_cache, interleaved, inverse, rotary_position)
+            for x in (q, k)
+        )
+    else:
+        cos, sin = angles_from_table(
+            cos_sin_cache,
+            positions,
+            token_shape,
+            rotary_dim=rotary_dim,
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+        )
+        if inverse:
+            sin = -sin
+        q_out = rotate(q, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+        k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
     if q_temperature is not None:
         floor_scale, attn_scale = q_temperature
         p = torch.broadcast_to(positions, token_shape).double()
@@ -187,6 +196,30 @@ def apply_rope(
             k.copy_(k_out)
         return q, k
     return q_out, k_out
+
+
+def rotate_by_head_table(x, positions, table, interleaved=False, inverse=False, rotary_position="first"):
+    """x (*T, H, D) rotated by a per-head [cos | sin] table (max_position, Ht, rotary_dim): head j
+    reads table head j // (H / Ht), its row at the token's position (NaN rows outside the table).
+    rotary_position 'last' rotates the last rotary_dim dims, keeping the first ones."""
+    max_pos, n_table, rot = table.shape
+    half = rot // 2
+    n_heads = x.shape[-2]
+    head_of = torch.arange(n_heads, device=table.device) // (n_heads // n_table)
+    p = torch.broadcast_to(positions, x.shape[:-2]).long()
+    valid = ((p >= 0) & (p < max_pos))[..., None, None]
+    rows = table[p.clamp(0, max_pos - 1)][..., head_of, :]  # (*T, H, rot)
+    rows = torch.where(valid, rows, torch.tensor(float("nan"), dtype=table.dtype, device=table.device))
+    cos, sin = rows[..., :half], rows[..., half:]
+    if inverse:
+        sin = -sin
+    # each head as a token of one head: rotate()'s cos / sin broadcast over that one head
+    if rotary_position == "last":
+        keep = x.shape[-1] - rot
+        part = rotate(x[..., keep:].unsqueeze(-2), cos, sin, interleaved=interleaved).squeeze(-2)
+        return torch.cat((x[..., :keep], part), dim=-1)
+    out = rotate(x.unsqueeze(-2), cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+    return out.squeeze(-2)
 
 
 def apply_rope_and_store(

@@ -55,8 +55,9 @@ class Workload:
     store_forms: Tuple[str, ...] = ()
     # rope / mla workloads: apply_rope's conventions on the plain row's inputs, "sbhd" (q and k
     # contiguous (S, B, H, D), layout='sbhd'), "out" (destinations q_out= / k_out=), "last" (MLA's
-    # whole (T, H, nope + rope) q with rotary_position='last', in place) and "strided" (q and k
-    # with last stride 2: read through the documented copy)
+    # whole (T, H, nope + rope) q with rotary_position='last', in place), "strided" (q and k
+    # with last stride 2: read through the documented copy) and "head_table" (a per-KV-head table
+    # (P, Hk, R), FoPE's form, with explicit positions)
     rope_forms: Tuple[str, ...] = ()
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
@@ -363,6 +364,14 @@ _FORMS += [
         what="W1's q and k contiguous (S, B, H, D), layout='sbhd' (Transformer Engine's)",
         rope_forms=("sbhd",),
     ),
+    replace(
+        _W1,
+        id="W1-HEADTABLE",
+        name="train_8b_head_table",
+        what="W1 with a per-head table (P, Hk, D), a row per (position, KV head) (FoPE's form): q's heads "
+        "in groups of Hq / Hk read their KV head's rows; explicit (B, S) positions",
+        rope_forms=("head_table",),
+    ),
     replace(_W2, id="W2-OUT", name="prefill_70b_out", what="W2 into given q_out= / k_out=", rope_forms=("out",)),
     replace(
         _W2,
@@ -424,9 +433,21 @@ def rotary_dim(wl: Workload, s: Dict[str, int]) -> int:
     return s["R"] if wl.kind == "mla" or "R" in s else s["D"]
 
 
+def head_cos_sin_table(rotary_dim: int, max_position: int, base: float, heads: int, device) -> torch.Tensor:
+    """(max_position, heads, rotary_dim) float32 rows [cos | sin]: head h's frequencies scaled by
+    1 + h / heads (each head its own rows), computed in float64 then rounded."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    scale = 1.0 + torch.arange(heads, dtype=torch.float64)[:, None] / heads
+    ang = torch.arange(max_position, dtype=torch.float64)[:, None, None] * (scale * inv_freq[None, :half])
+    return torch.cat((ang.cos(), ang.sin()), dim=-1).to(torch.float32).to(device)
+
+
 def make_table(wl: Workload, s: Dict[str, int], device) -> torch.Tensor:
     if wl.kind in AXIAL_KINDS:  # no table: the frequencies take its place in the inputs
         return axial_freqs(wl, device)
+    if "head_table" in wl.rope_forms:
+        return head_cos_sin_table(rotary_dim(wl, s), s["P"], wl.base, s["Hk"], device)
     return cos_sin_table(rotary_dim(wl, s), s["P"], wl.base, device)
 
 
@@ -488,6 +509,8 @@ def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, s
         if wl.kind in ("fwdbwd", "normfwdbwd"):
             inp["gq"] = randn(B, S, s["Hq"], s["D"])
             inp["gk"] = randn(B, S, s["Hk"], s["D"])
+        if "head_table" in wl.rope_forms:  # a per-head table takes explicit positions
+            inp["positions"] = torch.arange(S, device=device, dtype=torch.int64).repeat(B, 1)
         return inp  # positions None: arange over S
     T = s["T"]
     inp["q"] = randn(T, s["Hq"], s["D"])
@@ -640,13 +663,15 @@ def _local_rope64(x, positions, table, interleaved, mrope_section):
     if positions is None:
         positions = torch.arange(tok[-1], device=x.device).expand(*tok)
     rows = table[positions.long()]
+    if table.dim() == 3:  # a per-head table: each of the Ht heads' rows for its H / Ht heads of x
+        rows = rows.repeat_interleave(x.shape[-2] // table.shape[1], dim=-2)
     cos, sin = rows[..., :half], rows[..., half:]
     if mrope_section is not None:
         t, h, w = mrope_section
         sec = torch.tensor([0] * t + [1] * h + [2] * w, device=x.device)
         pick = sec.view(1, *([1] * len(tok)), half).expand(1, *cos.shape[1:])
         cos, sin = cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
-    c, s_ = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    c, s_ = (cos, sin) if table.dim() == 3 else (cos.unsqueeze(-2), sin.unsqueeze(-2))
     xr = x[..., :R]
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
