@@ -144,15 +144,23 @@ class Plan(NamedTuple):
 
 def _pair_bits(*xs) -> int:
     """PACK for tensors read or written as (2i, 2i+1) pairs: the bits of one pair when every one
-    keeps pairs word-aligned (one element size of 2 or 4 bytes, even strides), else 0. Base-pointer
-    alignment is checked per launch."""
+    keeps pairs word-aligned (one element size of 2 or 4 bytes, even strides, a unit last stride),
+    else 0. Base-pointer alignment is checked per launch."""
     xs = [x for x in xs if x is not None]
     sizes = {x.element_size() for x in xs}
     if len(sizes) != 1 or not sizes <= {2, 4}:
         return 0
-    if any(st % 2 for x in xs for st in x.stride()[:-1]):
+    if any(st % 2 for x in xs for st in x.stride()[:-1]) or any(col_strided(x) for x in xs):
         return 0
     return 16 * sizes.pop()
+
+
+def col_strided(x: Optional[torch.Tensor]) -> bool:
+    """Does x's last dim have a stride other than 1 that addressing must follow (more than one
+    element)? The kernels' STRIDED_IN / STRIDED_OUT: a planned constexpr, like PACK, since it is a
+    fact of the tensors' strides (part of the call signature and of a gradient's layout key), not
+    of the call's keywords."""
+    return x is not None and x.shape[-1] > 1 and x.stride(-1) != 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,6 +235,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
     sk = (*token_strides(k, n_tok), k.stride(-2)) if k is not None else (0, 0, 0)
     sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
     sec_t, sec_h, sec_w = section_args(variant, half)
+    # column strides: 1 for a tensor of one column too (its column 0 is at offset 0 whatever the stride)
+    cols = tuple(x.stride(-1) if col_strided(x) else 1 for x in (q, k, q_out, k_out))
     args = (
         n_tokens,
         S,
@@ -244,6 +254,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         *token_strides(q_out, n_tok),
         q_out.stride(-2),
         *sko,
+        *cols,
         *angles.pos_strides,
         *angles.strides,
         sec_t,
@@ -270,6 +281,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         BLOCK_H2=tiles[1],
         BLOCK_H3=tiles[2],
         W_PAIRS=normed and variant.interleaved and bool(tuning.get("weight_pairs")),
+        STRIDED_IN=cols[0] != 1 or cols[1] != 1,
+        STRIDED_OUT=cols[2] != 1 or cols[3] != 1,
         num_warps=tuning.warps(head_loop, mrope, n_tokens, elems=block_h * (2 * half_pad + tail_pad)),
     )
     if normed and not tuning.get("num_warps"):
