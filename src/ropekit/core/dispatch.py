@@ -408,7 +408,8 @@ def _rotate_norm_backward_op(
 
 @_rotate_norm_backward_op.register_fake
 def _(x, g, w, a, b, variant, rotary_dim, packed, norm, mode):
-    return [torch.empty_like(x)] if w is None else [torch.empty_like(x), torch.empty_like(w)]
+    gx = torch.empty_like(unit_last_stride(x))  # run.out_like's layout, the op's
+    return [gx] if w is None else [gx, torch.empty_like(w)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,10 +227,7 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
             halves=variant.rope_halves,
         )
     hf = variant.heads_first
-    # the norm's backward kernel addresses columns at unit stride: x (q or k as the forward read it,
-    # any last stride) and g are read through a contiguous copy when theirs is another
-    x, g = run.unit_last_stride(x), run.unit_last_stride(g)
-    gx = run.empty_like(x)
+    gx = run.out_like(x)  # x and g of any last stride are read through it (the kernel's STRIDED)
     key = ("norm backward", mode, x.shape, x.stride(), g.stride(), None if w is None else w.stride())
     plan = spec.plans.get(key)
     if plan is None:

@@ -587,8 +587,8 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
 
     x: the forward's input (q or k), (*T, H, D) tokens-first, in variant.interleaved's layout
     (mode 0: only its shape is used). g: the output gradient, x's shape, in variant.out_interleaved's
-    layout. gx: the input gradient to write, x's shape and layout. All three with unit last stride,
-    float32 / bf16 / fp16 (computed in float32). w: the norm weight (float32 / bf16 / fp16, unit
+    layout. gx: the input gradient to write, x's shape and layout. All three of any last stride
+    (STRIDED: addressed through it), float32 / bf16 / fp16 (computed in float32). w: the norm weight (float32 / bf16 / fp16, unit
     stride), None for mode 0 (the plain inverse rotation), (D,) for mode 1 (per head), (H*D,) for
     mode 2 (across heads). angles: angle_layout(variant, rot, a, b, ...) as for the forward. The
     weight-gradient partial sums: a float32 buffer of norm_backward_rows(plan) (norm_partials).
@@ -616,6 +616,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         pack = _pair_bits(*((x, gx) if variant.interleaved else ()), *((g,) if variant.out_interleaved else ()))
+    cols = tuple(t.stride(-1) if col_strided(t) else 1 for t in (x, g, gx))  # column strides (rope_kernel's rule)
     args = (
         n_tokens,
         x.shape[n_tok - 1],
@@ -632,6 +633,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         g.stride(-2),
         *token_strides(gx, n_tok),
         gx.stride(-2),
+        *cols,
         *angle_args(angles, variant),
     )
     meta = dict(
@@ -645,6 +647,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         **angle_meta(angles, variant),
         PACK=pack,
         WHOLE=whole,
+        STRIDED=cols != (1, 1, 1),
         BLOCK_H2=tiles[1],
         BLOCK_H3=tiles[2],
         W_PAIRS=mode != 0 and variant.interleaved and bool(tuning.get("weight_pairs")),

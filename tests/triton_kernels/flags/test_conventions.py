@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import memo
+from ropekit.core import memo, tuning
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
@@ -388,17 +388,23 @@ def test_strided_last_dim_backward(device, kind):
     ones = torch.ones_like(gq)
     dq = q_base.grad.transpose(-1, -2) if kind == "transposed" else q_base.grad[..., ::kind]
     assert rel_err(dq, reference.rotate(ones.double(), c, s, inverse=True)) < TOL[torch.float32]
-    # the norm's backward: x and its weight against autograd through the float64 reference
-    w = (torch.rand(32, device=device) + 0.5).requires_grad_(True)
-    q_base.grad = None
-    out, _ = ropekit.apply_rope(q, None, pos, cache, q_norm_weight=w)
-    out.backward(gq)
-    q64 = q.detach().double().requires_grad_(True)
-    w64 = w.detach().double().requires_grad_(True)
-    ref, _ = reference.rms_norm_rope(q64, None, pos, cache.double(), q_norm_weight=w64)
-    ref.backward(gq.double())
-    dq = q_base.grad.transpose(-1, -2) if kind == "transposed" else q_base.grad[..., ::kind]
-    assert rel_err(dq, q64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5
+    # the norm's backward, x and its weight against autograd through the float64 reference: per
+    # head, across heads (whole heads in registers, and walked in blocks), full and partial rotary
+    # (the tails), half-split and interleaved
+    forms = [(32, None, 32, False), (4 * 32, None, 16, True), (4 * 32, False, 16, False), (32, None, 16, True)]
+    for width, whole, rot, interleaved in forms:
+        table = make_cache(16, rot, device=device)
+        w = (torch.rand(width, device=device) + 0.5).requires_grad_(True)
+        q_base.grad = None
+        with tuning.override(whole_heads=whole):
+            out, _ = ropekit.apply_rope(q, None, pos, table, q_norm_weight=w, interleaved=interleaved)
+            out.backward(gq)
+        q64 = q.detach().double().requires_grad_(True)
+        w64 = w.detach().double().requires_grad_(True)
+        ref, _ = reference.rms_norm_rope(q64, None, pos, table.double(), q_norm_weight=w64, interleaved=interleaved)
+        ref.backward(gq.double())
+        dq = q_base.grad.transpose(-1, -2) if kind == "transposed" else q_base.grad[..., ::kind]
+        assert rel_err(dq, q64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5, (width, whole, rot)
 
 
 # ---------------------------------------------------------------------------------------------
