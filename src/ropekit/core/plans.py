@@ -588,10 +588,11 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     x: the forward's input (q or k), (*T, H, D) tokens-first, in variant.interleaved's layout
     (mode 0: only its shape is used). g: the output gradient, x's shape, in variant.out_interleaved's
     layout. gx: the input gradient to write, x's shape and layout. All three of any last stride
-    (STRIDED: addressed through it), float32 / bf16 / fp16 (computed in float32). w: the norm weight (float32 / bf16 / fp16, unit
-    stride), None for mode 0 (the plain inverse rotation), (D,) for mode 1 (per head), (H*D,) for
-    mode 2 (across heads). angles: angle_layout(variant, rot, a, b, ...) as for the forward. The
-    weight-gradient partial sums: a float32 buffer of norm_backward_rows(plan) (norm_partials).
+    (STRIDED: addressed through it), float32 / bf16 / fp16 (computed in float32). w: the norm
+    weight (float32 / bf16 / fp16, unit stride), None for mode 0 (the plain inverse rotation), (D,)
+    for mode 1 (per head), (H*D,) for mode 2 (across heads). angles: angle_layout(variant, rot, a,
+    b, ...) as for the forward. The weight-gradient partial sums: a float32 buffer of
+    norm_backward_rows(plan) (norm_partials).
     A plan holds the shapes and strides of x, g, gx and the AngleLayout: reuse it while they match."""
     n_tok = x.dim() - 2
     n_tokens = x.shape[:n_tok].numel()
