@@ -252,19 +252,9 @@ def _block_terms(
     and g read here."""
     x_base, g_base, stride_x_head, stride_g_head, n_heads = tok[0], tok[1], tok[4], tok[5], tok[7]
     g1, g2 = load_heads(
-        g_base,
-        stride_g_head,
-        n_heads,
-        head0,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        OUT_INTERLEAVED,
-        PACK,
-        "",
-        GAP,
+        g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP,
         _col(tok[12], STRIDED),
-    )
+    )  # fmt: skip
     x1, x2 = load_heads(
         x_base,
         stride_x_head,
@@ -374,21 +364,9 @@ def _across_backward_token(
     gd = tl.zeros([], tl.float32)
     for head0 in tl.range(0, n_heads, BLOCK_H):
         terms = _block_terms(
-            tok,
-            cs,
-            head0,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            INTERLEAVED,
-            OUT_INTERLEAVED,
-            INVERSE,
-            PACK,
-            W_PAIRS,
-            GAP,
-            STRIDED,
-        )
+            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS,
+            GAP, STRIDED,
+        )  # fmt: skip
         bss, bgd = group_sums(terms, (n_heads, head0, tail), HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         ss += bss
         gd += bgd
@@ -397,21 +375,9 @@ def _across_backward_token(
     mean = r * gd / count  # mean(gz * w' * n), n = x * r
     for head0 in tl.range(0, n_heads, BLOCK_H):
         terms = _block_terms(
-            tok,
-            cs,
-            head0,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            INTERLEAVED,
-            OUT_INTERLEAVED,
-            INVERSE,
-            PACK,
-            W_PAIRS,
-            GAP,
-            STRIDED,
-        )
+            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS,
+            GAP, STRIDED,
+        )  # fmt: skip
         d1, d2, dt = _tile_grads(
             tok, head0, terms, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, 2, GAP, STRIDED
         )
