@@ -255,9 +255,14 @@ def _col_view(kind, *shape, device="cpu"):
     storage seen as (*T, H, D), last stride H and head stride 1."""
     if kind == "transposed":
         base = torch.randn(*shape[:-2], shape[-1], shape[-2], device=device)
-        return base.transpose(-1, -2), base
-    base = torch.randn(*shape[:-1], kind * shape[-1], device=device)
-    return base[..., ::kind], base
+    else:
+        base = torch.randn(*shape[:-1], kind * shape[-1], device=device)
+    return _view_of(kind, base), base
+
+
+def _view_of(kind, base):
+    """_col_view's view of its base (or of a tensor of the base's layout: its gradient)."""
+    return base.transpose(-1, -2) if kind == "transposed" else base[..., ::kind]
 
 
 def _outside(view, base):
@@ -359,21 +364,14 @@ def test_strided_last_dim_backward(device, kind):
     cache = make_cache(16, 32, device=device)
     pos = torch.randint(0, 16, (3,), device=device)
     c, s = reference.angles_from_table(cache.double(), pos, (3,))
-    q, q_base = _col_view(kind, 3, 4, 32, device=device)
-    k, k_base = _col_view(kind, 3, 2, 32, device=device)
-    q_base.requires_grad_(True)
-    k_base.requires_grad_(True)
-    q, k = (
-        (q_base.transpose(-1, -2), k_base.transpose(-1, -2))
-        if kind == "transposed"
-        else (q_base[..., ::kind], k_base[..., ::kind])
-    )
+    q_base = _col_view(kind, 3, 4, 32, device=device)[1].requires_grad_(True)
+    k_base = _col_view(kind, 3, 2, 32, device=device)[1].requires_grad_(True)
+    q, k = _view_of(kind, q_base), _view_of(kind, k_base)
     gq, _ = _col_view(kind, 3, 4, 32, device=device)
     gk, _ = _col_view(kind, 3, 2, 32, device=device)
     out_q, out_k = ropekit.apply_rope(q, k, pos, cache)
     torch.autograd.backward((out_q, out_k), (gq, gk))
-    dq = q_base.grad.transpose(-1, -2) if kind == "transposed" else q_base.grad[..., ::kind]
-    dk = k_base.grad.transpose(-1, -2) if kind == "transposed" else k_base.grad[..., ::kind]
+    dq, dk = _view_of(kind, q_base.grad), _view_of(kind, k_base.grad)
     assert rel_err(dq, reference.rotate(gq.double(), c, s, inverse=True)) < TOL[torch.float32]
     assert rel_err(dk, reference.rotate(gk.double(), c, s, inverse=True)) < TOL[torch.float32]
     # the buffers' other elements get no gradient
@@ -381,12 +379,12 @@ def test_strided_last_dim_backward(device, kind):
     # in place under autograd: the strided views of a non-leaf are rotated where they lie
     q_base.grad = None
     x = q_base * 1.0
-    view = x.transpose(-1, -2) if kind == "transposed" else x[..., ::kind]
+    view = _view_of(kind, x)
     ropekit.apply_rope(view, None, pos, cache, inplace=True)
     assert rel_err(view, _want(q.detach(), cache, pos)) < TOL[torch.float32]
     x.backward(torch.ones_like(x))
     ones = torch.ones_like(gq)
-    dq = q_base.grad.transpose(-1, -2) if kind == "transposed" else q_base.grad[..., ::kind]
+    dq = _view_of(kind, q_base.grad)
     assert rel_err(dq, reference.rotate(ones.double(), c, s, inverse=True)) < TOL[torch.float32]
     # the norm's backward, x and its weight against autograd through the float64 reference: per
     # head, across heads (whole heads in registers, and walked in blocks), full and partial rotary
@@ -403,7 +401,7 @@ def test_strided_last_dim_backward(device, kind):
         w64 = w.detach().double().requires_grad_(True)
         ref, _ = reference.rms_norm_rope(q64, None, pos, table.double(), q_norm_weight=w64, interleaved=interleaved)
         ref.backward(gq.double())
-        dq = q_base.grad.transpose(-1, -2) if kind == "transposed" else q_base.grad[..., ::kind]
+        dq = _view_of(kind, q_base.grad)
         assert rel_err(dq, q64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5, (width, whole, rot)
 
 
