@@ -76,8 +76,13 @@ def _child(src: Path, out: Path) -> None:
         for p in kernel.params:
             if p.is_constexpr:
                 sig[p.name], consts[p.name] = "constexpr", meta[p.name]
+                continue
+            v = values.pop(0)
+            if type(v) is int and v == 1 and not p.do_not_specialize:
+                # Triton's launcher specializes an int argument equal to 1 into a constexpr
+                sig[p.name], consts[p.name] = "constexpr", 1
             else:
-                sig[p.name] = kind(values.pop(0))
+                sig[p.name] = kind(v)
         compiled = triton.compile(
             ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": meta["num_warps"]}
         )

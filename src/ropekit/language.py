@@ -14,7 +14,9 @@ so every test of ropekit exercises them. What they cover:
                   (2i, 2i+1)), load_heads / store_heads / load_tiles (a token's heads), pair_columns,
                   tail_at / load_tail / store_tail (the kept dims of a partial rotary), saturate
     offsets       split_token / program_token / token_offset / head_rows / head_mask / split_slot /
-                  slot_offset: every offset that scales an index by a stride, computed in int64
+                  slot_offset: every offset that scales an index by a stride, computed in int64;
+                  column_offset (columns of a head of any last-dim stride, the pair and tail
+                  helpers' trailing stride_col)
     launch        pdl_prologue (programmatic dependent launch)
 
 Conventions. A *pair tile* is two float32 register tiles (x1, x2) of the same shape, usually
@@ -30,7 +32,8 @@ values are converted once, when loaded and when stored.
 64-bit rule: every offset that scales a program id, a token, a head, a slot or a position by a
 stride is computed in int64. The helpers widen their indices with `.to(tl.int64)` before any
 product, so no offset can wrap at 2^31 whatever the tensor size; only in-block column offsets
-(`tl.arange` up to the head size) stay int32. Keep to this in your own code: a token index from
+(`tl.arange` up to the head size) stay int32 at a unit column stride; at any other column stride
+column_offset widens them before the product. Keep to this in your own code: a token index from
 split_token / program_token is int64 already. `python -m ropekit.audit FILE` checks a kernel file
 statically.
 
@@ -59,6 +62,7 @@ except ImportError:  # pragma: no cover - the launcher never sets PDL there
 
 __all__ = [
     "axial_axis",
+    "column_offset",
     "compose_angles",
     "freq_angles",
     "freq_cos_sin",
@@ -125,6 +129,24 @@ def head_rows(x_base, stride_head, head0, BLOCK_H: tl.constexpr):
     to int64 before they scale the stride. head_mask gives which of them exist."""
     h = head0 + tl.arange(0, BLOCK_H)
     return x_base + h.to(tl.int64)[:, None] * stride_head
+
+
+@triton.jit
+def column_offset(c, stride_col=1):
+    """Element offset of in-head columns c (int32 tiles, e.g. tl.arange(0, HALF_PAD)[None, :], or a
+    constexpr) in a head whose columns are stride_col elements apart (the tensor's last-dim
+    stride). stride_col a constexpr 1 (the default, a literal 1, or an int kernel argument equal to
+    1, which Triton specializes to a constexpr): c itself, the unit-stride code. Any other stride
+    (a runtime scalar): c times the stride widened to int64 first, an int64 offset (a column index
+    times a large stride can pass 2^31). Add a sum of columns term by term, `row +
+    column_offset(GAP, s) + column_offset(i, s)`: at unit stride that is `row + GAP + i`, the same
+    code as without it. The pair and tail helpers take it as their trailing stride_col."""
+    if isinstance(stride_col, tl.tensor):
+        return stride_col.to(tl.int64) * c
+    elif stride_col == 1:
+        return c
+    else:
+        return tl.full([], stride_col, tl.int64) * c
 
 
 @triton.jit
@@ -380,14 +402,16 @@ def pair_columns(i, INTERLEAVED: tl.constexpr, GAP: tl.constexpr):
 
 
 @triton.jit
-def tail_at(row, j, HALF: tl.constexpr, GAP: tl.constexpr):
+def tail_at(row, j, HALF: tl.constexpr, GAP: tl.constexpr, stride_col=1):
     """Where tail element j (the j-th dim no rotated pair holds, a partial rotary's kept dims) of
     the head at `row` (a pointer, or an offset) sits. Partners HALF apart: past the pairs, row +
-    2 * HALF + j. Partners GAP = D/2 apart (p-RoPE's halves): [HALF, GAP), then [GAP + HALF, 2 * GAP)."""
+    2 * HALF + j. Partners GAP = D/2 apart (p-RoPE's halves): [HALF, GAP), then [GAP + HALF, 2 * GAP).
+    stride_col: the head's column stride (column_offset; default 1, unit stride)."""
     if GAP == HALF:
-        return row + 2 * HALF + j
+        return row + column_offset(2 * HALF, stride_col) + column_offset(j, stride_col)
     else:
-        return row + HALF + j + tl.where(j >= GAP - HALF, HALF, 0)
+        at = row + column_offset(HALF, stride_col) + column_offset(j, stride_col)
+        return at + column_offset(tl.where(j >= GAP - HALF, HALF, 0), stride_col)
 
 
 @triton.jit
@@ -419,39 +443,46 @@ def _store_words(row_ptr, i, m, o1, o2, ELEM: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
-def load_pairs(rows, i, m, INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr, GAP: tl.constexpr):
+def load_pairs(
+    rows, i, m, INTERLEAVED: tl.constexpr, PACK: tl.constexpr, EVICT: tl.constexpr, GAP: tl.constexpr, stride_col=1
+):
     """The pair tile (x1, x2) of some rows, float32 tiles of m's shape. rows: (R, 1) pointers to
     each row's first element (head_rows); i: the (1, HALF_PAD) pair indices, tl.arange(0,
     HALF_PAD)[None, :]; m: the (R, HALF_PAD) mask (live rows, i < HALF). INTERLEAVED: pairs (2i,
     2i+1), read as one contiguous (R, HALF_PAD, 2) load split in registers, or with PACK (32 for
     16-bit, 64 for 32-bit elements; rows 4- or 8-byte aligned) as one word per pair; else pairs
-    (i, GAP + i). EVICT: the loads' eviction policy ("" for none)."""
+    (i, GAP + i). EVICT: the loads' eviction policy ("" for none). stride_col: the rows' column
+    stride (column_offset; default 1): another stride reads element by element (PACK must be 0)."""
     if INTERLEAVED and PACK != 0:
         x1, x2 = _load_words(rows, i, m, rows.dtype.element_ty, PACK, EVICT)
     elif INTERLEAVED:
         pair = tl.arange(0, 2)[None, None, :]
-        x = tl.load(rows[:, :, None] + 2 * i[:, :, None] + pair, mask=m[:, :, None]).to(tl.float32)
+        at = rows[:, :, None] + column_offset(2 * i[:, :, None], stride_col) + column_offset(pair, stride_col)
+        x = tl.load(at, mask=m[:, :, None]).to(tl.float32)
         x1, x2 = tl.split(x)
     else:
-        x1 = tl.load(rows + i, mask=m, eviction_policy=EVICT).to(tl.float32)
-        x2 = tl.load(rows + GAP + i, mask=m, eviction_policy=EVICT).to(tl.float32)
+        cols = column_offset(i, stride_col)
+        x1 = tl.load(rows + cols, mask=m, eviction_policy=EVICT).to(tl.float32)
+        x2 = tl.load(rows + column_offset(GAP, stride_col) + cols, mask=m, eviction_policy=EVICT).to(tl.float32)
     return x1, x2
 
 
 @triton.jit
-def store_pairs(rows, i, m, o1, o2, INTERLEAVED: tl.constexpr, PACK: tl.constexpr, GAP: tl.constexpr):
+def store_pairs(rows, i, m, o1, o2, INTERLEAVED: tl.constexpr, PACK: tl.constexpr, GAP: tl.constexpr, stride_col=1):
     """Store the pair tile (o1, o2) (float32) into some rows, in their element type: the inverse of
-    load_pairs, the same rows, i, m, layout and PACK."""
+    load_pairs, the same rows, i, m, layout, PACK and stride_col."""
     out_ty = rows.dtype.element_ty
     if INTERLEAVED and PACK != 0:
         _store_words(rows, i, m, o1, o2, out_ty, PACK)
     elif INTERLEAVED:
         pair = tl.arange(0, 2)[None, None, :]
         o = tl.join(o1, o2).to(out_ty)
-        tl.store(rows[:, :, None] + 2 * i[:, :, None] + pair, o, mask=m[:, :, None])
+        at = rows[:, :, None] + column_offset(2 * i[:, :, None], stride_col) + column_offset(pair, stride_col)
+        tl.store(at, o, mask=m[:, :, None])
     else:
-        tl.store(rows + i, o1.to(out_ty), mask=m)
-        tl.store(rows + GAP + i, o2.to(out_ty), mask=m)
+        cols = column_offset(i, stride_col)
+        tl.store(rows + cols, o1.to(out_ty), mask=m)
+        tl.store(rows + column_offset(GAP, stride_col) + cols, o2.to(out_ty), mask=m)
 
 
 @triton.jit
@@ -467,14 +498,15 @@ def load_heads(
     PACK: tl.constexpr,
     EVICT: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """x1, x2 (float32, (BLOCK_H, HALF_PAD)): the pair tile of heads [head0, head0 + BLOCK_H) of
     one token (x_base: its first element; heads at or past n_heads, and lanes i >= HALF, masked
-    off). Layout, PACK and EVICT: load_pairs'."""
+    off). Layout, PACK, EVICT and stride_col: load_pairs'."""
     rows = head_rows(x_base, stride_x_head, head0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = head_mask(n_heads, head0, BLOCK_H) & (i < HALF)
-    return load_pairs(rows, i, m, INTERLEAVED, PACK, EVICT, GAP)
+    return load_pairs(rows, i, m, INTERLEAVED, PACK, EVICT, GAP, stride_col)
 
 
 @triton.jit
@@ -488,23 +520,29 @@ def load_tiles(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """load_heads of a head block held in up to three tiles, every load issued before any is used:
     (x1, x2) of BLOCK_H heads from head0, (y1, y2) of BLOCK_H2 heads after them, (z1, z2) of BLOCK_H3
     after those. A tile of 0 heads is absent: its pair is (x1, x2) again, never used.
     at: (x_base, stride_x_head, n_heads, head0), the token's first element, the head stride, the
-    heads and the block's first head."""
+    heads and the block's first head. stride_col: the column stride (load_pairs')."""
     x_base, stride_x_head, n_heads, head0 = at
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
+    x1, x2 = load_heads(
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP, stride_col
+    )
     y1, y2 = x1, x2
     z1, z2 = x1, x2
     if BLOCK_H2 > 0:
+        head2 = head0 + BLOCK_H
         y1, y2 = load_heads(
-            x_base, stride_x_head, n_heads, head0 + BLOCK_H, HALF, HALF_PAD, BLOCK_H2, INTERLEAVED, PACK, "", GAP
+            x_base, stride_x_head, n_heads, head2, HALF, HALF_PAD, BLOCK_H2, INTERLEAVED, PACK, "", GAP, stride_col
         )
     if BLOCK_H3 > 0:
         head3 = head0 + BLOCK_H + BLOCK_H2
-        z1, z2 = load_heads(x_base, stride_x_head, n_heads, head3, HALF, HALF_PAD, BLOCK_H3, INTERLEAVED, PACK, "", GAP)
+        z1, z2 = load_heads(
+            x_base, stride_x_head, n_heads, head3, HALF, HALF_PAD, BLOCK_H3, INTERLEAVED, PACK, "", GAP, stride_col
+        )
     return x1, x2, y1, y2, z1, z2
 
 
@@ -522,14 +560,15 @@ def store_heads(
     OUT_INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """Store the pair tile (o1, o2) (float32, (BLOCK_H, HALF_PAD)) as the rotated dims of heads
     [head0, head0 + BLOCK_H) of one token, in o's element type (o_base: the token's first
-    element). Layout and PACK: store_pairs'."""
+    element). Layout, PACK and stride_col: store_pairs'."""
     rows = head_rows(o_base, stride_o_head, head0, BLOCK_H)
     i = tl.arange(0, HALF_PAD)[None, :]
     m = head_mask(n_heads, head0, BLOCK_H) & (i < HALF)
-    store_pairs(rows, i, m, o1, o2, OUT_INTERLEAVED, PACK, GAP)
+    store_pairs(rows, i, m, o1, o2, OUT_INTERLEAVED, PACK, GAP, stride_col)
 
 
 @triton.jit
@@ -543,15 +582,16 @@ def load_tail(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """The tail_len dims no rotated pair holds (tail_at) of heads [head0, head0 + BLOCK_H) of one
     token: a float32 (BLOCK_H, TAIL_PAD) tile, 0 where masked (TAIL_PAD: tail_len rounded up to a
-    power of two)."""
+    power of two). stride_col: the column stride (tail_at's)."""
     live = head_mask(n_heads, head0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
     mt = live & (j < tail_len)
     rows = head_rows(x_base, stride_x_head, head0, BLOCK_H)
-    return tl.load(tail_at(rows, j, HALF, GAP), mask=mt, other=0.0).to(tl.float32)
+    return tl.load(tail_at(rows, j, HALF, GAP, stride_col), mask=mt, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -566,15 +606,16 @@ def store_tail(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """Store the (BLOCK_H, TAIL_PAD) tile t as the tail (tail_at) of heads [head0, head0 + BLOCK_H)
-    of one token, in o's element type: the inverse of load_tail. A partial rotary writing out of
-    place copies its tail with load_tail (or a plain load) and store_tail."""
+    of one token, in o's element type: the inverse of load_tail (the same stride_col). A partial
+    rotary writing out of place copies its tail with load_tail (or a plain load) and store_tail."""
     live = head_mask(n_heads, head0, BLOCK_H)
     j = tl.arange(0, TAIL_PAD)[None, :]
     mt = live & (j < tail_len)
     rows = head_rows(o_base, stride_o_head, head0, BLOCK_H)
-    tl.store(tail_at(rows, j, HALF, GAP), t.to(o_base.dtype.element_ty), mask=mt)
+    tl.store(tail_at(rows, j, HALF, GAP, stride_col), t.to(o_base.dtype.element_ty), mask=mt)
 
 
 @triton.jit

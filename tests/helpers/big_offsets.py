@@ -4,7 +4,7 @@ torch.empty does not touch its pages, so a view with a token (or head, or table-
 2^30 over a 4 GiB buffer costs only the few rows written. A kernel that computes any of those
 offsets in int32 wraps at 2^31 and reads or writes the wrong address (seen: a segfault).
 
-    python big_offsets.py rope      ropekit on token, head, table-row and table-head strides of 2^30: prints OK
+    python big_offsets.py rope      ropekit on token, head, column, table-row and table-head strides of 2^30: prints OK
     python big_offsets.py control   a deliberately 32-bit copy kernel on the same view: must fail
 """
 
@@ -76,6 +76,13 @@ def rope():
     heads = big_rows(3, (D,), dtype=torch.float32).unsqueeze(0)  # (1, 3, D)
     qk = torch.randn(2, 3, D).to(torch.bfloat16)
     check(qk, qk.clone(), torch.tensor([0, 0]), heads)
+    # column (last-dim) stride 2^30: column 2 of the only head starts at element 2^31, a column index
+    # times the stride past int32; full rotary (both pair layouts) and a partial one (its tail there)
+    qc = big_rows(4, ()).reshape(1, 1, 4)  # (1, 1, 4), last stride 2^30
+    kc = torch.randn(1, 1, 4).to(torch.bfloat16)
+    check(qc, kc, torch.tensor([3]), torch.randn(8, 4).float())
+    check(qc, kc, torch.tensor([3]), torch.randn(8, 4).float(), interleaved=True)
+    check(qc, kc, torch.tensor([5]), torch.randn(8, 2).float(), rotary_dim=2)
     print("OK")
 
 

@@ -21,11 +21,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import checks, dispatch, forms, run
+from ..core import checks, forms, run
 from ..core.args import fail
 from ..core.dispatch import ROTATE
 from ..core.pipeline import prepare
-from ..core.run import angle_views, saturate, scale_tensor, unit_last_stride
+from ..core.run import angle_views, saturate, scale_tensor
 from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec
 
 Scale = Union[None, float, torch.Tensor]
@@ -68,8 +68,8 @@ def apply_rope(
 
     Args:
         q: (*T, Hq, Dq) fp16/bf16/fp32, *T = (T,) or (B, S); any strides. A last stride other
-            than 1 is read through one contiguous copy (in place: the copy is rotated, then copied
-            back), and out of place the outputs of such a q are contiguous; a q with last stride 1
+            than 1 is read through that stride by the kernel (in place: written back through it,
+            no copy), and out of place the outputs of such a q are contiguous; a q with last stride 1
             gets outputs of its own layout when it is dense (torch.empty_like's rule), contiguous
             otherwise. With layout='bhsd': (B, Hq, S, Dq), Hugging Face's layout; with
             layout='sbhd': (S, B, Hq, Dq), Transformer Engine's (results come back in it).
@@ -238,28 +238,24 @@ def _seq(x):
 
 def _views(spec: Spec, door: str, q, k, a, b, weights, scales, q_out=None, k_out=None, parts=(None, None)):
     """apply_rope's views around its door, as the record says: 'sbhd' tensors as (B, S, H, D)
-    views; q or k with a last stride other than 1 read through one contiguous copy (in place: the
-    copy rotated, then copied back); with rope_last the door sees the head's last rotary_dim dims
-    only; with nope_q / nope_k (parts: q_nope, k_nope) the outputs are whole heads, the door's
-    rotation joined to the part. Results in the caller's layout."""
+    views; with rope_last the door sees the head's last rotary_dim dims only; with nope_q / nope_k
+    (parts: q_nope, k_nope) the outputs are whole heads, the door's rotation joined to the part.
+    q or k with a last stride other than 1 is read where it lies (in place: written back through
+    its strides); out of place its new output is contiguous (run.out_like; the autograd Function
+    and the custom op allocate by the same rule). Results in the caller's layout."""
     v = spec.variant
     given = (q, k, q_out, k_out)
     if v.seq_first:
         q, k, q_out, k_out = map(_seq, (q, k, q_out, k_out))
         parts = tuple(map(_seq, parts))
-    views = (q, k)
-    if spec.copy_in:
-        if spec.inplace and checks.records_grad(q, k):  # the copy is no leaf: name the caller's
-            dispatch.no_leaf_written(given[0], given[1])
-        q, k = unit_last_stride(q), unit_last_stride(k)
     if v.rope_last or v.nope_q or v.nope_k:
         res = _kept_apart(spec, door, q, k, a, b, weights, scales, q_out, k_out, parts)
     else:
+        if spec.strided and not spec.inplace and door is DIRECT:
+            q_out = run.out_like(q, spec.out_dtype) if q_out is None else q_out
+            k_out = run.out_like(k, spec.out_dtype) if k_out is None else k_out
         res = ROTATE[door](spec, q, k, a, b, weights, scales, q_out, k_out)
     if spec.inplace:
-        for view, x in zip(views, (q, k)):
-            if x is not view:
-                view.copy_(x)
         return given[0], given[1]
     if v.seq_first:
         res = map(_seq, res)
@@ -317,10 +313,10 @@ def _joined(rotated, kept, last: bool):
 
 
 def _fresh(x, shape, dtype):
-    """A new output of `shape` for input x: empty_like(x)'s layout rule when the head is x's own
+    """A new output of `shape` for input x: run.out_like(x)'s layout rule when the head is x's own
     width, else contiguous (a head joined from two parts has no layout to follow)."""
     if tuple(shape) == tuple(x.shape):
-        return run.empty_like(x, dtype=dtype)
+        return run.out_like(x, dtype)
     return run.empty_like(x.new_empty(shape), dtype=dtype)
 
 

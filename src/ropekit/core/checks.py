@@ -205,7 +205,7 @@ def rope(args: dict) -> Spec:
         rot,
         door_for(q, grad, normed, triton),
         triton,
-        copy_in=any(x is not None and x.shape[-1] > 1 and x.stride(-1) != 1 for x in (q, k)),
+        strided=any(x is not None and x.shape[-1] > 1 and x.stride(-1) != 1 for x in (q, k)),
         extents=tuple(aliasing.extent(x) for x in (q, k, source, b, *weights)),
         packed=packed,
         angle_shape=expand,

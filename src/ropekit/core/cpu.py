@@ -225,8 +225,8 @@ def _prepare(cos, sin, ct, inverse: bool, heads_dim: int) -> _Angles:
 
 def _as_complex(x):
     """x (*, 2h) as a complex (*, h) view of its (2i, 2i+1) pairs, or None when its strides or
-    offset do not allow one."""
-    if x.storage_offset() % 2 or any(st % 2 for st in x.stride()[:-1]):
+    offset do not allow one (a last stride other than 1 among them)."""
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(st % 2 for st in x.stride()[:-1]):
         return None
     return torch.view_as_complex(x.unflatten(-1, (x.shape[-1] // 2, 2)))
 

@@ -119,13 +119,14 @@ def _zeros(meta):
 
 def grad_operands(metas, needs, gq, gk):
     """(want_q, want_k, first, second): the output gradients to rotate back, those of the inputs
-    that need one only, with a unit last stride (k alone goes in q's slot); None for an unused
-    output is zeros."""
+    that need one only, as autograd gives them (any strides, a last stride other than 1 too: the
+    kernel reads them through their strides; k alone goes in q's slot); None for an unused output
+    is zeros."""
     q_meta, k_meta = metas
     want_q = needs[0]
     want_k = k_meta is not None and needs[1]
-    gq = unit_last_stride(gq if gq is not None else _zeros(q_meta)) if want_q else None
-    gk = unit_last_stride(gk if gk is not None else _zeros(k_meta)) if want_k else None
+    gq = (gq if gq is not None else _zeros(q_meta)) if want_q else None
+    gk = (gk if gk is not None else _zeros(k_meta)) if want_k else None
     first, second = (gq, gk) if want_q else (gk, None)
     return want_q, want_k, first, second
 
@@ -198,8 +199,7 @@ class RotateFunction(torch.autograd.Function):
             run_rotate(spec, variant, q, k, q, k, a, b)
             ctx.mark_dirty(*(x for x in (q, k) if x is not None))
             return q, k
-        q_out = run.empty_like(q)
-        k_out = None if k is None else run.empty_like(k)
+        q_out, k_out = run.out_like(q), run.out_like(k)
         run_rotate(spec, variant, q, k, q_out, k_out, a, b, weights=(wq, wk) if variant.normed else None)
         ctx.save_for_backward(
             *_saved_for_backward(variant, ctx.needs_input_grad[3], a, b, q, k, wq, wk, (q_out, k_out))
@@ -224,8 +224,7 @@ class RotateFunction(torch.autograd.Function):
             inverse = variant.backward()
             if torch.is_grad_enabled():  # create_graph=True: the backward is differentiable too
                 return RotateFunction.apply(first, second, a, b, None, None, spec, inverse)
-            d_first = run.empty_like(first)
-            d_second = None if second is None else run.empty_like(second)
+            d_first, d_second = run.out_like(first), run.out_like(second)
             layout = (first.shape, first.stride(), None if second is None else second.stride())
             run_rotate(spec, inverse, first, second, d_first, d_second, a, b, layout)
             return d_first, d_second
@@ -286,9 +285,9 @@ def _local_spec(codes, rot: int, packed, norm, q, k, a, b, inplace: bool, out_dt
 
 
 def _rotate_body(q, k, a, b, wq, wk, q_scale, k_scale, codes, rot, packed, norm, out_dtype, inplace: bool):
-    """The body of both rotation ops: (q_out, k_out) new tensors, or q and k written in place."""
-    if not inplace:
-        q, k = unit_last_stride(q), unit_last_stride(k)
+    """The body of both rotation ops: (q_out, k_out) new tensors (run.out_like's layout, the fake's),
+    or q and k written in place; a last stride other than 1 is read (and in place written) where
+    it lies."""
     v = Variant.decode(codes)
     if v.angles == "tokens" and a.stride() != b.stride():  # the kernel reads both with one set
         a, b = a.contiguous(), b.contiguous()
@@ -297,7 +296,10 @@ def _rotate_body(q, k, a, b, wq, wk, q_scale, k_scale, codes, rot, packed, norm,
     if v.scaled:
         one = run.scale_tensor(1.0, q.device, unit=True)
         scales = (one if q_scale is None else q_scale, one if k_scale is None else k_scale)
-    return rotate_direct(spec, q, k, a, b, (wq, wk), scales)
+    if inplace:
+        return rotate_direct(spec, q, k, a, b, (wq, wk), scales)
+    outs = (run.out_like(q, out_dtype), run.out_like(k, out_dtype))
+    return rotate_direct(spec, q, k, a, b, (wq, wk), scales, *outs)
 
 
 @torch.library.custom_op("ropekit::rotate", mutates_args=())
@@ -406,7 +408,8 @@ def _rotate_norm_backward_op(
 
 @_rotate_norm_backward_op.register_fake
 def _(x, g, w, a, b, variant, rotary_dim, packed, norm, mode):
-    return [torch.empty_like(x)] if w is None else [torch.empty_like(x), torch.empty_like(w)]
+    gx = torch.empty_like(unit_last_stride(x))  # run.out_like's layout, the op's
+    return [gx] if w is None else [gx, torch.empty_like(w)]
 
 
 # ---------------------------------------------------------------------------------------------

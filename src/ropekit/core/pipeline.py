@@ -230,8 +230,7 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
         )
         return gx, (None if w is None else dw)  # l2_norm's unit weight is no argument: no gradient
     hf = variant.heads_first
-    g = run.unit_last_stride(g)
-    gx = run.empty_like(x)
+    gx = run.out_like(x)  # x and g of any last stride are read through it (the kernel's STRIDED)
     key = ("norm backward", mode, x.shape, x.stride(), g.stride(), None if w is None else w.stride())
     plan = spec.plans.get(key)
     if plan is None:

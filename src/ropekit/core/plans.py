@@ -146,15 +146,23 @@ class Plan(NamedTuple):
 
 def _pair_bits(*xs) -> int:
     """PACK for tensors read or written as (2i, 2i+1) pairs: the bits of one pair when every one
-    keeps pairs word-aligned (one element size of 2 or 4 bytes, even strides), else 0. Base-pointer
-    alignment is checked per launch."""
+    keeps pairs word-aligned (one element size of 2 or 4 bytes, even strides, a unit last stride),
+    else 0. Base-pointer alignment is checked per launch."""
     xs = [x for x in xs if x is not None]
     sizes = {x.element_size() for x in xs}
     if len(sizes) != 1 or not sizes <= {2, 4}:
         return 0
-    if any(st % 2 for x in xs for st in x.stride()[:-1]):
+    if any(st % 2 for x in xs for st in x.stride()[:-1]) or any(col_strided(x) for x in xs):
         return 0
     return 16 * sizes.pop()
+
+
+def col_strided(x: Optional[torch.Tensor]) -> bool:
+    """Does x's last dim have a stride other than 1 that addressing must follow (more than one
+    element)? The kernels' STRIDED_IN / STRIDED_OUT: a planned constexpr, like PACK, since it is a
+    fact of the tensors' strides (part of the call signature and of a gradient's layout key), not
+    of the call's keywords."""
+    return x is not None and x.shape[-1] > 1 and x.stride(-1) != 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,6 +237,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
     sk = (*token_strides(k, n_tok), k.stride(-2)) if k is not None else (0, 0, 0)
     sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
     sec_t, sec_h, sec_w = section_args(variant, half)
+    # column strides: 1 for a tensor of one column too (its column 0 is at offset 0 whatever the stride)
+    cols = tuple(x.stride(-1) if col_strided(x) else 1 for x in (q, k, q_out, k_out))
     args = (
         n_tokens,
         S,
@@ -246,6 +256,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         *token_strides(q_out, n_tok),
         q_out.stride(-2),
         *sko,
+        *cols,
         *angles.pos_strides,
         *angles.strides,
         sec_t,
@@ -273,6 +284,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         BLOCK_H2=tiles[1],
         BLOCK_H3=tiles[2],
         W_PAIRS=normed and variant.interleaved and bool(tuning.get("weight_pairs")),
+        STRIDED_IN=cols[0] != 1 or cols[1] != 1,
+        STRIDED_OUT=cols[2] != 1 or cols[3] != 1,
         num_warps=tuning.warps(head_loop, mrope, n_tokens, elems=block_h * (2 * half_pad + tail_pad)),
     )
     if normed and not tuning.get("num_warps"):
@@ -586,11 +599,12 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
 
     x: the forward's input (q or k), (*T, H, D) tokens-first, in variant.interleaved's layout
     (mode 0: only its shape is used). g: the output gradient, x's shape, in variant.out_interleaved's
-    layout. gx: the input gradient to write, x's shape and layout. All three with unit last stride,
-    float32 / bf16 / fp16 (computed in float32). w: the norm weight (float32 / bf16 / fp16, unit
-    stride), None for mode 0 (the plain inverse rotation), (D,) for mode 1 (per head), (H*D,) for
-    mode 2 (across heads). angles: angle_layout(variant, rot, a, b, ...) as for the forward. The
-    weight-gradient partial sums: a float32 buffer of norm_backward_rows(plan) (norm_partials).
+    layout. gx: the input gradient to write, x's shape and layout. All three of any last stride
+    (STRIDED: addressed through it), float32 / bf16 / fp16 (computed in float32). w: the norm
+    weight (float32 / bf16 / fp16, unit stride), None for mode 0 (the plain inverse rotation), (D,)
+    for mode 1 (per head), (H*D,) for mode 2 (across heads). angles: angle_layout(variant, rot, a,
+    b, ...) as for the forward. The weight-gradient partial sums: a float32 buffer of
+    norm_backward_rows(plan) (norm_partials).
     A plan holds the shapes and strides of x, g, gx and the AngleLayout: reuse it while they match."""
     n_tok = x.dim() - 2
     n_tokens = x.shape[:n_tok].numel()
@@ -615,6 +629,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
     pack = 0
     if variant.interleaved or variant.out_interleaved:
         pack = _pair_bits(*((x, gx) if variant.interleaved else ()), *((g,) if variant.out_interleaved else ()))
+    cols = tuple(t.stride(-1) if col_strided(t) else 1 for t in (x, g, gx))  # column strides (rope_kernel's rule)
     args = (
         n_tokens,
         x.shape[n_tok - 1],
@@ -631,6 +646,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         g.stride(-2),
         *token_strides(gx, n_tok),
         gx.stride(-2),
+        *cols,
         *angle_args(angles, variant),
     )
     meta = dict(
@@ -644,6 +660,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         **angle_meta(angles, variant),
         PACK=pack,
         WHOLE=whole,
+        STRIDED=cols != (1, 1, 1),
         BLOCK_H2=tiles[1],
         BLOCK_H3=tiles[2],
         W_PAIRS=mode in (1, 2) and variant.interleaved and bool(tuning.get("weight_pairs")),

@@ -27,6 +27,18 @@ def heads_first(x, yes: bool):
     return x.transpose(1, 2) if yes and x is not None else x
 
 
+def out_like(x: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """A new rotation output for input x: `empty_like`'s layout when x's last dim has stride 1 (or
+    one element), else contiguous, apply_rope's rule for a q or k of another last stride (the
+    kernel reads x where it lies; an output of unit last stride is what attention reads and is
+    written in vectors). The custom op's fake gives the same layout."""
+    if x is None:
+        return None
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return empty_like(x, dtype=dtype)
+
+
 def unit_last_stride(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """x itself when its last dim has stride 1 (what the kernel addresses), else a contiguous copy.
 

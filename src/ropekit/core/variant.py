@@ -234,7 +234,7 @@ class Spec:
         "norm_eps",
         "norm_offset",
         "q_temperature",
-        "copy_in",
+        "strided",
         "settled",
         "normed",
         "views",
@@ -258,7 +258,7 @@ class Spec:
         norm_eps=0.0,
         norm_offset=0.0,
         q_temperature=(1.0, 0.0),
-        copy_in=False,
+        strided=False,
         settled=True,
     ):
         self.variant = variant
@@ -281,11 +281,13 @@ class Spec:
         self.norm_eps = norm_eps  # with variant.normed: RMSNorm's epsilon
         self.norm_offset = norm_offset  # ... and the offset added to its weights (Gemma's 1.0)
         self.q_temperature = q_temperature  # with variant.q_temperature: (floor_scale, attn_scale)
-        self.copy_in = copy_in  # q or k has a last stride other than 1: read through a contiguous copy
+        # q or k has a last stride other than 1: the kernel reads it through its strides (in place
+        # writes back through them); out of place the views give it contiguous outputs (ops.py)
+        self.strided = strided
         self.settled = settled  # False: a verdict from values that could not decide (not memoized)
         self.normed = variant.normed  # read on every call: an attribute, not the property
         # apply_rope's view forms: the door sees views made per call (ops.py, `_views`)
-        self.views = copy_in or variant.seq_first or variant.rope_last or variant.nope_q or variant.nope_k
+        self.views = strided or variant.seq_first or variant.rope_last or variant.nope_q or variant.nope_k
         self.plan = None  # the rotation's forward launch plan once made (False: nothing to launch)
 
     def _copy(self, inplace: bool) -> "Spec":

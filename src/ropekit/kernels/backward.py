@@ -31,6 +31,18 @@ from .prologue import token_prologue
 
 
 @triton.jit
+def _col(stride, STRIDED: tl.constexpr):
+    """A tensor's column stride for the pair and tail helpers' stride_col: the runtime value with
+    STRIDED (x, g or gx has a last stride other than 1), else the constexpr 1, whose code is the
+    unit-stride code (ropekit.language.column_offset). Passed straight into a call: a name assigned
+    a constexpr becomes a tensor."""
+    if STRIDED:
+        return stride
+    else:
+        return 1
+
+
+@triton.jit
 def _unrotate(
     at,
     gs,
@@ -40,17 +52,19 @@ def _unrotate(
     TAIL_PAD: tl.constexpr,
     INVERSE: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """gz, the gradient before the forward's rotation, from g's rotated pairs gs = (g1, g2) of heads
     [head0, head0 + BLOCK_H) (rotated by minus the forward's angles cs = (c, sn)), and g's tail
-    (read; float32 tiles). at: (g_base, stride_g_head, n_heads, head0, tail), g's token."""
-    g_base, stride_g_head, n_heads, head0, tail = at
+    (read; float32 tiles). at: (g_base, stride_g_head, n_heads, head0, tail, g's column stride),
+    g's token (the column stride read with STRIDED only)."""
+    g_base, stride_g_head, n_heads, head0, tail, g_col = at
     g1, g2 = gs
     c, sn = cs
     gz1, gz2 = rotate(g1, g2, c[None, :], sn[None, :], not INVERSE)
     gzt = gz1
     if TAIL_PAD > 0:
-        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
+        gzt = load_tail(g_base, stride_g_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP, _col(g_col, STRIDED))
     return gz1, gz2, gzt
 
 
@@ -65,14 +79,18 @@ def _load_x(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
-    is `placeholder` when TAIL_PAD is 0). at: (x_base, stride_x_head, n_heads, head0, tail)."""
-    x_base, stride_x_head, n_heads, head0, tail = at
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
+    is `placeholder` when TAIL_PAD is 0). at: (x_base, stride_x_head, n_heads, head0, tail, x's
+    column stride)."""
+    x_base, stride_x_head, n_heads, head0, tail, x_col = at
+    x1, x2 = load_heads(
+        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP, _col(x_col, STRIDED)
+    )
     xt = placeholder
     if TAIL_PAD > 0:
-        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP, _col(x_col, STRIDED))
     return x1, x2, xt
 
 
@@ -87,14 +105,31 @@ def _store_grad(
     INTERLEAVED: tl.constexpr,
     PACK: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """Store the input gradient grads = (gx1, gx2, gxt) of heads [head0, head0 + BLOCK_H) of one
-    token, tail included. at: (gx_base, stride_gx_head, n_heads, head0, tail)."""
-    gx_base, stride_gx_head, n_heads, head0, tail = at
+    token, tail included. at: (gx_base, stride_gx_head, n_heads, head0, tail, gx's column stride)."""
+    gx_base, stride_gx_head, n_heads, head0, tail, gx_col = at
     gx1, gx2, gxt = grads
-    store_heads(gx_base, stride_gx_head, n_heads, head0, gx1, gx2, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, GAP)
+    store_heads(
+        gx_base,
+        stride_gx_head,
+        n_heads,
+        head0,
+        gx1,
+        gx2,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        INTERLEAVED,
+        PACK,
+        GAP,
+        _col(gx_col, STRIDED),
+    )
     if TAIL_PAD > 0:
-        store_tail(gx_base, stride_gx_head, n_heads, head0, tail, gxt, HALF, BLOCK_H, TAIL_PAD, GAP)
+        store_tail(
+            gx_base, stride_gx_head, n_heads, head0, tail, gxt, HALF, BLOCK_H, TAIL_PAD, GAP, _col(gx_col, STRIDED)
+        )
 
 
 @triton.jit
@@ -152,21 +187,31 @@ def _tile_terms(
     NORM: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """What a norm's backward needs of heads [head0, head0 + BLOCK_H) of one token, given their
     loaded pairs of x (x1, x2) and of g (g1, g2): x, gz (the unrotated output gradient) and the
     weight (w + offset) at the same columns, float32 tiles (rotated pairs' members, then the tail;
     the tails are read here), as one group `terms` (x1, x2, xt, gz1, gz2, gzt, w1, w2, wt). Per
     head (NORM 1) the weight is a (1, .) row shared by the heads. tok: the token's group (x, g, gx
-    first elements, weight, their head strides, heads, tail, eps, offset); cs: its angles."""
-    x_base, g_base, _, w_ptr, stride_x_head, stride_g_head, _, n_heads, tail, _, norm_offset = tok
+    first elements, weight, their head strides, heads, tail, eps, offset, then x's, g's and gx's
+    column strides, read with STRIDED only); cs: its angles."""
+    x_base, g_base, _, w_ptr, stride_x_head, stride_g_head, _, n_heads, tail, _, norm_offset, x_col, g_col, _ = tok
     c, sn = cs
     gz1, gz2, gzt = _unrotate(
-        (g_base, stride_g_head, n_heads, head0, tail), (g1, g2), (c, sn), HALF, BLOCK_H, TAIL_PAD, INVERSE, GAP
+        (g_base, stride_g_head, n_heads, head0, tail, g_col),
+        (g1, g2),
+        (c, sn),
+        HALF,
+        BLOCK_H,
+        TAIL_PAD,
+        INVERSE,
+        GAP,
+        STRIDED,
     )
     xt = gz1
     if TAIL_PAD > 0:
-        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP)
+        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP, _col(x_col, STRIDED))
     w1, w2, wt = load_norm_weights(
         w_ptr,
         n_heads,
@@ -201,14 +246,47 @@ def _block_terms(
     PACK: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """_tile_terms of heads [head0, head0 + BLOCK_H) of one token across heads (NORM 2), their x
     and g read here."""
     x_base, g_base, stride_x_head, stride_g_head, n_heads = tok[0], tok[1], tok[4], tok[5], tok[7]
-    g1, g2 = load_heads(g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP)
-    x1, x2 = load_heads(x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP)
+    g1, g2 = load_heads(
+        g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP,
+        _col(tok[12], STRIDED),
+    )  # fmt: skip
+    x1, x2 = load_heads(
+        x_base,
+        stride_x_head,
+        n_heads,
+        head0,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        INTERLEAVED,
+        PACK,
+        "",
+        GAP,
+        _col(tok[11], STRIDED),
+    )
     return _tile_terms(
-        tok, cs, head0, x1, x2, g1, g2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, INVERSE, 2, W_PAIRS, GAP
+        tok,
+        cs,
+        head0,
+        x1,
+        x2,
+        g1,
+        g2,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        INVERSE,
+        2,
+        W_PAIRS,
+        GAP,
+        STRIDED,
     )
 
 
@@ -227,6 +305,7 @@ def _tile_grads(
     PACK: tl.constexpr,
     NORM: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """The norm's backward of heads [head0, head0 + BLOCK_H) of one token (terms as _tile_terms
     returns them): gx stored, the weight-gradient terms gz * n returned. Per head (NORM 1) each head
@@ -244,7 +323,7 @@ def _tile_grads(
         terms, (n_heads, head0, tail), r, NORM, mean_group, HALF, HALF_PAD, BLOCK_H, TAIL_PAD
     )
     _store_grad(
-        (gx_base, stride_gx_head, n_heads, head0, tail),
+        (gx_base, stride_gx_head, n_heads, head0, tail, tok[13]),
         (gx1, gx2, gxt),
         HALF,
         HALF_PAD,
@@ -253,6 +332,7 @@ def _tile_grads(
         INTERLEAVED,
         PACK,
         GAP,
+        STRIDED,
     )
     return d1, d2, dt
 
@@ -272,6 +352,7 @@ def _across_backward_token(
     PACK: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """The across-heads (mode 2) backward of one token (tok, cs: _tile_terms'), its heads walked
     BLOCK_H at a time: a pre-pass sums x^2 and gz*w'*x over all heads (the inverse rms and the mean
@@ -283,8 +364,9 @@ def _across_backward_token(
     gd = tl.zeros([], tl.float32)
     for head0 in tl.range(0, n_heads, BLOCK_H):
         terms = _block_terms(
-            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS, GAP
-        )
+            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS,
+            GAP, STRIDED,
+        )  # fmt: skip
         bss, bgd = group_sums(terms, (n_heads, head0, tail), HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
         ss += bss
         gd += bgd
@@ -293,10 +375,11 @@ def _across_backward_token(
     mean = r * gd / count  # mean(gz * w' * n), n = x * r
     for head0 in tl.range(0, n_heads, BLOCK_H):
         terms = _block_terms(
-            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS, GAP
-        )
+            tok, cs, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, OUT_INTERLEAVED, INVERSE, PACK, W_PAIRS,
+            GAP, STRIDED,
+        )  # fmt: skip
         d1, d2, dt = _tile_grads(
-            tok, head0, terms, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, 2, GAP
+            tok, head0, terms, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, 2, GAP, STRIDED
         )
         _put_dw_heads(
             row, (n_heads, head0, tail), (d1, d2, dt), HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, True, GAP
@@ -323,6 +406,7 @@ def _whole_backward_token(
     NORM: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     """The norm's backward of one token whose every head is in registers: x's and g's pairs in up to
     three tiles (a: BLOCK_H heads from 0, b: BLOCK_H2 after them, c: BLOCK_H3 after those; an absent
@@ -336,7 +420,23 @@ def _whole_backward_token(
     b0 = BLOCK_H
     c0 = BLOCK_H + BLOCK_H2
     ta = _tile_terms(
-        tok, cs, 0, xa1, xa2, ga1, ga2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, INVERSE, NORM, W_PAIRS, GAP
+        tok,
+        cs,
+        0,
+        xa1,
+        xa2,
+        ga1,
+        ga2,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        TAIL_PAD,
+        INTERLEAVED,
+        INVERSE,
+        NORM,
+        W_PAIRS,
+        GAP,
+        STRIDED,
     )
     tb = ta
     tc = ta
@@ -358,6 +458,7 @@ def _whole_backward_token(
             NORM,
             W_PAIRS,
             GAP,
+            STRIDED,
         )
     if BLOCK_H3 > 0:
         tc = _tile_terms(
@@ -377,6 +478,7 @@ def _whole_backward_token(
             NORM,
             W_PAIRS,
             GAP,
+            STRIDED,
         )
     r = tl.zeros([], tl.float32) + 1.0
     mean = tl.zeros([], tl.float32)
@@ -393,16 +495,18 @@ def _whole_backward_token(
         count = (n_heads * (2 * HALF + tail)).to(tl.float32)
         r = 1.0 / tl.sqrt(ss / count + norm_eps)
         mean = r * gd / count  # mean(gz * w' * n), n = x * r
-    da1, da2, dat = _tile_grads(tok, 0, ta, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP)
+    da1, da2, dat = _tile_grads(
+        tok, 0, ta, r, mean, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP, STRIDED
+    )
     db1, db2, dbt = da1, da2, dat
     dc1, dc2, dct = da1, da2, dat
     if BLOCK_H2 > 0:
         db1, db2, dbt = _tile_grads(
-            tok, b0, tb, r, mean, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP
+            tok, b0, tb, r, mean, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP, STRIDED
         )
     if BLOCK_H3 > 0:
         dc1, dc2, dct = _tile_grads(
-            tok, c0, tc, r, mean, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP
+            tok, c0, tc, r, mean, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, INTERLEAVED, PACK, NORM, GAP, STRIDED
         )
     return da1, da2, dat, db1, db2, dbt, dc1, dc2, dct
 
@@ -445,6 +549,9 @@ def rope_norm_backward_kernel(
     stride_gx_batch,  # gx's strides likewise
     stride_gx_token,
     stride_gx_head,
+    stride_x_col,  # x's last-dim stride (1: Triton makes it a constexpr, and STRIDED is off)
+    stride_g_col,  # g's
+    stride_gx_col,  # gx's
     stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w) or FREQS axes
     stride_pos_batch,  # positions' stride of b
     stride_pos_token,  # positions' stride of s
@@ -480,9 +587,12 @@ def rope_norm_backward_kernel(
     BLOCK_H2: tl.constexpr,  # WHOLE: heads of the second tile, after BLOCK_H (0: none)
     BLOCK_H3: tl.constexpr,  # WHOLE: heads of the third tile, after BLOCK_H + BLOCK_H2 (0: none)
     W_PAIRS: tl.constexpr,  # interleaved weight read as one word per pair (16-byte aligned)
+    STRIDED: tl.constexpr,  # x, g or gx has a last stride other than 1: columns at int64 col * stride
 ):
     """Backward of RMSNorm + rotation for one tensor (q or k): program (p, j) takes tokens
-    [p * tokens_per_program, (p + 1) * tokens_per_program) of head block j.
+    [p * tokens_per_program, (p + 1) * tokens_per_program) of head block j. STRIDED: x, g and gx
+    are addressed through their column strides (rope_kernel's STRIDED_IN / STRIDED_OUT); off, the
+    unit-stride code.
 
     gz = inverse rotation of g (read in the forward's output layout); n = x * r;
     gx = r * (gz*w' - n * mean(gz*w'*n)) over the norm group, written in the input layout.
@@ -582,6 +692,7 @@ def rope_norm_backward_kernel(
                     OUT_INTERLEAVED,
                     PACK,
                     GAP,
+                    _col(stride_g_col, STRIDED),
                 )
                 xa1, xa2, xb1, xb2, xc1, xc2 = load_tiles(
                     (x_base, stride_x_head, n_heads, 0),
@@ -593,17 +704,29 @@ def rope_norm_backward_kernel(
                     INTERLEAVED,
                     PACK,
                     GAP,
+                    _col(stride_x_col, STRIDED),
                 )
             else:
                 g1, g2 = load_heads(
-                    g_base, stride_g_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, "", GAP
+                    g_base,
+                    stride_g_head,
+                    n_heads,
+                    head0,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    OUT_INTERLEAVED,
+                    PACK,
+                    "",
+                    GAP,
+                    _col(stride_g_col, STRIDED),
                 )
             c, sn = load_angles(  # after the head loads (token_prologue)
                 angles, b, s, HALF, HALF_PAD, HAS_POS, MROPE, PACKED, SEARCH_STRIDE, SEARCH_COARSE, FREQS
             )
             # the token's group as the backward's helpers take it
             tok = (x_base, g_base, gx_base, w_ptr, stride_x_head, stride_g_head, stride_gx_head, n_heads)
-            tok += (tail, norm_eps, norm_offset)
+            tok += (tail, norm_eps, norm_offset, stride_x_col, stride_g_col, stride_gx_col)
             if WHOLE:
                 da1, da2, dat, db1, db2, dbt, dc1, dc2, dct = _whole_backward_token(
                     tok,
@@ -622,6 +745,7 @@ def rope_norm_backward_kernel(
                     NORM,
                     W_PAIRS,
                     GAP,
+                    STRIDED,
                 )
                 acc1 += da1
                 acc2 += da2
@@ -652,10 +776,11 @@ def rope_norm_backward_kernel(
                     PACK,
                     W_PAIRS,
                     GAP,
+                    STRIDED,
                 )
             else:
                 gz1, gz2, gzt = _unrotate(
-                    (g_base, stride_g_head, n_heads, head0, tail),
+                    (g_base, stride_g_head, n_heads, head0, tail, stride_g_col),
                     (g1, g2),
                     (c, sn),
                     HALF,
@@ -663,10 +788,11 @@ def rope_norm_backward_kernel(
                     TAIL_PAD,
                     INVERSE,
                     GAP,
+                    STRIDED,
                 )
                 if NORM == 1 or NORM == 3:  # per head, weighted or not (w1, w2, wt are then 1)
                     x1, x2, xt = _load_x(
-                        (x_base, stride_x_head, n_heads, head0, tail),
+                        (x_base, stride_x_head, n_heads, head0, tail, stride_x_col),
                         gz1,
                         HALF,
                         HALF_PAD,
@@ -675,6 +801,7 @@ def rope_norm_backward_kernel(
                         INTERLEAVED,
                         PACK,
                         GAP,
+                        STRIDED,
                     )
                     d1, d2, dt = _tile_grads(
                         tok,
@@ -690,6 +817,7 @@ def rope_norm_backward_kernel(
                         PACK,
                         NORM,
                         GAP,
+                        STRIDED,
                     )
                     acc1 += d1
                     acc2 += d2
@@ -697,7 +825,7 @@ def rope_norm_backward_kernel(
                         acc_t += dt
                 else:
                     _store_grad(
-                        (gx_base, stride_gx_head, n_heads, head0, tail),
+                        (gx_base, stride_gx_head, n_heads, head0, tail, stride_gx_col),
                         (gz1, gz2, gzt),
                         HALF,
                         HALF_PAD,
@@ -706,6 +834,7 @@ def rope_norm_backward_kernel(
                         INTERLEAVED,
                         PACK,
                         GAP,
+                        STRIDED,
                     )
     if NORM == 2 and WHOLE:
         # the program's sums of every head, kept in registers over its tokens: stored once

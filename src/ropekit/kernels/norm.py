@@ -23,7 +23,7 @@ block of q may be normalized while a block of k is not. Mode 0 leaves x unchange
 import triton
 import triton.language as tl
 
-from ..language import head_mask, head_rows, load_tail, pair_columns, tail_at
+from ..language import column_offset, head_mask, head_rows, load_tail, pair_columns, tail_at
 
 
 @triton.jit
@@ -78,24 +78,28 @@ def _sum_squares(
     ROT: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """Sum of x^2 (float32 scalar) over heads [head0, head0 + BLOCK_H) of one token, all their dims:
-    the ROT rotated ones read as one contiguous row per head (their pair layout does not matter to
-    a sum; with partners GAP = D/2 apart, as the two runs of the pairs' members), then the tail."""
+    the ROT rotated ones read as one row per head (their pair layout does not matter to a sum; with
+    partners GAP = D/2 apart, as the two runs of the pairs' members), then the tail. stride_col:
+    x's column stride (ropekit.language.column_offset)."""
     if GAP == ROT // 2:
         j = tl.arange(0, ROT_PAD)[None, :]
         m = head_mask(n_heads, head0, BLOCK_H) & (j < ROT)
-        x = tl.load(head_rows(x_base, stride_x_head, head0, BLOCK_H) + j, mask=m, other=0.0).to(tl.float32)
+        rows = head_rows(x_base, stride_x_head, head0, BLOCK_H)
+        x = tl.load(rows + column_offset(j, stride_col), mask=m, other=0.0).to(tl.float32)
         ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
     else:
         row = head_rows(x_base, stride_x_head, head0, BLOCK_H)
         j = tl.arange(0, ROT_PAD // 2)[None, :]
         m = head_mask(n_heads, head0, BLOCK_H) & (j < ROT // 2)
-        x1 = tl.load(row + j, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(row + GAP + j, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(row + column_offset(j, stride_col), mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(row + column_offset(GAP, stride_col) + column_offset(j, stride_col), mask=m, other=0.0)
+        x2 = x2.to(tl.float32)
         ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
     if TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD, GAP)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, ROT // 2, BLOCK_H, TAIL_PAD, GAP, stride_col)
         ss += tl.sum(tl.sum(t * t, axis=1), axis=0)
     return ss
 
@@ -112,19 +116,22 @@ def group_inv_rms(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """Mode 2's inverse rms of one token (float32 scalar): rsqrt(mean(x^2) + eps) over all n_heads
-    heads of x (x_base: the token's first element), walked BLOCK_H heads at a time. The caller reads
-    the same heads again right after, so these loads leave them in cache."""
+    heads of x (x_base: the token's first element; stride_col its column stride), walked BLOCK_H
+    heads at a time. The caller reads the same heads again right after, so these loads leave them
+    in cache."""
     ss = tl.zeros([], tl.float32)
     # two blocks a trip: their loads go out together (two in flight, not one), and the sums are
     # reduced as soon as they land, so the registers are held only briefly
     for head0 in tl.range(0, n_heads, 2 * BLOCK_H):
         ss += _sum_squares(
-            x_base, stride_x_head, n_heads, head0, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD, GAP
+            x_base, stride_x_head, n_heads, head0, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD, GAP, stride_col
         )
+        head1 = head0 + BLOCK_H
         ss += _sum_squares(
-            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD, GAP
+            x_base, stride_x_head, n_heads, head1, tail_len, 2 * HALF_PAD, BLOCK_H, 2 * HALF, TAIL_PAD, GAP, stride_col
         )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
@@ -168,11 +175,12 @@ def _tile_sum_squares_at(
     BLOCK_H: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """tile_sum_squares with the tile's tail read here (the norm reads it again, from cache)."""
     t = x1
     if TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP, stride_col)
     return tile_sum_squares(x1, x2, t, n_heads, head0, HALF, HALF_PAD, BLOCK_H, TAIL_PAD)
 
 
@@ -188,26 +196,29 @@ def tiles_inv_rms(
     BLOCK_H3: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """Mode 2's inverse rms of one token (float32 scalar) from all its heads held in up to three
     tiles, tiles = (x1, x2, y1, y2, z1, z2) as load_tiles returns them: (x1, x2) of BLOCK_H heads
     from head0, (y1, y2) of BLOCK_H2 after them, (z1, z2) of BLOCK_H3 after those (a tile of 0
     heads is absent). at: (x_base, stride_x_head, n_heads, head0, tail_len), the token's first
     element, its head stride, heads, the block's first head and the tail. No head is read again
-    (only the tails, from cache). The pairs' layout (GAP) matters only to the tails' columns."""
+    (only the tails, from cache). The pairs' layout (GAP) and stride_col (x's column stride) matter
+    only to the tails' columns."""
     x_base, stride_x_head, n_heads, head0, tail_len = at
     x1, x2, y1, y2, z1, z2 = tiles
     ss = _tile_sum_squares_at(
-        x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
+        x_base, stride_x_head, n_heads, head0, tail_len, x1, x2, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP, stride_col
     )
     if BLOCK_H2 > 0:
+        head2 = head0 + BLOCK_H
         ss += _tile_sum_squares_at(
-            x_base, stride_x_head, n_heads, head0 + BLOCK_H, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, GAP
+            x_base, stride_x_head, n_heads, head2, tail_len, y1, y2, HALF, HALF_PAD, BLOCK_H2, TAIL_PAD, GAP, stride_col
         )
     if BLOCK_H3 > 0:
         head3 = head0 + BLOCK_H + BLOCK_H2
         ss += _tile_sum_squares_at(
-            x_base, stride_x_head, n_heads, head3, tail_len, z1, z2, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, GAP
+            x_base, stride_x_head, n_heads, head3, tail_len, z1, z2, HALF, HALF_PAD, BLOCK_H3, TAIL_PAD, GAP, stride_col
         )
     count = (n_heads * (2 * HALF + tail_len)).to(tl.float32)
     return 1.0 / tl.sqrt(ss / count + eps)
@@ -321,16 +332,17 @@ def norm_heads_given(
     SHARED_ROW: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    stride_col=1,
 ):
     """norm_heads, where with GROUP_GIVEN mode 2 scales by r_group, the token's inverse rms over all
     its heads (group_inv_rms or tiles_inv_rms), so the block may hold a few of them; SHARED_ROW and
-    W_PAIRS: how the weight is read (load_norm_weights)."""
+    W_PAIRS: how the weight is read (load_norm_weights); stride_col: x's column stride (its tail)."""
     x_base, stride_x_head, n_heads, head0, tail_len = at
     x1, x2 = xs
     w_ptr, mode, eps, offset = weight
     t = x1
     if TAIL_PAD > 0:
-        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP)
+        t = load_tail(x_base, stride_x_head, n_heads, head0, tail_len, HALF, BLOCK_H, TAIL_PAD, GAP, stride_col)
     r = inv_rms(
         x1, x2, t, n_heads, head0, tail_len, mode, eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, r_group, GROUP_GIVEN
     )[:, None]

@@ -33,7 +33,9 @@ strides), (sections, packed sequences)); each then issues its head loads and cal
 Addressing rule (every kernel file follows it): every offset that scales a program id, a head index
 or a position by a stride is computed in int64. Tokens, heads and positions are widened with
 `.to(tl.int64)` *before* any multiplication, so no product can wrap at 2^31 whatever the tensor
-size. Only in-block column offsets (`tl.arange` up to the head size) stay int32.
+size. Only in-block column offsets (`tl.arange` up to the head size) stay int32, at a unit
+column stride; a last-dim stride other than 1 (STRIDED_IN / STRIDED_OUT) scales them in int64
+(ropekit.language.column_offset).
 """
 
 import triton
@@ -92,6 +94,19 @@ def _select(blk, n_q_blocks, b, s, q_io, k_io, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _col_stride(blk, n_q_blocks, q_col, k_col, STRIDED: tl.constexpr):
+    """The column stride of head block blk's tensor (q's blocks, then k's), for the pair and tail
+    helpers' stride_col: with STRIDED (a tensor of the launch has a last stride other than 1) the
+    runtime value, selected like _select's strides; else the constexpr 1, whose code is the
+    unit-stride code (ropekit.language.column_offset). Passed straight into a call: a name assigned
+    a constexpr becomes a tensor."""
+    if STRIDED:
+        return tl.where(blk < n_q_blocks, q_col, k_col)
+    else:
+        return 1
+
+
+@triton.jit
 def _norm_select(
     block,
     head0,
@@ -108,12 +123,14 @@ def _norm_select(
     GROUP_GIVEN: tl.constexpr,
     W_PAIRS: tl.constexpr,
     GAP: tl.constexpr,
+    cols,
+    STRIDED_IN: tl.constexpr,
 ):
     """norm_heads for head block blk of q (blocks < n_q_blocks) or of k: the mode and weight are
     selected like _select's pointers (scalar selects, one code path for q and k). GROUP_GIVEN:
     mode 2 scales by r_group, the token's inverse rms over all of this tensor's heads. Without a
     norm across heads in the launch, a weight is one row shared by the heads (read once a tile).
-    block, xs, params: _tile_out's."""
+    block, xs, params, cols, STRIDED_IN: _tile_out's."""
     blk, n_q_blocks, x_base, _, stride_x_head, _, n_heads, tail = block
     _, _, wq_ptr, wk_ptr, norm_eps, norm_offset = params
     is_q = blk < n_q_blocks
@@ -133,6 +150,7 @@ def _norm_select(
         not (NORM_Q == 2 or NORM_K == 2),
         W_PAIRS,
         GAP,
+        _col_stride(blk, n_q_blocks, cols[0], cols[1], STRIDED_IN),
     )
 
 
@@ -182,6 +200,9 @@ def _tile_out(
     GAP: tl.constexpr,
     Q_TEMPERATURE: tl.constexpr,
     HEAD_TABLE: tl.constexpr,
+    cols,
+    STRIDED_IN: tl.constexpr,
+    STRIDED_OUT: tl.constexpr,
 ):
     """Heads [head0, head0 + BLOCK_H) of a head block, loaded as xs = (x1, x2): normalized (with a
     norm), rotated by cs = (c, sn) and stored, plus the unrotated tail when TAIL_PAD > 0: read from
@@ -191,6 +212,8 @@ def _tile_out(
     Q_TEMPERATURE: q's blocks (rotated dims and tail) times q_temp, the token's float32 factor.
     HEAD_TABLE: cs is unused; each head's cos / sin come from its table head's row (_head_angles,
     head_rows_of its operands), a (BLOCK_H, HALF_PAD) tile instead of one row for every head."""
+    cols: the column strides (q's, k's, q output's, k output's), read with STRIDED_IN (inputs) /
+    STRIDED_OUT (outputs) only (_col_stride)."""
     blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
     x1, x2 = xs
     c, sn = cs
@@ -213,6 +236,8 @@ def _tile_out(
             GROUP_GIVEN,
             W_PAIRS,
             GAP,
+            cols,
+            STRIDED_IN,
         )
     o_scale_ptr = tl.where(blk < n_q_blocks, q_scale_ptr, k_scale_ptr)
     o_rows = head_rows(o_base, stride_o_head, head0, BLOCK_H)
@@ -232,7 +257,21 @@ def _tile_out(
         inv = 1.0 / tl.load(o_scale_ptr).to(tl.float32)
         o1 = saturate(o1 * inv, o_base.dtype.element_ty)
         o2 = saturate(o2 * inv, o_base.dtype.element_ty)
-    store_heads(o_base, stride_o_head, n_heads, head0, o1, o2, HALF, HALF_PAD, BLOCK_H, OUT_INTERLEAVED, PACK, GAP)
+    store_heads(
+        o_base,
+        stride_o_head,
+        n_heads,
+        head0,
+        o1,
+        o2,
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        OUT_INTERLEAVED,
+        PACK,
+        GAP,
+        _col_stride(blk, n_q_blocks, cols[2], cols[3], STRIDED_OUT),
+    )
     if TAIL_PAD > 0:
         # partial rotary, out of place (or normalized): the dims no pair holds, unrotated
         out_ty = o_base.dtype.element_ty
@@ -240,12 +279,15 @@ def _tile_out(
         j = tl.arange(0, TAIL_PAD)[None, :]
         mt = head_mask(n_heads, head0, BLOCK_H) & (j < tail)
         if NORM_Q == 0 and NORM_K == 0:
-            t = tl.load(tail_at(x_rows, j, HALF, GAP), mask=mt)
+            t = tl.load(
+                tail_at(x_rows, j, HALF, GAP, _col_stride(blk, n_q_blocks, cols[0], cols[1], STRIDED_IN)), mask=mt
+            )
         if Q_TEMPERATURE:
             t = t.to(tl.float32) * temp
         if SCALED:
             t = saturate(t.to(tl.float32) / tl.load(o_scale_ptr).to(tl.float32), out_ty)
-        tl.store(tail_at(o_rows, j, HALF, GAP), t.to(out_ty), mask=mt)
+        o_tail = tail_at(o_rows, j, HALF, GAP, _col_stride(blk, n_q_blocks, cols[2], cols[3], STRIDED_OUT))
+        tl.store(o_tail, t.to(out_ty), mask=mt)
 
 
 # Sizes that change with the batch or the sequence length are not specialized on (Triton would
@@ -285,6 +327,10 @@ def rope_kernel(
     stride_ko_batch,  # k output's strides
     stride_ko_token,
     stride_ko_head,
+    stride_q_col,  # q's last-dim stride (1: Triton makes it a constexpr, and STRIDED_IN is off)
+    stride_k_col,  # k's
+    stride_qo_col,  # q output's
+    stride_ko_col,  # k output's
     stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w) or FREQS axes
     stride_pos_batch,  # positions' stride of b
     stride_pos_token,  # positions' stride of s
@@ -334,6 +380,8 @@ def rope_kernel(
     W_PAIRS: tl.constexpr,  # interleaved norm weights read as one word per pair (both 16-byte aligned)
     Q_TEMPERATURE: tl.constexpr,  # q's outputs times log(floor((pos + 1) / temp_floor) + 1) * temp_attn + 1
     HEAD_TABLE: tl.constexpr,  # a (max_pos, Ht, rotary_dim) table: each head reads its table head's row
+    STRIDED_IN: tl.constexpr,  # q or k has a last stride other than 1: columns at int64 col * stride
+    STRIDED_OUT: tl.constexpr,  # an output has one (in place: the inputs' own strides)
 ):
     """Program (i, j): token i, head block j (q blocks, then k's);
     with HEAD_LOOP, program i walks all n_blocks head blocks itself and reads each token's angles
@@ -355,6 +403,10 @@ def rope_kernel(
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (packed_position).
     HEAD_TABLE: the table has a row per (position, head); the token's position is read once and
     each head tile reads its heads' rows (_head_angles) instead of one row for every head.
+    STRIDED_IN / STRIDED_OUT: a last-dim stride other than 1 among the inputs / the outputs; every
+    column is then addressed through its tensor's stride (ropekit.language.column_offset, int64),
+    so a strided q or k is read, and in place written back, where it lies (no copy). Off, the
+    column strides are 1 and the code is the unit-stride code.
     """
     pdl_prologue(PDL)
     b, s, angles = token_prologue(
@@ -382,8 +434,18 @@ def rope_kernel(
     x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = _select(
         blk0, n_q_blocks, b, s, q_io, k_io, BLOCK_H
     )
+    cols = (stride_q_col, stride_k_col, stride_qo_col, stride_ko_col)  # as _tile_out takes them
     x1, x2, y1, y2, z1, z2 = load_tiles(
-        (x_base, stride_x_head, n_heads, head0), HALF, HALF_PAD, BLOCK_H, BLOCK_H2, BLOCK_H3, INTERLEAVED, PACK, GAP
+        (x_base, stride_x_head, n_heads, head0),
+        HALF,
+        HALF_PAD,
+        BLOCK_H,
+        BLOCK_H2,
+        BLOCK_H3,
+        INTERLEAVED,
+        PACK,
+        GAP,
+        _col_stride(blk0, n_q_blocks, stride_q_col, stride_k_col, STRIDED_IN),
     )
     # the token's angles, after its head loads (token_prologue); per head tile with HEAD_TABLE
     if HEAD_TABLE:
@@ -436,6 +498,7 @@ def rope_kernel(
                     INTERLEAVED,
                     PACK,
                     GAP,
+                    _col_stride(blk + 1, n_q_blocks, stride_q_col, stride_k_col, STRIDED_IN),
                 )
         else:
             blk = blk0
@@ -452,6 +515,7 @@ def rope_kernel(
                 BLOCK_H3,
                 TAIL_PAD,
                 GAP,
+                _col_stride(blk, n_q_blocks, stride_q_col, stride_k_col, STRIDED_IN),
             )
         elif HEAD_LOOP and (NORM_Q == 2 or NORM_K == 2):
             # across heads with small blocks: before a tensor's first block, its inverse rms over
@@ -464,7 +528,17 @@ def rope_kernel(
                 first = blk == n_q_blocks
             if first:
                 r_group = group_inv_rms(
-                    x_base, stride_x_head, n_heads, tail, norm_eps, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, GAP
+                    x_base,
+                    stride_x_head,
+                    n_heads,
+                    tail,
+                    norm_eps,
+                    HALF,
+                    HALF_PAD,
+                    BLOCK_H,
+                    TAIL_PAD,
+                    GAP,
+                    _col_stride(blk, n_q_blocks, stride_q_col, stride_k_col, STRIDED_IN),
                 )
         group_given = (HEAD_LOOP or WHOLE) and (NORM_Q == 2 or NORM_K == 2)
         block = (blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail)
@@ -493,6 +567,9 @@ def rope_kernel(
             GAP,
             Q_TEMPERATURE,
             HEAD_TABLE,
+            cols,
+            STRIDED_IN,
+            STRIDED_OUT,
         )
         if BLOCK_H2 > 0:
             _tile_out(
@@ -520,6 +597,9 @@ def rope_kernel(
                 GAP,
                 Q_TEMPERATURE,
                 HEAD_TABLE,
+                cols,
+                STRIDED_IN,
+                STRIDED_OUT,
             )
         if BLOCK_H3 > 0:
             _tile_out(
@@ -547,6 +627,9 @@ def rope_kernel(
                 GAP,
                 Q_TEMPERATURE,
                 HEAD_TABLE,
+                cols,
+                STRIDED_IN,
+                STRIDED_OUT,
             )
         if HEAD_LOOP:
             if not PREFETCH:
@@ -560,6 +643,7 @@ def rope_kernel(
                     INTERLEAVED,
                     PACK,
                     GAP,
+                    _col_stride(blk + 1, n_q_blocks, stride_q_col, stride_k_col, STRIDED_IN),
                 )
             x_base, o_base, stride_x_head, stride_o_head, n_heads, head0, tail = (
                 nx_base,

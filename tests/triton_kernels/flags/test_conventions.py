@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import memo
+from ropekit.core import memo, tuning
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, make_cache, rel_err
@@ -244,6 +244,165 @@ def test_non_unit_last_stride_gradients(device):
     )
     with pytest.raises(ValueError, match="apply_rope: q: expected a tensor that is not a leaf requiring grad"):
         ropekit.apply_rope(base[..., ::2], None, pos, cache, inplace=True)
+
+
+STRIDES = [2, 3, "transposed"]
+
+
+def _col_view(kind, *shape, device="cpu"):
+    """(view, base): a (*T, H, D) view whose last dim is not unit-stride. kind 2 or 3: every
+    kind-th element of a wider buffer (the others must stay as they are); "transposed": (*T, D, H)
+    storage seen as (*T, H, D), last stride H and head stride 1."""
+    if kind == "transposed":
+        base = torch.randn(*shape[:-2], shape[-1], shape[-2], device=device)
+    else:
+        base = torch.randn(*shape[:-1], kind * shape[-1], device=device)
+    return _view_of(kind, base), base
+
+
+def _view_of(kind, base):
+    """_col_view's view of its base (or of a tensor of the base's layout: its gradient)."""
+    return base.transpose(-1, -2) if kind == "transposed" else base[..., ::kind]
+
+
+def _outside(view, base):
+    """The elements of base that view does not hold (a bool tensor of base's shape)."""
+    outside = torch.ones_like(base, dtype=torch.bool)
+    outside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(False)
+    return outside
+
+
+@pytest.fixture
+def strided_plans(monkeypatch):
+    """The (STRIDED_IN, STRIDED_OUT) of every rope_kernel plan made: the kernel reads a strided
+    last dim itself (no copy in between)."""
+    from ropekit.core import plans
+
+    seen, real = [], plans.plan_rotate
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if plan:
+            seen.append((plan.meta["STRIDED_IN"], plan.meta["STRIDED_OUT"]))
+        return plan
+
+    monkeypatch.setattr(plans, "plan_rotate", spy)
+    memo.clear()  # plans are made once per signature: start from none
+    return seen
+
+
+def _kernel_ran(device) -> bool:
+    """Did the calls run ropekit's Triton kernel (CUDA, or the interpreter), not the PyTorch path?"""
+    from ropekit.core import checks
+
+    return checks.triton_runs(torch.empty(1, device=device))
+
+
+@pytest.mark.parametrize("kind", STRIDES)
+@pytest.mark.parametrize("rot,interleaved", [(32, False), (32, True), (16, False)])
+def test_strided_last_dim_out_of_place(device, strided_plans, kind, rot, interleaved):
+    """q of last stride 2, 3 or a transposed view, k of unit stride, and both strided: read where
+    they lie, outputs contiguous (partial rotary: the tail read through the stride too)."""
+    cache = make_cache(16, rot, device=device)
+    pos = torch.randint(0, 16, (2, 3), device=device)
+    q, _ = _col_view(kind, 2, 3, 4, 32, device=device)
+    for k in (torch.randn(2, 3, 2, 32, device=device), _col_view(kind, 2, 3, 2, 32, device=device)[0]):
+        got_q, got_k = ropekit.apply_rope(q, k, pos, cache, interleaved=interleaved)
+        assert got_q.is_contiguous() and got_k.is_contiguous()
+        assert rel_err(got_q, _want(q, cache, pos, interleaved=interleaved)) < TOL[torch.float32]
+        assert rel_err(got_k, _want(k, cache, pos, interleaved=interleaved)) < TOL[torch.float32]
+    if _kernel_ran(device):
+        assert strided_plans and all(p == (True, False) for p in strided_plans), strided_plans
+
+
+@pytest.mark.parametrize("kind", STRIDES)
+@pytest.mark.parametrize("rot,interleaved", [(32, True), (16, False)])
+def test_strided_last_dim_in_place(device, strided_plans, kind, rot, interleaved):
+    """In place, written back through the same strides: the view holds the rotation, every other
+    element of its buffer is untouched."""
+    cache = make_cache(16, rot, device=device)
+    pos = torch.randint(0, 16, (3,), device=device)
+    q, q_base = _col_view(kind, 3, 4, 32, device=device)
+    k, k_base = _col_view(kind, 3, 2, 32, device=device)
+    want_q = _want(q, cache, pos, interleaved=interleaved)
+    want_k = _want(k, cache, pos, interleaved=interleaved)
+    q_rest, k_rest = q_base.clone(), k_base.clone()
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, interleaved=interleaved, inplace=True)
+    assert got_q is q and got_k is k
+    assert rel_err(q, want_q) < TOL[torch.float32] and rel_err(k, want_k) < TOL[torch.float32]
+    # the buffers' elements outside the views
+    for view, base, rest in ((q, q_base, q_rest), (k, k_base, k_rest)):
+        outside = _outside(view, base)
+        assert torch.equal(base[outside], rest[outside])
+    if _kernel_ran(device):
+        assert strided_plans and all(p == (True, True) for p in strided_plans), strided_plans
+
+
+@pytest.mark.parametrize("kind", STRIDES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_strided_last_dim_norm(device, kind, inplace):
+    """The fused norm (q per head, k across heads; partial rotary: the tail normalized too) on
+    strided q and k, out of place and in place."""
+    cache = make_cache(16, 16, device=device)
+    pos = torch.randint(0, 16, (3,), device=device)
+    q, _ = _col_view(kind, 3, 4, 32, device=device)
+    k, _ = _col_view(kind, 3, 2, 32, device=device)
+    wq = torch.rand(32, device=device) + 0.5
+    wk = torch.rand(2 * 32, device=device) + 0.5
+    want_q, want_k = reference.rms_norm_rope(
+        q.double(), k.double(), pos, cache.double(), q_norm_weight=wq.double(), k_norm_weight=wk.double()
+    )
+    got_q, got_k = ropekit.apply_rope(q, k, pos, cache, q_norm_weight=wq, k_norm_weight=wk, inplace=inplace)
+    assert (got_q is q) == inplace and (got_k is k) == inplace
+    assert rel_err(got_q, want_q) < 1e-5 and rel_err(got_k, want_k) < 1e-5
+
+
+@pytest.mark.parametrize("kind", STRIDES)
+def test_strided_last_dim_backward(device, kind):
+    """Gradients of strided q and k (views of leaves), output gradients of a strided layout too;
+    in place under autograd (views of a non-leaf); the norm's backward (weights included)."""
+    cache = make_cache(16, 32, device=device)
+    pos = torch.randint(0, 16, (3,), device=device)
+    c, s = reference.angles_from_table(cache.double(), pos, (3,))
+    q_base = _col_view(kind, 3, 4, 32, device=device)[1].requires_grad_(True)
+    k_base = _col_view(kind, 3, 2, 32, device=device)[1].requires_grad_(True)
+    q, k = _view_of(kind, q_base), _view_of(kind, k_base)
+    gq, _ = _col_view(kind, 3, 4, 32, device=device)
+    gk, _ = _col_view(kind, 3, 2, 32, device=device)
+    out_q, out_k = ropekit.apply_rope(q, k, pos, cache)
+    torch.autograd.backward((out_q, out_k), (gq, gk))
+    dq, dk = _view_of(kind, q_base.grad), _view_of(kind, k_base.grad)
+    assert rel_err(dq, reference.rotate(gq.double(), c, s, inverse=True)) < TOL[torch.float32]
+    assert rel_err(dk, reference.rotate(gk.double(), c, s, inverse=True)) < TOL[torch.float32]
+    # the buffers' other elements get no gradient
+    assert not q_base.grad[_outside(q, q_base)].any() and not k_base.grad[_outside(k, k_base)].any()
+    # in place under autograd: the strided views of a non-leaf are rotated where they lie
+    q_base.grad = None
+    x = q_base * 1.0
+    view = _view_of(kind, x)
+    ropekit.apply_rope(view, None, pos, cache, inplace=True)
+    assert rel_err(view, _want(q.detach(), cache, pos)) < TOL[torch.float32]
+    x.backward(torch.ones_like(x))
+    ones = torch.ones_like(gq)
+    dq = _view_of(kind, q_base.grad)
+    assert rel_err(dq, reference.rotate(ones.double(), c, s, inverse=True)) < TOL[torch.float32]
+    # the norm's backward, x and its weight against autograd through the float64 reference: per
+    # head, across heads (whole heads in registers, and walked in blocks), full and partial rotary
+    # (the tails), half-split and interleaved
+    forms = [(32, None, 32, False), (4 * 32, None, 16, True), (4 * 32, False, 16, False), (32, None, 16, True)]
+    for width, whole, rot, interleaved in forms:
+        table = make_cache(16, rot, device=device)
+        w = (torch.rand(width, device=device) + 0.5).requires_grad_(True)
+        q_base.grad = None
+        with tuning.override(whole_heads=whole):
+            out, _ = ropekit.apply_rope(q, None, pos, table, q_norm_weight=w, interleaved=interleaved)
+            out.backward(gq)
+        q64 = q.detach().double().requires_grad_(True)
+        w64 = w.detach().double().requires_grad_(True)
+        ref, _ = reference.rms_norm_rope(q64, None, pos, table.double(), q_norm_weight=w64, interleaved=interleaved)
+        ref.backward(gq.double())
+        dq = _view_of(kind, q_base.grad)
+        assert rel_err(dq, q64.grad) < 1e-5 and rel_err(w.grad, w64.grad) < 1e-5, (width, whole, rot)
 
 
 # ---------------------------------------------------------------------------------------------

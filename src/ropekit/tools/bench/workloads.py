@@ -377,7 +377,7 @@ _FORMS += [
         _W2,
         id="W2-STRIDED",
         name="prefill_70b_strided",
-        what="W2 with q and k of last stride 2 (every other element of a buffer): the documented copy",
+        what="W2 with q and k of last stride 2 (every other element of a buffer): read through the stride",
         rope_forms=("strided",),
     ),
     replace(
