@@ -211,7 +211,7 @@ def _tile_out(
     params: the kernel's (q_scale_ptr, k_scale_ptr, wq_ptr, wk_ptr, norm_eps, norm_offset).
     Q_TEMPERATURE: q's blocks (rotated dims and tail) times q_temp, the token's float32 factor.
     HEAD_TABLE: cs is unused; each head's cos / sin come from its table head's row (_head_angles,
-    head_rows_of its operands), a (BLOCK_H, HALF_PAD) tile instead of one row for every head."""
+    head_rows_of its operands), a (BLOCK_H, HALF_PAD) tile instead of one row for every head.
     cols: the column strides (q's, k's, q output's, k output's), read with STRIDED_IN (inputs) /
     STRIDED_OUT (outputs) only (_col_stride)."""
     blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
