@@ -53,7 +53,8 @@ TRACE_ENV = "ROPEKIT_VLLM_TRACE"
 # "mrope_bailing", "mrope_pangu": (N, T) positions laid over the pairs by apply_rope's mrope_layout
 # preset of that name (ERNIE 4.5-VL's (h, w, t) sections h w h w ... t t t; Bailing's (t, h, w), the
 # same order; openPangu's get_mrope_interleaved_id_list order, 2 or 3 sections), 1-D positions a
-# plain rotation; "longrope": Phi-3's short|long table, the long rows chosen once at construction
+# plain rotation (as ERNIE's and Bailing's classes do; openPangu's has no 1-D path: its forward
+# fails on them); "longrope": Phi-3's short|long table, the long rows chosen once at construction
 # (vLLM's `use_long_rope`).
 SERVED = {
     "RotaryEmbedding": "table",
