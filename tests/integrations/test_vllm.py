@@ -440,3 +440,17 @@ def test_patch_hf_model_without_rotary(report, plugin_log):
     model = _tiny_hf("GPTBigCodeConfig")
     assert rv.patch_hf_model(model) is None
     assert "Transformers backend GPTBigCodeModel: Hugging Face's code kept" in plugin_log.text
+
+
+@pytest.mark.parametrize("case", ["ernie", "bailing"])
+def test_layout_classes_take_text_positions(report, case):
+    """ERNIE's and Bailing's classes rotate 1-D (text) positions plainly: so do their replacements."""
+    name, args, kwargs, _, _ = CASES[case]
+    cls = rv._rotary_classes(vre)[name]
+    rope, own = cls(*args, **kwargs), _vllm_own(cls, args, kwargs)
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 128, (T,), generator=g)
+    q, k = torch.randn(T, HQ * 64, generator=g), torch.randn(T, HK * 64, generator=g)
+    q_ref, k_ref = own.forward_native(positions, q.double(), k.double())
+    q_out, k_out = rope.forward_native(positions, q.clone(), k.clone())
+    assert rel_err(q_out, q_ref.reshape(q.shape)) < 1e-6 and rel_err(k_out, k_ref.reshape(k.shape)) < 1e-6
