@@ -826,6 +826,17 @@ ROWS = [
         "mrope_section: expected sections summing to rotary_dim // 2 = 32",
         lambda: angles_args(cos=torch.ones(3, T, 32), sin=torch.zeros(3, T, 32), mrope_section=[8, 8, 8]),
     ),
+    R(
+        "angles-mrope-layout-length",
+        "rotate_with_angles",
+        "an explicit mrope_layout whose length is not cos.shape[-1]",
+        "mrope_section=(16, 16), cos (2, 4, 32), mrope_layout of 8 entries",
+        ValueError,
+        "mrope_layout: expected 32 row indices (one per rotary pair), got [0, 1, 0, 1, 0, 1, 0, 1] (8 entries)",
+        lambda: angles_args(
+            cos=torch.ones(2, T, 32), sin=torch.zeros(2, T, 32), mrope_section=[16, 16], mrope_layout=[0, 1] * 4
+        ),
+    ),
     # ---- apply_rope_and_store ----------------------------------------------------------------
     R(
         "store-k-none",
@@ -1055,6 +1066,16 @@ ROWS = [
         "positions: expected values in [0, 16) (the rows of cos_sin_cache), got positions[3] = -1",
         lambda: store_args(positions=torch.tensor([0, 1, 2, -1])),
         True,
+    ),
+    R(
+        "store-mrope-layout-name",
+        "apply_rope_and_store",
+        "mrope_layout an unknown preset",
+        "mrope_section=(16, 16), mrope_layout='qwen'",
+        ValueError,
+        "mrope_layout: expected one of ('chunked', 'interleaved', 'ernie', 'bailing', 'pangu') or a sequence of row "
+        "indices, got 'qwen'",
+        lambda: store_args(positions=torch.zeros(2, T, dtype=torch.long), mrope_section=[16, 16], mrope_layout="qwen"),
     ),
     R(
         "store-caches-overlap",
