@@ -452,7 +452,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     of each pair), heads_first, rope_halves (pairs (i, i + D/2)).
     """
     interleaved, out_interleaved, inverse = variant.interleaved, variant.out_interleaved, variant.inverse
-    axis_map = variant.axis_map if variant.mrope else None
+    axis_map = variant.pair_rows()
     heads_first = variant.heads_first
     if heads_first:  # work on (B, S, H, D) views: the tensors' memory order, heads next to D
         q, k, q_out, k_out = (None if x is None else x.transpose(1, 2) for x in (q, k, q_out, k_out))

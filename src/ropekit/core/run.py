@@ -135,7 +135,7 @@ def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
     """Per-token cos and sin (*T, rot // 2) of any angle source, by torch ops (the CPU path of a
     normed variant; differentiable in inverse frequencies that require grad)."""
     half = spec.rot // 2
-    axis_map = variant.axis_map if variant.mrope else None
+    axis_map = variant.pair_rows()
     if variant.angles == "freqs":
         from .freqs import pair_positions
 
@@ -242,7 +242,7 @@ def store_cpu(spec: Spec, t: StoreOperands) -> None:
         q_out=t.q_out,
         q_scale=t.qs,
         write_key=v.write_key,
-        axis_map=v.axis_map if v.mrope else None,
+        axis_map=v.pair_rows(),
         norm=(t.wq, t.wk, spec.norm_eps, spec.norm_offset) if v.normed else None,
         halves=v.rope_halves,
     )

@@ -93,9 +93,6 @@ FLAGS: Tuple[Flag, ...] = (
     Flag("sections", (0, 0, 0), {}, coded=False,
          what="M-RoPE's frequencies per section (mrope_section as given, N >= 1 of them); with 'freqs' "
               "angles the pairs of each axis, () for one position row (encoded after the coded flags)"),
-    Flag("axis_map", (), {}, coded=False,
-         what="M-RoPE: the position row of each rotary pair (rotary_dim // 2 entries, mrope_axes), for "
-              "every layout; () without M-RoPE (encoded after the sections)"),
     Flag("angles", "table", {},
          what="where the angles come from (ANGLE_SOURCES): 'table' rows of a [cos | sin] table picked by "
               "positions; 'freqs' positions x inverse frequencies, in the kernel; 'arange' row s for token "
@@ -140,6 +137,9 @@ FLAGS: Tuple[Flag, ...] = (
          what="q's outputs (rotated dims and kept tail) times log(floor((pos + 1) / floor_scale) + 1) * "
               "attn_scale + 1 of their token's position (Llama 4's attention temperature tuning); the two "
               "floats are Spec.q_temperature's, runtime arguments of the kernel"),
+    Flag("axis_map", (), {}, coded=False,
+         what="M-RoPE: the position row of each rotary pair (rotary_dim // 2 entries, mrope_axes), for "
+              "every layout; () without M-RoPE (encoded after the sections)"),
 )
 # fmt: on
 
@@ -168,6 +168,15 @@ class Variant(_Fields):
         n_sec = int(codes[n])
         sections = tuple(int(c) for c in codes[n + 1 : n + 1 + n_sec])
         return Variant(sections=sections, axis_map=tuple(int(c) for c in codes[n + 1 + n_sec :]), **fields)
+
+    def pair_rows(self) -> Optional[Tuple[int, ...]]:
+        """M-RoPE's axis map (None without M-RoPE): axis_map, or for a record built without one,
+        the map of its Qwen2-VL / Qwen3-VL mode from the sections."""
+        if not self.mrope:
+            return None
+        if self.axis_map:
+            return self.axis_map
+        return mrope_axes("interleaved" if self.mrope == MROPE_INTERLEAVED else "chunked", self.sections)
 
     @property
     def normed(self) -> bool:
