@@ -155,8 +155,8 @@ class Variant(_Fields):
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
         every coded flag as an int in FLAGS' order, the angle source by its index in ANGLE_SOURCES,
-        then the number of sections, the sections and the axis map. The view flags (heads_first, seq_first, rope_last) are left out: the ops
-        take tokens-first views of the rotated part."""
+        then the number of sections, the sections and the axis map. The view flags (heads_first,
+        seq_first, rope_last) are left out: the ops take tokens-first views of the rotated part."""
         coded = [_code(f, getattr(self, f)) for f in _CODED]
         return coded + [len(self.sections), *self.sections, *self.axis_map]
 
