@@ -154,6 +154,18 @@ def _child(src: Path, out: Path) -> None:
         plan = launcher.plan_rerotate(*rerotate) if StoreOperands else launcher.plan_rerotate(*rerotate, False)
         ptrs = (caches[0], pos, pos, pos, tab, tab, pos, tab)
         compile_one(rerotate_kernel, ptrs, (3, *plan.args), plan.meta, f"rerotate_{rot}")
+        # M-RoPE (W4's Qwen2-VL chunks, Qwen3-VL's interleaving): (3, T) positions, sections per row
+        pos3 = torch.arange(3 * T).view(3, T)
+        half = rot // 2
+        sections = (half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8)
+        for mode in (1, 2):
+            v = Variant(mrope=mode, sections=sections)
+            for head_loop in (False, True):
+                with tuning.override(head_loop=head_loop):
+                    qo, ko = torch.empty_like(q), torch.empty_like(k)
+                    plan = launcher.plan_rotate(q, k, qo, ko, launcher.angle_layout(v, rot, pos3, tab, None), v)
+                    ptrs = (q, k, qo, ko, pos3, tab, tab, tab, tab)
+                    compile_one(rope_kernel, ptrs, plan.args, plan.meta, f"rope_mrope{mode}_{rot}_loop{int(head_loop)}")
 
 
 def _instructions(ptx: str) -> str:

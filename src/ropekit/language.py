@@ -73,6 +73,7 @@ __all__ = [
     "load_pairs",
     "load_tail",
     "load_tiles",
+    "mrope_axis_rows",
     "mrope_section",
     "packed_position",
     "pair_columns",
@@ -306,11 +307,13 @@ def load_angles(
     FREQS: computed from positions and the inverse frequencies at cos_ptr (freq_angles; SEC_T /
     SEC_H / SEC_W the axis sections). Neither: per-token cos / sin rows at b * stride_angle_batch +
     s * stride_angle_token. MROPE 1 or 2: three position rows (stride_pos_row, or stride_angle_row
-    for per-token rows apart), frequency i from row mrope_section(i).
+    for per-token rows apart), frequency i from row mrope_section(i). MROPE 3: any number of
+    position rows, frequency i from row axis_map[i], the int32 map at SEC_T (mrope_axis_rows).
 
-    M-RoPE reads, from each of the three positions' rows, only the frequencies of that row's
+    M-RoPE 1 / 2 reads, from each of the three positions' rows, only the frequencies of that row's
     section (masked vector loads: a third of the table traffic of whole rows) and merges them with
-    selects: a per-frequency gather would not vectorize.
+    selects: a per-frequency gather would not vectorize. MROPE 3 gathers (one table row per
+    frequency): its rows are not known at compile time.
     """
     pos, tab, strides, rows = src
     pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token = pos
@@ -321,12 +324,14 @@ def load_angles(
     fmask = i < HALF
     col = i.to(tl.int64) * stride_angle_col
     nan = float("nan")
-    if MROPE != 0:
+    if MROPE == 1 or MROPE == 2:
         sec = mrope_section(i, SEC_T, SEC_H, SEC_W, MROPE)
         m0, m1, m2 = fmask & (sec == 0), fmask & (sec == 1), fmask & (sec == 2)
     else:
         m0, m1, m2 = fmask, fmask, fmask
-    if FREQS:
+    if MROPE == 3:
+        c, sn = mrope_axis_rows(src, b, s, i, col, fmask, HAS_POS)
+    elif FREQS:
         pos_tok = pos_ptr + token_offset(b, s, stride_pos_batch, stride_pos_token)
         c, sn = freq_angles(cos_ptr, pos_tok, stride_pos_row, col, fmask, SEC_T, SEC_H, SEC_W, HALF_PAD)
     elif HAS_POS:
@@ -341,7 +346,7 @@ def load_angles(
         else:
             p0 = tl.load(pos_tok).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
         c, sn = table_angles(cos_ptr, sin_ptr, p0 * stride_angle_token, col, m0 & (p0 >= 0) & (p0 < max_pos), nan)
-        if MROPE != 0:
+        if MROPE == 1 or MROPE == 2:
             p1 = tl.load(pos_tok + stride_pos_row).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
             p2 = tl.load(pos_tok + 2 * stride_pos_row).to(tl.int64) + tl.zeros([HALF_PAD], tl.int64)
             c1, s1 = table_angles(cos_ptr, sin_ptr, p1 * stride_angle_token, col, m1 & (p1 >= 0) & (p1 < max_pos), nan)
@@ -351,11 +356,35 @@ def load_angles(
     else:
         row = token_offset(b, s, stride_angle_batch, stride_angle_token)
         c, sn = table_angles(cos_ptr, sin_ptr, row, col, m0, 0.0)
-        if MROPE != 0:
+        if MROPE == 1 or MROPE == 2:
             c1, s1 = table_angles(cos_ptr, sin_ptr, row + stride_angle_row, col, m1, 0.0)
             c2, s2 = table_angles(cos_ptr, sin_ptr, row + 2 * stride_angle_row, col, m2, 0.0)
             c = tl.where(sec == 0, c, tl.where(sec == 1, c1, c2))
             sn = tl.where(sec == 0, sn, tl.where(sec == 1, s1, s2))
+    return c, sn
+
+
+@triton.jit
+def mrope_axis_rows(src, b, s, i, col, fmask, HAS_POS: tl.constexpr):
+    """M-RoPE by an axis map (load_angles' MROPE 3): cos and sin of token (b, s), float32 vectors
+    like i (the frequencies, tl.arange(0, HALF_PAD)), frequency i from position row axis_map[i]
+    (int32 at SEC_T, one entry per frequency; any number of rows). HAS_POS: table rows at each
+    frequency's position (NaN off the table); else per-token rows, row a at stride_angle_row * a.
+    src, col, fmask as load_angles has them."""
+    pos, tab, strides, rows = src
+    pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token = pos
+    cos_ptr, sin_ptr, max_pos = tab
+    stride_angle_row, stride_angle_batch, stride_angle_token, stride_angle_col = strides
+    axis = tl.load(rows[0] + i, mask=fmask, other=0).to(tl.int64)
+    if HAS_POS:
+        pos_tok = pos_ptr + token_offset(b, s, stride_pos_batch, stride_pos_token)
+        p = tl.load(pos_tok + axis * stride_pos_row, mask=fmask, other=0).to(tl.int64)
+        c, sn = table_angles(
+            cos_ptr, sin_ptr, p * stride_angle_token, col, fmask & (p >= 0) & (p < max_pos), float("nan")
+        )
+    else:
+        row = token_offset(b, s, stride_angle_batch, stride_angle_token) + axis * stride_angle_row
+        c, sn = table_angles(cos_ptr, sin_ptr, row, col, fmask, 0.0)
     return c, sn
 
 

@@ -62,6 +62,26 @@ CASES = {
         True,
         False,
     ),
+    # (h, w, t) sections as ERNIE 4.5-VL's config gives them: h w h w ... t t t
+    "ernie": ("Ernie4_5_VLRotaryEmbedding", (64, 64, 128, 10000.0, True, F32, [12, 12, 8]), {}, False, False),
+    "ernie_gptj_partial": (
+        "Ernie4_5_VLRotaryEmbedding",
+        (64, 32, 128, 10000.0, False, F32, [6, 6, 4]),
+        {},
+        False,
+        False,
+    ),
+    "bailing": ("BailingMRotaryEmbedding", (64, 64, 128, 10000.0, True, F32, [8, 12, 12]), {}, True, False),
+    "bailing_gptj": ("BailingMRotaryEmbedding", (64, 64, 128, 10000.0, False, F32, [12, 10, 10]), {}, True, False),
+    "pangu_3": ("MRotaryEmbeddingInterleaved", (64, 64, 128, 10000.0, True, F32, [12, 10, 10]), {}, False, False),
+    "pangu_2": ("MRotaryEmbeddingInterleaved", (64, 64, 128, 10000.0, True, F32, [14, 18]), {}, False, False),
+    "pangu_gptj_partial": (
+        "MRotaryEmbeddingInterleaved",
+        (64, 32, 128, 10000.0, False, F32, [6, 5, 5]),
+        {},
+        False,
+        False,
+    ),
     "phi3_longrope": (
         "Phi3LongRoPEScaledRotaryEmbedding",
         (64, 64, 128, 32, 10000.0, True, F32, SHORT, LONG),
@@ -71,6 +91,13 @@ CASES = {
     ),
 }
 T, HQ, HK = 5, 2, 1
+# classes taking (N, T) positions, N = len(mrope_section) (their 7th constructor argument)
+MROPE_CLASSES = (
+    "MRotaryEmbedding",
+    "Ernie4_5_VLRotaryEmbedding",
+    "BailingMRotaryEmbedding",
+    "MRotaryEmbeddingInterleaved",
+)
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +257,9 @@ def _inputs(case, rows, seed):
     if has_offsets:
         offsets = torch.randint(0, 4, (T,), generator=g)
         limit = rows - 4
-    if name == "MRotaryEmbedding":
-        positions = torch.randint(0, limit, (3, T), generator=g)
+    if name in MROPE_CLASSES:
+        sections = args[6]
+        positions = torch.randint(0, limit, (len(sections), T), generator=g)
     else:
         positions = torch.randint(0, limit, (T,), generator=g)
     return positions, q, k, offsets
@@ -240,6 +268,8 @@ def _inputs(case, rows, seed):
 def _reference(own, positions, q, k, offsets):
     extra = (offsets,) if offsets is not None else ()
     fn = own.forward_native if isinstance(own, CustomOp) else own.forward  # Phi-3's LongRoPE: a plain module
+    if "forward" in vars(type(own)):  # openPangu's class: its own forward (forward_native is its base's)
+        fn = own.forward
     q_ref, k_ref = fn(positions, q.double(), k.double(), *extra)
     return q_ref.reshape(q.shape), k_ref.reshape(k.shape)
 
@@ -264,7 +294,7 @@ def test_register_report(report, plugin_log, monkeypatch):
     assert all(report["left"].values())
     assert "not fused" in report["qk_norm"]
     for name in report["replaced"]:
-        new = getattr(vre, name)
+        new = rv._rotary_classes(vre)[name]
         if name != "Phi3LongRoPEScaledRotaryEmbedding":
             from vllm.model_executor.custom_op import op_registry_oot
 
@@ -284,7 +314,7 @@ def test_register_report(report, plugin_log, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_replacement_matches_vllm(report, case):
     name, args, kwargs, has_offsets, mla = CASES[case]
-    exported = getattr(vre, name)  # the name get_rope constructs
+    exported = rv._rotary_classes(vre)[name]  # the name get_rope (or the model) constructs
     vllm_cls = exported._ropekit_of if name == "Phi3LongRoPEScaledRotaryEmbedding" else exported
     rope = exported(*args, **kwargs)  # as get_rope does: the replacement comes back
     assert type(rope).__name__ == f"Ropekit{name}" and isinstance(rope, vllm_cls)
@@ -297,6 +327,7 @@ def test_replacement_matches_vllm(report, case):
 
     entries = ["forward"] if name == "Phi3LongRoPEScaledRotaryEmbedding" else ["forward_native", "forward_cuda"]
     entries += [] if name == "Phi3LongRoPEScaledRotaryEmbedding" else ["forward_cpu"]
+    entries += ["forward"] if name == "MRotaryEmbeddingInterleaved" else []
     rows = _table_rows(own)
     for seed, entry in enumerate(entries):
         positions, q, k, offsets = _inputs(case, rows, seed)
@@ -535,3 +566,17 @@ def test_patch_hf_model_without_rotary(report, plugin_log):
     model = _tiny_hf("GPTBigCodeConfig")
     assert rv.patch_hf_model(model) is None
     assert "Transformers backend GPTBigCodeModel: Hugging Face's code kept" in plugin_log.text
+
+
+@pytest.mark.parametrize("case", ["ernie", "bailing"])
+def test_layout_classes_take_text_positions(report, case):
+    """ERNIE's and Bailing's classes rotate 1-D (text) positions plainly: so do their replacements."""
+    name, args, kwargs, _, _ = CASES[case]
+    cls = rv._rotary_classes(vre)[name]
+    rope, own = cls(*args, **kwargs), _vllm_own(cls, args, kwargs)
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 128, (T,), generator=g)
+    q, k = torch.randn(T, HQ * 64, generator=g), torch.randn(T, HK * 64, generator=g)
+    q_ref, k_ref = own.forward_native(positions, q.double(), k.double())
+    q_out, k_out = rope.forward_native(positions, q.clone(), k.clone())
+    assert rel_err(q_out, q_ref.reshape(q.shape)) < 1e-6 and rel_err(k_out, k_ref.reshape(k.shape)) < 1e-6

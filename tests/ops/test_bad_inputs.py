@@ -556,11 +556,108 @@ ROWS = [
     R(
         "rope-mrope-form",
         "apply_rope",
-        "mrope_section not three ints",
-        "mrope_section=(16, 16)",
+        "mrope_section not N >= 1 non-negative ints",
+        "mrope_section=(16, -16)",
         ValueError,
-        "mrope_section: expected 3 non-negative ints (t, h, w)",
-        lambda: rope_args(mrope_section=[16, 16]),
+        "mrope_section: expected N >= 1 non-negative ints (pairs per position row), got [16, -16]",
+        lambda: rope_args(mrope_section=[16, -16]),
+    ),
+    R(
+        "rope-mrope-rows",
+        "apply_rope",
+        "M-RoPE positions with a row count other than the sections'",
+        "mrope_section=(8, 8, 8, 8), positions (3, 4)",
+        ValueError,
+        "positions: expected shape (4, 4) ((4, *T) for M-RoPE), got shape (3, 4)",
+        lambda: rope_args(mrope_section=[8, 8, 8, 8], positions=torch.zeros(3, T, dtype=torch.long)),
+    ),
+    R(
+        "rope-mrope-layout-name",
+        "apply_rope",
+        "mrope_layout an unknown preset",
+        "mrope_layout='qwen'",
+        ValueError,
+        "mrope_layout: expected one of ('chunked', 'interleaved', 'ernie', 'bailing', 'pangu') or a sequence of row "
+        "indices, got 'qwen'",
+        lambda: rope_args(mrope_section=[16, 16], positions=torch.zeros(2, T, dtype=torch.long), mrope_layout="qwen"),
+    ),
+    R(
+        "rope-mrope-layout-type",
+        "apply_rope",
+        "mrope_layout neither a name nor a sequence",
+        "mrope_layout=3",
+        ValueError,
+        "mrope_layout: expected a preset name ('chunked', 'interleaved', 'ernie', 'bailing', 'pangu') or a sequence "
+        "of row indices, got int",
+        lambda: rope_args(mrope_section=[16, 16], positions=torch.zeros(2, T, dtype=torch.long), mrope_layout=3),
+    ),
+    R(
+        "rope-mrope-layout-length",
+        "apply_rope",
+        "an explicit mrope_layout whose length is not rotary_dim // 2",
+        "mrope_section=(16, 16), mrope_layout of 16 entries",
+        ValueError,
+        "mrope_layout: expected 32 row indices (one per rotary pair), got [0, 1, 0, 1, 0, 1, 0, 1] ... (16 entries)",
+        lambda: rope_args(
+            mrope_section=[16, 16], positions=torch.zeros(2, T, dtype=torch.long), mrope_layout=[0, 1] * 8
+        ),
+    ),
+    R(
+        "rope-mrope-layout-value",
+        "apply_rope",
+        "an explicit mrope_layout naming a row past the sections",
+        "mrope_section=(16, 16), mrope_layout[31] = 2",
+        ValueError,
+        "mrope_layout: expected row indices in [0, 2) (one per section), got mrope_layout[31] = 2",
+        lambda: rope_args(
+            mrope_section=[16, 16], positions=torch.zeros(2, T, dtype=torch.long), mrope_layout=[0] * 31 + [2]
+        ),
+    ),
+    R(
+        "rope-mrope-layout-alone",
+        "apply_rope",
+        "mrope_layout without mrope_section",
+        "mrope_layout='ernie'",
+        ValueError,
+        "mrope_layout: expected mrope_section to be given with it, got mrope_section=None",
+        lambda: rope_args(mrope_layout="ernie"),
+    ),
+    R(
+        "rope-mrope-layout-interleaved",
+        "apply_rope",
+        "mrope_interleaved=True with another mrope_layout",
+        "mrope_interleaved=True, mrope_layout='ernie'",
+        ValueError,
+        "mrope_interleaved: expected False with mrope_layout (the layout names the order), got True",
+        lambda: rope_args(
+            mrope_section=[12, 12, 8],
+            positions=torch.zeros(3, T, dtype=torch.long),
+            mrope_layout="ernie",
+            mrope_interleaved=True,
+        ),
+    ),
+    R(
+        "rope-mrope-ernie-sections",
+        "apply_rope",
+        "mrope_layout='ernie' (or 'bailing') with unequal spatial sections",
+        "mrope_section=(10, 12, 10), mrope_layout='ernie'",
+        ValueError,
+        "mrope_section: expected equal spatial sections s_a for mrope_layout='ernie': (s_1, ..., s_{N-1}, t), "
+        "got (10, 12, 10)",
+        lambda: rope_args(
+            mrope_section=[10, 12, 10], positions=torch.zeros(3, T, dtype=torch.long), mrope_layout="ernie"
+        ),
+    ),
+    R(
+        "rope-mrope-pangu-sections",
+        "apply_rope",
+        "mrope_layout='pangu' of 3 rows or more with an empty first section",
+        "mrope_section=(0, 16, 16), mrope_layout='pangu'",
+        ValueError,
+        "mrope_section: expected a first section >= 1 for mrope_layout='pangu' with 3 rows or more, got (0, 16, 16)",
+        lambda: rope_args(
+            mrope_section=[0, 16, 16], positions=torch.zeros(3, T, dtype=torch.long), mrope_layout="pangu"
+        ),
     ),
     R(
         "rope-mrope-positions",
@@ -764,6 +861,17 @@ ROWS = [
         ValueError,
         "mrope_section: expected sections summing to rotary_dim // 2 = 32",
         lambda: angles_args(cos=torch.ones(3, T, 32), sin=torch.zeros(3, T, 32), mrope_section=[8, 8, 8]),
+    ),
+    R(
+        "angles-mrope-layout-length",
+        "rotate_with_angles",
+        "an explicit mrope_layout whose length is not cos.shape[-1]",
+        "mrope_section=(16, 16), cos (2, 4, 32), mrope_layout of 8 entries",
+        ValueError,
+        "mrope_layout: expected 32 row indices (one per rotary pair), got [0, 1, 0, 1, 0, 1, 0, 1] (8 entries)",
+        lambda: angles_args(
+            cos=torch.ones(2, T, 32), sin=torch.zeros(2, T, 32), mrope_section=[16, 16], mrope_layout=[0, 1] * 4
+        ),
     ),
     # ---- apply_rope_and_store ----------------------------------------------------------------
     R(
@@ -1094,6 +1202,16 @@ ROWS = [
         "positions: expected values in [0, 16) (the rows of cos_sin_cache), got positions[3] = -1",
         lambda: store_args(positions=torch.tensor([0, 1, 2, -1])),
         True,
+    ),
+    R(
+        "store-mrope-layout-name",
+        "apply_rope_and_store",
+        "mrope_layout an unknown preset",
+        "mrope_section=(16, 16), mrope_layout='qwen'",
+        ValueError,
+        "mrope_layout: expected one of ('chunked', 'interleaved', 'ernie', 'bailing', 'pangu') or a sequence of row "
+        "indices, got 'qwen'",
+        lambda: store_args(positions=torch.zeros(2, T, dtype=torch.long), mrope_section=[16, 16], mrope_layout="qwen"),
     ),
     R(
         "store-caches-overlap",

@@ -63,6 +63,16 @@ def _mrope(t, grad):
     return (q, k, torch.randint(0, MAXPOS, (3, t))), (0, 0, 1)
 
 
+def _mrope_rows(n):
+    """M-RoPE positions of n rows (mrope_section of n sections)."""
+
+    def make(t, grad):
+        q, k = _qk(t, grad=grad)
+        return (q, k, torch.randint(0, MAXPOS, (n, t))), (0, 0, 1)
+
+    return make
+
+
 def _packed(t, grad):
     q, k = _qk(t, grad=grad)
     return (q, k, torch.tensor([0, t // 2, t], dtype=torch.int32)), (0, 0, None)
@@ -139,6 +149,19 @@ ROTATIONS = {
     "arange": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, None, _on(q.device)["cache"])),
     "batched": (_batched, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"])),
     "mrope": (_mrope, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], mrope_section=(2, 3, 3))),
+    "mrope_n4_ernie": (
+        _mrope_rows(4),
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["cache"], mrope_section=(2, 2, 2, 2), mrope_layout="ernie"
+        ),
+    ),
+    "mrope_n2_map": (
+        _mrope_rows(2),
+        lambda q, k, p: ropekit.apply_rope(
+            q, k, p, _on(q.device)["cache"], mrope_section=(4, 4), mrope_layout=(1, 0, 0, 1, 1, 0, 0, 1)
+        ),
+    ),
+    "mrope_n3_pangu_norm": (_mrope, lambda q, k, p: _norm(q, k, p, mrope_section=(4, 2, 2), mrope_layout="pangu")),
     "inverse": (_plain, lambda q, k, p: ropekit.apply_rope(q, k, p, _on(q.device)["cache"], inverse=True)),
     "norm": (_plain, lambda q, k, p: _norm(q, k, p)),
     "norm_eps": (
@@ -190,6 +213,19 @@ def _store(t, grad):
 
 def _store_fn(q, k, v, p, k_cache, v_cache, slots):
     ropekit.apply_rope_and_store(q, k, v, p, _on(q.device)["cache"], k_cache, v_cache, slots)
+    return q, k_cache, v_cache
+
+
+def _store_mrope(t, grad):
+    args, dims = _store(t, grad)
+    return args[:3] + (torch.randint(0, MAXPOS, (4, t)),) + args[4:], dims[:3] + (1,) + dims[4:]
+
+
+def _store_mrope_fn(q, k, v, p, k_cache, v_cache, slots):
+    cache = _on(q.device)["cache"]
+    ropekit.apply_rope_and_store(
+        q, k, v, p, cache, k_cache, v_cache, slots, mrope_section=(1, 2, 2, 3), mrope_layout="pangu"
+    )
     return q, k_cache, v_cache
 
 
@@ -303,6 +339,7 @@ NO_GRAD_ONLY = {
     "rerotate_halves": (_rerotate, _rerotate_halves_fn),
     "store_mla_3d": (_store_mla, _store_mla_fn),
     "store": (_store, _store_fn),
+    "store_mrope_n4": (_store_mrope, _store_mrope_fn),
     "parts_fp8": (_parts, lambda *a: _parts_fn(*a, out_dtype=torch.float8_e4m3fn, q_scale=0.5, k_scale=2.0)),
     "store_parts": (_store_parts, _store_parts_fn),
     "store_split_k": (_store_parts, _store_split_k_fn),

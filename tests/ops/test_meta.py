@@ -57,6 +57,12 @@ def _apply_rope_mrope(device):
     return ropekit.apply_rope(q, k, pos, _table(device), mrope_section=(4, 6, 6))
 
 
+def _apply_rope_mrope_layout(device):
+    q, k = _qk(device)
+    pos = torch.arange(4 * T, device=device).view(4, T) % 64
+    return ropekit.apply_rope(q, k, pos, _table(device), mrope_section=(4, 4, 4, 4), mrope_layout="ernie")
+
+
 def _apply_rope_bhsd(device):
     q = torch.randn(1, T, HQ, D).to(device).transpose(1, 2)
     k = torch.randn(1, T, HK, D).to(device).transpose(1, 2)
@@ -176,6 +182,7 @@ CASES = {
     "apply_rope packed": _apply_rope_packed,
     "apply_rope freqs": _apply_rope_freqs,
     "apply_rope mrope": _apply_rope_mrope,
+    "apply_rope mrope 4 rows ernie": _apply_rope_mrope_layout,
     "apply_rope bhsd": _apply_rope_bhsd,
     "apply_rope inplace": _apply_rope_inplace,
     "apply_rope backward": _apply_rope_backward,

@@ -668,7 +668,7 @@ def test_mrope_ambiguous_positions_are_an_error():
 
 @pytest.mark.parametrize("section", [[-2, 10, 8], [20, -2, -2], [8, 8, 0.5]])
 def test_mrope_section_rejects_negative_or_non_int_entries(section):
-    with pytest.raises(ValueError, match=r"RotaryEmbedding: mrope_section: expected 3 non-negative ints"):
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: mrope_section: expected N >= 1 non-negative ints"):
         RotaryEmbedding(32, 32, 64, mrope_section=section)
 
 
@@ -790,3 +790,26 @@ def test_in_place_default_under_autograd_says_what_to_construct():
     out, _ = RotaryEmbedding(16, 16, 64, 10000.0, inplace=False)(torch.arange(4), q, q_norm_weight=w)
     out.sum().backward()
     assert q.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize(
+    "section, layout",
+    [((8,), None), ((3, 5), "pangu"), ((2, 2, 2, 2), "ernie"), ((2, 3, 3), (2, 1, 0, 2, 1, 0, 0, 1))],
+    ids=["n1", "n2-pangu", "n4-ernie", "n3-map"],
+)
+def test_mrope_rows_and_layouts(section, layout):
+    """N position rows and any mrope_layout through the module, against the float64 oracle."""
+    D, T = 16, 5
+    rope = RotaryEmbedding(D, D, 64, 10000.0, mrope_section=section, mrope_layout=layout, inplace=False)
+    q = _rand(T, 3 * D)
+    pos = torch.randint(0, 64, (len(section), T))
+    want, _ = reference.apply_rope(
+        q.view(T, 3, D).double(), None, pos, rope.cos_sin_cache.double(), mrope_section=section, mrope_layout=layout
+    )
+    got, _ = rope(pos, q)
+    torch.testing.assert_close(got.view(T, 3, D).double(), want, rtol=1e-5, atol=1e-5)
+    plain, _ = rope(pos[0], q)  # text tokens: one row
+    want_plain, _ = reference.apply_rope(q.view(T, 3, D).double(), None, pos[0], rope.cos_sin_cache.double())
+    torch.testing.assert_close(plain.view(T, 3, D).double(), want_plain, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mrope_layout"):
+        RotaryEmbedding(D, D, 64, 10000.0, mrope_layout="ernie")

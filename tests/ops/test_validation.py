@@ -75,7 +75,13 @@ CASES = [
         ValueError,
         "mrope_section: expected sections summing to rotary_dim // 2 = 32",
     ),
-    ("mrope-len", good(), {"mrope_section": [16, 16]}, ValueError, "mrope_section: expected 3 non-negative ints"),
+    (
+        "mrope-form",
+        good(),
+        {"mrope_section": [16, -16]},
+        ValueError,
+        "mrope_section: expected N >= 1 non-negative ints",
+    ),
     (
         "mrope-positions-shape",
         good(),

@@ -198,6 +198,7 @@ def test_workload_selection_and_bytes():
         "W7-QNOPE",
     ]
     assert [w.id for w in workloads.select("W2,W6")] == ["W2", "W2-OUT", "W2-STRIDED", "W6", "W6-LAST"]
+    assert [w.id for w in workloads.select("W4")] == ["W4", "W4-N4"]
     assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3", "W3-1"]
     assert [w.id for w in workloads.select("W3-1")] == ["W3-1"]
     assert [w.id for w in workloads.select("decode_b64_one_set")] == ["W3-1"]
@@ -503,3 +504,21 @@ def test_convention_rows_check_and_bytes(cpu_env, wid):
         assert workloads.min_bytes(w, base) == q_moved + nb(k) + nb(v) + rows
     with pytest.raises(peers.PeerSkip):
         peers.forms_only_ropekit(peers.Reference(), w)
+
+
+def test_mrope_n4_row_checks_and_moves_w4s_bytes(cpu_env):
+    """W4-N4 (4 position rows, ERNIE's layout): the ropekit call passes the float64 check, whose
+    two oracles (ropekit.tools.reference and the bench's own rows) agree; W4's bytes; peers with
+    Qwen2-VL's three chunks only are n/a."""
+    from ropekit.tools.bench import peers
+
+    w, w4 = workloads.BY_ID["W4-N4"], workloads.BY_ID["W4"]
+    s = dict(w.sizes(True), T=8)
+    base = ropekit_row_passes(w, s)
+    assert base["positions"].shape == (4, 8)
+    oracle = workloads.Oracle()
+    workloads.expected(w, base, oracle)
+    assert oracle.disagreements == [] and "cross-checked" in oracle.name
+    assert workloads.min_bytes(w, base) == workloads.min_bytes(w4, base)
+    with pytest.raises(peers.PeerSkip):
+        peers.TorchEager().make(w, base)

@@ -234,6 +234,37 @@ def test_rotate_with_angles_per_token(cpu_path, dtype, mrope):
     assert rel_err(ko, reference.rotate(k.double(), c, s)) < TOL[dtype]
 
 
+@pytest.mark.parametrize(
+    "sections, layout",
+    [((16,), "chunked"), ((6, 10), "pangu"), ((4, 4, 4, 4), "ernie"), ((4, 6, 6), "bailing"), ((8, 8), [1, 0] * 8)],
+    ids=["n1", "n2-pangu", "n4-ernie", "n3-bailing", "n2-map"],
+)
+def test_mrope_layouts(cpu_path, sections, layout):
+    """M-RoPE of N rows and any layout: table angles (with the norm too), per-token angles, the store."""
+    T, D = 5, 32
+    q, k = rnd(T, 2, D), rnd(T, 1, D, seed=1)
+    cache = make_cache(64, D)
+    pos = torch.randint(0, 64, (len(sections), T))
+    kw = dict(mrope_section=sections, mrope_layout=layout)
+    rq, rk = reference.apply_rope(q.double(), k.double(), pos, cache.double(), **kw)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, **kw)
+    assert rel_err(qo, rq) < TOL[torch.float32] and rel_err(ko, rk) < TOL[torch.float32]
+    qo, ko = ropekit.rotate_with_angles(q, k, cache[pos, : D // 2], cache[pos, D // 2 :], **kw)
+    assert rel_err(qo, rq) < TOL[torch.float32] and rel_err(ko, rk) < TOL[torch.float32]
+    w = torch.rand(D) + 0.5
+    nq, nk = reference.rms_norm_rope(
+        q.double(), k.double(), pos, cache.double(), q_norm_weight=w.double(), k_norm_weight=w.double(), **kw
+    )
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, q_norm_weight=w, k_norm_weight=w, **kw)
+    assert rel_err(qo, nq) < TOL[torch.float32] and rel_err(ko, nk) < TOL[torch.float32]
+    v = rnd(T, 1, D, seed=2)
+    k_cache, v_cache = torch.full((8, 1, D), float("nan")), torch.full((8, 1, D), float("nan"))
+    slots = torch.tensor([3, 0, 6, 1, 5])
+    q_in = q.clone()
+    ropekit.apply_rope_and_store(q_in, k, v, pos, cache, k_cache, v_cache, slots, **kw)
+    assert rel_err(q_in, rq) < TOL[torch.float32] and rel_err(k_cache[slots], rk) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_drop_in(cpu_path, dtype):
     """ropekit.hf.apply_rotary_pos_emb on HF's (B, H, S, D) views with HF's [f, f] cos / sin."""

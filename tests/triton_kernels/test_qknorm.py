@@ -359,6 +359,31 @@ def test_backward_mrope_two_token_dims(mode, interleaved_sections, device):
         assert rel(got, want) < GRAD_RTOL[torch.float32], name
 
 
+# M-RoPE of N rows and any layout (tests/triton_kernels/test_mrope_layouts.py has the plain rotation)
+MROPE_LAYOUTS = {
+    "n1": ((32,), "chunked"),
+    "n2-pangu": ((12, 20), "pangu"),
+    "n4-ernie": ((8, 8, 8, 8), "ernie"),
+    "n3-map": ((10, 10, 12), [j % 3 for j in range(32)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(MROPE_LAYOUTS))
+@pytest.mark.parametrize("mode", MODES)
+def test_mrope_layouts_forward_and_backward(mode, layout, poison, device):
+    sections, order = MROPE_LAYOUTS[layout]
+    q, k = inputs(T=(3,), device=device)
+    cache = make_cache(16, 64, device=device)
+    pos = torch.randint(0, 16, (len(sections), 3), device=device)
+    kw = norm_kw(q, k, "both", mode, 0.0, device=device)
+    extra = dict(mrope_section=sections, mrope_layout=order)
+    rq, rk = oracle(q, k, pos, cache, **extra, **kw)
+    qo, ko = ropekit.apply_rope(q, k, pos, cache, **extra, **kw)
+    assert rel(qo, rq) < RTOL[q.dtype] and rel(ko, rk) < RTOL[q.dtype]
+    for name, got, want in backward_case(q, k, pos, cache, kw, **extra):
+        assert rel(got, want) < GRAD_RTOL[torch.float32], name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_low_precision_weights_and_inputs(dtype, device):
     q, k = inputs(dtype=dtype, device=device)

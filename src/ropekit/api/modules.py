@@ -10,7 +10,7 @@ from torch import nn
 
 from ..core.args import INDEX_DTYPES, fail
 from ..core.freqs import cos_sin_cache, parse_scaling, rotated_pairs
-from ..core.rules import rotary_position_arg
+from ..core.rules import mrope_args, rotary_position_arg
 from .ops import apply_rope
 from .store import apply_rope_and_store
 
@@ -118,6 +118,10 @@ class RotaryEmbedding(nn.Module):
             base ** (-2i / head_size) (cos_sin_cache(head_size, ..., rotated_only=True)), and
             rotary_dim must be its width, 2 * int(partial_rotary_factor * head_size // 2):
             from_hf_config builds Gemma 4's modules so.
+        mrope_section, mrope_interleaved, mrope_layout: (keyword only) M-RoPE as apply_rope takes
+            it (N sections summing to rotary_dim // 2, a layout preset or per-pair row map);
+            mrope_section and mrope_interleaved default to rope_scaling's entries. Forward then
+            reads (N, *T) positions as the rows.
 
     LongRoPE tables longer than original_max_position_embeddings hold two segments, the short
     factors' rows then the long factors' rows, and each call picks one for the whole batch as HF
@@ -139,6 +143,7 @@ class RotaryEmbedding(nn.Module):
         inplace: bool = True,
         mrope_section=None,
         mrope_interleaved: Optional[bool] = None,
+        mrope_layout=None,
         max_position_embeddings: Optional[int] = None,
         rotary_position: str = "first",
     ):
@@ -162,28 +167,20 @@ class RotaryEmbedding(nn.Module):
         self.inplace = bool(inplace)
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.rope_type, params = parse_scaling(self.rope_scaling, op)
-        # M-RoPE (Qwen2-VL / 2.5-VL chunked, Qwen3-VL interleaved): given here or in the scaling dict
+        # M-RoPE (N sections; Qwen2-VL / 2.5-VL chunked, Qwen3-VL interleaved, or any mrope_layout):
+        # given here or in the scaling dict; checked as apply_rope checks them
         scaling = self.rope_scaling or {}
         if mrope_section is None:
             mrope_section = scaling.get("mrope_section")
         if mrope_interleaved is None:
             mrope_interleaved = bool(scaling.get("mrope_interleaved", False))
         if mrope_section is not None:
-            if (
-                not isinstance(mrope_section, (list, tuple))
-                or len(mrope_section) != 3
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in mrope_section)
-                or sum(mrope_section) != rotary_dim // 2
-            ):
-                fail(
-                    op,
-                    "mrope_section",
-                    f"3 non-negative ints summing to rotary_dim // 2 = {rotary_dim // 2}",
-                    repr(mrope_section),
-                )
-            mrope_section = tuple(int(v) for v in mrope_section)
+            mrope_section = mrope_args(op, mrope_section, mrope_interleaved, rotary_dim // 2, mrope_layout).sections
+        elif mrope_layout is not None:
+            fail(op, "mrope_layout", "mrope_section to be given with it", "mrope_section=None")
         self.mrope_section = mrope_section
         self.mrope_interleaved = bool(mrope_interleaved) and mrope_section is not None
+        self.mrope_layout = mrope_layout if isinstance(mrope_layout, (str, type(None))) else tuple(mrope_layout)
         self.cache_dtype = torch.float32 if dtype is None else dtype
         self.rotary_position = rotary_position_arg(op, rotary_position, allowed=("first", "halves"))
         if self.rotary_position == "halves":
@@ -278,11 +275,12 @@ class RotaryEmbedding(nn.Module):
         return positions + shift
 
     def _is_mrope(self, positions, query) -> bool:
-        """Whether positions are M-RoPE rows (3, *T) rather than plain (T,) / (B, S) positions.
+        """Whether positions are M-RoPE rows (N, *T), N = len(mrope_section), rather than plain
+        (T,) / (B, S) positions.
 
-        Only an M-RoPE module reads them that way. (3, B, S) can only be M-RoPE. A (3, X) tensor
-        is M-RoPE rows for query (X, H * D) or (X, H, D), and a plain batch of 3 for query
-        (3, X, H * D) or (3, X, H, D); when the query fits both readings (query (3, 3, head_size))
+        Only an M-RoPE module reads them that way. (N, B, S) can only be M-RoPE. An (N, X) tensor
+        is M-RoPE rows for query (X, H * D) or (X, H, D), and a plain batch of N for query
+        (N, X, H * D) or (N, X, H, D); when the query fits both readings (query (N, N, head_size))
         that is an error, never a guess.
         """
         if (
@@ -290,24 +288,25 @@ class RotaryEmbedding(nn.Module):
             or not isinstance(positions, torch.Tensor)
             or not isinstance(query, torch.Tensor)
             or positions.dim() not in (2, 3)
-            or positions.shape[0] != 3
+            or positions.shape[0] != len(self.mrope_section)
         ):
             return False
+        N = len(self.mrope_section)
         if positions.dim() == 3:
             return True
         D, X = self.head_size, positions.shape[1]
         qs = tuple(query.shape)
         as_mrope = (len(qs) == 2 and qs[0] == X and qs[1] % D == 0) or (len(qs) == 3 and qs[0] == X and qs[2] == D)
-        as_plain = (len(qs) == 3 and qs[:2] == (3, X) and qs[2] % D == 0) or (
-            len(qs) == 4 and qs[:2] == (3, X) and qs[3] == D
+        as_plain = (len(qs) == 3 and qs[:2] == (N, X) and qs[2] % D == 0) or (
+            len(qs) == 4 and qs[:2] == (N, X) and qs[3] == D
         )
         if as_mrope and as_plain:
             fail(
                 "RotaryEmbedding.forward",
                 "positions",
-                f"a shape that tells M-RoPE rows from a batch: (3, {X}) with query {qs} reads both as (3, T) "
+                f"a shape that tells M-RoPE rows from a batch: ({N}, {X}) with query {qs} reads both as ({N}, T) "
                 f"M-RoPE rows (query (T, H, D)) and as a (B, S) batch (query (B, S, H * D)); pass query as "
-                f"({X}, H * {D}) for M-RoPE or as (3, {X}, H, {D}) for plain positions",
+                f"({X}, H * {D}) for M-RoPE or as ({N}, {X}, H, {D}) for plain positions",
                 f"shape {tuple(positions.shape)}",
             )
         return as_mrope
@@ -326,8 +325,8 @@ class RotaryEmbedding(nn.Module):
     ):
         """Rotate query (and key) by the angles of their positions.
 
-        positions: (T,) or (B, S) int32/int64; with mrope_section also (3, T) or (3, B, S)
-        (temporal, height, width rows; text-only tokens may pass plain positions). query:
+        positions: (T,) or (B, S) int32/int64; with mrope_section of N sections also (N, T) or
+        (N, B, S) (e.g. temporal, height, width rows; text-only tokens may pass plain positions). query:
         (*T, Hq * D) or (*T, Hq, D); key: the same with Hk heads, or None. Any strides with a unit
         last stride (views of a fused qkv buffer are fine). offsets: None, or int32/int64 added to
         positions (SGLang's and older vLLM's argument; positions' shape, or broadcastable to it).
@@ -341,7 +340,8 @@ class RotaryEmbedding(nn.Module):
         mrope = self._is_mrope(positions, query)
         if not isinstance(positions, torch.Tensor) or positions.dim() - mrope not in (1, 2):
             got = f"shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions).__name__
-            want = "a (T,) or (B, S) tensor" + (", or (3, T) / (3, B, S) for M-RoPE" if self.mrope_section else "")
+            n = len(self.mrope_section or ())
+            want = "a (T,) or (B, S) tensor" + (f", or ({n}, T) / ({n}, B, S) for M-RoPE" if n else "")
             fail("RotaryEmbedding.forward", "positions", want, got)
         n_tok = positions.dim() - mrope
         q = self._heads("query", query, n_tok)
@@ -360,6 +360,7 @@ class RotaryEmbedding(nn.Module):
                 inplace=self.inplace,
                 mrope_section=self.mrope_section if mrope else None,
                 mrope_interleaved=self.mrope_interleaved if mrope else False,
+                mrope_layout=self.mrope_layout if mrope else None,
                 q_norm_weight=q_norm_weight,
                 k_norm_weight=k_norm_weight,
                 norm_eps=norm_eps,

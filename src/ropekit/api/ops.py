@@ -41,6 +41,7 @@ def apply_rope(
     rotary_dim: Optional[int] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    mrope_layout: Union[None, str, Sequence[int]] = None,
     inplace: bool = False,
     q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None,
@@ -74,7 +75,7 @@ def apply_rope(
             otherwise. With layout='bhsd': (B, Hq, S, Dq), Hugging Face's layout; with
             layout='sbhd': (S, B, Hq, Dq), Transformer Engine's (results come back in it).
         k: (*T, Hk, Dk) or None; Dk may differ from Dq; its own strides.
-        positions: (*T) int32/int64; (3, *T) for M-RoPE; None means arange over the last token dim
+        positions: (*T) int32/int64; (N, *T) for M-RoPE; None means arange over the last token dim
             (over S with layout='sbhd', whose positions are (S, B)).
             Dims of size 1 broadcast over the token dims (HF's (1, S) position_ids; an expand view).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended, bf16/fp16 ok.
@@ -89,8 +90,17 @@ def apply_rope(
         interleaved: False rotates halves (i, i + rotary_dim/2) (Llama/NeoX); True rotates pairs
             (2i, 2i+1) (GPT-J, Llama 4, DeepSeek).
         rotary_dim: dims [0, rotary_dim) are rotated, the rest kept; must equal the cache width.
-        mrope_section: (t, h, w) frequencies per position row, summing to rotary_dim // 2.
-        mrope_interleaved: Qwen3-VL's interleaved frequency layout instead of chunks.
+        mrope_section: M-RoPE: N >= 1 section sizes (rotary pairs per section, e.g. Qwen2-VL's
+            (t, h, w)), summing to rotary_dim // 2; positions are then (N, *T), one row per section.
+        mrope_interleaved: Qwen3-VL's interleaved frequency layout instead of chunks (the same as
+            mrope_layout='interleaved').
+        mrope_layout: which position row drives each rotary pair j < rotary_dim // 2. A preset:
+            'chunked' (the default: sections in order), 'interleaved' (Qwen3-VL), 'ernie' (ERNIE
+            4.5-VL, sections (h, w, t): h w h w ... t t t), 'bailing' (Bailing, sections (t, h, w),
+            the same order), 'pangu' (openPangu's spread of the rows), or an explicit sequence
+            of rotary_dim // 2 row indices in [0, N). Example, 4 rows: ``apply_rope(q, k, pos4,
+            cache, mrope_section=(8, 8, 8, 8), mrope_layout="ernie")`` with pos4 (4, T) (pairs
+            0, 3, 6, ... row 1, ..., the last 8 row 0); docs/vision.md lists each preset's order.
         inplace: write into q and k; otherwise return new tensors and leave the inputs untouched.
         q_norm_weight, k_norm_weight: RMSNorm of q / k before the rotation, in the same launch:
             (D,) normalizes each head, (H * D,) all heads of a token (OLMo 2); fp32/bf16/fp16.
@@ -174,6 +184,7 @@ def apply_rope(
             rotary_dim,
             mrope_section,
             mrope_interleaved,
+            mrope_layout,
             inplace,
             q_norm_weight,
             k_norm_weight,
@@ -344,6 +355,7 @@ def rotate_with_angles(
     out_interleaved: Optional[bool] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    mrope_layout: Union[None, str, Sequence[int]] = None,
     layout: Optional[str] = None,
     rotary_dim: Optional[int] = None,
     q_norm_weight: Optional[torch.Tensor] = None,
@@ -394,6 +406,7 @@ def rotate_with_angles(
         out_interleaved=out_interleaved,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        mrope_layout=mrope_layout,
         heads_first=hf,
         rotary_dim=rotary_dim,
         q_norm_weight=q_norm_weight,
@@ -429,6 +442,7 @@ def rotate_angles(
     out_interleaved=None,
     mrope_section=None,
     mrope_interleaved=False,
+    mrope_layout=None,
     heads_first=False,
     columns=None,
     rotary_dim=None,
@@ -456,6 +470,7 @@ def rotate_angles(
             out_interleaved,
             mrope_section,
             mrope_interleaved,
+            mrope_layout,
             heads_first,
             columns,
             rotary_dim,

@@ -43,6 +43,7 @@ def apply_rope_and_store(
     rotary_dim: Optional[int] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    mrope_layout: Union[None, str, Sequence[int]] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
@@ -74,7 +75,7 @@ def apply_rope_and_store(
             than 1 is read through one copy (not with write_key, which writes k).
         v: (*T, Hv, Dv), copied into v_cache; Dv may differ from Dk (MLA: latent 512, rope 64).
             Any strides, the last one included (read in place, no copy). None with MLA's k_nope.
-        positions: (*T) int32/int64, (3, *T) with mrope_section, or None for arange over the
+        positions: (*T) int32/int64, (N, *T) with mrope_section, or None for arange over the
             last token dim (or for positions derived from cu_seqlens).
         cos_sin_cache: (max_position, rotary_dim) rows [cos | sin]; fp32 recommended.
         k_cache: (num_blocks, block_size, Hk, Dk) paged or (num_slots, Hk, Dk) flat, any strides
@@ -90,9 +91,10 @@ def apply_rope_and_store(
             + offset. A slot < 0 is padding: nothing is stored for that token.
         interleaved: False rotates halves (Llama/NeoX), True pairs (2i, 2i+1) (GPT-J, DeepSeek).
         rotary_dim: must equal the width of cos_sin_cache (default); dims past it are kept.
-        mrope_section, mrope_interleaved: M-RoPE as in apply_rope: positions (3, *T) (t, h, w
-            rows), mrope_section three ints (t, h, w) summing to rotary_dim // 2, frequencies
-            chunked (Qwen2-VL) or interleaved (mrope_interleaved=True, Qwen3-VL).
+        mrope_section, mrope_interleaved, mrope_layout: M-RoPE as in apply_rope: positions
+            (N, *T), one row per section, mrope_section N ints summing to rotary_dim // 2, the
+            rows laid over the pairs by mrope_layout (default chunked; mrope_interleaved=True:
+            Qwen3-VL's).
         cu_seqlens, cp_size, cp_rank: packed sequences as in apply_rope: q, k, v (T, H, D),
             slot_mapping (T,), positions None, cu_seqlens (N+1,) int32/int64 cumulative local
             lengths on q's device; each token's position is derived inside the kernel (restarting
@@ -211,6 +213,7 @@ def apply_rope_and_store(
             rotary_dim,
             mrope_section,
             mrope_interleaved,
+            mrope_layout,
             cu_seqlens,
             cp_size,
             cp_rank,

@@ -27,8 +27,6 @@ from .variant import (
     DIRECT,
     FLAGS,
     FUNCTION,
-    MROPE_CHUNKED,
-    MROPE_INTERLEAVED,
     NORM_HEAD,
     NORM_NONE,
     NORM_TOKEN,
@@ -66,11 +64,11 @@ def scaled_by(scale) -> bool:
     return scale is not None and (isinstance(scale, torch.Tensor) or scale != 1.0)
 
 
-def _mrope_code(mrope_section, mrope_interleaved) -> tuple:
-    """(mode, sections) of a Variant for validated M-RoPE arguments."""
-    if mrope_section is None:
-        return 0, (0, 0, 0)
-    return (MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED), tuple(mrope_section)
+def _mrope_code(mrope) -> dict:
+    """A Variant's M-RoPE fields (mrope, sections, axis_map) for validated arguments (rules.MRope or None)."""
+    if mrope is None:
+        return dict(mrope=0, sections=(0, 0, 0), axis_map=())
+    return dict(mrope=mrope.mode, sections=mrope.sections, axis_map=mrope.axis_map)
 
 
 def _heads_first(x, yes: bool):
@@ -98,7 +96,8 @@ def rope(args: dict) -> Spec:
     seq = layout == "sbhd"
     q_t, k_t = _heads_first(q, hf), _heads_first(k, hf)  # tokens first
     if seq:  # checked as the (B, S, H, D) views the run takes
-        forms.sbhd_args(op, q, k, positions, mrope_section is not None)
+        rows = len(mrope_section) if isinstance(mrope_section, (list, tuple)) else int(mrope_section is not None)
+        forms.sbhd_args(op, q, k, positions, rows)
         q_t, k_t = _seq(q_t), _seq(k_t)
         if isinstance(positions, torch.Tensor) and positions.dim() >= 2:
             positions = positions.transpose(-1, -2)
@@ -121,6 +120,7 @@ def rope(args: dict) -> Spec:
             any_last_stride=True,
         )
         angles, mode, source, b = "freqs", 0, positions, inv_freq
+        mrope_fields = dict(mrope=0, sections=sections)
     else:
         if cu_seqlens is not None or not (cp_size == 1 and cp_rank == 0):
             packed = rules.packed_args(op, q_t, positions, cu_seqlens, cp_size, cp_rank, mrope_section)
@@ -133,6 +133,7 @@ def rope(args: dict) -> Spec:
             rotary_dim=args["rotary_dim"],
             mrope_section=mrope_section,
             mrope_interleaved=mrope_interleaved,
+            mrope_layout=args["mrope_layout"],
             inplace=inplace,
             packed=cu_seqlens is not None,
             inplace_grad=True,
@@ -151,10 +152,11 @@ def rope(args: dict) -> Spec:
             angles, source = "packed", cu_seqlens
         else:
             angles, source = ("table" if positions is not None else "arange"), positions
-        mode, sections = _mrope_code(mrope if angles == "table" else None, mrope_interleaved)
+        mrope_fields = _mrope_code(mrope if angles == "table" else None)
+        mode = mrope_fields["mrope"]
         b = table
         if angles == "table":
-            want = ((3,) if mode else ()) + tuple(q_t.shape[:-2])
+            want = ((mrope.rows,) if mode else ()) + tuple(q_t.shape[:-2])
             expand = want if tuple(positions.shape) != want else None
     norm_eps, norm_offset = args["norm_eps"], args["norm_weight_offset"]
     modes = rules.norm_weights(op, q_t, k_t, *weights, norm_eps, norm_offset, inplace=inplace, l2=args["l2_norm"])
@@ -183,8 +185,7 @@ def rope(args: dict) -> Spec:
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
-        mrope=mode,
-        sections=sections,
+        **mrope_fields,
         angles=angles,
         heads_first=hf,
         scaled=scaled,
@@ -367,7 +368,14 @@ def angles(args: dict) -> Spec:
         cos, sin = cos[..., :columns], sin[..., :columns]
     q_t, k_t = _heads_first(q, hf), _heads_first(k, hf)
     cos_v, sin_v, mrope = rules.angle_args(
-        op, q_t, k_t, cos, sin, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved
+        op,
+        q_t,
+        k_t,
+        cos,
+        sin,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        mrope_layout=args["mrope_layout"],
     )
     if heads_first is None:
         forms.warn_ambiguous_layout(op, q, False, stacklevel=6)
@@ -381,12 +389,12 @@ def angles(args: dict) -> Spec:
     if normed:
         names = rules.norm_names(modes)
         rules.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != interleaved, names=names)
-    mode, sections = _mrope_code(mrope, mrope_interleaved)
+    mrope_fields = _mrope_code(mrope)
+    mode = mrope_fields["mrope"]
     variant = Variant(
         interleaved=interleaved,
         out_interleaved=bool(out_il),
-        mrope=mode,
-        sections=sections,
+        **mrope_fields,
         angles="tokens",
         heads_first=hf,
         norm_q=modes[0],
@@ -463,6 +471,7 @@ def store(args: dict) -> Spec:
         v_scale=args["v_scale"],
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        mrope_layout=args["mrope_layout"],
         packed=cu_seqlens is not None,
         k_nope=k_nope,
         cache_scales=(args["k_cache_scales"], args["v_cache_scales"]),
@@ -485,9 +494,8 @@ def store(args: dict) -> Spec:
         angle_source, a = "packed", cu_seqlens
     else:
         angle_source, a = ("table" if positions is not None else "arange"), positions
-    mode = 0
-    if mrope is not None and positions is not None:  # M-RoPE needs its (3, *T) positions
-        mode = MROPE_INTERLEAVED if mrope_interleaved else MROPE_CHUNKED
+    # M-RoPE needs its (N, *T) positions
+    mrope_fields = _mrope_code(mrope if positions is not None else None)
     il = bool(args["interleaved"])
     halves = rules.rotary_position_arg(op, args["rotary_position"], allowed=("first", "halves")) == "halves"
     if fp4:
@@ -500,8 +508,7 @@ def store(args: dict) -> Spec:
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
-        mrope=mode,
-        sections=mrope if mode else (0, 0, 0),
+        **mrope_fields,
         rope_halves=halves and k.shape[-1] > rot,  # whole heads: the usual variant
         nope_q=q_nope is not None,
         nope_k=k_nope is not None,

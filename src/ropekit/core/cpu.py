@@ -1,9 +1,9 @@
 """The CPU fast path: what the ops run on CPU tensors when Triton does not (no TRITON_INTERPRET).
 
     rope(q, k, q_out, k_out, a, b, *, rot, table, variant)                every rotation op
-    table_angles(cos_sin_cache, positions, token_shape, rot, sections, il_sections) -> (cos, sin)
-    angles_at(cos_table, sin_table, positions, token_shape, sections, il_sections) -> (cos, sin)
-    pick_sections(cos, sin, sections, il_sections) -> (cos, sin)            per-token M-RoPE angles
+    table_angles(cos_sin_cache, positions, token_shape, rot, axis_map) -> (cos, sin)
+    angles_at(cos_table, sin_table, positions, token_shape, axis_map) -> (cos, sin)
+    pick_sections(cos, sin, axis_map) -> (cos, sin)                      per-token M-RoPE angles
     rotate(x, out, cos, sin, *, interleaved, out_interleaved, inverse, halves) -> out
     store_rows(q, k, v, positions, table, k_cache, v_cache, slot_mapping, ...)   the fused store
     rerotate_rows(k_cache, slots, delta, table, ...)                        re-rotation of cache rows
@@ -99,22 +99,14 @@ def forget_scratch() -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _section_index(half: int, sections: Tuple[int, ...], interleaved: bool) -> torch.Tensor:
-    """(half,) int64: which position row (0 t, 1 h, 2 w) drives each frequency. Chunked: the first
-    t frequencies row 0, the next h row 1, the rest row 2; interleaved (Qwen3-VL): frequency i
-    takes row i % 3 while that row's share lasts (3 * h for h, 3 * w for w), else row 0."""
-    t, h, w = sections
-    if interleaved:
-        rows = [(i % 3 if (i % 3 == 1 and i < 3 * h) or (i % 3 == 2 and i < 3 * w) else 0) for i in range(half)]
-    else:
-        rows = [0] * t + [1] * h + [2] * (half - t - h)
-    return torch.tensor(rows, dtype=torch.long)
+def _axis_index(axis_map: Tuple[int, ...]) -> torch.Tensor:
+    """(half,) int64 of an M-RoPE axis map (Variant.axis_map: the position row of each pair)."""
+    return torch.tensor(axis_map, dtype=torch.long)
 
 
-def pick_sections(cos, sin, sections: Sequence[int], il_sections: bool):
-    """(3, *T, half) per-row angles -> (*T, half): each frequency from its section's row."""
-    half = cos.shape[-1]
-    idx = _section_index(half, tuple(int(v) for v in sections), bool(il_sections)).to(cos.device)
+def pick_sections(cos, sin, axis_map: Sequence[int]):
+    """(N, *T, half) per-row angles -> (*T, half): pair j's from row axis_map[j]."""
+    idx = _axis_index(tuple(int(v) for v in axis_map)).to(cos.device)
     pick = idx.expand(1, *cos.shape[1:])
     return cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
 
@@ -129,9 +121,9 @@ def _rows_at(table, flat, inside: bool):
     return rows.masked_fill_(((flat < 0) | (flat >= max_pos)).unsqueeze(-1), float("nan"))
 
 
-def angles_at(cos_table, sin_table, positions, token_shape, sections=None, il_sections=False):
-    """cos, sin (*token_shape, half) at positions (*T) of (max_position, half) tables, or at (3, *T)
-    M-RoPE positions picked per frequency by sections; a position outside the tables gives NaN."""
+def angles_at(cos_table, sin_table, positions, token_shape, axis_map=None):
+    """cos, sin (*token_shape, half) at positions (*T) of (max_position, half) tables, or at (N, *T)
+    M-RoPE positions, pair j's from row axis_map[j]; a position outside the tables gives NaN."""
     flat = positions.reshape(-1)
     if flat.dtype != torch.long:
         flat = flat.long()
@@ -143,11 +135,11 @@ def angles_at(cos_table, sin_table, positions, token_shape, sections=None, il_se
     cos = _rows_at(cos_table, flat, inside).view(shape)
     sin = _rows_at(sin_table, flat, inside).view(shape)
     if positions.dim() == len(token_shape) + 1:
-        cos, sin = pick_sections(cos, sin, sections, il_sections)
+        cos, sin = pick_sections(cos, sin, axis_map)
     return cos, sin
 
 
-def table_angles(cos_sin_cache, positions, token_shape, rot: int, sections=None, il_sections=False):
+def table_angles(cos_sin_cache, positions, token_shape, rot: int, axis_map=None):
     """cos, sin (*token_shape, rot // 2) from a [cos | sin] table (max_position, >= rot): rows at
     positions as `angles_at` takes them; None: rows 0..S-1 for the last token dim (views of the
     table when it is long enough)."""
@@ -159,7 +151,7 @@ def table_angles(cos_sin_cache, positions, token_shape, rot: int, sections=None,
             return cos_table[:n], sin_table[:n]
         positions = torch.arange(n, device=cos_table.device)
         token_shape = (n,)
-    return angles_at(cos_table, sin_table, positions, token_shape, sections, il_sections)
+    return angles_at(cos_table, sin_table, positions, token_shape, axis_map)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,16 +444,15 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     """Every rotation op's CPU run step: q -> q_out and k -> k_out (k may be None; outputs may be
     the inputs: in place).
 
-    table: (a, b) are (positions (*T), (3, *T) with M-RoPE sections, or None; [cos | sin] table);
-    otherwise (cos, sin) per token, broadcast to (*T, ·) ((3, *T, ·) with sections), of which the
+    table: (a, b) are (positions (*T), (N, *T) with an M-RoPE axis map, or None; [cos | sin] table);
+    otherwise (cos, sin) per token, broadcast to (*T, ·) ((N, *T, ·) with an axis map), of which the
     first rot // 2 columns are read. q, k: (*T, H, D), or (B, H, S, D) with variant.heads_first.
     rot: rotated dims. variant: the call's flag record (ropekit.core.variant.Variant), read as it is:
-    interleaved / out_interleaved pair layouts, inverse, mrope (1 chunked, 2 interleaved) with its
-    (t, h, w) sections, heads_first, rope_halves (pairs (i, i + D/2)).
+    interleaved / out_interleaved pair layouts, inverse, mrope with its axis_map (the position row
+    of each pair), heads_first, rope_halves (pairs (i, i + D/2)).
     """
     interleaved, out_interleaved, inverse = variant.interleaved, variant.out_interleaved, variant.inverse
-    sections = variant.sections if variant.mrope else None
-    il_sections = variant.mrope == 2  # variant.MROPE_INTERLEAVED (Qwen3-VL)
+    axis_map = variant.pair_rows()
     heads_first = variant.heads_first
     if heads_first:  # work on (B, S, H, D) views: the tensors' memory order, heads next to D
         q, k, q_out, k_out = (None if x is None else x.transpose(1, 2) for x in (q, k, q_out, k_out))
@@ -477,16 +468,16 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
         key = ("arange", id(b), token_shape[-1], rot, inverse, ct)
     else:
         srcs = (a, b)  # a model passes one forward's cos / sin to every layer
-        key = ("tokens", id(a), id(b), rot, inverse, ct, sections, il_sections)
+        key = ("tokens", id(a), id(b), rot, inverse, ct, axis_map)
 
     def make():
         if table:
-            cos, sin = table_angles(b, a, token_shape, rot, sections, il_sections)
+            cos, sin = table_angles(b, a, token_shape, rot, axis_map)
         else:
             half = rot // 2
             cos, sin = (a, b) if a.shape[-1] == half else (a[..., :half], b[..., :half])
-            if sections is not None:
-                cos, sin = pick_sections(cos, sin, sections, il_sections)
+            if axis_map is not None:
+                cos, sin = pick_sections(cos, sin, axis_map)
         return _prepare(cos, sin, ct, inverse, -2)
 
     ang = make() if srcs is None else _cached_angles(srcs, key, make)
@@ -576,8 +567,7 @@ def store_rows(
     q_out=None,
     q_scale=None,
     write_key=False,
-    sections=None,
-    il_sections=False,
+    axis_map=None,
     norm=None,
     halves=False,
 ) -> None:
@@ -586,7 +576,7 @@ def store_rows(
     rotated k's dims also back into k. Slots < 0 are skipped; a slot past the cache is skipped and
     flags its token's rotated dims of q with NaN. Scales: None or 1-element float32 tensors.
     q, k, v: (*T, H, D); caches (num_blocks, block_size, Hk, D) or (num_slots, Hk, D); positions
-    (*T), (3, *T) with M-RoPE sections, or None (arange). norm: None, or (q's weight or None, k's
+    (*T), (N, *T) with an M-RoPE axis map, or None (arange). norm: None, or (q's weight or None, k's
     weight or None, eps, offset): RMSNorm of q / k (their whole heads) first (tails included).
     halves: the rotated pairs are (i, i + D/2) (rotary_position='halves')."""
     if norm is not None:
@@ -607,8 +597,7 @@ def store_rows(
                 q_out=q_out,
                 q_scale=q_scale,
                 write_key=write_key,
-                sections=sections,
-                il_sections=il_sections,
+                axis_map=axis_map,
                 halves=halves,
             ),
             norm,
@@ -618,7 +607,7 @@ def store_rows(
     token_shape = tuple(q.shape[:-2])
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     slots = slot_mapping.long().reshape(token_shape)
-    cos, sin = table_angles(table, positions, token_shape, rot, sections, il_sections)
+    cos, sin = table_angles(table, positions, token_shape, rot, axis_map)
     ang = _prepare(cos, sin, torch.float32, False, -2)
     bad = slots >= num_slots
     flagged = bool(bad.any())

@@ -41,21 +41,21 @@ def layout_arg(op, layout, q, sbhd=False) -> bool:
     return layout == "bhsd"
 
 
-def sbhd_args(op, q, k, positions, mrope: bool) -> None:
+def sbhd_args(op, q, k, positions, mrope: int) -> None:
     """layout='sbhd': k's token dims and positions' shape in the caller's (S, B) terms (the rest is
-    checked on the (B, S, H, D) views)."""
+    checked on the (B, S, H, D) views). mrope: M-RoPE's position rows (0: none)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         return
     tokens = tuple(q.shape[:2])
     if isinstance(k, torch.Tensor) and k.dim() == 4 and tuple(k.shape[:2]) != tokens:
         fail(op, "k", f"token dims {tokens} ((S, B), those of q)", f"shape {tuple(k.shape)}")
     if isinstance(positions, torch.Tensor):
-        want = ((3,) if mrope else ()) + tokens
+        want = ((mrope,) if mrope else ()) + tokens
         if not broadcasts_to(tuple(positions.shape), want):
             fail(
                 op,
                 "positions",
-                f"shape {want} ({'(3, S, B)' if mrope else '(S, B)'} with layout='sbhd'; size-1 dims broadcast)",
+                f"shape {want} ({f'({mrope}, S, B)' if mrope else '(S, B)'} with layout='sbhd'; size-1 dims broadcast)",
                 f"shape {tuple(positions.shape)}",
             )
 

@@ -15,7 +15,7 @@ import torch
 
 from . import tuning
 from .launch import launch as launch_kernel
-from .variant import FLAGS, NORM_NONE, NORM_TOKEN
+from .variant import FLAGS, MROPE_MAP, NORM_NONE, NORM_TOKEN
 
 
 def variant_flags(kernel_name: str, variant) -> dict:
@@ -236,7 +236,7 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         pack = _pair_bits(*ins, *outs)
     sk = (*token_strides(k, n_tok), k.stride(-2)) if k is not None else (0, 0, 0)
     sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
-    sec_t, sec_h, sec_w = section_args(variant, half)
+    sec_t, sec_h, sec_w = section_args(variant, half, q.device)
     # column strides: 1 for a tensor of one column too (its column 0 is at offset 0 whatever the stride)
     cols = tuple(x.stride(-1) if col_strided(x) else 1 for x in (q, k, q_out, k_out))
     args = (
@@ -313,13 +313,23 @@ def norm_warps(block_h: int, half_pad: int, tail_pad: int, whole: bool = False) 
     return max(2, min(8, next_pow2(max(1, elems // 1024))))
 
 
-def section_args(variant, half: int) -> tuple:
-    """The kernel's SEC_T, SEC_H, SEC_W: M-RoPE's (t, h, w) sections, or for angles computed from
-    inverse frequencies the pairs of the first three axes (one axis: all `half` of them; the
-    fourth axis takes what the first three leave)."""
+def section_args(variant, half: int, device=None) -> tuple:
+    """The kernel's SEC_T, SEC_H, SEC_W: M-RoPE's (t, h, w) sections, or with an axis map
+    (MROPE_MAP) the map as an int32 tensor on the tensors' device (then 0, 0), or for angles
+    computed from inverse frequencies the pairs of the first three axes (one axis: all `half` of
+    them; the fourth axis takes what the first three leave)."""
+    if variant.mrope == MROPE_MAP:
+        return axis_map_tensor(variant.axis_map, device), 0, 0
     if variant.angles != "freqs":
         return variant.sections
     return (tuple(variant.sections[:3]) + (0, 0, 0))[:3] if variant.sections else (half, 0, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def axis_map_tensor(axis_map: tuple, device) -> torch.Tensor:
+    """An M-RoPE axis map as the kernels read it: int32, on `device`; one tensor per map and device
+    (the plans of every spec with that map share it, and it outlives them: CUDA graphs keep its address)."""
+    return torch.tensor(axis_map, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,7 +440,7 @@ def plan_store(t, variant, rot: int, packed=(1, 0)):
         v.stride(-2),
         *angles.pos_strides,  # (row, b, s)
         *angles.strides[2:],  # (table row, column)
-        *section_args(variant, half),
+        *section_args(variant, half, q.device),
         *angles.packed,  # sequences, cp_size, cp_rank (read only when PACKED)
         *token_strides(t.slot_mapping, n_tok),
         skc_blk,
@@ -554,10 +564,12 @@ def plan_rerotate(
 _NORM_BWD_DW_ROW = 8
 
 
-def angle_args(angles: AngleLayout, variant) -> tuple:
+def angle_args(angles: AngleLayout, variant, device=None) -> tuple:
     """The kernels' runtime angle arguments, in their order: positions' (row, b, s) strides, the
-    angles' (row, b, s, col) strides, SEC_T / SEC_H / SEC_W, then n_seqs, cp_size, cp_rank."""
-    return (*angles.pos_strides, *angles.strides, *section_args(variant, angles.half), *angles.packed)
+    angles' (row, b, s, col) strides, SEC_T / SEC_H / SEC_W (section_args, on `device`), then
+    n_seqs, cp_size, cp_rank."""
+    sections = section_args(variant, angles.half, device)
+    return (*angles.pos_strides, *angles.strides, *sections, *angles.packed)
 
 
 _ANGLE_META = ("HAS_POS", "PACKED", "SEARCH_STRIDE", "SEARCH_COARSE", "FREQS")
@@ -647,7 +659,7 @@ def plan_norm_backward(x, g, gx, w, angles: AngleLayout, variant, mode: int) -> 
         *token_strides(gx, n_tok),
         gx.stride(-2),
         *cols,
-        *angle_args(angles, variant),
+        *angle_args(angles, variant, x.device),
     )
     meta = dict(
         HALF=half,

@@ -7,6 +7,7 @@ devices only: no data read, no device sync (those are ropekit.core.strict's).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -28,6 +29,7 @@ from .args import (
 )
 from .forms import full_width_angles
 from .strict import int_shift
+from .variant import MROPE_LAYOUTS, mrope_axes, mrope_mode
 
 
 def qk_args(op, q, k, any_last_stride=False) -> tuple:
@@ -55,26 +57,78 @@ def qk_args(op, q, k, any_last_stride=False) -> tuple:
     return token_shape
 
 
-def mrope_args(op, mrope_section, mrope_interleaved, half):
-    """None, or the (t, h, w) sections as a tuple summing to half."""
+class MRope(NamedTuple):
+    """Validated M-RoPE arguments: the sections as given, Variant.mrope's mode, the axis map."""
+
+    sections: Tuple[int, ...]
+    mode: int
+    axis_map: Tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        """Position rows: positions are (rows, *T)."""
+        return len(self.sections)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def mrope_args(op, mrope_section, mrope_interleaved, half, mrope_layout=None) -> Optional[MRope]:
+    """None, or the M-RoPE of N >= 1 sections summing to half laid out by mrope_layout: a preset
+    name (MROPE_LAYOUTS; None: 'interleaved' with mrope_interleaved, else 'chunked') or an explicit
+    map of half row indices in [0, N)."""
     if mrope_section is None:
         if mrope_interleaved:
             fail(op, "mrope_interleaved", "mrope_section to be given with it", "mrope_section=None")
+        if mrope_layout is not None:
+            fail(op, "mrope_layout", "mrope_section to be given with it", "mrope_section=None")
         return None
     if (
         not isinstance(mrope_section, (list, tuple))
-        or len(mrope_section) != 3
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mrope_section)
+        or len(mrope_section) < 1
+        or not all(_is_int(v) and v >= 0 for v in mrope_section)
     ):
-        fail(op, "mrope_section", "3 non-negative ints (t, h, w) in frequency units", mrope_section)
-    if sum(mrope_section) != half:
-        fail(
-            op,
-            "mrope_section",
-            f"sections summing to rotary_dim // 2 = {half}",
-            f"{tuple(mrope_section)} (sum {sum(mrope_section)})",
-        )
-    return tuple(mrope_section)
+        fail(op, "mrope_section", "N >= 1 non-negative ints (pairs per position row)", mrope_section)
+    sections = tuple(mrope_section)
+    if sum(sections) != half:
+        fail(op, "mrope_section", f"sections summing to rotary_dim // 2 = {half}", f"{sections} (sum {sum(sections)})")
+    layout = mrope_layout
+    if layout is None:
+        layout = "interleaved" if mrope_interleaved else "chunked"
+    elif mrope_interleaved and layout != "interleaved":
+        fail(op, "mrope_interleaved", "False with mrope_layout (the layout names the order)", True)
+    if isinstance(layout, str):
+        _preset_args(op, layout, sections)
+    elif isinstance(layout, (list, tuple)):
+        n = len(sections)
+        if len(layout) != half:
+            fail(op, "mrope_layout", f"{half} row indices (one per rotary pair)", _short(layout))
+        for j, a in enumerate(layout):
+            if not (_is_int(a) and 0 <= a < n):
+                fail(op, "mrope_layout", f"row indices in [0, {n}) (one per section)", f"mrope_layout[{j}] = {a!r}")
+    else:
+        fail(op, "mrope_layout", f"a preset name {MROPE_LAYOUTS} or a sequence of row indices", type(layout).__name__)
+    axis_map = mrope_axes(layout, sections)
+    return MRope(sections, mrope_mode(sections, axis_map), axis_map)
+
+
+def _short(seq) -> str:
+    items = list(seq)
+    return f"{items[:8]}{' ...' if len(items) > 8 else ''} ({len(items)} entries)"
+
+
+def _preset_args(op, layout: str, sections: tuple) -> None:
+    """A preset's conditions on the sections."""
+    if layout not in MROPE_LAYOUTS:
+        fail(op, "mrope_layout", f"one of {MROPE_LAYOUTS} or a sequence of row indices", repr(layout))
+    if layout in ("ernie", "bailing"):
+        spatial = sections[:-1] if layout == "ernie" else sections[1:]
+        if len(set(spatial)) > 1:
+            order = "(s_1, ..., s_{N-1}, t)" if layout == "ernie" else "(t, s_1, ..., s_{N-1})"
+            fail(op, "mrope_section", f"equal spatial sections s_a for mrope_layout={layout!r}: {order}", sections)
+    if layout == "pangu" and len(sections) >= 3 and sections[0] < 1:
+        fail(op, "mrope_section", "a first section >= 1 for mrope_layout='pangu' with 3 rows or more", sections)
 
 
 def head_sizes(op, q, k, rotary_dim):
@@ -108,13 +162,14 @@ def rope_args(
     mrope_section,
     mrope_interleaved,
     inplace,
+    mrope_layout=None,
     packed=False,
     inplace_grad=False,
     broadcast=False,
     any_last_stride=False,
     head_table=False,
 ):
-    """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or (t, h, w).
+    """Checks of apply_rope's arguments. Returns (rotary_dim, mrope) with mrope None or an MRope.
     head_table: a 3-D table (max_position, Ht, rotary_dim) is accepted too (apply_rope's per-head
     tables; `head_table_args` checks the rest).
     inplace_grad: in place is allowed while q or k requires grad (the plain rotation: its backward
@@ -139,7 +194,7 @@ def rope_args(
     if cos_sin_cache.shape[0] < 1:
         fail(op, "cos_sin_cache", "at least one row", f"shape {tuple(cos_sin_cache.shape)}")
 
-    mrope = mrope_args(op, mrope_section, mrope_interleaved, rotary_dim // 2)
+    mrope = mrope_args(op, mrope_section, mrope_interleaved, rotary_dim // 2, mrope_layout)
 
     if positions is None:
         if not packed and token_shape[-1] > cos_sin_cache.shape[0]:
@@ -151,7 +206,7 @@ def rope_args(
                 None,
             )
     else:
-        want = ((3,) + token_shape) if mrope is not None else token_shape
+        want = ((mrope.rows,) + token_shape) if mrope is not None else token_shape
         tensor(
             op,
             "positions",
@@ -164,7 +219,7 @@ def rope_args(
         )
         shape = tuple(positions.shape)
         if shape != want and not (broadcast and broadcasts_to(shape, want)):
-            what = "(3, *T) for M-RoPE" if mrope is not None else "*T, the token dims of q"
+            what = f"({mrope.rows}, *T) for M-RoPE" if mrope is not None else "*T, the token dims of q"
             fail(op, "positions", f"shape {want} ({what})", f"shape {shape}{heads_first_hint(q, shape[-2:])}")
 
     if inplace:
@@ -447,7 +502,7 @@ def packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section) -
             f"a tensor of shape {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else positions,
         )
     if mrope_section is not None:
-        fail(op, "mrope_section", "None with cu_seqlens (M-RoPE takes its (3, *T) positions explicitly)", mrope_section)
+        fail(op, "mrope_section", "None with cu_seqlens (M-RoPE takes its (N, *T) positions explicitly)", mrope_section)
     if q.dim() != 3:
         fail(op, "q", "a (T, H, D) tensor of packed tokens when cu_seqlens is given", f"shape {tuple(q.shape)}")
     tensor(
@@ -465,7 +520,7 @@ def packed_args(op, q, positions, cu_seqlens, cp_size, cp_rank, mrope_section) -
     return cp_size, cp_rank
 
 
-def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
+def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved, mrope_layout=None):
     """Checks of per-token cos/sin. Returns (cos, sin, mrope) with cos/sin broadcast to full shape
     (views; both given the same strides, which the kernel assumes)."""
     token_shape = qk_args(op, q, k)
@@ -487,8 +542,8 @@ def angle_args(op, q, k, cos, sin, *, mrope_section, mrope_interleaved):
         fail(op, "cos", "a last dim of rotary_dim // 2 >= 1", f"shape {tuple(cos.shape)}")
     full_width_angles(op, q, k, half)
     head_sizes(op, q, k, 2 * half)
-    mrope = mrope_args(op, mrope_section, mrope_interleaved, half)
-    want = ((3,) if mrope is not None else ()) + token_shape + (half,)
+    mrope = mrope_args(op, mrope_section, mrope_interleaved, half, mrope_layout)
+    want = ((mrope.rows,) if mrope is not None else ()) + token_shape + (half,)
     try:
         cos, sin = cos.broadcast_to(want), sin.broadcast_to(want)
     except RuntimeError:
@@ -539,6 +594,7 @@ def store_args(
     v_scale,
     mrope_section=None,
     mrope_interleaved=False,
+    mrope_layout=None,
     packed=False,
     k_nope=None,
     cache_scales=(None, None),
@@ -548,7 +604,7 @@ def store_args(
     k_nope: GQA / MHA's no-rope key part beside v (`nope_part`); k_cache's rows then hold k and it.
     cache_scales: (k_cache_scales, v_cache_scales), NVFP4's block scales (`nvfp4_scales`).
 
-    Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or the (t, h, w) sections, scales as
+    Returns (rotary_dim, mrope, k_scale, v_scale): mrope None or an MRope, scales as
     given by `scale_arg`.
     """
     if k is None:
@@ -577,6 +633,7 @@ def store_args(
         rotary_dim=rotary_dim,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        mrope_layout=mrope_layout,
         inplace=False,
         packed=packed,
     )

@@ -15,7 +15,7 @@ import torch
 
 from . import cpu
 from .memo import lookup, remember
-from .variant import MROPE_INTERLEAVED, NORM_UNIT, Spec, Variant
+from .variant import NORM_UNIT, Spec, Variant
 
 # Output allocation goes through one name so tests can poison fresh outputs (an unwritten element
 # must fail a test, which memory that happens to be zero would hide).
@@ -147,8 +147,7 @@ def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
     """Per-token cos and sin (*T, rot // 2) of any angle source, by torch ops (the CPU path of a
     normed variant; differentiable in inverse frequencies that require grad)."""
     half = spec.rot // 2
-    sections = variant.sections if variant.mrope else None
-    il_sections = variant.mrope == MROPE_INTERLEAVED
+    axis_map = variant.pair_rows()
     if variant.angles == "freqs":
         from .freqs import pair_positions
 
@@ -156,14 +155,14 @@ def token_angles(spec: Spec, variant: Variant, a, b, token_shape):
         return angle.cos().float(), angle.sin().float()
     if variant.angles == "tokens":
         cos, sin = a[..., :half], b[..., :half]
-        if sections is not None:
-            cos, sin = cpu.pick_sections(cos, sin, sections, il_sections)
+        if axis_map is not None:
+            cos, sin = cpu.pick_sections(cos, sin, axis_map)
         return cos.broadcast_to((*token_shape, half)), sin.broadcast_to((*token_shape, half))
     if variant.angles == "packed":
         from .packed import packed_positions
 
         a = packed_positions("apply_rope", a, spec.packed[0], spec.packed[1], token_shape[0])
-    return cpu.table_angles(b, a, token_shape, spec.rot, sections, il_sections)
+    return cpu.table_angles(b, a, token_shape, spec.rot, axis_map)
 
 
 def unit_weight(w, mode: int, x):
@@ -267,8 +266,7 @@ def store_cpu(spec: Spec, t: StoreOperands) -> None:
         q_out=t.q_out,
         q_scale=t.qs,
         write_key=v.write_key,
-        sections=v.sections if v.mrope else None,
-        il_sections=v.mrope == MROPE_INTERLEAVED,
+        axis_map=v.pair_rows(),
         norm=(unit_weight(t.wq, v.norm_q, t.q), unit_weight(t.wk, v.norm_k, t.k), spec.norm_eps, spec.norm_offset)
         if v.normed
         else None,

@@ -59,7 +59,7 @@ CACHE = "cache"  # KV cache (..., H, D): head dim follows q; token sharding refu
 SCALE = "scale"  # per-tensor scale: replicated
 SEQLENS = "seqlens"  # cu_seqlens: replicated; it numbers the tokens of the whole packed batch, so q
 #                      and k may be sharded on heads but not on tokens
-MROPE = "mrope"  # non-tensor (M-RoPE's 3 leading position rows are recognised by tensor rank)
+MROPE = "mrope"  # non-tensor (M-RoPE's N leading position rows are recognised by tensor rank)
 
 
 class OpRule(NamedTuple):

@@ -27,7 +27,12 @@ import torch
 
 from .memo import remembered, value_key
 
-MROPE_CHUNKED, MROPE_INTERLEAVED = 1, 2
+# Variant.mrope: how a pair finds its position row. The two three-row layouts of Qwen2-VL / Qwen3-VL
+# are computed in the kernel from the sections; every other layout reads Variant.axis_map (one
+# int32 entry per pair, a small tensor the launch passes in place of the sections)
+MROPE_CHUNKED, MROPE_INTERLEAVED, MROPE_MAP = 1, 2, 3
+# apply_rope's mrope_layout presets (mrope_axes gives each one's map)
+MROPE_LAYOUTS = ("chunked", "interleaved", "ernie", "bailing", "pangu")
 # Variant.norm_q / norm_k: none, each head, all heads of a token, each head without a weight
 # (apply_rope's l2_norm: Llama 4's norm after the rotation, which equals one before it, since a
 # rotation keeps the sum of squares of a head)
@@ -86,10 +91,11 @@ FLAGS: Tuple[Flag, ...] = (
     Flag("out_interleaved", False, _in("OUT_INTERLEAVED", _ROPE, _NORM_BACKWARD), "from interleaved",
          what="the layout the rotated pairs are written in (DeepSeek-V3's HF code reads pairs, writes halves)"),
     Flag("mrope", 0, _in("MROPE", _ROPE, _STORE, _NORM_BACKWARD),
-         what="0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL)"),
+         what="0 none, MROPE_CHUNKED (Qwen2-VL), MROPE_INTERLEAVED (Qwen3-VL), MROPE_MAP (any other "
+              "layout or number of position rows: the kernels read axis_map)"),
     Flag("sections", (0, 0, 0), {}, coded=False,
-         what="M-RoPE's (t, h, w) frequencies per position row; with 'freqs' angles the pairs of each "
-              "axis, () for one position row (encoded after the coded flags)"),
+         what="M-RoPE's frequencies per section (mrope_section as given, N >= 1 of them); with 'freqs' "
+              "angles the pairs of each axis, () for one position row (encoded after the coded flags)"),
     Flag("angles", "table", {},
          what="where the angles come from (ANGLE_SOURCES): 'table' rows of a [cos | sin] table picked by "
               "positions; 'freqs' positions x inverse frequencies, in the kernel; 'arange' row s for token "
@@ -141,6 +147,9 @@ FLAGS: Tuple[Flag, ...] = (
     Flag("head_table", False, _in("HEAD_TABLE", _ROPE),
          what="the table holds a [cos | sin] row per (position, head), (max_position, Ht, rotary_dim) (FoPE): "
               "head j of a tensor of H heads reads table head j // (H / Ht); the kernel reads a row per head"),
+    Flag("axis_map", (), {}, coded=False,
+         what="M-RoPE: the position row of each rotary pair (rotary_dim // 2 entries, mrope_axes), for "
+              "every layout; () without M-RoPE (encoded after the sections)"),
 )
 # fmt: on
 
@@ -156,16 +165,28 @@ class Variant(_Fields):
     def encode(self) -> List[int]:
         """The custom ops' encoding of this record (one int list: a schema cannot take a NamedTuple):
         every coded flag as an int in FLAGS' order, the angle source by its index in ANGLE_SOURCES,
-        then the sections. The view flags (heads_first, seq_first, rope_last) are left out: the ops
-        take tokens-first views of the rotated part."""
-        return [_code(f, getattr(self, f)) for f in _CODED] + list(self.sections)
+        then the number of sections, the sections and the axis map. The view flags (heads_first,
+        seq_first, rope_last) are left out: the ops take tokens-first views of the rotated part."""
+        coded = [_code(f, getattr(self, f)) for f in _CODED]
+        return coded + [len(self.sections), *self.sections, *self.axis_map]
 
     @staticmethod
     def decode(codes: Sequence[int]) -> "Variant":
         """The record `encode` made (tokens first)."""
         n = len(_CODED)
         fields = {f: _field(f, c) for f, c in zip(_CODED, codes[:n])}
-        return Variant(sections=tuple(codes[n:]), **fields)
+        n_sec = int(codes[n])
+        sections = tuple(int(c) for c in codes[n + 1 : n + 1 + n_sec])
+        return Variant(sections=sections, axis_map=tuple(int(c) for c in codes[n + 1 + n_sec :]), **fields)
+
+    def pair_rows(self) -> Optional[Tuple[int, ...]]:
+        """M-RoPE's axis map (None without M-RoPE): axis_map, or for a record built without one,
+        the map of its Qwen2-VL / Qwen3-VL mode from the sections."""
+        if not self.mrope:
+            return None
+        if self.axis_map:
+            return self.axis_map
+        return mrope_axes("interleaved" if self.mrope == MROPE_INTERLEAVED else "chunked", self.sections)
 
     @property
     def normed(self) -> bool:
@@ -195,6 +216,64 @@ class Variant(_Fields):
             elif f.backward.startswith("from "):
                 changed[f.name] = getattr(self, f.backward[5:])
         return self._replace(**changed)
+
+
+def mrope_axes(layout, sections: Sequence[int]) -> Tuple[int, ...]:
+    """M-RoPE's axis map: for each rotary pair j (sum(sections) of them) the position row that
+    drives it, for a preset layout name (MROPE_LAYOUTS) or an explicit map (returned as a tuple).
+    Validated arguments only (ropekit.core.rules.mrope_args checks the presets' conditions).
+
+        chunked      pairs in section order: sections[0] pairs of row 0, then sections[1] of row 1, ...
+                     (Qwen2-VL's mrope_section)
+        interleaved  pair j takes row a = j % N while a > 0 and j < N * sections[a], else row 0
+                     (Qwen3-VL's interleaved mrope_section, N = 3)
+        ernie        sections (s_1, ..., s_{N-1}, t), the s_a equal: the first (N-1) * s_1 pairs cycle
+                     through rows 1 .. N-1, the last t pairs take row 0 (ERNIE 4.5-VL's (h, w, t):
+                     h w h w ... t t t; vLLM rotary_embedding/ernie45_vl_rope.py,
+                     Ernie4_5_VLRotaryEmbedding.forward_native)
+        bailing      sections (t, s_1, ..., s_{N-1}), the s_a equal: the same order, rows cycling
+                     over the first sum(s_a) pairs, the t tail last (vLLM rotary_embedding/
+                     bailing_mrope.py, BailingMRotaryEmbedding.select_cos_sin)
+        pangu        rows spread evenly: each pair takes, of the rows with pairs left and (while
+                     another has some) other than the previous pair's, the one least used so far
+                     relative to its count (ties: the lower row); with N >= 3 the last pair is row 0's
+                     (its count one less while spreading) (vLLM rotary_embedding/
+                     mrope_interleaved.py, MRotaryEmbeddingInterleaved.get_mrope_interleaved_id_list)
+    """
+    sections = [int(v) for v in sections]
+    n, half = len(sections), sum(sections)
+    if not isinstance(layout, str):
+        return tuple(int(a) for a in layout)
+    if layout == "chunked":
+        return tuple(a for a, count in enumerate(sections) for _ in range(count))
+    if layout == "interleaved":
+        return tuple((j % n) if (j % n and j < n * sections[j % n]) else 0 for j in range(half))
+    if layout in ("ernie", "bailing"):
+        spatial = sum(sections[:-1]) if layout == "ernie" else sum(sections[1:])
+        return tuple(1 + j % (n - 1) if j < spatial else 0 for j in range(half))
+    # pangu: the greedy spread, row 0's last pair held back with three rows or more
+    counts = list(sections)
+    hold = n >= 3
+    counts[0] -= hold
+    used, left, out, last = [0] * n, list(counts), [], None
+    for _ in range(sum(counts)):
+        rows = [a for a in range(n) if left[a] > 0 and a != last] or [a for a in range(n) if left[a] > 0]
+        best = min(rows, key=lambda a: (used[a] / counts[a], a))
+        out.append(best)
+        used[best] += 1
+        left[best] -= 1
+        last = best
+    return tuple(out + [0] * hold)
+
+
+def mrope_mode(sections: Sequence[int], axis_map: Sequence[int]) -> int:
+    """Variant.mrope for an axis map: Qwen2-VL's or Qwen3-VL's three-row layouts when it is one of
+    them (the kernels compute those from the sections), else MROPE_MAP."""
+    if len(sections) == 3:
+        for mode, name in ((MROPE_CHUNKED, "chunked"), (MROPE_INTERLEAVED, "interleaved")):
+            if tuple(axis_map) == mrope_axes(name, sections):
+                return mode
+    return MROPE_MAP
 
 
 # the coded flags in the custom-op encoding's order, and each one's value <-> int

@@ -49,8 +49,13 @@ TRACE_ENV = "ROPEKIT_VLLM_TRACE"
 
 # vLLM class -> how its forward maps onto apply_rope. "table": rows of `cos_sin_cache` indexed by
 # positions (+ offsets); "mrope": the same, and (3, T) positions pick sections (Qwen2-VL chunks or
-# Qwen3-VL interleaving, vLLM's `mrope_interleaved`; offsets ignored, as vLLM does); "longrope":
-# Phi-3's short|long table, the long rows chosen once at construction (vLLM's `use_long_rope`);
+# Qwen3-VL interleaving, vLLM's `mrope_interleaved`; offsets ignored, as vLLM does); "mrope_ernie",
+# "mrope_bailing", "mrope_pangu": (N, T) positions laid over the pairs by apply_rope's mrope_layout
+# preset of that name (ERNIE 4.5-VL's (h, w, t) sections h w h w ... t t t; Bailing's (t, h, w), the
+# same order; openPangu's get_mrope_interleaved_id_list order, 2 or 3 sections), 1-D positions a
+# plain rotation (as ERNIE's and Bailing's classes do; openPangu's has no 1-D path: its forward
+# fails on them); "longrope": Phi-3's short|long table, the long rows chosen once at construction
+# (vLLM's `use_long_rope`).
 # "fope": FoPE's per-KV-head table, filled from the checkpoint's coefficients on the first call, as
 # a per-head table (rotary_dim = head_size, half-split pairs); "last": DeepSeek-V4's table rotating
 # the last rotary_dim dims of heads whose size each call's query gives, by -angle with inverse=True.
@@ -65,6 +70,9 @@ SERVED = {
     "Gemma4RotaryEmbedding": "table",
     "DeepseekScalingRotaryEmbedding": "table",
     "MRotaryEmbedding": "mrope",
+    "Ernie4_5_VLRotaryEmbedding": "mrope_ernie",
+    "BailingMRotaryEmbedding": "mrope_bailing",
+    "MRotaryEmbeddingInterleaved": "mrope_pangu",
     "Phi3LongRoPEScaledRotaryEmbedding": "longrope",
     "FourierRotaryEmbedding": "fope",
     "DeepseekV4ScalingRotaryEmbedding": "last",
@@ -75,10 +83,6 @@ LEFT = {
     "DualChunkRotaryEmbedding": "dual-chunk attention: the query is rotated by three tables (intra, "
     "successive, inter chunk) and returned concatenated",
     "Llama4VisionRotaryEmbedding": "a complex 2-D vision table applied by forward(query, key), no positions",
-    "MRotaryEmbeddingInterleaved": "openPangu's own section order (get_mrope_interleaved_id_list), not "
-    "ropekit's chunked or Qwen3-VL layout",
-    "BailingMRotaryEmbedding": "Bailing's own per-section position selection (select_cos_sin)",
-    "Ernie4_5_VLRotaryEmbedding": "Ernie 4.5-VL's [h w h w ... t t t] section layout",
     "RotaryEmbeddingBase": "abstract base (no forward)",
 }
 
@@ -113,8 +117,10 @@ def _table(module: torch.nn.Module, name: str, query: torch.Tensor) -> torch.Ten
     return table
 
 
-def _rotate(module, positions, query, key, table, mrope: bool):
-    """apply_rope in place on query / key viewed as (T, H, head_size); returns them as given."""
+def _rotate(module, positions, query, key, table, mrope: bool, layout=None):
+    """apply_rope in place on query / key viewed as (T, H, head_size); returns them as given.
+    layout: an mrope_layout preset (M-RoPE by the module's mrope_section), else vLLM's own
+    mrope_interleaved flag says chunked or Qwen3-VL."""
     n_tok = positions.shape[-1]
     if not mrope:
         positions = positions.flatten()
@@ -128,7 +134,8 @@ def _rotate(module, positions, query, key, table, mrope: bool):
         interleaved=not getattr(module, "is_neox_style", True),  # Phi-3's class is neox-only, keeps no flag
         rotary_dim=module.rotary_dim,
         mrope_section=module.mrope_section if mrope else None,
-        mrope_interleaved=bool(module.mrope_interleaved) if mrope else False,
+        mrope_interleaved=bool(module.mrope_interleaved) if mrope and layout is None else False,
+        mrope_layout=layout if mrope else None,
         inplace=True,
     )
     return query, key
@@ -147,6 +154,20 @@ def _forward_mrope(self, positions, query, key=None, offsets=None):
     _trace(self, "call")
     mrope = positions.dim() == 2
     return _rotate(self, positions, query, key, _table(self, "cos_sin_cache", query), mrope=mrope)
+
+
+def _layout_forward(layout: str):
+    """The forward of a vLLM M-RoPE class whose sections follow apply_rope's mrope_layout preset
+    `layout` ((N, T) positions; 1-D positions: a plain rotation, as the class does; offsets ignored,
+    as vLLM's native forward of each does)."""
+
+    def forward(self, positions, query, key=None, offsets=None):
+        _trace(self, "call")
+        mrope = positions.dim() == 2
+        return _rotate(self, positions, query, key, _table(self, "cos_sin_cache", query), mrope=mrope, layout=layout)
+
+    forward.__name__ = forward.__qualname__ = f"_forward_mrope_{layout}"
+    return forward
 
 
 def _forward_longrope(self, positions, query, key=None, offsets=None):
@@ -219,6 +240,9 @@ def _forward_last(self, positions, query, key=None, offsets=None, inverse=False)
 FORWARDS = {
     "table": _forward_table,
     "mrope": _forward_mrope,
+    "mrope_ernie": _layout_forward("ernie"),
+    "mrope_bailing": _layout_forward("bailing"),
+    "mrope_pangu": _layout_forward("pangu"),
     "longrope": _forward_longrope,
     "fope": _forward_fope,
     "last": _forward_last,
@@ -245,16 +269,31 @@ def replacement(vllm_cls: type, form: str) -> type:
         namespace["forward"] = forward
     else:
         namespace.update(forward_native=forward, forward_cuda=forward, forward_cpu=forward)
+        if "forward" in vars(vllm_cls):  # MRotaryEmbeddingInterleaved overrides CustomOp's dispatching forward
+            namespace["forward"] = forward
     return type(f"Ropekit{vllm_cls.__name__}", (vllm_cls,), namespace)
 
 
+# served classes that vLLM's package does not export: its models import them from these modules of
+# the package and construct them directly (CustomOp's constructor still hands back a registered replacement)
+SUBMODULES = {"Ernie4_5_VLRotaryEmbedding": "ernie45_vl_rope"}
+
+
 def _rotary_classes(package) -> Dict[str, type]:
-    """The rotary classes the installed vLLM exports (its get_rope constructs them by these names)."""
-    return {
+    """The rotary classes the installed vLLM exports (its get_rope constructs them by these names),
+    and those of SUBMODULES it has."""
+    found = {
         name: obj
         for name, obj in vars(package).items()
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and "Rotary" in name
     }
+    for name, module in SUBMODULES.items():
+        if name not in found:
+            try:
+                found[name] = getattr(importlib.import_module(f"{package.__name__}.{module}"), name)
+            except (ImportError, AttributeError):
+                pass  # not in this vLLM
+    return found
 
 
 def asked() -> Optional[str]:
@@ -394,8 +433,8 @@ def _install() -> Dict[str, object]:
         if form is None:
             left[name] = LEFT.get(name, "unknown to this ropekit version (its forward was not checked)")
             continue
-        if getattr(package, name).__module__ == __name__:  # already installed in this process
-            replaced[name] = getattr(package, name).__name__
+        if cls.__module__ == __name__:  # already installed in this process
+            replaced[name] = cls.__name__
             continue
         if form == "longrope":
             if issubclass(cls, CustomOp):

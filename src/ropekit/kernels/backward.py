@@ -552,14 +552,14 @@ def rope_norm_backward_kernel(
     stride_x_col,  # x's last-dim stride (1: Triton makes it a constexpr, and STRIDED is off)
     stride_g_col,  # g's
     stride_gx_col,  # gx's
-    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w) or FREQS axes
+    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w, ...) or FREQS axes
     stride_pos_batch,  # positions' stride of b
     stride_pos_token,  # positions' stride of s
     stride_angle_row,  # per-token angles' stride between M-RoPE rows
     stride_angle_batch,  # per-token angles' stride of b
     stride_angle_token,  # table row stride, or per-token angles' stride of s
     stride_angle_col,  # stride between frequencies
-    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row (FREQS: by axis 0)
+    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row (FREQS: by axis 0; MROPE 3: the axis map)
     SEC_H,  # ... by the height row (FREQS: axis 1)
     SEC_W,  # ... by the width row (FREQS: axis 2; axis 3 takes the rest)
     n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
@@ -573,7 +573,7 @@ def rope_norm_backward_kernel(
     BLOCK_H: tl.constexpr,  # heads per head block (NORM 2: a program walks all blocks of its tokens)
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
-    MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
+    MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL), 3 axis map
     INTERLEAVED: tl.constexpr,  # x and gx hold pairs (2i, 2i+1); else halves (i, i + HALF)
     OUT_INTERLEAVED: tl.constexpr,  # g holds pairs
     INVERSE: tl.constexpr,  # the forward rotated by -angle

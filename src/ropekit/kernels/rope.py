@@ -13,7 +13,8 @@ Every variant is the same program with different compile-time flags:
                       FREQS: computed here, positions x inverse frequencies (axial N-D RoPE,
                       float positions, no table); otherwise per-token cos/sin rows addressed by
                       their own strides
-    M-RoPE            MROPE: 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
+    M-RoPE            MROPE: 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL), 3 any
+                      rows by an int32 axis map (passed as SEC_T)
     inverse           INVERSE: rotate by -angle (the backward pass)
     q/k RMSNorm       NORM_Q / NORM_K: 0 none, 1 per head, 2 across the token's heads, applied
                       before the rotation (helpers in .norm); the backward is its own entry point,
@@ -331,14 +332,14 @@ def rope_kernel(
     stride_k_col,  # k's
     stride_qo_col,  # q output's
     stride_ko_col,  # k output's
-    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w) or FREQS axes
+    stride_pos_row,  # positions' stride between M-RoPE rows (t, h, w, ...) or FREQS axes
     stride_pos_batch,  # positions' stride of b
     stride_pos_token,  # positions' stride of s
     stride_angle_row,  # per-token angles' stride between M-RoPE rows
     stride_angle_batch,  # per-token angles' stride of b
     stride_angle_token,  # table row stride, or per-token angles' stride of s
     stride_angle_col,  # stride between frequencies (2 for Llama 4's complex view)
-    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row (FREQS: by axis 0)
+    SEC_T,  # M-RoPE sections: frequencies driven by the temporal row (FREQS: by axis 0; MROPE 3: the axis map)
     SEC_H,  # ... by the height row (FREQS: axis 1)
     SEC_W,  # ... by the width row (FREQS: axis 2; axis 3 takes the rest)
     n_seqs,  # PACKED: sequences in cu_seqlens (at pos_ptr)
@@ -359,7 +360,7 @@ def rope_kernel(
     BLOCK_H: tl.constexpr,  # heads per head block
     TAIL_PAD: tl.constexpr,  # tail tile width (0: no tail to write)
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else per-token or arange)
-    MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL)
+    MROPE: tl.constexpr,  # 0 none, 1 chunked sections (Qwen2-VL), 2 interleaved (Qwen3-VL), 3 axis map
     INTERLEAVED: tl.constexpr,  # inputs hold pairs (2i, 2i+1); else halves (i, i + HALF)
     OUT_INTERLEAVED: tl.constexpr,  # outputs written as pairs
     INVERSE: tl.constexpr,  # rotate by -angle (the backward, or a de-rotation)

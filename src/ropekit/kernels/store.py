@@ -330,12 +330,12 @@ def rope_store_kernel(
     stride_v_batch,  # v's strides likewise
     stride_v_token,
     stride_v_head,
-    stride_pos_row,  # MROPE: stride between the three position rows (t, h, w)
+    stride_pos_row,  # MROPE: stride between the position rows (t, h, w, ...)
     stride_pos_batch,  # positions' stride of b
     stride_pos_token,  # positions' stride of s (PACKED: 1, the token index into cu_seqlens' tokens)
     stride_angle_token,  # table row stride
     stride_angle_col,  # stride between frequencies
-    sec_t,  # MROPE: frequencies taken from the t row
+    sec_t,  # MROPE: frequencies taken from the t row (MROPE 3: the int32 axis map, load_angles)
     sec_h,  # ... from the h row
     sec_w,  # ... from the w row
     n_seqs,  # PACKED: sequences in cu_seqlens (its length - 1)
@@ -379,7 +379,7 @@ def rope_store_kernel(
     TAIL_PAD: tl.constexpr,  # k's tail tile width (0: none)
     DV_PAD: tl.constexpr,  # Dv rounded up to a power of two
     HAS_POS: tl.constexpr,  # angles from table rows picked by positions (else row s)
-    MROPE: tl.constexpr,  # 0, or M-RoPE's frequency layout (1 chunked, 2 interleaved): positions (3, *T)
+    MROPE: tl.constexpr,  # 0, or M-RoPE's frequency layout (1 chunked, 2 interleaved, 3 axis map): positions (N, *T)
     PACKED: tl.constexpr,  # pos_ptr is cu_seqlens: each token's position is derived from it
     SEARCH_STRIDE: tl.constexpr,  # PACKED: the two-level search's stride over cu_seqlens
     SEARCH_COARSE: tl.constexpr,  # PACKED: ... and its number of coarse entries

@@ -23,16 +23,55 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def mrope_sections_of_frequencies(half: int, mrope_section: Sequence[int], interleaved: bool) -> torch.Tensor:
-    """For each of `half` frequencies, the index (0 t, 1 h, 2 w) of the position row that drives it."""
-    t, h, w = (int(v) for v in mrope_section)
-    i = torch.arange(half)
-    if not interleaved:
-        return (i >= t).long() + (i >= t + h).long()
-    sec = torch.zeros(half, dtype=torch.long)
-    sec[(i % 3 == 1) & (i < 3 * h)] = 1
-    sec[(i % 3 == 2) & (i < 3 * w)] = 2
-    return sec
+def mrope_sections_of_frequencies(
+    half: int, mrope_section: Sequence[int], interleaved: bool, layout=None
+) -> torch.Tensor:
+    """For each of `half` frequencies, the index of the position row that drives it (int64). layout:
+    apply_rope's mrope_layout (None: 'interleaved' if interleaved, else 'chunked')."""
+    secs = [int(v) for v in mrope_section]
+    n = len(secs)
+    if layout is None:
+        layout = "interleaved" if interleaved else "chunked"
+    if not isinstance(layout, str):
+        rows = [int(a) for a in layout]
+    elif layout == "chunked":  # Qwen2-VL: section 0's pairs first, then section 1's, ...
+        rows = sum(([a] * c for a, c in enumerate(secs)), [])
+    elif layout == "interleaved":  # Qwen3-VL: row r at pairs r, r + n, r + 2n, ... (r > 0), up to n * secs[r]
+        rows = [0] * half
+        for r in range(1, n):
+            for j in range(r, min(half, n * secs[r]), n):
+                rows[j] = r
+    elif layout in ("ernie", "bailing"):
+        # ERNIE 4.5-VL sections (h, w, t), Bailing (t, h, w): spatial rows 1.. alternate, t last
+        spatial = secs[:-1] if layout == "ernie" else secs[1:]
+        rows = [1 + j % len(spatial) for j in range(sum(spatial))] if spatial else []
+        rows += [0] * (half - len(rows))
+    elif layout == "pangu":
+        rows = _pangu_rows(secs)
+    else:
+        raise ValueError(f"unknown M-RoPE layout {layout!r}")
+    assert len(rows) == half, (layout, secs, len(rows))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _pangu_rows(secs):
+    """openPangu's row order (vLLM's MRotaryEmbeddingInterleaved.get_mrope_interleaved_id_list, as
+    it is called for 2 or 3 sections and extended to N): with 3 or more rows, row 0 keeps its last
+    pair for the very end; otherwise, pair by pair, among rows with pairs left (not the previous
+    pair's row unless no other has any), the lowest share placed / total, ties to the lower row."""
+    total = list(secs)
+    if len(secs) >= 3:
+        total[0] -= 1
+    placed = [0] * len(secs)
+    rows, prev = [], -1
+    while sum(placed) < sum(total):
+        open_rows = [r for r in range(len(secs)) if placed[r] < total[r]]
+        pick_from = [r for r in open_rows if r != prev] or open_rows
+        r = min(pick_from, key=lambda r: (placed[r] / total[r], r))
+        rows.append(r)
+        placed[r] += 1
+        prev = r
+    return rows + ([0] if len(secs) >= 3 else [])
 
 
 def rotate(
@@ -94,6 +133,7 @@ def angles_from_table(
     rotary_dim: Optional[int] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    mrope_layout=None,
 ):
     """cos, sin of shape (*token_shape, rotary_dim // 2) gathered from a [cos | sin] table."""
     rot = cos_sin_cache.shape[-1] if rotary_dim is None else rotary_dim
@@ -105,11 +145,14 @@ def angles_from_table(
         token_shape,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        mrope_layout=mrope_layout,
     )
 
 
-def gather_angles(cos_table, sin_table, positions, token_shape, *, mrope_section=None, mrope_interleaved=False):
-    """Rows of (max_position, half) cos and sin tables at positions (*T), or (3, *T) for M-RoPE.
+def gather_angles(
+    cos_table, sin_table, positions, token_shape, *, mrope_section=None, mrope_interleaved=False, mrope_layout=None
+):
+    """Rows of (max_position, half) cos and sin tables at positions (*T), or (N, *T) for M-RoPE.
 
     None means arange over the last token dim. An out-of-range position gives NaN rows."""
     max_pos, half = cos_table.shape
@@ -121,8 +164,9 @@ def gather_angles(cos_table, sin_table, positions, token_shape, *, mrope_section
     nan = torch.tensor(float("nan"), dtype=cos_table.dtype, device=cos_table.device)
     cos = torch.where(valid.unsqueeze(-1), cos_table[rows], nan)
     sin = torch.where(valid.unsqueeze(-1), sin_table[rows], nan)
-    if positions.dim() == len(token_shape) + 1:  # M-RoPE: (3, *T)
-        sec = mrope_sections_of_frequencies(half, mrope_section, mrope_interleaved).to(cos_table.device)
+    if positions.dim() == len(token_shape) + 1:  # M-RoPE: (N, *T)
+        sec = mrope_sections_of_frequencies(half, mrope_section, mrope_interleaved, mrope_layout)
+        sec = sec.to(cos_table.device)
         pick = sec.view(1, *([1] * len(token_shape)), half).expand(1, *cos.shape[1:])
         cos = cos.gather(0, pick).squeeze(0)
         sin = sin.gather(0, pick).squeeze(0)
@@ -155,6 +199,7 @@ def apply_rope(
     rotary_dim: Optional[int] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    mrope_layout=None,
     inplace: bool = False,
     rotary_position: str = "first",
     inverse: bool = False,
@@ -180,6 +225,7 @@ def apply_rope(
             rotary_dim=rotary_dim,
             mrope_section=mrope_section,
             mrope_interleaved=mrope_interleaved,
+            mrope_layout=mrope_layout,
         )
         if inverse:
             sin = -sin
@@ -238,6 +284,7 @@ def apply_rope_and_store(
     v_scale=None,
     mrope_section=None,
     mrope_interleaved=False,
+    mrope_layout=None,
     q_norm_weight=None,
     k_norm_weight=None,
     norm_eps=1e-6,
@@ -248,8 +295,9 @@ def apply_rope_and_store(
     """Oracle for the fused store: rotate q in place, rotate k, write k and v rows at their slots.
 
     k_cache / v_cache: (num_blocks, block_size, Hk, D) or (num_slots, Hk, D). Slots < 0 are skipped.
-    fp8 caches store value / scale. positions (3, *T) with mrope_section; norm weights: q / k
-    RMS-normalized first (whole heads), as `rms_norm_rope`, or with l2_norm after the rotation. Packed sequences: pass the positions
+    fp8 caches store value / scale. positions (N, *T) with mrope_section (mrope_layout as apply_rope's); norm
+    weights: q / k RMS-normalized first (whole heads), as `rms_norm_rope`, or with l2_norm after the rotation.
+    Packed sequences: pass the positions
     `ropekit.positions_from_cu_seqlens` gives.
     """
     q_rot, k_rot = rms_norm_rope(
@@ -261,6 +309,7 @@ def apply_rope_and_store(
         rotary_dim=rotary_dim,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        mrope_layout=mrope_layout,
         q_norm_weight=q_norm_weight,
         k_norm_weight=k_norm_weight,
         norm_eps=norm_eps,
@@ -393,6 +442,7 @@ def rms_norm_rope(
     rotary_dim: Optional[int] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    mrope_layout=None,
     q_norm_weight: Optional[torch.Tensor] = None,
     k_norm_weight: Optional[torch.Tensor] = None,
     norm_eps: float = 1e-6,
@@ -412,6 +462,7 @@ def rms_norm_rope(
         rotary_dim=rotary_dim,
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
+        mrope_layout=mrope_layout,
     )
     outs = []
     for x, w in ((q, q_norm_weight), (k, k_norm_weight)):

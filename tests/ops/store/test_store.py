@@ -140,6 +140,7 @@ def fp8_tol(got, want, what):
 ORACLE_KW = (
     "mrope_section",
     "mrope_interleaved",
+    "mrope_layout",
     "q_norm_weight",
     "k_norm_weight",
     "norm_eps",

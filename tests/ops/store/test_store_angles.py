@@ -1,7 +1,7 @@
 """apply_rope_and_store's angle sources and its QK-RMSNorm: fields of the one spec's Variant.
 
     cu_seqlens=, cp_size=, cp_rank=     packed sequences (THD): positions derived in the kernel
-    mrope_section=, mrope_interleaved=  M-RoPE: positions (3, *T)
+    mrope_section=, mrope_interleaved=  M-RoPE: positions (N, *T) (mrope_layout=: the rows' order)
     q_norm_weight=, k_norm_weight=      RMSNorm of q / k first, per head (D,) or across heads (H*D,)
 
 Each alone and composed (with each other, fp8 caches, q_out, write_key, torch.compile) against the
@@ -106,6 +106,25 @@ def test_mrope(device, il_sections, token_shape, programs):
     check_store(
         q, k, v, pos, table, caches, slots, mrope_section=(6, 5, 5), mrope_interleaved=il_sections
     )  # rotary 32 of 64: the tails stay
+
+
+@pytest.mark.parametrize(
+    "sections, layout",
+    [((16,), "chunked"), ((6, 10), "pangu"), ((4, 4, 4, 4), "ernie"), ((4, 6, 6), "bailing"), ((8, 8), [1, 0] * 8)],
+    ids=["n1", "n2-pangu", "n4-ernie", "n3-bailing", "n2-map"],
+)
+def test_mrope_layouts(device, sections, layout):
+    """N position rows laid over the pairs by mrope_layout, plain and with the fused norm."""
+    T = 4
+    q, k, v, _, table = inputs(T, 2, 1, 32, 32, 32, 32, torch.float32, device)
+    caches = Caches(nhd, 2, 4, 1, 32, 32, torch.float32, device)
+    pos = torch.randint(0, 64, (len(sections), T), device=device)
+    slots = shuffled_slots(T, caches.num_slots, device)
+    check_store(q, k, v, pos, table, caches, slots, mrope_section=sections, mrope_layout=layout)
+    q, k, v, _, table = inputs(T, 2, 1, 32, 32, 32, 32, torch.float32, device)
+    caches = Caches(nhd, 2, 4, 1, 32, 32, torch.float32, device)
+    norm = dict(q_norm_weight=torch.rand(32, device=device) + 0.5, k_norm_weight=torch.rand(32, device=device) + 0.5)
+    check_store(q, k, v, pos, table, caches, slots, mrope_section=sections, mrope_layout=layout, **norm)
 
 
 def test_mrope_bad_position_row_is_nan_in_its_section_only(device):

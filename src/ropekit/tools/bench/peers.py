@@ -202,6 +202,9 @@ class Ropekit(Peer):
         if wl.kind == "rope":
             op = self._op("apply_rope")
             q, k = inp["q"], inp["k"]
+            if wl.mrope_layout is not None:
+                ml = wl.mrope_layout
+                return Bound(lambda: op(q, k, pos, cache, interleaved=il, mrope_section=ms, mrope_layout=ml), ident)
             return Bound(lambda: op(q, k, pos, cache, interleaved=il, mrope_section=ms), ident)
         if wl.kind == "mla":
             op = self._op("apply_rope")
@@ -392,6 +395,8 @@ class TorchEager(Peer):
     def make(self, wl, inp):
         if wl.kind in W.NORM_KINDS:  # W9 / W10: see norm_make
             return norm_make(self, wl, inp)
+        if wl.mrope_layout is not None:
+            raise PeerSkip("n/a", f"HF's multimodal rotation takes (t, h, w) chunks, not {wl.mrope_layout!r}")
         F = self.fns(self._keys(wl))
         for key in self._keys(wl):
             if F[key][0] is None:  # (None, (status, reason)): not there
@@ -668,6 +673,8 @@ class Liger(Peer):
             freqs = torch.complex(rows[..., :half].float(), rows[..., half:].float())
             xq, xk = inp["q"].unsqueeze(0), inp["k"].unsqueeze(0)
             return Bound(lambda: fn(xq, xk, freqs), lambda o: (o[0].squeeze(0), o[1].squeeze(0)))
+        if wl.mrope_layout is not None:
+            raise PeerSkip("n/a", f"Liger's M-RoPE is Qwen2-VL's three chunks, not {wl.mrope_layout!r}")
         if wl.mrope_section is not None:
             try:
                 from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb as fn

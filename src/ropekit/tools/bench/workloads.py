@@ -41,7 +41,8 @@ class Workload:
     #                            "flat": (T, H, D) prefill; "decode": (T, H, D), one token per sequence
     positions: str = "arange"  # "none" (None: arange over S), "arange", "random", "mrope"
     interleaved: bool = False
-    mrope_section: Optional[Tuple[int, int, int]] = None
+    mrope_section: Optional[Tuple[int, ...]] = None  # positions (len(mrope_section), T)
+    mrope_layout: Optional[str] = None  # apply_rope's mrope_layout (None: chunked); "ernie" has a local oracle
     base: float = 500000.0  # rope theta used to build the table
     graph: bool = False  # launch-bound: time with CUDA-graph replay
     host: bool = False  # also report host (wall-clock) time per eager call
@@ -90,6 +91,17 @@ _W1 = Workload(
     layout="bshd",
     positions="none",
 )
+_W4 = Workload(
+    "W4",
+    "mrope",
+    "rope",
+    "Qwen2-VL-7B M-RoPE, sections (16, 24, 24), 3-D positions",
+    full=dict(T=16384, Hq=28, Hk=4, D=128, P=32768),
+    quick=dict(T=256, Hq=28, Hk=4, D=128, P=32768),
+    positions="mrope",
+    mrope_section=(16, 24, 24),
+    base=1000000.0,
+)
 _W3 = Workload(
     "W3",
     "decode_b64",
@@ -122,16 +134,15 @@ WORKLOADS: List[Workload] = [
         host=False,
         one_set_calls=100,
     ),
-    Workload(
-        "W4",
-        "mrope",
-        "rope",
-        "Qwen2-VL-7B M-RoPE, sections (16, 24, 24), 3-D positions",
-        full=dict(T=16384, Hq=28, Hk=4, D=128, P=32768),
-        quick=dict(T=256, Hq=28, Hk=4, D=128, P=32768),
-        positions="mrope",
-        mrope_section=(16, 24, 24),
-        base=1000000.0,
+    _W4,
+    replace(
+        _W4,
+        id="W4-N4",
+        name="mrope_n4_ernie",
+        what="W4 with 4 position rows, sections (16, 16, 16, 16) in ERNIE 4.5-VL's layout "
+        "(rows 1-3 cycling over 48 pairs, row 0 the last 16): the axis-map kernel path",
+        mrope_section=(16, 16, 16, 16),
+        mrope_layout="ernie",
     ),
     Workload(
         "W5",
@@ -520,7 +531,7 @@ def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, s
     elif wl.positions == "random":
         inp["positions"] = randint(s["P"], T)
     elif wl.positions == "mrope":
-        inp["positions"] = randint(s["P"], 3, T)
+        inp["positions"] = randint(s["P"], len(wl.mrope_section), T)
     elif wl.positions == "packed":
         inp["cu_seqlens"], inp["positions"] = packed_positions(T, s["N"], wl.packed[1], seed, device)
     if wl.kind in ("store", "normstore"):
@@ -653,7 +664,20 @@ def as_stored(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.
 # the float64 oracle
 
 
-def _local_rope64(x, positions, table, interleaved, mrope_section):
+def _local_rows(mrope_section, mrope_layout, device) -> torch.Tensor:
+    """The position row of each pair, the bench's own: sections in order (chunked), or ERNIE 4.5-VL's
+    (spatial sections first, their rows taking turns pair by pair; the last section, row 0, at the end)."""
+    if mrope_layout is None:
+        rows = [r for r, n in enumerate(mrope_section) for _ in range(n)]
+    elif mrope_layout == "ernie":
+        *spatial, t = mrope_section
+        rows = [1 + j % len(spatial) for j in range(sum(spatial))] + [0] * t
+    else:
+        raise ValueError(f"the bench's float64 formula has no M-RoPE layout {mrope_layout!r}")
+    return torch.tensor(rows, device=device)
+
+
+def _local_rope64(x, positions, table, interleaved, mrope_section, mrope_layout=None):
     """Independent float64 RoPE (the bench's own formula), used to cross-check ropekit.tools.reference."""
     x = x.to(torch.float64)
     table = table.to(torch.float64)
@@ -667,8 +691,7 @@ def _local_rope64(x, positions, table, interleaved, mrope_section):
         rows = rows.repeat_interleave(x.shape[-2] // table.shape[1], dim=-2)
     cos, sin = rows[..., :half], rows[..., half:]
     if mrope_section is not None:
-        t, h, w = mrope_section
-        sec = torch.tensor([0] * t + [1] * h + [2] * w, device=x.device)
+        sec = _local_rows(mrope_section, mrope_layout, x.device)
         pick = sec.view(1, *([1] * len(tok)), half).expand(1, *cos.shape[1:])
         cos, sin = cos.gather(0, pick).squeeze(0), sin.gather(0, pick).squeeze(0)
     c, s_ = (cos, sin) if table.dim() == 3 else (cos.unsqueeze(-2), sin.unsqueeze(-2))
@@ -692,8 +715,8 @@ class Oracle:
     name: str = ""
     disagreements: List[str] = field(default_factory=list)
 
-    def rope(self, x, positions, table, *, interleaved=False, mrope_section=None, label=""):
-        local = _local_rope64(x, positions, table, interleaved, mrope_section)
+    def rope(self, x, positions, table, *, interleaved=False, mrope_section=None, mrope_layout=None, label=""):
+        local = _local_rope64(x, positions, table, interleaved, mrope_section, mrope_layout)
         try:
             from ropekit.tools import reference
 
@@ -704,6 +727,7 @@ class Oracle:
                 table.to(torch.float64),
                 interleaved=interleaved,
                 mrope_section=mrope_section,
+                mrope_layout=mrope_layout,
             )
             ref = ref.to(torch.float64)
         except Exception as e:  # not there yet, or no float64: use ours
@@ -745,8 +769,9 @@ def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict
         q = inp["q"].to(torch.float64)
         q[..., -R:] = oracle.rope(inp["q"][..., -R:], pos, tab, interleaved=il, label=wl.id + " q_pe")
         return {"q": q, "k_pe": oracle.rope(inp["k_pe"], pos, tab, interleaved=il, label=wl.id + " k_pe")}
-    q = oracle.rope(inp["q"], pos, tab, interleaved=il, mrope_section=ms, label=wl.id + " q")
-    k = oracle.rope(inp["k"], pos, tab, interleaved=il, mrope_section=ms, label=wl.id + " k")
+    ml = wl.mrope_layout
+    q = oracle.rope(inp["q"], pos, tab, interleaved=il, mrope_section=ms, mrope_layout=ml, label=wl.id + " q")
+    k = oracle.rope(inp["k"], pos, tab, interleaved=il, mrope_section=ms, mrope_layout=ml, label=wl.id + " k")
     if wl.kind == "rope":
         return {"q": q, "k": k}
     if wl.kind == "fwdbwd":
