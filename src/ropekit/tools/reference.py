@@ -470,8 +470,15 @@ def rms_norm_rope(
             outs.append(None)
             continue
         if l2_norm:
-            y = rotate(x.to(compute_dtype(x)), cos, sin, interleaved=interleaved, rotary_position=rotary_position)
-            y = y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + norm_eps)
+            xc = x.to(compute_dtype(x))
+            y = rotate(xc, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+            ms = y.pow(2).mean(-1, keepdim=True)
+            # a position outside the table makes the rotated dims NaN (the ops' contract), not the
+            # whole head: the mean square of such a head is x's (a rotation keeps it)
+            ms = torch.where(
+                torch.isnan(cos).any(-1)[..., None, None].expand_as(ms), xc.pow(2).mean(-1, keepdim=True), ms
+            )
+            y = y / torch.sqrt(ms + norm_eps)
             outs.append(y.to(x.dtype))
             continue
         y = x if w is None else rms_norm(x, w, eps=norm_eps, offset=norm_weight_offset)

@@ -174,3 +174,20 @@ def test_transformers_llama4_l2norm(path):
     got_q, got_k = ropekit.apply_rope(q, k, positions, cache, interleaved=True, l2_norm=True, norm_eps=EPS)
     torch.testing.assert_close(got_q, norm(plain_q), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(got_k, norm(plain_k), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rotary_position", ["first", "halves"])
+def test_out_of_range_positions(device, rotary_position):
+    """A position outside the table: that token's rotated dims NaN, its kept dims normalized (the
+    norm of its head as the other tokens'), other tokens exact; the oracle agrees."""
+    memo.clear()
+    q, k, _, cache = _inputs((4,), 3, 2, 64, 32, torch.float32, device)
+    positions = torch.tensor([3, 64, -1, 5], device=device)
+    want_q, want_k = _oracle(q, k, positions, cache, rotary_position=rotary_position)
+    qo, ko = ropekit.apply_rope(q, k, positions, cache, l2_norm=True, norm_eps=EPS, rotary_position=rotary_position)
+    for got, want in ((qo, want_q), (ko, want_k)):
+        got = got.double().cpu()
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.isnan(got[1:3]).any() and not torch.isnan(got[1:3]).all()  # rotated dims only
+        fin = ~torch.isnan(want)
+        assert rel_err(got[fin], want[fin]) < TOL[torch.float32]
