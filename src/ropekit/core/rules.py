@@ -442,7 +442,7 @@ def head_table_args(op, q, k, table, positions, mrope, cu_seqlens, weights, l2=F
         fail(op, "cos_sin_cache", "at least one head in a per-head table", f"shape {tuple(table.shape)}")
     refused = (
         (cu_seqlens is not None, "cu_seqlens", "None with a per-head cos_sin_cache", "a tensor"),
-        (mrope is not None, "mrope_section", "None with a per-head cos_sin_cache", mrope),
+        (mrope is not None, "mrope_section", "None with a per-head cos_sin_cache", getattr(mrope, "sections", mrope)),
         (positions is None, "positions", "a positions tensor with a per-head cos_sin_cache", None),
         (weights[0] is not None, "q_norm_weight", "None with a per-head cos_sin_cache", "a tensor"),
         (weights[1] is not None, "k_norm_weight", "None with a per-head cos_sin_cache", "a tensor"),
