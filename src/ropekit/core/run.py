@@ -235,6 +235,12 @@ class StoreOperands(NamedTuple):
         """These operands with whole heads q and k (their no-rope parts joined in)."""
         return self._replace(q=q, k=k, qn=None, kn=None)
 
+    def into_rows(self, k_rows, v_rows, slot_mapping) -> "StoreOperands":
+        """These operands storing into plain float rows (k_rows, v_rows at slot_mapping), unscaled."""
+        return self._replace(
+            k_cache=k_rows, v_cache=v_rows, slot_mapping=slot_mapping, ks=None, vs=None, kcs=None, vcs=None
+        )
+
 
 def store_cpu(spec: Spec, t: StoreOperands) -> None:
     """The PyTorch path of ropekit.core.pipeline.run_store (its arguments)."""
@@ -286,10 +292,10 @@ def _store_fp4_cpu(spec: Spec, t: StoreOperands) -> None:
     rows = torch.where(slots < 0, -1, torch.where(slots >= num_slots, n, torch.arange(n)))
     kf = torch.empty((n, kc.shape[-2], 2 * kc.shape[-1]), dtype=torch.float32)
     vf = torch.empty((n, vc.shape[-2], 2 * vc.shape[-1]), dtype=torch.float32)
-    plain = Spec(spec.variant._replace(fp4=False, k_scaled=False, v_scaled=False), spec.rot, spec.door, spec.triton)
+    plain = Spec(spec.variant.float_caches(), spec.rot, spec.door, spec.triton)
     plain.packed, plain.norm_eps, plain.norm_offset = spec.packed, spec.norm_eps, spec.norm_offset
     flat = rows.reshape(t.slot_mapping.shape)
-    store_cpu(plain, t._replace(k_cache=kf, v_cache=vf, slot_mapping=flat, ks=None, vs=None, kcs=None, vcs=None))
+    store_cpu(plain, t.into_rows(kf, vf, flat))
     keep = (slots >= 0) & (slots < num_slots)
     at = slots[keep]
     where = (at // block_size, at % block_size) if kc.dim() == 4 else (at,)

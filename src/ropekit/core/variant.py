@@ -205,6 +205,11 @@ class Variant(_Fields):
         """This variant writing unscaled values (the CPU path rotates into float32, then scales)."""
         return self._replace(scaled=False)
 
+    def float_caches(self) -> "Variant":
+        """This store variant writing float32 caches as given (the CPU path of NVFP4 caches stores
+        rows first, then quantizes them): no fp4, no cache scales."""
+        return self._replace(fp4=False, k_scaled=False, v_scaled=False)
+
     def whole_heads(self) -> "Variant":
         """This variant for heads given whole: no no-rope parts apart (the CPU path joins them)."""
         return self._replace(nope_q=False, nope_k=False)
