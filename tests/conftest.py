@@ -23,7 +23,7 @@ for _folder in sorted({p.parent for p in pathlib.Path(__file__).parent.rglob("te
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ropekit.core import run  # noqa: E402
+from ropekit.core import memo, run  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -69,6 +69,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """The backend of CPU tensors for one test: the Triton kernel (in the interpreter) or the
+    PyTorch path (a test file's own `path` fixture takes precedence)."""
+    if request.param == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    memo.clear()
+    yield request.param
+    memo.clear()
 
 
 def make_cache(max_position, rotary_dim, *, base=10000.0, dtype=torch.float32, device="cpu"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import memo, tuning
+from ropekit.core import tuning
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, rel_err
@@ -28,16 +28,6 @@ CASES = [
     ((5,), 6, 2, 1, 48, 32, {"rotary_position": "last"}),  # one table head; DeepSeek's [nope | rope]
     ((5,), 4, 2, 2, 32, 32, {"inverse": True}),
 ]
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def path(request, monkeypatch):
-    """The backend of CPU tensors: the kernel (in the interpreter) or the PyTorch path."""
-    if request.param == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    memo.clear()
-    yield request.param
-    memo.clear()
 
 
 def head_table(heads, rot, *, rows=P, dtype=torch.float32, device="cpu"):

@@ -29,16 +29,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["kernel", "torch"])
-def path(request, monkeypatch):
-    """The backend of CPU tensors: the kernel (in the interpreter) or the PyTorch path."""
-    if request.param == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    memo.clear()
-    yield request.param
-    memo.clear()
-
-
 def _inputs(shape, hq, hk, d, rot, dtype, device="cpu", grad=False):
     cache = make_cache(64, rot, device=device)
     # a scale per head: the norm must undo it head by head

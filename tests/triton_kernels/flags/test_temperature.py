@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.core import memo
 from ropekit.tools import reference
 
 from conftest import TOL, make_cache, rel_err
@@ -25,16 +24,6 @@ CASES = [
     ((6,), 4, 2, 64, 64, {"interleaved": True}),
     ((2, 3), 4, 1, 96, 32, {}),  # GQA, partial rotary (a kept tail), (B, S) positions
 ]
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def path(request, monkeypatch):
-    """The backend of CPU tensors: the kernel (in the interpreter) or the PyTorch path."""
-    if request.param == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    memo.clear()
-    yield request.param
-    memo.clear()
 
 
 def _inputs(shape, hq, hk, d, rot, dtype, grad=False):
