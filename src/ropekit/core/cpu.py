@@ -531,21 +531,28 @@ def _rounded_into(vals, scale, dtype):
     return vals.to(dtype)
 
 
+# e2m1's decision boundaries between neighbouring magnitudes, and whether a value must pass the
+# boundary (True) or only reach it (False) to take the upper one: a tie goes to the even code
+_E2M1_BOUNDARIES = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True))
+
+
 def nvfp4_rows(x: torch.Tensor, global_scale=None):
     """NVFP4 of float32 rows x (..., D), D a multiple of 16: (codes (..., D / 2) uint8, element 2j
     in the low nibble of byte j; block scales (..., D / 16) float8_e4m3fn). The rule of
-    rope_store_kernel's FP4 output, in float32: scale = amax / 6 / g rounded to nearest even onto
-    e4m3 (saturated at 448, NaN kept); code of x / (scale * g) rounded to nearest even onto {0, 0.5,
-    1, 1.5, 2, 3, 4, 6} (saturated at 6), sign bit 8; a zero (or NaN) scale gives magnitude 0.
-    global_scale: None (1) or a 1-element float32 tensor."""
+    rope_store_kernel's FP4 output: scale = amax / 6 / g in float32 rounded to nearest even onto
+    e4m3 (saturated at 448, NaN kept); code of the exact x / (scale * g) rounded to nearest even
+    onto {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturated at 6), sign bit 8; a zero (or NaN) scale gives
+    magnitude 0. global_scale: None (1) or a 1-element float32 tensor."""
     g = torch.ones((), dtype=torch.float32) if global_scale is None else global_scale.float().reshape(())
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
     amax = blocks.abs().amax(-1)
     scale = (amax / 6.0 / g).clamp(max=448.0).to(torch.float8_e4m3fn)  # torch's cast rounds to nearest even
-    den = (scale.float() * g)[..., None]
-    m = torch.where(den > 0, blocks.abs() / torch.where(den > 0, den, 1.0), 0.0)
-    code = (m > 0.25).int() + (m >= 0.75).int() + (m > 1.25).int() + (m >= 1.75).int()
-    code += (m > 2.5).int() + (m >= 3.5).int() + (m > 5.0).int() + 8 * (blocks < 0).int()
+    # |x| against each decision boundary b * scale * g, exactly: the float64 product of a 3-, a 4-
+    # and a 24-bit significand is exact (the kernel: the sign of one fused multiply-add)
+    den = (scale.double() * g.double())[..., None]
+    a = blocks.abs().double()
+    code = sum((a > b * den if strict else a >= b * den).int() for b, strict in _E2M1_BOUNDARIES)
+    code = torch.where(den > 0, code, 0) + 8 * (blocks < 0).int()
     code = code.reshape(x.shape)
     return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), scale
 

@@ -26,9 +26,11 @@ even element of a pair in the low nibble) and one float8_e4m3fn scale per 16 con
 head row. A block's scale is amax / 6 / g rounded to nearest even onto e4m3 (saturated at 448), g the
 per-tensor global scale (k_scale / v_scale, 1 when absent); each value |x| / (scale * g) is rounded
 to nearest even onto the e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (saturated at 6), a zero scale
-stores zeros. Both roundings are done in float32 arithmetic (`_e4m3_round`, `_e2m1_code`, IEEE
-divisions) and the codes and scales are stored as their bits, so nothing depends on a backend's
-fp8 cast (the Triton interpreter's truncates instead of rounding). The
+stores zeros. The scale is rounded in float32 arithmetic (IEEE divisions, `_e4m3_round`); each
+code is found by exact comparisons of |x| with the decision boundaries times scale * g
+(`_e2m1_code`, no division), the float64 oracle's rule for any g. Codes and scales are stored as
+their bits, so nothing depends on a backend's fp8 cast (the Triton interpreter's truncates
+instead of rounding). The
 rotated pairs and the tail are quantized as they are held (pairs (2i, 2i+1); or each half of a
 half-split head, cut into its (2j, 2j+1) pairs): validation makes every 16-value block fall inside
 one of them.
@@ -133,15 +135,29 @@ def _e4m3_round(s):
 
 
 @triton.jit
-def _e2m1_code(x, den):
-    """The e2m1 code (4 bits, sign 8) of x / den rounded to nearest even onto {0, 0.5, 1, 1.5, 2, 3,
-    4, 6}, saturated at 6: each term is a decision boundary, ties (0.25, 0.75, ..., 5) going to the
-    even code. den 0 (a zero block scale) gives code 0; NaN gives 0 (its block scale is NaN)."""
-    m = tl.math.div_rn(tl.abs(x), tl.where(den == 0.0, 1.0, den))
-    m = tl.where(den == 0.0, 0.0, m)
-    c = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
-    c += (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+def _e2m1_code(x, sc, g):
+    """The e2m1 code (4 bits, sign 8) of x / (sc * g) rounded to nearest even onto {0, 0.5, 1, 1.5,
+    2, 3, 4, 6}, saturated at 6: the number of decision boundaries b (0.25, 0.75, 1.25, 1.75, 2.5,
+    3.5, 5) that |x| passes, found in three steps of a binary search (1.75; 0.75 or 3.5; the one
+    between), a tie (|x| == b * sc * g) going to the even code: boundaries 0.75, 1.75 and 3.5 count
+    when reached, the others when passed. Each step compares |x| with b * sc * g exactly, with no
+    division: b * sc is exact in float32 (3 and 4 significant bits), and the sign of
+    fma(b * sc, g, -|x|), one rounding of the exact difference, is the exact comparison's. sc 0
+    gives code 0; NaN (x, or a NaN block scale) gives 0."""
+    a = tl.abs(x)
+    up = tl.fma(1.75 * sc, g, -a) <= 0.0
+    b = tl.where(up, 3.5, 0.75)
+    up2 = tl.fma(b * sc, g, -a) <= 0.0
+    b = tl.where(up, tl.where(up2, 5.0, 2.5), tl.where(up2, 1.25, 0.25))
+    up3 = tl.fma(b * sc, g, -a) < 0.0
+    c = up.to(tl.int32) * 4 + up2.to(tl.int32) * 2 + up3.to(tl.int32)
+    c = tl.where(sc == 0.0, 0, c)
     return tl.where(x < 0.0, c + 8, c)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -153,16 +169,14 @@ def _fp4_put(lo, hi, rows, first, n_pairs, g, P: tl.constexpr, BLOCK_H: tl.const
     float32 global scale."""
     data, scales, live = rows
     B: tl.constexpr = P // 8
-    nan = ((lo != lo) | (hi != hi)).to(tl.int32)
-    a = tl.maximum(tl.abs(lo), tl.abs(hi))
-    amax = tl.max(tl.reshape(a, (BLOCK_H, B, 8)), axis=2)
-    # a NaN in a block makes its scale NaN (the reductions may drop NaNs)
-    amax = tl.where(tl.max(tl.reshape(nan, (BLOCK_H, B, 8)), axis=2) > 0, float("nan"), amax)
+    # a NaN in a block makes its scale NaN: maxima that keep NaN (the hardware's max drops it)
+    a = tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.reduce(tl.reshape(a, (BLOCK_H, B, 8)), 2, _max_nan)
     # IEEE divisions (div_rn): a quotient that is exactly a rounding tie stays one
     one = tl.full((BLOCK_H, B), 1.0, tl.float32)
     sc, bits = _e4m3_round(tl.math.div_rn(tl.math.div_rn(amax, 6.0 * one), g * one))
-    den = tl.reshape(tl.broadcast_to((sc * g)[:, :, None], (BLOCK_H, B, 8)), (BLOCK_H, P))
-    byte = _e2m1_code(lo, den) | (_e2m1_code(hi, den) << 4)
+    scb = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_H, B, 8)), (BLOCK_H, P))
+    byte = _e2m1_code(lo, scb, g) | (_e2m1_code(hi, scb, g) << 4)
     p = tl.arange(0, P)[None, :]
     tl.store(data + (first // 2 + p), byte.to(tl.uint8), mask=live & (p < n_pairs))
     j = tl.arange(0, B)[None, :]

@@ -81,7 +81,8 @@ def check_nvfp4(q, k, v, pos, table, caches, slots, *, k_scale=None, v_scale=Non
         ((kd, ksf, before[0], before[1]), k_rot, k_scale),
         ((vd, vsf, before[2], before[3]), v, v_scale),
     ):
-        g = 1.0 if g is None else float(g)
+        # the global scale the op uses: float32 (a Python float is rounded to it)
+        g = 1.0 if g is None else float(torch.as_tensor(g, dtype=torch.float32).reshape(()))
         vals, scales = reference.nvfp4_quantize(x[keep].double(), g)
         want = reference.nvfp4_dequantize(vals, scales, g)
         got = reference.nvfp4_unpack(rows_of(data, written).cpu(), rows_of(sf, written).cpu(), g)
@@ -165,6 +166,37 @@ def test_ties_saturation_and_zero_blocks(device):
     check_nvfp4(q, k, v, pos, table, caches, torch.tensor([5, 0, 11], device=device), v_scale=0.5)
 
 
+def boundary_rows(g: float, D: int = 64) -> torch.Tensor:
+    """A float32 row of D values in blocks of 16, each block led by the value that makes its scale
+    exactly 1 under global scale g (amax = 6 g), then the float32 neighbours of every e2m1 decision
+    boundary b * g (the largest float below, the nearest float, the smallest above); the second
+    half is the first negated."""
+    g32 = float(torch.tensor(g, dtype=torch.float32))
+    lead = torch.tensor(6 * g32, dtype=torch.float32)
+    vals = []
+    for b in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+        near = torch.tensor(b * g32, dtype=torch.float64).float()
+        vals += [torch.nextafter(near, torch.tensor(0.0)), near, torch.nextafter(near, torch.tensor(9.0))]
+    body = torch.zeros(D // 32, 15)
+    body.view(-1)[: len(vals)] = torch.stack(vals)
+    half = torch.cat((lead.expand(D // 32, 1), body), -1).reshape(-1)
+    return torch.cat((half, -half))
+
+
+def test_boundary_neighbours_any_global_scale(device):
+    """Values an ulp either side of every e2m1 decision boundary (and on it where it is a float32),
+    with global scales that are not powers of two: each code is the float64 oracle's exactly (the
+    codes come from exact comparisons, not from a rounded quotient)."""
+    T, H, D = 2, 2, 64
+    k = boundary_rows(0.3, D).expand(T, H, D).clone().to(device)
+    v = boundary_rows(0.07, D).expand(T, H, D).clone().to(device)
+    q = torch.randn(T, 1, D, device=device)
+    pos = torch.zeros(T, dtype=torch.long, device=device)
+    table = torch.cat((torch.ones(1, D // 2), torch.zeros(1, D // 2)), -1).to(device)  # angle 0: k as given
+    caches = nvfp4_caches(H, D, device)
+    check_nvfp4(q, k, v, pos, table, caches, torch.tensor([1, 6], device=device), k_scale=0.3, v_scale=0.07)
+
+
 def test_nan_row_on_bad_position(device):
     """A position past the table makes k's rotated dims NaN: their blocks' scales are NaN (the
     values unpack to NaN), the tail's and v's blocks are finite."""
@@ -196,6 +228,7 @@ def test_both_cpu_paths(monkeypatch, path):
             check_nvfp4(q, k, v, pos, table, nvfp4_caches(2, 64, "cpu", layout), slots, **kw)
             assert q[2, :, :rot].isnan().all()  # the slot past the cache flags its token's q
         test_ties_saturation_and_zero_blocks("cpu")  # every tie, saturation, e4m3 subnormal scales
+        test_boundary_neighbours_any_global_scale("cpu")  # an ulp either side of every boundary
     finally:
         memo.clear()
     assert bool(fired) == (path == "kernel")
