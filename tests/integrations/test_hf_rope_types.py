@@ -9,8 +9,8 @@ transformers = pytest.importorskip("transformers")
 mru = pytest.importorskip("transformers.modeling_rope_utils")
 
 import ropekit  # noqa: E402
-from ropekit.api.modules import hf_rope_args  # noqa: E402
 from ropekit.core import freqs  # noqa: E402
+from ropekit.integrations.hf_config import hf_rope_args  # noqa: E402
 
 HEAD, MAX_POS = 16, 64
 # the parameters each rope type needs (tiny; the values are arbitrary but in range)

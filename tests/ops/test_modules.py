@@ -14,8 +14,9 @@ import torch
 
 import ropekit
 from ropekit import strict
-from ropekit.api.modules import RotaryEmbedding, hf_rope_args
+from ropekit.api.modules import RotaryEmbedding
 from ropekit.core.freqs import cos_sin_cache
+from ropekit.integrations.hf_config import hf_rope_args
 from ropekit.tools import reference
 
 

@@ -34,6 +34,9 @@ LAYERS = (
     ),
     # one entry per op; the PyTorch path's glue; the call pipeline; the DTensor rules; the doors and custom ops
     ("core dispatch", ("core.checks", "core.run", "core.pipeline", "core.sharding", "core.dispatch")),
+    # HF model configs read into RotaryEmbedding's arguments: an integration by what it knows, below
+    # the api because it needs core.freqs only and RotaryEmbedding.from_hf_config calls it
+    ("hf configs", ("integrations.hf_config",)),
     ("api", ("api.ops", "api.store", "api.rerotate", "api.modules", "api.qkv")),
     (
         "integrations",

@@ -23,8 +23,8 @@ import torch
 import triton.language  # noqa: F401
 
 import ropekit
-from ropekit.api.modules import hf_rope_args
 from ropekit.core import memo, tuning
+from ropekit.integrations.hf_config import hf_rope_args
 from ropekit.tools import reference
 
 from conftest import TOL, fp8_close, rel_err
