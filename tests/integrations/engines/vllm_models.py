@@ -112,6 +112,63 @@ MODELS = {
         ),
         ["DeepseekScalingRotaryEmbedding"],
     ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            head_dim=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        ["YaRNScalingRotaryEmbedding"],
+    ),
+    "llama_dynamic": (
+        "LlamaConfig",
+        dict(head_dim=64, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+        ["DynamicNTKScalingRotaryEmbedding"],
+    ),
+    "llama_linear": (
+        "LlamaConfig",
+        dict(head_dim=64, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+        ["LinearScalingRotaryEmbedding"],
+    ),
+    "gemma4": (  # sliding layers: the plain table; the full-attention layer: proportional RoPE
+        "Gemma4TextConfig",
+        dict(
+            head_dim=64,
+            global_head_dim=64,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=64,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=VOCAB,
+        ),
+        ["RotaryEmbedding", "Gemma4RotaryEmbedding"],
+    ),
+    "paddleocr_vl": (  # M-RoPE (3, T) positions on a text-only prompt; the vision tower is not built
+        "PaddleOCRVLConfig",
+        dict(
+            head_dim=64,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+        ),
+        ["MRotaryEmbedding"],
+    ),
+}
+
+# multimodal models: MODELS' arguments are the text config's, these the outer config's (a vision
+# tower as small as the config allows, special token ids inside the tiny vocabulary)
+VISION = {
+    "paddleocr_vl": dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        image_token_id=251,
+        video_token_id=252,
+        vision_start_token_id=253,
+        vision_end_token_id=254,
+        tie_word_embeddings=False,
+    ),
 }
 
 # name -> extra arguments of vLLM's LLM. On a CPU with AMX tiles vLLM picks its AMX MLA backend
@@ -122,6 +179,9 @@ MODELS = {
 ENGINE_ARGS = {
     "deepseek_v2": dict(attention_config={"backend": "CPU_MLA"}),
     "gpt_neox": dict(model_impl="transformers"),
+    # no image or video per prompt: vLLM builds the language model only, and still feeds it M-RoPE
+    # positions (no HF processor is needed, which a tokenizer-less tiny model does not have)
+    "paddleocr_vl": dict(limit_mm_per_prompt={"image": 0, "video": 0}),
 }
 # Transformers-backend models: (modeling module, HF's rotation helper that only HF's rotary function
 # calls), counted in the engine's process while it generates
@@ -138,9 +198,14 @@ def build(name: str, root: str) -> str:
     import transformers
 
     cls_name, extra, _ = MODELS[name]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    if name in VISION:
+        config = getattr(transformers, cls_name)(text_config={**COMMON, **extra}, **VISION[name])
+        auto = transformers.AutoModelForImageTextToText
+    else:
+        config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+        auto = transformers.AutoModelForCausalLM
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     path = os.path.join(root, name)
     model.save_pretrained(path)
     return path
