@@ -135,6 +135,9 @@ MODELS = {
         dict(head_dim=64, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
         ["LinearScalingRotaryEmbedding"],
     ),
+    "llama_ntk": ("LlamaConfig", dict(head_dim=64), ["NTKScalingRotaryEmbedding"]),
+    "llama_ntk_alpha": ("LlamaConfig", dict(head_dim=64), ["DynamicNTKAlphaRotaryEmbedding"]),
+    "llama_fope": ("LlamaConfig", dict(head_dim=64), ["FourierRotaryEmbedding"]),
     "gemma4": (  # sliding layers: the plain table; the full-attention layer: proportional RoPE
         "Gemma4TextConfig",
         dict(
@@ -157,6 +160,28 @@ MODELS = {
         ["MRotaryEmbedding"],
     ),
 }
+
+# name -> rope parameters written into the saved config.json over transformers' own: rope types
+# that vLLM builds and transformers' modeling code has no rotary for (NTK by a factor or by alpha;
+# FoPE's coefficients, which vLLM's get_rope takes from the rope parameters of any model that passes
+# them through, Llama's included)
+ROPE_AFTER_SAVE = {
+    "llama_ntk": {"rope_type": "ntk", "rope_theta": 10000.0, "factor": 4.0},
+    # transformers' config check wants a factor for "dynamic"; vLLM takes alpha when it is there
+    "llama_ntk_alpha": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 4.0, "factor": 1.0},
+    "llama_fope": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "use_fope": True,
+        "num_key_value_heads": 1,
+        "num_inv_freq": 16,
+        "fope_sep_head": True,
+        "fope_init_factor": 0.1,
+    },
+}
+# FoPE's coefficients (KV heads, frequencies, frequencies) per layer: vLLM loads them from the
+# checkpoint into the rotary module; near the identity, so the table stays a rotation-like mix
+FOPE_COEFFICIENTS = {"llama_fope": (1, 16)}
 
 # multimodal models: MODELS' arguments are the text config's, these the outer config's (a vision
 # tower as small as the config allows, special token ids inside the tiny vocabulary)
@@ -181,6 +206,11 @@ ENGINE_ARGS = {
     "gpt_neox": dict(model_impl="transformers"),
     # no image or video per prompt: vLLM builds the language model only, and still feeds it M-RoPE
     # positions (no HF processor is needed, which a tokenizer-less tiny model does not have)
+    # vLLM's own FourierRotaryEmbedding defines forward_native only: with custom ops on (eager
+    # mode) vLLM dispatches it to RotaryEmbedding.forward_cpu, the plain-table kernel on the table
+    # computed at construction, before the checkpoint's coefficients are loaded. The comparison is
+    # with the class's own forward_native (custom op off); the replacement serves every path.
+    "llama_fope": dict(compilation_config={"custom_ops": ["-rotary_embedding"]}),
     "paddleocr_vl": dict(limit_mm_per_prompt={"image": 0, "video": 0}),
 }
 # Transformers-backend models: (modeling module, HF's rotation helper that only HF's rotary function
@@ -208,6 +238,25 @@ def build(name: str, root: str) -> str:
     model = auto.from_config(config, dtype=torch.float32)
     path = os.path.join(root, name)
     model.save_pretrained(path)
+    if name in ROPE_AFTER_SAVE:
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+        saved["rope_parameters"] = ROPE_AFTER_SAVE[name]
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(saved, f)
+    if name in FOPE_COEFFICIENTS:
+        from safetensors.torch import load_file, save_file
+
+        heads, freqs = FOPE_COEFFICIENTS[name]
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        # one rotary module serves every layer (vLLM's get_rope caches it): the same coefficients
+        coef = {
+            k: torch.eye(freqs).expand(heads, -1, -1) + 0.1 * torch.randn(heads, freqs, freqs) for k in ("cos", "sin")
+        }
+        for i in range(config.num_hidden_layers):
+            for k in ("cos", "sin"):
+                weights[f"model.layers.{i}.self_attn.rotary_emb.{k}_coef"] = coef[k].clone()
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
