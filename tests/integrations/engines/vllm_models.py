@@ -2,7 +2,8 @@
 
     python tests/integrations/engines/vllm_models.py [--out summary.json] [model ...]
 
-Builds each model with transformers (save_pretrained into a temporary folder), then runs two child
+Builds each model with transformers (save_pretrained into a temporary folder; WRITTEN: the
+checkpoint written here, in the layout vLLM reads and transformers does not build), then runs two child
 processes of this script: one with VLLM_PLUGINS=ropekit (the plugin asked for), one with ropekit
 installed and not asked (VLLM_PLUGINS and ROPEKIT_VLLM unset: vLLM loads the plugin, which must
 change nothing). Each generates greedy tokens for the same prompt. The check: identical tokens, log
@@ -311,8 +312,6 @@ VISION = {
 ENGINE_ARGS = {
     "deepseek_v2": dict(attention_config={"backend": "CPU_MLA"}),
     "gpt_neox": dict(model_impl="transformers"),
-    # no image or video per prompt: vLLM builds the language model only, and still feeds it M-RoPE
-    # positions (no HF processor is needed, which a tokenizer-less tiny model does not have)
     # vLLM's own FourierRotaryEmbedding defines forward_native only: with custom ops on (eager
     # mode) vLLM dispatches it to RotaryEmbedding.forward_cpu, the plain-table kernel on the table
     # computed at construction, before the checkpoint's coefficients are loaded. The comparison is
@@ -321,6 +320,8 @@ ENGINE_ARGS = {
     # ERNIE 4.5-VL's rotary class overrides forward_native without `offsets`, and the CPU path it
     # inherits from MRotaryEmbedding passes them (TypeError on vLLM's own class): compared with its
     # forward_native (custom op off), as FoPE is
+    # (both VL models) no image or video per prompt: vLLM builds the language model only, and still
+    # feeds it M-RoPE positions (no HF processor is needed, which a tokenizer-less tiny model lacks)
     "ernie45_vl": dict(
         limit_mm_per_prompt={"image": 0, "video": 0},
         trust_remote_code=True,
