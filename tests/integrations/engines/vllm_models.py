@@ -2,7 +2,8 @@
 
     python tests/integrations/engines/vllm_models.py [--out summary.json] [model ...]
 
-Builds each model with transformers (save_pretrained into a temporary folder), then runs two child
+Builds each model with transformers (save_pretrained into a temporary folder; WRITTEN: the
+checkpoint written here, in the layout vLLM reads and transformers does not build), then runs two child
 processes of this script: one with VLLM_PLUGINS=ropekit (the plugin asked for), one with ropekit
 installed and not asked (VLLM_PLUGINS and ROPEKIT_VLLM unset: vLLM loads the plugin, which must
 change nothing). Each generates greedy tokens for the same prompt. The check: identical tokens, log
@@ -112,6 +113,195 @@ MODELS = {
         ),
         ["DeepseekScalingRotaryEmbedding"],
     ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            head_dim=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        ["YaRNScalingRotaryEmbedding"],
+    ),
+    "llama_dynamic": (
+        "LlamaConfig",
+        dict(head_dim=64, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+        ["DynamicNTKScalingRotaryEmbedding"],
+    ),
+    "llama_linear": (
+        "LlamaConfig",
+        dict(head_dim=64, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+        ["LinearScalingRotaryEmbedding"],
+    ),
+    "llama_ntk": ("LlamaConfig", dict(head_dim=64), ["NTKScalingRotaryEmbedding"]),
+    "llama_ntk_alpha": ("LlamaConfig", dict(head_dim=64), ["DynamicNTKAlphaRotaryEmbedding"]),
+    "llama_fope": ("LlamaConfig", dict(head_dim=64), ["FourierRotaryEmbedding"]),
+    "gemma4": (  # sliding layers: the plain table; the full-attention layer: proportional RoPE
+        "Gemma4TextConfig",
+        dict(
+            head_dim=64,
+            global_head_dim=64,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=64,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=VOCAB,
+        ),
+        ["RotaryEmbedding", "Gemma4RotaryEmbedding"],
+    ),
+    "ernie45_vl": (None, {}, ["Ernie4_5_VLRotaryEmbedding"]),  # written by write_ernie45_vl (below)
+    "paddleocr_vl": (  # M-RoPE (3, T) positions on a text-only prompt; the vision tower is not built
+        "PaddleOCRVLConfig",
+        dict(
+            head_dim=64,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+        ),
+        ["MRotaryEmbedding"],
+    ),
+}
+
+# name -> rope parameters written into the saved config.json over transformers' own: rope types
+# that vLLM builds and transformers' modeling code has no rotary for (NTK by a factor or by alpha;
+# FoPE's coefficients, which vLLM's get_rope takes from the rope parameters of any model that passes
+# them through, Llama's included)
+ROPE_AFTER_SAVE = {
+    "llama_ntk": {"rope_type": "ntk", "rope_theta": 10000.0, "factor": 4.0},
+    # transformers' config check wants a factor for "dynamic"; vLLM takes alpha when it is there
+    "llama_ntk_alpha": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 4.0, "factor": 1.0},
+    "llama_fope": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "use_fope": True,
+        "num_key_value_heads": 1,
+        "num_inv_freq": 16,
+        "fope_sep_head": True,
+        "fope_init_factor": 0.1,
+    },
+}
+# FoPE's coefficients (KV heads, frequencies, frequencies) per layer: vLLM loads them from the
+# checkpoint into the rotary module; near the identity, so the table stays a rotation-like mix
+FOPE_COEFFICIENTS = {"llama_fope": (1, 16)}
+
+# Models written here rather than by transformers: vLLM 0.32 reads ERNIE 4.5-VL in Baidu's own
+# checkpoint layout (a flat config of lists, `model.` weights), which transformers' ernie4_5_vl_moe
+# classes neither build nor load; the config class is a local file of the model folder
+# (trust_remote_code, nothing downloaded). Dense layers only (no MoE), the vision tower not built.
+ERNIE_VL_CONFIG_CODE = """from transformers import PretrainedConfig
+
+
+class VisionConfig(PretrainedConfig):
+    model_type = "ernie4_5_moe_vl_vision"
+
+
+class ErnieVLConfig(PretrainedConfig):
+    model_type = "ernie4_5_moe_vl"
+
+    def __init__(self, vision_config=None, **kwargs):
+        self.vision_config = VisionConfig(**(vision_config or {}))
+        super().__init__(**kwargs)
+"""
+
+
+def write_ernie45_vl(path: str) -> None:
+    """ERNIE 4.5-VL: M-RoPE over (t, h, w) positions, freq_allocation 8 of the 32 frequency pairs to
+    t and 12 each to h and w (vLLM's Ernie4_5_VLRotaryEmbedding), in Baidu's checkpoint layout."""
+    import torch
+    from safetensors.torch import save_file
+
+    layers, hidden, inter, heads, kv_heads = (
+        COMMON[k]
+        for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    )
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["Ernie4_5_VLMoeForConditionalGeneration"],
+        "model_type": "ernie4_5_moe_vl",
+        "auto_map": {"AutoConfig": "configuration_ernie_vl.ErnieVLConfig"},
+        **{k: v for k, v in COMMON.items() if k != "initializer_range"},
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        # mrope_section: what makes vLLM feed (3, T) positions; the attention takes its sections from
+        # freq_allocation ((h, w, t) = (12, 12, 8))
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 12, 8]},
+        "freq_allocation": 8,
+        "use_moe": False,  # every layer dense; the lists are the shapes vLLM's code takes
+        "moe_num_experts": [0, 0],
+        "moe_layer_start_index": [0, 0],
+        "moe_layer_end_index": [layers - 1, layers - 1],
+        "moe_intermediate_size": [64, 64],
+        "moe_k": 1,
+        "im_patch_id": 252,
+        "image_start_token_id": 250,
+        "image_end_token_id": 251,
+        "video_start_token_id": 253,
+        "video_end_token_id": 254,
+        "pixel_hidden_size": 32,
+        "spatial_conv_size": 2,
+        "temporal_conv_size": 2,
+        "use_temporal_conv": True,
+        "vision_config": dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            in_channels=3,
+            hidden_act="quick_gelu",
+        ),
+        "dtype": "float32",
+    }
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "configuration_ernie_vl.py"), "w") as f:
+        f.write(ERNIE_VL_CONFIG_CODE)
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, hidden),
+        "lm_head.weight": (VOCAB, hidden),
+        "model.norm.weight": None,
+    }
+    for i in range(layers):
+        at, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        shapes.update(
+            {
+                at + "q_proj.weight": (heads * head_dim, hidden),
+                at + "k_proj.weight": (kv_heads * head_dim, hidden),
+                at + "v_proj.weight": (kv_heads * head_dim, hidden),
+                at + "o_proj.weight": (hidden, heads * head_dim),
+                mlp + "gate_proj.weight": (inter, hidden),
+                mlp + "up_proj.weight": (inter, hidden),
+                mlp + "down_proj.weight": (hidden, inter),
+                f"model.layers.{i}.input_layernorm.weight": None,
+                f"model.layers.{i}.post_attention_layernorm.weight": None,
+            }
+        )
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.ones(hidden) if shape is None else COMMON["initializer_range"] * torch.randn(shape, generator=g)
+        for name, shape in sorted(shapes.items())
+    }
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+# name -> the function writing it (its MODELS entry has no config class)
+WRITTEN = {"ernie45_vl": write_ernie45_vl}
+
+# multimodal models: MODELS' arguments are the text config's, these the outer config's (a vision
+# tower as small as the config allows, special token ids inside the tiny vocabulary)
+VISION = {
+    "paddleocr_vl": dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        image_token_id=251,
+        video_token_id=252,
+        vision_start_token_id=253,
+        vision_end_token_id=254,
+        tie_word_embeddings=False,
+    ),
 }
 
 # name -> extra arguments of vLLM's LLM. On a CPU with AMX tiles vLLM picks its AMX MLA backend
@@ -122,6 +312,22 @@ MODELS = {
 ENGINE_ARGS = {
     "deepseek_v2": dict(attention_config={"backend": "CPU_MLA"}),
     "gpt_neox": dict(model_impl="transformers"),
+    # vLLM's own FourierRotaryEmbedding defines forward_native only: with custom ops on (eager
+    # mode) vLLM dispatches it to RotaryEmbedding.forward_cpu, the plain-table kernel on the table
+    # computed at construction, before the checkpoint's coefficients are loaded. The comparison is
+    # with the class's own forward_native (custom op off); the replacement serves every path.
+    "llama_fope": dict(compilation_config={"custom_ops": ["-rotary_embedding"]}),
+    # ERNIE 4.5-VL's rotary class overrides forward_native without `offsets`, and the CPU path it
+    # inherits from MRotaryEmbedding passes them (TypeError on vLLM's own class): compared with its
+    # forward_native (custom op off), as FoPE is
+    # (both VL models) no image or video per prompt: vLLM builds the language model only, and still
+    # feeds it M-RoPE positions (no HF processor is needed, which a tokenizer-less tiny model lacks)
+    "ernie45_vl": dict(
+        limit_mm_per_prompt={"image": 0, "video": 0},
+        trust_remote_code=True,
+        compilation_config={"custom_ops": ["-rotary_embedding"]},
+    ),
+    "paddleocr_vl": dict(limit_mm_per_prompt={"image": 0, "video": 0}),
 }
 # Transformers-backend models: (modeling module, HF's rotation helper that only HF's rotary function
 # calls), counted in the engine's process while it generates
@@ -137,12 +343,39 @@ def build(name: str, root: str) -> str:
     import torch
     import transformers
 
-    cls_name, extra, _ = MODELS[name]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = os.path.join(root, name)
+    if name in WRITTEN:
+        WRITTEN[name](path)
+        return path
+    cls_name, extra, _ = MODELS[name]
+    if name in VISION:
+        config = getattr(transformers, cls_name)(text_config={**COMMON, **extra}, **VISION[name])
+        auto = transformers.AutoModelForImageTextToText
+    else:
+        config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+        auto = transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
+    if name in ROPE_AFTER_SAVE:
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+        saved["rope_parameters"] = ROPE_AFTER_SAVE[name]
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(saved, f)
+    if name in FOPE_COEFFICIENTS:
+        from safetensors.torch import load_file, save_file
+
+        heads, freqs = FOPE_COEFFICIENTS[name]
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        # one rotary module serves every layer (vLLM's get_rope caches it): the same coefficients
+        coef = {
+            k: torch.eye(freqs).expand(heads, -1, -1) + 0.1 * torch.randn(heads, freqs, freqs) for k in ("cos", "sin")
+        }
+        for i in range(config.num_hidden_layers):
+            for k in ("cos", "sin"):
+                weights[f"model.layers.{i}.self_attn.rotary_emb.{k}_coef"] = coef[k].clone()
+        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
