@@ -19,7 +19,9 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 
 # how each launch went (the benchmarks print it); "ok" turns off for a Triton whose launcher differs
 COUNTS = {"direct": 0, "generic": 0}
-_STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None}
+# host_only: CPU tensors take the direct path too, with a compiled entry that launches nothing (seeded by
+# benchmarks/scripts/profile_host.py --stub-launch: the Python host time of a call, timed without a GPU)
+_STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None, "host_only": False}
 
 
 def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: bool = False) -> None:
@@ -32,7 +34,7 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
     guarded: called again inside the device guard (the tensors' device made current).
     """
     x = ptrs[0]
-    if not x.is_cuda:
+    if not x.is_cuda and not _STATE["host_only"]:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
     device = x.get_device()

@@ -23,7 +23,7 @@ steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import is_, is_not
+from operator import is_, is_not, itemgetter
 
 import torch
 
@@ -57,22 +57,35 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
     The signature: grad mode, which keywords differ from their defaults (one identity test each),
     each other argument with its type (16 and 16.0 hash alike but validate differently), and each
     tensor's (shape, strides, dtype, device, requires_grad). Its recent signatures (sig.recent)
-    are tried first: the non-tensor part compared as a tuple, the tensors by torch's compiled
-    tensor guards (one C call, the check torch.compile's guards make); a miss builds the full key
-    and looks it up in the memo."""
+    are tried first: the types, the changed keywords and grad mode compared as they are, the other
+    values picked by the entry's own getter (the types fix where the tensors are) and compared as
+    a tuple, the tensors by torch's compiled tensor guards (one C call, the check torch.compile's
+    guards make); a miss builds the full key and looks it up in the memo."""
     if _is_compiling():
         return check(sig.arguments(leading, keywords)), TRACED
     tensors = pattern = None
     try:
         given = leading if keyed is None else keyed
-        changed = tuple(map(is_not, keywords, sig.defaults))
-        if True in changed:
-            given += tuple(compress(keywords, changed))
-            changed = tuple(compress(range(len(changed)), changed))  # the indices of those set
-        else:
-            changed = ()
+        # the indices of the keywords set, in one pass; their values join the positional ones
+        changed = tuple(compress(sig.indices, map(is_not, keywords, sig.defaults)))
+        for i in changed:
+            given += (keywords[i],)
         types = tuple(map(type, given))
-        if _SIMPLE.issuperset(types):  # plain tensors and scalars: split without a Python loop
+        grad = _grad_enabled()
+        if _SIMPLE.issuperset(types):  # plain tensors and scalars: no Python loop over them
+            # an entry: (types, changed, grad, its others' getter, their values, its tensors' getter,
+            # the tensors' guards, spec); the types fix where the tensors are, so equal types let the
+            # entry's getters pick the others and the tensors out of this call's arguments
+            for entry in sig.recent:
+                if (
+                    entry[0] == types
+                    and entry[1] == changed
+                    and entry[2] is grad
+                    and entry[3] is not None
+                    and entry[3](given) == entry[4]
+                    and entry[6].check(*entry[5](given))
+                ):
+                    return entry[7], entry[7].door
             tensors = tuple(compress(given, map(is_, types, _TENSOR)))
             others = tuple(compress(given, map(is_not, types, _TENSOR)))
         else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
@@ -83,10 +96,17 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
                 else:
                     others.append(x if t in _SCALARS else arg_key(x))
             others = tuple(others)
-        pattern = (_grad_enabled(), changed, types, others)
-        for entry in sig.recent:
-            if entry[0] == pattern and entry[1].check(*tensors):
-                return entry[2], entry[2].door
+            for entry in sig.recent:  # its entries keep the keyed values (no getter)
+                if (
+                    entry[3] is None
+                    and entry[0] == types
+                    and entry[1] == changed
+                    and entry[2] is grad
+                    and entry[4] == others
+                    and entry[6].check(*tensors)
+                ):
+                    return entry[7], entry[7].door
+        pattern = (grad, changed, types, others)
         key = [sig.op, pattern]
         for x in tensors:
             key.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
@@ -104,9 +124,27 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         except Exception:  # a torch whose guards differ: the memo alone
             guards = None
         if guards is not None:
-            sig.recent.insert(0, (pattern, guards, spec))
+            sig.recent.insert(0, _entry(pattern, guards, spec))
             del sig.recent[_RECENT:]
     return spec, spec.door
+
+
+def _getter(positions: list):
+    """A C getter of those positions of an argument tuple, always giving a tuple."""
+    if len(positions) == 1:
+        return itemgetter(slice(positions[0], positions[0] + 1))
+    return itemgetter(*positions) if positions else itemgetter(slice(0, 0))
+
+
+def _entry(pattern: tuple, guards, spec: Spec) -> tuple:
+    """A recent-signature entry of prepare (off the steady path: made once per signature)."""
+    grad, changed, types, others = pattern
+    if not _SIMPLE.issuperset(types):
+        return (types, changed, grad, None, others, None, guards, spec)
+    where = {True: [], False: []}
+    for i, t in enumerate(types):
+        where[t is _Tensor].append(i)
+    return (types, changed, grad, _getter(where[False]), others, _getter(where[True]), guards, spec)
 
 
 # ---------------------------------------------------------------------------------------------
