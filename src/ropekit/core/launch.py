@@ -45,11 +45,14 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
             launch(kernel, compiled, variant, grid, ptrs, args, meta, True)
         return
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
-    addrs, any_bits = [], 0
+    # a tensor in several slots in a row (the slots a plan never reads get one tensor) is asked once
+    addrs, any_bits, last, a = [], 0, None, 0
     for p in ptrs:
-        a = p.data_ptr()
+        if p is not last:
+            last = p
+            a = p.data_ptr()
+            any_bits |= a
         addrs.append(a)
-        any_bits |= a
     if any_bits % 16 == 0:
         key = (variant, True)
     else:
@@ -65,27 +68,32 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
                 tools = _STATE["tools"] = stream_tools()
             current_stream, runtime = tools
             kernel_run, consts = entry
-            full = (*addrs, *args, *consts)
             stream = current_stream(device)
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
             # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
             # chain), no metadata and no hook calls from the compiled launcher
-            if enter is not None and not getattr(enter, "calls", True):
-                enter = None
+            metadata = None
+            if enter is not None:
+                if getattr(enter, "calls", True):
+                    metadata = kernel_run.launch_metadata(grid, stream, *addrs, *args, *consts)
+                else:
+                    enter = None
             if leave is not None and not getattr(leave, "calls", True):
                 leave = None
-            metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
+            if len(grid) != 3:
+                grid = (*grid, 1, 1)[:3]
+            # one argument tuple, built once: (grid, stream, launch fields, pointers, ints, constexprs)
             kernel_run.run(
-                grid[0],
-                grid[1] if len(grid) > 1 else 1,
-                grid[2] if len(grid) > 2 else 1,
+                *grid,
                 stream,
                 kernel_run.function,
                 kernel_run.packed_metadata,
                 metadata,
                 enter,
                 leave,
-                *full,
+                *addrs,
+                *args,
+                *consts,
             )
             COUNTS["direct"] += 1
             return

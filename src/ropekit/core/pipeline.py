@@ -34,7 +34,7 @@ from .variant import TRACED, Signature, Spec, Variant, arg_key
 
 _Tensor = torch.Tensor
 _SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
-_SIMPLE = _SCALARS | {_Tensor}
+_SIMPLE = _SCALARS | {_Tensor, type}  # a type: a re-rotation's int shift is keyed by `int`
 _TENSOR = repeat(_Tensor)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
@@ -329,30 +329,31 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
         meta = dict(meta, PACK_Q=0)  # a view may start at an odd element: the element path
     if meta["PACK_K"] and (t.k.data_ptr() | t.k_cache.data_ptr()) % (meta["PACK_K"] // 8):
         meta = dict(meta, PACK_K=0)
-    table = t.table
-    ptrs = (
-        t.q,
-        t.k,
-        t.v,
-        table if t.a is None else t.a,
-        table,
-        t.slot_mapping,
-        t.k_cache,
-        t.v_cache,
-        table if t.ks is None else t.ks,
-        table if t.vs is None else t.vs,
-        qo,
-        table if t.qs is None else t.qs,
-        table if t.wq is None else t.wq,
-        table if t.wk is None else t.wk,
-        table if t.qn is None else t.qn,
-        table if t.kn is None else t.kn,
-        table if t.kcs is None else t.kcs,
-        table if t.vcs is None else t.vcs,
-    )
+    # the kernel's pointers picked out of the operands by one getter (which are None is fixed by
+    # the signature)
+    pick = spec.plans.get("store slots")
+    if pick is None:
+        pick = spec.plans["store slots"] = _store_slots(t)
+    ptrs = pick(t)
     args = (*plan.args, spec.norm_eps, spec.norm_offset)
     kernel = plans.kernel("rope_store_kernel")
     launch(kernel, plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, args, meta)
+
+
+# rope_store_kernel's pointer slots by operand name, and what an absent operand's slot points at
+_STORE_SLOTS = ("q", "k", "v", "a", "table", "slot_mapping", "k_cache", "v_cache", "ks", "vs", "q_out", "qs")
+_STORE_SLOTS += ("wq", "wk", "qn", "kn", "kcs", "vcs")
+
+
+def _store_slots(t: run.StoreOperands) -> itemgetter:
+    """A getter of rope_store_kernel's pointers from the store's operands: q_out's slot gets q when
+    q_out is None, any other absent operand's slot the table (never read)."""
+    where = []
+    for name in _STORE_SLOTS:
+        if getattr(t, name) is None:
+            name = "q" if name == "q_out" else "table"
+        where.append(t._fields.index(name))
+    return itemgetter(*where)
 
 
 # ---------------------------------------------------------------------------------------------
