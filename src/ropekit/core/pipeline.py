@@ -75,17 +75,17 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         if _SIMPLE.issuperset(types):  # plain tensors and scalars: no Python loop over them
             # an entry: (types, changed, grad, its others' getter, their values, its tensors' getter,
             # the tensors' guards, spec); the types fix where the tensors are, so equal types let the
-            # entry's getters pick the others and the tensors out of this call's arguments
-            for entry in sig.recent:
+            # entry's getters pick the others and the tensors out of this call's arguments (an
+            # entry of equal types is a simple signature's: it has its getters)
+            for e_types, e_changed, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
                 if (
-                    entry[0] == types
-                    and entry[1] == changed
-                    and entry[2] is grad
-                    and entry[3] is not None
-                    and entry[3](given) == entry[4]
-                    and entry[6].check(*entry[5](given))
+                    e_types == types
+                    and e_changed == changed
+                    and e_grad is grad
+                    and pick(given) == values
+                    and guards.check(*pick_tensors(given))
                 ):
-                    return entry[7], entry[7].door
+                    return spec, spec.door
             tensors = tuple(compress(given, map(is_, types, _TENSOR)))
             others = tuple(compress(given, map(is_not, types, _TENSOR)))
         else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
@@ -96,16 +96,11 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
                 else:
                     others.append(x if t in _SCALARS else arg_key(x))
             others = tuple(others)
-            for entry in sig.recent:  # its entries keep the keyed values (no getter)
-                if (
-                    entry[3] is None
-                    and entry[0] == types
-                    and entry[1] == changed
-                    and entry[2] is grad
-                    and entry[4] == others
-                    and entry[6].check(*tensors)
-                ):
-                    return entry[7], entry[7].door
+            # an entry of equal types is such a signature's: it keeps the keyed values, no getters
+            for e_types, e_changed, e_grad, _, values, _, guards, spec in sig.recent:
+                if e_types == types and e_changed == changed and e_grad is grad and values == others:
+                    if guards.check(*tensors):
+                        return spec, spec.door
         pattern = (grad, changed, types, others)
         key = [sig.op, pattern]
         for x in tensors:
