@@ -1,4 +1,4 @@
-"""Usage: PYTHONPATH=src python3 benchmarks/scripts/profile_host.py [--out FILE.json]
+"""Usage: PYTHONPATH=src python3 benchmarks/scripts/profile_host.py [--out FILE.json] [--stub-launch]
 
 Host time of one steady-state eager call of each op, beside the floors measured in the same run on
 the same host: the direct launch of the same compiled kernel with its arguments prebuilt (what any
@@ -6,10 +6,20 @@ Python caller of that kernel pays), Triton's generic launch of an empty kernel, 
 ATen op on the same q. Needs CUDA. The calls: W3 (64 decode tokens, Llama-3-8B heads, bf16, fp32
 table) in place and out of place, W7-T64's fused store into a paged bf16 cache, and a re-rotation
 of 64 cached rows (W12's form). Each figure: the median of 7 batches (min and max beside it).
+
+--stub-launch (no GPU needed; CPU tensors, the Triton interpreter plans the calls): ropekit's Python
+per call with the kernel run replaced by a no-op. The call goes its whole steady-state path, the
+launch function's argument packing included (ropekit.core.launch's host_only state); only the
+compiled launcher's run is a Python no-op. Each figure is the minimum over --rounds rounds of
+--calls calls (the machine may be shared), beside the no-op run called alone with the same
+arguments; their difference is the Python above the direct launch.
 """
 
 import argparse
 import json
+import os
+import time
+from types import SimpleNamespace
 
 import torch
 
@@ -38,11 +48,82 @@ def calls(dev: str) -> dict:
     }
 
 
+def _nothing(*args):
+    """The stubbed compiled launcher's run: takes the launch's arguments, launches nothing."""
+
+
+def stub_launch(fn) -> tuple:
+    """After one real (interpreted) call of fn: its compiled-kernel cache seeded with an entry whose
+    run does nothing, and launch's host_only state on, so later calls of fn go ropekit's direct
+    launch path to the end. Returns (the stubbed run, its arguments as the launch passes them)."""
+    from ropekit.core import launch as launching
+    from ropekit.core import pipeline
+
+    fn()  # spec, plan (and the interpreter's run of the kernel)
+    seen = []
+    real = pipeline.launch
+    pipeline.launch = lambda *a: seen.append(a)
+    try:
+        fn()
+    finally:
+        pipeline.launch = real
+    assert len(seen) == 1, f"{len(seen)} launches in one call"
+    _, compiled, variant, grid, ptrs, args, _ = seen[0]
+    addrs = [p.data_ptr() for p in ptrs]
+    aligned = tuple(a % 16 == 0 for a in addrs)
+    key = (variant, True) if all(aligned) else (variant, *aligned)
+    run = SimpleNamespace(run=_nothing, function=None, packed_metadata=None)
+    compiled[key] = (run, ())
+    launching._STATE["host_only"] = True
+    launching._STATE["tools"] = (lambda device: 0, SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    launching._current_device = lambda: -1
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    return run.run, (*g, 0, None, None, None, None, None, *addrs, *args)
+
+
+def min_us(fn, rounds: int, n: int) -> float:
+    """The fastest of `rounds` rounds of n calls, microseconds per call."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1e3)
+    return best
+
+
+def stubbed(args) -> None:
+    """The --stub-launch mode (CPU)."""
+    from ropekit.core import launch as launching
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    rows = {}
+    for name, (_, fn) in calls("cpu").items():
+        run, full = stub_launch(fn)
+        direct = min_us(lambda: run(*full), args.rounds, args.calls)
+        eager = min_us(fn, args.rounds, args.calls)
+        rows[name] = {"eager": eager, "stub run": direct, "python": eager - direct}
+        print(
+            f"{name:18s} eager (launch stubbed) {eager:6.2f} us  stub run {direct:5.2f} us  python above it {eager - direct:6.2f} us",
+            flush=True,
+        )
+        launching._STATE["host_only"] = False
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": "cpu, launch stubbed", "rows": rows}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--eager-only", action="store_true", help="the eager calls alone (any ropekit version)")
+    ap.add_argument("--stub-launch", action="store_true", help="CPU: ropekit's Python per call, the kernel run a no-op")
+    ap.add_argument("--rounds", type=int, default=20, help="--stub-launch: timed rounds (the fastest counts)")
+    ap.add_argument("--calls", type=int, default=2000, help="--stub-launch: calls per round")
     args = ap.parse_args()
+    if args.stub_launch:
+        stubbed(args)
+        return
     dev = "cuda"
     rows = {}
     for name, (q, fn) in calls(dev).items():

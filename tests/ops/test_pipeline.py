@@ -1,9 +1,10 @@
 """The call pipeline: a refused call is refused whatever calls came before; one validation per
 signature; the memo is bounded; every door gives the reference's answer.
 
-Values that compare equal across types (16.0 == 16, True == 1) must not share a memoized verdict:
-each case below is called on a fresh memo, then after a valid call with the equal value, and must
-raise the same error both times.
+Values that compare equal across types (16.0 == 16, True == 1) must not share a memoized verdict,
+nor may another value of the same type: each case below is called on a fresh memo, then after the
+valid call has run three times (memoized, then among the op's recent signatures, whose entries
+pick the values out by position), and must raise the same error both times.
 """
 
 import pytest
@@ -33,6 +34,10 @@ CASES = {
     "rotary_dim 16.0 after 16": (
         lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16),
         lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16.0),
+    ),
+    "rotary_dim 8 after 16 (a value of the same type, in place)": (
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=16, inplace=True),
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=8, inplace=True),
     ),
     "rotary_dim True after 1-wide table": None,  # replaced below (needs a 2-wide table)
     "float in mrope_section after ints": (
@@ -92,7 +97,8 @@ def test_refusal_does_not_depend_on_call_history(name):
     memo.clear()
     fresh = _error(lambda: refused(q, c, p))
     assert fresh is not None, f"{name}: the refused call was accepted on a fresh memo"
-    assert _error(lambda: valid(q, c, p)) is None, f"{name}: the valid call was refused"
+    for _ in range(3):  # the memo, then the recent signatures
+        assert _error(lambda: valid(q, c, p)) is None, f"{name}: the valid call was refused"
     again = _error(lambda: refused(q, c, p))
     assert again == fresh, f"{name}: after a valid call the error changed: {fresh} -> {again}"
 

@@ -88,6 +88,31 @@ def test_first_call_generic_then_direct_with_addresses(fake_cuda):
     assert launch.COUNTS == {"direct": 1, "generic": 1}
 
 
+def test_a_tensor_in_several_slots_gives_each_slot_its_address(fake_cuda):
+    """Slots that share a tensor (in a row or not) each get that tensor's address, in slot order."""
+    kernel, compiled = FakeKernel(), {}
+    a, b = FakePointer(4096), FakePointer(8192)
+    ptrs = (a, a, b, a, b, b)
+    for _ in range(2):
+        launch.launch(kernel, compiled, 0, (2, 3, 4), ptrs, (5,), {"BLOCK": 16})
+    assert kernel.log[1][1:] == ((2, 3, 4), 7, (4096, 4096, 8192, 4096, 8192, 8192, 5, 16))
+
+
+def test_host_only_sends_cpu_tensors_down_the_direct_path(fake_cuda, monkeypatch):
+    """profile_host.py --stub-launch's state: CPU tensors take the direct path (a CPU tensor's device
+    is -1); off, they go to kernel[grid] (the interpreter) every time."""
+    x, kernel, compiled = torch.zeros(4), FakeKernel(), {}
+    monkeypatch.setitem(launch._STATE, "host_only", True)
+    monkeypatch.setattr(launch, "_current_device", lambda: -1)
+    for _ in range(2):
+        launch.launch(kernel, compiled, 0, (1,), (x,), (5,), {"BLOCK": 16})
+    assert [e[0] for e in kernel.log] == ["generic", "direct"]
+    assert kernel.log[1][1:] == ((1, 1, 1), -1, (x.data_ptr(), 5, 16))
+    monkeypatch.setitem(launch._STATE, "host_only", False)
+    launch.launch(kernel, compiled, 0, (1,), (x,), (5,), {"BLOCK": 16})
+    assert [e[0] for e in kernel.log] == ["generic", "direct", "generic"]
+
+
 def test_misaligned_pointer_gets_its_own_compiled_entry(fake_cuda):
     kernel, compiled = FakeKernel(), {}
     launch.launch(kernel, compiled, 0, (1,), (FakePointer(4096),), (), {"BLOCK": 16})

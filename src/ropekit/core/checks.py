@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from operator import itemgetter
 
 import torch
 
@@ -288,8 +289,6 @@ def rope_call(spec: Spec, q, k, a, b, wq, wk, q_out, k_out, q_scale, k_scale, q_
         forms.read_new_table(spec, "apply_rope", b)  # a new table: HF's cos is refused
     if spec.door is CUSTOM_OP:  # the custom ops check addresses themselves
         return
-    weights = (wq, wk)
-    names = ANGLE_NAMES[v.angles]
     if spec.inplace:
         # a cheap test on addresses first (inline: this runs on every in-place call): the exact
         # tests run only when the byte range of q or k (written) meets another argument's
@@ -299,16 +298,18 @@ def rope_call(spec: Spec, q, k, a, b, wq, wk, q_out, k_out, q_scale, k_scale, q_
         k0 = 0 if k is None else k.data_ptr()
         k1 = k0 + ext[1]
         meet = ext[0] and ext[1] and q0 < k1 and k0 < q1
-        for x, n in ((a, ext[2]), (b, ext[3]), (wq, ext[4]), (wk, ext[5])):
-            if n:
+        # the read tensors: those of a nonzero extent (which are given is fixed by the signature)
+        for x, n in zip((a, b, wq, wk), ext[2:6]) if ext[4] or ext[5] else ((a, ext[2]), (b, ext[3])):
+            if n and not meet:
                 x0 = x.data_ptr()
                 x1 = x0 + n
-                if (ext[0] and x0 < q1 and q0 < x1) or (ext[1] and x0 < k1 and k0 < x1):
-                    meet = True
+                meet = (ext[0] and x0 < q1 and q0 < x1) or (ext[1] and x0 < k1 and k0 < x1)
         if meet:
-            read = ((names[0], a), (names[1], b), ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]))
+            names = ANGLE_NAMES[v.angles]
+            read = ((names[0], a), (names[1], b), ("q_norm_weight", wq), ("k_norm_weight", wk))
             aliasing.inplace_aliasing("apply_rope", q, k, read)
     if (q_out is not None or k_out is not None) and type(q) is torch.Tensor:
+        names = ANGLE_NAMES[v.angles]
         scales = [s if isinstance(s, torch.Tensor) else None for s in (q_scale, k_scale)]
         read = (("q", q), ("k", k), ("q_nope", q_nope), ("k_nope", k_nope), (names[0], a), (names[1], b))
         read += (("q_norm_weight", wq), ("k_norm_weight", wk))
@@ -597,9 +598,13 @@ def store_call(spec: Spec, t) -> None:
     # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
     # a decode loop that passes the same buffers again (a static cache, reused activations) pays
     # for the addresses and one compare
+    # which operands are given is fixed by the signature: a getter of those, made once per spec
+    given = spec.plans.get("given operands")
+    if given is None:
+        given = spec.plans["given operands"] = _given(t)
     addrs = []
-    for x in t:
-        addrs.append(0 if x is None else x.data_ptr())
+    for x in given(t):
+        addrs.append(x.data_ptr())
     addrs = tuple(addrs)
     if spec.plans.get("checked addresses") == addrs:
         return
@@ -637,6 +642,16 @@ def store_call(spec: Spec, t) -> None:
         aliasing.written_vs_read(STORE, scales[:1], scales[1:] + others)
         aliasing.written_vs_read(STORE, scales[1:], others)
     spec.plans["checked addresses"] = addrs
+
+
+def _given(t) -> itemgetter:
+    """A getter of the store operands that are not None (q, k, v, the table, the caches and the
+    slots always are: a tuple of at least two)."""
+    where = []
+    for i, x in enumerate(t):
+        if x is not None:
+            where.append(i)
+    return itemgetter(*where)
 
 
 # ---------------------------------------------------------------------------------------------

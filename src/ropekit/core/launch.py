@@ -19,7 +19,9 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 
 # how each launch went (the benchmarks print it); "ok" turns off for a Triton whose launcher differs
 COUNTS = {"direct": 0, "generic": 0}
-_STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None}
+# host_only: CPU tensors take the direct path too, with a compiled entry that launches nothing (seeded by
+# benchmarks/scripts/profile_host.py --stub-launch: the Python host time of a call, timed without a GPU)
+_STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None, "host_only": False}
 
 
 def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: bool = False) -> None:
@@ -32,7 +34,7 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
     guarded: called again inside the device guard (the tensors' device made current).
     """
     x = ptrs[0]
-    if not x.is_cuda:
+    if not x.is_cuda and not _STATE["host_only"]:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
     device = x.get_device()
@@ -43,11 +45,14 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
             launch(kernel, compiled, variant, grid, ptrs, args, meta, True)
         return
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
-    addrs, any_bits = [], 0
+    # a tensor in several slots in a row (the slots a plan never reads get one tensor) is asked once
+    addrs, any_bits, last, a = [], 0, None, 0
     for p in ptrs:
-        a = p.data_ptr()
+        if p is not last:
+            last = p
+            a = p.data_ptr()
+            any_bits |= a
         addrs.append(a)
-        any_bits |= a
     if any_bits % 16 == 0:
         key = (variant, True)
     else:
@@ -63,27 +68,32 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
                 tools = _STATE["tools"] = stream_tools()
             current_stream, runtime = tools
             kernel_run, consts = entry
-            full = (*addrs, *args, *consts)
             stream = current_stream(device)
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
             # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
             # chain), no metadata and no hook calls from the compiled launcher
-            if enter is not None and not getattr(enter, "calls", True):
-                enter = None
+            metadata = None
+            if enter is not None:
+                if getattr(enter, "calls", True):
+                    metadata = kernel_run.launch_metadata(grid, stream, *addrs, *args, *consts)
+                else:
+                    enter = None
             if leave is not None and not getattr(leave, "calls", True):
                 leave = None
-            metadata = None if enter is None else kernel_run.launch_metadata(grid, stream, *full)
+            if len(grid) != 3:
+                grid = (*grid, 1, 1)[:3]
+            # one argument tuple, built once: (grid, stream, launch fields, pointers, ints, constexprs)
             kernel_run.run(
-                grid[0],
-                grid[1] if len(grid) > 1 else 1,
-                grid[2] if len(grid) > 2 else 1,
+                *grid,
                 stream,
                 kernel_run.function,
                 kernel_run.packed_metadata,
                 metadata,
                 enter,
                 leave,
-                *full,
+                *addrs,
+                *args,
+                *consts,
             )
             COUNTS["direct"] += 1
             return

@@ -23,7 +23,7 @@ steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import is_, is_not
+from operator import is_, is_not, itemgetter
 
 import torch
 
@@ -34,7 +34,7 @@ from .variant import TRACED, Signature, Spec, Variant, arg_key
 
 _Tensor = torch.Tensor
 _SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
-_SIMPLE = _SCALARS | {_Tensor}
+_SIMPLE = _SCALARS | {_Tensor, type}  # a type: a re-rotation's int shift is keyed by `int`
 _TENSOR = repeat(_Tensor)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
@@ -57,22 +57,35 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
     The signature: grad mode, which keywords differ from their defaults (one identity test each),
     each other argument with its type (16 and 16.0 hash alike but validate differently), and each
     tensor's (shape, strides, dtype, device, requires_grad). Its recent signatures (sig.recent)
-    are tried first: the non-tensor part compared as a tuple, the tensors by torch's compiled
-    tensor guards (one C call, the check torch.compile's guards make); a miss builds the full key
-    and looks it up in the memo."""
+    are tried first: the types, the changed keywords and grad mode compared as they are, the other
+    values picked by the entry's own getter (the types fix where the tensors are) and compared as
+    a tuple, the tensors by torch's compiled tensor guards (one C call, the check torch.compile's
+    guards make); a miss builds the full key and looks it up in the memo."""
     if _is_compiling():
         return check(sig.arguments(leading, keywords)), TRACED
     tensors = pattern = None
     try:
         given = leading if keyed is None else keyed
-        changed = tuple(map(is_not, keywords, sig.defaults))
-        if True in changed:
-            given += tuple(compress(keywords, changed))
-            changed = tuple(compress(range(len(changed)), changed))  # the indices of those set
-        else:
-            changed = ()
+        # the indices of the keywords set, in one pass; their values join the positional ones
+        changed = tuple(compress(sig.indices, map(is_not, keywords, sig.defaults)))
+        for i in changed:
+            given += (keywords[i],)
         types = tuple(map(type, given))
-        if _SIMPLE.issuperset(types):  # plain tensors and scalars: split without a Python loop
+        grad = _grad_enabled()
+        if _SIMPLE.issuperset(types):  # plain tensors and scalars: no Python loop over them
+            # an entry: (types, changed, grad, its others' getter, their values, its tensors' getter,
+            # the tensors' guards, spec); the types fix where the tensors are, so equal types let the
+            # entry's getters pick the others and the tensors out of this call's arguments (an
+            # entry of equal types is a simple signature's: it has its getters)
+            for e_types, e_changed, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
+                if (
+                    e_types == types
+                    and e_changed == changed
+                    and e_grad is grad
+                    and pick(given) == values
+                    and guards.check(*pick_tensors(given))
+                ):
+                    return spec, spec.door
             tensors = tuple(compress(given, map(is_, types, _TENSOR)))
             others = tuple(compress(given, map(is_not, types, _TENSOR)))
         else:  # a tensor subclass or a sequence: its own key (variant.arg_key)
@@ -83,10 +96,12 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
                 else:
                     others.append(x if t in _SCALARS else arg_key(x))
             others = tuple(others)
-        pattern = (_grad_enabled(), changed, types, others)
-        for entry in sig.recent:
-            if entry[0] == pattern and entry[1].check(*tensors):
-                return entry[2], entry[2].door
+            # an entry of equal types is such a signature's: it keeps the keyed values, no getters
+            for e_types, e_changed, e_grad, _, values, _, guards, spec in sig.recent:
+                if e_types == types and e_changed == changed and e_grad is grad and values == others:
+                    if guards.check(*tensors):
+                        return spec, spec.door
+        pattern = (grad, changed, types, others)
         key = [sig.op, pattern]
         for x in tensors:
             key.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
@@ -104,9 +119,27 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         except Exception:  # a torch whose guards differ: the memo alone
             guards = None
         if guards is not None:
-            sig.recent.insert(0, (pattern, guards, spec))
+            sig.recent.insert(0, _entry(pattern, guards, spec))
             del sig.recent[_RECENT:]
     return spec, spec.door
+
+
+def _getter(positions: list):
+    """A C getter of those positions of an argument tuple, always giving a tuple."""
+    if len(positions) == 1:
+        return itemgetter(slice(positions[0], positions[0] + 1))
+    return itemgetter(*positions) if positions else itemgetter(slice(0, 0))
+
+
+def _entry(pattern: tuple, guards, spec: Spec) -> tuple:
+    """A recent-signature entry of prepare (off the steady path: made once per signature)."""
+    grad, changed, types, others = pattern
+    if not _SIMPLE.issuperset(types):
+        return (types, changed, grad, None, others, None, guards, spec)
+    where = {True: [], False: []}
+    for i, t in enumerate(types):
+        where[t is _Tensor].append(i)
+    return (types, changed, grad, _getter(where[False]), others, _getter(where[True]), guards, spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,30 +324,31 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
         meta = dict(meta, PACK_Q=0)  # a view may start at an odd element: the element path
     if meta["PACK_K"] and (t.k.data_ptr() | t.k_cache.data_ptr()) % (meta["PACK_K"] // 8):
         meta = dict(meta, PACK_K=0)
-    table = t.table
-    ptrs = (
-        t.q,
-        t.k,
-        t.v,
-        table if t.a is None else t.a,
-        table,
-        t.slot_mapping,
-        t.k_cache,
-        t.v_cache,
-        table if t.ks is None else t.ks,
-        table if t.vs is None else t.vs,
-        qo,
-        table if t.qs is None else t.qs,
-        table if t.wq is None else t.wq,
-        table if t.wk is None else t.wk,
-        table if t.qn is None else t.qn,
-        table if t.kn is None else t.kn,
-        table if t.kcs is None else t.kcs,
-        table if t.vcs is None else t.vcs,
-    )
+    # the kernel's pointers picked out of the operands by one getter (which are None is fixed by
+    # the signature)
+    pick = spec.plans.get("store slots")
+    if pick is None:
+        pick = spec.plans["store slots"] = _store_slots(t)
+    ptrs = pick(t)
     args = (*plan.args, spec.norm_eps, spec.norm_offset)
     kernel = plans.kernel("rope_store_kernel")
     launch(kernel, plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, args, meta)
+
+
+# rope_store_kernel's pointer slots by operand name, and what an absent operand's slot points at
+_STORE_SLOTS = ("q", "k", "v", "a", "table", "slot_mapping", "k_cache", "v_cache", "ks", "vs", "q_out", "qs")
+_STORE_SLOTS += ("wq", "wk", "qn", "kn", "kcs", "vcs")
+
+
+def _store_slots(t: run.StoreOperands) -> itemgetter:
+    """A getter of rope_store_kernel's pointers from the store's operands: q_out's slot gets q when
+    q_out is None, any other absent operand's slot the table (never read)."""
+    where = []
+    for name in _STORE_SLOTS:
+        if getattr(t, name) is None:
+            name = "q" if name == "q_out" else "table"
+        where.append(t._fields.index(name))
+    return itemgetter(*where)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -431,14 +431,15 @@ class Signature(NamedTuple):
     op: str
     names: tuple  # every parameter, in signature order
     defaults: tuple  # the keyword-only parameters' defaults (one identity test each while unchanged)
-    recent: list  # the op's recent signatures, newest first: [(pattern, tensor guards, spec)]
+    recent: list  # the op's recent signatures, newest first (ropekit.core.pipeline.prepare's entries)
+    indices: range  # the keyword-only parameters' indices (the changed ones are picked from it)
 
     @staticmethod
     def of(fn, op: str = "") -> "Signature":
         params = list(inspect.signature(fn).parameters.values())
         defaults = tuple(p.default for p in params if p.kind is p.KEYWORD_ONLY)
         recent = remembered([])  # emptied with the memo
-        return Signature(op or fn.__name__, tuple(p.name for p in params), defaults, recent)
+        return Signature(op or fn.__name__, tuple(p.name for p in params), defaults, recent, range(len(defaults)))
 
     def arguments(self, leading: tuple, keywords: tuple) -> dict:
         """The call's arguments by name (what the op's validation reads)."""
