@@ -21,7 +21,7 @@ The custom ops (their schemas take the call's record as `Variant.encode()`):
 (a, b): the angle operands as ropekit.core.pipeline.run_rotate takes them; packed: [cp_size, cp_rank];
 norm: [eps, offset]. The backward of every door is the same run with `Variant.backward()` (the
 inverse rotation), or with a norm the norm's backward kernel; inverse frequencies that require
-grad get `freqs.freq_grad` of the outputs. DTensor rules: ropekit.core.sharding, derived from the
+grad get `freq_grad` of the outputs. DTensor rules: ropekit.core.sharding, derived from the
 same encoded record.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from . import aliasing, checks, pipeline, run
 from .args import fail
-from .freqs import freq_grad
+from .freqs import pair_positions
 from .memo import lookup, remember
 from .pipeline import rerotate_direct, rotate_direct, run_rotate, store_direct
 from .run import StoreOperands, heads_first, unit_last_stride
@@ -153,6 +153,36 @@ def norm_grads(variant: Variant, needs, saved, gq, gk, backward_one) -> tuple:
         res[i] = gx if need_x else None
         res[2 + i] = dw if need_w else None
     return tuple(res)
+
+
+def _pairs(x: torch.Tensor, half: int, interleaved: bool, gap: int):
+    """The two members of each rotated pair of x (*T, H, D) as float32 views (*T, H, half); half-split
+    pairs are (i, gap + i) (gap: half, or D/2 with rotary_position='halves')."""
+    x = x.float()
+    if interleaved:
+        return x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+    return x[..., :half], x[..., gap : gap + half]
+
+
+def freq_grad(outs, grads, positions: torch.Tensor, half: int, variant) -> torch.Tensor:
+    """d loss / d inv_freq (float32 (half,)) of a rotation whose angles are positions x inv_freq,
+    by torch ops. A pair's output o = R(angle) x moves with its angle as (-o2, o1), so
+    d loss / d angle = g2 o1 - g1 o2 (summed over heads), and angle = position x inv_freq
+    (negated when variant.inverse). outs, grads: (q's, k's) outputs and their gradients (None
+    where absent), in the variant's output layout; the norm before the rotation changes nothing."""
+    d_angle = 0.0
+    for o, g in zip(outs, grads):
+        if o is None or g is None:
+            continue
+        if variant.heads_first:  # (B, H, S, D) -> (B, S, H, D)
+            o, g = o.transpose(1, 2), g.transpose(1, 2)
+        gap = o.shape[-1] // 2 if variant.rope_halves else half
+        o1, o2 = _pairs(o, half, variant.out_interleaved, gap)
+        g1, g2 = _pairs(g, half, variant.out_interleaved, gap)
+        d_angle = d_angle + (g2 * o1 - g1 * o2).sum(-2)
+    p = pair_positions(positions, variant.sections, half).to(torch.float32)
+    d = (p * d_angle).reshape(-1, half).sum(0)
+    return -d if variant.inverse else d
 
 
 def _saved_for_backward(variant: Variant, wants_freq_grad: bool, a, b, q, k, wq, wk, outs) -> tuple:

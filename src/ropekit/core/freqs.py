@@ -413,33 +413,3 @@ def pair_positions(positions: torch.Tensor, axes, half: int) -> torch.Tensor:
     counts = torch.tensor(tuple(axes), device=positions.device)
     rows = torch.repeat_interleave(torch.arange(len(axes), device=positions.device), counts)
     return positions.index_select(0, rows).movedim(0, -1)
-
-
-def _pairs(x: torch.Tensor, half: int, interleaved: bool, gap: int):
-    """The two members of each rotated pair of x (*T, H, D) as float32 views (*T, H, half); half-split
-    pairs are (i, gap + i) (gap: half, or D/2 with rotary_position='halves')."""
-    x = x.float()
-    if interleaved:
-        return x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-    return x[..., :half], x[..., gap : gap + half]
-
-
-def freq_grad(outs, grads, positions: torch.Tensor, half: int, variant) -> torch.Tensor:
-    """d loss / d inv_freq (float32 (half,)) of a rotation whose angles are positions x inv_freq,
-    by torch ops. A pair's output o = R(angle) x moves with its angle as (-o2, o1), so
-    d loss / d angle = g2 o1 - g1 o2 (summed over heads), and angle = position x inv_freq
-    (negated when variant.inverse). outs, grads: (q's, k's) outputs and their gradients (None
-    where absent), in the variant's output layout; the norm before the rotation changes nothing."""
-    d_angle = 0.0
-    for o, g in zip(outs, grads):
-        if o is None or g is None:
-            continue
-        if variant.heads_first:  # (B, H, S, D) -> (B, S, H, D)
-            o, g = o.transpose(1, 2), g.transpose(1, 2)
-        gap = o.shape[-1] // 2 if variant.rope_halves else half
-        o1, o2 = _pairs(o, half, variant.out_interleaved, gap)
-        g1, g2 = _pairs(g, half, variant.out_interleaved, gap)
-        d_angle = d_angle + (g2 * o1 - g1 * o2).sum(-2)
-    p = pair_positions(positions, variant.sections, half).to(torch.float32)
-    d = (p * d_angle).reshape(-1, half).sum(0)
-    return -d if variant.inverse else d
