@@ -105,6 +105,8 @@ SWEEP = [
     dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, PACKED=True),
     dict(G=1, BLOCK_M=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True),
     dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True, WARP_SPEC=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True, PERSISTENT=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, PACKED=True, PERSISTENT=True),
 ]
 
 
@@ -297,7 +299,8 @@ def _config_with(path: str, T: int, model) -> dict:
 
 
 def parse_configs(text: str) -> list:
-    """--sweep-configs: 'KEY=V,KEY=V;KEY=V,...' -> [{KEY: int V}] (PACKED, TMA, WARP_SPEC as 0/1)."""
+    """--sweep-configs: 'KEY=V,KEY=V;KEY=V,...' -> [{KEY: int V}] (PACKED, TMA, WARP_SPEC, PERSISTENT:
+    0 or 1)."""
     configs = []
     for item in (c for c in text.split(";") if c.strip()):
         cfg = {}
@@ -305,7 +308,7 @@ def parse_configs(text: str) -> list:
             key, _, value = pair.strip().partition("=")
             if not value.lstrip("-").isdigit():
                 raise SystemExit(f"--sweep-configs: expected KEY=INT, got {pair.strip()!r}")
-            cfg[key] = bool(int(value)) if key in ("PACKED", "TMA", "WARP_SPEC") else int(value)
+            cfg[key] = bool(int(value)) if key in ("PACKED", "TMA", "WARP_SPEC", "PERSISTENT") else int(value)
         missing = {"G", "BLOCK_M", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} - set(cfg)
         if missing:
             raise SystemExit(f"--sweep-configs: expected keys {sorted(missing)} in {item.strip()!r}")
@@ -340,7 +343,7 @@ def main(argv=None) -> int:
         "--sweep-configs",
         default=None,
         help="the --sweep's configs instead of SWEEP: 'G=2,BLOCK_M=128,BLOCK_K=64,GROUP_M=8,num_warps=8,"
-        "num_stages=3,PACKED=1;...' (PACKED / TMA / WARP_SPEC 0 or 1)",
+        "num_stages=3,PACKED=1;...' (PACKED / TMA / WARP_SPEC / PERSISTENT 0 or 1)",
     )
     p.add_argument("--device", default="cuda", help="cuda; cpu for a dry run under TRITON_INTERPRET=1")
     p.add_argument("--shapes", default=None, help="MODEL:T,... rows to run instead of --models x --tokens")

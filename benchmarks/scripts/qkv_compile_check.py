@@ -4,7 +4,7 @@
 What Triton makes of the QKV projection kernel (ropekit.kernels.qkv_gemm) for a GPU, without one:
 the kernel compiled for sm_90 (default) at Llama-3-8B's head shape (hidden 4096, head size 128,
 bf16), with the path and tile config given (KEY=VALUE overrides tile_config's entries: G, BLOCK_M,
-BLOCK_K, GROUP_M, num_warps, num_stages, WARP_SPEC). Prints the wgmma instruction shapes of the
+BLOCK_K, GROUP_M, num_warps, num_stages, WARP_SPEC, PERSISTENT). Prints the wgmma instruction shapes of the
 PTX, the layout conversions (`ttg.convert_layout`) and shared-memory allocations (`ttg.local_alloc`)
 of the TTGIR after the main loop (each with the tensor type it moves), and ptxas's registers and
 spills (Triton's own ptxas). --dump DIR writes the TTGIR and PTX there.
@@ -41,6 +41,7 @@ def signature(kernel, cfg: dict, path: str, a) -> tuple:
     consts.update(NORM_Q=int(a.norm), NORM_K=int(a.norm), PRE=a.pre, EVEN_K=True, PRECISION="tf32", UPCAST=False)
     consts.update(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], TMA=path == "tma", CACHE=a.cache)
     consts.update(PACKED=path == "packed", WARP_SPEC=bool(cfg.get("WARP_SPEC", False)) and path == "packed")
+    consts.update(PERSISTENT=bool(cfg.get("PERSISTENT", False)))
     sig, const, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         n = p.name

@@ -122,13 +122,14 @@ def test_half_precision_inputs(dtype, poison, device):
 @pytest.mark.parametrize("norm", [None, "qk"])
 def test_two_heads_per_program(interleaved, norm, device):
     """The GPU tiling (G = 2 heads per program, gathered columns) in the interpreter, through the
-    launcher with an explicit config."""
+    launcher with an explicit config; persistent (programs striding over the tiles) with the norm."""
     need_kernel(device)
     T, hidden, hq, hk, d, rot = 19, 64, 4, 2, 32, 16
     x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
     out = torch.full((T, hq + 2 * hk, d), NAN, device=device)
     pre = torch.full((T, hq + hk, d), NAN, device=device)
     cfg = dict(G=2, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+    cfg["PERSISTENT"] = norm is not None
     qkv_rope_gemm(
         x, w, pos, cache, out, pre, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot,
         interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, config=cfg,
@@ -187,7 +188,8 @@ def spy_packing(monkeypatch) -> list:
 @pytest.mark.parametrize("cached", [False, True], ids=["out", "kv_cache"])
 def test_packed_path(case, cached, device, monkeypatch):
     """The packed path through the launcher, outputs (and pre, and the caches) NaN-poisoned: every
-    column of every head lands where the pair order says, rotated, normed, v unrotated."""
+    column of every head lands where the pair order says, rotated, normed, v unrotated. The
+    first two cases run persistent (a few programs striding over the tiles)."""
     need_kernel(device)
     T, hidden, hq, hk, d, g, interleaved, norm, dtype = case
     x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, d, dtype=dtype, norm=norm, device=device)
@@ -198,6 +200,7 @@ def test_packed_path(case, cached, device, monkeypatch):
     cfg = dict(
         G=g, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2, PACKED=True
     )
+    cfg["PERSISTENT"] = case in PACKED_CASES[:2]
     kw = dict(n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=d, interleaved=interleaved, config=cfg)
     if cached:
         kc, vc = caches("paged", hk, d, device, dtype)
@@ -287,7 +290,9 @@ def test_packed_falls_back_and_knobs(monkeypatch):
     cfg = qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)
     assert (cfg["BLOCK_M"], cfg["num_stages"], cfg["G"], cfg["PACKED"]) == (64, 5, 1, True)
     monkeypatch.setenv("ROPEKIT_QKV_WARP_SPEC", "1")
-    assert qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)["WARP_SPEC"] is True
+    monkeypatch.setenv("ROPEKIT_QKV_PERSISTENT", "1")
+    cfg = qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)
+    assert cfg["WARP_SPEC"] is True and cfg["PERSISTENT"] is True
     monkeypatch.setenv("ROPEKIT_QKV_PATH", "tma")
     assert qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)["TMA"]
     monkeypatch.setenv("ROPEKIT_QKV_WARPS", "eight")
@@ -715,12 +720,13 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("path", ["pointer", "tma", "packed"], ids=["pointers", "tma", "packed"])
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
 )
-def test_gpu_bf16_forward_backward(case, tma, poison, monkeypatch):
-    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+def test_gpu_bf16_forward_backward(case, path, poison, monkeypatch):
+    """Each path at the GPU tiles (a shape a path cannot hold takes the pointer path's)."""
+    monkeypatch.setattr(qkv_gemm, "PATH", path)
     T, hidden, hq, hk, d, rot, interleaved, norm = case
     x, w, pos, cache, wq, wk = inputs(
         T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda", grad=True
@@ -738,6 +744,31 @@ def test_gpu_bf16_forward_backward(case, tma, poison, monkeypatch):
     want = torch.autograd.grad(refs, leaves, [g.double() for g in grads])
     for a, b in zip(got, want):
         assert rel_err(a, b) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("norm", [None, "qk"])
+def test_gpu_packed_path_runs(interleaved, norm, poison, monkeypatch):
+    """The packed path at its default GPU tile (G 2, 128 x 256 x 64) where it applies, forward and
+    backward against the oracle; the launch must pack the weight (no silent fallback)."""
+    monkeypatch.setattr(qkv_gemm, "PATH", "packed")
+    calls = spy_packing(monkeypatch)
+    T, hidden, hq, hk, d = 1000, 1024, 8, 2, 128
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, d, dtype=torch.bfloat16, norm=norm, device="cuda")
+    if not qkv_gemm.packed_ok(x, d, d, 2):
+        pytest.skip("no TMA on this card")
+    leaves = [t.requires_grad_(True) for t in (x, w, wq, wk) if t is not None]
+    outs = call(x, w, pos, cache, wq, wk, hq, hk, d, d, interleaved, impl="fused")
+    refs = reference(x, w, pos, cache, hq, hk, d, d, interleaved, wq, wk)
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) < 8e-3
+    grads = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, leaves, grads)
+    want = torch.autograd.grad(refs, leaves, [g.double() for g in grads])
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 2e-2
+    assert calls
 
 
 @pytest.mark.gpu
@@ -766,14 +797,14 @@ def test_gpu_auto_follows_the_table(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("path", ["pointer", "tma", "packed"], ids=["pointers", "tma", "packed"])
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
 )
-def test_gpu_bf16_kv_cache(case, tma, poison, monkeypatch):
-    """The paged-cache write at the GPU tiles (G = 2 where the heads allow, the TMA path), bf16,
-    against the oracle's store, a NaN-poisoned cache of more slots than tokens."""
-    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+def test_gpu_bf16_kv_cache(case, path, poison, monkeypatch):
+    """The paged-cache write at the GPU tiles (G = 2 where the heads allow, the TMA and packed
+    paths), bf16, against the oracle's store, a NaN-poisoned cache of more slots than tokens."""
+    monkeypatch.setattr(qkv_gemm, "PATH", path)
     T, hidden, hq, hk, d, rot, interleaved, norm = case
     x, w, pos, table, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda")
     block = 16

@@ -47,7 +47,8 @@ so they need no masks.
 
 The launcher (`qkv_rope_gemm`) picks fixed tile sizes by shape (`tile_config`; no autotuning) and the
 path (`chosen_path`: pointer unless PATH, ROPEKIT_QKV_PATH or PREFER_TMA says otherwise, until
-measured); ROPEKIT_QKV_* knobs (`KNOBS`) override the tile sizes for a sweep.
+measured); ROPEKIT_QKV_* knobs (`KNOBS`) override the tile sizes for a sweep. PERSISTENT (a knob,
+any path): one program an SM striding over the tiles.
 """
 
 import os
@@ -168,10 +169,49 @@ def qkv_rope_gemm_kernel(
     CACHE: tl.constexpr,
     PACKED: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
+    # PERSISTENT: a grid of about one program an SM walks the tiles (stride the grid), its k loop
+    # and the next tile's flattened into one pipelined loop, so one tile's epilogue overlaps the
+    # next tile's first loads; otherwise one program a tile
+    if PERSISTENT:
+        n_tiles = tl.cdiv(T, BLOCK_M) * ((n_q_heads + 2 * n_k_heads) // G)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+            _qkv_tile(
+                tile, x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr, wk_ptr,
+                kc_ptr, vc_ptr, slot_ptr, T, K, n_q_heads, n_k_heads, max_position, eps, stride_xm, stride_xk,
+                stride_wn, stride_wk, stride_om, stride_oh, stride_pm, stride_ph, stride_pos, stride_cache,
+                num_slots, block_size, stride_slot, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, D, HALF, HALF_PAD, TAIL_PAD, G, INTERLEAVED, NORM_Q, NORM_K, PRE, EVEN_K, PRECISION,
+                UPCAST, BLOCK_M, BLOCK_K, GROUP_M, TMA, CACHE, PACKED, WARP_SPEC,
+            )  # fmt: skip
+    else:
+        _qkv_tile(
+            tl.program_id(0), x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr,
+            wk_ptr, kc_ptr, vc_ptr, slot_ptr, T, K, n_q_heads, n_k_heads, max_position, eps, stride_xm, stride_xk,
+            stride_wn, stride_wk, stride_om, stride_oh, stride_pm, stride_ph, stride_pos, stride_cache, num_slots,
+            block_size, stride_slot, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D, HALF,
+            HALF_PAD, TAIL_PAD, G, INTERLEAVED, NORM_Q, NORM_K, PRE, EVEN_K, PRECISION, UPCAST, BLOCK_M, BLOCK_K,
+            GROUP_M, TMA, CACHE, PACKED, WARP_SPEC,
+        )  # fmt: skip
+
+
+@triton.jit
+def _qkv_tile(
+    pid, x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr, wk_ptr, kc_ptr,
+    vc_ptr, slot_ptr, T, K, n_q_heads, n_k_heads, max_position, eps, stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_om, stride_oh, stride_pm, stride_ph, stride_pos, stride_cache, num_slots, block_size, stride_slot,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, G: tl.constexpr, INTERLEAVED: tl.constexpr,
+    NORM_Q: tl.constexpr, NORM_K: tl.constexpr, PRE: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, CACHE: tl.constexpr, PACKED: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):  # fmt: skip
+    """One (BLOCK_M rows, G heads) tile of the output: the main loop, then the epilogue."""
     # grouped order of the (row block, head block) tiles: GROUP_M row blocks share W's column
-    # blocks while they are in L2
-    pid = tl.program_id(0)  # int32-ok: a grid index (< 2^31); pid_m and pid_h are widened before any offset
+    # blocks while they are in L2 (pid: the tile's index, int32-ok: < 2^31; pid_m and pid_h are
+    # widened before any offset)
     n_m = tl.cdiv(T, BLOCK_M)
     n_h = (n_q_heads + 2 * n_k_heads) // G
     per_group = GROUP_M * n_h
@@ -420,7 +460,7 @@ PATH = ""
 
 PATHS = ("pointer", "tma", "packed")
 
-# tile_config's knobs for a sweep: environment variable -> config key (an int each; WARP_SPEC 0/1)
+# tile_config's knobs for a sweep: environment variable -> config key (an int each; WARP_SPEC and PERSISTENT 0 or 1)
 KNOBS = {
     "ROPEKIT_QKV_G": "G",
     "ROPEKIT_QKV_BLOCK_M": "BLOCK_M",
@@ -429,6 +469,7 @@ KNOBS = {
     "ROPEKIT_QKV_STAGES": "num_stages",
     "ROPEKIT_QKV_WARPS": "num_warps",
     "ROPEKIT_QKV_WARP_SPEC": "WARP_SPEC",
+    "ROPEKIT_QKV_PERSISTENT": "PERSISTENT",
 }
 
 
@@ -460,8 +501,9 @@ def _knobs(cfg: dict) -> dict:
                 cfg[key] = int(raw)
             except ValueError:
                 raise ValueError(f"{env}: expected an int, got {raw!r}") from None
-    if "WARP_SPEC" in cfg:
-        cfg["WARP_SPEC"] = bool(cfg["WARP_SPEC"])
+    for flag in ("WARP_SPEC", "PERSISTENT"):
+        if flag in cfg:
+            cfg[flag] = bool(cfg[flag])
     return cfg
 
 
@@ -581,6 +623,15 @@ def clear_packed_weights() -> None:
     _PACKED.clear()
 
 
+def _resident_programs(x) -> int:
+    """The persistent grid: one program an SM (a program's pipeline buffers take most of an SM's
+    shared memory); in the interpreter, 3 (so that programs stride over several tiles)."""
+    if not x.is_cuda:
+        return 3
+    props = triton.runtime.driver.active.utils.get_device_properties(x.device.index)
+    return props["multiprocessor_count"]
+
+
 def qkv_rope_gemm(
     x,
     weight,
@@ -619,6 +670,7 @@ def qkv_rope_gemm(
     if n_q_heads % g or n_k_heads % g:  # a block holds heads of one kind only
         g = 1
     warp_spec = bool(cfg.pop("WARP_SPEC", False))
+    persistent = bool(cfg.pop("PERSISTENT", False))
     packed = bool(cfg.pop("PACKED", False)) and packed_ok(x, head_dim, rotary_dim, g)
     tma = bool(cfg.pop("TMA", False)) and not packed and tma_ok(x, weight, interleaved)
     if tma:
@@ -627,7 +679,8 @@ def qkv_rope_gemm(
     tail = head_dim - rotary_dim
     tail_pad = 0 if tail == 0 else max(16, _pow2(tail))
     n_heads = n_q_heads + 2 * n_k_heads
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]) * (n_heads // g),)
+    n_tiles = triton.cdiv(T, cfg["BLOCK_M"]) * (n_heads // g)
+    grid = (min(n_tiles, _resident_programs(x)) if persistent else n_tiles,)
     wq = q_norm_weight if q_norm_weight is not None else cache
     wk = k_norm_weight if k_norm_weight is not None else cache
     pre_t = pre if pre is not None else out
@@ -706,5 +759,6 @@ def qkv_rope_gemm(
         CACHE=cache_on,
         PACKED=packed,
         WARP_SPEC=warp_spec and packed,
+        PERSISTENT=persistent,
         **cfg,
     )
