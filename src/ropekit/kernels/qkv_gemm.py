@@ -391,16 +391,18 @@ def _qkv_tile(
             cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (BLOCK_M, G, HALF_PAD)), (BLOCK_M, G * HALF_PAD))
             sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (BLOCK_M, G, HALF_PAD)), (BLOCK_M, G * HALF_PAD))
         r1, r2 = rotate(a1, a2, cos, sin, False)
-        dst_rows, dst_stride, dst_head, dst_ok = out_rows, stride_oh, head0, row_ok
-        if CACHE:  # k heads into their cache rows, q heads into out: one scalar select each
+        if CACHE and not is_q:
+            # k heads into their cache rows (a branch, not a select of the row pointers: a select
+            # between two pointer tensors hides their alignment from the compiler, whose stores
+            # then go one element at a time, a pointer each, and spill)
             k_rows = kc_ptr + (blk * stride_kb + off * stride_ks)[:, None]
-            dst_rows = tl.where(is_q, out_rows, k_rows)
-            dst_stride = tl.where(is_q, stride_oh, stride_kh)
-            dst_head = tl.where(is_q, head0, head0 - n_q_heads)
-            dst_ok = tl.where(is_q, row_ok, slot_ok)
-        _store_pairs(dst_rows, dst_stride, dst_head, dst_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
-        if TAIL_PAD > 0:
-            _store_tail(dst_rows, dst_stride, dst_head, dst_ok, at, D, HALF, TAIL_PAD, G)
+            _store_pairs(k_rows, stride_kh, head0 - n_q_heads, slot_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            if TAIL_PAD > 0:
+                _store_tail(k_rows, stride_kh, head0 - n_q_heads, slot_ok, at, D, HALF, TAIL_PAD, G)
+        else:
+            _store_pairs(out_rows, stride_oh, head0, row_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            if TAIL_PAD > 0:
+                _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
 
 
 @triton.jit
