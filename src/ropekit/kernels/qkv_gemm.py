@@ -339,18 +339,18 @@ def _qkv_tile(
         if CACHE:
             v_rows = vc_ptr + (blk * stride_vb + off * stride_vs)[:, None]
             v_head = head0 - n_q_heads - n_k_heads
-            _store_pairs(v_rows, stride_vh, v_head, slot_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            _store_pairs(v_rows, stride_vh, v_head, slot_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M, PACKED)
             if TAIL_PAD > 0:
                 _store_tail(v_rows, stride_vh, v_head, slot_ok, at, D, HALF, TAIL_PAD, G)
         else:
-            _store_pairs(out_rows, stride_oh, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            _store_pairs(out_rows, stride_oh, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M, PACKED)
             if TAIL_PAD > 0:
                 _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
     else:
         if PRE:
             # the projection before norm and rotation, rounded as an unfused projection would be
             pre_rows = pre_ptr + rows[:, None] * stride_pm
-            _store_pairs(pre_rows, stride_ph, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            _store_pairs(pre_rows, stride_ph, head0, row_ok, a1, a2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M, PACKED)
             if TAIL_PAD > 0:
                 _store_tail(pre_rows, stride_ph, head0, row_ok, at, D, HALF, TAIL_PAD, G)
         if NORM_Q or NORM_K:
@@ -396,11 +396,13 @@ def _qkv_tile(
             # between two pointer tensors hides their alignment from the compiler, whose stores
             # then go one element at a time, a pointer each, and spill)
             k_rows = kc_ptr + (blk * stride_kb + off * stride_ks)[:, None]
-            _store_pairs(k_rows, stride_kh, head0 - n_q_heads, slot_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            _store_pairs(
+                k_rows, stride_kh, head0 - n_q_heads, slot_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M, PACKED
+            )
             if TAIL_PAD > 0:
                 _store_tail(k_rows, stride_kh, head0 - n_q_heads, slot_ok, at, D, HALF, TAIL_PAD, G)
         else:
-            _store_pairs(out_rows, stride_oh, head0, row_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M)
+            _store_pairs(out_rows, stride_oh, head0, row_ok, r1, r2, HALF, HALF_PAD, G, INTERLEAVED, BLOCK_M, PACKED)
             if TAIL_PAD > 0:
                 _store_tail(out_rows, stride_oh, head0, row_ok, at, D, HALF, TAIL_PAD, G)
 
@@ -418,12 +420,23 @@ def _store_pairs(
     G: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    APART: tl.constexpr,
 ):
     """Store the pair tiles of G heads (row_ptrs: (BLOCK_M, 1) row pointers). Half-split: r1 to
-    columns [0, HALF), r2 to [HALF, 2 HALF) of each head, two runs of contiguous columns.
+    columns [0, HALF), r2 to [HALF, 2 HALF) of each head, two runs of contiguous columns: with
+    APART as two stores (each tile's own layout change on the way, half the registers at a time:
+    what the packed path's one wide accumulator needs), else joined into one tile first.
     Interleaved: r1 and r2 joined lane by lane into one tile (pair i at columns 2i, 2i + 1), so the
     store is contiguous too (no stride-2 stores)."""
     dtype = row_ptrs.dtype.element_ty
+    if APART and not INTERLEAVED:
+        c = tl.arange(0, G * HALF_PAD)
+        j = c % HALF_PAD
+        heads = row_ptrs + ((head0 + c // HALF_PAD) * stride_h)[None, :]
+        ok = row_ok[:, None] & (j < HALF)[None, :]
+        tl.store(heads + j[None, :], r1.to(dtype), mask=ok)
+        tl.store(heads + (HALF + j)[None, :], r2.to(dtype), mask=ok)
+        return
     if INTERLEAVED:
         r = tl.reshape(tl.join(r1, r2), (BLOCK_M, G * 2 * HALF_PAD))
     else:
