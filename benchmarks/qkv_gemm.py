@@ -9,14 +9,17 @@
 Shapes: every model of --models at every T of --tokens, or --shapes MODEL:T,... (one row each),
 or --preset NAME (PRESETS: "long" is Llama-3-8B and Qwen3-8B at T = 8192 and 32768, forward and
 forward + backward: about 3 minutes on an H100 with the default --rounds / --rep). --modes
-(fwd, fwd_bwd) and --variants (fused, fused_tma, unfused; unfused always runs: it is the
+(fwd, fwd_bwd) and --variants (fused, fused_tma, fused_packed, unfused; unfused always runs: it is the
 reference) narrow a run further. The "store" mode times the paged-cache write (k_cache, v_cache,
 slot_mapping: k and v into a bf16 cache of 16-token blocks, q returned) under torch.no_grad; not
 in the defaults (--modes fwd,fwd_bwd,store adds it), not in the suggested auto table.
 
 For each model and token count T (bf16, CUDA), one `ropekit.rope_qkv_projection` call timed as
 
-    fused      impl="fused": the Triton GEMM whose epilogue normalizes and rotates
+    fused      impl="fused": the Triton GEMM whose epilogue normalizes and rotates (pointer path)
+    fused_tma  the same on the TMA path (two half-width dots a k step)
+    fused_packed  the same on the packed path (one (G * D, BLOCK_K) box of the pair-ordered weight
+               copy and one wide dot a k step; kernels/qkv_gemm.py)
     unfused    impl="unfused": torch.nn.functional.linear (cuBLAS) then ropekit.apply_rope
     linear     torch.nn.functional.linear alone (the projection without RoPE: a floor for both)
 
@@ -34,7 +37,10 @@ ropekit.api.qkv.AUTO_TABLE this run suggests ((device kind, shape class) -> "fus
 path was at least 2% faster, else "unfused"), also printed as a Python literal to paste.
 
 --sweep also times the forward kernel alone under several fixed tile configs at --sweep-tokens
-tokens (ropekit.kernels.qkv_gemm.qkv_rope_gemm with config=...), to pick tile_config's choice.
+tokens (ropekit.kernels.qkv_gemm.qkv_rope_gemm with config=...), to pick tile_config's choice;
+--sweep-configs 'G=2,BLOCK_M=128,BLOCK_K=64,GROUP_M=8,num_warps=8,num_stages=3,PACKED=1;...' times
+those instead of SWEEP. The ROPEKIT_QKV_* knobs (docs/qkv.md, "Tuning") change tile_config's
+choice for every fused variant of a run; the JSON's config records the ones set.
 """
 
 from __future__ import annotations
@@ -53,8 +59,16 @@ import ropekit
 from ropekit.api import qkv as qkv_api
 from ropekit.kernels import qkv_gemm
 
-# timed variants: name -> (impl, qkv_gemm.PREFER_TMA)
-VARIANTS = {"fused": ("fused", False), "fused_tma": ("fused", True), "unfused": ("unfused", False)}
+# timed variants: name -> (impl, qkv_gemm.PATH: the fused kernel's path)
+VARIANTS = {
+    "fused": ("fused", "pointer"),
+    "fused_tma": ("fused", "tma"),
+    "fused_packed": ("fused", "packed"),
+    "unfused": ("unfused", ""),
+}
+FUSED = tuple(n for n in VARIANTS if n != "unfused")
+# a variant's suffix in the JSON's fields: fused_ms, fused_tma_ms, ...; speedup, speedup_tma, ...
+SUFFIX = {"fused": "", "fused_tma": "_tma", "fused_packed": "_packed"}
 
 MODELS = {
     # name: (hidden, Hq, Hk, D, rope base, per-head q/k norm)
@@ -82,6 +96,17 @@ SWEEP = [
     dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5, TMA=True),
     dict(G=1, BLOCK_M=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
     dict(G=1, BLOCK_M=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+    # the packed path: one (G * D, BLOCK_K) box and one wide dot per k step
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, PACKED=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2, PACKED=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, PACKED=True),
+    dict(G=2, BLOCK_M=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, PACKED=True),
+    dict(G=1, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, PACKED=True),
+    dict(G=1, BLOCK_M=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True, WARP_SPEC=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True, PERSISTENT=True),
+    dict(G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, PACKED=True, PERSISTENT=True),
 ]
 
 
@@ -131,8 +156,8 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
     grads = None
     outs, gr = {}, {}
     variants = {n: v for n, v in VARIANTS.items() if n in only or n == "unfused"}
-    for name, (impl, tma) in dict(variants).items():
-        qkv_gemm.PREFER_TMA = tma
+    for name, (impl, path) in dict(variants).items():
+        qkv_gemm.PATH = path
         try:
             outs[name] = ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
             if grads is None:
@@ -145,17 +170,17 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
             print(f"{model} T={T}: {name} failed: {res[f'error_{name}']}")
             del variants[name]
             outs.pop(name, None)
-    qkv_gemm.PREFER_TMA = False
-    for name in [n for n in ("fused", "fused_tma") if n in outs]:
+    qkv_gemm.PATH = ""
+    for name in [n for n in FUSED if n in outs]:
         res[f"max_rel_err_fwd_{name}"] = max(rel_err(a, b) for a, b in zip(outs[name], outs["unfused"]))
         res[f"max_rel_err_grad_{name}"] = max(rel_err(a, b) for a, b in zip(gr[name], gr["unfused"]))
     del outs, gr
 
     def fwd(name):
-        impl, tma = VARIANTS[name]
+        impl, path = VARIANTS[name]
 
         def f():
-            qkv_gemm.PREFER_TMA = tma
+            qkv_gemm.PATH = path
             with torch.no_grad():
                 ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
 
@@ -166,10 +191,10 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
             F.linear(x, w)
 
     def fb(name):
-        impl, tma = VARIANTS[name]
+        impl, path = VARIANTS[name]
 
         def f():
-            qkv_gemm.PREFER_TMA = tma
+            qkv_gemm.PATH = path
             o = ropekit.rope_qkv_projection(x, w, pos, cache, impl=impl, **kw)
             torch.autograd.grad(o, leaves, grads)
 
@@ -186,10 +211,10 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
     slots = torch.arange(T, device=device)
 
     def store(name):
-        impl, tma = VARIANTS[name]
+        impl, path = VARIANTS[name]
 
         def f():
-            qkv_gemm.PREFER_TMA = tma
+            qkv_gemm.PATH = path
             with torch.no_grad():
                 return ropekit.rope_qkv_projection(
                     x, w, pos, cache, impl=impl, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, **kw
@@ -201,13 +226,13 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
         nan = float("nan")  # caches NaN first: a row a write misses (or one it should not touch) shows
         k_cache.fill_(nan), v_cache.fill_(nan)
         want = (store("unfused")(), k_cache.clone(), v_cache.clone())
-        for name in [n for n in ("fused", "fused_tma") if n in variants]:
+        for name in [n for n in FUSED if n in variants]:
             k_cache.fill_(nan), v_cache.fill_(nan)
             got = (store(name)(), k_cache, v_cache)
             same = all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(got, want))
             err = max(rel_err(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, want))
             res[f"max_rel_err_store_{name}"] = err if same else float("inf")
-        qkv_gemm.PREFER_TMA = False
+        qkv_gemm.PATH = ""
 
     fns = {
         "fwd": {**{n: fwd(n) for n in variants}, "linear": linear_fwd},
@@ -222,27 +247,21 @@ def run_shape(model: str, T: int, device, rounds: int, rep: int, modes=MODES, on
             for k, fn in table.items():
                 times[k] = min(times[k], bench(fn, rep))
         mult = 3.0 if mode == "fwd_bwd" else 1.0  # the backward is two more GEMMs of the same size
-        for n in ("fused", "fused_tma"):
-            times.setdefault(n, float("nan"))  # a path that failed
-        fused = [n for n in ("fused", "fused_tma") if n in variants]
+        for n in FUSED:
+            times.setdefault(n, float("nan"))  # a path that failed, or not selected
+        fused = [n for n in FUSED if n in variants]
         best = min(fused, key=lambda n: times[n]) if fused else None
-        res[mode] = {
-            "fused_ms": times["fused"],
-            "fused_tma_ms": times["fused_tma"],
-            "unfused_ms": times["unfused"],
-            "linear_ms": times["linear"],
-            "speedup": times["unfused"] / times["fused"],
-            "speedup_tma": times["unfused"] / times["fused_tma"],
-            "best_fused": best,
-            "best_speedup": times["unfused"] / times[best] if best else 0.0,
-            "fused_tflops": mult * flops / times["fused"] / 1e9,
-            "fused_tma_tflops": mult * flops / times["fused_tma"] / 1e9,
-            "linear_tflops": mult * flops / times["linear"] / 1e9,
-        }
+        row = {f"{n}_ms": times[n] for n in FUSED}
+        row.update(unfused_ms=times["unfused"], linear_ms=times["linear"])
+        row.update({f"speedup{SUFFIX[n]}": times["unfused"] / times[n] for n in FUSED})
+        row.update(best_fused=best, best_speedup=times["unfused"] / times[best] if best else 0.0)
+        row.update({f"{n}_tflops": mult * flops / times[n] / 1e9 for n in FUSED})
+        row["linear_tflops"] = mult * flops / times["linear"] / 1e9
+        res[mode] = row
     return res
 
 
-def sweep(models, T: int, device, rep: int) -> list:
+def sweep(models, T: int, device, rep: int, configs=None) -> list:
     rows = []
     for model in models:
         hidden, hq, hk, d, _, normed = MODELS[model]
@@ -251,7 +270,7 @@ def sweep(models, T: int, device, rep: int) -> list:
         out = torch.empty(T, hq + 2 * hk, d, device=device, dtype=x.dtype)
         lin = bench(lambda: F.linear(x, w), rep)
         rows.append({"model": model, "T": T, "config": "cuBLAS F.linear", "ms": lin, "tflops": flops / lin / 1e9})
-        for cfg in SWEEP:
+        for cfg in configs or SWEEP:
 
             def f(cfg=cfg):
                 qkv_gemm.qkv_rope_gemm(
@@ -269,14 +288,32 @@ def sweep(models, T: int, device, rep: int) -> list:
     return rows
 
 
-def _config_with(tma: bool, T: int, model) -> dict:
-    """tile_config's choice on a GPU for this model's shape, with PREFER_TMA as given."""
+def _config_with(path: str, T: int, model) -> dict:
+    """tile_config's choice on a GPU for this model's shape on the given path (knobs applied)."""
     hidden, hq, hk, d = model[:4]
-    saved, qkv_gemm.PREFER_TMA = qkv_gemm.PREFER_TMA, tma
+    saved, qkv_gemm.PATH = qkv_gemm.PATH, path
     try:
         return qkv_gemm.tile_config(T, hidden, d, d, hq, hk, True)
     finally:
-        qkv_gemm.PREFER_TMA = saved
+        qkv_gemm.PATH = saved
+
+
+def parse_configs(text: str) -> list:
+    """--sweep-configs: 'KEY=V,KEY=V;KEY=V,...' -> [{KEY: int V}] (PACKED, TMA, WARP_SPEC, PERSISTENT:
+    0 or 1)."""
+    configs = []
+    for item in (c for c in text.split(";") if c.strip()):
+        cfg = {}
+        for pair in item.split(","):
+            key, _, value = pair.strip().partition("=")
+            if not value.lstrip("-").isdigit():
+                raise SystemExit(f"--sweep-configs: expected KEY=INT, got {pair.strip()!r}")
+            cfg[key] = bool(int(value)) if key in ("PACKED", "TMA", "WARP_SPEC", "PERSISTENT") else int(value)
+        missing = {"G", "BLOCK_M", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} - set(cfg)
+        if missing:
+            raise SystemExit(f"--sweep-configs: expected keys {sorted(missing)} in {item.strip()!r}")
+        configs.append(cfg)
+    return configs
 
 
 def _shapes(a) -> list:
@@ -302,17 +339,26 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=200, help="do_bench's rep (ms of repetitions per timing)")
     p.add_argument("--sweep", action="store_true", help="also time the forward kernel under fixed tile configs")
     p.add_argument("--sweep-tokens", type=int, default=16384)
+    p.add_argument(
+        "--sweep-configs",
+        default=None,
+        help="the --sweep's configs instead of SWEEP: 'G=2,BLOCK_M=128,BLOCK_K=64,GROUP_M=8,num_warps=8,"
+        "num_stages=3,PACKED=1;...' (PACKED / TMA / WARP_SPEC / PERSISTENT 0 or 1)",
+    )
     p.add_argument("--device", default="cuda", help="cuda; cpu for a dry run under TRITON_INTERPRET=1")
     p.add_argument("--shapes", default=None, help="MODEL:T,... rows to run instead of --models x --tokens")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="named --shapes (long: T 8192, 32768)")
     p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd,fwd_bwd,store (which timings to take)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="fused,fused_tma,unfused (unfused always runs)")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="fused,fused_tma,fused_packed,unfused (unfused always runs)"
+    )
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
     shapes = _shapes(a)
+    configs = parse_configs(a.sweep_configs) if a.sweep_configs else None
     models = list(dict.fromkeys(m for m, _ in shapes))
     tokens = list(dict.fromkeys(t for _, t in shapes))
     modes = tuple(m for m in a.modes.split(",") if m)
@@ -339,15 +385,17 @@ def main(argv=None) -> int:
         "rounds": a.rounds,
         "rep_ms": a.rep,
         "tile_configs": {
-            f"{m}{' tma' if tma else ''}": _config_with(tma, tokens[0], MODELS[m])
+            f"{m}{'' if path == 'pointer' else ' ' + path}": _config_with(path, tokens[0], MODELS[m])
             for m in models
-            for tma in (False, True)
+            for path in qkv_gemm.PATHS
         },
+        "knobs": {k: os.environ[k] for k in ("ROPEKIT_QKV_PATH", *qkv_gemm.KNOBS) if k in os.environ},
     }
     results = []
     head = (
-        f"{'model':<10} {'T':>6} {'mode':<8} {'fused ms':>9} {'tma ms':>9} {'unfused':>9} {'linear':>9} "
-        f"{'speedup':>8} {'tma':>7} {'fused TF/s':>10} {'tma TF/s':>9} {'cuBLAS TF/s':>11}"
+        f"{'model':<10} {'T':>6} {'mode':<8} {'fused ms':>9} {'tma ms':>9} {'packed ms':>9} {'unfused':>9} "
+        f"{'linear':>9} {'speedup':>8} {'tma':>7} {'packed':>7} {'fused TF/s':>10} {'tma TF/s':>9} "
+        f"{'packed TF/s':>11} {'cuBLAS TF/s':>11}"
     )
     print(head)
     for model, T in shapes:
@@ -357,12 +405,14 @@ def main(argv=None) -> int:
             m = r[mode]
             print(
                 f"{model:<10} {T:>6} {mode:<8} {m['fused_ms']:>9.3f} {m['fused_tma_ms']:>9.3f} "
-                f"{m['unfused_ms']:>9.3f} {m['linear_ms']:>9.3f} {m['speedup']:>7.3f}x {m['speedup_tma']:>6.3f}x "
-                f"{m['fused_tflops']:>10.0f} {m['fused_tma_tflops']:>9.0f} {m['linear_tflops']:>11.0f}"
+                f"{m['fused_packed_ms']:>9.3f} {m['unfused_ms']:>9.3f} {m['linear_ms']:>9.3f} "
+                f"{m['speedup']:>7.3f}x {m['speedup_tma']:>6.3f}x {m['speedup_packed']:>6.3f}x "
+                f"{m['fused_tflops']:>10.0f} {m['fused_tma_tflops']:>9.0f} {m['fused_packed_tflops']:>11.0f} "
+                f"{m['linear_tflops']:>11.0f}"
             )
         errs = ", ".join(
             f"{n}: forward {r[f'max_rel_err_fwd_{n}']:.2e}, grads {r[f'max_rel_err_grad_{n}']:.2e}"
-            for n in ("fused", "fused_tma")
+            for n in FUSED
             if f"max_rel_err_fwd_{n}" in r
         )
         print(f"{'':<17} rel. err vs unfused: {errs}")
@@ -379,15 +429,17 @@ def main(argv=None) -> int:
             paths[key] = r[mode]["best_fused"]
     print("\nsuggested ropekit.api.qkv.AUTO_TABLE entries:")
     print("{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in auto.items()) + "}")
-    n_tma = sum(1 for k, v in auto.items() if v == "fused" and paths[k] == "fused_tma")
-    print(
-        f"fused entries faster with the TMA path: {n_tma} of {sum(v == 'fused' for v in auto.values())} "
-        "(the TMA path is taken with ropekit.kernels.qkv_gemm.PREFER_TMA / ROPEKIT_QKV_TMA=1)"
-    )
+    n_fused = sum(v == "fused" for v in auto.values())
+    for name, path in (("fused_tma", "tma"), ("fused_packed", "packed")):
+        n = sum(1 for k, v in auto.items() if v == "fused" and paths[k] == name)
+        print(
+            f"fused entries fastest on the {path} path: {n} of {n_fused} "
+            f"(taken with ROPEKIT_QKV_PATH={path} or ropekit.kernels.qkv_gemm.PATH = {path!r})"
+        )
 
     sweep_rows = []
     if a.sweep:
-        sweep_rows = sweep(models, a.sweep_tokens, device, a.rep)
+        sweep_rows = sweep(models, a.sweep_tokens, device, a.rep, configs)
         print(f"\nforward kernel under fixed tile configs, T={a.sweep_tokens}:")
         for row in sweep_rows:
             what = (

@@ -63,3 +63,26 @@ def test_preset_and_bad_selections(qkv_bench):
         qkv_bench._shapes(Args)
     with pytest.raises(SystemExit):
         qkv_bench.main(["--device", "cpu", "--shapes", "tiny:8", "--modes", "bwd"])
+
+
+def test_tiny_cpu_packed_variant_and_sweep_configs(qkv_bench, tmp_path, monkeypatch):
+    """The packed path as a timed variant (checked against the unfused op first), and
+    --sweep-configs parsed into the sweep's configs."""
+    from ropekit.kernels import qkv_gemm
+
+    calls = []
+    real = qkv_gemm.packed_weight
+    monkeypatch.setattr(qkv_gemm, "packed_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "qkv.json"
+    argv = ["--device", "cpu", "--shapes", "tiny:16", "--modes", "fwd", "--variants", "fused_packed"]
+    assert qkv_bench.main([*argv, "--rounds", "1", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert calls and r["max_rel_err_fwd_fused_packed"] < 1e-2 and r["fwd"]["fused_packed_ms"] > 0
+    assert "max_rel_err_fwd_fused" not in r and qkv_gemm.PATH == ""
+    text = "G=2,BLOCK_M=128,BLOCK_K=64,GROUP_M=8,num_warps=8,num_stages=3,PACKED=1;" + (
+        "G=1,BLOCK_M=64,BLOCK_K=32,GROUP_M=4,num_warps=4,num_stages=2,WARP_SPEC=0"
+    )
+    first, second = qkv_bench.parse_configs(text)
+    assert first["PACKED"] is True and first["G"] == 2 and second["WARP_SPEC"] is False
+    with pytest.raises(SystemExit, match="expected keys"):
+        qkv_bench.parse_configs("G=2,BLOCK_M=128")

@@ -122,13 +122,14 @@ def test_half_precision_inputs(dtype, poison, device):
 @pytest.mark.parametrize("norm", [None, "qk"])
 def test_two_heads_per_program(interleaved, norm, device):
     """The GPU tiling (G = 2 heads per program, gathered columns) in the interpreter, through the
-    launcher with an explicit config."""
+    launcher with an explicit config; persistent (programs striding over the tiles) with the norm."""
     need_kernel(device)
     T, hidden, hq, hk, d, rot = 19, 64, 4, 2, 32, 16
     x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, rot, norm=norm, device=device)
     out = torch.full((T, hq + 2 * hk, d), NAN, device=device)
     pre = torch.full((T, hq + hk, d), NAN, device=device)
     cfg = dict(G=2, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+    cfg["PERSISTENT"] = norm is not None
     qkv_rope_gemm(
         x, w, pos, cache, out, pre, n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=rot,
         interleaved=interleaved, q_norm_weight=wq, k_norm_weight=wk, config=cfg,
@@ -161,6 +162,145 @@ def test_tma_path(case, dtype, device):
     assert rel_err(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
     projected = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))[:, : hq + hk]
     assert rel_err(pre, projected) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+# the packed path (PACKED: one TMA box of G * D rows of the pair-ordered weight copy, one dot)
+PACKED_CASES = [
+    # T, hidden, Hq, Hk, D, G, interleaved, norm, dtype
+    (19, 64, 4, 2, 32, 2, False, "qk", torch.bfloat16),
+    (17, 96, 4, 2, 32, 1, True, None, torch.float16),
+    (21, 64, 2, 1, 32, 1, False, "k", torch.float16),
+    (9, 64, 4, 2, 32, 2, True, "q", torch.bfloat16),
+]
+
+
+def spy_packing(monkeypatch) -> list:
+    """Records each packed_weight call (so a test fails if the launcher fell back to another path)."""
+    calls = []
+    real = qkv_gemm.packed_weight
+    monkeypatch.setattr(qkv_gemm, "packed_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "case", PACKED_CASES, ids=[f"T{c[0]}-{c[2]}x{c[3]}-D{c[4]}-G{c[5]}-il{int(c[6])}-{c[7]}" for c in PACKED_CASES]
+)
+@pytest.mark.parametrize("cached", [False, True], ids=["out", "kv_cache"])
+def test_packed_path(case, cached, device, monkeypatch):
+    """The packed path through the launcher, outputs (and pre, and the caches) NaN-poisoned: every
+    column of every head lands where the pair order says, rotated, normed, v unrotated. The
+    first two cases run persistent (a few programs striding over the tiles)."""
+    need_kernel(device)
+    T, hidden, hq, hk, d, g, interleaved, norm, dtype = case
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, d, dtype=dtype, norm=norm, device=device)
+    if device == "cuda" and not qkv_gemm.packed_ok(x, d, d, g):
+        pytest.skip("no TMA on this card")
+    calls = spy_packing(monkeypatch)
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    cfg = dict(
+        G=g, BLOCK_M=16 if device == "cpu" else 64, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2, PACKED=True
+    )
+    cfg["PERSISTENT"] = case in PACKED_CASES[:2]
+    kw = dict(n_q_heads=hq, n_k_heads=hk, head_dim=d, rotary_dim=d, interleaved=interleaved, config=cfg)
+    if cached:
+        kc, vc = caches("paged", hk, d, device, dtype)
+        slots = torch.tensor(
+            [15, 0, 2, -1, 4, 8, 9, 10, 11, -5, 3, 6, 1, 5, 7, 12, 13, 14, -1, -2, -3][:T], device=device
+        )
+        want = cache_reference(x, w, pos, cache, hq, hk, d, d, interleaved, wq, wk, kc, vc, slots)
+        out = torch.full((T, hq, d), NAN, device=device, dtype=dtype)
+        qkv_rope_gemm(x, w, pos, cache, out, None, q_norm_weight=wq, k_norm_weight=wk, k_cache=kc, v_cache=vc,
+                      slot_mapping=slots, **kw)  # fmt: skip
+        assert rel_err(out, want[0]) < tol
+        same_with_nan(kc, want[1], tol)
+        same_with_nan(vc, want[2], tol)
+    else:
+        out = torch.full((T, hq + 2 * hk, d), NAN, device=device, dtype=dtype)
+        pre = torch.full((T, hq + hk, d), NAN, device=device, dtype=dtype)
+        qkv_rope_gemm(x, w, pos, cache, out, pre, q_norm_weight=wq, k_norm_weight=wk, **kw)
+        want = torch.cat(reference(x, w, pos, cache, hq, hk, d, d, interleaved, wq, wk), 1)
+        assert rel_err(out, want) < tol
+        projected = (x.double() @ w.double().T).unflatten(-1, (hq + 2 * hk, d))[:, : hq + hk]
+        assert rel_err(pre, projected) < tol
+    assert calls  # the packed path ran
+
+
+def test_packed_weight_order_and_cache(device):
+    """The pair order of the packed copy (half-split: row i, then HALF + i per head; interleaved:
+    as it is), and the cache: the same copy while the weight is unchanged, a new one after an
+    in-place write, none kept once the weight is gone."""
+    hq, hk, d, hidden = 2, 1, 8, 16
+    w = torch.randn((hq + 2 * hk) * d, hidden, device=device, dtype=torch.float16)
+    got = qkv_gemm.packed_weight(w, d, False)
+    heads = w.view(-1, d, hidden)
+    want = torch.stack((heads[:, : d // 2], heads[:, d // 2 :]), 2).reshape(w.shape)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert qkv_gemm.packed_weight(w, d, False) is got  # cached
+    with torch.no_grad():
+        w.mul_(2)
+    again = qkv_gemm.packed_weight(w, d, False)
+    assert again is not got and torch.equal(again, 2 * want)
+    wt = w.t().contiguous().t()  # any strides: read as they are
+    assert torch.equal(qkv_gemm.packed_weight(wt, d, True), w) and qkv_gemm.packed_weight(wt, d, True).is_contiguous()
+    ids = (id(w), id(wt))
+    assert all(i in qkv_gemm._PACKED for i in ids)
+    del w, wt, heads  # (heads, a view, holds w)
+    assert not any(i in qkv_gemm._PACKED for i in ids)
+
+
+def test_packed_path_through_the_op_forward_backward(device, poison, monkeypatch):
+    """ROPEKIT_QKV_PATH=packed through rope_qkv_projection: forward and backward against the
+    oracle; then an in-place weight update (an optimizer step) and the same again: a stale packed
+    copy would give the old weight's outputs."""
+    need_kernel(device)
+    monkeypatch.setenv("ROPEKIT_QKV_PATH", "packed")
+    calls = spy_packing(monkeypatch)
+    T, hidden, hq, hk, d = 13, 64, 4, 2, 32
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, d, dtype=torch.float16, norm="qk", device=device)
+    leaves = [t.requires_grad_(True) for t in (x, w, wq, wk)]
+    for step in range(2):
+        outs = call(x, w, pos, cache, wq, wk, hq, hk, d, d, False)
+        refs = reference(x, w, pos, cache, hq, hk, d, d, False, wq, wk)
+        for o, r in zip(outs, refs):
+            assert rel_err(o, r) < 1e-3, step
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(o.shape, generator=gen).to(device, o.dtype) for o in outs]
+        got = torch.autograd.grad(outs, leaves, grads)
+        want = torch.autograd.grad(refs, leaves, [gr.double() for gr in grads])
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-2, step
+        with torch.no_grad():  # an optimizer step: in place, the same tensor
+            w.add_(torch.randn(w.shape, generator=gen).to(device, w.dtype), alpha=0.5)
+    assert len(calls) == 2
+
+
+def test_packed_falls_back_and_knobs(monkeypatch):
+    """Heads the packed path cannot hold (a tail, a head size not a power of two, fp32) keep the
+    other paths' configs; the ROPEKIT_QKV_* knobs override tile_config's entries."""
+    monkeypatch.setenv("ROPEKIT_QKV_PATH", "packed")
+    assert qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True) == dict(
+        G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True
+    )
+    assert qkv_gemm.tile_config(4096, 4096, 128, 128, 5, 1, True)["G"] == 1  # odd heads
+    for d, rot, itemsize in ((128, 64, 2), (80, 80, 2), (128, 128, 4), (16, 16, 2)):
+        assert "PACKED" not in qkv_gemm.tile_config(4096, 4096, d, rot, 32, 8, True, itemsize)
+    assert not qkv_gemm.packed_shape_ok(256, 256, 2) and qkv_gemm.packed_shape_ok(256, 256, 1)
+    for env, value in (("ROPEKIT_QKV_BLOCK_M", 64), ("ROPEKIT_QKV_STAGES", 5), ("ROPEKIT_QKV_G", 1)):
+        monkeypatch.setenv(env, str(value))
+    cfg = qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)
+    assert (cfg["BLOCK_M"], cfg["num_stages"], cfg["G"], cfg["PACKED"]) == (64, 5, 1, True)
+    monkeypatch.setenv("ROPEKIT_QKV_WARP_SPEC", "1")
+    monkeypatch.setenv("ROPEKIT_QKV_PERSISTENT", "1")
+    cfg = qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)
+    assert cfg["WARP_SPEC"] is True and cfg["PERSISTENT"] is True
+    monkeypatch.setenv("ROPEKIT_QKV_PATH", "tma")
+    assert qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)["TMA"]
+    monkeypatch.setenv("ROPEKIT_QKV_WARPS", "eight")
+    with pytest.raises(ValueError, match="ROPEKIT_QKV_WARPS: expected an int, got 'eight'"):
+        qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)
+    monkeypatch.setenv("ROPEKIT_QKV_PATH", "wide")
+    with pytest.raises(ValueError, match="ROPEKIT_QKV_PATH: expected one of pointer, tma, packed, got 'wide'"):
+        qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
@@ -580,12 +720,13 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("path", ["pointer", "tma", "packed"], ids=["pointers", "tma", "packed"])
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
 )
-def test_gpu_bf16_forward_backward(case, tma, poison, monkeypatch):
-    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+def test_gpu_bf16_forward_backward(case, path, poison, monkeypatch):
+    """Each path at the GPU tiles (a shape a path cannot hold takes the pointer path's)."""
+    monkeypatch.setattr(qkv_gemm, "PATH", path)
     T, hidden, hq, hk, d, rot, interleaved, norm = case
     x, w, pos, cache, wq, wk = inputs(
         T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda", grad=True
@@ -603,6 +744,31 @@ def test_gpu_bf16_forward_backward(case, tma, poison, monkeypatch):
     want = torch.autograd.grad(refs, leaves, [g.double() for g in grads])
     for a, b in zip(got, want):
         assert rel_err(a, b) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("norm", [None, "qk"])
+def test_gpu_packed_path_runs(interleaved, norm, poison, monkeypatch):
+    """The packed path at its default GPU tile (G 2, 128 x 256 x 64) where it applies, forward and
+    backward against the oracle; the launch must pack the weight (no silent fallback)."""
+    monkeypatch.setattr(qkv_gemm, "PATH", "packed")
+    calls = spy_packing(monkeypatch)
+    T, hidden, hq, hk, d = 1000, 1024, 8, 2, 128
+    x, w, pos, cache, wq, wk = inputs(T, hidden, hq, hk, d, d, dtype=torch.bfloat16, norm=norm, device="cuda")
+    if not qkv_gemm.packed_ok(x, d, d, 2):
+        pytest.skip("no TMA on this card")
+    leaves = [t.requires_grad_(True) for t in (x, w, wq, wk) if t is not None]
+    outs = call(x, w, pos, cache, wq, wk, hq, hk, d, d, interleaved, impl="fused")
+    refs = reference(x, w, pos, cache, hq, hk, d, d, interleaved, wq, wk)
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) < 8e-3
+    grads = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, leaves, grads)
+    want = torch.autograd.grad(refs, leaves, [g.double() for g in grads])
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 2e-2
+    assert calls
 
 
 @pytest.mark.gpu
@@ -631,14 +797,14 @@ def test_gpu_auto_follows_the_table(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("path", ["pointer", "tma", "packed"], ids=["pointers", "tma", "packed"])
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=[f"T{c[0]}-{c[2]}x{c[4]}-r{c[5]}-il{int(c[6])}-{c[7]}" for c in GPU_CASES]
 )
-def test_gpu_bf16_kv_cache(case, tma, poison, monkeypatch):
-    """The paged-cache write at the GPU tiles (G = 2 where the heads allow, the TMA path), bf16,
-    against the oracle's store, a NaN-poisoned cache of more slots than tokens."""
-    monkeypatch.setattr(qkv_gemm, "PREFER_TMA", tma)
+def test_gpu_bf16_kv_cache(case, path, poison, monkeypatch):
+    """The paged-cache write at the GPU tiles (G = 2 where the heads allow, the TMA and packed
+    paths), bf16, against the oracle's store, a NaN-poisoned cache of more slots than tokens."""
+    monkeypatch.setattr(qkv_gemm, "PATH", path)
     T, hidden, hq, hk, d, rot, interleaved, norm = case
     x, w, pos, table, wq, wk = inputs(T, hidden, hq, hk, d, rot, dtype=torch.bfloat16, norm=norm, device="cuda")
     block = 16
