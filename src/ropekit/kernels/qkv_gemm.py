@@ -46,9 +46,10 @@ power-of-two size, `packed_ok`). The TMA paths read whole boxes, zero-filled pas
 so they need no masks.
 
 The launcher (`qkv_rope_gemm`) picks fixed tile sizes by shape (`tile_config`; no autotuning) and the
-path (`chosen_path`: pointer unless PATH, ROPEKIT_QKV_PATH or PREFER_TMA says otherwise, until
-measured); ROPEKIT_QKV_* knobs (`KNOBS`) override the tile sizes for a sweep. PERSISTENT (a knob,
-any path): one program an SM striding over the tiles.
+path (`chosen_path`: packed on a GPU where the shape allows it, else the pointer path's tiles,
+unless PATH, ROPEKIT_QKV_PATH or PREFER_TMA says otherwise); ROPEKIT_QKV_* knobs (`KNOBS`) override
+the tile sizes for a sweep. PERSISTENT (a knob, any path, off: measured slower): one program an SM
+striding over the tiles.
 """
 
 import os
@@ -171,12 +172,12 @@ def qkv_rope_gemm_kernel(
     WARP_SPEC: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
-    # PERSISTENT: a grid of about one program an SM walks the tiles (stride the grid), its k loop
-    # and the next tile's flattened into one pipelined loop, so one tile's epilogue overlaps the
-    # next tile's first loads; otherwise one program a tile
+    # PERSISTENT: a grid of about one program an SM walks the tiles (stride the grid); otherwise
+    # one program a tile. The tile loop is not flattened into the k loop (`flatten=True`): Triton
+    # 3.6's loop fusion fails to compile it
     if PERSISTENT:
         n_tiles = tl.cdiv(T, BLOCK_M) * ((n_q_heads + 2 * n_k_heads) // G)
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             _qkv_tile(
                 tile, x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr, wk_ptr,
                 kc_ptr, vc_ptr, slot_ptr, T, K, n_q_heads, n_k_heads, max_position, eps, stride_xm, stride_xk,
@@ -492,10 +493,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def chosen_path() -> str:
+def chosen_path(on_gpu: bool = True) -> str:
     """The path tile_config aims for: PATH, else ROPEKIT_QKV_PATH, else "tma" with PREFER_TMA,
-    else "pointer". Each call reads them (a sweep changes them between calls)."""
-    path = PATH or os.environ.get("ROPEKIT_QKV_PATH", "") or ("tma" if PREFER_TMA else "pointer")
+    else "packed" on a GPU (the fastest path where it applies: about 1.0x cuBLAS + ropekit at the
+    long preset on an H100, the pointer path 0.70-0.74x; benchmarks/RESULTS.md) and "pointer" in
+    the interpreter. Each call reads them (a sweep changes them between calls)."""
+    default = "packed" if on_gpu else "pointer"
+    path = PATH or os.environ.get("ROPEKIT_QKV_PATH", "") or ("tma" if PREFER_TMA else default)
     if path not in PATHS:
         raise ValueError(f"ROPEKIT_QKV_PATH: expected one of {', '.join(PATHS)}, got {path!r}")
     return path
@@ -540,7 +544,7 @@ def tile_config(
     the pointer path's choice. The ROPEKIT_QKV_* knobs (`KNOBS`) then override any entry."""
     half_pad = max(16, _pow2(rot // 2))
     tail_pad = 0 if D == rot else max(16, _pow2(D - rot))
-    path = chosen_path()
+    path = chosen_path(on_gpu)
     even = n_q_heads % 2 == 0 and n_k_heads % 2 == 0
     block_m = 128 if T >= 128 else 64
     block_k = 64 if itemsize <= 2 else 32
