@@ -279,7 +279,7 @@ def test_packed_falls_back_and_knobs(monkeypatch):
     other paths' configs; the ROPEKIT_QKV_* knobs override tile_config's entries."""
     monkeypatch.setenv("ROPEKIT_QKV_PATH", "packed")
     assert qkv_gemm.tile_config(4096, 4096, 128, 128, 32, 8, True) == dict(
-        G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, PACKED=True
+        G=2, BLOCK_M=128, BLOCK_K=64, GROUP_M=32, num_warps=8, num_stages=3, PACKED=True
     )
     assert qkv_gemm.tile_config(4096, 4096, 128, 128, 5, 1, True)["G"] == 1  # odd heads
     for d, rot, itemsize in ((128, 64, 2), (80, 80, 2), (128, 128, 4), (16, 16, 2)):
