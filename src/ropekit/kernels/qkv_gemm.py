@@ -177,7 +177,7 @@ def qkv_rope_gemm_kernel(
     # 3.6's loop fusion fails to compile it
     if PERSISTENT:
         n_tiles = tl.cdiv(T, BLOCK_M) * ((n_q_heads + 2 * n_k_heads) // G)
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):  # int32-ok: widened in _qkv_tile
             _qkv_tile(
                 tile, x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr, wk_ptr,
                 kc_ptr, vc_ptr, slot_ptr, T, K, n_q_heads, n_k_heads, max_position, eps, stride_xm, stride_xk,
@@ -188,7 +188,7 @@ def qkv_rope_gemm_kernel(
             )  # fmt: skip
     else:
         _qkv_tile(
-            tl.program_id(0), x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr,
+            tl.program_id(0), x_ptr, w_ptr, x_desc, w_desc, wt_desc, out_ptr, pre_ptr, pos_ptr, cache_ptr, wq_ptr,  # int32-ok: the tile index, widened in _qkv_tile
             wk_ptr, kc_ptr, vc_ptr, slot_ptr, T, K, n_q_heads, n_k_heads, max_position, eps, stride_xm, stride_xk,
             stride_wn, stride_wk, stride_om, stride_oh, stride_pm, stride_ph, stride_pos, stride_cache, num_slots,
             block_size, stride_slot, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D, HALF,
