@@ -1515,6 +1515,44 @@ ROWS = [
         "q_norm_weight: expected None with l2_norm=True (one norm a head: the weighted one, or l2_norm's), got a tensor",
         lambda: store_args(l2_norm=True, q_norm_weight=torch.ones(D)),
     ),
+    # ---- apply_rope: eager_rounding (eager PyTorch's roundings in q's 16-bit dtype) ----------------
+    R(
+        "rope-eager-type",
+        "apply_rope",
+        "eager_rounding not a bool",
+        "eager_rounding=1",
+        TypeError,
+        "eager_rounding: expected a bool, got int",
+        lambda: rope_args(eager_rounding=1),
+    ),
+    R(
+        "rope-eager-norm",
+        "apply_rope",
+        "eager_rounding with a fused norm",
+        "q, k bf16, q_norm_weight given, eager_rounding=True",
+        ValueError,
+        "eager_rounding: expected False with q_norm_weight / k_norm_weight (it rounds the rotation only), got True",
+        lambda: rope_args(
+            q=torch.randn(T, HQ, D, dtype=torch.bfloat16),
+            k=torch.randn(T, HK, D, dtype=torch.bfloat16),
+            q_norm_weight=torch.ones(D),
+            eager_rounding=True,
+        ),
+    ),
+    R(
+        "rope-eager-l2",
+        "apply_rope",
+        "eager_rounding with l2_norm",
+        "q, k fp16, l2_norm=True, eager_rounding=True",
+        ValueError,
+        "eager_rounding: expected False with l2_norm=True (it rounds the rotation only), got True",
+        lambda: rope_args(
+            q=torch.randn(T, HQ, D, dtype=torch.float16),
+            k=torch.randn(T, HK, D, dtype=torch.float16),
+            l2_norm=True,
+            eager_rounding=True,
+        ),
+    ),
     # ---- apply_rope: a per-head table (max_position, Ht, rotary_dim), FoPE's -------------------------
     R(
         "rope-head-table-heads",

@@ -197,7 +197,7 @@ def test_workload_selection_and_bytes():
         "W7-KNOPE",
         "W7-QNOPE",
     ]
-    assert [w.id for w in workloads.select("W2,W6")] == ["W2", "W2-OUT", "W2-STRIDED", "W6", "W6-LAST"]
+    assert [w.id for w in workloads.select("W2,W6")] == ["W2", "W2-OUT", "W2-STRIDED", "W2-EAGER", "W6", "W6-LAST"]
     assert [w.id for w in workloads.select("W4")] == ["W4", "W4-N4"]
     assert [w.id for w in workloads.select("w3,train_8b")] == ["W1", "W3", "W3-1"]
     assert [w.id for w in workloads.select("W3-1")] == ["W3-1"]
@@ -479,7 +479,16 @@ def ropekit_row_passes(w, sizes):
     return base
 
 
-CONVENTION_ROWS = ("W7-KNOPE", "W7-QNOPE", "W1-SBHD", "W1-HEADTABLE", "W2-OUT", "W2-STRIDED", "W6-LAST")
+CONVENTION_ROWS = (
+    "W7-KNOPE",
+    "W7-QNOPE",
+    "W1-SBHD",
+    "W1-HEADTABLE",
+    "W2-OUT",
+    "W2-STRIDED",
+    "W2-EAGER",
+    "W6-LAST",
+)
 
 
 @pytest.mark.parametrize("wid", CONVENTION_ROWS)

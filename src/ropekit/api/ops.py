@@ -64,6 +64,7 @@ def apply_rope(
     q_nope: Optional[torch.Tensor] = None,
     k_nope: Optional[torch.Tensor] = None,
     q_temperature: Optional[Sequence[float]] = None,
+    eager_rounding: bool = False,
 ):
     """Rotate q and k by the angles of their positions.
 
@@ -167,6 +168,17 @@ def apply_rope(
             scaled. Differentiable (the backward scales the gradient alike). Table angles with a
             positions tensor only; not with inv_freq, cu_seqlens, M-RoPE, a fused norm, fp8
             outputs or scales, rotary_position other than 'first', nor q_nope / k_nope.
+        eager_rounding: False (the default) rotates in float32 and rounds once, into the output.
+            True rounds as eager PyTorch's ``q * cos + rotate_half(q) * sin`` does in q's dtype
+            (Hugging Face's apply_rotary_pos_emb, vLLM's forward_native): cos and sin rounded to
+            q's dtype, each product rounded, then the sum, so the rotated dims equal that
+            expression bit for bit (a zero's sign aside) on angles that equal its cos / sin (e.g.
+            a table of HF's float32 values); the backward rounds as eager autograd does (g * cos
+            and g * sin, then their sum). For a serving or RL stack whose other side runs the
+            eager expression. Any of q's dtypes (in float32: each product and the sum rounded
+            apart, never one FMA); not with a fused norm. Later steps (q_temperature, fp8
+            scales) act on the rounded rotation. Example: ``apply_rope(q, k, pos, cache,
+            eager_rounding=True)`` with q (T, 32, 128) bf16, cache (P, 128) float32.
 
     Returns (q_out, k_out), k_out None when k is None. Math in float32, outputs in input dtypes.
     A position outside [0, max_position) gives NaN in that token's rotated dims (never an
@@ -207,6 +219,7 @@ def apply_rope(
             q_nope,
             k_nope,
             q_temperature,
+            eager_rounding,
         ),
         checks.rope,
     )

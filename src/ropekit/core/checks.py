@@ -183,6 +183,8 @@ def rope(args: dict) -> Spec:
     # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
     partial = any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
     temperature = q_temperature(op, args, angles, mode, normed, scaled, position)
+    if keyed["eager_rounding"]:
+        eager_rounding_args(op, normed and rules.norm_names(modes))
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
@@ -217,6 +219,13 @@ def rope(args: dict) -> Spec:
         norm_offset=float(norm_offset),
         q_temperature=temperature or (1.0, 0.0),
     )
+
+
+def eager_rounding_args(op: str, norm) -> None:
+    """apply_rope's eager_rounding=True defines the rotation's roundings only (a fused norm's
+    would not be the eager modules'): no norm."""
+    if norm:
+        fail(op, "eager_rounding", f"False with {norm} (it rounds the rotation only)", True)
 
 
 def q_temperature(op: str, args: dict, angles: str, mrope: int, normed: bool, scaled: bool, position: str):

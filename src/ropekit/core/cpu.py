@@ -375,14 +375,44 @@ def _rotate_halves(x, out, ang: _Angles, half: int) -> None:
     out[..., gap : gap + half].copy_(o2)
 
 
-def _rotate_all(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleaved: bool, halves: bool = False) -> None:
+def _pair_views(x, rot: int, interleaved: bool, halves: bool) -> tuple:
+    """The two members of every rotated pair of x (*, D), as views: (2i, 2i + 1) interleaved,
+    (i, i + D/2) with halves (rotary_position='halves'), (i, i + rot/2) otherwise."""
+    half = rot // 2
+    if interleaved:
+        return x[..., 0:rot:2], x[..., 1:rot:2]
+    gap = x.shape[-1] // 2 if halves else half
+    return x[..., :half], x[..., gap : gap + half]
+
+
+def _rotate_eager(pairs, ang: _Angles, rot: int, interleaved: bool, out_interleaved: bool, halves: bool) -> None:
+    """eager_rounding: each pair rotated by ops in x's dtype (ang holds cos / sin rounded to it), so
+    torch rounds every product and sum as eager `q * cos + rotate_half(q) * sin` does; the other
+    dims copied when out is not x."""
+    for x, out in pairs:
+        x1, x2 = _pair_views(x, rot, interleaved, halves)
+        o1 = x1 * ang.c - x2 * ang.s
+        o2 = x2 * ang.c + x1 * ang.s
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        d1, d2 = _pair_views(out, rot, out_interleaved, halves)
+        d1.copy_(o1)
+        d2.copy_(o2)
+
+
+def _rotate_all(
+    pairs, ang: _Angles, rot: int, interleaved: bool, out_interleaved: bool, halves: bool = False, eager: bool = False
+) -> None:
     """Rotate the first rot dims of each (x, out) pair (tensors (*T, H, D) of one token shape; out
     may be x), copying the tail when out is not x. Small tensors with one layout in and out that
     need a scratch copy (in place, or not in the compute dtype) are staged together; float32 out of
     place writes out directly; large tensors go through in blocks. halves: the pairs (i, i + D/2)
-    instead (rotary_position='halves', `_rotate_halves`). Empty tensors (no heads, no tokens) are
-    skipped: nothing to write."""
+    instead (rotary_position='halves', `_rotate_halves`). eager: rounded as eager ops in x's dtype
+    (`_rotate_eager`). Empty tensors (no heads, no tokens) are skipped: nothing to write."""
     pairs = [(x, out) for x, out in pairs if x.numel()]
+    if eager:
+        _rotate_eager(pairs, ang, rot, interleaved, out_interleaved, halves)
+        return
     if halves:
         for x, out in pairs:
             _rotate_halves(x, out, ang, rot // 2)
@@ -459,7 +489,8 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
     token_shape = tuple(q.shape[:-2])
     if 0 in token_shape:
         return
-    ct = compute_dtype(q)
+    # eager_rounding: the angles in q's own dtype, every op of the rotation in it (_rotate_eager)
+    ct = q.dtype if variant.eager_rounding else compute_dtype(q)
     if variant.head_table:
         _rotate_head_table(((q, q_out), (k, k_out)), a, b, token_shape, rot, ct, variant)
         return
@@ -482,7 +513,7 @@ def rope(q, k, q_out, k_out, a, b, *, rot: int, table: bool, variant) -> None:
 
     ang = make() if srcs is None else _cached_angles(srcs, key, make)
     pairs = ((q, q_out),) if k is None else ((q, q_out), (k, k_out))
-    _rotate_all(pairs, ang, rot, interleaved, out_interleaved, variant.rope_halves)
+    _rotate_all(pairs, ang, rot, interleaved, out_interleaved, variant.rope_halves, variant.eager_rounding)
 
 
 def head_table_angles(table, positions, token_shape, rot: int, n_heads: int):
@@ -506,7 +537,15 @@ def _rotate_head_table(pairs, positions, table, token_shape, rot: int, ct, varia
         cos, sin = head_table_angles(table, positions, token_shape, rot, x.shape[-2])
         cos, sin = cos.to(ct), sin.to(ct)
         ang = _Angles(cos, -sin if variant.inverse else sin, ct)
-        _rotate_all(((x, out),), ang, rot, variant.interleaved, variant.out_interleaved, variant.rope_halves)
+        _rotate_all(
+            ((x, out),),
+            ang,
+            rot,
+            variant.interleaved,
+            variant.out_interleaved,
+            variant.rope_halves,
+            variant.eager_rounding,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -150,6 +150,10 @@ FLAGS: Tuple[Flag, ...] = (
     Flag("head_table", False, _in("HEAD_TABLE", _ROPE),
          what="the table holds a [cos | sin] row per (position, head), (max_position, Ht, rotary_dim) (FoPE): "
               "head j of a tensor of H heads reads table head j // (H / Ht); the kernel reads a row per head"),
+    Flag("eager_rounding", False, _in("EAGER_ROUNDING", _ROPE), keyword="eager_rounding",
+         what="the rotation rounds as eager PyTorch's q * cos + rotate_half(q) * sin does in q's dtype "
+              "(cos / sin rounded to it, each product, then the sum): bit-identical to that expression; the "
+              "backward likewise to eager autograd's"),
     Flag("axis_map", (), {}, coded=False,
          what="M-RoPE: the position row of each rotary pair (rotary_dim // 2 entries, mrope_axes), for "
               "every layout; () without M-RoPE (encoded after the sections)"),

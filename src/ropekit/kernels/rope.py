@@ -58,6 +58,10 @@ from ..language import (
 from .norm import group_inv_rms, norm_heads_given, tiles_inv_rms
 from .prologue import token_prologue
 
+# Triton's interpreter runs these kernels (it decides when a kernel is decorated, as read here):
+# _round_as rounds bfloat16 by the bits there, since the interpreter's cast truncates
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
 
 @triton.jit
 def _select(blk, n_q_blocks, b, s, q_io, k_io, BLOCK_H: tl.constexpr):
@@ -176,6 +180,45 @@ def _head_angles(
 
 
 @triton.jit
+def _round_as(x, ty: tl.constexpr):
+    """x (float32) rounded to the nearest value of the float type ty (ties to even), kept in
+    float32: what an eager PyTorch op in ty stores. A cast there and back, but for bfloat16 in
+    Triton's interpreter, whose float32 -> bfloat16 cast truncates: there by the bits. float32 as
+    it is. NaN stays NaN; a value past ty's range becomes inf, as the cast does."""
+    if ty == tl.bfloat16 and _INTERPRETED:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    elif ty == tl.float16 or ty == tl.bfloat16:
+        return x.to(ty).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _product(a, b, ty: tl.constexpr):
+    """a * b rounded to ty on its own, never fused with the sum after it. A float32 multiply that
+    feeds an add is contracted into one FMA (one rounding, not eager's two), and a float32 multiply
+    of float16 values rounded back to float16 is narrowed to a float16 multiply, which the backend
+    contracts the same way; an FMA with a zero addend is the float32 product rounded once (exact
+    for two 16-bit values), and neither rewrite applies to it. (A zero product is then +0 where
+    eager may give -0: equal values.)"""
+    return _round_as(tl.fma(a, b, 0.0), ty)
+
+
+@triton.jit
+def _eager_rotate(x1, x2, c, sn, ty: tl.constexpr):
+    """The pair tile (x1, x2) rotated by (c, sn) as eager PyTorch computes x * cos + rotate_half(x)
+    * sin in ty: the angles rounded to ty, each product rounded, their sum rounded (the kernel's
+    store of the result is then exact, so the interpreter's truncating cast cannot change it)."""
+    c = _round_as(c, ty)
+    sn = _round_as(sn, ty)
+    o1 = _round_as(_product(x1, c, ty) - _product(x2, sn, ty), ty)
+    o2 = _round_as(_product(x2, c, ty) + _product(x1, sn, ty), ty)
+    return o1, o2
+
+
+@triton.jit
 def _tile_out(
     block,
     head0,
@@ -201,6 +244,7 @@ def _tile_out(
     GAP: tl.constexpr,
     Q_TEMPERATURE: tl.constexpr,
     HEAD_TABLE: tl.constexpr,
+    EAGER_ROUNDING: tl.constexpr,
     cols,
     STRIDED_IN: tl.constexpr,
     STRIDED_OUT: tl.constexpr,
@@ -213,6 +257,7 @@ def _tile_out(
     Q_TEMPERATURE: q's blocks (rotated dims and tail) times q_temp, the token's float32 factor.
     HEAD_TABLE: cs is unused; each head's cos / sin come from its table head's row (_head_angles,
     head_rows_of its operands), a (BLOCK_H, HALF_PAD) tile instead of one row for every head.
+    EAGER_ROUNDING: the rotation rounds as eager PyTorch does in the input's dtype (_eager_rotate).
     cols: the column strides (q's, k's, q output's, k output's), read with STRIDED_IN (inputs) /
     STRIDED_OUT (outputs) only (_col_stride)."""
     blk, n_q_blocks, x_base, o_base, stride_x_head, stride_o_head, n_heads, tail = block
@@ -249,7 +294,10 @@ def _tile_out(
     # INVERSE: by -angle, sin negated once for the token's vector (the block's tile per head)
     if INVERSE:
         sb = -sb
-    o1, o2 = rotate(x1, x2, cb, sb, False)
+    if EAGER_ROUNDING:
+        o1, o2 = _eager_rotate(x1, x2, cb, sb, x_base.dtype.element_ty)
+    else:
+        o1, o2 = rotate(x1, x2, cb, sb, False)
     temp = tl.where(blk < n_q_blocks, q_temp, 1.0)  # k's blocks: 1
     if Q_TEMPERATURE:
         o1 = o1 * temp
@@ -381,6 +429,7 @@ def rope_kernel(
     W_PAIRS: tl.constexpr,  # interleaved norm weights read as one word per pair (both 16-byte aligned)
     Q_TEMPERATURE: tl.constexpr,  # q's outputs times log(floor((pos + 1) / temp_floor) + 1) * temp_attn + 1
     HEAD_TABLE: tl.constexpr,  # a (max_pos, Ht, rotary_dim) table: each head reads its table head's row
+    EAGER_ROUNDING: tl.constexpr,  # round as eager PyTorch's q * cos + rotate_half(q) * sin in q's dtype
     STRIDED_IN: tl.constexpr,  # q or k has a last stride other than 1: columns at int64 col * stride
     STRIDED_OUT: tl.constexpr,  # an output has one (in place: the inputs' own strides)
 ):
@@ -568,6 +617,7 @@ def rope_kernel(
             GAP,
             Q_TEMPERATURE,
             HEAD_TABLE,
+            EAGER_ROUNDING,
             cols,
             STRIDED_IN,
             STRIDED_OUT,
@@ -598,6 +648,7 @@ def rope_kernel(
                 GAP,
                 Q_TEMPERATURE,
                 HEAD_TABLE,
+                EAGER_ROUNDING,
                 cols,
                 STRIDED_IN,
                 STRIDED_OUT,
@@ -628,6 +679,7 @@ def rope_kernel(
                 GAP,
                 Q_TEMPERATURE,
                 HEAD_TABLE,
+                EAGER_ROUNDING,
                 cols,
                 STRIDED_IN,
                 STRIDED_OUT,

@@ -83,6 +83,7 @@ def rotate(
     out_interleaved: Optional[bool] = None,
     inverse: bool = False,
     rotary_position: str = "first",
+    eager_rounding: bool = False,
 ) -> torch.Tensor:
     """Rotate the first `2 * cos.shape[-1]` dims of every head of x.
 
@@ -90,34 +91,37 @@ def rotate(
     `out_interleaved` (default: `interleaved`) picks the layout the rotated pairs are written in;
     `inverse` rotates by the negative angle (the backward of the forward rotation);
     rotary_position='halves' rotates the pairs (i, i + D/2), i < half, instead (half-split only),
-    every other dim kept.
+    every other dim kept. eager_rounding: cos and sin, each product and each sum rounded to x's
+    dtype (ties to even), the value eager `x * cos + rotate_half(x) * sin` gives in that dtype.
     """
     if out_interleaved is None:
         out_interleaved = interleaved
     ct = compute_dtype(x)
     half = cos.shape[-1]
     rot = 2 * half
+
+    def rnd(t):
+        # a product of two 16-bit values is exact in float32, and a float32 sum of two of them
+        # rounds to the same 16-bit value as their exact sum: one rounding, as eager's op makes
+        return t.to(x.dtype).to(ct) if eager_rounding else t
+
+    c, s = rnd(cos.to(ct)).unsqueeze(-2), rnd(sin.to(ct)).unsqueeze(-2)
+    if inverse:
+        s = -s
     if rotary_position == "halves":
         gap = x.shape[-1] // 2
-        c, s = cos.to(ct).unsqueeze(-2), sin.to(ct).unsqueeze(-2)
-        if inverse:
-            s = -s
         x1, x2 = x[..., :half].to(ct), x[..., gap : gap + half].to(ct)
         out = x.clone()
-        out[..., :half] = (x1 * c - x2 * s).to(x.dtype)
-        out[..., gap : gap + half] = (x2 * c + x1 * s).to(x.dtype)
+        out[..., :half] = rnd(rnd(x1 * c) - rnd(x2 * s)).to(x.dtype)
+        out[..., gap : gap + half] = rnd(rnd(x2 * c) + rnd(x1 * s)).to(x.dtype)
         return out
     xr = x[..., :rot].to(ct)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
     else:
         x1, x2 = xr[..., :half], xr[..., half:]
-    c = cos.to(ct).unsqueeze(-2)
-    s = sin.to(ct).unsqueeze(-2)
-    if inverse:
-        s = -s
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
+    o1 = rnd(rnd(x1 * c) - rnd(x2 * s))
+    o2 = rnd(rnd(x2 * c) + rnd(x1 * s))
     if out_interleaved:
         o = torch.stack((o1, o2), dim=-1).flatten(-2)
     else:
@@ -204,17 +208,20 @@ def apply_rope(
     rotary_position: str = "first",
     inverse: bool = False,
     q_temperature: Optional[Sequence[float]] = None,
+    eager_rounding: bool = False,
 ):
     """Same contract as `ropekit.apply_rope` (no validation: the public op validates); inverse
     rotates by -angle; q_temperature (floor_scale, attn_scale): q's outputs times
-    log(floor((positions + 1) / floor_scale) + 1) * attn_scale + 1 of their token (float64).
-    A per-head table (max_position, Ht, rotary_dim): `rotate_by_head_table`."""
+    log(floor((positions + 1) / floor_scale) + 1) * attn_scale + 1 of their token (float64);
+    eager_rounding: `rotate`'s. A per-head table (max_position, Ht, rotary_dim): `rotate_by_head_table`."""
     token_shape = q.shape[:-2]
     if cos_sin_cache.dim() == 3:
         q_out, k_out = (
             None
             if x is None
-            else rotate_by_head_table(x, positions, cos_sin_cache, interleaved, inverse, rotary_position)
+            else rotate_by_head_table(
+                x, positions, cos_sin_cache, interleaved, inverse, rotary_position, eager_rounding
+            )
             for x in (q, k)
         )
     else:
@@ -229,8 +236,9 @@ def apply_rope(
         )
         if inverse:
             sin = -sin
-        q_out = rotate(q, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
-        k_out = None if k is None else rotate(k, cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+        how = dict(interleaved=interleaved, rotary_position=rotary_position, eager_rounding=eager_rounding)
+        q_out = rotate(q, cos, sin, **how)
+        k_out = None if k is None else rotate(k, cos, sin, **how)
     if q_temperature is not None:
         floor_scale, attn_scale = q_temperature
         p = torch.broadcast_to(positions, token_shape).double()
@@ -244,7 +252,9 @@ def apply_rope(
     return q_out, k_out
 
 
-def rotate_by_head_table(x, positions, table, interleaved=False, inverse=False, rotary_position="first"):
+def rotate_by_head_table(
+    x, positions, table, interleaved=False, inverse=False, rotary_position="first", eager_rounding=False
+):
     """x (*T, H, D) rotated by a per-head [cos | sin] table (max_position, Ht, rotary_dim): head j
     reads table head j // (H / Ht), its row at the token's position (NaN rows outside the table).
     rotary_position 'last' rotates the last rotary_dim dims, keeping the first ones."""
@@ -262,9 +272,16 @@ def rotate_by_head_table(x, positions, table, interleaved=False, inverse=False, 
     # each head as a token of one head: rotate()'s cos / sin broadcast over that one head
     if rotary_position == "last":
         keep = x.shape[-1] - rot
-        part = rotate(x[..., keep:].unsqueeze(-2), cos, sin, interleaved=interleaved).squeeze(-2)
-        return torch.cat((x[..., :keep], part), dim=-1)
-    out = rotate(x.unsqueeze(-2), cos, sin, interleaved=interleaved, rotary_position=rotary_position)
+        part = rotate(x[..., keep:].unsqueeze(-2), cos, sin, interleaved=interleaved, eager_rounding=eager_rounding)
+        return torch.cat((x[..., :keep], part.squeeze(-2)), dim=-1)
+    out = rotate(
+        x.unsqueeze(-2),
+        cos,
+        sin,
+        interleaved=interleaved,
+        rotary_position=rotary_position,
+        eager_rounding=eager_rounding,
+    )
     return out.squeeze(-2)
 
 

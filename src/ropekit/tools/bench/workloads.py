@@ -57,8 +57,8 @@ class Workload:
     # rope / mla workloads: apply_rope's conventions on the plain row's inputs, "sbhd" (q and k
     # contiguous (S, B, H, D), layout='sbhd'), "out" (destinations q_out= / k_out=), "last" (MLA's
     # whole (T, H, nope + rope) q with rotary_position='last', in place), "strided" (q and k
-    # with last stride 2: read through the documented copy) and "head_table" (a per-KV-head table
-    # (P, Hk, R), FoPE's form, with explicit positions)
+    # with last stride 2: read through the documented copy), "head_table" (a per-KV-head table
+    # (P, Hk, R), FoPE's form, with explicit positions) and "eager" (eager_rounding=True)
     rope_forms: Tuple[str, ...] = ()
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
@@ -390,6 +390,13 @@ _FORMS += [
         name="prefill_70b_strided",
         what="W2 with q and k of last stride 2 (every other element of a buffer): read through the stride",
         rope_forms=("strided",),
+    ),
+    replace(
+        _W2,
+        id="W2-EAGER",
+        name="prefill_70b_eager",
+        what="W2 with eager_rounding=True (the rotation rounded as eager PyTorch's, in bf16)",
+        rope_forms=("eager",),
     ),
     replace(
         _W6,
