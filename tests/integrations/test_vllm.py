@@ -342,6 +342,33 @@ def test_replacement_matches_vllm(report, case):
         assert torch.equal(tail, q.view(T, -1, 64)[..., rd:]), "the pass-through dims untouched"
 
 
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rounding_env_eager_is_forward_native_bit_for_bit(report, monkeypatch, is_neox):
+    """ROPEKIT_VLLM_ROUNDING=eager: a bf16 RotaryEmbedding's replacement gives vLLM's forward_native
+    (its bf16 table, op-by-op bf16 math) bit for bit; "once" (ropekit's rounding) does not; any
+    other value is refused naming the variable, at construction."""
+    exported = rv._rotary_classes(vre)["RotaryEmbedding"]
+    args = (64, 64, 4096, 10000.0, is_neox, torch.bfloat16)
+    own = _vllm_own(exported, args, {})
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 4096, (40,), generator=g)
+    q = (torch.randn(40, HQ * 64, generator=g) * 3).bfloat16()
+    k = (torch.randn(40, HK * 64, generator=g) * 3).bfloat16()
+    q_ref, k_ref = own.forward_native(positions, q.clone(), k.clone())
+    outs = {}
+    for rounding in ("eager", "once"):
+        monkeypatch.setenv(rv.ROUNDING_ENV, rounding)
+        rope = exported(*args)
+        assert type(rope).__name__ == "RopekitRotaryEmbedding"
+        q_out, k_out = rope.forward_native(positions, q.clone(), k.clone())
+        outs[rounding] = (q_out.reshape(q_ref.shape), k_out.reshape(k_ref.shape))
+    assert torch.equal(outs["eager"][0], q_ref) and torch.equal(outs["eager"][1], k_ref)
+    assert not torch.equal(outs["once"][0], q_ref)
+    monkeypatch.setenv(rv.ROUNDING_ENV, "fast")
+    with pytest.raises(ValueError, match=r"ROPEKIT_VLLM_ROUNDING: expected 'once' or 'eager' \(or unset\), got 'fast'"):
+        exported(*args)
+
+
 def test_key_none(report):
     rope = vre.RotaryEmbedding(64, 32, 128, 10000.0, True, F32)
     own = _vllm_own(vre.RotaryEmbedding, (64, 32, 128, 10000.0, True, F32), {})

@@ -377,6 +377,7 @@ def rotate_with_angles(
     norm_weight_offset: float = 0.0,
     l2_norm: bool = False,
     inplace: bool = False,
+    eager_rounding: bool = False,
 ):
     """Rotate q and k by per-token angles (the form Hugging Face models pass).
 
@@ -403,6 +404,12 @@ def rotate_with_angles(
 
     inplace: write into q and k (returned) instead of new tensors; under autograd as apply_rope's
     (not with a norm while autograd records the call).
+
+    eager_rounding: as apply_rope's: rounded as eager ``q * cos + rotate_half(q) * sin`` in q's
+    dtype, so with HF's own cos / sin (already in the model's dtype) the result equals HF's eager
+    apply_rotary_pos_emb bit for bit. Example: ``rotate_with_angles(q, k, cos, sin,
+    layout="bhsd", eager_rounding=True)`` with q (B, Hq, S, D), k (B, Hk, S, D), cos / sin (B, S, D)
+    bf16 as HF's rotary module returns them.
     """
     op = "rotate_with_angles"
     if freqs_cis is not None or (cos is None and sin is None):
@@ -428,6 +435,7 @@ def rotate_with_angles(
         norm_weight_offset=norm_weight_offset,
         l2_norm=l2_norm,
         inplace=inplace,
+        eager_rounding=eager_rounding,
     )
 
 
@@ -465,6 +473,7 @@ def rotate_angles(
     norm_weight_offset=0.0,
     l2_norm=False,
     inplace=False,
+    eager_rounding=False,
 ):
     """rotate_with_angles with two more options, the seam ropekit.hf and ropekit.integrations.hf_qknorm call:
 
@@ -493,6 +502,7 @@ def rotate_angles(
             norm_weight_offset,
             l2_norm,
             inplace,
+            eager_rounding,
         ),
         checks.angles,
     )

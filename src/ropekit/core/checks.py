@@ -222,7 +222,7 @@ def rope(args: dict) -> Spec:
 
 
 def eager_rounding_args(op: str, norm) -> None:
-    """apply_rope's eager_rounding=True defines the rotation's roundings only (a fused norm's
+    """eager_rounding=True (apply_rope's, rotate_with_angles') defines the rotation's roundings only (a fused norm's
     would not be the eager modules'): no norm."""
     if norm:
         fail(op, "eager_rounding", f"False with {norm} (it rounds the rotation only)", True)
@@ -259,11 +259,12 @@ def q_temperature(op: str, args: dict, angles: str, mrope: int, normed: bool, sc
 
 
 def keyword_flags(op: str, args: dict) -> dict:
-    """The flags apply_rope's boolean keywords set as given, by the flag table's `keyword` column:
-    {field: value}; a value that is not a bool is refused naming its keyword (TypeError)."""
+    """The flags an op's boolean keywords set as given, by the flag table's `keyword` column (the
+    keywords the op has): {field: value}; a value that is not a bool is refused naming its keyword
+    (TypeError)."""
     flags = {}
     for f in FLAGS:
-        if f.keyword is not None:
+        if f.keyword is not None and f.keyword in args:
             value = args[f.keyword]
             if not isinstance(value, bool):
                 raise TypeError(f"{op}: {f.keyword}: expected a bool, got {type(value).__name__}")
@@ -399,6 +400,9 @@ def angles(args: dict) -> Spec:
     if normed:
         names = rules.norm_names(modes)
         rules.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != interleaved, names=names)
+    keyed = keyword_flags(op, args)  # the table's keywords this op has (eager_rounding)
+    if keyed["eager_rounding"]:
+        eager_rounding_args(op, normed and rules.norm_names(modes))
     mrope_fields = _mrope_code(mrope)
     mode = mrope_fields["mrope"]
     variant = Variant(
@@ -409,6 +413,7 @@ def angles(args: dict) -> Spec:
         heads_first=hf,
         norm_q=modes[0],
         norm_k=modes[1],
+        **keyed,
     )
     triton = triton_runs(q)
     door = door_for(q, grad, normed, triton)

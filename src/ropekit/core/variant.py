@@ -65,8 +65,9 @@ class Flag(NamedTuple):
     backward   how the backward rotation sets it (Variant.backward): "keep", "negate", or
                "from <field>" (the backward reads the forward's output layout)
     coded      in the custom ops' int-list encoding (False: a view flag the ops never see)
-    keyword    apply_rope's boolean keyword that sets it as given (checks.rope parses every such
-               row alike: a bool, else an error naming the keyword); None: set by other rules
+    keyword    the ops' boolean keyword that sets it as given (checks.keyword_flags parses every
+               such row alike, for each op that has the keyword: a bool, else an error naming the
+               keyword); None: set by other rules
     what       what it means
     """
 

@@ -371,6 +371,10 @@ _ORIGINALS: Dict[Tuple[str, str], object] = {}
 _FUSE_ONLY: set = set()
 
 
+# hf_census.rounding's verdict -> PatchReport.rounding's word
+_ROUNDING_NAMES = {True: "eager", False: "once", None: "neither"}
+
+
 class PatchReport(dict):
     """{family: [names replaced]} (a dict, as before), plus:
 
@@ -381,7 +385,9 @@ class PatchReport(dict):
         way the module attribute now holds ropekit's function;
     unfused: {family: reason} with fuse_qk_norm=True and a model, the families whose q/k norm is not fused;
     unreached: {family: {name: reason}} with a model, the left functions that the model's own modules
-        call (the ones patch warned about).
+        call (the ones patch warned about);
+    rounding: {family: {name: "eager" | "once" | "neither"}} with hf_rounding=True, how each replaced
+        function rounds to reproduce HF's bits (hf_census.rounding).
     Names are the module attribute, prefixed `modeling_x.` when the family's folder has several modules.
     """
 
@@ -392,6 +398,7 @@ class PatchReport(dict):
         self.routes: Dict[str, Dict[str, str]] = {}
         self.unfused: Dict[str, str] = {}
         self.unreached: Dict[str, Dict[str, str]] = {}
+        self.rounding: Dict[str, Dict[str, str]] = {}
 
     def __repr__(self):
         left = sum(len(v) for v in self.left.values())
@@ -482,6 +489,7 @@ def patch(
     *,
     fuse_qk_norm: bool = False,
     strict: bool = False,
+    hf_rounding: bool = False,
 ) -> PatchReport:
     """Swap HF's rotary functions for ropekit's in transformers' modeling modules.
 
@@ -498,7 +506,7 @@ def patch(
     transformers binds a rotary function as the plain function or, with the `kernels` package
     (transformers >= 5.25 always has it), as a hub `Func` module wrapping it: either way the
     module attribute is replaced (attention forwards look it up at call time, so models already
-    built are affected too) and `.routes` says which binding it was. Patching twice is a no-op;
+    built are affected too) and `.routes` says which binding it was. Patching twice with the same arguments is a no-op;
     `unpatch()` restores what the modules bound.
 
     Never silent: with a model, a left function that the model's own modules call is named in a
@@ -510,7 +518,18 @@ def patch(
     them has one (nothing patched), a warning naming those without when some have. Without both,
     it fuses every family that can be.
 
-    Returns a PatchReport: {family: [names replaced]}, `.left`, `.forms`, `.routes`, `.unreached`.
+    hf_rounding: each replaced function rounds as HF's own does, so a patched model computes the
+    unpatched model's rotations bit for bit: eager PyTorch's roundings in the inputs' dtype where
+    HF's function rotates op by op in it (`q * cos + rotate_half(q) * sin`: Llama and most
+    families; ropekit's `eager_rounding`), ropekit's one rounding where HF's computes in float32
+    and casts once. Which one is found per function on a bfloat16 probe and said in `.rounding`
+    ("eager", "once", or "neither": no bit-for-bit match found, ropekit's rounding kept, within
+    HF's bf16 error as always). Off (the default), every replacement rounds once from float32:
+    closer to the exact rotation than eager bf16 math, so bf16 outputs differ from HF's in the last
+    bit of some elements. Not with fuse_qk_norm (the fused norm's roundings are not HF's).
+
+    Returns a PatchReport: {family: [names replaced]}, `.left`, `.forms`, `.routes`, `.unreached`,
+    `.rounding`.
 
     Example::
 
@@ -518,6 +537,13 @@ def patch(
         report = ropekit.hf.patch(model)   # e.g. {'llama': ['apply_rotary_pos_emb']}
         report.routes                      # {'llama': {'apply_rotary_pos_emb': 'kernels hub Func module'}}
     """
+    if type(hf_rounding) is not bool:
+        raise TypeError(f"ropekit.hf.patch: hf_rounding: expected a bool, got {type(hf_rounding).__name__}")
+    if hf_rounding and fuse_qk_norm:
+        raise ValueError(
+            "ropekit.hf.patch: hf_rounding: expected False with fuse_qk_norm=True (the fused norm's roundings "
+            "are not HF's), got True"
+        )
     explicit = families is not None
     wanted = _check_families(families) if explicit else None
     if model is not None:
@@ -547,6 +573,12 @@ def patch(
             )
     from . import hf_qknorm
 
+    fused = sorted(set(hf_qknorm.fused_families()) & set(names))
+    if hf_rounding and fused:
+        raise ValueError(
+            f"ropekit.hf.patch: hf_rounding: expected False while the q/k norms of {fused} are fused (their "
+            "roundings are not HF's; unpatch(fuse_qk_norm=True) first), got True"
+        )
     specs: Dict[str, object] = {}
     unfused: Dict[str, str] = {}
     if fuse_qk_norm and model is not None:  # beyond the hand-written rows: found in the model, verified
@@ -572,12 +604,20 @@ def patch(
             report.left.setdefault(s.entry.family, {})[s.label] = s.form
             continue
         key = (s.entry.module, s.name)
+        eager = False
+        if hf_rounding:
+            found = hf_census.rounding(s.form, s.function)
+            report.rounding.setdefault(s.entry.family, {})[s.label] = _ROUNDING_NAMES[found]
+            eager = bool(found)
+        names_ = hf_forms.signature_of(s.function)
         if key not in _ORIGINALS:
             _ORIGINALS[key] = s.bound
-            names_ = hf_forms.signature_of(s.function)
-            setattr(s.module, s.name, hf_forms.replacement(s.function, s.form, names_, bound=s.bound))
+            setattr(s.module, s.name, hf_forms.replacement(s.function, s.form, names_, bound=s.bound, eager=eager))
             if fuse_qk_norm:
                 _FUSE_ONLY.add(key)
+        elif getattr(getattr(s.module, s.name), "ropekit_eager", eager) != eager:
+            # patched before with the other rounding: replaced again (unpatch restores the same original)
+            setattr(s.module, s.name, hf_forms.replacement(s.function, s.form, names_, bound=s.bound, eager=eager))
         elif not fuse_qk_norm:
             _FUSE_ONLY.discard(key)  # asked for by a plain patch too: unpatch(fuse_qk_norm=True) keeps it
         _add_names(report, s.entry.family, [s.label])
@@ -674,13 +714,16 @@ def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = Fa
 
 
 @contextlib.contextmanager
-def patched(model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False):
-    """`with ropekit.hf.patched(model): ...` patches for the block, then restores what it patched."""
+def patched(
+    model=None, families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = False, hf_rounding: bool = False
+):
+    """`with ropekit.hf.patched(model): ...` patches for the block (patch's arguments), then restores
+    what it patched."""
     from . import hf_qknorm
 
     before = set(_ORIGINALS)
     fused_before = set(hf_qknorm.fused_families())
-    done = patch(model, families, fuse_qk_norm=fuse_qk_norm)
+    done = patch(model, families, fuse_qk_norm=fuse_qk_norm, hf_rounding=hf_rounding)
     try:
         yield done
     finally:

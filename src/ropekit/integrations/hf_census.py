@@ -341,6 +341,45 @@ def classify(fn) -> Union[hf_forms.Form, str]:
     return verdict
 
 
+_BF16_PROBE = 4  # PROBES' all-bfloat16 probe
+# function object -> True (eager roundings), False (ropekit's one rounding), None (neither)
+_ROUNDINGS: Dict[object, Optional[bool]] = {}
+
+
+def rounding(form: hf_forms.Form, fn) -> Optional[bool]:
+    """Which rounding reproduces HF function fn's bfloat16 output bit for bit on the all-bfloat16
+    probe (its form's kind and tables): True, eager PyTorch's (fn rotates op by op in the inputs'
+    dtype, as `q * cos + rotate_half(q) * sin`); False, ropekit's one rounding from float32 (fn
+    computes in float32 and casts once); None when neither does, or the replacement declines the
+    probe (the two roundings differ in about a third of the elements, so one of them at most)."""
+    if fn in _ROUNDINGS:
+        return _ROUNDINGS[fn]
+    names = hf_forms.signature_of(fn)
+    args, position_ids = probe_inputs(form.kind, form.table, _BF16_PROBE)
+    found = None
+    try:
+        with torch.no_grad(), _cpu_path():
+            if _plan(form, args) is not None:  # the replacement takes the probe (else it calls fn)
+                theirs = _call_original(fn, names, args, position_ids)
+                for eager in (False, True):
+                    mine = hf_forms.replacement(fn, form, names, eager=eager)
+                    if _identical(_call_original(mine, names, args, position_ids), theirs):
+                        found = eager
+                        break
+    except Exception:  # noqa: BLE001  HF rejects the probe: nothing to match
+        found = None
+    _ROUNDINGS[fn] = found
+    return found
+
+
+def _identical(got, want) -> bool:
+    if isinstance(want, (tuple, list)):
+        return isinstance(got, (tuple, list)) and len(got) == len(want) and all(map(_identical, got, want))
+    if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)) or got.dtype != want.dtype:
+        return False
+    return got.shape == want.shape and torch.equal(got, want)
+
+
 def verdict(module_name: str, fn) -> Union[hf_forms.Form, str]:
     """classify(fn) for HF function fn of that module, with the table-layout condition of pair-table forms."""
     if not callable(fn):

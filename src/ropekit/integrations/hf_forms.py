@@ -86,9 +86,12 @@ def tokens_first(x, hd):
     return x.transpose(1, 2) if hd == 1 else x
 
 
-def rotate_hf_layout(q, k, cos, sin, hd, *, interleaved, out_interleaved=None, mrope_section=None, columns=None):
+def rotate_hf_layout(
+    q, k, cos, sin, hd, *, interleaved, out_interleaved=None, mrope_section=None, columns=None, eager=False
+):
     """Rotate HF-layout q/k with ropekit: cos/sin are (…, B, S, ·) tables of which the first
-    `columns` columns (None: all) hold the rotary_dim // 2 frequencies."""
+    `columns` columns (None: all) hold the rotary_dim // 2 frequencies. eager: rounded as eager
+    PyTorch in q's dtype (ops' eager_rounding)."""
     return ops.rotate_angles(
         q,
         k,
@@ -99,6 +102,7 @@ def rotate_hf_layout(q, k, cos, sin, hd, *, interleaved, out_interleaved=None, m
         mrope_section=mrope_section,
         heads_first=hd == 1,
         columns=columns,
+        eager_rounding=eager,
     )
 
 
@@ -335,41 +339,45 @@ def plan(form: Form, q, k, cos, sin, unsqueeze_dim=None, kind=None):
     return hd, r // 2, cos, sin
 
 
-def execute(form: Form, planned, q, k, kind=None):
-    """Run a planned call: (q_out, k_out), or the output alone for kind "x"."""
+def execute(form: Form, planned, q, k, kind=None, eager=False):
+    """Run a planned call: (q_out, k_out), or the output alone for kind "x". eager: rounded as
+    eager PyTorch in q's dtype (ops' eager_rounding; hf.patch(hf_rounding=True) where HF's function
+    rounds so)."""
     kind = kind or form.kind
     hd, columns, cos, sin = planned
     if kind == "complex":
         hf = form.table == "complex_bhsd"
-        return ops.rotate_angles(q, k, cos, sin, interleaved=True, columns=columns, heads_first=hf or None)
+        return ops.rotate_angles(
+            q, k, cos, sin, interleaved=True, columns=columns, heads_first=hf or None, eager_rounding=eager
+        )
     if kind == "vision":
-        return ops.rotate_angles(q, k, cos, sin, columns=columns)
+        return ops.rotate_angles(q, k, cos, sin, columns=columns, eager_rounding=eager)
     if form.reverse:
         sin = -sin  # a (.., S, R) table, not q / k: R(-angle)
     k = None if kind == "x" else k
     if not form.rope_last:
-        out = _rotate(form, hd, columns, cos, sin, q, k)
+        out = _rotate(form, hd, columns, cos, sin, q, k, eager)
         return out[0] if kind == "x" else out
     # rotate views of the last 2 * columns dims, pass the rest through
     width = 2 * columns
-    rot = _rotate(form, hd, columns, cos, sin, q[..., -width:], None if k is None else k[..., -width:])
+    rot = _rotate(form, hd, columns, cos, sin, q[..., -width:], None if k is None else k[..., -width:], eager)
     outs = tuple(torch.cat((x[..., :-width], r), dim=-1) for x, r in zip((q, k), rot) if x is not None)
     return outs[0] if kind == "x" else outs
 
 
-def _rotate(form: Form, hd, columns, cos, sin, q, k):
+def _rotate(form: Form, hd, columns, cos, sin, q, k, eager):
     return rotate_hf_layout(
-        q, k, cos, sin, hd, interleaved=form.pairs_in, out_interleaved=form.pairs_out, columns=columns
+        q, k, cos, sin, hd, interleaved=form.pairs_in, out_interleaved=form.pairs_out, columns=columns, eager=eager
     )
 
 
-def run(form: Form, q, k, cos, sin, unsqueeze_dim=None, kind=None):
+def run(form: Form, q, k, cos, sin, unsqueeze_dim=None, kind=None, eager=False):
     """The form's result by ropekit's kernel, or None when the kernel does not reproduce HF's."""
     planned = plan(form, q, k, cos, sin, unsqueeze_dim, kind)
-    return None if planned is None else execute(form, planned, q, k, kind)
+    return None if planned is None else execute(form, planned, q, k, kind, eager)
 
 
-def call(form: Form, args: tuple):
+def call(form: Form, args: tuple, eager: bool = False):
     """The result of an adapted kind's call (`args` in the HF function's parameter order), or None.
 
     gptj: (x, sin, cos), x (B, S, H, D), tables (B, S, R/2): the "x" kind at unsqueeze_dim 2.
@@ -386,36 +394,36 @@ def call(form: Form, args: tuple):
             return None
         if freqs.numel() != q.shape[1] * q.shape[-1] // 2:
             return None
-        return run(form, q, k, freqs.reshape(1, q.shape[1], q.shape[-1] // 2), None, None, "complex")
+        return run(form, q, k, freqs.reshape(1, q.shape[1], q.shape[-1] // 2), None, None, "complex", eager=eager)
     if form.kind == "pairs_2d":
-        return _pairs_2d(form, *args)
+        return _pairs_2d(form, *args, eager=eager)
     if form.kind == "gptj":
         x, sin, cos = args
-        return run(form, x, None, cos, sin, 2, "x")
+        return run(form, x, None, cos, sin, 2, "x", eager=eager)
     if form.kind == "x_bcast":
         x, cos, sin = args
         if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)) or cos.dim() != x.dim():
             return None
         if x.dim() == 3:
-            out = run(form, x.unsqueeze(2), None, cos, sin, 2, "x")
+            out = run(form, x.unsqueeze(2), None, cos, sin, 2, "x", eager=eager)
             return None if out is None else out.squeeze(2)
         heads = [d for d in (1, 2) if x.dim() == 4 and cos.shape[d] == 1 and sin.shape == cos.shape]
         if not heads:
             return None
-        return run(form, x, None, cos.squeeze(heads[0]), sin.squeeze(heads[0]), heads[0], "x")
+        return run(form, x, None, cos.squeeze(heads[0]), sin.squeeze(heads[0]), heads[0], "x", eager=eager)
     q, k, cos, sin = args
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or cos.dim() != 2 or q.dim() != 4:
         return None
     n, p = q.shape[-2], cos.shape[0]
     if not (0 < p <= n and k.dim() == 4 and k.shape[-2] == n):
         return None
-    out = run(form, q[..., n - p :, :], k[..., n - p :, :], cos[None], sin[None], 1, "qk")
+    out = run(form, q[..., n - p :, :], k[..., n - p :, :], cos[None], sin[None], 1, "qk", eager=eager)
     if out is None or p == n:
         return out
     return tuple(torch.cat((x[..., : n - p, :], r), dim=-2) for x, r in zip((q, k), out))
 
 
-def _pairs_2d(form: Form, q, k, cos, sin, excluded, repeat):
+def _pairs_2d(form: Form, q, k, cos, sin, excluded, repeat, eager=False):
     """SAM 2 video's call: q and k (B, H, S, D) rotated apart by the table's rows ((1, S, D) or
     (S, D), pairs), k's last `excluded` tokens passed through, and with `repeat` a table of q's
     length tiled over k's rotated tokens (k_rot's length over q's, rounded down, as HF tiles).
@@ -438,17 +446,17 @@ def _pairs_2d(form: Form, q, k, cos, sin, excluded, repeat):
         return None  # HF's broadcast fails: its own error
     k_part = k[..., :n_k, :]
     # keys as many as queries on the same rows (self-attention): one launch for both
-    out = run(form, q, k_part, cos[None], sin[None], 1, "qk") if n_k == n_q else None
+    out = run(form, q, k_part, cos[None], sin[None], 1, "qk", eager=eager) if n_k == n_q else None
     if out is None:
-        q_out = run(form, q, None, cos[None], sin[None], 1, "x")
-        k_rot = run(form, k_part, None, cos_k[None], sin_k[None], 1, "x") if q_out is not None else None
+        q_out = run(form, q, None, cos[None], sin[None], 1, "x", eager=eager)
+        k_rot = run(form, k_part, None, cos_k[None], sin_k[None], 1, "x", eager=eager) if q_out is not None else None
         out = None if k_rot is None else (q_out, k_rot)
     if out is None:
         return None
     return (out[0], torch.cat((out[1], k[..., n_k:, :]), dim=-2)) if excluded else out
 
 
-def _adapted_replacement(original: Callable, form: Form) -> Callable:
+def _adapted_replacement(original: Callable, form: Form, eager: bool) -> Callable:
     """The replacement of an adapted kind: the original's parameters, bound by name."""
     sig = inspect.signature(original)
     fixed = [p.name for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
@@ -466,49 +474,52 @@ def _adapted_replacement(original: Callable, form: Form) -> Callable:
                 return original(*args, **kwargs)  # HF's own error
             bound.apply_defaults()  # the original's defaults for what the call leaves out
             values = tuple(bound.arguments[n] for n in fixed)
-        out = call(form, values)
+        out = call(form, values, eager)
         return original(*args, **kwargs) if out is None else out
 
     fn.__signature__ = sig
     return fn
 
 
-def replacement(original: Callable, form: Form, names: Tuple[str, ...], bound: object = None) -> Callable:
+def replacement(
+    original: Callable, form: Form, names: Tuple[str, ...], bound: object = None, eager: bool = False
+) -> Callable:
     """A function with the original's parameters and defaults that returns the form's result, and
     the original's own where the kernel does not reproduce it (`run` returned None).
     bound: what the modeling module bound (the original, or the kernels hub `Func` module wrapping
-    it); kept as `ropekit_original`, what `unpatch` puts back."""
+    it); kept as `ropekit_original`, what `unpatch` puts back. eager: the rotation rounded as eager
+    PyTorch in q's dtype (kept as `ropekit_eager`)."""
     kind = SIGNATURES[names]
     if kind in ADAPTED:
-        fn = _adapted_replacement(original, form)
+        fn = _adapted_replacement(original, form, eager)
     elif kind == "x":
 
         def fn(x, cos, sin, unsqueeze_dim=1):
-            out = run(form, x, None, cos, sin, unsqueeze_dim)
+            out = run(form, x, None, cos, sin, unsqueeze_dim, eager=eager)
             return original(x, cos, sin, unsqueeze_dim) if out is None else out
 
     elif kind == "complex":
 
         def fn(xq, xk, freqs_cis):
-            out = run(form, xq, xk, freqs_cis, None)
+            out = run(form, xq, xk, freqs_cis, None, eager=eager)
             return original(xq, xk, freqs_cis) if out is None else out
 
     elif kind == "vision":
 
         def fn(q, k, cos, sin):
-            out = run(form, q, k, cos, sin)
+            out = run(form, q, k, cos, sin, eager=eager)
             return original(q, k, cos, sin) if out is None else out
 
     elif "position_ids" in names:
 
         def fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            out = run(form, q, k, cos, sin, unsqueeze_dim)
+            out = run(form, q, k, cos, sin, unsqueeze_dim, eager=eager)
             return original(q, k, cos, sin, position_ids, unsqueeze_dim) if out is None else out
 
     else:
 
         def fn(q, k, cos, sin, unsqueeze_dim=1):
-            out = run(form, q, k, cos, sin, unsqueeze_dim)
+            out = run(form, q, k, cos, sin, unsqueeze_dim, eager=eager)
             return original(q, k, cos, sin, unsqueeze_dim) if out is None else out
 
     if kind not in ADAPTED:
@@ -516,4 +527,5 @@ def replacement(original: Callable, form: Form, names: Tuple[str, ...], bound: o
     fn.__name__, fn.__qualname__, fn.__doc__ = original.__name__, original.__qualname__, original.__doc__
     fn.ropekit_form = form.name
     fn.ropekit_original = original if bound is None else bound
+    fn.ropekit_eager = eager
     return fn

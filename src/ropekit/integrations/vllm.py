@@ -46,6 +46,20 @@ HOW_TO_TURN_ON = (
 # Transformers backend, each HF rotary function patched for a model appends "init hf:<modeling
 # module>.<name>" when the model is built and "call hf:<modeling module>.<name>" per call.
 TRACE_ENV = "ROPEKIT_VLLM_TRACE"
+# "eager": every replacement rounds as vLLM's forward_native does (x1 * cos - x2 * sin op by op in the
+# model's dtype, cos / sin from its table in that dtype): apply_rope(eager_rounding=True), and
+# ropekit.hf.patch(model, hf_rounding=True) for the Transformers backend; unset or "once": ropekit's
+# one rounding from float32. Read when each replacement is constructed (or the backend's model patched).
+ROUNDING_ENV = "ROPEKIT_VLLM_ROUNDING"
+
+
+def eager_rounding() -> bool:
+    """ROUNDING_ENV as a bool; any value but "", "once" and "eager" raises ValueError naming it."""
+    value = os.environ.get(ROUNDING_ENV, "")
+    if value not in ("", "once", "eager"):
+        raise ValueError(f"ropekit.vllm: {ROUNDING_ENV}: expected 'once' or 'eager' (or unset), got {value!r}")
+    return value == "eager"
+
 
 # vLLM class -> how its forward maps onto apply_rope. "table": rows of `cos_sin_cache` indexed by
 # positions (+ offsets); "mrope": the same, and (3, T) positions pick sections (Qwen2-VL chunks or
@@ -137,6 +151,7 @@ def _rotate(module, positions, query, key, table, mrope: bool, layout=None):
         mrope_interleaved=bool(module.mrope_interleaved) if mrope and layout is None else False,
         mrope_layout=layout if mrope else None,
         inplace=True,
+        eager_rounding=getattr(module, "_ropekit_eager", False),  # False: not a replacement (the bench's)
     )
     return query, key
 
@@ -206,7 +221,15 @@ def _forward_fope(self, positions, query, key=None, offsets=None):
     n_tok = positions.shape[0]
     q = query.view(n_tok, -1, self.head_size)
     k = None if key is None else key.view(n_tok, -1, self.head_size)
-    ropekit.apply_rope(q, k, positions, table, rotary_dim=self.head_size, inplace=True)
+    ropekit.apply_rope(
+        q,
+        k,
+        positions,
+        table,
+        rotary_dim=self.head_size,
+        inplace=True,
+        eager_rounding=getattr(self, "_ropekit_eager", False),
+    )
     return q, k  # (T, H, head_size) views, the shapes vLLM's forward_native returns
 
 
@@ -231,6 +254,7 @@ def _forward_last(self, positions, query, key=None, offsets=None, inverse=False)
         rotary_position="last",
         inverse=bool(inverse),
         inplace=True,
+        eager_rounding=getattr(self, "_ropekit_eager", False),
     )
     return query, key
 
@@ -252,6 +276,7 @@ FORWARDS = {
 def _init(self, *args, **kwargs):
     self._ropekit_of.__init__(self, *args, **kwargs)
     self._ropekit_trace = os.environ.get(TRACE_ENV)
+    self._ropekit_eager = eager_rounding()
     _trace(self, "init")
 
 
@@ -382,8 +407,9 @@ def patch_hf_model(model: torch.nn.Module):
     from . import hf
 
     name = type(model).__name__
+    rounding = eager_rounding()
     try:
-        report = hf.patch(model)
+        report = hf.patch(model, hf_rounding=rounding)
     except ValueError as e:  # patch(model) without strict / fuse_qk_norm: no rotary function in its modules
         logger.info("ropekit.vllm: Transformers backend %s: Hugging Face's code kept: %s", name, e)
         return None
