@@ -14,8 +14,9 @@ Adding a boolean flag of apply_rope: a row in FLAGS (the record's field, its def
 constexpr of it, its backward rule, its keyword; the custom-op encoding, the plans' constexpr
 passing, Variant.backward and the keyword's parsing follow from the row), the keyword on the public
 op (its signature, docstring and prepare's tuple), its branch in the kernel, in ropekit.core.cpu and
-in the oracle ropekit.tools.reference: five files. A flag that brings operands of its own (a
-tensor, a stride, a float) adds their validation (checks, rules), their launch arguments (plans)
+in the oracle ropekit.tools.reference: five files, and checks for any flag it does not compose
+with (eager_rounding: refused with a fused norm; six files). A flag that brings operands of its own
+(a tensor, a stride, a float) adds their validation (checks, rules), their launch arguments (plans)
 and the run step that passes them (pipeline, run): head_table (a per-head table's head stride) and
 fp4 (two scale tensors) took 9 and 11 source files.
 """

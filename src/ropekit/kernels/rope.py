@@ -198,11 +198,11 @@ def _round_as(x, ty: tl.constexpr):
 @triton.jit
 def _product(a, b, ty: tl.constexpr):
     """a * b rounded to ty on its own, never fused with the sum after it. A float32 multiply that
-    feeds an add is contracted into one FMA (one rounding, not eager's two), and a float32 multiply
-    of float16 values rounded back to float16 is narrowed to a float16 multiply, which the backend
-    contracts the same way; an FMA with a zero addend is the float32 product rounded once (exact
-    for two 16-bit values), and neither rewrite applies to it. (A zero product is then +0 where
-    eager may give -0: equal values.)"""
+    feeds an add may be contracted into one FMA (one rounding, not eager's two); with float16 a
+    plain multiply, rounded and widened back, still gave 1-ulp differences from eager on an H100
+    (a float16 multiply and add fused likewise, most likely). An FMA with a zero addend is the
+    float32 product rounded once (exact for two 16-bit values) and is not fused again. (A zero
+    product is then +0 where eager may give -0: equal values.)"""
     return _round_as(tl.fma(a, b, 0.0), ty)
 
 
