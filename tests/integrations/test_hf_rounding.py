@@ -83,3 +83,13 @@ def test_hf_rounding_refusals():
     hf.patch(model, fuse_qk_norm=True)
     with pytest.raises(ValueError, match=r"hf_rounding: expected False while the q/k norms of \['qwen3'\] are fused"):
         hf.patch(model, hf_rounding=True)
+
+
+def test_every_replaced_function_has_a_bit_for_bit_rounding():
+    """Over the installed transformers: each function patch() replaces reproduces HF's bf16 output
+    bit for bit with one of the two roundings (none "neither"), and both occur."""
+    report = hf.patch(hf_rounding=True)
+    found = [(family, name, way) for family, names in report.rounding.items() for name, way in names.items()]
+    assert len(found) == sum(len(names) for names in report.values())
+    assert not [f for f in found if f[2] == "neither"]
+    assert {way for _, _, way in found} == {"eager", "once"}

@@ -208,19 +208,20 @@ def _adapted_probe(kind: str, layout: str, index: int) -> tuple:
     return q, k, cos[0, 1:], sin[0, 1:]  # one prefix token
 
 
-def _pairs_2d_probe(layout: str, index: int) -> tuple:
+def _pairs_2d_probe(layout: str, index: int, keys: Optional[int] = None) -> tuple:
     """(q, k, cos, sin, num_k_exclude_rope, repeat_freqs_k) from the "qk" probe of the same index:
-    (B, H, S, D) q / k and its first batch's table as (1, S, D); keys of their own length in some:
-    the last key excluded (probe 2), keys twice as many with the table tiled (probe 3), and keys
-    twice as many with no tiling, which HF's broadcast refuses (probe 4)."""
+    (B, H, S, D) q / k and its first batch's table as (1, S, D); keys of their own length by
+    `keys` (default: the index): the last key excluded (2), keys twice as many with the table tiled
+    (3), and keys twice as many with no tiling, which HF's broadcast refuses (4); else as many as q."""
+    keys = index if keys is None else keys
     q, k, cos, sin, ud = probe_inputs("qk", layout, index)[0]
     if ud == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = cos[:1], sin[:1]
-    if index == 2:
+    if keys == 2:
         return q, torch.cat((k, k[..., :1, :]), dim=-2), cos, sin, 1, False
-    if index in (3, 4):
-        return q, torch.cat((k, k), dim=-2), cos, sin, 0, index == 3
+    if keys in (3, 4):
+        return q, torch.cat((k, k), dim=-2), cos, sin, 0, keys == 3
     return q, k, cos, sin, 0, False
 
 
@@ -356,6 +357,8 @@ def rounding(form: hf_forms.Form, fn) -> Optional[bool]:
         return _ROUNDINGS[fn]
     names = hf_forms.signature_of(fn)
     args, position_ids = probe_inputs(form.kind, form.table, _BF16_PROBE)
+    if form.kind == "pairs_2d":  # that probe's keys are the ones HF refuses: keys as many as queries
+        args = _pairs_2d_probe(form.table, _BF16_PROBE, keys=0)
     found = None
     try:
         with torch.no_grad(), _cpu_path():
