@@ -69,9 +69,11 @@ def test_selfcheck_passes_and_covers_every_public_op():
         "interleaved (GPT-J",
     ):
         assert name in text
-    # every row prints its dtype and threshold
+    # every row prints its dtype and threshold (0 for the bit-for-bit row)
     rows = [ln for ln in lines[1:] if "PASS" in ln]
-    assert all(("bf16" in ln or "fp32" in ln) and "e-0" in ln for ln in rows), rows
+    assert all(("bf16" in ln or "fp32" in ln) and ("e-0" in ln or " 0e+00 " in ln) for ln in rows), rows
+    exact = [ln for ln in rows if "bit for bit" in ln]
+    assert len(exact) == 1 and " 0e+00 " in exact[0] and " 0.00e+00 " in exact[0], exact
 
 
 def test_a_wrong_op_fails_its_row(monkeypatch):

@@ -258,6 +258,37 @@ def _hf_llama(device):
     return [(got, want)]
 
 
+def _hf_rounding(device):
+    """ropekit.hf.patch(model, hf_rounding=True) in a tiny random bf16 HF Llama: the patched logits
+    equal the unpatched ones bit for bit (the row's threshold is 0)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise NotAvailable(f"transformers not installed ({e}): pip install -e '.[hf]'")
+    from ropekit.integrations import hf as ropekit_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (2, 24), generator=_gen()).to(device)
+    with torch.no_grad():
+        want = model(ids).logits
+        with ropekit_hf.patched(model, hf_rounding=True) as done:
+            if done.rounding.get("llama", {}).get("apply_rotary_pos_emb") != "eager":
+                raise AssertionError(f"hf_rounding found {done.rounding} for Llama, expected 'eager'")
+            got = model(ids).logits
+    return [(got, want)]
+
+
 def _qknorm(device):
     """apply_rope with per-head RMSNorm of q and k (Qwen3) and its weight gradient, against float64
     autograd of the reference (norm, then rotation)."""
@@ -391,6 +422,7 @@ CHECKS: List[Check] = [
         _store(torch.float8_e4m3fn, 0.5),
     ),
     Check("ropekit.hf drop-ins, tiny Llama logits", "fp32", 1e-4, ("hf",), _hf_llama),
+    Check("ropekit.hf hf_rounding, bf16 Llama, bit for bit", "bf16", 0.0, ("hf",), _hf_rounding),
     Check("apply_rope QK-RMSNorm (Qwen3) + grads of q, w", "fp32", 1e-4, ("apply_rope",), _qknorm),
     Check("rope_qkv_projection, q/k norm + RoPE epilogue", "fp32", 1e-5, ("rope_qkv_projection",), _qkv_projection),
     Check("rerotate_kv_cache, paged, +-deltas", "fp32", 1e-5, ("rerotate_kv_cache",), _rerotate),
