@@ -215,14 +215,13 @@ def _backward(device):
     return [(q.grad, want_q), (k.grad, want_k)]
 
 
-def _hf_llama(device):
-    """ropekit.hf drop-ins in a tiny random HF Llama: patched logits against unpatched ones."""
+def _tiny_llama(device, dtype=None, attention=None):
+    """(transformers, a tiny random HF Llama on device, in dtype, eval mode), seeded; NotAvailable
+    without transformers. attention: the config's attention implementation (None: HF's default)."""
     try:
         import transformers
     except ImportError as e:
         raise NotAvailable(f"transformers not installed ({e}): pip install -e '.[hf]'")
-    from ropekit.integrations import hf as ropekit_hf
-
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=128,
@@ -233,7 +232,17 @@ def _hf_llama(device):
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    model = transformers.LlamaForCausalLM(cfg).to(device).eval()
+    if attention is not None:
+        cfg._attn_implementation = attention
+    return transformers, transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _hf_llama(device):
+    """ropekit.hf drop-ins in a tiny random HF Llama: patched logits against unpatched ones."""
+    transformers, model = _tiny_llama(device)
+    cfg = model.config
+    from ropekit.integrations import hf as ropekit_hf
+
     ids = torch.randint(0, 128, (2, 24), generator=_gen()).to(device)
     from transformers.models.llama import modeling_llama
 
@@ -261,24 +270,9 @@ def _hf_llama(device):
 def _hf_rounding(device):
     """ropekit.hf.patch(model, hf_rounding=True) in a tiny random bf16 HF Llama: the patched logits
     equal the unpatched ones bit for bit (the row's threshold is 0)."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise NotAvailable(f"transformers not installed ({e}): pip install -e '.[hf]'")
+    _, model = _tiny_llama(device, torch.bfloat16, attention="eager")
     from ropekit.integrations import hf as ropekit_hf
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    cfg._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 128, (2, 24), generator=_gen()).to(device)
     with torch.no_grad():
         want = model(ids).logits
