@@ -1531,7 +1531,7 @@ ROWS = [
         "eager_rounding with a fused norm",
         "q, k bf16, q_norm_weight given, eager_rounding=True",
         ValueError,
-        "eager_rounding: expected False with q_norm_weight / k_norm_weight (it rounds the rotation only), got True",
+        "eager_rounding: expected False with q_norm_weight (it rounds the rotation only), got True",
         lambda: rope_args(
             q=torch.randn(T, HQ, D, dtype=torch.bfloat16),
             k=torch.randn(T, HK, D, dtype=torch.bfloat16),

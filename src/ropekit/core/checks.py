@@ -183,8 +183,6 @@ def rope(args: dict) -> Spec:
     # a rotation of whole heads is the same wherever its dims are said to sit: the usual variant
     partial = any(parts) or any(x is not None and x.shape[-1] > rot for x in (q_t, k_t))
     temperature = q_temperature(op, args, angles, mode, normed, scaled, position)
-    if keyed["eager_rounding"]:
-        eager_rounding_args(op, normed and rules.norm_names(modes))
     variant = Variant(
         interleaved=il,
         out_interleaved=il,
@@ -203,6 +201,7 @@ def rope(args: dict) -> Spec:
         head_table=angles == "table" and table.dim() == 3,
         **keyed,
     )
+    refusals(op, variant)
     triton = triton_runs(q)
     return Spec(
         variant,
@@ -219,13 +218,6 @@ def rope(args: dict) -> Spec:
         norm_offset=float(norm_offset),
         q_temperature=temperature or (1.0, 0.0),
     )
-
-
-def eager_rounding_args(op: str, norm) -> None:
-    """eager_rounding=True (apply_rope's, rotate_with_angles') defines the rotation's roundings only (a fused norm's
-    would not be the eager modules'): no norm."""
-    if norm:
-        fail(op, "eager_rounding", f"False with {norm} (it rounds the rotation only)", True)
 
 
 def q_temperature(op: str, args: dict, angles: str, mrope: int, normed: bool, scaled: bool, position: str):
@@ -270,6 +262,25 @@ def keyword_flags(op: str, args: dict) -> dict:
                 raise TypeError(f"{op}: {f.keyword}: expected a bool, got {type(value).__name__}")
             flags[f.name] = value
     return flags
+
+
+def refusals(op: str, variant: Variant) -> None:
+    """The flag table's `refuses` column, for every row alike: a call whose record sets a keyword
+    flag and a field that flag does not compose with is refused (ValueError), naming the keyword
+    and the argument that set the other field (its row's `named`)."""
+    for f in FLAGS:
+        fields, why = f.refuses
+        if not fields or getattr(variant, f.name) == f.default:
+            continue
+        names = []
+        for other in FLAGS:
+            value = getattr(variant, other.name)
+            if other.name in fields and value != other.default:
+                name = other.named.get(value, f"{other.keyword or other.name}={value!r}")
+                if name not in names:
+                    names.append(name)
+        if names:
+            fail(op, f.keyword or f.name, f"{f.default!r} with {' / '.join(names)} ({why})", getattr(variant, f.name))
 
 
 def nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:
@@ -401,8 +412,6 @@ def angles(args: dict) -> Spec:
         names = rules.norm_names(modes)
         rules.norm_flags(op, inplace=inplace, grad=grad, out_interleaved=bool(out_il) != interleaved, names=names)
     keyed = keyword_flags(op, args)  # the table's keywords this op has (eager_rounding)
-    if keyed["eager_rounding"]:
-        eager_rounding_args(op, normed and rules.norm_names(modes))
     mrope_fields = _mrope_code(mrope)
     mode = mrope_fields["mrope"]
     variant = Variant(
@@ -415,6 +424,7 @@ def angles(args: dict) -> Spec:
         norm_k=modes[1],
         **keyed,
     )
+    refusals(op, variant)
     triton = triton_runs(q)
     door = door_for(q, grad, normed, triton)
     # broadcast views start where their tensors do, so a launch can take cos and sin as given with
@@ -537,6 +547,7 @@ def store(args: dict) -> Spec:
         v_scaled=scaled_by(v_scale),
         fp4=fp4,
     )
+    refusals(op, variant)
     spec = store_spec(args, variant, rot, packed, door_for(q, False), a)
     spec.norm_eps, spec.norm_offset = float(args["norm_eps"]), float(args["norm_weight_offset"])
     return spec
@@ -707,6 +718,7 @@ def rerotate(args: dict) -> Spec:
         to_dst=dst_slots is not None,
         two_tables=to_cache is not None,
     )
+    refusals(op, variant)
     return Spec(variant, rot, door_for(k_cache, False), triton_runs(k_cache), extents=rerotate_extents(args))
 
 

@@ -14,9 +14,9 @@ Adding a boolean flag of apply_rope: a row in FLAGS (the record's field, its def
 constexpr of it, its backward rule, its keyword; the custom-op encoding, the plans' constexpr
 passing, Variant.backward and the keyword's parsing follow from the row), the keyword on the public
 op (its signature, docstring and prepare's tuple), its branch in the kernel, in ropekit.core.cpu and
-in the oracle ropekit.tools.reference: five files, and checks for any flag it does not compose
-with (eager_rounding: refused with a fused norm; six files). A flag that brings operands of its own
-(a tensor, a stride, a float) adds their validation (checks, rules), their launch arguments (plans)
+in the oracle ropekit.tools.reference: five files. What it does not compose with is the row's
+`refuses` (eager_rounding: a fused norm), which checks.refusals reads for every op alike. A flag
+that brings operands of its own (a tensor, a stride, a float) adds their validation (checks, rules), their launch arguments (plans)
 and the run step that passes them (pipeline, run): head_table (a per-head table's head stride) and
 fp4 (two scale tensors) took 9 and 11 source files.
 """
@@ -69,6 +69,10 @@ class Flag(NamedTuple):
     keyword    the ops' boolean keyword that sets it as given (checks.keyword_flags parses every
                such row alike, for each op that has the keyword: a bool, else an error naming the
                keyword); None: set by other rules
+    refuses    the fields this flag does not compose with, and why: a call that sets it and any of
+               them is refused (checks.refusals, every row alike), the error naming this flag's
+               keyword and the other field's argument (its row's `named`)
+    named      how errors name the argument that set this field, by value ({}: its keyword=value)
     what       what it means
     """
 
@@ -78,6 +82,8 @@ class Flag(NamedTuple):
     backward: str = "keep"
     coded: bool = True
     keyword: Optional[str] = None
+    refuses: Tuple[Tuple[str, ...], str] = ((), "")
+    named: Dict[object, str] = {}
     what: str = ""
 
 
@@ -114,9 +120,12 @@ FLAGS: Tuple[Flag, ...] = (
          what="the rotated outputs (q_out / k_out; the store's q_out) divided by a per-tensor scale, "
               "saturated to an fp8 output's range"),
     Flag("norm_q", 0, _in("NORM_Q", _ROPE, _STORE),
+         named={NORM_HEAD: "q_norm_weight", NORM_TOKEN: "q_norm_weight", NORM_UNIT: "l2_norm=True"},
          what="RMSNorm of q before the rotation: NORM_NONE, NORM_HEAD ((D,) weight), NORM_TOKEN ((H*D,)), "
               "NORM_UNIT (each head, no weight: l2_norm)"),
-    Flag("norm_k", 0, _in("NORM_K", _ROPE, _STORE), what="RMSNorm of k likewise"),
+    Flag("norm_k", 0, _in("NORM_K", _ROPE, _STORE),
+         named={NORM_HEAD: "k_norm_weight", NORM_TOKEN: "k_norm_weight", NORM_UNIT: "l2_norm=True"},
+         what="RMSNorm of k likewise"),
     Flag("seq_first", False, {}, coded=False,
          what="q, k (and given outputs) are (S, B, H, D) (Transformer Engine's 'sbhd'): the rotation's "
               "views hand the run (B, S, H, D) views, transpose(0, 1)"),
@@ -153,6 +162,7 @@ FLAGS: Tuple[Flag, ...] = (
          what="the table holds a [cos | sin] row per (position, head), (max_position, Ht, rotary_dim) (FoPE): "
               "head j of a tensor of H heads reads table head j // (H / Ht); the kernel reads a row per head"),
     Flag("eager_rounding", False, _in("EAGER_ROUNDING", _ROPE), keyword="eager_rounding",
+         refuses=(("norm_q", "norm_k"), "it rounds the rotation only"),
          what="the rotation rounds as eager PyTorch's q * cos + rotate_half(q) * sin does in q's dtype "
               "(cos / sin rounded to it, each product, then the sum): bit-identical to that expression; the "
               "backward likewise to eager autograd's"),

@@ -272,3 +272,36 @@ def test_keyword_flags_match_the_oracle(keyword, interleaved, device):
     d_want = torch.autograd.grad(want, (q64, k64), grads)
     for a, b in zip(d_got, d_want):
         assert rel_err(a, b) < 1e-5
+
+
+# how a call sets each field a flag row may refuse (its `refuses` column), and the argument the
+# error then names: a row refusing a field missing here fails test_keyword_flag_refusals
+REFUSED_FIELDS = {
+    "norm_q": ({"q_norm_weight": 1}, "q_norm_weight"),
+    "norm_k": ({"k_norm_weight": 1}, "k_norm_weight"),
+}
+REFUSING = [(f.keyword, field) for f in FLAGS if f.keyword for field in f.refuses[0]]
+REFUSING_FIELDS = [(f.keyword, f.refuses[0]) for f in FLAGS if f.keyword]
+
+
+@pytest.mark.parametrize("keyword,field", REFUSING)
+def test_keyword_flag_refusals(keyword, field):
+    """Each keyword flag with a field it does not compose with: the call is refused naming the
+    keyword and the other argument, before anything is written (in place: q and k unchanged)."""
+    assert field in REFUSED_FIELDS, f"{keyword} refuses {field}: add how a call sets it to REFUSED_FIELDS"
+    g = torch.Generator().manual_seed(3)
+    T, Hq, Hk, D = 5, 4, 2, 64
+    q = torch.randn(T, Hq, D, generator=g)
+    k = torch.randn(T, Hk, D, generator=g)
+    q0, k0 = q.clone(), k.clone()
+    given, name = REFUSED_FIELDS[field]
+    extra = {arg: torch.ones(D) for arg in given}
+    with pytest.raises(ValueError, match=rf"apply_rope: {keyword}: expected False with {name} \("):
+        ropekit.apply_rope(q, k, torch.arange(T), make_cache(16, D), inplace=True, **extra, **{keyword: True})
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    if field != "norm_q" or "norm_k" not in dict(REFUSING_FIELDS)[keyword]:
+        return
+    # both norms at once: both arguments named, in the table's order
+    both = {"q_norm_weight": torch.ones(D), "k_norm_weight": torch.ones(D)}
+    with pytest.raises(ValueError, match=rf"{keyword}: expected False with q_norm_weight / k_norm_weight \("):
+        ropekit.apply_rope(q, k, torch.arange(T), make_cache(16, D), **both, **{keyword: True})
