@@ -81,6 +81,12 @@ def _llama8b(**kw):
     return dict(Hq=32, Hk=8, D=128, **kw)
 
 
+def _qwen3_normed(name: str, key: str, kind: str, what: str, **kw) -> "Workload":
+    """A W9-family row: Qwen3-8B's normed rotation at W1's training-step shapes, HF layout."""
+    full, quick = _llama8b(B=4, S=4096, P=8192), _llama8b(B=2, S=128, P=8192)
+    return Workload(name, key, kind, what, full=full, quick=quick, layout="bshd", positions="none", base=1e6, **kw)
+
+
 _W1 = Workload(
     "W1",
     "train_8b",
@@ -206,39 +212,21 @@ WORKLOADS: List[Workload] = [
         packed=(2401, 1),
     ),
     # q/k RMSNorm + RoPE (Qwen3-8B: 32 q heads, 8 kv heads of 128, per-head norm weights (128,))
-    Workload(
-        "W9",
-        "qknorm_8b",
-        "normrope",
-        "Qwen3-8B per-head q/k RMSNorm + RoPE, HF layout (training step shapes of W1)",
-        full=_llama8b(B=4, S=4096, P=8192),
-        quick=_llama8b(B=2, S=128, P=8192),
-        layout="bshd",
-        positions="none",
-        base=1000000.0,
+    _qwen3_normed(
+        "W9", "qknorm_8b", "normrope", "Qwen3-8B per-head q/k RMSNorm + RoPE, HF layout (training step shapes of W1)"
     ),
-    Workload(
+    _qwen3_normed(
         "W9-L2",
         "l2norm_8b",
         "normrope",
         "W9 with Llama 4's unweighted q/k norm (ropekit: l2_norm=True; peers: their norm with unit weights)",
-        full=_llama8b(B=4, S=4096, P=8192),
-        quick=_llama8b(B=2, S=128, P=8192),
-        layout="bshd",
-        positions="none",
-        base=1000000.0,
         norm="l2",
     ),
-    Workload(
+    _qwen3_normed(
         "W9-FB",
         "qknorm_8b_fwd_bwd",
         "normfwdbwd",
         "W9 through autograd, forward then backward (gradients of q, k and both norm weights)",
-        full=_llama8b(B=4, S=4096, P=8192),
-        quick=_llama8b(B=2, S=128, P=8192),
-        layout="bshd",
-        positions="none",
-        base=1000000.0,
     ),
     Workload(
         "W10",
