@@ -45,6 +45,21 @@ def _want(x, cache, positions, *, last=False, interleaved=False, scale=None, dty
     return (r / scale).clamp(-big, big).to(dtype)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_oracle_rotates_the_last_dims(interleaved):
+    """The oracle's apply_rope(rotary_position='last') on a (max_position, rotary_dim) table: the
+    last rotary_dim dims rotated, the first ones kept (as the head sliced by hand above)."""
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(3, 4, 6, 96, generator=g), torch.randn(3, 4, 1, 96, generator=g)
+    pos, cache = torch.randint(0, 32, (3, 4), generator=g), make_cache(32, 32)
+    rq, rk = reference.apply_rope(
+        q.double(), k.double(), pos, cache.double(), rotary_position="last", interleaved=interleaved
+    )
+    for got, x in ((rq, q), (rk, k)):
+        assert rel_err(got, _want(x, cache, pos, last=True, interleaved=interleaved)) < 1e-12
+        assert torch.equal(got[..., :64], x[..., :64].double())
+
+
 # ---------------------------------------------------------------------------------------------
 # q_out= / k_out=
 
