@@ -41,8 +41,10 @@ def workloads():
     bf = dict(dtype=torch.bfloat16, device="cuda")
     W = {}
     B, S = 4, 4096
-    q = torch.randn(B, 32, S, 128, **bf).transpose(1, 2)
-    k = torch.randn(B, 8, S, 128, **bf).transpose(1, 2)
+    # (B, S, H, D) memory as a model's projections write it, the bench's W1 (a (B, H, S, D) tensor
+    # transposed would put a token's heads S * D apart: another call)
+    q = torch.randn(B, S, 32, 128, **bf)
+    k = torch.randn(B, S, 8, 128, **bf)
     c = cache(S, 128)
     W["W1 train_8b"] = (lambda q=q, k=k, c=c: ropekit.apply_rope(q, k, None, c), 2 * nbytes(q, k))
     T = 32768

@@ -213,6 +213,14 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         block_elems = tuning.get("decode_block_elems")
     else:
         block_elems = tuning.get("across_block_elems" if across else "block_elems")
+    # the plain rotation's head loop: its card's own launch where a sweep found one (tuning.CARD_PLAIN)
+    plain = head_loop and not (normed or mrope or variant.head_table) and variant.angles == "table"
+    plain = plain and not any(col_strided(x) for x in (q, k, q_out, k_out))  # W2-STRIDED: 57% -> 30%
+    card = None
+    if plain and not tuning.decode_sized(n_tokens):
+        card = tuning.card_plain(q.device, (n_q + n_k) * 2 * next_pow2(half))
+    if card is not None:
+        block_elems = card[0]
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(half, n_q, n_k, tail, block_elems)
     # whole heads: a block is all of a tensor's heads, in tiles. Required across heads without the
     # head loop (a program per head block: the norm group must be one block); with the head loop the
@@ -290,6 +298,8 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
     )
     if normed and not tuning.get("num_warps"):
         meta["num_warps"] = tuning.get("norm_warps") or norm_warps(sum(tiles), half_pad, tail_pad, whole)
+    if card is not None:
+        meta["num_warps"] = card[1]
     return Plan((n_tokens, 1 if head_loop else nqb + nkb), args, meta, pack // 8, {})
 
 

@@ -1,7 +1,8 @@
 """Launch-shape knobs of ropekit's kernels: one table, with the reason for each default.
 
 The defaults are what the H200 sweeps picked (benchmarks/scripts/tune_core.py; the measurements and their
-history are in benchmarks/PERF_LOG.md). `override(...)` changes them for a block (tests force each
+history are in benchmarks/PERF_LOG.md); CARD_PLAIN holds another card's own launches of the plain
+rotation where its sweep and the bench, both settings in one run, found the defaults behind. `override(...)` changes them for a block (tests force each
 program layout, the sweep tries each setting); `ROPEKIT_<NAME>` environment variables set them for
 a process. Changing a knob drops every memoized plan, so the next call plans again.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
 
 from . import memo
 
@@ -94,6 +97,11 @@ KNOBS: Dict[str, Knob] = {
         "after it (W3 under graph replay: 2.0 -> 1.3-1.5 us); True / False force it",
     ),
     "num_warps": Knob(0, "0: the rule below; else force this many warps for every launch (sweeps)"),
+    "card_tuning": Knob(
+        True,
+        "a plain rotation's head loop takes its card's own rows of CARD_PLAIN where the card has "
+        "them; False: every card takes the defaults (ROPEKIT_CARD_TUNING=0, for A / B runs)",
+    ),
     "head_loop": Knob(
         None,
         "None: one program per token walking all head blocks when angles come from "
@@ -113,6 +121,20 @@ KNOBS: Dict[str, Knob] = {
 }
 
 _values: Dict[str, object] = {}
+
+# A card's own launches for the plain rotation's head loop (table angles, no norm, no M-RoPE, no
+# per-head table, every column stride 1, not decode-sized), where its sweep and the bench found the
+# defaults (block_elems, the warps rule) behind: by card-name prefix, rows of (rotated elements a
+# token from, up to, block_elems, warps), the first row that holds the token's count wins; no row:
+# the defaults. H100 (PERF_LOG v48, the bench with ROPEKIT_CARD_TUNING=0 / 1 in one call): W2 (9216
+# elements a token) 95.3% -> 97.3% of copy with 4096 / 8 warps, W6 (8256) 87.5% -> 88.8%. W1 (5120),
+# whose sweep preferred 1024 / 4 warps, gained nothing in the bench; a strided last dim (W2-STRIDED)
+# fell from 57% to 30% with 4096 / 8, so strided calls keep the defaults.
+CARD_PLAIN: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
+    "NVIDIA H100": ((8192, 1 << 62, 4096, 8),),
+}
+_CARD_NAMES: Dict[int, str] = {}
+_OVERRIDDEN: Dict[str, int] = {}  # knobs set by the override blocks now open (nested blocks count)
 
 
 def _from_env(name: str, knob: Knob):
@@ -151,6 +173,35 @@ def warps(head_loop: bool, mrope: bool, n_tokens: int, store: bool = False, elem
     return 2
 
 
+def card_plain(device, elems: int) -> Optional[Tuple[int, int]]:
+    """(block_elems, warps) of a plain rotation's head loop on this device from CARD_PLAIN, for a
+    token of `elems` rotated elements (q's and k's heads x their padded pair width x 2); None for the
+    defaults: no row for the card or the count, a CPU tensor, card_tuning off, or block_elems /
+    num_warps set (an override or the environment: tests and sweeps choose the layout)."""
+    if device.type != "cuda" or not get("card_tuning") or _is_set("block_elems") or _is_set("num_warps"):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _CARD_NAMES.get(index)
+    if name is None:
+        name = _CARD_NAMES[index] = torch.cuda.get_device_name(index)
+    return plain_rows(name, elems)
+
+
+def plain_rows(card: str, elems: int) -> Optional[Tuple[int, int]]:
+    """CARD_PLAIN's (block_elems, warps) for a card name and a token's rotated elements, or None."""
+    for prefix, rows in CARD_PLAIN.items():
+        if card.startswith(prefix):
+            for lo, hi, block_elems, warps in rows:
+                if lo <= elems <= hi:
+                    return block_elems, warps
+    return None
+
+
+def _is_set(name: str) -> bool:
+    """Is the knob set, by an override block or the environment?"""
+    return _OVERRIDDEN.get(name, 0) > 0 or os.environ.get(f"ROPEKIT_{name.upper()}", "") != ""
+
+
 @contextlib.contextmanager
 def override(**values):
     """Set knobs for a block: `with ropekit.core.tuning.override(head_loop=True): ...`."""
@@ -160,11 +211,14 @@ def override(**values):
     before: Dict[str, Optional[object]] = {n: _values.get(n) for n in values}
     had = {n: n in _values for n in values}
     _values.update(values)
+    for n in values:
+        _OVERRIDDEN[n] = _OVERRIDDEN.get(n, 0) + 1
     _changed()
     try:
         yield
     finally:
         for n in values:
+            _OVERRIDDEN[n] -= 1
             if had[n]:
                 _values[n] = before[n]
             else:
