@@ -273,14 +273,16 @@ def refusals(op: str, variant: Variant) -> None:
         if not fields or getattr(variant, f.name) == f.default:
             continue
         names = []
-        for other in FLAGS:
-            value = getattr(variant, other.name)
-            if other.name in fields and value != other.default:
-                name = other.named.get(value, f"{other.keyword or other.name}={value!r}")
-                if name not in names:
-                    names.append(name)
+        for other in fields:
+            row, value = _FLAG_ROWS[other], getattr(variant, other)
+            name = row.named.get(value, f"{row.keyword or other}={value!r}")
+            if value != row.default and name not in names:
+                names.append(name)
         if names:
             fail(op, f.keyword or f.name, f"{f.default!r} with {' / '.join(names)} ({why})", getattr(variant, f.name))
+
+
+_FLAG_ROWS = {f.name: f for f in FLAGS}
 
 
 def nope_parts(op, q, k, q_nope, k_nope, rot, inplace, modes) -> tuple:

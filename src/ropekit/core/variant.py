@@ -16,9 +16,9 @@ passing, Variant.backward and the keyword's parsing follow from the row), the ke
 op (its signature, docstring and prepare's tuple), its branch in the kernel, in ropekit.core.cpu and
 in the oracle ropekit.tools.reference: five files. What it does not compose with is the row's
 `refuses` (eager_rounding: a fused norm), which checks.refusals reads for every op alike. A flag
-that brings operands of its own (a tensor, a stride, a float) adds their validation (checks, rules), their launch arguments (plans)
-and the run step that passes them (pipeline, run): head_table (a per-head table's head stride) and
-fp4 (two scale tensors) took 9 and 11 source files.
+that brings operands of its own (a tensor, a stride, a float) adds their validation (checks,
+rules), their launch arguments (plans) and the run step that passes them (pipeline, run):
+head_table (a per-head table's head stride) and fp4 (two scale tensors) took 9 and 11 source files.
 """
 
 from __future__ import annotations

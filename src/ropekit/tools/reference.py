@@ -91,14 +91,19 @@ def rotate(
     `out_interleaved` (default: `interleaved`) picks the layout the rotated pairs are written in;
     `inverse` rotates by the negative angle (the backward of the forward rotation);
     rotary_position='halves' rotates the pairs (i, i + D/2), i < half, instead (half-split only),
-    every other dim kept; 'last' the last 2 * half dims, the first ones kept. eager_rounding: cos and sin, each product and each sum rounded to x's
-    dtype (ties to even), the value eager `x * cos + rotate_half(x) * sin` gives in that dtype.
+    every other dim kept; 'last' the last 2 * half dims, the first ones kept. eager_rounding: cos
+    and sin, each product and each sum rounded to x's dtype (ties to even), the value eager
+    `x * cos + rotate_half(x) * sin` gives in that dtype.
     """
     if out_interleaved is None:
         out_interleaved = interleaved
     ct = compute_dtype(x)
     half = cos.shape[-1]
     rot = 2 * half
+    if rotary_position == "last":  # the last rot dims rotated, the first ones kept
+        how = dict(interleaved=interleaved, out_interleaved=out_interleaved, eager_rounding=eager_rounding)
+        tail = rotate(x[..., x.shape[-1] - rot :], cos, sin, inverse=inverse, **how)
+        return torch.cat((x[..., : x.shape[-1] - rot], tail), dim=-1)
 
     def rnd(t):
         # a product of two 16-bit values is exact in float32, and a float32 sum of two of them
@@ -108,10 +113,6 @@ def rotate(
     c, s = rnd(cos.to(ct)).unsqueeze(-2), rnd(sin.to(ct)).unsqueeze(-2)
     if inverse:
         s = -s
-    if rotary_position == "last":  # the last rot dims rotated, the first ones kept
-        how = dict(interleaved=interleaved, out_interleaved=out_interleaved, eager_rounding=eager_rounding)
-        tail = rotate(x[..., x.shape[-1] - rot :], cos, sin, inverse=inverse, **how)
-        return torch.cat((x[..., : x.shape[-1] - rot], tail), dim=-1)
     if rotary_position == "halves":
         gap = x.shape[-1] // 2
         x1, x2 = x[..., :half].to(ct), x[..., gap : gap + half].to(ct)
