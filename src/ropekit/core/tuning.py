@@ -4,7 +4,8 @@ The defaults are what the H200 sweeps picked (benchmarks/scripts/tune_core.py; t
 their history are in benchmarks/PERF_LOG.md); CARD_PLAIN holds another card's own launches of the
 plain rotation where its sweep and the bench, both settings in one run, found the defaults behind.
 `override(...)` changes them for a block (tests force each program layout, the sweep tries each
-setting); `ROPEKIT_<NAME>` environment variables set them for a process. Changing a knob drops every memoized plan, so the next call plans again.
+setting); `ROPEKIT_<NAME>` environment variables set them for a process. Changing a knob drops
+every memoized plan, so the next call plans again.
 """
 
 from __future__ import annotations
