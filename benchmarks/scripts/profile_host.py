@@ -62,7 +62,7 @@ def stub_launch(fn) -> tuple:
     fn()  # spec, plan (and the interpreter's run of the kernel)
     seen = []
     real = pipeline.launch
-    pipeline.launch = lambda *a: seen.append(a)
+    pipeline.launch = lambda *a, **kw: seen.append(a)
     try:
         fn()
     finally:
@@ -72,13 +72,12 @@ def stub_launch(fn) -> tuple:
     addrs = [p.data_ptr() for p in ptrs]
     aligned = tuple(a % 16 == 0 for a in addrs)
     key = (variant, True) if all(aligned) else (variant, *aligned)
-    run = SimpleNamespace(run=_nothing, function=None, packed_metadata=None)
-    compiled[key] = (run, ())
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    compiled[key] = (_nothing, *g, None, None, (), None)  # ropekit.core.launch's compiled entry
     launching._STATE["host_only"] = True
     launching._STATE["tools"] = (lambda device: 0, SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     launching._current_device = lambda: -1
-    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    return run.run, (*g, 0, None, None, None, None, None, *addrs, *args)
+    return _nothing, (*g, 0, None, None, None, None, None, *addrs, *args)
 
 
 def min_us(fn, rounds: int, n: int) -> float:

@@ -2149,9 +2149,9 @@ def path(request, monkeypatch, poison):
     launches = []
     real = plans.launch_kernel
 
-    def counted(kernel, compiled, variant, grid, *rest):
+    def counted(kernel, compiled, variant, grid, *rest, **keywords):
         launches.append(grid)
-        return real(kernel, compiled, variant, grid, *rest)
+        return real(kernel, compiled, variant, grid, *rest, **keywords)
 
     monkeypatch.setattr(plans, "launch_kernel", counted)
     monkeypatch.setattr(pipeline, "launch", counted)

@@ -380,7 +380,7 @@ def test_both_cpu_paths(monkeypatch, path, tables):
 
     fired = []
     real_launch = pipeline.launch
-    monkeypatch.setattr(pipeline, "launch", lambda *a: (fired.append(1), real_launch(*a)))
+    monkeypatch.setattr(pipeline, "launch", lambda *a, **kw: (fired.append(1), real_launch(*a, **kw)))
     monkeypatch.setattr(checks, "triton_runs", lambda x: path == "kernel")
     memo.clear()
     r = random.Random(path + tables)

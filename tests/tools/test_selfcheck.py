@@ -35,7 +35,7 @@ def test_selfcheck_runs_the_cpu_path_users_get(monkeypatch, restore_path):
     calls = []
     real = cpu.rope
     monkeypatch.setattr(cpu, "rope", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    monkeypatch.setattr(pipeline, "launch", lambda *a: pytest.fail("a Triton launch on the CPU path"))
+    monkeypatch.setattr(pipeline, "launch", lambda *a, **kw: pytest.fail("a Triton launch on the CPU path"))
     lines = []
     passed, failed, missing = selfcheck.run_checks("cpu", out=lines.append)
     assert failed == 0, "\n".join(lines)

@@ -24,41 +24,46 @@ COUNTS = {"direct": 0, "generic": 0}
 _STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None, "host_only": False}
 
 
-def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: bool = False) -> None:
+def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, guarded: bool = False) -> None:
     """kernel[grid](*ptrs, *args, **meta), directly when possible.
 
     compiled: the caller's cache (one per launch plan) of compiled kernels. variant: the part of
     meta that may change from call to call under one plan (a fallback for a misaligned pointer).
-    Triton specializes pointers on 16-byte alignment, so that is part of the cache key too. One
-    function on the steady-state path (no helper calls: each costs host time on every launch);
-    guarded: called again inside the device guard (the tensors' device made current).
+    Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
+    addrs: the pointers' addresses in slot order, when the caller has read them (each operand's
+    address is then read once per call); None reads them here. One function on the steady-state
+    path (no helper calls: each costs host time on every launch); guarded: called again inside the
+    device guard (the tensors' device made current).
     """
-    x = ptrs[0]
-    if not x.is_cuda and not _STATE["host_only"]:
+    device = ptrs[0].get_device()  # -1 on CPU
+    if device < 0 and not _STATE["host_only"]:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
-    device = x.get_device()
     if not guarded and device != _current_device():
         # the device guard: launch on the device of the tensors (validation put every tensor of the
         # call on q's), not on whichever device is current, and on that device's current stream
         with torch.cuda.device(device):
-            launch(kernel, compiled, variant, grid, ptrs, args, meta, True)
+            launch(kernel, compiled, variant, grid, ptrs, args, meta, addrs, True)
         return
+    bits = 0
+    if addrs is None:  # a tensor in several slots in a row (slots a plan never reads) is asked once
+        addrs, last, a = [], None, 0
+        for p in ptrs:
+            if p is not last:
+                last = p
+                a = p.data_ptr()
+                bits |= a
+            addrs.append(a)
+    else:
+        for a in addrs:
+            bits |= a
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
-    # a tensor in several slots in a row (the slots a plan never reads get one tensor) is asked once
-    addrs, any_bits, last, a = [], 0, None, 0
-    for p in ptrs:
-        if p is not last:
-            last = p
-            a = p.data_ptr()
-            any_bits |= a
-        addrs.append(a)
-    if any_bits % 16 == 0:
+    if bits & 15 == 0:
         key = (variant, True)
     else:
         key = [variant]
         for a in addrs:
-            key.append(a % 16 == 0)
+            key.append(a & 15 == 0)
         key = tuple(key)
     entry = compiled.get(key)
     if entry is not None and _STATE["ok"]:
@@ -67,7 +72,9 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
             if tools is None:
                 tools = _STATE["tools"] = stream_tools()
             current_stream, runtime = tools
-            kernel_run, consts = entry
+            # the entry: the compiled kernel's launcher, the grid's three dims, the launch fields the
+            # compiled kernel fixes, the constexprs' values (fixed by the plan), the compiled kernel
+            run, gx, gy, gz, function, packed, consts, kernel_run = entry
             stream = current_stream(device)
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
             # launch metadata only feeds the launch hooks (profilers): none registered (an empty hook
@@ -75,26 +82,13 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
             metadata = None
             if enter is not None:
                 if getattr(enter, "calls", True):
-                    metadata = kernel_run.launch_metadata(grid, stream, *addrs, *args, *consts)
+                    metadata = kernel_run.launch_metadata((gx, gy, gz), stream, *addrs, *args, *consts)
                 else:
                     enter = None
             if leave is not None and not getattr(leave, "calls", True):
                 leave = None
-            if len(grid) != 3:
-                grid = (*grid, 1, 1)[:3]
-            # one argument tuple, built once: (grid, stream, launch fields, pointers, ints, constexprs)
-            kernel_run.run(
-                *grid,
-                stream,
-                kernel_run.function,
-                kernel_run.packed_metadata,
-                metadata,
-                enter,
-                leave,
-                *addrs,
-                *args,
-                *consts,
-            )
+            # (grid, stream, launch fields, pointers, ints, constexprs)
+            run(gx, gy, gz, stream, function, packed, metadata, enter, leave, *addrs, *args, *consts)
             COUNTS["direct"] += 1
             return
         except (ImportError, AttributeError, TypeError):
@@ -102,8 +96,12 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, guarded: boo
     kernel_run = kernel[grid](*ptrs, *args, **meta)
     COUNTS["generic"] += 1
     if kernel_run is not None and hasattr(kernel_run, "run"):
+        try:  # the launcher and the launch fields, read once (the compiled kernel is loaded by now)
+            fields = (kernel_run.run, *(*grid, 1, 1)[:3], kernel_run.function, kernel_run.packed_metadata)
+        except AttributeError:  # a Triton whose compiled kernel differs: its generic path
+            return
         names = [p.name for p in kernel.params if p.is_constexpr]
-        compiled[key] = (kernel_run, tuple(meta[n] for n in names))
+        compiled[key] = (*fields, tuple(meta[n] for n in names), kernel_run)
 
 
 def stream_tools():

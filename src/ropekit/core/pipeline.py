@@ -206,26 +206,38 @@ def run_rotate(
     if not plan:  # an empty call: nothing to write
         return
     meta = plan.meta
-    if plan.pack_bytes:
-        pairs_off = q.data_ptr() | q_out.data_ptr()
-        if k is not None:
-            pairs_off |= k.data_ptr() | k_out.data_ptr()
-        if pairs_off % plan.pack_bytes:
-            meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
     if meta["HAS_POS"] or meta["FREQS"]:  # positions; a table, or the inverse frequencies
         pos, cos, sin = a, b, b
     elif a is None:  # arange: the table alone
         pos, cos, sin = b, b, b
     else:  # per-token angles
         pos, cos, sin = a, a, b
+    # each operand's address read once (the pair-alignment test and the launch share them)
+    qa = q.data_ptr()
+    ka = qa if k is None else k.data_ptr()
+    if q_out is q:  # in place
+        qoa, koa = qa, ka
+    else:
+        qoa = q_out.data_ptr()
+        koa = qoa if k_out is None else k_out.data_ptr()
+    pa = pos.data_ptr()
+    sa = pa if sin is pos else sin.data_ptr()
+    ca = sa if cos is sin else cos.data_ptr()
     if scales is None:  # the scale slots get the sin tensor, never read
         qs = ks = sin
+        qsa = ksa = sa
     else:
         qs = scales[0]
         ks = qs if scales[1] is None else scales[1]
+        qsa = qs.data_ptr()
+        ksa = ks.data_ptr()
+    if plan.pack_bytes and (qa | qoa | ka | koa) % plan.pack_bytes:
+        meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
+    addrs = (qa, ka, qoa, koa, pa, ca, sa, qsa, ksa)
     if weights is None:
-        launch(plans.kernel("rope_kernel"), plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta)
+        kernel = plans.kernel("rope_kernel")
+        launch(kernel, plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta, addrs=addrs)
         return
     wq, wk = weights
     wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
@@ -240,7 +252,8 @@ def run_rotate(
         meta = dict(meta, W_PAIRS=False)  # a weight off the 16-byte grid: its element loads
     # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
     args = (*plan.args, wq, wk, spec.norm_eps, spec.norm_offset)
-    launch(plans.kernel("rope_kernel"), plan.compiled, (meta["PACK"], wa, wb), plan.grid, ptrs, args, meta)
+    kernel = plans.kernel("rope_kernel")
+    launch(kernel, plan.compiled, (meta["PACK"], wa, wb), plan.grid, ptrs, args, meta, addrs=addrs)
 
 
 def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):

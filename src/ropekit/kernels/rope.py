@@ -452,15 +452,23 @@ def rope_kernel(
     sin_off: sin's element offset from sin_ptr (a [cos | sin] table is passed once, as both).
     PACKED: pos_ptr is cu_seqlens and each token's position is derived from it (packed_position).
     HEAD_TABLE: the table has a row per (position, head); the token's position is read once and
-    each head tile reads its heads' rows (_head_angles) instead of one row for every head.
+    each head tile reads its heads' rows (_head_angles) instead of one row for every head; program
+    i then takes token (i mod B) * S + i div B (position-major order).
     STRIDED_IN / STRIDED_OUT: a last-dim stride other than 1 among the inputs / the outputs; every
     column is then addressed through its tensor's stride (ropekit.language.column_offset, int64),
     so a strided q or k is read, and in place written back, where it lies (no copy). Off, the
     column strides are 1 and the code is the unit-stride code.
     """
     pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)  # one program per token: up to 2^31 - 1 tokens
+    if HEAD_TABLE:
+        # position-major order: the B tokens of one position (batch rows that share positions read
+        # the same table rows, Ht * rotary_dim floats a position) run side by side, so a row read
+        # from DRAM serves them all from L2 (in (b, s) order a whole batch row runs in between)
+        n_b = tl.num_programs(0).to(tl.int64) // S
+        t = (t % n_b) * S + t // n_b
     b, s, angles = token_prologue(
-        tl.program_id(0).to(tl.int64),  # one program per token: up to 2^31 - 1 tokens
+        t,
         S,
         (pos_ptr, stride_pos_row, stride_pos_batch, stride_pos_token),
         (cos_ptr, sin_ptr, sin_off, max_pos),

@@ -278,9 +278,9 @@ def direct_launch_floor(call: Callable[[], object], device) -> dict:
     seen = []
     real = pipeline.launch
 
-    def spy(*args):
+    def spy(*args, **keywords):
         seen.append(args)
-        return real(*args)
+        return real(*args, **keywords)
 
     call()  # compiled and planned before the spied call
     pipeline.launch = spy
@@ -293,15 +293,13 @@ def direct_launch_floor(call: Callable[[], object], device) -> dict:
     kernel, compiled, variant, grid, ptrs, args, meta = seen[0]
     if not ptrs[0].is_cuda or len(compiled) != 1:
         return {"why": "no compiled kernel (CPU) or several for one plan"}
-    kernel_run, consts = next(iter(compiled.values()))
+    # a compiled entry of ropekit.core.launch: launcher, grid's three dims, launch fields, constexprs
+    run, gx, gy, gz, function, packed, consts, _ = next(iter(compiled.values()))
     full = (*[p.data_ptr() for p in ptrs], *args, *consts)
     stream = launching.stream_tools()[0](ptrs[0].get_device())
-    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    function, packed = kernel_run.function, kernel_run.packed_metadata
-    run = kernel_run.run
 
     def direct():
-        run(g[0], g[1], g[2], stream, function, packed, None, None, None, *full)
+        run(gx, gy, gz, stream, function, packed, None, None, None, *full)
 
     return host_us_stats(direct, device)
 
