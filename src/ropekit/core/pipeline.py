@@ -222,7 +222,7 @@ def run_rotate(
         koa = qoa if k_out is None else k_out.data_ptr()
     pa = pos.data_ptr()
     sa = pa if sin is pos else sin.data_ptr()
-    ca = sa if cos is sin else cos.data_ptr()
+    ca = pa if cos is pos else sa  # cos is the positions' tensor or the sin one (the three cases above)
     if scales is None:  # the scale slots get the sin tensor, never read
         qs = ks = sin
         qsa = ksa = sa
