@@ -24,14 +24,15 @@ COUNTS = {"direct": 0, "generic": 0}
 _STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None, "host_only": False}
 
 
-def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, guarded: bool = False) -> None:
+def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, bits=0, guarded: bool = False) -> None:
     """kernel[grid](*ptrs, *args, **meta), directly when possible.
 
     compiled: the caller's cache (one per launch plan) of compiled kernels. variant: the part of
     meta that may change from call to call under one plan (a fallback for a misaligned pointer).
     Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
     addrs: the pointers' addresses in slot order, when the caller has read them (each operand's
-    address is then read once per call); None reads them here. One function on the steady-state
+    address is then read once per call), with bits their OR (the alignment test's input); None
+    reads them here. One function on the steady-state
     path (no helper calls: each costs host time on every launch); guarded: called again inside the
     device guard (the tensors' device made current).
     """
@@ -43,20 +44,16 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, 
         # the device guard: launch on the device of the tensors (validation put every tensor of the
         # call on q's), not on whichever device is current, and on that device's current stream
         with torch.cuda.device(device):
-            launch(kernel, compiled, variant, grid, ptrs, args, meta, addrs, True)
+            launch(kernel, compiled, variant, grid, ptrs, args, meta, addrs, bits, True)
         return
-    bits = 0
     if addrs is None:  # a tensor in several slots in a row (slots a plan never reads) is asked once
-        addrs, last, a = [], None, 0
+        addrs, last, a, bits = [], None, 0, 0
         for p in ptrs:
             if p is not last:
                 last = p
                 a = p.data_ptr()
                 bits |= a
             addrs.append(a)
-    else:
-        for a in addrs:
-            bits |= a
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
     if bits & 15 == 0:
         key = (variant, True)

@@ -22,8 +22,9 @@ steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
 
 from __future__ import annotations
 
+from functools import reduce
 from itertools import compress, repeat
-from operator import is_, is_not, itemgetter
+from operator import is_, is_not, itemgetter, or_
 
 import torch
 
@@ -235,9 +236,10 @@ def run_rotate(
         meta = dict(meta, PACK=0)  # a base pointer off the pair alignment: the element path
     ptrs = (q, q if k is None else k, q_out, q_out if k_out is None else k_out, pos, cos, sin, qs, ks)
     addrs = (qa, ka, qoa, koa, pa, ca, sa, qsa, ksa)
+    bits = qa | ka | qoa | koa | pa | sa | qsa | ksa  # ca is pa or sa
     if weights is None:
         kernel = plans.kernel("rope_kernel")
-        launch(kernel, plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta, addrs=addrs)
+        launch(kernel, plan.compiled, meta["PACK"], plan.grid, ptrs, plan.args, meta, addrs=addrs, bits=bits)
         return
     wq, wk = weights
     wq, wk = (wk if wq is None else wq), (wq if wk is None else wk)
@@ -253,7 +255,7 @@ def run_rotate(
     # weights follow the ints (kernel order): their 16-byte alignment is part of the compiled key
     args = (*plan.args, wq, wk, spec.norm_eps, spec.norm_offset)
     kernel = plans.kernel("rope_kernel")
-    launch(kernel, plan.compiled, (meta["PACK"], wa, wb), plan.grid, ptrs, args, meta, addrs=addrs)
+    launch(kernel, plan.compiled, (meta["PACK"], wa, wb), plan.grid, ptrs, args, meta, addrs=addrs, bits=bits)
 
 
 def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
@@ -332,36 +334,45 @@ def run_store(spec: Spec, t: run.StoreOperands) -> None:
     if not plan:  # an empty call
         return
     meta = plan.meta
-    qo = t.q if t.q_out is None else t.q_out
-    if meta["PACK_Q"] and (t.q.data_ptr() | qo.data_ptr()) % (meta["PACK_Q"] // 8):
-        meta = dict(meta, PACK_Q=0)  # a view may start at an odd element: the element path
-    if meta["PACK_K"] and (t.k.data_ptr() | t.k_cache.data_ptr()) % (meta["PACK_K"] // 8):
-        meta = dict(meta, PACK_K=0)
-    # the kernel's pointers picked out of the operands by one getter (which are None is fixed by
-    # the signature)
-    pick = spec.plans.get("store slots")
-    if pick is None:
-        pick = spec.plans["store slots"] = _store_slots(t)
+    # the kernel's pointers picked out of the operands by getters (which are None is fixed by the
+    # signature): each distinct operand's address read once, then spread over its slots
+    slots = spec.plans.get("store slots")
+    if slots is None:
+        slots = spec.plans["store slots"] = _store_slots(t)
+    pick, pick_distinct, spread = slots
     ptrs = pick(t)
+    distinct = tuple(map(_data_ptr, pick_distinct(t)))
+    bits = reduce(or_, distinct)
+    addrs = spread(distinct)
+    if meta["PACK_Q"] and (addrs[_Q] | addrs[_Q_OUT]) % (meta["PACK_Q"] // 8):
+        meta = dict(meta, PACK_Q=0)  # a view may start at an odd element: the element path
+    if meta["PACK_K"] and (addrs[_K] | addrs[_K_CACHE]) % (meta["PACK_K"] // 8):
+        meta = dict(meta, PACK_K=0)
     args = (*plan.args, spec.norm_eps, spec.norm_offset)
     kernel = plans.kernel("rope_store_kernel")
-    launch(kernel, plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), plan.grid, ptrs, args, meta)
+    variant = (meta["PACK_Q"], meta["PACK_K"])
+    launch(kernel, plan.compiled, variant, plan.grid, ptrs, args, meta, addrs=addrs, bits=bits)
 
 
 # rope_store_kernel's pointer slots by operand name, and what an absent operand's slot points at
 _STORE_SLOTS = ("q", "k", "v", "a", "table", "slot_mapping", "k_cache", "v_cache", "ks", "vs", "q_out", "qs")
 _STORE_SLOTS += ("wq", "wk", "qn", "kn", "kcs", "vcs")
+# the slots the pair-alignment tests read (q_out's holds q when there is no q_out)
+_Q, _Q_OUT, _K, _K_CACHE = (_STORE_SLOTS.index(n) for n in ("q", "q_out", "k", "k_cache"))
+_data_ptr = torch.Tensor.data_ptr
 
 
-def _store_slots(t: run.StoreOperands) -> itemgetter:
-    """A getter of rope_store_kernel's pointers from the store's operands: q_out's slot gets q when
-    q_out is None, any other absent operand's slot the table (never read)."""
+def _store_slots(t: run.StoreOperands) -> tuple:
+    """Getters of rope_store_kernel's pointers from the store's operands: (the slots' tensors, the
+    distinct ones among them, the slots' addresses from the distinct ones' addresses). q_out's slot
+    gets q when q_out is None, any other absent operand's slot the table (never read)."""
     where = []
     for name in _STORE_SLOTS:
         if getattr(t, name) is None:
             name = "q" if name == "q_out" else "table"
         where.append(t._fields.index(name))
-    return itemgetter(*where)
+    distinct = sorted(set(where))  # at least q, k, v, the table, the slots and the caches: a tuple
+    return itemgetter(*where), itemgetter(*distinct), itemgetter(*(distinct.index(i) for i in where))
 
 
 # ---------------------------------------------------------------------------------------------
