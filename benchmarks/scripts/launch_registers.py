@@ -41,7 +41,7 @@ def record(workload: str, backward: bool) -> list:
 
     launches = []
 
-    def recorder(kernel, compiled, variant, grid, ptrs, args, meta, addrs=None, bits=0):
+    def recorder(kernel, compiled, variant, grid, ptrs, args, meta, addrs=None, bits=None):
         values = [("ptr", TYPES[str(p.dtype)]) for p in ptrs]
         for a in args:
             if isinstance(a, torch.Tensor):

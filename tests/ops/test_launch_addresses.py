@@ -100,7 +100,7 @@ CALLS = {
 def test_the_launch_gets_each_slots_own_address(name, device, monkeypatch):
     launches = []
 
-    def recorder(kernel, compiled, variant, grid, ptrs, args, meta, addrs=None, bits=0):
+    def recorder(kernel, compiled, variant, grid, ptrs, args, meta, addrs=None, bits=None):
         launches.append((ptrs, addrs, bits))
 
     monkeypatch.setattr(checks, "triton_runs", lambda x: True)
@@ -113,6 +113,6 @@ def test_the_launch_gets_each_slots_own_address(name, device, monkeypatch):
         memo.clear()
     assert len(launches) == 3, name
     for ptrs, addrs, bits in launches:
-        assert addrs is not None, f"{name}: the run step read no addresses"
+        assert addrs is not None and bits is not None, f"{name}: the run step read no addresses"
         assert list(addrs) == [p.data_ptr() for p in ptrs], name
         assert bits == functools.reduce(operator.or_, addrs), name

@@ -24,17 +24,19 @@ COUNTS = {"direct": 0, "generic": 0}
 _STATE = {"ok": os.environ.get("ROPEKIT_DIRECT_LAUNCH", "1") == "1", "tools": None, "host_only": False}
 
 
-def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, bits=0, guarded: bool = False) -> None:
+def launch(
+    kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, bits=None, guarded: bool = False
+) -> None:
     """kernel[grid](*ptrs, *args, **meta), directly when possible.
 
     compiled: the caller's cache (one per launch plan) of compiled kernels. variant: the part of
     meta that may change from call to call under one plan (a fallback for a misaligned pointer).
     Triton specializes pointers on 16-byte alignment, so that is part of the cache key too.
     addrs: the pointers' addresses in slot order, when the caller has read them (each operand's
-    address is then read once per call), with bits their OR (the alignment test's input); None
-    reads them here. One function on the steady-state
-    path (no helper calls: each costs host time on every launch); guarded: called again inside the
-    device guard (the tensors' device made current).
+    address is then read once per call); None reads them here. bits: with addrs, their OR (the
+    alignment test's input) when the caller has it; None ORs them here. One function on the
+    steady-state path (no helper calls: each costs host time on every launch); guarded: called
+    again inside the device guard (the tensors' device made current).
     """
     device = ptrs[0].get_device()  # -1 on CPU
     if device < 0 and not _STATE["host_only"]:
@@ -54,6 +56,10 @@ def launch(kernel, compiled: dict, variant, grid, ptrs, args, meta, addrs=None, 
                 a = p.data_ptr()
                 bits |= a
             addrs.append(a)
+    elif bits is None:
+        bits = 0
+        for a in addrs:
+            bits |= a
     # Triton specializes each pointer on 16-byte alignment: one flag when all are aligned (the usual case)
     if bits & 15 == 0:
         key = (variant, True)
