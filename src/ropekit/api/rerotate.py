@@ -88,6 +88,11 @@ def rerotate_kv_cache(
         outside to_cache makes that row's rotated dims NaN (strict mode: ValueError naming it).
 
     fp8: keep |value / k_scale| <= 448 (e4m3's range); nothing is clamped. Inference only.
+
+    Example, StreamingLLM-style eviction: the keys kept after dropping 100 tokens move 100
+    positions back, in place (k_cache (num_blocks, 16, 8, 128) bf16, slots (N,) int64)::
+
+        ropekit.rerotate_kv_cache(k_cache, slots, -100, cos_sin_cache)
     """
     if isinstance(delta, torch.Tensor) and delta.dim() == 0 and isinstance(slots, torch.Tensor) and slots.dim() == 1:
         delta = delta.expand(slots.shape[0])  # one shift for every row: a stride-0 view

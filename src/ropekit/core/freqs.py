@@ -315,6 +315,12 @@ def inv_freq(
     Raises ValueError naming the key for an unknown rope type, a missing or non-positive
     scaling value, a bad rotary_dim, or a dtype that is not floating point (frequencies below 1
     would truncate to 0).
+
+    Example, YaRN at factor 4 over a 32768-position original context::
+
+        f, attention_factor = ropekit.inv_freq(128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768}, 131072)
+        # f (64,) float32; attention_factor 1.1386... (cos_sin_cache folds it into its rows)
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         fail("inv_freq", "dtype", "a floating-point torch.dtype", repr(dtype))
@@ -346,6 +352,14 @@ def cos_sin_cache(
     rotary_position='halves'), which rotates the pairs (i, i + D/2), i < R / 2, and keeps the rest
     (the same rotation as the full-width table, without reading or computing its zero-frequency
     pairs). Every other rope type turns all its pairs: the table is the same as without it.
+
+    Example, Llama 3.1's table (128 rotated dims, theta 500000, its rope_scaling), float32
+    (4096, 128), then a rotation by it::
+
+        cache = ropekit.cos_sin_cache(128, 4096, base=500000.0, scaling={"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}, device="cuda")
+        q, k = ropekit.apply_rope(q, k, positions, cache)  # q (T, 32, 128), k (T, 8, 128) bf16
     """
     op = "cos_sin_cache"
     _positive_int(op, "max_position", max_position)

@@ -104,6 +104,11 @@ def positions_from_cu_seqlens(
     length, gets position -1 (apply_rope then gives NaN for it, no out-of-bounds read). The only
     sync outside strict mode is the read of cu_seqlens[-1] when total_tokens is None and
     cu_seqlens is on a device. Vectorized: no Python loop over sequences.
+
+    Example, three packed sequences of 3, 2 and 4 tokens::
+
+        ropekit.positions_from_cu_seqlens(torch.tensor([0, 3, 5, 9]))
+        # tensor([0, 1, 2, 0, 1, 0, 1, 2, 3])
     """
     tensor(
         _OP,

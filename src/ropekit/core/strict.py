@@ -36,6 +36,13 @@ def strict(enabled: bool = True):
 
     Costs one device sync per call; the default (off) makes a bad position's output NaN instead.
     `ROPEKIT_STRICT=1` in the environment turns it on globally.
+
+    Example (a 4096-row table, one position past it)::
+
+        with ropekit.strict():
+            ropekit.apply_rope(q, k, torch.tensor([0, 1, 5000]), cache)
+        # ValueError: apply_rope: positions: expected values in [0, 4096) (the rows of
+        # cos_sin_cache), got positions[2] = 5000
     """
     previous = mode.on
     mode.on = bool(enabled)
