@@ -400,6 +400,12 @@ def axial_inv_freq(axes_dim: Sequence[int], theta=10000.0, *, device=None) -> to
     float64, rounded once), concatenated in axis order: the convention of Flux's EmbedND and of
     the 3D RoPE of Wan, HunyuanVideo and Qwen-Image. Pass it as `inv_freq` to apply_rope with
     `axes = tuple(d // 2 for d in axes_dim)`.
+
+    Example, Flux's three axes (text / image index, height, width): q and k (T, 24, 128), ids
+    (3, T) int positions, one per axis, interleaved pairs as Flux rotates them::
+
+        f = ropekit.axial_inv_freq((16, 56, 56), 10000.0, device="cuda")  # (64,) float32
+        q, k = ropekit.apply_rope(q, k, ids, None, inv_freq=f, axes=(8, 28, 28), interleaved=True)
     """
     op = "axial_inv_freq"
     if not isinstance(axes_dim, (list, tuple)) or not axes_dim:
