@@ -371,7 +371,7 @@ def _store_slots(t: run.StoreOperands) -> tuple:
         if getattr(t, name) is None:
             name = "q" if name == "q_out" else "table"
         where.append(t._fields.index(name))
-    distinct = sorted(set(where))  # at least q, k, v, the table, the slots and the caches: a tuple
+    distinct = sorted(set(where))  # q, k, the table, slot_mapping and k_cache at least: getters of tuples
     return itemgetter(*where), itemgetter(*distinct), itemgetter(*(distinct.index(i) for i in where))
 
 
