@@ -455,7 +455,9 @@ def use_cpu_path(interpreter: bool) -> None:
 def run_checks(device, checks=None, out=print) -> Tuple[int, int, int]:
     """Run the rows, print one line each. Returns (passed, failed, not available)."""
     checks = CHECKS if checks is None else checks
-    out(f"{'check':48s} {'dtype':9s} {'threshold':>9s} {'rel. error':>10s} {'time':>7s}  result")
+    unchecked = ["ropekit." + name for name in unchecked_public_names()]
+    w = max(len(name) for name in ["check", *(c.name for c in checks), *unchecked])  # the name column
+    out(f"{'check':{w}s} {'dtype':9s} {'threshold':>9s} {'rel. error':>10s} {'time':>7s}  result")
     passed = failed = missing = 0
     for c in checks:
         t0 = time.perf_counter()
@@ -472,11 +474,11 @@ def run_checks(device, checks=None, out=print) -> Tuple[int, int, int]:
         passed += result == "PASS"
         failed += result == "FAIL"
         missing += result == "not available"
-        line = f"{c.name:48s} {c.dtype:9s} {c.threshold:9.0e} {err:10.2e} {dt:6.2f}s  {result}"
+        line = f"{c.name:{w}s} {c.dtype:9s} {c.threshold:9.0e} {err:10.2e} {dt:6.2f}s  {result}"
         out(line + (f"  ({detail})" if detail else ""))
-    for name in unchecked_public_names():
+    for name in unchecked:
         failed += 1
-        out(f"{'ropekit.' + name:48s} {'-':9s} {'-':>9s} {'-':>10s} {'-':>7s}  FAIL  (public, no row checks it)")
+        out(f"{name:{w}s} {'-':9s} {'-':>9s} {'-':>10s} {'-':>7s}  FAIL  (public, no row checks it)")
     return passed, failed, missing
 
 
