@@ -394,10 +394,10 @@ def compose_angles(c_from, s_from, c_to, s_to):
     same vector rotated by (c_to, s_to) (float32 tiles or vectors, any matching shapes): the angle
     to - from, scaled by |to| / |from|, so that tables which fold an attention factor into cos / sin
     (YaRN, LongRoPE) move a vector from one scale to the other too. Applied with rotate, the vector
-    is rounded once instead of once per table."""
-    norm = c_from * c_from + s_from * s_from
-    c = (c_to * c_from + s_to * s_from) / norm
-    sn = (s_to * c_from - c_to * s_from) / norm
+    is rounded once instead of once per table. One division a pair: the reciprocal of |from|^2."""
+    inv = 1.0 / (c_from * c_from + s_from * s_from)
+    c = (c_to * c_from + s_to * s_from) * inv
+    sn = (s_to * c_from - c_to * s_from) * inv
     return c, sn
 
 

@@ -739,9 +739,10 @@ def rerotate_rows(
     else:
         cos, sin = two_table_angles(table, to_table, p, d, rot)
     rotate(x, x, cos, sin, interleaved=interleaved, halves=halves)
-    if scale is not None:
+    if scale is not None:  # by the reciprocal, as the kernel does
+        inv = 1.0 / scale
         for part in rotated_dims(x, rot, halves):
-            part /= scale
+            part *= inv
     rows = _cache_rows(k_cache, dst)
     if dst_slots is not None:  # another row: the kept dims move too
         k_cache[rows] = x.to(k_cache.dtype)
@@ -762,8 +763,8 @@ def two_table_angles(table, to_table, positions, delta, rot: int):
     n = (p.shape[0],)
     cf, sf = (a.float() for a in table_angles(table, p, n, rot))
     ct, st = (a.float() for a in table_angles(to_table, p + torch.where(ok, delta, 0), n, rot))
-    norm = cf * cf + sf * sf
-    cos, sin = (ct * cf + st * sf) / norm, (st * cf - ct * sf) / norm
+    inv = 1.0 / (cf * cf + sf * sf)  # the kernel's float32 steps (ropekit.language.compose_angles)
+    cos, sin = (ct * cf + st * sf) * inv, (st * cf - ct * sf) * inv
     bad = ~ok.unsqueeze(-1)
     return cos.masked_fill(bad, float("nan")), sin.masked_fill(bad, float("nan"))
 

@@ -133,14 +133,16 @@ def rerotate_kernel(
     dst_row = tl.where(live, dst_row, k_cache_ptr)[:, None]
     x1, x2 = load_pairs(src_row, i, fmask, INTERLEAVED, 0, "", GAP)
     if K_SCALED:
-        # dequantize, rotate in float32, quantize back with the same scale
+        # dequantize, rotate in float32, quantize back with the same scale: by its reciprocal,
+        # once a program (a division an element left W12-fp8 issue-bound; the store does the same)
         scale = tl.load(k_scale_ptr).to(tl.float32)
         x1 = x1 * scale
         x2 = x2 * scale
     o1, o2 = rotate(x1, x2, c, sn, False)
     if K_SCALED:
-        o1 = o1 / scale
-        o2 = o2 / scale
+        inv = 1.0 / scale
+        o1 = o1 * inv
+        o2 = o2 * inv
     store_pairs(dst_row, i, fmask, o1, o2, INTERLEAVED, 0, GAP)
     if TAIL_PAD > 0:
         # into another row: the dims no pair holds move unchanged (same dtype: a bit copy)
