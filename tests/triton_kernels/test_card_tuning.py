@@ -46,6 +46,58 @@ def test_cpu_and_set_knobs_take_the_defaults():
     assert tuning.card_plain(dev, 9216) == tuning.plain_rows(torch.cuda.get_device_name(), 9216)
 
 
+def test_strided_knobs_unless_the_layout_is_set():
+    assert tuning.strided_plain() == (tuning.get("strided_block_elems"), tuning.get("strided_warps"))
+    with tuning.override(strided_block_elems=256, strided_warps=4):
+        assert tuning.strided_plain() == (256, 4)
+    for knobs in ({"block_elems": 2048}, {"num_warps": 4}):
+        with tuning.override(**knobs):
+            assert tuning.strided_plain() is None, knobs
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(BLOCK_H, num_warps, STRIDED_IN, STRIDED_OUT) of every rope_kernel plan made from here on."""
+    from ropekit.core import memo, plans
+
+    seen, real = [], plans.plan_rotate
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if plan:
+            m = plan.meta
+            seen.append((m["BLOCK_H"], m["num_warps"], m["STRIDED_IN"], m["STRIDED_OUT"]))
+        return plan
+
+    monkeypatch.setattr(plans, "plan_rotate", spy)
+    memo.clear()  # plans are made once per signature: start from none
+    return seen
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["strided input", "in place"])
+def test_a_strided_plain_rotation_takes_the_strided_knobs(device, launches, inplace):
+    """A table-driven call past decode size with a last stride of 2 (read, and in place written):
+    blocks of strided_block_elems rotated elements and strided_warps warps; a unit-stride call of
+    the same shapes does not take them."""
+    from ropekit.core import checks
+
+    if not checks.triton_runs(torch.empty(1, device=device)):
+        pytest.skip("the PyTorch path plans no launch")
+    T, D = 8, 64
+    cache = make_cache(T, D, device=device)
+    pos = torch.arange(T, device=device)
+    q = torch.randn(T, 8, D, device=device)
+    k = torch.randn(T, 2, D, device=device)
+    wide = torch.empty(T, 8, 2 * D, device=device)[..., ::2]
+    wide.copy_(q)
+    # 8 tokens past decode size: the head loop, whose plain launches take the knobs
+    with tuning.override(decode_tokens=4, strided_block_elems=256, strided_warps=4):
+        ropekit.apply_rope(wide, k, pos, cache, inplace=inplace)
+        ropekit.apply_rope(q, k, pos, cache, inplace=inplace)
+    assert launches[0] == (256 // D, 4, True, inplace), launches
+    assert launches[1][:2] != (256 // D, 4) and launches[1][2:] == (False, False), launches
+
+
 # (token shape, Hq, Hk, D, rotary_dim, keywords): rotated elements a token of each row of CARD_PLAIN,
 # more tokens than a decode-sized call
 CALLS = [
@@ -53,7 +105,7 @@ CALLS = [
     ((2, 600), 64, 8, 128, 128, {"layout": "bshd"}),  # 9216 in (B, S, H, D)
     ((1100,), 128, 1, 192, 64, {"rotary_position": "last"}),  # 8256: W6's heads, the last 64 dims
     ((1100,), 64, 8, 128, 128, {"interleaved": True}),
-    ((1100,), 64, 8, 128, 128, {"strided": True}),  # a last stride of 2: the defaults
+    ((1100,), 64, 8, 128, 128, {"strided": True}),  # a last stride of 2: the strided knobs
 ]
 
 

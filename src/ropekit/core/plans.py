@@ -214,11 +214,14 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
     else:
         block_elems = tuning.get("across_block_elems" if across else "block_elems")
     # the plain rotation's head loop: its card's own launch where a sweep found one (tuning.CARD_PLAIN)
+    # (a strided last dim: small blocks of its own, tuning.strided_plain)
     plain = head_loop and not (normed or mrope or variant.head_table) and variant.angles == "table"
-    plain = plain and not any(col_strided(x) for x in (q, k, q_out, k_out))  # W2-STRIDED: 57% -> 30%
     card = None
     if plain and not tuning.decode_sized(n_tokens):
-        card = tuning.card_plain(q.device, (n_q + n_k) * 2 * next_pow2(half))
+        if any(col_strided(x) for x in (q, k, q_out, k_out)):
+            card = tuning.strided_plain()
+        else:
+            card = tuning.card_plain(q.device, (n_q + n_k) * 2 * next_pow2(half))
     if card is not None:
         block_elems = card[0]
     half_pad, block_h, tail_pad, nqb, nkb = _tiles(half, n_q, n_k, tail, block_elems)

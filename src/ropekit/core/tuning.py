@@ -60,6 +60,14 @@ KNOBS: Dict[str, Knob] = {
         "None: one program per token walking its q, k and v head blocks (slot and angles "
         "read once) from decode_tokens tokens on; True / False force it (tests, sweeps)",
     ),
+    "strided_block_elems": Knob(
+        512,
+        "rope_kernel elements per head block of a plain rotation's head loop when a last dim has "
+        "a stride other than 1 (its columns read element by element, half of every sector "
+        "unwanted): a Triton copy of W2-STRIDED's pattern reached 67% of copy with 4 heads of "
+        "128 a program and 57% with 16 (benchmarks/scripts/stride2_ceiling.py, H100)",
+    ),
+    "strided_warps": Knob(2, "warps per program of those strided launches (the same copy: 2 and 4 equal, 8 slower)"),
     "rerotate_block_elems": Knob(
         2048,
         "rerotate_kernel rotated elements per program (rows x heads x dims): "
@@ -130,7 +138,7 @@ _values: Dict[str, object] = {}
 # the defaults. H100 (PERF_LOG v48, the bench with ROPEKIT_CARD_TUNING=0 / 1 in one call): W2 (9216
 # elements a token) 95.3% -> 97.3% of copy with 4096 / 8 warps, W6 (8256) 87.5% -> 88.8%. W1 (5120),
 # whose sweep preferred 1024 / 4 warps, gained nothing in the bench; a strided last dim (W2-STRIDED)
-# fell from 57% to 30% with 4096 / 8, so strided calls keep the defaults.
+# fell from 57% to 30% with 4096 / 8, so strided calls take their own knobs (strided_plain).
 CARD_PLAIN: Dict[str, Tuple[Tuple[int, int, int, int], ...]] = {
     "NVIDIA H100": ((8192, 1 << 62, 4096, 8),),
 }
@@ -186,6 +194,15 @@ def card_plain(device, elems: int) -> Optional[Tuple[int, int]]:
     if name is None:
         name = _CARD_NAMES[index] = torch.cuda.get_device_name(index)
     return plain_rows(name, elems)
+
+
+def strided_plain() -> Optional[Tuple[int, int]]:
+    """(block_elems, warps) of a plain rotation's head loop that reads or writes a last dim of
+    stride other than 1 (the knobs strided_block_elems / strided_warps); None when block_elems or
+    num_warps is set (an override or the environment: tests and sweeps choose the layout)."""
+    if _is_set("block_elems") or _is_set("num_warps"):
+        return None
+    return get("strided_block_elems"), get("strided_warps")
 
 
 def plain_rows(card: str, elems: int) -> Optional[Tuple[int, int]]:
