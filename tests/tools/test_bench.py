@@ -484,6 +484,7 @@ CONVENTION_ROWS = (
     "W7-QNOPE",
     "W1-SBHD",
     "W1-HEADTABLE",
+    "W1-QTEMP",
     "W2-OUT",
     "W2-STRIDED",
     "W2-EAGER",
@@ -513,6 +514,17 @@ def test_convention_rows_check_and_bytes(cpu_env, wid):
         assert workloads.min_bytes(w, base) == q_moved + nb(k) + nb(v) + rows
     with pytest.raises(peers.PeerSkip):
         peers.forms_only_ropekit(peers.Reference(), w)
+
+
+def test_q_temperature_row_checks_a_factor_that_varies(cpu_env):
+    """W1-QTEMP's expected q is W1's times a factor that takes several values at the quick size
+    (so the check would catch a scaling left out or wrong), and its k is W1's."""
+    w, w1 = workloads.BY_ID["W1-QTEMP"], workloads.BY_ID["W1"]
+    base = ropekit_row_passes(w, w.sizes(True))
+    exp, plain = workloads.expected(w, base, workloads.Oracle()), workloads.expected(w1, base, workloads.Oracle())
+    assert workloads.rel_err(exp["k"], plain["k"]) == 0
+    ratio = exp["q"].norm(dim=(-2, -1)) / plain["q"].norm(dim=(-2, -1))  # (B, S): q's factor per token
+    assert ratio.min() == pytest.approx(1.0) and ratio.max() > 1.1, (ratio.min(), ratio.max())
 
 
 def test_mrope_n4_row_checks_and_moves_w4s_bytes(cpu_env):

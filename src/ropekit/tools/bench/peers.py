@@ -259,6 +259,8 @@ def rope_form(op, wl: W.Workload, inp) -> Bound:
         return Bound(lambda: op(q, k, pos, cache, interleaved=il), tuple)
     if form == "eager":
         return Bound(lambda: op(q, k, pos, cache, interleaved=il, eager_rounding=True), tuple)
+    if form == "q_temperature":
+        return Bound(lambda: op(q, k, pos, cache, interleaved=il, q_temperature=W.Q_TEMPERATURE), tuple)
     # "strided": every other element of a buffer twice as wide
     q_2, k_2 = (torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device) for x in (q, k))
     q_2[..., ::2], k_2[..., ::2] = q, k
@@ -1006,7 +1008,7 @@ for _cls in (RopekitUnfused, RopekitHF, Liger, FlashInfer, VLLM, FlashAttn):
 
 def forms_only_ropekit(peer: Peer, wl: W.Workload) -> None:
     """The store's serving forms (W7-WK, W10-FP8Q, W7-KNOPE, e5m2 caches) and apply_rope's
-    conventions (W1-SBHD, W1-HEADTABLE, W2-OUT, W2-STRIDED, W2-EAGER, W6-LAST) are ropekit's keywords: other peers are n/a
+    conventions (W1-SBHD, W1-HEADTABLE, W1-QTEMP, W2-OUT, W2-STRIDED, W2-EAGER, W6-LAST) are ropekit's keywords: other peers are n/a
     there (their plain rows are beside them)."""
     if (wl.store_forms or wl.cache_dtype == "e5m2") and peer.name != "ropekit":
         raise PeerSkip("n/a", "a ropekit store form (see the plain store row for this peer)")

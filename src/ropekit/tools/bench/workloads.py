@@ -58,7 +58,8 @@ class Workload:
     # contiguous (S, B, H, D), layout='sbhd'), "out" (destinations q_out= / k_out=), "last" (MLA's
     # whole (T, H, nope + rope) q with rotary_position='last', in place), "strided" (q and k
     # with last stride 2: read through the documented copy), "head_table" (a per-KV-head table
-    # (P, Hk, R), FoPE's form, with explicit positions) and "eager" (eager_rounding=True)
+    # (P, Hk, R), FoPE's form, with explicit positions), "eager" (eager_rounding=True) and
+    # "q_temperature" (Llama 4's attention temperature tuning of q, Q_TEMPERATURE, explicit positions)
     rope_forms: Tuple[str, ...] = ()
     # graph workloads: 0 walks input sets larger than L2 together, one call each; N > 0 captures N
     # calls on ONE input set in the graph (its data stays in L2: the launch-bound floor of a row)
@@ -371,6 +372,14 @@ _FORMS += [
         "in groups of Hq / Hk read their KV head's rows; explicit (B, S) positions",
         rope_forms=("head_table",),
     ),
+    replace(
+        _W1,
+        id="W1-QTEMP",
+        name="train_8b_q_temperature",
+        what="W1 with Llama 4's attention temperature tuning of q (q_temperature=Q_TEMPERATURE: q times "
+        "log(floor((p + 1) / 32) + 1) * 0.1 + 1); explicit (B, S) positions",
+        rope_forms=("q_temperature",),
+    ),
     replace(_W2, id="W2-OUT", name="prefill_70b_out", what="W2 into given q_out= / k_out=", rope_forms=("out",)),
     replace(
         _W2,
@@ -397,6 +406,10 @@ _FORMS += [
 for _w in _FORMS:  # each beside its plain store rows (the table keeps this order)
     WORKLOADS.insert(max(i for i, w in enumerate(WORKLOADS) if w.group == _w.group) + 1, _w)
 Q_SCALE = 0.5  # fp8_q_out: q_out holds rotated q / Q_SCALE
+# q_temperature: (floor_scale, attn_scale); a floor scale far below the rows' sequence lengths, so
+# q's factor takes many values along a sequence, at --quick's 128 tokens too (Llama 4's own 8192
+# would leave it 1 there, and the correctness check blind to the scaling)
+Q_TEMPERATURE = (32.0, 0.1)
 FP8_OF = {"fp8": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 NVFP4_GLOBAL = 0.25  # nvfp4: k_scale = v_scale, the per-tensor global scales (a power of two)
 
@@ -515,7 +528,7 @@ def _make_inputs(wl: Workload, s: Dict[str, int], table: torch.Tensor, device, s
         if wl.kind in ("fwdbwd", "normfwdbwd"):
             inp["gq"] = randn(B, S, s["Hq"], s["D"])
             inp["gk"] = randn(B, S, s["Hk"], s["D"])
-        if "head_table" in wl.rope_forms:  # a per-head table takes explicit positions
+        if {"head_table", "q_temperature"} & set(wl.rope_forms):  # these take explicit positions
             inp["positions"] = torch.arange(S, device=device, dtype=torch.int64).repeat(B, 1)
         return inp  # positions None: arange over S
     T = s["T"]
@@ -767,6 +780,10 @@ def expected(wl: Workload, inp: Dict[str, torch.Tensor], oracle: Oracle) -> Dict
     ml = wl.mrope_layout
     q = oracle.rope(inp["q"], pos, tab, interleaved=il, mrope_section=ms, mrope_layout=ml, label=wl.id + " q")
     k = oracle.rope(inp["k"], pos, tab, interleaved=il, mrope_section=ms, mrope_layout=ml, label=wl.id + " k")
+    if "q_temperature" in wl.rope_forms:  # q times its token's factor (ropekit.tools.reference's formula)
+        floor_scale, attn_scale = Q_TEMPERATURE
+        p = pos.to(torch.float64)
+        q = q * (torch.log(torch.floor((p + 1) / floor_scale) + 1) * attn_scale + 1)[..., None, None]
     if wl.kind == "rope":
         return {"q": q, "k": k}
     if wl.kind == "fwdbwd":
