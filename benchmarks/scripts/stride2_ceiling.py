@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from strided_ceiling import pct  # noqa: E402  (percent of copy and us of a call, do_bench's median)
 from tune_core import copy_bandwidth  # noqa: E402
 
 import ropekit  # noqa: E402
@@ -53,11 +54,6 @@ def _stride2_copy(
     else:
         x = tl.load(x_ptr + r[:, None] * (2 * D) + 2 * j, mask=m)
     tl.store(y_ptr + r[:, None] * D + j, x, mask=m)
-
-
-def pct(fn, nbytes, bw):
-    t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-    return 100 * nbytes / t / bw, t * 1e6
 
 
 def main():

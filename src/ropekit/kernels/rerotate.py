@@ -133,8 +133,8 @@ def rerotate_kernel(
     dst_row = tl.where(live, dst_row, k_cache_ptr)[:, None]
     x1, x2 = load_pairs(src_row, i, fmask, INTERLEAVED, 0, "", GAP)
     if K_SCALED:
-        # dequantize, rotate in float32, quantize back with the same scale: by its reciprocal,
-        # once a program (a division an element left W12-fp8 issue-bound; the store does the same)
+        # dequantize, rotate in float32, quantize back with the same scale: times its reciprocal,
+        # one division a program instead of one an element (the store's fp8 path does the same)
         scale = tl.load(k_scale_ptr).to(tl.float32)
         x1 = x1 * scale
         x2 = x2 * scale

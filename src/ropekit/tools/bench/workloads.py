@@ -57,7 +57,7 @@ class Workload:
     # rope / mla workloads: apply_rope's conventions on the plain row's inputs, "sbhd" (q and k
     # contiguous (S, B, H, D), layout='sbhd'), "out" (destinations q_out= / k_out=), "last" (MLA's
     # whole (T, H, nope + rope) q with rotary_position='last', in place), "strided" (q and k
-    # with last stride 2: read through the documented copy), "head_table" (a per-KV-head table
+    # with last stride 2: read by the kernel through the stride), "head_table" (a per-KV-head table
     # (P, Hk, R), FoPE's form, with explicit positions), "eager" (eager_rounding=True) and
     # "q_temperature" (Llama 4's attention temperature tuning of q, Q_TEMPERATURE, explicit positions)
     rope_forms: Tuple[str, ...] = ()
