@@ -7,8 +7,10 @@ so one process has one choice: the header line "ropekit backend" says which, and
 parameter's test id says it too ("cpu-interpreter" or "cpu-torch"; "cuda" for the tests marked gpu).
 """
 
+import importlib
 import os
 import pathlib
+import pkgutil
 import sys
 
 import pytest
@@ -23,7 +25,15 @@ for _folder in sorted({p.parent for p in pathlib.Path(__file__).parent.rglob("te
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every kernel module imported now, so every kernel is decorated under this process's choice: a
+# test that unsets TRITON_INTERPRET for the PyTorch path (the bench's CPU rows) must not be the
+# first to import one (its kernels would then be compiled ones, which the interpreter's later
+# launches refuse: "Cannot call @triton.jit'd outside of the scope of a kernel").
+import ropekit.kernels  # noqa: E402
 from ropekit.core import memo, run  # noqa: E402
+
+for _module in pkgutil.iter_modules(ropekit.kernels.__path__):
+    importlib.import_module(f"ropekit.kernels.{_module.name}")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)]
