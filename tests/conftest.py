@@ -92,6 +92,24 @@ def path(request, monkeypatch):
     memo.clear()
 
 
+def spy_rope_plans(monkeypatch, pick) -> list:
+    """A list that gets pick(plan.meta) of every rope_kernel plan made from here on (the memo is
+    cleared: plans are made once per signature)."""
+    from ropekit.core import plans
+
+    seen, real = [], plans.plan_rotate
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if plan:
+            seen.append(pick(plan.meta))
+        return plan
+
+    monkeypatch.setattr(plans, "plan_rotate", spy)
+    memo.clear()
+    return seen
+
+
 def make_cache(max_position, rotary_dim, *, base=10000.0, dtype=torch.float32, device="cpu"):
     """A [cos | sin] table computed in float64."""
     inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)

@@ -9,7 +9,7 @@ import ropekit
 from ropekit.core import tuning
 from ropekit.tools import reference
 
-from conftest import TOL, make_cache, rel_err
+from conftest import TOL, make_cache, rel_err, spy_rope_plans
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -58,20 +58,7 @@ def test_strided_knobs_unless_the_layout_is_set():
 @pytest.fixture
 def launches(monkeypatch):
     """(BLOCK_H, num_warps, STRIDED_IN, STRIDED_OUT) of every rope_kernel plan made from here on."""
-    from ropekit.core import memo, plans
-
-    seen, real = [], plans.plan_rotate
-
-    def spy(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        if plan:
-            m = plan.meta
-            seen.append((m["BLOCK_H"], m["num_warps"], m["STRIDED_IN"], m["STRIDED_OUT"]))
-        return plan
-
-    monkeypatch.setattr(plans, "plan_rotate", spy)
-    memo.clear()  # plans are made once per signature: start from none
-    return seen
+    return spy_rope_plans(monkeypatch, lambda m: (m["BLOCK_H"], m["num_warps"], m["STRIDED_IN"], m["STRIDED_OUT"]))
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["strided input", "in place"])

@@ -213,12 +213,14 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
         block_elems = tuning.get("decode_block_elems")
     else:
         block_elems = tuning.get("across_block_elems" if across else "block_elems")
+    # column strides: 1 for a tensor of one column too (its column 0 is at offset 0 whatever the stride)
+    cols = tuple(x.stride(-1) if col_strided(x) else 1 for x in (q, k, q_out, k_out))
     # the plain rotation's head loop: its card's own launch where a sweep found one (tuning.CARD_PLAIN)
     # (a strided last dim: small blocks of its own, tuning.strided_plain)
     plain = head_loop and not (normed or mrope or variant.head_table) and variant.angles == "table"
     card = None
     if plain and not tuning.decode_sized(n_tokens):
-        if any(col_strided(x) for x in (q, k, q_out, k_out)):
+        if cols != (1, 1, 1, 1):
             card = tuning.strided_plain()
         else:
             card = tuning.card_plain(q.device, (n_q + n_k) * 2 * next_pow2(half))
@@ -248,8 +250,6 @@ def plan_rotate(q, k, q_out, k_out, angles: AngleLayout, variant, temperature=(1
     sk = (*token_strides(k, n_tok), k.stride(-2)) if k is not None else (0, 0, 0)
     sko = (*token_strides(k_out, n_tok), k_out.stride(-2)) if k is not None else (0, 0, 0)
     sec_t, sec_h, sec_w = section_args(variant, half, q.device)
-    # column strides: 1 for a tensor of one column too (its column 0 is at offset 0 whatever the stride)
-    cols = tuple(x.stride(-1) if col_strided(x) else 1 for x in (q, k, q_out, k_out))
     args = (
         n_tokens,
         S,
