@@ -275,6 +275,39 @@ def test_dtypes_and_pair_layouts(device, dtype, interleaved):
     check(cache, slots, delta, make_cache(64, 128, device=device), interleaved=interleaved)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block_elems, warps", [(256, 1), (8192, 8)])
+def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps):
+    """A launch shape other than the default gives the same rows (a program's rows x heads x
+    rotary dims is rerotate_block_elems, its warps rerotate_warps), on a cache with more heads
+    than one program takes at 256."""
+    from ropekit.core import plans, tuning
+
+    seen, real = [], plans.plan_rerotate
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        seen.append(plan.meta)
+        return plan
+
+    monkeypatch.setattr(plans, "plan_rerotate", spy)
+    memo.clear()
+    if cache_dtype == FP8:  # quarter turns: exact in e4m3, so the interpreter's casts are exact too
+        fill, table = fp8_values, quarter_turn_table(64, 128, device)
+        extra = {"k_scale": torch.tensor([0.5], device=device), "exact": True}
+    else:
+        fill, table, extra = None, make_cache(64, 128, device=device), {}
+    cache = Cache(nhd, 8, 4, 8, 128, cache_dtype, device, fill=fill)
+    r = random.Random(f"{cache_dtype}{block_elems}")
+    slots, delta, _ = random_case(r, cache.num_slots, 24, device, n_pad=2)
+    with tuning.override(rerotate_block_elems=block_elems, rerotate_warps=warps):
+        check(cache, slots, delta, table, **extra)
+    assert seen, "the spy saw no launch"
+    for meta in seen:
+        assert meta["num_warps"] == warps
+        assert meta["ROWS"] * meta["BLOCK_H"] * 2 * meta["HALF_PAD"] == block_elems
+
+
 def test_int_delta_and_negative_int_delta(device):
     cache = Cache(hnd, 2, 4, 2, 64, torch.float32, device)
     slots = torch.tensor([5, 0, -1, 7], device=device)

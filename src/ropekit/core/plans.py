@@ -517,7 +517,7 @@ def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
     block_h = min(next_pow2(n_heads), next_pow2(max(1, block_elems // (2 * half_pad))))
     rows = next_pow2(max(1, block_elems // (block_h * 2 * half_pad)))
     tail_pad = next_pow2(tail) if tail > 0 else 0
-    return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), 4
+    return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), tuning.get("rerotate_warps")
 
 
 def plan_rerotate(

@@ -75,6 +75,7 @@ KNOBS: Dict[str, Knob] = {
         "rows are gathered by slot, so a program takes several to overlap "
         "their dependent slot -> table -> cache loads",
     ),
+    "rerotate_warps": Knob(4, "warps per rerotate_kernel program"),
     "whole_heads": Knob(
         None,
         "None: a normed rope_kernel launch holds each tensor's heads of a token whole (one head "
