@@ -13,6 +13,7 @@ import json
 
 import torch
 import triton
+from tune_core import copy_bandwidth  # this folder is on the path of a script run from it
 
 import ropekit
 from ropekit.core import tuning
@@ -20,13 +21,6 @@ from ropekit.tools.bench import workloads as W
 from ropekit.tools.bench.peers import _rerotate_args, _two_tables
 
 ROWS = "W12,W12-fp8,W12-2T,W12-mla"
-
-
-def copy_bandwidth(nbytes=2 * 2**30):
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median") * 1e-3
-    return 2 * nbytes / t
 
 
 def call_of(wl, inp):

@@ -275,13 +275,9 @@ def test_dtypes_and_pair_layouts(device, dtype, interleaved):
     check(cache, slots, delta, make_cache(64, 128, device=device), interleaved=interleaved)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("block_elems, warps", [(256, 1), (8192, 8)])
-def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps):
-    """A launch shape other than the default gives the same rows (a program's rows x heads x
-    rotary dims is rerotate_block_elems, its warps rerotate_warps), on a cache with more heads
-    than one program takes at 256."""
-    from ropekit.core import plans, tuning
+def _spy_rerotate_plans(monkeypatch) -> list:
+    """A list that gets the meta of every rerotate_kernel plan made from here on."""
+    from ropekit.core import plans
 
     seen, real = [], plans.plan_rerotate
 
@@ -291,6 +287,18 @@ def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps
         return plan
 
     monkeypatch.setattr(plans, "plan_rerotate", spy)
+    return seen
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block_elems, warps", [(256, 1), (8192, 8)])
+def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps):
+    """A launch shape other than the default gives the same rows (a program's rows x heads x
+    rotary dims is rerotate_block_elems, its warps rerotate_warps), on a cache with more heads
+    than one program takes at 256."""
+    from ropekit.core import tuning
+
+    seen = _spy_rerotate_plans(monkeypatch)
     memo.clear()
     if cache_dtype == FP8:  # quarter turns: exact in e4m3, so the interpreter's casts are exact too
         fill, table = fp8_values, quarter_turn_table(64, 128, device)
@@ -306,6 +314,23 @@ def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps
     for meta in seen:
         assert meta["num_warps"] == warps
         assert meta["ROWS"] * meta["BLOCK_H"] * 2 * meta["HALF_PAD"] == block_elems
+
+
+@pytest.mark.parametrize("cache_dtype, warps", [(torch.float32, 4), (torch.bfloat16, 4), (FP8, 2)])
+def test_default_warps_by_cache_dtype(monkeypatch, cache_dtype, warps):
+    """With the knobs untouched a 2048-element program takes 4 warps on a 4- or 2-byte cache and 2 on
+    an fp8 one (each thread one 16-byte vector of each pair half; PERF_LOG v56)."""
+    from ropekit.core import tuning
+
+    seen = _spy_rerotate_plans(monkeypatch)
+    monkeypatch.delenv("ROPEKIT_REROTATE_WARPS", raising=False)
+    monkeypatch.delenv("ROPEKIT_REROTATE_BLOCK_ELEMS", raising=False)
+    memo.clear()
+    assert tuning.get("rerotate_block_elems") == 2048
+    kc = torch.zeros(4, 4, 8, 128).to(cache_dtype)
+    scale = {"k_scale": torch.tensor([0.5])} if cache_dtype == FP8 else {}
+    rerotate_kv_cache(kc, torch.tensor([1, 5]), torch.tensor([2, -3]), make_cache(16, 128), **scale)
+    assert [m["num_warps"] for m in seen] == [warps]
 
 
 def test_int_delta_and_negative_int_delta(device):

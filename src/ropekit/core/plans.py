@@ -509,15 +509,18 @@ def nope_strides(x, n_tok: int) -> tuple:
 # re-rotation of cached keys
 
 
-def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int):
+def _rerotate_tiles(half: int, n_heads: int, tail: int, block_elems: int, elem_bytes: int):
     """(HALF_PAD, BLOCK_H, ROWS, TAIL_PAD, head blocks, num_warps) for a cache shape: a program takes
     ROWS rows of BLOCK_H heads, ~block_elems rotated elements (MLA's 64-dim rows: 32 rows a program;
-    W12's 8 heads x 128: 2 rows)."""
+    W12's 8 heads x 128: 2 rows). Warps: rerotate_warps, or where it is 0 as many as give each
+    thread one 16-byte vector of each pair half (block_elems / 2 x elem_bytes / 16 / 32), at most 4:
+    4 for a 2048-element program of a bf16 cache, 2 for an fp8 one."""
     half_pad = next_pow2(half)
     block_h = min(next_pow2(n_heads), next_pow2(max(1, block_elems // (2 * half_pad))))
     rows = next_pow2(max(1, block_elems // (block_h * 2 * half_pad)))
     tail_pad = next_pow2(tail) if tail > 0 else 0
-    return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), tuning.get("rerotate_warps")
+    warps = tuning.get("rerotate_warps") or max(1, min(4, block_elems * elem_bytes // 1024))
+    return half_pad, block_h, rows, tail_pad, -(-n_heads // block_h), warps
 
 
 def plan_rerotate(
@@ -531,7 +534,7 @@ def plan_rerotate(
     half = rot // 2
     tail = d - rot if dst_slots is not None else 0  # in place, the tail already sits where it belongs
     half_pad, block_h, rows, tail_pad, n_blocks, num_warps = _rerotate_tiles(
-        half, n_heads, tail, tuning.get("rerotate_block_elems")
+        half, n_heads, tail, tuning.get("rerotate_block_elems"), k_cache.element_size()
     )
     block_size, stride_block, stride_offset, stride_head = slot_geometry(k_cache)
     args = (

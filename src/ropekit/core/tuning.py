@@ -75,7 +75,13 @@ KNOBS: Dict[str, Knob] = {
         "rows are gathered by slot, so a program takes several to overlap "
         "their dependent slot -> table -> cache loads",
     ),
-    "rerotate_warps": Knob(4, "warps per rerotate_kernel program"),
+    "rerotate_warps": Knob(
+        0,
+        "0: rerotate_kernel's rule, as many warps as give each thread one 16-byte vector of each "
+        "pair half, at most 4 (a 2048-element program: 4 for bf16 caches, 2 for fp8, whose 8-byte "
+        "loads with 4 warps left W12-fp8 at 64.7% of copy against 71.4% with 2 on an H100, PERF_LOG "
+        "v56); else this many warps per program",
+    ),
     "whole_heads": Knob(
         None,
         "None: a normed rope_kernel launch holds each tensor's heads of a token whole (one head "
