@@ -92,12 +92,13 @@ def path(request, monkeypatch):
     memo.clear()
 
 
-def spy_rope_plans(monkeypatch, pick) -> list:
-    """A list that gets pick(plan.meta) of every rope_kernel plan made from here on (the memo is
-    cleared: plans are made once per signature)."""
+def spy_plans(monkeypatch, pick, planner: str = "plan_rotate") -> list:
+    """A list that gets pick(plan.meta) of every plan that ropekit.core.plans' `planner` makes from
+    here on (rope_kernel's by default, "plan_rerotate" for rerotate_kernel's; the memo is cleared:
+    plans are made once per signature)."""
     from ropekit.core import plans
 
-    seen, real = [], plans.plan_rotate
+    seen, real = [], getattr(plans, planner)
 
     def spy(*args, **kwargs):
         plan = real(*args, **kwargs)
@@ -105,7 +106,7 @@ def spy_rope_plans(monkeypatch, pick) -> list:
             seen.append(pick(plan.meta))
         return plan
 
-    monkeypatch.setattr(plans, "plan_rotate", spy)
+    monkeypatch.setattr(plans, planner, spy)
     memo.clear()
     return seen
 

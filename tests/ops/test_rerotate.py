@@ -275,21 +275,6 @@ def test_dtypes_and_pair_layouts(device, dtype, interleaved):
     check(cache, slots, delta, make_cache(64, 128, device=device), interleaved=interleaved)
 
 
-def _spy_rerotate_plans(monkeypatch) -> list:
-    """A list that gets the meta of every rerotate_kernel plan made from here on."""
-    from ropekit.core import plans
-
-    seen, real = [], plans.plan_rerotate
-
-    def spy(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        seen.append(plan.meta)
-        return plan
-
-    monkeypatch.setattr(plans, "plan_rerotate", spy)
-    return seen
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("block_elems, warps", [(256, 1), (8192, 8)])
 def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps):
@@ -298,8 +283,9 @@ def test_launch_shape_knobs(device, monkeypatch, cache_dtype, block_elems, warps
     than one program takes at 256."""
     from ropekit.core import tuning
 
-    seen = _spy_rerotate_plans(monkeypatch)
-    memo.clear()
+    from conftest import spy_plans
+
+    seen = spy_plans(monkeypatch, lambda meta: meta, "plan_rerotate")
     if cache_dtype == FP8:  # quarter turns: exact in e4m3, so the interpreter's casts are exact too
         fill, table = fp8_values, quarter_turn_table(64, 128, device)
         extra = {"k_scale": torch.tensor([0.5], device=device), "exact": True}
@@ -322,10 +308,11 @@ def test_default_warps_by_cache_dtype(monkeypatch, cache_dtype, warps):
     an fp8 one (each thread one 16-byte vector of each pair half; PERF_LOG v56)."""
     from ropekit.core import tuning
 
-    seen = _spy_rerotate_plans(monkeypatch)
+    from conftest import spy_plans
+
     monkeypatch.delenv("ROPEKIT_REROTATE_WARPS", raising=False)
     monkeypatch.delenv("ROPEKIT_REROTATE_BLOCK_ELEMS", raising=False)
-    memo.clear()
+    seen = spy_plans(monkeypatch, lambda meta: meta, "plan_rerotate")
     assert tuning.get("rerotate_block_elems") == 2048
     kc = torch.zeros(4, 4, 8, 128).to(cache_dtype)
     scale = {"k_scale": torch.tensor([0.5])} if cache_dtype == FP8 else {}

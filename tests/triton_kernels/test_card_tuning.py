@@ -9,7 +9,7 @@ import ropekit
 from ropekit.core import tuning
 from ropekit.tools import reference
 
-from conftest import TOL, make_cache, rel_err, spy_rope_plans
+from conftest import TOL, make_cache, rel_err, spy_plans
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -58,7 +58,7 @@ def test_strided_knobs_unless_the_layout_is_set():
 @pytest.fixture
 def launches(monkeypatch):
     """(BLOCK_H, num_warps, STRIDED_IN, STRIDED_OUT) of every rope_kernel plan made from here on."""
-    return spy_rope_plans(monkeypatch, lambda m: (m["BLOCK_H"], m["num_warps"], m["STRIDED_IN"], m["STRIDED_OUT"]))
+    return spy_plans(monkeypatch, lambda m: (m["BLOCK_H"], m["num_warps"], m["STRIDED_IN"], m["STRIDED_OUT"]))
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["strided input", "in place"])

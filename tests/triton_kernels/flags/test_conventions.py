@@ -16,7 +16,7 @@ import ropekit
 from ropekit.core import memo, tuning
 from ropekit.tools import reference
 
-from conftest import TOL, fp8_close, make_cache, rel_err, spy_rope_plans
+from conftest import TOL, fp8_close, make_cache, rel_err, spy_plans
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -291,7 +291,7 @@ def _outside(view, base):
 def strided_plans(monkeypatch):
     """The (STRIDED_IN, STRIDED_OUT) of every rope_kernel plan made: the kernel reads a strided
     last dim itself (no copy in between)."""
-    return spy_rope_plans(monkeypatch, lambda m: (m["STRIDED_IN"], m["STRIDED_OUT"]))
+    return spy_plans(monkeypatch, lambda m: (m["STRIDED_IN"], m["STRIDED_OUT"]))
 
 
 def _kernel_ran(device) -> bool:
