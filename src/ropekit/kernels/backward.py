@@ -69,32 +69,6 @@ def _unrotate(
 
 
 @triton.jit
-def _load_x(
-    at,
-    placeholder,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TAIL_PAD: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    PACK: tl.constexpr,
-    GAP: tl.constexpr,
-    STRIDED: tl.constexpr,
-):
-    """x1, x2 and the tail of heads [head0, head0 + BLOCK_H) of one token (float32 tiles; the tail
-    is `placeholder` when TAIL_PAD is 0). at: (x_base, stride_x_head, n_heads, head0, tail, x's
-    column stride)."""
-    x_base, stride_x_head, n_heads, head0, tail, x_col = at
-    x1, x2 = load_heads(
-        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP, _col(x_col, STRIDED)
-    )
-    xt = placeholder
-    if TAIL_PAD > 0:
-        xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP, _col(x_col, STRIDED))
-    return x1, x2, xt
-
-
-@triton.jit
 def _store_grad(
     at,
     grads,
@@ -213,21 +187,9 @@ def _tile_terms(
     if TAIL_PAD > 0:
         xt = load_tail(x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP, _col(x_col, STRIDED))
     w1, w2, wt = load_norm_weights(
-        w_ptr,
-        n_heads,
-        head0,
-        tail,
-        NORM,
-        norm_offset,
-        HALF,
-        HALF_PAD,
-        BLOCK_H,
-        TAIL_PAD,
-        INTERLEAVED,
-        NORM == 1,
-        W_PAIRS,
-        GAP,
-    )
+        w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED,
+        NORM == 1, W_PAIRS, GAP,
+    )  # fmt: skip
     return x1, x2, xt, gz1, gz2, gzt, w1, w2, wt
 
 
@@ -648,21 +610,9 @@ def rope_norm_backward_kernel(
         tl.debug_barrier()
     if NORM == 1 and not WHOLE:
         w1, w2, wt = load_norm_weights(
-            w_ptr,
-            n_heads,
-            head0,
-            tail,
-            NORM,
-            norm_offset,
-            HALF,
-            HALF_PAD,
-            BLOCK_H,
-            TAIL_PAD,
-            INTERLEAVED,
-            True,
-            W_PAIRS,
-            GAP,
-        )
+            w_ptr, n_heads, head0, tail, NORM, norm_offset, HALF, HALF_PAD, BLOCK_H, TAIL_PAD, INTERLEAVED,
+            True, W_PAIRS, GAP,
+        )  # fmt: skip
     else:
         w1, w2, wt = zero + 1.0, zero + 1.0, acc_t + 1.0
     t_first = p * tokens_per_program
@@ -791,18 +741,16 @@ def rope_norm_backward_kernel(
                     STRIDED,
                 )
                 if NORM == 1 or NORM == 3:  # per head, weighted or not (w1, w2, wt are then 1)
-                    x1, x2, xt = _load_x(
-                        (x_base, stride_x_head, n_heads, head0, tail, stride_x_col),
-                        gz1,
-                        HALF,
-                        HALF_PAD,
-                        BLOCK_H,
-                        TAIL_PAD,
-                        INTERLEAVED,
-                        PACK,
-                        GAP,
-                        STRIDED,
-                    )
+                    x1, x2 = load_heads(
+                        x_base, stride_x_head, n_heads, head0, HALF, HALF_PAD, BLOCK_H, INTERLEAVED, PACK, "", GAP,
+                        _col(stride_x_col, STRIDED),
+                    )  # fmt: skip
+                    xt = gz1  # the tail's tile when TAIL_PAD is 0 (never read)
+                    if TAIL_PAD > 0:
+                        xt = load_tail(
+                            x_base, stride_x_head, n_heads, head0, tail, HALF, BLOCK_H, TAIL_PAD, GAP,
+                            _col(stride_x_col, STRIDED),
+                        )  # fmt: skip
                     d1, d2, dt = _tile_grads(
                         tok,
                         head0,
