@@ -50,6 +50,9 @@ Wan's float32 rotary table as the constructor made them). The diffusers ones are
             4096 wide, ffn 12288, q / k RMSNorm per head (fused into the rotation by the patch),
             rope_theta 1e6; 4 layers. Input: B=2 sequences of 4096 tokens (W1's shape at Llama-3-
             8B's heads; the inference step is that prefill).
+    qwen3_qkv  qwen3 with `ropekit.hf.fuse_qkv(model)` as the patch: each layer's q / k / v
+            projections, q / k norm and rotation as one rope_qkv_projection call (the whole
+            attention prologue; the unpatched side is the same HF model).
 
 A training step is: gradients set to None, forward, MSE loss (float32) of every output to a fixed
 random target, backward. No optimizer step: the weights stay fixed, so every step does the same
@@ -559,7 +562,7 @@ def dinov3_case(size: str, device, dtype, gen, args) -> dict:
     )
 
 
-def qwen3_case(size: str, device, dtype, gen, args) -> dict:
+def qwen3_case(size: str, device, dtype, gen, args, library: str = "transformers+qknorm") -> dict:
     from transformers import Qwen3Config, Qwen3Model
 
     cfg = dict(QWEN3_CONFIG[size])
@@ -568,8 +571,8 @@ def qwen3_case(size: str, device, dtype, gen, args) -> dict:
     batch, seq = args.lm_tokens or QWEN3_TOKENS[size]
     config = Qwen3Config(attn_implementation="sdpa", **cfg)
     return dict(
-        model="qwen3",
-        library="transformers+qknorm",
+        model="qwen3" if library == "transformers+qknorm" else "qwen3_qkv",
+        library=library,
         blocks=f"{cfg['num_hidden_layers']}",
         hidden=cfg["hidden_size"],
         tokens=f"{batch} x {seq}",
@@ -588,6 +591,7 @@ CASES = {
     "ltx2": ltx2_case,
     "dinov3": dinov3_case,
     "qwen3": qwen3_case,
+    "qwen3_qkv": lambda size, device, dtype, gen, args: qwen3_case(size, device, dtype, gen, args, "transformers+qkv"),
 }
 
 
@@ -610,8 +614,11 @@ def set_patched(model: torch.nn.Module, library: str, patched: bool) -> dict:
     import ropekit.hf as rh
 
     rh.unpatch()
+    rh.unfuse_qkv(model)
     if not patched:
         return {}
+    if library == "transformers+qkv":  # the whole attention prologue, one rope_qkv_projection call a layer
+        return dict(fused_modules=len(rh.fuse_qkv(model, strict=True).fused))
     # "transformers+qknorm": the q / k RMSNorm fused into the rotation as well
     report = rh.patch(model, fuse_qk_norm=library.endswith("+qknorm"))
     fused = {n[: -len(".forward")] for names in report.values() for n in names if n.endswith("Attention.forward")}

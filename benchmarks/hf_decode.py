@@ -1,5 +1,7 @@
-"""Eager Hugging Face decoding of a Qwen3 causal LM: unpatched, `ropekit.hf.patch(model)` and
-`ropekit.hf.patch(model, fuse_qk_norm=True)`, milliseconds per generated token.
+"""Eager Hugging Face decoding of a Qwen3 causal LM: unpatched, `ropekit.hf.patch(model)`,
+`ropekit.hf.patch(model, fuse_qk_norm=True)` and `ropekit.hf.fuse_qkv(model)` (the attention
+prologue, q/k/v projections + q/k norm + RoPE, as one rope_qkv_projection call a layer),
+milliseconds per generated token.
 
     PYTHONPATH=src python benchmarks/hf_decode.py --out OUT/hf_decode.json [--batches 1,16]
         [--new-tokens 64] [--prompt 128] [--rounds 5] [--layers 28] [--device cuda] [--tiny]
@@ -22,8 +24,9 @@ around one of 1 new token (the prefill and generate's setup alone); ms per token
 (t_N - t_1) / (N - 1), the N - 1 decode steps of a KV-cached forward, sampling and generate's
 per-step bookkeeping each. The three configurations are timed in rounds: each round sets each
 configuration in turn (the order rotates from round to round), runs a short warm-up generation,
-then the two timed ones; a configuration is set with `ropekit.hf.unpatch()` and, for the patched
-ones, `ropekit.hf.patch(model[, fuse_qk_norm=True])` on the same model instance. The table gives the
+then the two timed ones; a configuration is set with `ropekit.hf.unpatch()` and
+`ropekit.hf.unfuse_qkv(model)`, then for the patched ones `ropekit.hf.patch(model[,
+fuse_qk_norm=True])` or `ropekit.hf.fuse_qkv(model)` on the same model instance. The table gives the
 median over the rounds and the min-max (host noise shows there), and the speedup of the medians over
 the unpatched one.
 
@@ -59,7 +62,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-CONFIGS = ("unpatched", "patched", "patched+qknorm")
+CONFIGS = ("unpatched", "patched", "patched+qknorm", "fused-qkv")
 
 QWEN3_0_6B = dict(
     vocab_size=151936,
@@ -97,8 +100,11 @@ def set_config(model, name: str) -> Dict[str, List[str]]:
     import ropekit.hf as rh
 
     rh.unpatch()
+    rh.unfuse_qkv(model)
     if name == "unpatched":
         return {}
+    if name == "fused-qkv":
+        return {"fused_qkv": rh.fuse_qkv(model, strict=True).fused}
     report = rh.patch(model, fuse_qk_norm=name == "patched+qknorm")
     return {family: list(names) for family, names in report.items()}
 
@@ -323,6 +329,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         import ropekit.hf as rh
 
         rh.unpatch()
+        rh.unfuse_qkv(model)
     print(table(rows))
     bad = failed(rows)
     print(f"checks: {'FAILED ' + str([(r['batch'], r['configuration']) for r in bad]) if bad else 'ok'}")

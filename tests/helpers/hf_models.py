@@ -14,6 +14,22 @@ TINY_LM = dict(
     eos_token_id=2,
 )
 
+# the parity tests' models (patched against unpatched and float64): 2 layers of 4 query / 2 kv
+# heads over hidden 64, weights drawn wide (initializer_range 0.3) so a wrong rotation shows
+PARITY_LM = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
 # DeepSeek's MLA with a small MoE: rope and nope parts of 8, a kv latent of 16
 TINY_MLA = dict(
     moe_intermediate_size=32,

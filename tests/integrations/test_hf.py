@@ -24,6 +24,8 @@ from ropekit import hf  # noqa: E402
 from ropekit.api import ops  # noqa: E402
 from ropekit.integrations import hf_census  # noqa: E402
 
+from helpers.hf_models import PARITY_LM  # noqa: E402
+
 
 def tols(dtype, device):
     """|ropekit - float64 HF| <= atol + rtol * |ref|. float32: float32 arithmetic on O(1) values.
@@ -303,20 +305,8 @@ def test_inference_output_is_a_view_of_tokens_first_result(kernel_calls):
 # ---------------------------------------------------------------------------------------------
 # model parity: tiny models, patched vs unpatched (float32), both vs float64
 
-V, HID, LAYERS, S_MODEL = 96, 64, 2, 5
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=HID,
-    intermediate_size=96,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.3,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+V, HID, LAYERS, S_MODEL = PARITY_LM["vocab_size"], PARITY_LM["hidden_size"], PARITY_LM["num_hidden_layers"], 5
+COMMON = PARITY_LM
 
 
 def _build(name):

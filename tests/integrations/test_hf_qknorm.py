@@ -14,20 +14,10 @@ from ropekit import hf  # noqa: E402
 from ropekit.api import ops  # noqa: E402
 from ropekit.integrations import hf_qknorm  # noqa: E402
 
-V, HID, LAYERS, S = 96, 64, 2, 5
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=HID,
-    intermediate_size=96,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.3,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+from helpers.hf_models import PARITY_LM  # noqa: E402
+
+V, HID, LAYERS, S = PARITY_LM["vocab_size"], PARITY_LM["hidden_size"], PARITY_LM["num_hidden_layers"], 5
+COMMON = PARITY_LM
 
 
 def _build(name):

@@ -27,7 +27,7 @@ from ropekit.core import dispatch, memo  # noqa: E402
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_dit.py"
 HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
 DIFFUSERS_MODELS = ("flux", "wan", "flux2", "hunyuan_video15", "ltx2")
-MODELS = (DIFFUSERS_MODELS if HAS_DIFFUSERS else ()) + ("dinov3", "qwen3")
+MODELS = (DIFFUSERS_MODELS if HAS_DIFFUSERS else ()) + ("dinov3", "qwen3", "qwen3_qkv")
 
 # ropekit calls in one patched forward of each tiny model, and how many of them fuse the QK-RMSNorm:
 # Flux.1, 1 double + 1 single block: the 4 + 2 norms of q / k, each its own call; Wan, 1 block: its
@@ -35,7 +35,7 @@ MODELS = (DIFFUSERS_MODELS if HAS_DIFFUSERS else ()) + ("dinov3", "qwen3")
 # apply_rotary_emb; HunyuanVideo 1.5, 1 block: the video q and k; LTX-2, 1 block: q and k of the
 # video and audio self-attention and of the audio-to-video and video-to-audio attention (the text
 # cross-attentions have no rotation); DINOv3, 1 layer: one call for q and k; Qwen3, 1 layer: one
-# call for q and k with both norms fused.
+# call for q and k with both norms fused (fuse_qkv: the same call, after the layer's one projection).
 CALLS = {
     "flux": (6, 6),
     "wan": (2, 2),
@@ -44,6 +44,7 @@ CALLS = {
     "ltx2": (8, 0),
     "dinov3": (1, 0),
     "qwen3": (1, 1),
+    "qwen3_qkv": (1, 1),
 }
 
 
@@ -120,8 +121,13 @@ def test_wrong_rotation_fails_the_check(e2e, monkeypatch):
 
     def backwards(door):
         def negated(spec, q, k, a, b, *args, **kwargs):
-            assert spec.variant.angles == "tokens"  # (cos, sin) per token: b is sin
-            return door(spec, q, k, a, -b if armed else b, *args, **kwargs)
+            if armed and spec.variant.angles == "tokens":  # (cos, sin) per token: b is sin
+                b = -b
+            elif armed:  # fuse_qkv's table of one row a token, [cos | sin]
+                assert spec.variant.angles == "table"
+                half = b.shape[-1] // 2
+                b = torch.cat((b[..., :half], -b[..., half:]), dim=-1)
+            return door(spec, q, k, a, b, *args, **kwargs)
 
         return negated
 

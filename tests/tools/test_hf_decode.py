@@ -52,13 +52,13 @@ def test_tiny_cpu_run(hf_decode, tmp_path, capsys):
         assert r["first_logits_rel_diff_unpatched"] < 1e-5 and r["first_logits_err_fp32"] is None
         assert len(r["ms_rounds"]) == 2 and r["ms_min"] <= r["ms_per_token"] <= r["ms_max"]
         assert r["speedup"] > 0
-        fused = r["configuration"] == "patched+qknorm"
+        fused = r["configuration"] in ("patched+qknorm", "fused-qkv")  # the qkv prologue's one normed call
         calls = 0 if r["configuration"] == "unpatched" else 2 * LAYERS  # 2 forwards (tokens) x one per layer
         assert (r["ropekit_calls"], r["fused_norm_calls"]) == (calls, calls if fused else 0)
         assert r["calls_per_token"] == calls / 2
     for batch in (1, 2):
         same = [r["tokens"] for r in rows if r["batch"] == batch]
-        assert same[0] == same[1] == same[2]
+        assert same[0] == same[1] == same[2] == same[3]
     assert not hf_decode.failed(rows)
 
     saved = json.loads(out.read_text())
@@ -79,28 +79,34 @@ def test_a_patch_that_does_nothing_fails(hf_decode, monkeypatch):
 
     def unpatched_only(model, name):
         rh.unpatch()
+        rh.unfuse_qkv(model)
         return {}
 
     monkeypatch.setattr(hf_decode, "set_config", unpatched_only)
     rows = tiny(hf_decode)
-    assert [r["configuration"] for r in hf_decode.failed(rows)] == ["patched", "patched+qknorm"]
+    assert [r["configuration"] for r in hf_decode.failed(rows)] == ["patched", "patched+qknorm", "fused-qkv"]
     assert all(r["tokens_equal_unpatched"] and r["first_logits_ok"] for r in rows)
 
 
 def test_wrong_rotation_fails(hf_decode, monkeypatch):
     """ropekit rotating by the negated angle (sin negated at every door) fails the logit check of
-    both patched configurations, whatever the few greedy tokens do."""
+    every patched configuration, whatever the few greedy tokens do."""
     from ropekit.core import dispatch
 
     def backwards(door):
         def negated(spec, q, k, a, b, *args, **kwargs):
-            assert spec.variant.angles == "tokens"  # HF's (cos, sin) per token: b is sin
-            return door(spec, q, k, a, -b, *args, **kwargs)
+            if spec.variant.angles == "tokens":  # HF's (cos, sin) per token: b is sin
+                b = -b
+            else:  # fuse_qkv's table of one row a token, [cos | sin]
+                assert spec.variant.angles == "table"
+                half = b.shape[-1] // 2
+                b = torch.cat((b[..., :half], -b[..., half:]), dim=-1)
+            return door(spec, q, k, a, b, *args, **kwargs)
 
         return negated
 
     for name, door in list(dispatch.ROTATE.items()):
         monkeypatch.setitem(dispatch.ROTATE, name, backwards(door))
     rows = tiny(hf_decode)
-    assert [r["configuration"] for r in hf_decode.failed(rows)] == ["patched", "patched+qknorm"]
+    assert [r["configuration"] for r in hf_decode.failed(rows)] == ["patched", "patched+qknorm", "fused-qkv"]
     assert all(r["first_logits_rel_diff_unpatched"] > 1e-3 for r in rows[1:])

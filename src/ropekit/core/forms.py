@@ -105,6 +105,12 @@ def read_new_table(spec, op, table) -> None:
     spec.table = weakref.ref(table)
 
 
+def known_table(table) -> None:
+    """A table an integration built with rows [cos | sin] (from HF's cos and sin): never read for
+    HF's [f, f] form (each read costs a device sync)."""
+    _READ_TABLES[id(table)] = table
+
+
 def table_not_hf_cos(op, table) -> None:
     """Refuse HF's cos (or sin) given as a [cos | sin] table: their rows are [f, f], while row 0 of a
     table is [cos 0 | sin 0] = [1 | 0] (times the attention factor). Reads a table once while it

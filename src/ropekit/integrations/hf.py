@@ -48,6 +48,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 import torch
 
 from . import hf_census, hf_forms
+from .hf_qkv import QKVFusion, fuse_qkv, unfuse_qkv
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -60,6 +61,9 @@ __all__ = [
     "patch",
     "unpatch",
     "patched",
+    "fuse_qkv",
+    "unfuse_qkv",
+    "QKVFusion",
     "FAMILIES",
     "PatchReport",
     "RotaryLeftWarning",
