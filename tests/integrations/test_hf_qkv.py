@@ -87,17 +87,17 @@ def test_fused_model_matches_float64(name, impl, device):
 
     fusion = hf.fuse_qkv(model, impl=impl)
     assert fusion.fused == [f"model.layers.{i}.self_attn" for i in range(LAYERS)] and fusion.left == {}
-    calls = mock.MagicMock(wraps=hf_qkv.rope_qkv_projection)
+    calls = mock.MagicMock(wraps=hf_qkv.project)
     try:
-        with mock.patch.object(hf_qkv, "rope_qkv_projection", calls):
+        with mock.patch.object(hf_qkv, "project", calls):
             logits, grads = _run(model, ids, up)
     finally:
         restored = hf.unfuse_qkv(model)
     assert restored == fusion.fused
     assert calls.call_count == LAYERS, f"{calls.call_count} fused prologues, expected one a layer"
     normed = name != "llama"
-    for c in calls.call_args_list:
-        assert c.kwargs["impl"] == impl and (c.kwargs["q_norm_weight"] is not None) == normed
+    for c in calls.call_args_list:  # project(fused, x, weight, positions, table, q_norm_weight, ...)
+        assert c.args[0] is (impl == "fused") and (c.args[5] is not None) == normed
 
     tol = 1e-5
     assert _rel(logits, ref_logits) < max(tol, 4 * _rel(hf_logits, ref_logits))
@@ -214,9 +214,9 @@ def test_calls_outside_the_fused_form_take_hf_prologue():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = model(input_ids=ids).logits
     hf.fuse_qkv(model)
-    calls = mock.MagicMock(wraps=hf_qkv.rope_qkv_projection)
+    calls = mock.MagicMock(wraps=hf_qkv.project)
     try:
-        with mock.patch.object(hf_qkv, "rope_qkv_projection", calls):
+        with mock.patch.object(hf_qkv, "project", calls):
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 got = model(input_ids=ids).logits
     finally:

@@ -168,14 +168,23 @@ def rope_qkv_projection(
     if cached and is_strict() and slot_mapping.numel():
         slots_in_range(OP, slot_mapping, _num_slots(k_cache))
         slots_unique(OP, slot_mapping)
-    fused = _fused(impl, x, weight, q_norm_weight, k_norm_weight, num_q_heads, num_kv_heads, head_dim)
-    splits = (num_q_heads, num_kv_heads, num_kv_heads)
-    tokens = tuple(x.shape[:-1])
+    fused = fused_path(impl, x, weight, q_norm_weight, k_norm_weight, num_q_heads, num_kv_heads, head_dim)
+    shape = (num_q_heads, num_kv_heads, head_dim, rot, bool(interleaved), float(norm_eps))
     if cached:
         return _project_and_store(
             fused, x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, k_cache, v_cache,
-            slot_mapping, (num_q_heads, num_kv_heads, head_dim, rot, bool(interleaved), float(norm_eps)),
+            slot_mapping, shape,
         )  # fmt: skip
+    return project(fused, x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, shape)
+
+
+def project(fused: bool, x, weight, positions, cos_sin_cache, q_norm_weight, k_norm_weight, shape: tuple):
+    """rope_qkv_projection's (q, k, v) after its argument checks, for a caller that checked the
+    layout once and each call's tensors itself (ropekit.hf.fuse_qkv): fused as `fused_path` decides,
+    shape (num_q_heads, num_kv_heads, head_dim, rotary_dim, interleaved, norm_eps)."""
+    num_q_heads, num_kv_heads, head_dim, rot, interleaved, norm_eps = shape
+    splits = (num_q_heads, num_kv_heads, num_kv_heads)
+    tokens = tuple(x.shape[:-1])
     if not fused:
         y = F.linear(x, weight).unflatten(-1, (sum(splits), head_dim))
         q, k, v = y.split(splits, dim=-2)
@@ -188,7 +197,6 @@ def rope_qkv_projection(
     if positions is None:
         positions = torch.arange(tokens[-1], device=x.device).expand(tokens)
     pos = positions.reshape(-1)
-    shape = (num_q_heads, num_kv_heads, head_dim, rot, bool(interleaved), float(norm_eps))
     grad = checks.records_grad(x, weight, q_norm_weight, k_norm_weight)
     if torch.compiler.is_compiling() or checks.door_for(x, grad) == CUSTOM_OP:
         # traced (torch.compile) or a tensor subclass / meta tensor: the custom op and its fake
@@ -233,7 +241,7 @@ def _num_slots(cache) -> int:
     return cache.shape[0] * cache.shape[1] if cache.dim() == 4 else cache.shape[0]
 
 
-def _fused(impl, x, weight, wq, wk, n_q, n_kv, head_dim) -> bool:
+def fused_path(impl, x, weight, wq, wk, n_q, n_kv, head_dim) -> bool:
     """Does this call take the fused kernel? impl as given; "auto" by AUTO_TABLE (CUDA only)."""
     if impl == "unfused":
         return False
@@ -241,7 +249,7 @@ def _fused(impl, x, weight, wq, wk, n_q, n_kv, head_dim) -> bool:
         if not checks.triton_runs(x):
             fail(OP, "impl", "'auto' or 'unfused' for CPU tensors (the fused kernel runs on CUDA)", "'fused'")
         return True
-    if not x.is_cuda:
+    if not x.is_cuda or not AUTO_TABLE:
         return False
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     train = checks.records_grad(x, weight, wq, wk)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import threading
 import warnings
 import weakref
@@ -34,7 +35,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..api.qkv import rope_qkv_projection
+from ..api.qkv import fused_path, project
 from ..core import forms
 
 OP = "ropekit.hf.fuse_qkv"
@@ -173,15 +174,18 @@ def _attention_class(cls: type) -> type:
 
 
 def _fits_call(x, pe, attn, layout: Layout) -> bool:
-    """Does this call go to rope_qkv_projection? Otherwise HF's prologue runs (the same answer HF
-    gives): hidden states (B, S, hidden) of a float dtype equal to the weights', HF's (cos, sin)
-    (B or 1, S, head_dim) constants, no autocast."""
+    """Does this call go to the fused prologue? Otherwise HF's prologue runs (the same answer HF
+    gives): hidden states (B, S, hidden) of the weights' float dtype and device, HF's (cos, sin)
+    (B or 1, S, head_dim) constants on that device, no autocast."""
     if not isinstance(x, torch.Tensor) or not isinstance(pe, (tuple, list)) or len(pe) != 2:
         return False
     cos, sin = pe
     if not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor) or x.dim() != 3:
         return False
-    if x.dtype not in _FLOATS or x.dtype != attn.q_proj.weight.dtype or torch.is_autocast_enabled(x.device.type):
+    weight = attn.q_proj.weight
+    if x.dtype not in _FLOATS or x.dtype != weight.dtype or x.device != weight.device:
+        return False
+    if torch.is_autocast_enabled(x.device.type):
         return False
     if cos.dim() != 3 or cos.shape != sin.shape or cos.shape[-1] != layout.head_dim or cos.shape[1] != x.shape[1]:
         return False
@@ -215,7 +219,7 @@ def _wrap_rope(module_name: str, attn) -> None:
     """The modeling module's apply_rotary_pos_emb wrapped, if it is not (again: another patch, or
     unfuse_qkv of another model, may have bound another function since; a deepcopy of a fused model
     comes here on its first call), and attn counted among the module's fused layers."""
-    module = importlib.import_module(module_name)
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
     bound = module.apply_rotary_pos_emb
     if getattr(bound, "_ropekit_qkv_previous", None) is None:
         module.apply_rotary_pos_emb = _rope_wrapper(bound)
@@ -227,25 +231,19 @@ def _wrap_rope(module_name: str, attn) -> None:
 
 
 def _prologue(call: _Call):
-    """(q, k, v) of the marked call: (B, S, H, D) views, q and k normalized and rotated."""
+    """(q, k, v) of the marked call: (B, S, H, D) views, q and k normalized and rotated. The op's
+    argument checks are the ones fuse_qkv made of the layer (shapes, dtypes, devices of the weights
+    and norms) and _fits_call makes of each call (the hidden states, cos and sin); the rest of
+    rope_qkv_projection runs as it is (api.qkv.project)."""
     attn, x = call.attn, call.x
     layout: Layout = attn._ropekit_qkv
     table, positions = _table(call.cos, call.sin, x.shape[0])
     qn = attn.q_norm.weight if layout.normed else None
     kn = attn.k_norm.weight if layout.normed else None
-    return rope_qkv_projection(
-        x,
-        _weight(attn),
-        positions,
-        table,
-        num_q_heads=layout.num_q_heads,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        q_norm_weight=qn,
-        k_norm_weight=kn,
-        norm_eps=layout.eps,
-        impl=layout.impl,
-    )
+    weight = _weight(attn)
+    n_q, n_kv, d = layout.num_q_heads, layout.num_kv_heads, layout.head_dim
+    fused = fused_path(layout.impl, x, weight, qn, kn, n_q, n_kv, d)
+    return project(fused, x, weight, positions, table, qn, kn, (n_q, n_kv, d, d, False, layout.eps))
 
 
 def _table(cos, sin, batch: int):
