@@ -43,6 +43,10 @@ def _build(name):
         return T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON))
     if name == "olmo2":  # q/k norm across all heads
         return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON))
+    if name == "cohere":  # rotates interleaved pairs
+        return T.CohereForCausalLM(T.CohereConfig(**COMMON))
+    if name == "olmo":  # clamps q, k, v between the projections and the rotation when clip_qkv is set
+        return T.OlmoForCausalLM(T.OlmoConfig(**COMMON, clip_qkv=0.5))
     if name == "gemma3":  # q/k norm with Gemma's 1 + w weight
         return T.Gemma3ForCausalLM(
             T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
@@ -139,6 +143,8 @@ def test_generate_and_no_grad_calls_match_hf():
         ("qwen2", "have a bias"),
         ("olmo2", "not per head"),
         ("gemma3", "is not y * rsqrt(mean(y^2) + eps) * weight"),
+        ("cohere", "is not a half-split rotation (cohere)"),
+        ("olmo", "calls clamp_ between the projections and apply_rotary_pos_emb"),
     ],
 )
 def test_layers_that_do_not_fit_are_named_and_keep_hf(name, reason):

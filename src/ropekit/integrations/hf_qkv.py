@@ -24,9 +24,11 @@ raises RuntimeError instead of returning a result computed twice or not at all.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import sys
+import textwrap
 import threading
 import warnings
 import weakref
@@ -310,12 +312,66 @@ def _unfit(name: str, attn) -> Optional[str]:
         f"self.{n}(hidden_states)" in src for n in ("q_proj", "k_proj", "v_proj")
     ):
         return "its forward does not call q_proj / k_proj / v_proj(hidden_states), then apply_rotary_pos_emb"
+    extra = _calls_between(src)
+    if extra:
+        return f"its forward calls {', '.join(extra)} between the projections and apply_rotary_pos_emb"
+    form = _rope_form(cls.__module__)
+    if form not in _HALF_SPLIT:
+        return f"its apply_rotary_pos_emb is not a half-split rotation ({form})"
     names = ("q_norm", "k_norm")
     if any(f"self.{n}(" in src for n in names):
         return _norm_unfit(attn, head_dim)
     if any(getattr(attn, n, None) is not None for n in (*names, "qk_norm")):
         return "it has q/k norm modules its forward is not seen to call before the rotation"
     return None
+
+
+# what an attention forward may call between its projections and apply_rotary_pos_emb: layout views
+# and the norms the fused prologue applies (anything else, e.g. OLMo's clip_qkv clamp_, would act on
+# q and k already normalized and rotated)
+_BETWEEN = frozenset({"view", "reshape", "transpose", "contiguous", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm"})
+
+
+# hf_census's forms of an apply_rotary_pos_emb that the fused prologue computes: half-split pairs
+# over cos's width (per call, only a full-width cos is fused)
+_HALF_SPLIT = ("llama", "neox", "olmo")
+
+
+def _rope_form(module_name: str) -> str:
+    """The form name of what the modeling module's apply_rotary_pos_emb computes (hf_census's
+    verdict on HF's function: the one ropekit.hf.patch recorded, else what is bound, unwrapped from
+    fuse_qkv's wrapper and the fused-norm one), or why it has none."""
+    from . import hf, hf_census, hf_qknorm
+
+    module = importlib.import_module(module_name)
+    bound = hf._ORIGINALS.get((module_name, "apply_rotary_pos_emb"), module.apply_rotary_pos_emb)
+    while getattr(bound, "_ropekit_qkv_previous", None) is not None or getattr(bound, "_ropekit_qk_norm", False):
+        if getattr(bound, "_ropekit_qkv_previous", None) is not None:
+            bound = bound._ropekit_qkv_previous
+        else:
+            bound = hf_qknorm._ORIGINALS[(module_name, None, "apply_rotary_pos_emb")]
+    form = hf_census.verdict(module_name, hf_census.unwrap(bound)[0])
+    return form.name if hasattr(form, "name") else str(form)
+
+
+def _calls_between(src: str) -> List[str]:
+    """The names called by the forward's statements from its first projection up to the statement
+    that calls apply_rotary_pos_emb, other than _BETWEEN's (sorted; the source parsed, not matched)."""
+    body = ast.parse(textwrap.dedent(src)).body[0].body
+    names, started = set(), False
+    for stmt in body:
+        called = [
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "?")
+            for n in ast.walk(stmt)
+            if isinstance(n, ast.Call)
+        ]
+        started = started or "q_proj" in called or "k_proj" in called or "v_proj" in called
+        if not started:
+            continue
+        if "apply_rotary_pos_emb" in called:
+            break
+        names.update(called)
+    return sorted(names - _BETWEEN)
 
 
 def _norm_unfit(attn, head_dim: int) -> Optional[str]:
@@ -376,9 +432,10 @@ def fuse_qkv(model, *, impl: str = "auto", strict: bool = False) -> QKVFusion:
             embedding does not fit; otherwise such layers keep HF's code and a warning names them.
 
     A layer fits when its q_proj / k_proj / v_proj are bias-free torch.nn.Linear of one input size
-    and dtype, its forward calls them on the hidden states and then the modeling module's
-    apply_rotary_pos_emb with full-width rotary, and its q_norm / k_norm (if any) are per-head
-    RMSNorms `y * rsqrt(mean(y^2) + eps) * w` of one eps (checked numerically). A call takes HF's
+    and dtype, its forward calls them on the hidden states, then only views and the q / k norms,
+    then the modeling module's apply_rotary_pos_emb, which computes the half-split rotation
+    (checked numerically), and its q_norm / k_norm (if any) are per-head RMSNorms
+    `y * rsqrt(mean(y^2) + eps) * w` of one eps (checked numerically). A call takes HF's
     own prologue (the same numbers unpatched HF gives) when its hidden states' dtype differs from
     the weights' (autocast included) or HF's cos / sin are not (B or 1, S, head_dim) constants.
 
