@@ -1,10 +1,11 @@
 """Hugging Face: a model's q/k/v projections, q/k RMSNorm and RoPE as one ropekit.rope_qkv_projection
 call per attention layer (`ropekit.hf.fuse_qkv(model)`).
 
-The attention forwards this fits (Llama, Mistral, Qwen3, Qwen3-MoE and any other whose forward reads
-`self.q_proj(hidden_states)`, `self.k_proj(...)`, `self.v_proj(...)`, optionally a per-head
-`self.q_norm` / `self.k_norm`, then the modeling module's `apply_rotary_pos_emb(q, k, cos, sin)`)
-keep their code. What changes, per fused layer of this model only:
+The attention forwards this fits keep their code: those that call `self.q_proj(hidden_states)`,
+`self.k_proj(...)`, `self.v_proj(...)` (bias-free), then only views and optionally a per-head
+`self.q_norm` / `self.k_norm`, then the modeling module's `apply_rotary_pos_emb(q, k, cos, sin)`,
+which computes the half-split rotation (Llama, Mistral, Gemma, Granite, Qwen3, Qwen3-MoE, ...).
+What changes, per fused layer of this model only:
 
 - the attention module's class becomes a subclass whose forward marks the call (thread-local): its
   hidden states and HF's (cos, sin);
@@ -16,10 +17,11 @@ keep their code. What changes, per fused layer of this model only:
   q and k of the marked call it returns them; anything else goes to what it wrapped.
 
 Class swaps keep the modules' parameters, names and state_dict, and copy.deepcopy keeps a model
-fused; pickling the module objects (torch.save(model)) needs unfuse_qkv first (the fused classes are
-made at run time; state_dict is unaffected). After the forward, the call checks that each part was taken once, the norms skipped and the
-rotation skipped, in that order: a transformers release whose attention calls these differently
-raises RuntimeError instead of returning a result computed twice or not at all.
+fused; pickling the module objects (torch.save(model)) needs unfuse_qkv first (the fused classes
+are made at run time; state_dict is unaffected). After the forward, the call checks that each part
+was taken once, the norms skipped and the rotation skipped, in that order: a transformers release
+whose attention calls these differently raises RuntimeError instead of returning a result computed
+twice or not at all.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class _FusedLinear(torch.nn.Linear):
     """A q/k/v projection of a fused layer: inside its attention's marked call, its part of the fused
     prologue; everywhere else torch.nn.Linear."""
 
-    def forward(self, x):
+    def forward(self, input):  # noqa: A002 (torch.nn.Linear's parameter name)
+        x = input
         call = _top()
         if call is None or x is not call.x:
             return F.linear(x, self.weight, self.bias)
