@@ -197,12 +197,12 @@ def test_a_forward_that_stops_fitting_raises():
     module = importlib.import_module("transformers.models.llama.modeling_llama")
     hf.fuse_qkv(model)
     wrapper = module.apply_rotary_pos_emb
-    hf_rope = wrapper._ropekit_qkv_previous
+    hf_rope = wrapper.ropekit_wraps
 
     def copies(q, k, cos, sin, *args, **kwargs):
         return hf_rope(q.clone(), k.clone(), cos, sin, *args, **kwargs)
 
-    copies._ropekit_qkv_previous = hf_rope  # looks wrapped: fuse_qkv does not wrap it again
+    copies.ropekit_fuse_qkv = True  # looks like fuse_qkv's wrapper: it is not wrapped again
     module.apply_rotary_pos_emb = copies
     try:
         with pytest.raises(RuntimeError, match="never skipped apply_rotary_pos_emb"):

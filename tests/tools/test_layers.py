@@ -42,7 +42,7 @@ LAYERS = (
         "integrations",
         ("integrations.rotations", "integrations.seams", "integrations.diffusers_forms")
         + ("integrations.hf_forms", "integrations.hf_census", "integrations.hf")
-        + ("integrations.hf_qknorm", "integrations.hf_qknorm_detect", "integrations.diffusers")
+        + ("integrations.hf_qknorm", "integrations.hf_qknorm_detect", "integrations.hf_qkv", "integrations.diffusers")
         + ("integrations.distributed", "integrations.hub", "integrations.torchtitan.caches")
         + ("integrations.torchtitan.overrides", "integrations.vllm", "integrations.timm"),
     ),

@@ -47,8 +47,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import hf_census, hf_forms
-from .hf_qkv import QKVFusion, fuse_qkv, unfuse_qkv
+from . import hf_census, hf_forms, hf_qkv
+from .hf_qkv import QKVFusion
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -715,6 +715,73 @@ def unpatch(families: Optional[Iterable[str]] = None, *, fuse_qk_norm: bool = Fa
     for family, names in _restore(keys).items():
         _add_names(restored, family, names)
     return {family: names for family, names in restored.items() if names}
+
+
+def fuse_qkv(model, *, impl: str = "auto", strict: bool = False) -> QKVFusion:
+    """Run each fitting attention layer's q/k/v projections, q/k RMSNorm and RoPE as one
+    ropekit.rope_qkv_projection call.
+
+    Args:
+        model: a transformers model (a torch.nn.Module) whose weights are loaded. Only this model's
+            modules change (their classes become fused subclasses); other models of the same
+            family are untouched.
+        impl: rope_qkv_projection's impl for every fused call: "auto" (its AUTO_TABLE: cuBLAS +
+            ropekit unless the fused GEMM was measured faster for the shape), "fused" (the Triton
+            GEMM whose epilogue normalizes and rotates: CUDA), "unfused".
+        strict: raise ValueError, before anything changes, when an attention layer with a rotary
+            embedding does not fit; otherwise such layers keep HF's code and a warning names them.
+
+    A layer fits when its q_proj / k_proj / v_proj are bias-free torch.nn.Linear of one input size
+    and dtype, its forward calls them on the hidden states, then only views and the q / k norms,
+    then the modeling module's apply_rotary_pos_emb, which computes the half-split rotation
+    (checked numerically), and its q_norm / k_norm (if any) are per-head RMSNorms
+    `y * rsqrt(mean(y^2) + eps) * w` of one eps (checked numerically). A call takes HF's
+    own prologue (the same numbers unpatched HF gives) when its hidden states' dtype differs from
+    the weights' (autocast included) or HF's cos / sin are not (B or 1, S, head_dim) constants.
+
+    Numerics: float32 math and one rounding to the model's dtype (HF rounds after the projection,
+    the norm and each rotation op): float32 models agree with HF to float32 accuracy, bf16 ones
+    within HF's bf16 error. Autograd: gradients reach x, the three weights and the norm weights.
+    Memory: calls without autograd keep one concatenated copy of each fused layer's q/k/v weights
+    (rebuilt when a weight changes), the size of those weights.
+
+    Returns QKVFusion(fused=[qualified names], left={qualified name: reason}).
+
+    Example::
+
+        model = transformers.AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-8B", dtype=torch.bfloat16).cuda()
+        fusion = ropekit.hf.fuse_qkv(model)   # fusion.fused: ['model.layers.0.self_attn', ...]
+        out = model.generate(ids, max_new_tokens=32)
+        ropekit.hf.unfuse_qkv(model)          # HF's classes again
+    """
+    return hf_qkv.fuse(model, impl, strict, _rope_form)
+
+
+def unfuse_qkv(model) -> List[str]:
+    """Undo fuse_qkv on this model: its modules get HF's classes back (and the modeling module its
+    apply_rotary_pos_emb once no fused layer of it is left). Returns the qualified names restored.
+
+    Example::
+
+        ropekit.hf.fuse_qkv(model)
+        ropekit.hf.unfuse_qkv(model)   # ['model.layers.0.self_attn', ...]
+    """
+    return hf_qkv.unfuse(model)
+
+
+def _rope_form(module_name: str) -> str:
+    """The form name of what the modeling module's apply_rotary_pos_emb computes, or why it has
+    none: past the wrappers (`ropekit_wraps`: fuse_qkv's, the fused norm's), ropekit.hf.patch's
+    replacement says its form (`ropekit_form`); HF's function (or its kernels hub module) gets
+    hf_census's verdict, on random inputs."""
+    module = importlib.import_module(module_name)
+    bound = module.apply_rotary_pos_emb
+    while getattr(bound, "ropekit_wraps", None) is not None:
+        bound = bound.ropekit_wraps
+    if isinstance(getattr(bound, "ropekit_form", None), str):
+        return bound.ropekit_form
+    form = hf_census.verdict(module_name, hf_census.unwrap(bound)[0])
+    return form.name if hasattr(form, "name") else str(form)
 
 
 @contextlib.contextmanager

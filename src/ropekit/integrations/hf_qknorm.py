@@ -205,6 +205,7 @@ def _rope_function(previous, family: Family, norm_cls, original_norm):
         )
 
     apply_rotary_pos_emb._ropekit_qk_norm = True
+    apply_rotary_pos_emb.ropekit_wraps = previous  # what it passes calls outside a fused attention to
     return apply_rotary_pos_emb
 
 
@@ -253,6 +254,7 @@ def _rope_then_norm_function(previous, family: Family):
         return out
 
     apply_rotary_emb._ropekit_qk_norm = True
+    apply_rotary_emb.ropekit_wraps = previous
     return apply_rotary_emb
 
 

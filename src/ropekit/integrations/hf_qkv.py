@@ -215,7 +215,8 @@ def _rope_wrapper(previous):
             return q, k  # rotated by the fused prologue
         return previous(q, k, cos, sin, *args, **kwargs)
 
-    apply_rotary_pos_emb._ropekit_qkv_previous = previous
+    apply_rotary_pos_emb.ropekit_wraps = previous  # what it passes other calls to
+    apply_rotary_pos_emb.ropekit_fuse_qkv = True
     apply_rotary_pos_emb.__wrapped__ = previous
     return apply_rotary_pos_emb
 
@@ -226,7 +227,7 @@ def _wrap_rope(module_name: str, attn) -> None:
     comes here on its first call), and attn counted among the module's fused layers."""
     module = sys.modules.get(module_name) or importlib.import_module(module_name)
     bound = module.apply_rotary_pos_emb
-    if getattr(bound, "_ropekit_qkv_previous", None) is None:
+    if not getattr(bound, "ropekit_fuse_qkv", False):
         module.apply_rotary_pos_emb = _rope_wrapper(bound)
         _FUSED.setdefault(module_name, weakref.WeakSet()).add(attn)
 
@@ -289,7 +290,7 @@ def _weight(attn) -> torch.Tensor:
 # fuse / unfuse
 
 
-def _unfit(name: str, attn) -> Optional[str]:
+def _unfit(name: str, attn, rope_form) -> Optional[str]:
     """Why this attention module does not fit, or None (then `_layout` describes it)."""
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(type(p) in (torch.nn.Linear, _FusedLinear) for p in projs):
@@ -318,7 +319,7 @@ def _unfit(name: str, attn) -> Optional[str]:
     extra = _calls_between(src)
     if extra:
         return f"its forward calls {', '.join(extra)} between the projections and apply_rotary_pos_emb"
-    form = _rope_form(cls.__module__)
+    form = rope_form(cls.__module__)
     if form not in _HALF_SPLIT:
         return f"its apply_rotary_pos_emb is not a half-split rotation ({form})"
     names = ("q_norm", "k_norm")
@@ -338,23 +339,6 @@ _BETWEEN = frozenset({"view", "reshape", "transpose", "contiguous", "q_proj", "k
 # hf_census's forms of an apply_rotary_pos_emb that the fused prologue computes: half-split pairs
 # over cos's width (per call, only a full-width cos is fused)
 _HALF_SPLIT = ("llama", "neox", "olmo")
-
-
-def _rope_form(module_name: str) -> str:
-    """The form name of what the modeling module's apply_rotary_pos_emb computes (hf_census's
-    verdict on HF's function: the one ropekit.hf.patch recorded, else what is bound, unwrapped from
-    fuse_qkv's wrapper and the fused-norm one), or why it has none."""
-    from . import hf, hf_census, hf_qknorm
-
-    module = importlib.import_module(module_name)
-    bound = hf._ORIGINALS.get((module_name, "apply_rotary_pos_emb"), module.apply_rotary_pos_emb)
-    while getattr(bound, "_ropekit_qkv_previous", None) is not None or getattr(bound, "_ropekit_qk_norm", False):
-        if getattr(bound, "_ropekit_qkv_previous", None) is not None:
-            bound = bound._ropekit_qkv_previous
-        else:
-            bound = hf_qknorm._ORIGINALS[(module_name, None, "apply_rotary_pos_emb")]
-    form = hf_census.verdict(module_name, hf_census.unwrap(bound)[0])
-    return form.name if hasattr(form, "name") else str(form)
 
 
 def _calls_between(src: str) -> List[str]:
@@ -420,43 +404,10 @@ def _candidates(model):
                 yield name, mod
 
 
-def fuse_qkv(model, *, impl: str = "auto", strict: bool = False) -> QKVFusion:
-    """Run each fitting attention layer's q/k/v projections, q/k RMSNorm and RoPE as one
-    ropekit.rope_qkv_projection call.
-
-    Args:
-        model: a transformers model (a torch.nn.Module) whose weights are loaded. Only this model's
-            modules change (their classes become fused subclasses); other models of the same
-            family are untouched.
-        impl: rope_qkv_projection's impl for every fused call: "auto" (its AUTO_TABLE: cuBLAS +
-            ropekit unless the fused GEMM was measured faster for the shape), "fused" (the Triton
-            GEMM whose epilogue normalizes and rotates: CUDA), "unfused".
-        strict: raise ValueError, before anything changes, when an attention layer with a rotary
-            embedding does not fit; otherwise such layers keep HF's code and a warning names them.
-
-    A layer fits when its q_proj / k_proj / v_proj are bias-free torch.nn.Linear of one input size
-    and dtype, its forward calls them on the hidden states, then only views and the q / k norms,
-    then the modeling module's apply_rotary_pos_emb, which computes the half-split rotation
-    (checked numerically), and its q_norm / k_norm (if any) are per-head RMSNorms
-    `y * rsqrt(mean(y^2) + eps) * w` of one eps (checked numerically). A call takes HF's
-    own prologue (the same numbers unpatched HF gives) when its hidden states' dtype differs from
-    the weights' (autocast included) or HF's cos / sin are not (B or 1, S, head_dim) constants.
-
-    Numerics: float32 math and one rounding to the model's dtype (HF rounds after the projection,
-    the norm and each rotation op): float32 models agree with HF to float32 accuracy, bf16 ones
-    within HF's bf16 error. Autograd: gradients reach x, the three weights and the norm weights.
-    Memory: calls without autograd keep one concatenated copy of each fused layer's q/k/v weights
-    (rebuilt when a weight changes), the size of those weights.
-
-    Returns QKVFusion(fused=[qualified names], left={qualified name: reason}).
-
-    Example::
-
-        model = transformers.AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-8B", dtype=torch.bfloat16).cuda()
-        fusion = ropekit.hf.fuse_qkv(model)   # fusion.fused: ['model.layers.0.self_attn', ...]
-        out = model.generate(ids, max_new_tokens=32)
-        ropekit.hf.unfuse_qkv(model)          # HF's classes again
-    """
+def fuse(model, impl: str, strict: bool, rope_form) -> QKVFusion:
+    """ropekit.hf.fuse_qkv (its docstring says what it does); rope_form(module name) -> the form
+    name of what that modeling module's apply_rotary_pos_emb computes (ropekit.integrations.hf's
+    census, which this module does not import)."""
     if impl not in _IMPLS:
         raise ValueError(f"{OP}: impl: expected one of {_IMPLS}, got {impl!r}")
     if type(strict) is not bool:
@@ -465,7 +416,7 @@ def fuse_qkv(model, *, impl: str = "auto", strict: bool = False) -> QKVFusion:
         raise TypeError(f"{OP}: model: expected a torch.nn.Module, got {type(model).__name__}")
     fit, left = [], {}
     for name, attn in _candidates(model):
-        why = _unfit(name, attn)
+        why = _unfit(name, attn, rope_form)
         if why is None:
             fit.append((name, attn))
         else:
@@ -503,9 +454,8 @@ def fuse_qkv(model, *, impl: str = "auto", strict: bool = False) -> QKVFusion:
     return QKVFusion([name for name, _ in fit], left)
 
 
-def unfuse_qkv(model) -> List[str]:
-    """Undo fuse_qkv on this model: its modules get HF's classes back (and the modeling module its
-    apply_rotary_pos_emb once no fused layer of it is left). Returns the qualified names restored."""
+def unfuse(model) -> List[str]:
+    """ropekit.hf.unfuse_qkv."""
     restored = []
     for name, attn in model.named_modules():
         base = getattr(type(attn), "_ropekit_base", None)
@@ -525,9 +475,9 @@ def unfuse_qkv(model) -> List[str]:
             fused.discard(attn)
             if not len(fused):
                 module = importlib.import_module(base.__module__)
-                previous = getattr(module.apply_rotary_pos_emb, "_ropekit_qkv_previous", None)
-                if previous is not None:
-                    module.apply_rotary_pos_emb = previous
+                bound = module.apply_rotary_pos_emb
+                if getattr(bound, "ropekit_fuse_qkv", False):
+                    module.apply_rotary_pos_emb = bound.ropekit_wraps
                 del _FUSED[base.__module__]
         restored.append(name)
     return restored
