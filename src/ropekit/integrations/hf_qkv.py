@@ -34,7 +34,7 @@ import textwrap
 import threading
 import warnings
 import weakref
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -290,8 +290,8 @@ def _weight(attn) -> torch.Tensor:
 # fuse / unfuse
 
 
-def _unfit(name: str, attn, rope_form) -> Optional[str]:
-    """Why this attention module does not fit, or None (then `_layout` describes it)."""
+def _fit(attn, rope_form, impl: str) -> Union[Layout, str]:
+    """The layer's Layout when this attention module fits, else why it does not."""
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(type(p) in (torch.nn.Linear, _FusedLinear) for p in projs):
         return "no separate torch.nn.Linear q_proj / k_proj / v_proj"
@@ -323,11 +323,15 @@ def _unfit(name: str, attn, rope_form) -> Optional[str]:
     if form not in _HALF_SPLIT:
         return f"its apply_rotary_pos_emb is not a half-split rotation ({form})"
     names = ("q_norm", "k_norm")
-    if any(f"self.{n}(" in src for n in names):
-        return _norm_unfit(attn, head_dim)
-    if any(getattr(attn, n, None) is not None for n in (*names, "qk_norm")):
+    normed = any(f"self.{n}(" in src for n in names)
+    if normed:
+        why = _norm_unfit(attn, head_dim)
+        if why is not None:
+            return why
+    elif any(getattr(attn, n, None) is not None for n in (*names, "qk_norm")):
         return "it has q/k norm modules its forward is not seen to call before the rotation"
-    return None
+    eps = _eps(attn.q_norm) if normed else 1e-6
+    return Layout(ws[0].shape[0] // head_dim, ws[1].shape[0] // head_dim, head_dim, normed, eps, impl)
 
 
 # what an attention forward may call between its projections and apply_rotary_pos_emb: layout views
@@ -416,11 +420,11 @@ def fuse(model, impl: str, strict: bool, rope_form) -> QKVFusion:
         raise TypeError(f"{OP}: model: expected a torch.nn.Module, got {type(model).__name__}")
     fit, left = [], {}
     for name, attn in _candidates(model):
-        why = _unfit(name, attn, rope_form)
-        if why is None:
-            fit.append((name, attn))
+        layout = _fit(attn, rope_form, impl)
+        if isinstance(layout, Layout):
+            fit.append((name, attn, layout))
         else:
-            left[name] = why
+            left[name] = layout
     if not fit and not left:
         raise ValueError(
             f"{OP}: model: expected a transformers model with rotary attention layers, got none in "
@@ -428,30 +432,21 @@ def fuse(model, impl: str, strict: bool, rope_form) -> QKVFusion:
         )
     if left and strict:
         raise ValueError(f"{OP}: strict: expected every rotary attention layer to fit, got {_listing(left)}")
-    for name, attn in fit:
-        head_dim = attn.head_dim
-        normed = "self.q_norm(" in inspect.getsource(getattr(type(attn), "_ropekit_base", type(attn)).forward)
-        attn._ropekit_qkv = Layout(
-            attn.q_proj.weight.shape[0] // head_dim,
-            attn.k_proj.weight.shape[0] // head_dim,
-            head_dim,
-            normed,
-            _eps(attn.q_norm) if normed else 1e-6,
-            impl,
-        )
+    for name, attn, layout in fit:
+        attn._ropekit_qkv = layout
         attn.__dict__.pop("_ropekit_qkv_weight", None)
         base = getattr(type(attn), "_ropekit_base", type(attn))
         attn.__class__ = _attention_class(base)
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
             proj.__class__ = _FusedLinear
-        if normed:
+        if layout.normed:
             for norm in (attn.q_norm, attn.k_norm):
                 norm.__class__ = _norm_class(getattr(type(norm), "_ropekit_base", type(norm)))
         _FUSED.setdefault(base.__module__, weakref.WeakSet()).add(attn)
         _wrap_rope(base.__module__, attn)
     if left:
         warnings.warn(f"{OP}: these attention layers keep HF's prologue: {_listing(left)}", stacklevel=2)
-    return QKVFusion([name for name, _ in fit], left)
+    return QKVFusion([name for name, _, _ in fit], left)
 
 
 def unfuse(model) -> List[str]:
