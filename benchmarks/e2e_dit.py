@@ -691,9 +691,11 @@ def first_step(step: Callable, device: torch.device, count: bool) -> dict:
 
     def counting(door):
         def counted(spec, *args, **kwargs):
-            calls["ropekit_calls"] += 1
-            calls["fused_norm_calls"] += bool(spec.variant.normed)
-            return door(spec, *args, **kwargs)
+            out = door(spec, *args, **kwargs)
+            if out is not None:  # None: the launch record declined, the spec's door runs the call
+                calls["ropekit_calls"] += 1
+                calls["fused_norm_calls"] += bool(spec.variant.normed)
+            return out
 
         return counted
 

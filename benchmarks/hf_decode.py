@@ -137,9 +137,11 @@ def counting_calls():
 
     def counting(door):
         def counted(spec, *args, **kwargs):
-            calls["calls"] += 1
-            calls["fused_norm_calls"] += bool(spec.variant.normed)
-            return door(spec, *args, **kwargs)
+            out = door(spec, *args, **kwargs)
+            if out is not None:  # None: the launch record declined, the spec's door runs the call
+                calls["calls"] += 1
+                calls["fused_norm_calls"] += bool(spec.variant.normed)
+            return out
 
         return counted
 

@@ -60,6 +60,7 @@ def stub_launch(fn) -> tuple:
     from ropekit.core import pipeline
 
     fn()  # spec, plan (and the interpreter's run of the kernel)
+    launching._STATE["host_only"] = True  # from here CPU tensors may get a launch record (pipeline.rotate_record)
     seen = []
     real = pipeline.launch
     pipeline.launch = lambda *a, **kw: seen.append(a)
@@ -74,9 +75,8 @@ def stub_launch(fn) -> tuple:
     key = (variant, True) if all(aligned) else (variant, *aligned)
     g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     compiled[key] = (_nothing, *g, None, None, (), None)  # ropekit.core.launch's compiled entry
-    launching._STATE["host_only"] = True
     launching._STATE["tools"] = (lambda device: 0, SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
-    launching._current_device = lambda: -1
+    launching.current_device = lambda: -1
     return _nothing, (*g, 0, None, None, None, None, None, *addrs, *args)
 
 

@@ -80,8 +80,29 @@ CASES = {
         lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16),
         lambda q, c, p: ropekit.rerotate_kv_cache(torch.zeros(8, 2, 16), torch.tensor([1]), 1, c, rotary_dim=16.0),
     ),
+    # the recent signatures' identity test of the keywords (pipeline.prepare): an equal value of
+    # another type (the cases above), a list changed in place (the same object), a weight's shape
+    # among tensors
+    "mrope_section changed in place to a float": (
+        lambda q, c, p: ropekit.apply_rope(q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=_section(2)),
+        lambda q, c, p: ropekit.apply_rope(
+            q, None, torch.zeros(3, 3, dtype=torch.long), c, mrope_section=_section(2.0)
+        ),
+    ),
+    "q_norm_weight of 8 after 16, beside k's": (
+        lambda q, c, p: ropekit.apply_rope(q, q, p, c, q_norm_weight=torch.ones(16), k_norm_weight=torch.ones(16)),
+        lambda q, c, p: ropekit.apply_rope(q, q, p, c, q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(16)),
+    ),
 }
 del CASES["rotary_dim True after 1-wide table"]
+
+_SECTION = [2, 3, 3]
+
+
+def _section(first):
+    """The one mrope_section list of its cases, its first entry set in place."""
+    _SECTION[0] = first
+    return _SECTION
 
 
 def _store(q, c, p, **kw):

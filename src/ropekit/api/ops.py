@@ -10,7 +10,9 @@
 Every op goes the one call path (ropekit.core.pipeline): its arguments by name -> `prepare`, the
 memoized spec of their signature (validated once by the op's entry in ropekit.core.checks, whose
 `Variant` is the record of every flag) -> this call's checks (checks.rope_call) -> the door the
-spec names (dispatch.ROTATE: direct, autograd Function, custom op). What is written here is each
+spec names (dispatch.ROTATE: direct, autograd Function, custom op); once a direct spec has its
+launch record (dispatch.ROTATE's RECORD entry), its calls take that right after prepare, and a call
+the record declines goes the rest of the way. What is written here is each
 op's own part: its keywords, the angle operands it hands the run, and the rotation's views
 (layouts, rotated part last).
 """
@@ -21,12 +23,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..core import checks, forms, run
+from ..core import checks, forms, run, strict
 from ..core.args import fail
 from ..core.dispatch import ROTATE
 from ..core.pipeline import prepare
 from ..core.run import angle_views, saturate, scale_tensor
-from ..core.variant import CUSTOM_OP, DIRECT, TRACED, Signature, Spec
+from ..core.variant import CUSTOM_OP, DIRECT, RECORD, TRACED, Signature, Spec
 
 Scale = Union[None, float, torch.Tensor]
 
@@ -223,6 +225,10 @@ def apply_rope(
         ),
         checks.rope,
     )
+    if spec.record and q_out is None and k_out is None and not strict.mode.on and spec.table() is cos_sin_cache:
+        done = ROTATE[RECORD](spec, q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
+        if done is not None:  # the steady state's launch record; else the general path decides
+            return done
     # (a, b), the angle operands of the run, for each angle source
     angles = spec.variant.angles
     if angles == "freqs":
@@ -506,6 +512,10 @@ def rotate_angles(
         ),
         checks.angles,
     )
+    if spec.record:
+        done = ROTATE[RECORD](spec, q, k, cos, sin, q_norm_weight, k_norm_weight)
+        if done is not None:  # the steady state's launch record; else the general path decides
+            return done
     if spec.copy_angles or door is CUSTOM_OP or door is TRACED:
         cos, sin = angle_views(spec, cos, sin)  # as validation saw them (copied when it had to)
     if door is not TRACED:

@@ -35,10 +35,10 @@ from . import aliasing, checks, pipeline, run
 from .args import fail
 from .freqs import pair_positions
 from .memo import lookup, remember
-from .pipeline import rerotate_direct, rotate_direct, run_rotate, store_direct
+from .pipeline import rerotate_direct, rotate_direct, rotate_record, run_rotate, store_direct
 from .run import StoreOperands, heads_first, unit_last_stride
 from .sharding import dtensor_like
-from .variant import ANGLE_NAMES, CUSTOM_OP, DIRECT, FUNCTION, TRACED, Spec, Variant, arg_key
+from .variant import ANGLE_NAMES, CUSTOM_OP, DIRECT, FUNCTION, RECORD, TRACED, Spec, Variant, arg_key
 
 
 def op_spec(name: str, values: tuple, make) -> Spec:
@@ -109,7 +109,13 @@ def _rotate_custom(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=No
     return run.into(rotated, *((q, k) if spec.inplace else (q_out, k_out)))
 
 
-ROTATE = {DIRECT: rotate_direct, FUNCTION: _rotate_function, CUSTOM_OP: _rotate_custom, TRACED: _rotate_custom}
+ROTATE = {
+    DIRECT: rotate_direct,
+    FUNCTION: _rotate_function,
+    CUSTOM_OP: _rotate_custom,
+    TRACED: _rotate_custom,
+    RECORD: rotate_record,
+}
 
 
 def _zeros(meta):

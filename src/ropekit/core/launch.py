@@ -15,7 +15,7 @@ import torch
 
 # the current CUDA device, read without torch.cuda's lazy-init wrapper: a launch has CUDA tensors, so
 # CUDA is initialized by then
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 # how each launch went (the benchmarks print it); "ok" turns off for a Triton whose launcher differs
 COUNTS = {"direct": 0, "generic": 0}
@@ -42,7 +42,7 @@ def launch(
     if device < 0 and not _STATE["host_only"]:
         kernel[grid](*ptrs, *args, **meta)  # the interpreter, on CPU tensors
         return
-    if not guarded and device != _current_device():
+    if not guarded and device != current_device():
         # the device guard: launch on the device of the tensors (validation put every tensor of the
         # call on q's), not on whichever device is current, and on that device's current stream
         with torch.cuda.device(device):
@@ -105,6 +105,29 @@ def launch(
             return
         names = [p.name for p in kernel.params if p.is_constexpr]
         compiled[key] = (*fields, tuple(meta[n] for n in names), kernel_run)
+
+
+def record(compiled: dict, variant, device: int):
+    """(the compiled launcher, the grid's three dims, its launch fields, the constexprs' values, the
+    direct launch's state, its stream tools): what a launch record (ropekit.core.pipeline's
+    rotate_record) needs to launch `variant` with every pointer 16-byte aligned, without this
+    module's per-call steps. None while that kernel is not compiled or a direct launch is off;
+    False for tensors on `device` -1 (CPU: the interpreter runs them, never a direct launch)."""
+    if device < 0 and not _STATE["host_only"]:
+        return False
+    entry = compiled.get((variant, True))
+    if entry is None or not _STATE["ok"] or _STATE["tools"] is None:
+        return None
+    return (*entry[:7], _STATE, _STATE["tools"])
+
+
+def hooked(runtime) -> bool:
+    """Has a profiler registered a launch hook (Triton's knobs.runtime)? Such a launch goes through
+    `launch`, which hands the hooks the launch's metadata."""
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True))
+    )
 
 
 def stream_tools():

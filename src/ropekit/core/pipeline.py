@@ -6,6 +6,7 @@ pointers and launched.
                                           op's entry in ropekit.core.checks validates a new one)
     rotate_direct / run_rotate         the rotation (run_rotate: every door's forward, and the
                                           backward with Variant.backward())
+    rotate_record                      a direct rotation's steady state: its launch record
     run_norm_backward                  a normed rotation's backward, one tensor (q or k) at a time
     store_direct / run_store           the fused RoPE + KV-cache store
     rerotate_direct / run_rerotate     the re-rotation of cached keys
@@ -16,8 +17,10 @@ checks (ropekit.core.checks.*_call, called by the op, or inside the custom op wh
 by `python -m ropekit.tools.call_path` and held by tests/ops/test_call_path.py.
 So this path calls no helper per argument: keys are built in a loop here, strict mode is an
 attribute read, and no comprehension runs (each is a frame of its own before Python 3.12).
-The autograd Function and the torch.library custom ops (ropekit.core.dispatch) run the same run
-steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
+A rotation's direct door keeps a launch record once its kernel is compiled; the spec's later calls
+take it after prepare (rotate_record: the op, prepare, the record), and any call it does not serve
+goes the path above. The autograd Function and the torch.library custom ops
+(ropekit.core.dispatch) run the same run steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from operator import is_, is_not, itemgetter, or_
 import torch
 
 from . import cpu, plans, run
+from . import launch as launching
 from .launch import launch
 from .memo import MEMO, remember
-from .variant import TRACED, Signature, Spec, Variant, arg_key
+from .variant import DIRECT, TRACED, Signature, Spec, Variant, arg_key
 
 _Tensor = torch.Tensor
 _SCALARS = frozenset((bool, int, float, str, torch.dtype, type(None)))
@@ -67,18 +71,32 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
     tensors = pattern = None
     try:
         given = leading if keyed is None else keyed
+        grad = _grad_enabled()
+        # an entry: (its keywords' getter but tensors, their values, its changed keywords' getter,
+        # types, changed, grad, its others' getter, their values, its tensors' getter, the tensors'
+        # guards, spec). First, one identity test of the keywords: an entry whose non-tensor keyword
+        # values are this call's own objects (immutable scalars: None, bools, numbers, strings,
+        # dtypes) has this call's changed keywords (a tensor is never a default), so the changed
+        # ones are picked, not scanned for; the rest of the test is the next loop's
+        for same, kws, changed_of, e_types, _, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
+            if same is not None and e_grad is grad and all(map(is_, same(keywords) if same else keywords, kws)):
+                given_e = given + changed_of(keywords)
+                if (
+                    tuple(map(type, given_e)) == e_types
+                    and pick(given_e) == values
+                    and guards.check(*pick_tensors(given_e))
+                ):
+                    return spec, spec.door
         # the indices of the keywords set, in one pass; their values join the positional ones
         changed = tuple(compress(sig.indices, map(is_not, keywords, sig.defaults)))
         for i in changed:
             given += (keywords[i],)
         types = tuple(map(type, given))
-        grad = _grad_enabled()
         if _SIMPLE.issuperset(types):  # plain tensors and scalars: no Python loop over them
-            # an entry: (types, changed, grad, its others' getter, their values, its tensors' getter,
-            # the tensors' guards, spec); the types fix where the tensors are, so equal types let the
-            # entry's getters pick the others and the tensors out of this call's arguments (an
-            # entry of equal types is a simple signature's: it has its getters)
-            for e_types, e_changed, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
+            # the types fix where the tensors are, so equal types let the entry's getters pick the
+            # others and the tensors out of this call's arguments (an entry of equal types is a
+            # simple signature's: it has its getters)
+            for _, _, _, e_types, e_changed, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
                 if (
                     e_types == types
                     and e_changed == changed
@@ -98,7 +116,7 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
                     others.append(x if t in _SCALARS else arg_key(x))
             others = tuple(others)
             # an entry of equal types is such a signature's: it keeps the keyed values, no getters
-            for e_types, e_changed, e_grad, _, values, _, guards, spec in sig.recent:
+            for _, _, _, e_types, e_changed, e_grad, _, values, _, guards, spec in sig.recent:
                 if e_types == types and e_changed == changed and e_grad is grad and values == others:
                     if guards.check(*tensors):
                         return spec, spec.door
@@ -120,7 +138,7 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         except Exception:  # a torch whose guards differ: the memo alone
             guards = None
         if guards is not None:
-            sig.recent.insert(0, _entry(pattern, guards, spec))
+            sig.recent.insert(0, _entry(pattern, keywords, guards, spec))
             del sig.recent[_RECENT:]
     return spec, spec.door
 
@@ -132,15 +150,25 @@ def _getter(positions: list):
     return itemgetter(*positions) if positions else itemgetter(slice(0, 0))
 
 
-def _entry(pattern: tuple, guards, spec: Spec) -> tuple:
-    """A recent-signature entry of prepare (off the steady path: made once per signature)."""
+def _entry(pattern: tuple, keywords: tuple, guards, spec: Spec) -> tuple:
+    """A recent-signature entry of prepare (off the steady path: made once per signature). Its
+    identity test's fields (the first three) are None unless every keyword is a plain tensor or
+    an immutable scalar (a list's contents can change under the same object)."""
     grad, changed, types, others = pattern
     if not _SIMPLE.issuperset(types):
-        return (types, changed, grad, None, others, None, guards, spec)
+        return (None, None, None, types, changed, grad, None, others, None, guards, spec)
     where = {True: [], False: []}
     for i, t in enumerate(types):
         where[t is _Tensor].append(i)
-    return (types, changed, grad, _getter(where[False]), others, _getter(where[True]), guards, spec)
+    same = kws = changed_of = None
+    kinds = set(map(type, keywords))
+    if _SCALARS.issuperset(kinds - {_Tensor}):
+        # the getter of the non-tensor keywords; False when all are (the tuple itself is compared)
+        scalars = [i for i, x in enumerate(keywords) if type(x) is not _Tensor]
+        same = False if len(scalars) == len(keywords) else _getter(scalars)
+        kws, changed_of = (same(keywords) if same else keywords), _getter(list(changed))
+    pick, pick_tensors = _getter(where[False]), _getter(where[True])
+    return (same, kws, changed_of, types, changed, grad, pick, others, pick_tensors, guards, spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,11 +177,14 @@ def _entry(pattern: tuple, guards, spec: Spec) -> tuple:
 
 def rotate_direct(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=None):
     """The rotation's direct door: outputs allocated (or given), one run. (a, b): the angle
-    operands (run_rotate's); weights: (q's, k's) norm weights; scales: (q's, k's) scale tensors."""
+    operands (run_rotate's); weights: (q's, k's) norm weights; scales: (q's, k's) scale tensors.
+    A spec's later calls take its launch record (rotate_record) once this has made one."""
     if spec.normed and not spec.triton:  # the CPU path: torch ops, which autograd records
         outs = run.norm_rotated(spec, spec.variant, q, k, a, b, weights, spec.out_dtype, scales)
         return run.into(outs, *((q, k) if spec.inplace else (q_out, k_out)))
     w = weights if spec.normed else None
+    if spec.record is None:
+        spec.record = _record(spec, q.get_device(), q_out is None and k_out is None, weights)
     if spec.inplace:
         run_rotate(spec, spec.variant, q, k, q, k, a, b, None, None, w)
         # the kernels write through raw pointers, which autograd does not see: anything that saved
@@ -165,6 +196,94 @@ def rotate_direct(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=Non
     if k_out is None and k is not None:
         k_out = run.empty_like(k, dtype=spec.out_dtype)
     run_rotate(spec, spec.variant, q, k, q_out, k_out, a, b, None, scales, w)
+    return q_out, k_out
+
+
+def _record(spec: Spec, device: int, fresh: bool, weights):
+    """The launch record of a direct rotation (rotate_record's), from its plan and the compiled
+    kernel of its aligned pointers: None while that kernel is not compiled (asked again on the next
+    call), False for a spec no record serves. device: q's (-1: CPU); fresh: this call's outputs are not given; weights:
+    its (q's, k's) norm weights (their dtypes are the signature's).
+
+    A record serves the steady state of the common calls: table, arange and per-token angles, in
+    place or into fresh outputs, normed or not. The others keep the general path: given outputs,
+    scales, view forms, per-call angle copies or expanded positions, normed in place, a norm
+    without two weights of one dtype, per-token angles in place (their aliasing tests are the
+    exact ones)."""
+    v, plan = spec.variant, spec.plan
+    if not spec.triton:
+        return False
+    if plan is None:  # not planned yet (the first call plans, then launches)
+        return None
+    tokens = v.angles == "tokens"
+    wq, wk = (None, None) if weights is None else weights
+    if (
+        not plan
+        or not fresh
+        or spec.door != DIRECT
+        or v.scaled
+        or spec.views
+        or spec.copy_angles
+        or (spec.inplace and (spec.normed or tokens))
+        or v.angles not in ("table", "arange", "tokens")
+        or (not tokens and (spec.angle_shape is not None or spec.table is None))
+        or (spec.normed and (wq is None or wk is None or wq.dtype != wk.dtype))
+    ):
+        return False
+    pack = plan.meta["PACK"]
+    made = launching.record(plan.compiled, (pack, 0, 0) if spec.normed else pack, device)
+    if not made:
+        return made
+    return (*made, plan.args, plan.pack_bytes, tokens)
+
+
+def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
+    """A direct rotation's steady state from its launch record (made by rotate_direct): (q_out,
+    k_out) as rotate_direct returns them, or None when this call needs the general path, which
+    then decides it: a pointer off the 16-byte grid (or a packed path's pair alignment), a device
+    other than the current one, a profiler's launch hook, or (in place) a
+    written byte range that meets another operand's (its exact test names the aliasing).
+    (a, b): the angle operands as rotate_direct takes them; wq, wk: a normed spec's weights.
+    Each operand's address is read once; its pointer slots are rope_kernel's (run_rotate)."""
+    run_, gx, gy, gz, function, packed, consts, state, (current_stream, runtime), head, pack, tokens = spec.record
+    qa = q.data_ptr()
+    ka = qa if k is None else k.data_ptr()
+    ba = b.data_ptr()
+    aa = ba if a is None else a.data_ptr()  # arange: the table in the positions' slot
+    if spec.inplace:
+        # checks.rope_call's cheap test of byte ranges (the angle operands: per-token ones refused)
+        ext = spec.extents
+        q1, k1 = qa + ext[0], ka + ext[1]
+        if ext[1] and qa < k1 and ka < q1:
+            return None
+        for x0, n in ((aa, ext[2]), (ba, ext[3])):
+            if n and ((x0 < q1 and qa < x0 + n) or (ext[1] and x0 < k1 and ka < x0 + n)):
+                return None
+        q_out, k_out, qoa, koa = q, k, qa, ka
+    else:
+        q_out = run.empty_like(q, dtype=spec.out_dtype)
+        k_out = None if k is None else run.empty_like(k, dtype=spec.out_dtype)
+        qoa = q_out.data_ptr()
+        koa = qoa if k_out is None else k_out.data_ptr()
+    bits = qa | ka | qoa | koa
+    if (bits | aa | ba) & 15 or (pack and bits % pack):
+        return None
+    device = q.get_device()
+    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+        return None
+    ca = aa if tokens else ba  # per-token angles: cos in the positions' slot too (run_rotate)
+    if spec.normed:  # both weights, of one dtype (the signature's: _record)
+        wqa, wka = wq.data_ptr(), wk.data_ptr()
+        if (wqa | wka) & 15:
+            return None
+        run_(gx, gy, gz, current_stream(device), function, packed, None, None, None, qa, ka, qoa, koa, aa, ca, ba, ba, ba,
+             *head, wqa, wka, spec.norm_eps, spec.norm_offset, *consts)  # fmt: skip
+    else:
+        run_(gx, gy, gz, current_stream(device), function, packed, None, None, None, qa, ka, qoa, koa, aa, ca, ba, ba, ba,
+             *head, *consts)  # fmt: skip
+    launching.COUNTS["direct"] += 1
+    if spec.inplace:  # as rotate_direct: what saved q or k for a backward raises instead
+        _increment_version([q] if k is None else [q, k])
     return q_out, k_out
 
 

@@ -55,6 +55,9 @@ ANGLE_NAMES = {
 # the doors of a call (ropekit.core.dispatch): eager without and with autograd, the dispatcher
 # (tensor subclasses, meta), and the dispatcher while torch.compile traces (no per-call checks)
 DIRECT, FUNCTION, CUSTOM_OP, TRACED = "direct", "function", "custom_op", "traced"
+# the direct door's steady state: a spec's launch record (ropekit.core.pipeline.rotate_record), taken
+# by the ops before the spec's door once rotate_direct has made the record; None: declined
+RECORD = "record"
 
 
 class Flag(NamedTuple):
@@ -342,6 +345,7 @@ class Spec:
         "normed",
         "views",
         "plan",
+        "record",
     )
 
     def __init__(
@@ -392,6 +396,7 @@ class Spec:
         # apply_rope's view forms: the door sees views made per call (ops.py, `_views`)
         self.views = strided or variant.seq_first or variant.rope_last or variant.nope_q or variant.nope_k
         self.plan = None  # the rotation's forward launch plan once made (False: nothing to launch)
+        self.record = None  # its direct launch record (pipeline.rotate_record; False: none serves)
 
     def _copy(self, inplace: bool) -> "Spec":
         twin = Spec(self.variant, self.rot, self.door, self.triton)
