@@ -12,9 +12,9 @@ memoized spec of their signature (validated once by the op's entry in ropekit.co
 `Variant` is the record of every flag) -> this call's checks (checks.rope_call) -> the door the
 spec names (dispatch.ROTATE: direct, autograd Function, custom op); once a direct spec has its
 launch record (dispatch.ROTATE's RECORD entry), its calls take that right after prepare, and a call
-the record declines goes the rest of the way. What is written here is each
-op's own part: its keywords, the angle operands it hands the run, and the rotation's views
-(layouts, rotated part last).
+the record declines goes the rest of the way. What is written here is each op's own part: its
+keywords, the angle operands it hands the run, and the rotation's views (layouts, rotated part
+last).
 """
 
 from __future__ import annotations

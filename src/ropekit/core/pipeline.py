@@ -20,7 +20,8 @@ attribute read, and no comprehension runs (each is a frame of its own before Pyt
 A rotation's direct door keeps a launch record once its kernel is compiled; the spec's later calls
 take it after prepare (rotate_record: the op, prepare, the record), and any call it does not serve
 goes the path above. The autograd Function and the torch.library custom ops
-(ropekit.core.dispatch) run the same run steps. Tensors on CPU without Triton take the PyTorch path (ropekit.core.run).
+(ropekit.core.dispatch) run the same run steps. Tensors on CPU without Triton take the PyTorch
+path (ropekit.core.run).
 """
 
 from __future__ import annotations
@@ -202,8 +203,8 @@ def rotate_direct(spec: Spec, q, k, a, b, weights, scales, q_out=None, k_out=Non
 def _record(spec: Spec, device: int, fresh: bool, weights):
     """The launch record of a direct rotation (rotate_record's), from its plan and the compiled
     kernel of its aligned pointers: None while that kernel is not compiled (asked again on the next
-    call), False for a spec no record serves. device: q's (-1: CPU); fresh: this call's outputs are not given; weights:
-    its (q's, k's) norm weights (their dtypes are the signature's).
+    call), False for a spec no record serves. device: q's (-1: CPU); fresh: this call's outputs
+    are not given; weights: its (q's, k's) norm weights (their dtypes are the signature's).
 
     A record serves the steady state of the common calls: table, arange and per-token angles, in
     place or into fresh outputs, normed or not. The others keep the general path: given outputs,
@@ -241,8 +242,8 @@ def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
     """A direct rotation's steady state from its launch record (made by rotate_direct): (q_out,
     k_out) as rotate_direct returns them, or None when this call needs the general path, which
     then decides it: a pointer off the 16-byte grid (or a packed path's pair alignment), a device
-    other than the current one, a profiler's launch hook, or (in place) a
-    written byte range that meets another operand's (its exact test names the aliasing).
+    other than the current one, a profiler's launch hook, or (in place) a written byte range that
+    meets another operand's (its exact test names the aliasing).
     (a, b): the angle operands as rotate_direct takes them; wq, wk: a normed spec's weights.
     Each operand's address is read once; its pointer slots are rope_kernel's (run_rotate)."""
     run_, gx, gy, gz, function, packed, consts, state, (current_stream, runtime), head, pack, tokens = spec.record
