@@ -193,3 +193,30 @@ def test_tuning_override_replans():
     with pytest.raises(ValueError, match="knobs"):
         with tuning.override(no_such_knob=1):
             pass
+
+
+def test_recent_signatures_tell_none_parameter_and_subclass_from_a_tensor(monkeypatch):
+    """prepare's identity test of the keywords leaves the arguments' types to the tensor guards
+    (each tensor's exact type) and the other values' comparison: after three calls with plain
+    tensors, k as None, as a Parameter or as a tensor subclass is a signature of its own (validated
+    once more), and each call gives the reference's answer."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    calls = []
+    real = checks.rope
+    monkeypatch.setattr(checks, "rope", lambda *a: (calls.append(1), real(*a))[1])
+    memo.clear()
+    c, p = make_cache(10, 16), torch.tensor([0, 1, 2])
+    q, k = _q(), _q(H=1)
+    for _ in range(3):
+        ropekit.apply_rope(q, k, p, c)
+    assert len(calls) == 1
+    want_q, want_k = reference.apply_rope(q.double(), k.double(), p, c.double())
+    for i, other in enumerate((None, torch.nn.Parameter(k.clone(), requires_grad=False), k.as_subclass(Sub))):
+        got_q, got_k = ropekit.apply_rope(q, other, p, c)
+        assert len(calls) == 2 + i, f"{type(other).__name__}: not validated as a signature of its own"
+        assert rel_err(got_q, want_q) < TOL[torch.float32]
+        if other is not None:
+            assert rel_err(got_k, want_k) < TOL[torch.float32]

@@ -78,15 +78,13 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         # guards, spec). First, one identity test of the keywords: an entry whose non-tensor keyword
         # values are this call's own objects (immutable scalars: None, bools, numbers, strings,
         # dtypes) has this call's changed keywords (a tensor is never a default), so the changed
-        # ones are picked, not scanned for; the rest of the test is the next loop's
-        for same, kws, changed_of, e_types, _, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
+        # ones are picked, not scanned for. No type test: the keywords' types are the entry's, the
+        # tensor guards test each tensor's exact type (None, a subclass or a Parameter fails), and
+        # the others (None where the entry has None, a re-rotation shift's type) compare by value
+        for same, kws, changed_of, _, _, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
             if same is not None and e_grad is grad and all(map(is_, same(keywords) if same else keywords, kws)):
                 given_e = given + changed_of(keywords)
-                if (
-                    tuple(map(type, given_e)) == e_types
-                    and pick(given_e) == values
-                    and guards.check(*pick_tensors(given_e))
-                ):
+                if pick(given_e) == values and guards.check(*pick_tensors(given_e)):
                     return spec, spec.door
         # the indices of the keywords set, in one pass; their values join the positional ones
         changed = tuple(compress(sig.indices, map(is_not, keywords, sig.defaults)))
@@ -257,9 +255,13 @@ def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
         q1, k1 = qa + ext[0], ka + ext[1]
         if ext[1] and qa < k1 and ka < q1:
             return None
-        for x0, n in ((aa, ext[2]), (ba, ext[3])):
-            if n and ((x0 < q1 and qa < x0 + n) or (ext[1] and x0 < k1 and ka < x0 + n)):
-                return None
+        a1, b1 = aa + ext[2], ba + ext[3]  # the positions' range (empty for arange), the table's
+        if (
+            (aa < q1 and qa < a1)
+            or (ba < q1 and qa < b1)
+            or (ext[1] and ((aa < k1 and ka < a1) or (ba < k1 and ka < b1)))
+        ):
+            return None
         q_out, k_out, qoa, koa = q, k, qa, ka
     else:
         q_out = run.empty_like(q, dtype=spec.out_dtype)
