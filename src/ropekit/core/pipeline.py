@@ -245,10 +245,16 @@ def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
     (a, b): the angle operands as rotate_direct takes them; wq, wk: a normed spec's weights.
     Each operand's address is read once; its pointer slots are rope_kernel's (run_rotate)."""
     run_, gx, gy, gz, function, packed, consts, state, (current_stream, runtime), head, pack, tokens = spec.record
+    # what needs no outputs first: a declined call allocates nothing here (the general path does)
+    device = q.get_device()
+    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+        return None
     qa = q.data_ptr()
     ka = qa if k is None else k.data_ptr()
     ba = b.data_ptr()
     aa = ba if a is None else a.data_ptr()  # arange: the table in the positions' slot
+    if (qa | ka | aa | ba) & 15:
+        return None
     if spec.inplace:
         # checks.rope_call's cheap test of byte ranges (the angle operands: per-token ones refused)
         ext = spec.extents
@@ -269,10 +275,7 @@ def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
         qoa = q_out.data_ptr()
         koa = qoa if k_out is None else k_out.data_ptr()
     bits = qa | ka | qoa | koa
-    if (bits | aa | ba) & 15 or (pack and bits % pack):
-        return None
-    device = q.get_device()
-    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+    if bits & 15 or (pack and bits % pack):
         return None
     ca = aa if tokens else ba  # per-token angles: cos in the positions' slot too (run_rotate)
     if spec.normed:  # both weights, of one dtype (the signature's: _record)
