@@ -144,6 +144,17 @@ class _Runtime:  # Triton's knobs.runtime with no launch hook registered
     launch_enter_hook = launch_exit_hook = None
 
 
+def _register_a_launch_hook(monkeypatch) -> None:
+    """One launch hook on the runtime knobs the launches read (as a profiler registers one; the
+    records keep that object, as Triton's is one)."""
+    from ropekit.core import launch
+
+    class Chain:  # Triton's HookChain with one hook registered
+        calls = [lambda *a: None]
+
+    monkeypatch.setattr(launch._STATE["tools"][1], "launch_enter_hook", Chain())
+
+
 @pytest.fixture
 def stub_launches(monkeypatch):
     """CPU tensors down the direct launch path (profile_host.py --stub-launch's state), each compiled
@@ -236,7 +247,7 @@ def test_a_launch_record_declines_what_the_general_path_decides(case, stub_launc
     decides it: a pointer off the 16-byte grid (its own compiled entry), in-place operands that
     overlap (refused with the aliasing named, nothing launched), a new table (its values read),
     strict mode (its value checks), a profiler's launch hook (handed the launch's metadata)."""
-    from ropekit.core import dispatch, launch
+    from ropekit.core import dispatch
     from ropekit.core.variant import DIRECT
 
     paths = []
@@ -274,26 +285,280 @@ def test_a_launch_record_declines_what_the_general_path_decides(case, stub_launc
         with ropekit.strict():
             call()
     else:
-
-        class Chain:  # Triton's HookChain with one hook registered
-            calls = [lambda *a: None]
-
-        # on the runtime knobs the launches read (the record keeps that object, as Triton's is one)
-        monkeypatch.setattr(launch._STATE["tools"][1], "launch_enter_hook", Chain())
+        _register_a_launch_hook(monkeypatch)
         call()
     assert paths == ["general"] * 3, case
 
 
-@pytest.mark.parametrize("name", ["rotation, in place", "rotation, per-token angles"])
-def test_a_launch_record_is_at_most_five_functions_in_three_files(name, stub_launches):
-    """The steady state a record serves: the public op (rotate_with_angles: and the seam it calls),
-    prepare, the record and its launch-hook test; the compiled launcher is Triton's."""
+# the store's calls a launch record serves (pipeline._store_record): every signature of the store
+# on the direct door. Each call passes new operands (new addresses: the record checks them first)
+def _stored_calls(d):
+    table = make_cache(8, D, device=d)
+    w = _weights(d)
+
+    def store(**kw):
+        return lambda: ropekit.apply_rope_and_store(*_qkv(d), _pos(d), table, *_caches(d), _slots(d), **kw)
+
+    return {
+        "store": store(),
+        "store, q_out": lambda: ropekit.apply_rope_and_store(
+            *_qkv(d), _pos(d), table, *_caches(d), _slots(d), q_out=torch.empty(T, HQ, D, device=d)
+        ),
+        "store, fp8 caches with scales": lambda: ropekit.apply_rope_and_store(
+            *_qkv(d), _pos(d), table, *_caches(d, torch.float8_e4m3fn), _slots(d), k_scale=0.5, v_scale=2.0
+        ),
+        "store, normed": store(q_norm_weight=w[0], k_norm_weight=w[1]),
+        "store, write_key": store(write_key=True),
+        "store, arange": lambda: ropekit.apply_rope_and_store(*_qkv(d), None, table, *_caches(d), _slots(d)),
+    }
+
+
+STORED = list(_stored_calls("cpu"))
+
+
+def _spy_store(monkeypatch) -> list:
+    """dispatch.STORE's direct door and record wrapped: each launch's (path, operands by field)."""
+    from ropekit.core import dispatch, run
+    from ropekit.core.variant import DIRECT, RECORD
+
+    calls = []
+    direct, record = dispatch.STORE[DIRECT], dispatch.STORE[RECORD]
+
+    def general(spec, t):
+        direct(spec, t)
+        calls.append(("general", t._asdict()))
+
+    def recorded(spec, t):
+        done = record(spec, t)
+        if done:
+            calls.append(("record", dict(zip(run.StoreOperands._fields, t))))
+        return done
+
+    monkeypatch.setitem(dispatch.STORE, DIRECT, general)
+    monkeypatch.setitem(dispatch.STORE, RECORD, recorded)
+    return calls
+
+
+def _by_field(tensors: dict, addresses) -> list:
+    """Each address as the first field (StoreOperands' order) of the call's tensor it is."""
+    names = {}
+    for name, x in reversed(list(tensors.items())):
+        if x is not None:
+            names[x.data_ptr()] = name
+    return [names.get(a, a) for a in addresses]
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_a_store_record_passes_what_the_launch_passes(name, stub_launches, monkeypatch):
+    """The store's steady state (pipeline.store_record) hands the compiled launcher the argument
+    list the general launch hands it for its own operands: each pointer slot the same operand's
+    address, then the same ints and constexprs. Calls 1-2 take the general path, 3-4 the record;
+    each written operand's version moves once a call."""
+    runs, launches = stub_launches
+    calls = _spy_store(monkeypatch)
+    call = _stored_calls("cpu")[name]
+    for _ in range(4):
+        call()
+    assert [p for p, _ in calls] == ["general", "general", "record", "record"], name
+    assert len(launches) == 2 and len(runs) == 4
+    slots = len(launches[0])
+
+    def named(tensors, args):
+        return _by_field(tensors, args[9 : 9 + slots]), list(args[9 + slots :])
+
+    want = [named(tensors, args) for (_, tensors), args in zip(calls[:2], runs[:2])]
+    assert want[0] == want[1] and all(isinstance(n, str) for n in want[0][0]), f"{name}: general slots {want}"
+    for (_, tensors), args in zip(calls[2:], runs[2:]):
+        assert named(tensors, args) == want[0], name
+        assert args[:3] == runs[0][:3] and args[6:9] == (None, None, None), name
+    versions = [{f: x._version for f, x in tensors.items() if x is not None} for _, tensors in calls]
+    assert versions[2] == versions[0] and versions[3] == versions[1], f"{name}: versions {versions}"
+
+
+@pytest.mark.parametrize("case", ["misaligned q", "k_cache is v_cache", "new caches", "strict mode", "a launch hook"])
+def test_a_store_record_declines_what_the_general_path_decides(case, stub_launches, monkeypatch):
+    """Once the store's spec has its record, a call the record does not serve goes the general
+    path: a pointer off the 16-byte grid, strict mode, a launch hook. Addresses not seen before
+    are checked by the record itself: new caches are served, caches that alias are refused with
+    the aliasing named and nothing launched."""
+
+    runs, _ = stub_launches
+    calls = _spy_store(monkeypatch)
+    table, pos, slots = make_cache(8, D, device="cpu"), _pos("cpu"), _slots("cpu")
+    kc, vc = _caches("cpu")
+
+    def call(q=None, k_cache=kc, v_cache=vc):
+        q_, k, v = _qkv("cpu")
+        return ropekit.apply_rope_and_store(q_ if q is None else q, k, v, pos, table, k_cache, v_cache, slots)
+
+    for _ in range(3):
+        call()
+    assert [p for p, _ in calls] == ["general", "general", "record"] and len(runs) == 3
+    if case == "misaligned q":
+        buf = torch.randn(T * HQ * D + 1).to(torch.bfloat16)
+        call(q=buf[1:].view(T, HQ, D))  # 2 bytes off the grid, same shape and strides
+    elif case == "k_cache is v_cache":
+        with pytest.raises(ValueError, match="apply_rope_and_store: .*(overlap|alias)"):
+            call(v_cache=kc)
+        assert len(calls) == 3 and len(runs) == 3  # refused before any launch
+        return
+    elif case == "new caches":
+        call(*(None, *_caches("cpu")))
+        assert [p for p, _ in calls][-1] == "record" and len(runs) == 4, case
+        return
+    elif case == "strict mode":
+        with ropekit.strict():
+            call()
+    else:
+        _register_a_launch_hook(monkeypatch)
+        call()
+    assert [p for p, _ in calls][-1] == "general" and len(calls) == 4, case
+
+
+# the re-rotation's calls a launch record serves (pipeline._rerotate_record): each form of its
+# pointer slots. Each call passes a new cache (new addresses: checks.rerotate_call tests them)
+def _rerotated_calls(d):
+    table, to_table = make_cache(8, D, device=d), make_cache(16, D, device=d)
+    rows = torch.tensor([1, 6, 3], device=d)
+
+    def rerotate(delta, dtype=torch.bfloat16, **kw):
+        return lambda: ropekit.rerotate_kv_cache(_caches(d, dtype)[0], rows, delta, table, **kw)
+
+    return {
+        "re-rotation, int shift": rerotate(-2),
+        "re-rotation, tensor delta": rerotate(torch.tensor([1, -1, 2], device=d)),
+        "re-rotation, dst slots": rerotate(3, dst_slots=torch.tensor([9, 10, 11], device=d)),
+        "re-rotation, two tables": rerotate(1, positions=torch.tensor([0, 5, 2], device=d), to_cache=to_table),
+        "re-rotation, fp8 with a scale": rerotate(2, torch.float8_e4m3fn, k_scale=0.5),
+    }
+
+
+REROTATED = list(_rerotated_calls("cpu"))
+
+
+def _spy_rerotate(monkeypatch) -> list:
+    """dispatch.REROTATE's direct door and record wrapped: each launch's (path, its tensors by role)."""
+    from ropekit.core import dispatch
+    from ropekit.core.variant import DIRECT, RECORD
+
+    calls = []
+    direct, record = dispatch.REROTATE[DIRECT], dispatch.REROTATE[RECORD]
+    roles = ("k_cache", "slots", "delta", "table", "k_scale", "dst_slots", "positions", "to_table")
+
+    def general(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
+        direct(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
+        tensors = (k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table)
+        calls.append(("general", dict(zip(roles, tensors)), delta_int))
+
+    def recorded(spec, k_cache, addrs, delta_int):
+        done = record(spec, k_cache, addrs, delta_int)
+        if done:
+            calls.append(("record", dict(zip(roles, addrs)), delta_int))
+        return done
+
+    monkeypatch.setitem(dispatch.REROTATE, DIRECT, general)
+    monkeypatch.setitem(dispatch.REROTATE, RECORD, recorded)
+    return calls
+
+
+@pytest.mark.parametrize("name", REROTATED)
+def test_a_rerotation_record_passes_what_the_launch_passes(name, stub_launches, monkeypatch):
+    """The re-rotation's steady state (pipeline.rerotate_record) hands the compiled launcher the
+    argument list the general launch hands it for its own operands: each pointer slot the same
+    operand's address, the shift, then the same ints and constexprs. Calls 1-2 take the general
+    path, 3-4 the record; the cache's version moves once a call."""
+    runs, launches = stub_launches
+    calls = _spy_rerotate(monkeypatch)
+    call = _rerotated_calls("cpu")[name]
+    versions = [call()._version for _ in range(4)]
+    assert [p for p, _, _ in calls] == ["general", "general", "record", "record"], name
+    assert len(launches) == 2 and len(runs) == 4 and versions == [1, 1, 1, 1], (name, versions)
+    slots = len(launches[0])
+
+    def named(tensors, args):  # each slot as the role of its address (records hold addresses)
+        where = {}
+        for role, x in reversed(list(tensors.items())):
+            a = x if isinstance(x, int) else (0 if x is None else x.data_ptr())
+            if a:
+                where[a] = role
+        return [where.get(a, a) for a in args[9 : 9 + slots]], list(args[9 + slots :])
+
+    want = [named(tensors, args) for (_, tensors, _), args in zip(calls[:2], runs[:2])]
+    assert want[0] == want[1] and all(isinstance(n, str) for n in want[0][0]), f"{name}: general slots {want}"
+    for (_, tensors, _), args in zip(calls[2:], runs[2:]):
+        assert named(tensors, args) == want[0], name
+        assert args[:3] == runs[0][:3] and args[6:9] == (None, None, None), name
+
+
+@pytest.mark.parametrize("case", ["misaligned cache", "overlapping slots and cache", "strict mode", "a launch hook"])
+def test_a_rerotation_record_declines_what_the_general_path_decides(case, stub_launches, monkeypatch):
+    """Once the re-rotation's spec has its record, a call the record does not serve goes the
+    general path (a pointer off the 16-byte grid, a launch hook); the call's checks run before the
+    record on every call (strict mode's value checks; aliasing refused with nothing launched)."""
+
+    runs, _ = stub_launches
+    calls = _spy_rerotate(monkeypatch)
+    table, rows = make_cache(8, D, device="cpu"), torch.tensor([1, 6, 3])
+
+    def call(cache=None, slots=rows):
+        return ropekit.rerotate_kv_cache(_caches("cpu")[0] if cache is None else cache, slots, -2, table)
+
+    for _ in range(3):
+        call()
+    assert [p for p, _, _ in calls] == ["general", "general", "record"] and len(runs) == 3
+    if case == "misaligned cache":
+        buf = torch.zeros(4 * 4 * HK * D + 1, dtype=torch.bfloat16)
+        call(cache=buf[1:].view(4, 4, HK, D))
+    elif case == "overlapping slots and cache":
+        cache = _caches("cpu")[0]
+        with pytest.raises(ValueError, match="rerotate_kv_cache: .*(overlap|alias)"):
+            call(cache=cache, slots=cache.view(torch.int64)[0, 0, 0, :3])
+        assert len(calls) == 3 and len(runs) == 3  # refused before any launch
+        return
+    elif case == "strict mode":
+        with ropekit.strict(), pytest.raises(ValueError, match="rerotate_kv_cache: slots"):
+            call(slots=torch.tensor([1, 6, 300]))
+        assert len(calls) == 3 and len(runs) == 3
+        return
+    else:
+        _register_a_launch_hook(monkeypatch)
+        call()
+    assert [p for p, _, _ in calls][-1] == "general" and len(calls) == 4, case
+
+
+def _same_operands(op: str):
+    """A call of op whose operands are the same tensors every time (the steady state)."""
+    if op == "store":
+        operands = (*_qkv("cpu"), _pos("cpu"), make_cache(8, D), *_caches("cpu"), _slots("cpu"))
+        return lambda: ropekit.apply_rope_and_store(*operands)
+    cache, rows, table = _caches("cpu")[0], torch.tensor([1, 6, 3]), make_cache(8, D)
+    return lambda: ropekit.rerotate_kv_cache(cache, rows, -2, table)
+
+
+# each op's steady state with its record: (the call, the path's last functions, at most functions,
+# files); the public op (rotate_with_angles: and the seam it calls) comes before them
+FRAMES = {
+    "rotation, in place": (lambda: _recorded_calls("cpu")["rotation, in place"], ["prepare", "rotate_record"], 5, 3),
+    "rotation, per-token angles": (
+        lambda: _recorded_calls("cpu")["rotation, per-token angles"],
+        ["prepare", "rotate_record"],
+        5,
+        3,
+    ),
+    "store": (lambda: _same_operands("store"), ["prepare", "store_record"], 4, 3),
+    "re-rotation": (lambda: _same_operands("re-rotation"), ["prepare", "rerotate_call", "rerotate_record"], 5, 4),
+}
+
+
+@pytest.mark.parametrize("name", FRAMES)
+def test_a_launch_record_path_is_a_few_functions_in_a_few_files(name, stub_launches):
+    """The steady state a record serves: the public op, prepare (the re-rotation: its call checks,
+    which run on every call), the record and its launch-hook test; the compiled launcher is
+    Triton's. The rotation and the store: at most 4-5 functions in 3 files; the re-rotation 5 in 4."""
     from ropekit.tools import call_path
 
-    path = call_path.path_of(_recorded_calls("cpu")[name])
-    assert path[-3:] == [
-        ("core/pipeline.py", "prepare"),
-        ("core/pipeline.py", "rotate_record"),
-        ("core/launch.py", "hooked"),
-    ]
-    assert len(path) <= 5 and len({f for f, _ in path}) == 3, path
+    make, last, functions, files = FRAMES[name]
+    path = call_path.path_of(make())
+    assert [f for _, f in path[-len(last) - 1 :]] == [*last, "hooked"], path
+    assert path[-1] == ("core/launch.py", "hooked") and path[-2][0] == "core/pipeline.py", path
+    assert len(path) <= functions and len({f for f, _ in path}) == files, path

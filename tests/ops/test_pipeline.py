@@ -93,8 +93,28 @@ CASES = {
         lambda q, c, p: ropekit.apply_rope(q, q, p, c, q_norm_weight=torch.ones(16), k_norm_weight=torch.ones(16)),
         lambda q, c, p: ropekit.apply_rope(q, q, p, c, q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(16)),
     ),
+    # the exact signatures' marshal string of the keywords: an object marshal cannot write, equal
+    # to None by its own __eq__, where the entry holds None; a str where the entry holds a dtype
+    "rotary_dim an object equal to None": (
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c),
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, rotary_dim=_EqualToAll()),
+    ),
+    "out_dtype a str after the dtype": (
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, out_dtype=torch.float32),
+        lambda q, c, p: ropekit.apply_rope(q, None, p, c, out_dtype="float32"),
+    ),
 }
 del CASES["rotary_dim True after 1-wide table"]
+
+
+class _EqualToAll:
+    """A value equal to anything (None included) by its own __eq__, and unhashable."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = None
+
 
 _SECTION = [2, 3, 3]
 
@@ -125,10 +145,7 @@ def test_refusal_does_not_depend_on_call_history(name):
 
 
 def test_one_validation_per_signature(monkeypatch):
-    calls = []
-    real = checks.rope
-    monkeypatch.setattr(checks, "rope", lambda *a: (calls.append(1), real(*a))[1])
-    memo.clear()
+    calls = _count_validations(monkeypatch)
     c = make_cache(10, 16)
     for _ in range(3):
         ropekit.apply_rope(_q(), _q(H=1), torch.tensor([0, 1, 2]), c)
@@ -195,6 +212,15 @@ def test_tuning_override_replans():
             pass
 
 
+def _count_validations(monkeypatch) -> list:
+    """A list that grows by one each time apply_rope's validation (checks.rope) runs; memo cleared."""
+    calls = []
+    real = checks.rope
+    monkeypatch.setattr(checks, "rope", lambda *a: (calls.append(1), real(*a))[1])
+    memo.clear()
+    return calls
+
+
 def test_recent_signatures_tell_none_parameter_and_subclass_from_a_tensor(monkeypatch):
     """prepare's identity test of the keywords leaves the arguments' types to the tensor guards
     (each tensor's exact type) and the other values' comparison: after three calls with plain
@@ -204,10 +230,7 @@ def test_recent_signatures_tell_none_parameter_and_subclass_from_a_tensor(monkey
     class Sub(torch.Tensor):
         pass
 
-    calls = []
-    real = checks.rope
-    monkeypatch.setattr(checks, "rope", lambda *a: (calls.append(1), real(*a))[1])
-    memo.clear()
+    calls = _count_validations(monkeypatch)
     c, p = make_cache(10, 16), torch.tensor([0, 1, 2])
     q, k = _q(), _q(H=1)
     for _ in range(3):
@@ -220,3 +243,50 @@ def test_recent_signatures_tell_none_parameter_and_subclass_from_a_tensor(monkey
         assert rel_err(got_q, want_q) < TOL[torch.float32]
         if other is not None:
             assert rel_err(got_k, want_k) < TOL[torch.float32]
+
+
+def test_exact_signatures_tell_keyword_types_dtypes_and_parameters_apart(monkeypatch):
+    """prepare's exact signatures compare the keywords as one marshal string (exact types and
+    values), dtypes by identity and tensors (a Parameter's type included) by the guards: True and
+    1 (in place both), an equal float of another object, out_dtype float32 and bfloat16, and norm
+    weights as Parameters and as plain tensors are each validated once as signatures of their own
+    (an equal float object is the same signature), and each call gives the reference's answer."""
+    calls = _count_validations(monkeypatch)
+    c, p = make_cache(10, 16), torch.tensor([0, 1, 2])
+    q, k = _q(), _q(H=1)
+    want_q, want_k = reference.apply_rope(q.double(), k.double(), p, c.double())
+    eps = 1e-6
+    kinds = [
+        ("inplace True", dict(inplace=True), True),
+        ("inplace 1", dict(inplace=1), True),
+        ("norm_eps as given", dict(norm_eps=eps), True),
+        ("norm_eps an equal float of another object", dict(norm_eps=float(str(eps))), False),
+        ("out_dtype float32", dict(out_dtype=torch.float32), True),
+        ("out_dtype bfloat16", dict(out_dtype=torch.bfloat16), True),
+    ]
+    for _ in range(3):  # memoized, then an exact signature, each kind after all the others
+        for name, kw, new in kinds:
+            before = len(calls)
+            q_in, k_in = q.clone(), k.clone()
+            got_q, got_k = ropekit.apply_rope(q_in, k_in, p, c, **kw)
+            if _ == 0:
+                assert len(calls) == before + new, f"{name}: validated {len(calls) - before} times"
+            else:
+                assert len(calls) == before, f"{name}: validated again"
+            dtype = kw.get("out_dtype", torch.float32)
+            assert got_q.dtype == got_k.dtype == dtype, name
+            tol = TOL[dtype]
+            assert rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol, name
+    # norm weights: Parameters, then plain tensors of the same shape, dtype and values
+    w = torch.rand(16) + 0.5
+    want_q, want_k = reference.rms_norm_rope(
+        q.double(), k.double(), p, c.double(), q_norm_weight=w.double(), k_norm_weight=w.double()
+    )
+    weights = [("Parameter", torch.nn.Parameter(w.clone(), requires_grad=False)), ("tensor", w.clone())]
+    for round_ in range(3):
+        for name, weight in weights:
+            before = len(calls)
+            got_q, got_k = ropekit.apply_rope(q, k, p, c, q_norm_weight=weight, k_norm_weight=weight)
+            assert len(calls) == before + (round_ == 0), f"norm weights as a {name}: validations"
+            tol = TOL[torch.float32]
+            assert rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol, name

@@ -287,3 +287,108 @@ def test_launch_record_gives_the_float64_answer_call_after_call(name, dtype, poi
         if name != "q alone":
             assert rel_err(got_k, rk) < tol, (name, i)
     assert served[-4:] == [True, True, True, False], served
+
+
+def _served(monkeypatch, doors: dict) -> list:
+    """A list of whether each call of that door table's launch record was served (the record
+    spied on); memo cleared."""
+    from ropekit.core import memo
+    from ropekit.core.variant import RECORD
+
+    served = []
+    real = doors[RECORD]
+
+    def spy(*args):
+        out = real(*args)
+        served.append(bool(out))
+        return out
+
+    monkeypatch.setitem(doors, RECORD, spy)
+    memo.clear()
+    return served
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["plain", "normed", "q_out", "write_key"])
+def test_store_launch_record_gives_the_float64_answer_call_after_call(name, dtype, monkeypatch):
+    """The store's later calls take its launch record (ropekit.core.pipeline.store_record): eight
+    calls of one signature into one NaN-poisoned paged cache, each on fresh random q, k, v,
+    positions and slots (new addresses: the record checks them first), each checked against
+    float64 (q or q_out, the cache rows written, k with write_key); the record served the last
+    three of the first seven at least, and a q off the 16-byte grid afterwards goes the general
+    path with the same answer."""
+    from ropekit.core import dispatch
+
+    served = _served(monkeypatch, dispatch.STORE)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dev, T, Hq, Hk, D, blocks, block = "cuda", 48, 8, 2, 128, 16, 16
+    table = make_cache(4096, D, device=dev)
+    k_cache, v_cache = (torch.full((blocks, block, Hk, D), float("nan"), device=dev, dtype=dtype) for _ in range(2))
+    norm = {}
+    if name == "normed":
+        norm = {w: torch.rand(D, device=dev, generator=g) + 0.5 for w in ("q_norm_weight", "k_norm_weight")}
+    tol = TOL[dtype] * (2 if name == "normed" else 1)
+    for i in range(8):
+        if i < 7:
+            q = torch.randn(T, Hq, D, device=dev, dtype=dtype, generator=g)
+        else:  # off the grid: the same signature, the general path
+            q = torch.randn(T * Hq * D + 2, device=dev, dtype=dtype, generator=g)[2:].view(T, Hq, D)
+        k, v = (torch.randn(T, Hk, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        pos = torch.randint(0, table.shape[0], (T,), device=dev, generator=g)
+        slots = torch.randperm(blocks * block, device=dev, generator=g)[:T]
+        want_q, want_k = reference.rms_norm_rope(
+            q.double(), k.double(), pos, table.double(), **{n: w.double() for n, w in norm.items()}
+        )
+        want_v = v.double()
+        q_out = torch.full_like(q, float("nan")) if name == "q_out" else None
+        got = ropekit.apply_rope_and_store(
+            q, k, v, pos, table, k_cache, v_cache, slots, q_out=q_out, write_key=name == "write_key", **norm
+        )
+        assert got is (q if q_out is None else q_out)
+        assert rel_err(got, want_q) < tol, (name, i)
+        assert rel_err(k_cache.view(-1, Hk, D)[slots], want_k) < tol, (name, i)
+        assert rel_err(v_cache.view(-1, Hk, D)[slots], want_v) == 0, (name, i)
+        if name == "write_key":
+            assert rel_err(k, want_k) < tol, (name, i)
+    assert served[-4:] == [True, True, True, False], served
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["int shift", "tensor delta", "dst slots"])
+def test_rerotation_launch_record_gives_the_float64_answer_call_after_call(name, dtype, monkeypatch):
+    """The re-rotation's later calls take its launch record (ropekit.core.pipeline.rerotate_record):
+    eight calls of one signature, each on a fresh random cache, slots and shift (new addresses),
+    each cache checked whole against float64 (the rows written, every other row untouched); the
+    record served the last three of the first seven at least, and a cache off the 16-byte grid
+    afterwards goes the general path with the same answer."""
+    from ropekit.core import dispatch
+
+    served = _served(monkeypatch, dispatch.REROTATE)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    dev, N, Hk, D, blocks, block = "cuda", 24, 2, 128, 8, 16
+    table = make_cache(4096, D, device=dev)
+    for i in range(8):
+        n = blocks * block * Hk * D
+        if i < 7:
+            cache = torch.randn(blocks, block, Hk, D, device=dev, dtype=dtype, generator=g)
+        else:  # off the grid: the same signature, the general path
+            cache = torch.randn(n + 2, device=dev, dtype=dtype, generator=g)[2:].view(blocks, block, Hk, D)
+        rows = torch.randperm(blocks * block, device=dev, generator=g)
+        slots, dst = rows[:N], (rows[N : 2 * N] if name == "dst slots" else None)
+        if name == "tensor delta":
+            delta = torch.randint(-100, 100, (N,), device=dev, generator=g)
+        else:
+            delta = int(torch.randint(-100, 100, (1,), generator=torch.Generator().manual_seed(i)))
+        want = cache.double()
+        reference.rerotate_kv_cache(want, slots, delta, table.double(), dst_slots=dst)
+        got = ropekit.rerotate_kv_cache(cache, slots, delta, table, dst_slots=dst)
+        assert got is cache
+        written = slots if dst is None else dst
+        flat, flat_want = cache.view(-1, Hk, D), want.view(-1, Hk, D)
+        assert rel_err(flat[written], flat_want[written]) < TOL[dtype], (name, i)
+        kept = torch.ones(blocks * block, dtype=torch.bool, device=dev)
+        kept[written] = False
+        assert torch.equal(flat[kept].double(), flat_want[kept]), (name, i)
+    assert served[-4:] == [True, True, True, False], served

@@ -225,7 +225,9 @@ def apply_rope(
         ),
         checks.rope,
     )
-    if spec.record and q_out is None and k_out is None and not strict.mode.on and spec.table() is cos_sin_cache:
+    # a spec with a record is one without given outputs (pipeline._record; they are part of the
+    # signature), so this call has none either
+    if spec.record and not strict.mode.on and spec.table() is cos_sin_cache:
         done = ROTATE[RECORD](spec, q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
         if done is not None:  # the steady state's launch record; else the general path decides
             return done

@@ -22,7 +22,7 @@ from ..core import checks, forms
 from ..core.dispatch import REROTATE
 from ..core.pipeline import prepare
 from ..core.run import scale_tensor
-from ..core.variant import DIRECT, FUNCTION, TRACED, Signature
+from ..core.variant import DIRECT, FUNCTION, RECORD, TRACED, Signature
 
 OP = "rerotate_kv_cache"
 
@@ -115,7 +115,11 @@ def rerotate_kv_cache(
     shift = None if is_tensor else int(delta)
     delta = delta if is_tensor else None
     if door is DIRECT or door is FUNCTION:  # the custom op checks its call when it runs
-        checks.rerotate_call(spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache)
+        addrs = checks.rerotate_call(
+            spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache
+        )
+        if spec.record and REROTATE[RECORD](spec, k_cache, addrs, shift):  # the steady state's launch record
+            return k_cache
     REROTATE[door](spec, k_cache, slots, delta, shift, cos_sin_cache, ks, dst_slots, positions, to_cache)
     return k_cache
 

@@ -623,8 +623,9 @@ def store_call(spec: Spec, t) -> None:
             if scale is not None:
                 strict.scale_value(STORE, name, scale)
     # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
-    # a decode loop that passes the same buffers again (a static cache, reused activations) pays
-    # for the addresses and one compare
+    # the addresses that passed are kept (a bounded set per spec), so a decode loop that passes
+    # buffers it passed before (a static cache per layer, reused activations) pays for the
+    # addresses and one lookup (pipeline.store_record reads the same set)
     # which operands are given is fixed by the signature: a getter of those, made once per spec
     given = spec.plans.get("given operands")
     if given is None:
@@ -633,7 +634,8 @@ def store_call(spec: Spec, t) -> None:
     for x in given(t):
         addrs.append(x.data_ptr())
     addrs = tuple(addrs)
-    if spec.plans.get("checked addresses") == addrs:
+    checked = spec.plans.get("checked addresses") or _checked(spec)  # no call once one passed
+    if addrs in checked:
         return
     write_key = spec.variant.write_key
     ext = spec.extents
@@ -668,7 +670,26 @@ def store_call(spec: Spec, t) -> None:
         others += [("q_out", t.q_out), *read]
         aliasing.written_vs_read(STORE, scales[:1], scales[1:] + others)
         aliasing.written_vs_read(STORE, scales[1:], others)
-    spec.plans["checked addresses"] = addrs
+    _passed(checked, addrs)
+
+
+_CHECKED = 256  # address tuples kept per spec (a layer's buffers each: a model's layers fit)
+
+
+def _checked(spec: Spec) -> set:
+    """The address tuples whose aliasing checks passed for this spec (the verdict depends on the
+    addresses alone: the spec fixes every layout and extent)."""
+    checked = spec.plans.get("checked addresses")
+    if checked is None:
+        checked = spec.plans["checked addresses"] = set()
+    return checked
+
+
+def _passed(checked: set, addrs: tuple) -> None:
+    """addrs passed: kept in checked, which is emptied when full (it stays bounded)."""
+    if len(checked) >= _CHECKED:
+        checked.clear()
+    checked.add(addrs)
 
 
 def _given(t) -> itemgetter:
@@ -730,29 +751,38 @@ def rerotate_extents(args: dict) -> tuple:
     return tuple(aliasing.extent(args[n]) for n in names)
 
 
-def rerotate_call(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:
+def rerotate_call(
+    spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table
+) -> tuple:
     """The re-rotation's checks of this call's addresses and values (an int shift's range on every
-    call, free; tensors' values in strict mode), before any write."""
+    call, free; tensors' values in strict mode), before any write. Returns the addresses of
+    (k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table), 0 for None (the
+    launch record's, pipeline.rerotate_record)."""
     to_rows = None if to_table is None else to_table.shape[0]
-    if delta_int is not None:
-        strict.int_shift(REROTATE, delta_int, table.shape[0], to_rows)
-    # the address checks' verdict depends on the addresses alone (the spec fixes every layout): the
-    # same buffers again (a static cache, a reused slot list) cost the addresses and one compare
+    if delta_int is not None:  # its range, inline (no call on the steady path); int_shift names a bad one
+        rows = table.shape[0]
+        if not -rows < delta_int < (rows if to_rows is None else to_rows):
+            strict.int_shift(REROTATE, delta_int, rows, to_rows)
+    # the address checks' verdict depends on the addresses alone (the spec fixes every layout):
+    # buffers passed before (a static cache per layer, a reused slot list) cost the addresses and
+    # one lookup
     addrs = []
     for x in (k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table):
         addrs.append(0 if x is None else x.data_ptr())
     addrs = tuple(addrs)
-    if spec.plans.get("checked addresses") != addrs:
+    checked = spec.plans.get("checked addresses") or _checked(spec)  # no call once one passed
+    if addrs not in checked:
         extents = None
         if spec.extents:
             extents = spec.extents + (0 if k_scale is None else 4,)  # a scale is one float32
         aliasing.rerotate_aliasing(
             REROTATE, k_cache, slots, delta, table, k_scale, dst_slots, positions, to_table, extents=extents
         )
-        spec.plans["checked addresses"] = addrs
+        _passed(checked, addrs)
     if strict.mode.on:
         num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
         shifts = delta if delta is not None else delta_int
         strict.rerotate_values(REROTATE, slots, shifts, dst_slots, num_slots, table.shape[0], positions, to_rows)
         if k_scale is not None:
             strict.scale_value(REROTATE, "k_scale", k_scale)
+    return addrs

@@ -35,7 +35,15 @@ from . import aliasing, checks, pipeline, run
 from .args import fail
 from .freqs import pair_positions
 from .memo import lookup, remember
-from .pipeline import rerotate_direct, rotate_direct, rotate_record, run_rotate, store_direct
+from .pipeline import (
+    rerotate_direct,
+    rerotate_record,
+    rotate_direct,
+    rotate_record,
+    run_rotate,
+    store_direct,
+    store_record,
+)
 from .run import StoreOperands, heads_first, unit_last_stride
 from .sharding import dtensor_like
 from .variant import ANGLE_NAMES, CUSTOM_OP, DIRECT, FUNCTION, RECORD, TRACED, Spec, Variant, arg_key
@@ -484,7 +492,13 @@ def _store_custom(spec: Spec, t: StoreOperands) -> None:
         torch.ops.ropekit.rope_and_store_q_out(*head, list(spec.packed), t.q_out, t.qs, t.kn, t.qn)
 
 
-STORE = {DIRECT: store_direct, FUNCTION: store_direct, CUSTOM_OP: _store_custom, TRACED: _store_custom}
+STORE = {
+    DIRECT: store_direct,
+    FUNCTION: store_direct,
+    CUSTOM_OP: _store_custom,
+    TRACED: _store_custom,
+    RECORD: store_record,  # (spec, the operands as a tuple) -> True, or None: the general path decides
+}
 
 
 def _store_body(t: StoreOperands, codes, rot, norm, packed) -> None:
@@ -556,7 +570,13 @@ def _rerotate_custom(spec: Spec, k_cache, slots, delta, delta_int, table, k_scal
     )
 
 
-REROTATE = {DIRECT: rerotate_direct, FUNCTION: rerotate_direct, CUSTOM_OP: _rerotate_custom, TRACED: _rerotate_custom}
+REROTATE = {
+    DIRECT: rerotate_direct,
+    FUNCTION: rerotate_direct,
+    CUSTOM_OP: _rerotate_custom,
+    TRACED: _rerotate_custom,
+    RECORD: rerotate_record,  # (spec, k_cache, the call's addresses, the int shift) -> True, or None
+}
 
 
 @torch.library.custom_op("ropekit::rerotate_kv_cache", mutates_args=("k_cache",))

@@ -8,8 +8,8 @@ pointers and launched.
                                           backward with Variant.backward())
     rotate_record                      a direct rotation's steady state: its launch record
     run_norm_backward                  a normed rotation's backward, one tensor (q or k) at a time
-    store_direct / run_store           the fused RoPE + KV-cache store
-    rerotate_direct / run_rerotate     the re-rotation of cached keys
+    store_direct / run_store           the fused RoPE + KV-cache store (store_record: its record)
+    rerotate_direct / run_rerotate     the re-rotation of cached keys (rerotate_record: its record)
 
 The steady-state eager call is: the public op (ropekit.api.*) -> prepare -> the op's per-call
 checks (ropekit.core.checks.*_call, called by the op, or inside the custom op when it runs)
@@ -17,9 +17,9 @@ checks (ropekit.core.checks.*_call, called by the op, or inside the custom op wh
 by `python -m ropekit.tools.call_path` and held by tests/ops/test_call_path.py.
 So this path calls no helper per argument: keys are built in a loop here, strict mode is an
 attribute read, and no comprehension runs (each is a frame of its own before Python 3.12).
-A rotation's direct door keeps a launch record once its kernel is compiled; the spec's later calls
-take it after prepare (rotate_record: the op, prepare, the record), and any call it does not serve
-goes the path above. The autograd Function and the torch.library custom ops
+Each op's direct door keeps a launch record once its kernel is compiled; the spec's later calls
+take it after prepare (the op, prepare, the record; the re-rotation's after its call checks), and
+any call it does not serve goes the path above. The autograd Function and the torch.library custom ops
 (ropekit.core.dispatch) run the same run steps. Tensors on CPU without Triton take the PyTorch
 path (ropekit.core.run).
 """
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from functools import reduce
 from itertools import compress, repeat
+from marshal import dumps as _dumps
 from operator import is_, is_not, itemgetter, or_
 
 import torch
 
-from . import cpu, plans, run
+from . import checks, cpu, plans, run
 from . import launch as launching
 from .launch import launch
 from .memo import MEMO, remember
@@ -45,6 +46,7 @@ _TENSOR = repeat(_Tensor)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _increment_version = torch._C._increment_version  # of a list of tensors (torch.autograd.graph's, minus a frame)
+_WRITE_VALUES = 2  # marshal's version that writes no object identities (references came in 3)
 _RECENT = 8  # recent signatures an op tries before its memo (a model's layers share a few)
 try:  # torch's compiled check of a tensor's dtype, device, dispatch keys, shape, strides, requires_grad
     from torch._C._dynamo.guards import TensorGuards as _GUARDS
@@ -62,30 +64,40 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
 
     The signature: grad mode, which keywords differ from their defaults (one identity test each),
     each other argument with its type (16 and 16.0 hash alike but validate differently), and each
-    tensor's (shape, strides, dtype, device, requires_grad). Its recent signatures (sig.recent)
-    are tried first: the types, the changed keywords and grad mode compared as they are, the other
-    values picked by the entry's own getter (the types fix where the tensors are) and compared as
-    a tuple, the tensors by torch's compiled tensor guards (one C call, the check torch.compile's
-    guards make); a miss builds the full key and looks it up in the memo."""
+    tensor's (shape, strides, dtype, device, requires_grad). Its recent signatures are tried first,
+    the tensors of each by torch's compiled tensor guards (one C call, the check torch.compile's
+    guards make). Of those, sig.exact's (keywords all tensors, dtypes and values marshal writes)
+    compare the non-tensor keywords as one `marshal` string of them (version 2, which writes each
+    value's exact type and value and no object identities: True, 1 and 1.0 differ, a list is read
+    for its contents, an object marshal cannot write is no match); sig.recent's compare the types,
+    the changed keywords and grad mode as they are and the other values picked by the entry's own
+    getter (the types fix where the tensors are). A miss builds the full key and looks it up in
+    the memo."""
     if _is_compiling():
         return check(sig.arguments(leading, keywords)), TRACED
     tensors = pattern = None
     try:
         given = leading if keyed is None else keyed
         grad = _grad_enabled()
-        # an entry: (its keywords' getter but tensors, their values, its changed keywords' getter,
-        # types, changed, grad, its others' getter, their values, its tensors' getter, the tensors'
-        # guards, spec). First, one identity test of the keywords: an entry whose non-tensor keyword
-        # values are this call's own objects (immutable scalars: None, bools, numbers, strings,
-        # dtypes) has this call's changed keywords (a tensor is never a default), so the changed
-        # ones are picked, not scanned for. No type test: the keywords' types are the entry's, the
-        # tensor guards test each tensor's exact type (None, a subclass or a Parameter fails), and
-        # the others (None where the entry has None, a re-rotation shift's type) compare by value
-        for same, kws, changed_of, _, _, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
-            if same is not None and e_grad is grad and all(map(is_, same(keywords) if same else keywords, kws)):
-                given_e = given + changed_of(keywords)
-                if pick(given_e) == values and guards.check(*pick_tensors(given_e)):
+        # an exact entry: (grad, its keywords' getter but tensors and dtypes (None: all), their
+        # marshal string, the dtypes' getter (None: no dtype) and values, the non-tensor leading
+        # arguments' getter (None: all tensors) and values, the tensors' getter over leading +
+        # keywords (None: leading itself), the tensors' guards, spec). The dtypes and the leading
+        # values (None, or a re-rotation shift's type) compare by identity (one object each), the
+        # tensors by the guards (the exact type: None, another subclass or a plain tensor for a
+        # Parameter fails)
+        try:
+            for e_grad, scalars, code, dtypes, e_dtypes, lead, e_lead, tensors_of, guards, spec in sig.exact:
+                if (
+                    e_grad is grad
+                    and _dumps(keywords if scalars is None else scalars(keywords), _WRITE_VALUES) == code
+                    and (dtypes is None or all(map(is_, dtypes(keywords), e_dtypes)))
+                    and (lead is None or all(map(is_, lead(given), e_lead)))
+                    and guards.check(*(given if tensors_of is None else tensors_of(given + keywords)))
+                ):
                     return spec, spec.door
+        except ValueError:  # a value marshal cannot write where an entry has one: not that signature
+            pass
         # the indices of the keywords set, in one pass; their values join the positional ones
         changed = tuple(compress(sig.indices, map(is_not, keywords, sig.defaults)))
         for i in changed:
@@ -95,7 +107,7 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
             # the types fix where the tensors are, so equal types let the entry's getters pick the
             # others and the tensors out of this call's arguments (an entry of equal types is a
             # simple signature's: it has its getters)
-            for _, _, _, e_types, e_changed, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
+            for e_types, e_changed, e_grad, pick, values, pick_tensors, guards, spec in sig.recent:
                 if (
                     e_types == types
                     and e_changed == changed
@@ -115,7 +127,7 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
                     others.append(x if t in _SCALARS else arg_key(x))
             others = tuple(others)
             # an entry of equal types is such a signature's: it keeps the keyed values, no getters
-            for _, _, _, e_types, e_changed, e_grad, _, values, _, guards, spec in sig.recent:
+            for e_types, e_changed, e_grad, _, values, _, guards, spec in sig.recent:
                 if e_types == types and e_changed == changed and e_grad is grad and values == others:
                     if guards.check(*tensors):
                         return spec, spec.door
@@ -137,8 +149,12 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         except Exception:  # a torch whose guards differ: the memo alone
             guards = None
         if guards is not None:
-            sig.recent.insert(0, _entry(pattern, keywords, guards, spec))
+            sig.recent.insert(0, _entry(pattern, guards, spec))
             del sig.recent[_RECENT:]
+            exact = _exact_entry(leading if keyed is None else keyed, keywords, grad, spec)
+            if exact is not None:
+                sig.exact.insert(0, exact)
+                del sig.exact[_RECENT:]
     return spec, spec.door
 
 
@@ -149,25 +165,59 @@ def _getter(positions: list):
     return itemgetter(*positions) if positions else itemgetter(slice(0, 0))
 
 
-def _entry(pattern: tuple, keywords: tuple, guards, spec: Spec) -> tuple:
-    """A recent-signature entry of prepare (off the steady path: made once per signature). Its
-    identity test's fields (the first three) are None unless every keyword is a plain tensor or
-    an immutable scalar (a list's contents can change under the same object)."""
+def _entry(pattern: tuple, guards, spec: Spec) -> tuple:
+    """A recent-signature entry of prepare (off the steady path: made once per signature)."""
     grad, changed, types, others = pattern
     if not _SIMPLE.issuperset(types):
-        return (None, None, None, types, changed, grad, None, others, None, guards, spec)
+        return (types, changed, grad, None, others, None, guards, spec)
     where = {True: [], False: []}
     for i, t in enumerate(types):
         where[t is _Tensor].append(i)
-    same = kws = changed_of = None
-    kinds = set(map(type, keywords))
-    if _SCALARS.issuperset(kinds - {_Tensor}):
-        # the getter of the non-tensor keywords; False when all are (the tuple itself is compared)
-        scalars = [i for i, x in enumerate(keywords) if type(x) is not _Tensor]
-        same = False if len(scalars) == len(keywords) else _getter(scalars)
-        kws, changed_of = (same(keywords) if same else keywords), _getter(list(changed))
-    pick, pick_tensors = _getter(where[False]), _getter(where[True])
-    return (same, kws, changed_of, types, changed, grad, pick, others, pick_tensors, guards, spec)
+    return (types, changed, grad, _getter(where[False]), others, _getter(where[True]), guards, spec)
+
+
+def _exact_entry(given: tuple, keywords: tuple, grad: bool, spec: Spec):
+    """An exact entry of prepare (its fields there; off the steady path: made once per signature),
+    or None when an argument is none of: a tensor, a dtype, None or a type among the positional
+    ones, a value marshal writes among the keywords. Its guards test every tensor, subclasses
+    included (their exact type, and what the memo key holds of them: shape, strides, dtype,
+    device, requires_grad)."""
+    tensors, lead, scalars, dtypes = [], [], [], []
+    for i, x in enumerate(given + keywords):
+        if isinstance(x, _Tensor):
+            tensors.append(i)
+        elif i < len(given):
+            if x is not None and type(x) is not type:
+                return None
+            lead.append(i)
+        elif type(x) is torch.dtype:
+            dtypes.append(i - len(given))
+        else:
+            scalars.append(i - len(given))
+    scalars_of = None if len(scalars) == len(keywords) else _getter(scalars)
+    dtypes_of, lead_of = (_getter(dtypes) if dtypes else None), (_getter(lead) if lead else None)
+    tensors_of = None if tensors == list(range(len(given))) else _getter(tensors)
+    try:
+        code = _dumps(keywords if scalars_of is None else scalars_of(keywords), _WRITE_VALUES)
+        guards = _GUARDS(
+            *(given if tensors_of is None else tensors_of(given + keywords)),
+            dynamic_dims_sizes=None,
+            dynamic_dims_strides=None,
+        )
+    except Exception:  # a value marshal cannot write; a tensor the guards do not take: no entry
+        return None
+    return (
+        grad,
+        scalars_of,
+        code,
+        dtypes_of,
+        dtypes_of and dtypes_of(keywords),
+        lead_of,
+        lead_of and lead_of(given),
+        tensors_of,
+        guards,
+        spec,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,8 +320,9 @@ def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
             return None
         q_out, k_out, qoa, koa = q, k, qa, ka
     else:
-        q_out = run.empty_like(q, dtype=spec.out_dtype)
-        k_out = None if k is None else run.empty_like(k, dtype=spec.out_dtype)
+        dt = spec.out_dtype  # None: no keyword passed, which torch's parsing skips (a fifth of the call)
+        q_out = run.empty_like(q) if dt is None else run.empty_like(q, dtype=dt)
+        k_out = None if k is None else run.empty_like(k) if dt is None else run.empty_like(k, dtype=dt)
         qoa = q_out.data_ptr()
         koa = qoa if k_out is None else k_out.data_ptr()
     bits = qa | ka | qoa | koa
@@ -430,7 +481,9 @@ def run_norm_backward(spec: Spec, variant: Variant, x, g, w, mode: int, a, b):
 def store_direct(spec: Spec, t: run.StoreOperands) -> None:
     """The store's direct door (eager with or without autograd: the store records no graph), after
     this call's checks (checks.store_call, by the caller): the run, the written tensors' versions
-    moved."""
+    moved. A spec's later calls take its launch record (store_record) once this has made one."""
+    if spec.record is None:
+        spec.record = _store_record(spec, t)
     run_store(spec, t)
     written = [t.q if t.q_out is None else t.q_out, t.k_cache, t.v_cache]
     if spec.variant.fp4:
@@ -438,6 +491,64 @@ def store_direct(spec: Spec, t: run.StoreOperands) -> None:
     if spec.variant.write_key:
         written.append(t.k)
     _increment_version(written)
+
+
+def _record_plan(spec: Spec):
+    """The plan a store's or re-rotation's launch record is made from: None while not planned (the
+    first call plans, then launches), False when no record serves (on CPU; an empty call)."""
+    plan = spec.plans.get(None)
+    if not spec.triton:
+        return False
+    return plan if plan is None or plan else False
+
+
+def _store_record(spec: Spec, t: run.StoreOperands):
+    """The launch record of a direct store (store_record's), from its plan and the compiled kernel
+    of its aligned pointers: None while that kernel is not compiled (asked again on the next call),
+    False for a spec no record serves (on CPU; an empty call)."""
+    plan = _record_plan(spec)
+    if not plan:
+        return plan
+    meta = plan.meta
+    made = launching.record(plan.compiled, (meta["PACK_Q"], meta["PACK_K"]), t.q.get_device())
+    if not made:
+        return made
+    _, given, spread = spec.plans["store slots"]
+    v = spec.variant
+    written = ["q" if t.q_out is None else "q_out", "k_cache", "v_cache"]  # store_direct's
+    written += ["kcs", "vcs"] if v.fp4 else []
+    written += ["k"] if v.write_key else []
+    written = [t._fields.index(name) for name in written]
+    args = (*plan.args, spec.norm_eps, spec.norm_offset)
+    return (*made, given, spread, args, meta["PACK_Q"] // 8, meta["PACK_K"] // 8, itemgetter(*written))
+
+
+def store_record(spec: Spec, t: tuple):
+    """The store's steady state from its launch record (made by store_direct): True once launched,
+    or None when this call needs the general path, which then decides it: a pointer off the 16-byte
+    grid (or a packed path's pair alignment), a device other than the current one, a profiler's
+    launch hook. t: the operands, StoreOperands' fields as a plain tuple (None where absent).
+    Addresses the aliasing checks have not passed for this spec are checked here first
+    (checks.store_call: refused with the aliasing named, nothing written)."""
+    run_, gx, gy, gz, function, packed, consts, state, tools, given, spread, args, pack_q, pack_k, written = spec.record
+    current_stream, runtime = tools
+    device = t[0].get_device()
+    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+        return None
+    distinct = tuple(map(_data_ptr, given(t)))  # the given operands' addresses, in field order
+    if distinct not in spec.plans.get("checked addresses", ()):
+        checks.store_call(spec, run.StoreOperands._make(t))  # raises, or remembers these addresses
+    addrs = spread(distinct)
+    if (
+        reduce(or_, distinct) & 15
+        or (pack_q and (addrs[_Q] | addrs[_Q_OUT]) % pack_q)
+        or (pack_k and (addrs[_K] | addrs[_K_CACHE]) % pack_k)
+    ):
+        return None
+    run_(gx, gy, gz, current_stream(device), function, packed, None, None, None, *addrs, *args, *consts)
+    launching.COUNTS["direct"] += 1
+    _increment_version(written(t))
+    return True
 
 
 def run_store(spec: Spec, t: run.StoreOperands) -> None:
@@ -506,9 +617,46 @@ def _store_slots(t: run.StoreOperands) -> tuple:
 
 def rerotate_direct(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table):
     """The re-rotation's direct door, after this call's checks (checks.rerotate_call, by the
-    caller): the run, the cache's version moved."""
+    caller): the run, the cache's version moved. A spec's later calls take its launch record
+    (rerotate_record) once this has made one."""
+    if spec.record is None:
+        spec.record = _rerotate_record(spec, k_cache)
     run_rerotate(spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table)
     _increment_version([k_cache])
+
+
+def _rerotate_record(spec: Spec, k_cache):
+    """The launch record of a direct re-rotation (rerotate_record's), from its plan and the compiled
+    kernel of its aligned pointers: None while that kernel is not compiled (asked again on the next
+    call), False for a spec no record serves (on CPU; an empty call)."""
+    plan = _record_plan(spec)
+    if not plan:
+        return plan
+    made = launching.record(plan.compiled, (), k_cache.get_device())
+    return (*made, plan.args) if made else made
+
+
+def rerotate_record(spec: Spec, k_cache, addrs: tuple, delta_int):
+    """The re-rotation's steady state from its launch record (made by rerotate_direct), after this
+    call's checks (checks.rerotate_call, whose addresses it takes: (k_cache, slots, delta, table,
+    k_scale, dst_slots, positions, to_table), 0 for None): True once launched, or None when the
+    general path decides it (a pointer off the 16-byte grid, a device other than the current one,
+    a profiler's launch hook). delta_int: the int shift, or None (a tensor delta)."""
+    run_, gx, gy, gz, function, packed, consts, state, (current_stream, runtime), args = spec.record
+    device = k_cache.get_device()
+    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+        return None
+    k, s, d, t, ks, dst, p, to = addrs
+    if (k | s | d | t | ks | dst | p | to) & 15:
+        return None
+    # run_rerotate's slots: a slot the plan never reads points at slots or the table (an address
+    # of 0 is an absent operand: an empty tensor's call has no plan, so no record)
+    value = 0 if delta_int is None else max(-(2**31 - 1), min(2**31 - 1, delta_int))
+    run_(gx, gy, gz, current_stream(device), function, packed, None, None, None,
+         k, s, dst or s, d or s, t, ks or t, p or s, to or t, value, *args, *consts)  # fmt: skip
+    launching.COUNTS["direct"] += 1
+    _increment_version([k_cache])
+    return True
 
 
 def run_rerotate(spec: Spec, k_cache, slots, delta, delta_int, table, k_scale, dst_slots, positions, to_table) -> None:

@@ -454,13 +454,15 @@ class Signature(NamedTuple):
     defaults: tuple  # the keyword-only parameters' defaults (one identity test each while unchanged)
     recent: list  # the op's recent signatures, newest first (ropekit.core.pipeline.prepare's entries)
     indices: range  # the keyword-only parameters' indices (the changed ones are picked from it)
+    exact: list  # those of the recent signatures whose keywords are tested in one exact pass (prepare)
 
     @staticmethod
     def of(fn, op: str = "") -> "Signature":
         params = list(inspect.signature(fn).parameters.values())
         defaults = tuple(p.default for p in params if p.kind is p.KEYWORD_ONLY)
-        recent = remembered([])  # emptied with the memo
-        return Signature(op or fn.__name__, tuple(p.name for p in params), defaults, recent, range(len(defaults)))
+        recent, exact = remembered([]), remembered([])  # emptied with the memo
+        names = tuple(p.name for p in params)
+        return Signature(op or fn.__name__, names, defaults, recent, range(len(defaults)), exact)
 
     def arguments(self, leading: tuple, keywords: tuple) -> dict:
         """The call's arguments by name (what the op's validation reads)."""

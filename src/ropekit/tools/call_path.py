@@ -1,7 +1,8 @@
 """The path of one steady-state eager call: every ropekit function entered from the public op to the
 kernel launch (the launch function itself counted, nothing below it), and the files they live in.
-On CUDA a rotation's third call is served by its launch record (ropekit.core.pipeline's
-rotate_record), which calls the compiled launcher itself: every ropekit function it enters counts.
+On CUDA each op's third call is served by its launch record (ropekit.core.pipeline's
+rotate_record, store_record, rerotate_record), which calls the compiled launcher itself: every
+ropekit function it enters counts.
 
     python -m ropekit.tools.call_path     # rotation, in place, store, re-rotation
 

@@ -277,7 +277,8 @@ def direct_launch_floor(call: Callable[[], object], device) -> dict:
     from ropekit.core.variant import RECORD
 
     seen = []
-    real, record = pipeline.launch, dispatch.ROTATE[RECORD]
+    tables = (dispatch.ROTATE, dispatch.STORE, dispatch.REROTATE)  # each op's door table
+    real, records = pipeline.launch, [doors[RECORD] for doors in tables]
 
     def spy(*args, **keywords):
         seen.append(args)
@@ -285,12 +286,15 @@ def direct_launch_floor(call: Callable[[], object], device) -> dict:
 
     call()  # compiled and planned before the spied call
     pipeline.launch = spy
-    dispatch.ROTATE[RECORD] = lambda *args: None  # a launch record declines: the launch is seen
+    # the launch records decline: the launch is seen
+    for doors in tables:
+        doors[RECORD] = lambda *args: None
     try:
         call()
     finally:
         pipeline.launch = real
-        dispatch.ROTATE[RECORD] = record
+        for doors, record in zip(tables, records):
+            doors[RECORD] = record
     if len(seen) != 1:
         return {"why": f"{len(seen)} launches in one call (direct floor: one)"}
     kernel, compiled, variant, grid, ptrs, args, meta = seen[0]
