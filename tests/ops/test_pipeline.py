@@ -290,3 +290,36 @@ def test_exact_signatures_tell_keyword_types_dtypes_and_parameters_apart(monkeyp
             assert len(calls) == before + (round_ == 0), f"norm weights as a {name}: validations"
             tol = TOL[torch.float32]
             assert rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol, name
+
+
+def test_exact_signatures_serve_each_of_several_signatures_of_one_op(monkeypatch):
+    """An op called with several signatures in turn (norm weights or none, k or none: a model's
+    two kinds of layers) is served by the exact entries for each, whichever entry comes first: an
+    entry whose keyword is None where the call passes a tensor is passed over (marshal cannot write
+    a tensor), not the end of the search. Seen as no scan of the keywords (the next tier's
+    `compress`) once each signature has its entry, and each answer the reference's."""
+    from ropekit.core import pipeline
+
+    memo.clear()
+    c, p = make_cache(10, 16), torch.tensor([0, 1, 2])
+    q, k, wq, wk = _q(), _q(H=1), torch.rand(16) + 0.5, torch.rand(16) + 0.5
+    want = reference.apply_rope(q.double(), k.double(), p, c.double())
+    want_normed = reference.rms_norm_rope(
+        q.double(), k.double(), p, c.double(), q_norm_weight=wq.double(), k_norm_weight=wk.double()
+    )
+    calls = [
+        (lambda: ropekit.apply_rope(q, k, p, c), want),
+        (lambda: ropekit.apply_rope(q, k, p, c, q_norm_weight=wq, k_norm_weight=wk), want_normed),
+        (lambda: ropekit.apply_rope(q, None, p, c), (want[0], None)),
+    ]
+    for call, _ in calls * 2:  # validated, then memoized and given an exact entry each
+        call()
+    scans = []
+    real = pipeline.compress
+    monkeypatch.setattr(pipeline, "compress", lambda *a: (scans.append(1), real(*a))[1])
+    for call, (want_q, want_k) in calls * 2:
+        got_q, got_k = call()
+        assert rel_err(got_q, want_q) < TOL[torch.float32]
+        if want_k is not None:
+            assert rel_err(got_k, want_k) < TOL[torch.float32]
+    assert not scans, f"{len(scans)} calls took the next tier"

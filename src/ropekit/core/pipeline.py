@@ -72,7 +72,7 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
     for its contents, an object marshal cannot write is no match); sig.recent's compare the types,
     the changed keywords and grad mode as they are and the other values picked by the entry's own
     getter (the types fix where the tensors are). A miss builds the full key and looks it up in
-    the memo."""
+    the memo (so does a call that passes one tensor twice: the guards refuse duplicates)."""
     if _is_compiling():
         return check(sig.arguments(leading, keywords)), TRACED
     tensors = pattern = None
@@ -86,18 +86,20 @@ def prepare(sig: Signature, leading: tuple, keywords: tuple, check, keyed: tuple
         # values (None, or a re-rotation shift's type) compare by identity (one object each), the
         # tensors by the guards (the exact type: None, another subclass or a plain tensor for a
         # Parameter fails)
-        try:
-            for e_grad, scalars, code, dtypes, e_dtypes, lead, e_lead, tensors_of, guards, spec in sig.exact:
-                if (
-                    e_grad is grad
-                    and _dumps(keywords if scalars is None else scalars(keywords), _WRITE_VALUES) == code
-                    and (dtypes is None or all(map(is_, dtypes(keywords), e_dtypes)))
-                    and (lead is None or all(map(is_, lead(given), e_lead)))
-                    and guards.check(*(given if tensors_of is None else tensors_of(given + keywords)))
-                ):
-                    return spec, spec.door
-        except ValueError:  # a value marshal cannot write where an entry has one: not that signature
-            pass
+        for e_grad, scalars, code, dtypes, e_dtypes, lead, e_lead, tensors_of, guards, spec in sig.exact:
+            if e_grad is not grad:
+                continue
+            try:
+                same = _dumps(keywords if scalars is None else scalars(keywords), _WRITE_VALUES) == code
+            except ValueError:  # a value marshal cannot write (a tensor) where this entry has one
+                continue
+            if (
+                same
+                and (dtypes is None or all(map(is_, dtypes(keywords), e_dtypes)))
+                and (lead is None or all(map(is_, lead(given), e_lead)))
+                and guards.check(*(given if tensors_of is None else tensors_of(given + keywords)))
+            ):
+                return spec, spec.door
         # the indices of the keywords set, in one pass; their values join the positional ones
         changed = tuple(compress(sig.indices, map(is_not, keywords, sig.defaults)))
         for i in changed:
