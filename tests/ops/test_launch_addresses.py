@@ -310,7 +310,24 @@ def _stored_calls(d):
         "store, normed": store(q_norm_weight=w[0], k_norm_weight=w[1]),
         "store, write_key": store(write_key=True),
         "store, arange": lambda: ropekit.apply_rope_and_store(*_qkv(d), None, table, *_caches(d), _slots(d)),
+        "store, packed sequences": lambda: ropekit.apply_rope_and_store(
+            *_qkv(d), None, table, *_caches(d), _slots(d), cu_seqlens=torch.tensor([0, 2, T], device=d)
+        ),
+        "store, NVFP4 caches": lambda: ropekit.apply_rope_and_store(
+            *_qkv(d), _pos(d), table, *_nvfp4_caches(d), _slots(d), **dict(zip(_NVFP4_SCALES, _nvfp4_scales(d)))
+        ),
     }
+
+
+_NVFP4_SCALES = ("k_cache_scales", "v_cache_scales")
+
+
+def _nvfp4_caches(d):  # NVFP4 codes: two values a byte
+    return [torch.zeros(4, 4, HK, D // 2, dtype=torch.uint8, device=d) for _ in "kv"]
+
+
+def _nvfp4_scales(d):  # their block scales: one float8_e4m3fn a block of 16 values
+    return [torch.zeros(4, 4, HK, D // 16, dtype=torch.uint8, device=d).view(torch.float8_e4m3fn) for _ in "kv"]
 
 
 STORED = list(_stored_calls("cpu"))
