@@ -487,12 +487,19 @@ def store_direct(spec: Spec, t: run.StoreOperands) -> None:
     if spec.record is None:
         spec.record = _store_record(spec, t)
     run_store(spec, t)
-    written = [t.q if t.q_out is None else t.q_out, t.k_cache, t.v_cache]
-    if spec.variant.fp4:
-        written += [t.kcs, t.vcs]
-    if spec.variant.write_key:
-        written.append(t.k)
-    _increment_version(written)
+    written = spec.plans.get("written")
+    if written is None:
+        written = spec.plans["written"] = _written(spec, t)
+    _increment_version(written(t))
+
+
+def _written(spec: Spec, t: run.StoreOperands) -> itemgetter:
+    """A getter of the operands a store writes, whose versions its call moves: q (or q_out), both
+    caches, NVFP4's block scales, k with write_key (which are given is fixed by the signature)."""
+    names = ["q" if t.q_out is None else "q_out", "k_cache", "v_cache"]
+    names += ["kcs", "vcs"] if spec.variant.fp4 else []
+    names += ["k"] if spec.variant.write_key else []
+    return itemgetter(*[t._fields.index(name) for name in names])
 
 
 def _record_plan(spec: Spec):
@@ -516,13 +523,8 @@ def _store_record(spec: Spec, t: run.StoreOperands):
     if not made:
         return made
     _, given, spread = spec.plans["store slots"]
-    v = spec.variant
-    written = ["q" if t.q_out is None else "q_out", "k_cache", "v_cache"]  # store_direct's
-    written += ["kcs", "vcs"] if v.fp4 else []
-    written += ["k"] if v.write_key else []
-    written = [t._fields.index(name) for name in written]
     args = (*plan.args, spec.norm_eps, spec.norm_offset)
-    return (*made, given, spread, args, meta["PACK_Q"] // 8, meta["PACK_K"] // 8, itemgetter(*written))
+    return (*made, given, spread, args, meta["PACK_Q"] // 8, meta["PACK_K"] // 8, _written(spec, t))
 
 
 def store_record(spec: Spec, t: tuple):
