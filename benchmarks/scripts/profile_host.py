@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -56,6 +55,8 @@ def stub_launch(fn) -> tuple:
     """After one real (interpreted) call of fn: its compiled-kernel cache seeded with an entry whose
     run does nothing, and launch's host_only state on, so later calls of fn go ropekit's direct
     launch path to the end. Returns (the stubbed run, its arguments as the launch passes them)."""
+    from triton import knobs
+
     from ropekit.core import launch as launching
     from ropekit.core import pipeline
 
@@ -75,7 +76,8 @@ def stub_launch(fn) -> tuple:
     key = (variant, True) if all(aligned) else (variant, *aligned)
     g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     compiled[key] = (_nothing, *g, None, None, (), None)  # ropekit.core.launch's compiled entry
-    launching._STATE["tools"] = (lambda device: 0, SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    # a stream getter of no cost; Triton's own runtime knobs (their hook chains, empty), as on a GPU
+    launching._STATE["tools"] = (lambda device: 0, knobs.runtime)
     launching.current_device = lambda: -1
     return _nothing, (*g, 0, None, None, None, None, None, *addrs, *args)
 

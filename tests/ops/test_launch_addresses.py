@@ -141,29 +141,54 @@ def _recorded_calls(d):
 RECORDED = list(_recorded_calls("cpu"))
 
 
-class _Runtime:  # Triton's knobs.runtime with no launch hook registered
-    launch_enter_hook = launch_exit_hook = None
+class _Chain:  # Triton's HookChain: the hooks registered on it in `calls`
+    def __init__(self, *calls):
+        self.calls = list(calls)
+
+
+class _Runtime:  # Triton's knobs.runtime with no launch hook registered: two empty chains
+    launch_enter_hook, launch_exit_hook = _Chain(), _Chain()
+
+
+# a record declines a call with a launch hook registered, in either form Triton's knobs take one
+HOOKS = ["a launch hook", "a launch hook as a function"]
 
 
 def _declining(case: str, monkeypatch):
-    """The context of a decline case every record shares: "strict mode" (its value checks), or
-    "a launch hook" registered (a profiler's, handed the launch's metadata)."""
+    """The context of a decline case every record shares: "strict mode" (its value checks), or a
+    launch hook registered (a profiler's, handed the launch's metadata): see _register_a_launch_hook."""
     if case == "strict mode":
         return ropekit.strict()
-    assert case == "a launch hook", case
-    _register_a_launch_hook(monkeypatch)
+    _register_a_launch_hook(case, monkeypatch)
     return contextlib.nullcontext()
 
 
-def _register_a_launch_hook(monkeypatch) -> None:
-    """One launch hook on the runtime knobs the launches read (as a profiler registers one; the
-    records keep that object, as Triton's is one)."""
+def _register_a_launch_hook(case: str, monkeypatch) -> None:
+    """One launch hook on the runtime knobs the launches read, as a profiler registers one: on the
+    chain ("a launch hook"), or assigned in the chain's place ("a launch hook as a function", as
+    before Triton had chains). The records keep that knobs object, as Triton's is one."""
     from ropekit.core import launch
 
-    class Chain:  # Triton's HookChain with one hook registered
-        calls = [lambda *a: None]
+    assert case in HOOKS, case
+    hook = lambda *a: None  # noqa: E731
+    chain = _Chain(hook) if case == "a launch hook" else hook
+    monkeypatch.setattr(launch._STATE["tools"][1], "launch_exit_hook", chain)
 
-    monkeypatch.setattr(launch._STATE["tools"][1], "launch_enter_hook", Chain())
+
+@pytest.mark.parametrize("op", ["rotation", "store", "re-rotation"])
+def test_a_launch_record_serves_a_runtime_whose_hooks_are_none(op, stub_launches, monkeypatch):
+    """A Triton before hook chains has None for no hook: the record serves the call."""
+    from ropekit.core import launch
+
+    runs, _ = stub_launches
+    monkeypatch.setattr(_Runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(_Runtime, "launch_exit_hook", None)
+    call = _recorded_calls("cpu")["rotation, in place"] if op == "rotation" else _same_operands(op)
+    for _ in range(3):
+        call()
+    served = launch.COUNTS["direct"]
+    call()
+    assert launch.COUNTS["direct"] == served + 1 and len(runs) == 4, op
 
 
 @pytest.fixture
@@ -252,7 +277,7 @@ def test_a_launch_record_passes_what_the_launch_passes(name, stub_launches, monk
         assert args[6:9] == (None, None, None)  # no launch metadata, no hooks
 
 
-@pytest.mark.parametrize("case", ["misaligned q", "k is q in place", "another table", "strict mode", "a launch hook"])
+@pytest.mark.parametrize("case", ["misaligned q", "k is q in place", "another table", "strict mode", *HOOKS])
 def test_a_launch_record_declines_what_the_general_path_decides(case, stub_launches, monkeypatch):
     """Once a spec has its record, a call the record does not serve goes the general path, which
     decides it: a pointer off the 16-byte grid (its own compiled entry), in-place operands that
@@ -406,7 +431,7 @@ def test_a_store_record_passes_what_the_launch_passes(name, stub_launches, monke
         assert moved == written, f"{name}, {path}: versions moved {moved}, written {written}"
 
 
-@pytest.mark.parametrize("case", ["misaligned q", "k_cache is v_cache", "new caches", "strict mode", "a launch hook"])
+@pytest.mark.parametrize("case", ["misaligned q", "k_cache is v_cache", "new caches", "strict mode", *HOOKS])
 def test_a_store_record_declines_what_the_general_path_decides(case, stub_launches, monkeypatch):
     """Once the store's spec has its record, a call the record does not serve goes the general
     path: a pointer off the 16-byte grid, strict mode, a launch hook. Addresses not seen before
@@ -518,7 +543,7 @@ def test_a_rerotation_record_passes_what_the_launch_passes(name, stub_launches, 
         assert args[:3] == runs[0][:3] and args[6:9] == (None, None, None), name
 
 
-@pytest.mark.parametrize("case", ["misaligned cache", "overlapping slots and cache", "strict mode", "a launch hook"])
+@pytest.mark.parametrize("case", ["misaligned cache", "overlapping slots and cache", "strict mode", *HOOKS])
 def test_a_rerotation_record_declines_what_the_general_path_decides(case, stub_launches, monkeypatch):
     """Once the re-rotation's spec has its record, a call the record does not serve goes the
     general path (a pointer off the 16-byte grid, a launch hook); the call's checks run before the
@@ -549,7 +574,7 @@ def test_a_rerotation_record_declines_what_the_general_path_decides(case, stub_l
         assert len(calls) == 3 and len(runs) == 3
         return
     else:
-        _register_a_launch_hook(monkeypatch)
+        _register_a_launch_hook(case, monkeypatch)
         call()
     assert [p for p, _, _ in calls][-1] == "general" and len(calls) == 4, case
 
@@ -566,27 +591,27 @@ def _same_operands(op: str):
 # each op's steady state with its record: (the call, the path's last functions, at most functions,
 # files); the public op (rotate_with_angles: and the seam it calls) comes before them
 FRAMES = {
-    "rotation, in place": (lambda: _recorded_calls("cpu")["rotation, in place"], ["prepare", "rotate_record"], 5, 3),
+    "rotation, in place": (lambda: _recorded_calls("cpu")["rotation, in place"], ["prepare", "rotate_record"], 3, 2),
     "rotation, per-token angles": (
         lambda: _recorded_calls("cpu")["rotation, per-token angles"],
         ["prepare", "rotate_record"],
-        5,
-        3,
+        4,
+        2,
     ),
-    "store": (lambda: _same_operands("store"), ["prepare", "store_record"], 4, 3),
-    "re-rotation": (lambda: _same_operands("re-rotation"), ["prepare", "rerotate_call", "rerotate_record"], 5, 4),
+    "store": (lambda: _same_operands("store"), ["prepare", "store_record"], 3, 2),
+    "re-rotation": (lambda: _same_operands("re-rotation"), ["prepare", "rerotate_call", "rerotate_record"], 4, 3),
 }
 
 
 @pytest.mark.parametrize("name", FRAMES)
 def test_a_launch_record_path_is_a_few_functions_in_a_few_files(name, stub_launches):
     """The steady state a record serves: the public op, prepare (the re-rotation: its call checks,
-    which run on every call), the record and its launch-hook test; the compiled launcher is
-    Triton's. The rotation and the store: at most 4-5 functions in 3 files; the re-rotation 5 in 4."""
+    which run on every call), the record; the compiled launcher is Triton's. The rotation and the
+    store: 3 functions in 2 files (per-token angles: HF's seam too); the re-rotation 4 in 3."""
     from ropekit.tools import call_path
 
     make, last, functions, files = FRAMES[name]
     path = call_path.path_of(make())
-    assert [f for _, f in path[-len(last) - 1 :]] == [*last, "hooked"], path
-    assert path[-1] == ("core/launch.py", "hooked") and path[-2][0] == "core/pipeline.py", path
+    assert [f for _, f in path[-len(last) :]] == last, path
+    assert path[-1][0] == "core/pipeline.py", path
     assert len(path) <= functions and len({f for f, _ in path}) == files, path

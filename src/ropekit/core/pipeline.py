@@ -299,7 +299,11 @@ def rotate_record(spec: Spec, q, k, a, b, wq=None, wk=None):
     run_, gx, gy, gz, function, packed, consts, state, (current_stream, runtime), head, pack, tokens = spec.record
     # what needs no outputs first: a declined call allocates nothing here (the general path does)
     device = q.get_device()
-    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+    try:  # Triton's hook chains: a registered hook (a profiler's) takes the general launch, which calls it
+        hooks = runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+    except AttributeError:  # hooks that are not chains (None, a function): launch.hooked decides
+        hooks = launching.hooked(runtime)
+    if hooks or not state["ok"] or device != launching.current_device():
         return None
     qa = q.data_ptr()
     ka = qa if k is None else k.data_ptr()
@@ -537,7 +541,11 @@ def store_record(spec: Spec, t: tuple):
     run_, gx, gy, gz, function, packed, consts, state, tools, given, spread, args, pack_q, pack_k, written = spec.record
     current_stream, runtime = tools
     device = t[0].get_device()
-    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+    try:  # Triton's hook chains: a registered hook (a profiler's) takes the general launch, which calls it
+        hooks = runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+    except AttributeError:  # hooks that are not chains (None, a function): launch.hooked decides
+        hooks = launching.hooked(runtime)
+    if hooks or not state["ok"] or device != launching.current_device():
         return None
     distinct = tuple(map(_data_ptr, given(t)))  # the given operands' addresses, in field order
     if distinct not in spec.plans.get("checked addresses", ()):
@@ -648,7 +656,11 @@ def rerotate_record(spec: Spec, k_cache, addrs: tuple, delta_int):
     a profiler's launch hook). delta_int: the int shift, or None (a tensor delta)."""
     run_, gx, gy, gz, function, packed, consts, state, (current_stream, runtime), args = spec.record
     device = k_cache.get_device()
-    if not state["ok"] or device != launching.current_device() or launching.hooked(runtime):
+    try:  # Triton's hook chains: a registered hook (a profiler's) takes the general launch, which calls it
+        hooks = runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+    except AttributeError:  # hooks that are not chains (None, a function): launch.hooked decides
+        hooks = launching.hooked(runtime)
+    if hooks or not state["ok"] or device != launching.current_device():
         return None
     k, s, d, t, ks, dst, p, to = addrs
     if (k | s | d | t | ks | dst | p | to) & 15:
