@@ -13,6 +13,7 @@ import operator
 
 import pytest
 import torch
+from triton import knobs
 
 import ropekit
 from ropekit.core import checks, memo, pipeline
@@ -141,15 +142,6 @@ def _recorded_calls(d):
 RECORDED = list(_recorded_calls("cpu"))
 
 
-class _Chain:  # Triton's HookChain: the hooks registered on it in `calls`
-    def __init__(self, *calls):
-        self.calls = list(calls)
-
-
-class _Runtime:  # Triton's knobs.runtime with no launch hook registered: two empty chains
-    launch_enter_hook, launch_exit_hook = _Chain(), _Chain()
-
-
 # a record declines a call with a launch hook registered, in either form Triton's knobs take one
 HOOKS = ["a launch hook", "a launch hook as a function"]
 
@@ -171,7 +163,11 @@ def _register_a_launch_hook(case: str, monkeypatch) -> None:
 
     assert case in HOOKS, case
     hook = lambda *a: None  # noqa: E731
-    chain = _Chain(hook) if case == "a launch hook" else hook
+    if case == "a launch hook":
+        chain = knobs.HookChain(reversed=True)
+        chain.add(hook)
+    else:
+        chain = hook
     monkeypatch.setattr(launch._STATE["tools"][1], "launch_exit_hook", chain)
 
 
@@ -181,8 +177,8 @@ def test_a_launch_record_serves_a_runtime_whose_hooks_are_none(op, stub_launches
     from ropekit.core import launch
 
     runs, _ = stub_launches
-    monkeypatch.setattr(_Runtime, "launch_enter_hook", None)
-    monkeypatch.setattr(_Runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
     call = _recorded_calls("cpu")["rotation, in place"] if op == "rotation" else _same_operands(op)
     for _ in range(3):
         call()
@@ -212,7 +208,8 @@ def stub_launches(monkeypatch):
     monkeypatch.setattr(launch, "current_device", lambda: -1)
     monkeypatch.setitem(launch._STATE, "host_only", True)
     monkeypatch.setitem(launch._STATE, "ok", True)
-    monkeypatch.setitem(launch._STATE, "tools", (lambda device: 0, _Runtime))
+    # Triton's own runtime knobs (its launch-hook chains, empty), as a GPU's launches read them
+    monkeypatch.setitem(launch._STATE, "tools", (lambda device: 0, knobs.runtime))
     memo.clear()
     yield runs, launches
     memo.clear()
