@@ -3,9 +3,11 @@
 Host time of one steady-state eager call of each op, beside the floors measured in the same run on
 the same host: the direct launch of the same compiled kernel with its arguments prebuilt (what any
 Python caller of that kernel pays), Triton's generic launch of an empty kernel, and an in-place
-ATen op on the same q. Needs CUDA. The calls: W3 (64 decode tokens, Llama-3-8B heads, bf16, fp32
-table) in place and out of place, W7-T64's fused store into a paged bf16 cache, and a re-rotation
-of 64 cached rows (W12's form). Each figure: the median of 7 batches (min and max beside it).
+ATen op on the same q; for the out-of-place call also the allocation of its two outputs
+(torch.empty_like, timed alone), which the direct launch does not pay. Needs CUDA. The calls: W3
+(64 decode tokens, Llama-3-8B heads, bf16, fp32 table) in place and out of place, W7-T64's fused
+store into a paged bf16 cache, and a re-rotation of 64 cached rows (W12's form). Each figure: the
+median of 7 batches (min and max beside it).
 
 --stub-launch (no GPU needed; CPU tensors, the Triton interpreter plans the calls): ropekit's Python
 per call with the kernel run replaced by a no-op. The call goes its whole steady-state path, the
@@ -39,11 +41,16 @@ def calls(dev: str) -> dict:
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(blocks * block, device=dev, generator=g)[:T]
     delta = torch.full((T,), 7, device=dev)
+    # each row: (a tensor on the device, the call, the allocation of the outputs it returns new or None)
     return {
-        "W3 in place": (q, lambda: ropekit.apply_rope(q, k, pos, cache, inplace=True)),
-        "W3 out of place": (q, lambda: ropekit.apply_rope(q, k, pos, cache)),
-        "W7-T64 store": (q, lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, k_cache, v_cache, slots)),
-        "W12 re-rotation": (q, lambda: ropekit.rerotate_kv_cache(k_cache, slots, delta, cache)),
+        "W3 in place": (q, lambda: ropekit.apply_rope(q, k, pos, cache, inplace=True), None),
+        "W3 out of place": (
+            q,
+            lambda: ropekit.apply_rope(q, k, pos, cache),
+            lambda: (torch.empty_like(q), torch.empty_like(k)),
+        ),
+        "W7-T64 store": (q, lambda: ropekit.apply_rope_and_store(q, k, v, pos, cache, k_cache, v_cache, slots), None),
+        "W12 re-rotation": (q, lambda: ropekit.rerotate_kv_cache(k_cache, slots, delta, cache), None),
     }
 
 
@@ -99,7 +106,7 @@ def stubbed(args) -> None:
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     rows = {}
-    for name, (_, fn) in calls("cpu").items():
+    for name, (_, fn, _) in calls("cpu").items():
         run, full = stub_launch(fn)
         direct = min_us(lambda: run(*full), args.rounds, args.calls)
         eager = min_us(fn, args.rounds, args.calls)
@@ -127,7 +134,7 @@ def main():
         return
     dev = "cuda"
     rows = {}
-    for name, (q, fn) in calls(dev).items():
+    for name, (q, fn, outputs) in calls(dev).items():
         fn()
         torch.cuda.synchronize()
         eager = timing.host_us_stats(fn, dev)
@@ -145,6 +152,12 @@ def main():
             f"  empty launch {floors['launch']['median']:5.2f} us ({eager['median'] / floors['launch']['median']:.2f}x)"
         )
         line += f"  aten {a:5.2f} us; aten + direct {a + (d or 0):5.2f} us"
+        if outputs is not None and d:
+            # what the call allocates, timed alone: the floor of an out-of-place call is the direct
+            # launch plus these allocations (torch.empty_like of each output)
+            rows[name]["outputs"] = timing.host_us_stats(outputs, dev)
+            o = rows[name]["outputs"]["median"]
+            line += f"  outputs {o:5.2f} us; direct + outputs {d + o:5.2f} us ({eager['median'] / (d + o):.2f}x)"
         print(line, flush=True)
     if args.out:
         with open(args.out, "w") as f:
