@@ -571,8 +571,8 @@ def test_a_rerotation_record_declines_what_the_general_path_decides(case, stub_l
         assert len(calls) == 3 and len(runs) == 3
         return
     else:
-        _register_a_launch_hook(case, monkeypatch)
-        call()
+        with _declining(case, monkeypatch):
+            call()
     assert [p for p, _, _ in calls][-1] == "general" and len(calls) == 4, case
 
 

@@ -488,12 +488,12 @@ def store_direct(spec: Spec, t: run.StoreOperands) -> None:
     """The store's direct door (eager with or without autograd: the store records no graph), after
     this call's checks (checks.store_call, by the caller): the run, the written tensors' versions
     moved. A spec's later calls take its launch record (store_record) once this has made one."""
-    if spec.record is None:
-        spec.record = _store_record(spec, t)
-    run_store(spec, t)
     written = spec.plans.get("written")
     if written is None:
         written = spec.plans["written"] = _written(spec, t)
+    if spec.record is None:
+        spec.record = _store_record(spec, t, written)
+    run_store(spec, t)
     _increment_version(written(t))
 
 
@@ -515,10 +515,11 @@ def _record_plan(spec: Spec):
     return plan if plan is None or plan else False
 
 
-def _store_record(spec: Spec, t: run.StoreOperands):
+def _store_record(spec: Spec, t: run.StoreOperands, written: itemgetter):
     """The launch record of a direct store (store_record's), from its plan and the compiled kernel
     of its aligned pointers: None while that kernel is not compiled (asked again on the next call),
-    False for a spec no record serves (on CPU; an empty call)."""
+    False for a spec no record serves (on CPU; an empty call). written: store_direct's getter of
+    the written operands (_written)."""
     plan = _record_plan(spec)
     if not plan:
         return plan
@@ -528,7 +529,7 @@ def _store_record(spec: Spec, t: run.StoreOperands):
         return made
     _, given, spread = spec.plans["store slots"]
     args = (*plan.args, spec.norm_eps, spec.norm_offset)
-    return (*made, given, spread, args, meta["PACK_Q"] // 8, meta["PACK_K"] // 8, _written(spec, t))
+    return (*made, given, spread, args, meta["PACK_Q"] // 8, meta["PACK_K"] // 8, written)
 
 
 def store_record(spec: Spec, t: tuple):
