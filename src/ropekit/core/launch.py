@@ -111,8 +111,9 @@ def record(compiled: dict, variant, device: int):
     """(the compiled launcher, the grid's three dims, its launch fields, the constexprs' values, the
     direct launch's state, its stream tools): what a launch record (ropekit.core.pipeline's
     rotate_record, store_record, rerotate_record) needs to launch `variant` with every pointer
-    16-byte aligned, without this module's per-call steps. None while that kernel is not compiled or a direct launch is off;
-    False for tensors on `device` -1 (CPU: the interpreter runs them, never a direct launch)."""
+    16-byte aligned, without this module's per-call steps. None while that kernel is not compiled
+    or a direct launch is off; False for tensors on `device` -1 (CPU: the interpreter runs them,
+    never a direct launch)."""
     if device < 0 and not _STATE["host_only"]:
         return False
     entry = compiled.get((variant, True))
